@@ -1,0 +1,193 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from exo.settings import (
+    PERSISTED_FIELDS,
+    Settings,
+    SettingsError,
+    load_settings,
+    persist_settings,
+    settings_path,
+)
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    return tmp_path / "exo-home"
+
+
+def env_for(home: Path, **variables: str) -> dict[str, str]:
+    return {"EXO_HOME": str(home), **variables}
+
+
+def test_defaults(home: Path) -> None:
+    s = load_settings(env=env_for(home))
+    assert s.home == home and s.source("home") == "env"
+    assert (s.native_mtp_enabled, s.native_mtp_moe_verify, s.native_mtp_async_draft_eval) == (
+        True,
+        "route_locked",
+        True,
+    )
+    assert (s.api_host, s.api_port, s.grpc_port) == ("0.0.0.0", 52415, 52416)
+    assert (s.api_key, s.cluster_secret, s.peers, s.namespace, s.discovery) == (
+        None,
+        None,
+        (),
+        "default",
+        True,
+    )
+    assert (s.request_timeout_s, s.max_queue) == (600.0, 64)
+    for field in Settings.model_fields:
+        if field != "home":
+            assert s.source(field) == "default", field
+
+
+def test_home_defaults_to_dot_exo() -> None:
+    s = load_settings(env={})
+    assert s.home == Path("~/.exo").expanduser() and s.source("home") == "default"
+
+
+def test_precedence_default_file_env_cli(home: Path) -> None:
+    persist_settings(home, {"native_mtp_enabled": False})
+    from_file = load_settings(env=env_for(home))
+    assert from_file.native_mtp_enabled is False and from_file.source("native_mtp_enabled") == "file"
+
+    from_env = load_settings(env=env_for(home, EXO_NATIVE_MTP_ENABLED="1"))
+    assert from_env.native_mtp_enabled is True and from_env.source("native_mtp_enabled") == "env"
+
+    from_cli = load_settings(cli={"native_mtp_enabled": False}, env=env_for(home, EXO_NATIVE_MTP_ENABLED="1"))
+    assert from_cli.native_mtp_enabled is False and from_cli.source("native_mtp_enabled") == "cli"
+
+    # None means "flag not given": the lower layer stays.
+    not_given = load_settings(
+        cli={"native_mtp_enabled": None}, env=env_for(home, EXO_NATIVE_MTP_ENABLED="true")
+    )
+    assert not_given.native_mtp_enabled is True and not_given.source("native_mtp_enabled") == "env"
+
+
+def test_every_field_from_env(home: Path) -> None:
+    s = load_settings(
+        env=env_for(
+            home,
+            EXO_NATIVE_MTP_ENABLED="false",
+            EXO_NATIVE_MTP_MOE_VERIFY="batched",
+            EXO_NATIVE_MTP_ASYNC_DRAFT_EVAL="0",
+            EXO_API_HOST="127.0.0.1",
+            EXO_API_PORT="8000",
+            EXO_GRPC_PORT="8001",
+            EXO_API_KEY="sk-secret-value",
+            EXO_PEERS="10.0.0.2:52416, mac-mini.local:52416,[::1]:9000",
+            EXO_NAMESPACE="lab",
+            EXO_DISCOVERY="FALSE",
+            EXO_CLUSTER_SECRET="cluster-secret-value",
+            EXO_REQUEST_TIMEOUT_S="12.5",
+            EXO_MAX_QUEUE="3",
+        )
+    )
+    assert (s.native_mtp_enabled, s.native_mtp_moe_verify, s.native_mtp_async_draft_eval) == (
+        False,
+        "batched",
+        False,
+    )
+    assert (s.api_host, s.api_port, s.grpc_port, s.namespace, s.discovery) == (
+        "127.0.0.1",
+        8000,
+        8001,
+        "lab",
+        False,
+    )
+    assert s.peers == ("10.0.0.2:52416", "mac-mini.local:52416", "[::1]:9000")
+    assert s.api_key.get_secret_value() == "sk-secret-value"
+    assert s.cluster_secret.get_secret_value() == "cluster-secret-value"
+    assert (s.request_timeout_s, s.max_queue) == (12.5, 3)
+    assert all(s.source(f) == "env" for f in Settings.model_fields)
+
+
+def test_cli_values_typed_or_text(home: Path) -> None:
+    s = load_settings(
+        cli={"api_port": 9000, "peers": "a:1,b:2", "discovery": "0", "home": str(home / "other")},
+        env=env_for(home, EXO_API_PORT="8000"),
+    )
+    assert (s.api_port, s.peers, s.discovery) == (9000, ("a:1", "b:2"), False)
+    assert s.home == home / "other" and s.source("home") == "cli" and s.source("api_port") == "cli"
+
+
+def test_secrets_never_in_repr(home: Path) -> None:
+    s = load_settings(
+        env=env_for(home, EXO_API_KEY="sk-secret-value", EXO_CLUSTER_SECRET="cluster-secret-value")
+    )
+    for text in (repr(s), str(s), json.dumps(s.public_dict())):
+        assert "sk-secret-value" not in text and "cluster-secret-value" not in text
+    assert s.public_dict()["api_key"] == "**********"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "accepted"),
+    [
+        ("EXO_NATIVE_MTP_ENABLED", "yes", "0, 1, true, false"),
+        ("EXO_NATIVE_MTP_ASYNC_DRAFT_EVAL", "2", "0, 1, true, false"),
+        ("EXO_DISCOVERY", "on", "0, 1, true, false"),
+        ("EXO_NATIVE_MTP_MOE_VERIFY", "fast", "route_locked, batched, safe"),
+        ("EXO_API_PORT", "70000", "<= 65535"),
+        ("EXO_GRPC_PORT", "port", "an integer"),
+        ("EXO_MAX_QUEUE", "0", ">= 1"),
+        ("EXO_REQUEST_TIMEOUT_S", "-5", "> 0"),
+        ("EXO_PEERS", "10.0.0.2", "host:port"),
+    ],
+)
+def test_bad_env_values(home: Path, variable: str, value: str, accepted: str) -> None:
+    with pytest.raises(SettingsError) as info:
+        load_settings(env=env_for(home, **{variable: value}))
+    assert variable in str(info.value) and accepted in str(info.value)
+
+
+def test_unknown_cli_key(home: Path) -> None:
+    with pytest.raises(SettingsError, match="api_prot"):
+        load_settings(cli={"api_prot": 1}, env=env_for(home))
+
+
+def test_persist_round_trip_keeps_unknown_keys(home: Path) -> None:
+    home.mkdir()
+    settings_path(home).write_text(json.dumps({"future_setting": {"x": 1}, "native_mtp_enabled": True}))
+    persist_settings(home, {"native_mtp_enabled": False})
+    data = json.loads(settings_path(home).read_text())
+    assert data == {"future_setting": {"x": 1}, "native_mtp_enabled": False}
+    assert load_settings(env=env_for(home)).native_mtp_enabled is False
+    persist_settings(home, {"native_mtp_enabled": True})
+    assert load_settings(env=env_for(home)).native_mtp_enabled is True
+    assert [p.name for p in home.iterdir()] == ["settings.json"]  # no temp files left behind
+
+
+def test_file_holds_only_persisted_fields(home: Path) -> None:
+    home.mkdir()
+    settings_path(home).write_text(json.dumps({"api_port": 1234}))
+    s = load_settings(env=env_for(home))
+    assert s.api_port == 52415 and s.source("api_port") == "default"
+    with pytest.raises(SettingsError, match="cannot be persisted"):
+        persist_settings(home, {"api_port": 1234})
+    assert "native_mtp_enabled" in PERSISTED_FIELDS
+
+
+def test_bad_settings_file(home: Path) -> None:
+    home.mkdir()
+    settings_path(home).write_text(json.dumps({"native_mtp_enabled": "sometimes"}))
+    with pytest.raises(SettingsError, match="native_mtp_enabled"):
+        load_settings(env=env_for(home))
+    settings_path(home).write_text("{not json")
+    with pytest.raises(SettingsError, match="cannot read settings file"):
+        load_settings(env=env_for(home))
+    with pytest.raises(SettingsError, match="native_mtp_enabled"):
+        persist_settings(home, {"native_mtp_enabled": "sometimes"})
+
+
+def test_source_of_unknown_field(home: Path) -> None:
+    with pytest.raises(KeyError):
+        load_settings(env=env_for(home)).source("nope")
+
+
+def test_settings_are_frozen(home: Path) -> None:
+    s = load_settings(env=env_for(home))
+    with pytest.raises(ValueError):
+        s.api_port = 1
