@@ -1,0 +1,127 @@
+"""Warm-up measurement of speculative round costs on this machine (beta(K), delta(K)).
+
+beta(K): a (K+1)-row verify call of the backbone, relative to a one-row decode step.
+delta(K): drafting K tokens with the MTP head (head layer + lm_head per token), same unit.
+Measured on a short random context with the caches restored after every timed call, medians of a few
+repetitions after warm-up calls (the first calls compile kernels).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from .adaptive import DepthCosts
+from .models.layers import MoEVerifyMode, RollbackArraysCache
+from .models.mtp import MTPHead
+
+
+def device_name() -> str:
+    device = mx.default_device()
+    if device.type == mx.gpu:
+        if mx.metal.is_available():
+            info = mx.metal.device_info() if hasattr(mx.metal, "device_info") else {}
+            return f"metal ({info.get('device_name', 'Apple GPU')})"
+        try:
+            return f"cuda ({mx.cuda.device_info().get('device_name', 'GPU')})"  # type: ignore[attr-defined]
+        except Exception:
+            return "cuda"
+    import platform
+
+    return f"cpu ({platform.machine()})"
+
+
+class _Snapshot:
+    """Saves cache positions/states so a timed call can be undone."""
+
+    def __init__(self, caches: list[Any]):
+        self.caches = caches
+        self.saved = [
+            c.offset if isinstance(c, KVCache) else (c[0], c[1]) for c in caches
+        ]
+
+    def restore(self) -> None:
+        for cache, saved in zip(self.caches, self.saved, strict=True):
+            if isinstance(cache, KVCache):
+                cache.trim(cache.offset - saved)
+            else:
+                cache[0], cache[1] = saved
+                if isinstance(cache, RollbackArraysCache):
+                    cache.recording = False
+                    cache.discard()
+
+
+def _median_seconds(fn: Callable[[], None], reps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_costs(
+    model: Any,
+    head: MTPHead,
+    max_k: int,
+    *,
+    moe_verify: MoEVerifyMode = "route_locked",
+    context: int = 64,
+    reps: int = 5,
+) -> DepthCosts:
+    vocab = model.text_model.embed_tokens.weight.shape[0]
+    tokens = mx.random.randint(0, vocab, (1, context), key=mx.random.key(0))
+    cache = model.make_cache()
+    head_cache = KVCache()
+    hidden = model.hidden(tokens, cache)
+    head(model.embed(tokens[:, 1:]), hidden[:, :-1], head_cache)
+    last_hidden = hidden[:, -1:]
+    mx.eval([c.state for c in cache], head_cache.state, last_hidden)
+    backbone_state = _Snapshot(cache)
+    head_state = _Snapshot([head_cache])
+    one = tokens[:, :1]
+
+    def plain() -> None:
+        token = mx.argmax(model.logits(model.hidden(one, cache))[:, -1], axis=-1)
+        mx.eval(token)
+        backbone_state.restore()
+
+    def verify(k: int) -> Callable[[], None]:
+        rows = mx.concatenate([one] * (k + 1), axis=1)
+
+        def run() -> None:
+            for c in cache:
+                if isinstance(c, RollbackArraysCache):
+                    c.recording = True
+            model.set_moe_verify_mode(moe_verify)
+            out = model.hidden(rows, cache)
+            model.set_moe_verify_mode(None)
+            mx.eval(mx.argmax(model.logits(out), axis=-1))
+            backbone_state.restore()
+
+        return run
+
+    def draft(k: int) -> Callable[[], None]:
+        def run() -> None:
+            out = head(model.embed(one), last_hidden, head_cache)
+            drafts = [mx.argmax(model.logits(out)[:, -1], axis=-1)]
+            for _ in range(k - 1):
+                out = head(model.embed(drafts[-1][None]), out, head_cache)
+                drafts.append(mx.argmax(model.logits(out)[:, -1], axis=-1))
+            mx.eval(drafts)
+            head_state.restore()
+
+        return run
+
+    plain_s = _median_seconds(plain, reps)
+    # A verify of K+1 rows never really costs less than one row; timer noise on tiny models can say so.
+    beta = tuple(max(1.0, _median_seconds(verify(k), reps) / plain_s) for k in range(1, max_k + 1))
+    delta = tuple(_median_seconds(draft(k), reps) / plain_s for k in range(1, max_k + 1))
+    return DepthCosts(beta=beta, delta=delta, device=device_name(), plain_s=plain_s)

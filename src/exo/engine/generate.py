@@ -1,0 +1,505 @@
+"""The generation loop: plain decoding and native-MTP speculative decoding, one loop for both.
+
+State between rounds: the backbone caches hold every position before ``pending_token`` (the last
+emitted token, not yet fed to the backbone). The MTP head's cache holds an entry for every position
+whose (hidden, next token) pair has been committed; pairs not yet committed wait in ``_head_rows``.
+
+A speculative round at depth K:
+  1. draft: commit the waiting rows to the head cache in one call; its last row gives draft 1; each
+     further draft feeds the head its own output (speculative head entries, dropped afterwards);
+  2. verify: one backbone call on [pending_token, d1..dK] (K+1 rows), GatedDeltaNet layers recording
+     their per-row state, MoE routing locked to decode's (``moe_verify``);
+  3. decide on device (greedy: argmax match; sampling: Leviathan/Chen ratio test) and read everything
+     back with ONE host sync; with async draft evaluation the drafts are computed while the verify graph
+     is being built;
+  4. roll back: attention KV trimmed to the accepted prefix, GatedDeltaNet state committed at it, head
+     cache trimmed to its verified entries; the verified hiddens of the accepted rows wait for the head;
+  5. emit the accepted tokens one by one, stopping exactly at EOS, a stop string or max_tokens.
+K = 0 is plain decoding, pipelined like mlx-lm's generate_step (the next step's graph is built before
+the current token is read back).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from .adaptive import DepthCosts, DepthPolicy
+from .costs import measure_costs
+from .loader import LoadedModel
+from .models.layers import MoEVerifyMode, RollbackArraysCache
+from .sampling import (
+    KeyStream,
+    SamplingParams,
+    accepted_prefix,
+    apply_processors,
+    filtered_logprobs,
+    greedy_verdict,
+    make_processors,
+    sampling_verdict,
+    select_token,
+)
+from .stats import NativeMTPStats, StatsRecorder
+
+NativeMTPMode = Literal["auto", "on", "off"]
+FinishReason = Literal["stop", "length"]
+MAX_FORCED_K = 8
+HEAD_FLUSH_ROWS = 256
+
+
+class NativeMTPUnavailableError(RuntimeError):
+    """``native_mtp="on"`` was asked for but this model/configuration cannot run it."""
+
+
+class GenerationRequestError(ValueError):
+    """A generation request is invalid (too long for the context, bad max_tokens, bad K...)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    native_mtp_enabled: bool = True  # the global switch (EXO_NATIVE_MTP_ENABLED / settings)
+    moe_verify: MoEVerifyMode = "route_locked"
+    async_draft_eval: bool = True
+    prefill_chunk: int = 2048
+    default_k: int = 1  # defaults for a checkpoint without a model card
+    max_k: int = 3
+    disabled_reason: str = "native MTP is disabled (EXO_NATIVE_MTP_ENABLED=0 or the node's settings)"
+
+
+@dataclass
+class GenerationRequest:
+    prompt_tokens: Sequence[int]
+    max_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: Sequence[str] = ()
+    native_mtp: NativeMTPMode = "auto"
+    mtp_k: int | None = None  # force a depth (0..8); None: adaptive
+
+
+@dataclass
+class GenerationChunk:
+    """One streamed piece: new text, the tokens behind it, and on the last chunk the outcome."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stats: NativeMTPStats | None = None
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    stats: NativeMTPStats
+
+
+class Engine:
+    """Generates from one loaded model. Not thread-safe: callers serialize requests."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+        self.loaded = loaded
+        self.config = config or EngineConfig()
+        self._costs: DepthCosts | None = None
+
+    @property
+    def model(self) -> Any:
+        return self.loaded.model
+
+    # -- native MTP availability -------------------------------------------------------------------
+    def mtp_unavailable_reason(self, mode: NativeMTPMode = "auto") -> str | None:
+        if mode == "off":
+            return "native MTP was turned off for this request"
+        if not self.config.native_mtp_enabled:
+            return self.config.disabled_reason
+        if self.loaded.head is None:
+            return self.loaded.head_status.reason or "this model has no usable MTP head"
+        return None
+
+    def costs(self) -> DepthCosts:
+        """Round costs measured on this machine (once per engine)."""
+        if self._costs is None:
+            assert self.loaded.head is not None
+            self._costs = measure_costs(
+                self.model, self.loaded.head, self.config.max_k, moe_verify=self.config.moe_verify
+            )
+        return self._costs
+
+    def warmup(self) -> None:
+        if self.mtp_unavailable_reason() is None:
+            self.costs()
+
+    # -- generation --------------------------------------------------------------------------------
+    def generate(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
+        self._validate(request)
+        reason = self.mtp_unavailable_reason(request.native_mtp)
+        if request.native_mtp == "on" and reason is not None:
+            raise NativeMTPUnavailableError(f"native MTP cannot run: {reason}")
+        policy = None
+        if reason is None:
+            fixed = request.mtp_k
+            costs = self.costs() if fixed is None else self._costs_or_unmeasured(fixed)
+            policy = DepthPolicy(
+                costs=costs,
+                max_k=self.config.max_k if fixed is None else max(fixed, 1),
+                default_k=self.config.default_k,
+                fixed_k=fixed,
+            )
+        return _Run(self, request, policy, reason).stream()
+
+    def complete(self, request: GenerationRequest) -> GenerationResult:
+        text, tokens, finish, stats = [], [], None, None
+        for chunk in self.generate(request):
+            text.append(chunk.text)
+            tokens.extend(chunk.token_ids)
+            finish, stats = chunk.finish_reason or finish, chunk.stats or stats
+        assert finish is not None and stats is not None
+        return GenerationResult("".join(text), tokens, finish, stats)
+
+    def _costs_or_unmeasured(self, k: int) -> DepthCosts:
+        if self._costs is not None and self._costs.max_k >= k:
+            return self._costs
+        # A forced depth needs no cost model; report none rather than measuring.
+        return DepthCosts(beta=(0.0,) * max(k, 1), delta=(0.0,) * max(k, 1), device="")
+
+    def _validate(self, request: GenerationRequest) -> None:
+        if not request.prompt_tokens:
+            raise GenerationRequestError("the prompt is empty")
+        if request.max_tokens < 1:
+            raise GenerationRequestError(f"max_tokens must be >= 1, got {request.max_tokens}")
+        if request.mtp_k is not None and not 0 <= request.mtp_k <= MAX_FORCED_K:
+            raise GenerationRequestError(f"the MTP depth must be in 0..{MAX_FORCED_K}, got {request.mtp_k}")
+        vocab = self.model.text_model.embed_tokens.weight.shape[0]
+        if any(not 0 <= t < vocab for t in request.prompt_tokens):
+            raise GenerationRequestError(f"prompt token ids must be in [0, {vocab})")
+        limit = self.loaded.context_length
+        if limit is not None and len(request.prompt_tokens) + request.max_tokens > limit:
+            raise GenerationRequestError(
+                f"the prompt ({len(request.prompt_tokens)} tokens) plus max_tokens ({request.max_tokens}) "
+                f"exceeds the model's context of {limit} tokens"
+            )
+
+
+class _Output:
+    """Emitted tokens -> text, with exact EOS / stop-string / max_tokens handling."""
+
+    def __init__(self, tokenizer: Any, eos: frozenset[int], stop: Sequence[str], max_tokens: int):
+        self.detokenizer = copy.copy(tokenizer.detokenizer)  # shares the token map, not the state
+        self.detokenizer.reset()
+        self.eos = eos
+        self.stop = [s for s in stop if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.max_tokens = max_tokens
+        self.tokens: list[int] = []
+        self.text = ""
+        self.sent_chars = 0
+        self.sent_tokens = 0
+        self.finish: FinishReason | None = None
+
+    def add(self, token: int) -> None:
+        self.tokens.append(token)
+        if token in self.eos:
+            self.finish = "stop"
+            self.detokenizer.finalize()
+            self.text = self.detokenizer.text
+            return
+        self.detokenizer.add_token(token)
+        if len(self.tokens) >= self.max_tokens:
+            self.finish = "length"
+            self.detokenizer.finalize()
+        previous = len(self.text)
+        self.text = self.detokenizer.text
+        if self.stop:
+            start = max(0, previous - self.hold)
+            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.finish = "stop"
+
+    def chunk(self) -> GenerationChunk | None:
+        """The text safe to show now (held back: a possible stop-string prefix, a partial character)."""
+        end = len(self.text)
+        if self.finish is None:
+            end = max(self.sent_chars, end - self.hold)
+            while end > self.sent_chars and self.text[end - 1] == "\ufffd":
+                end -= 1
+        new_tokens = self.tokens[self.sent_tokens :]
+        if end == self.sent_chars and not new_tokens and self.finish is None:
+            return None
+        text = self.text[self.sent_chars : end]
+        self.sent_chars, self.sent_tokens = end, len(self.tokens)
+        return GenerationChunk(text=text, token_ids=new_tokens, finish_reason=self.finish)
+
+
+class _Run:
+    """One generation request's decoding state."""
+
+    def __init__(self, engine: Engine, request: GenerationRequest, policy: DepthPolicy | None, reason: str | None):
+        self.engine = engine
+        self.model = engine.model
+        self.head = engine.loaded.head if policy is not None else None
+        self.request = request
+        self.params = request.sampling
+        self.policy = policy
+        self.reason = reason
+        self.keys = KeyStream(self.params.seed)
+        self.processors = make_processors(self.params)
+        self.cache = self.model.make_cache()
+        self.head_cache = KVCache()
+        # The head is fed only when MTP can run and could pay off (on a compute-bound CPU it never can).
+        self.track_head = policy is not None and policy.mtp_can_pay_off
+        self._head_hidden: list[mx.array] = []
+        self._head_tokens: list[mx.array] = []
+        self.pending_token: mx.array | None = None
+        self.history = mx.zeros((0,), dtype=mx.uint32)  # the completion so far, for penalties
+        self.output = _Output(
+            engine.loaded.tokenizer, engine.loaded.eos_token_ids, request.stop, request.max_tokens
+        )
+        max_k = policy.max_k if policy is not None else 0
+        self.recorder = StatsRecorder(max(max_k, 1))
+
+    # -- forward pieces ----------------------------------------------------------------------------
+    def _logits_for(self, hidden_row: mx.array, history: mx.array) -> mx.array:
+        logits = self.model.logits(hidden_row)[:, -1]
+        if self.processors:
+            logits = apply_processors(self.processors, history, logits)
+        return logits
+
+    def _wait_for_head(self, hidden: mx.array, tokens: mx.array) -> None:
+        if self.track_head:
+            self._head_hidden.append(hidden)
+            self._head_tokens.append(tokens.reshape(-1))
+
+    def _flush_head(self) -> mx.array | None:
+        """Commit the waiting (hidden, next token) rows to the head cache; returns the head output."""
+        if not self._head_hidden:
+            return None
+        hidden = mx.concatenate(self._head_hidden, axis=1)
+        tokens = mx.concatenate(self._head_tokens)[None]
+        self._head_hidden, self._head_tokens = [], []
+        assert self.head is not None
+        return self.head(self.model.embed(tokens), hidden, self.head_cache)
+
+    def _prefill(self) -> mx.array:
+        prompt = mx.array(list(self.request.prompt_tokens), dtype=mx.uint32)
+        n = prompt.shape[0]
+        chunk = max(1, self.engine.config.prefill_chunk)
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            hidden = self.model.hidden(prompt[None, start:end], self.cache)
+            # Rows whose next token is known prime the head now, chunk by chunk.
+            known = min(end, n - 1) - start
+            if known > 0:
+                self._wait_for_head(hidden[:, :known], prompt[start + 1 : start + 1 + known])
+                self._flush_head()
+            if end < n:
+                mx.eval([c.state for c in self.cache], self.head_cache.state)
+        token = self._sample(self._logits_for(hidden[:, -1:], self.history))
+        self._wait_for_head(hidden[:, -1:], token)
+        return token
+
+    def _sample(self, logits: mx.array) -> mx.array:
+        token, _ = select_token(logits, self.params, self.keys)
+        return token.astype(mx.uint32)
+
+    def _plain_step(self) -> mx.array:
+        assert self.pending_token is not None
+        hidden = self.model.hidden(self.pending_token.reshape(1, 1), self.cache)
+        token = self._sample(self._logits_for(hidden, self.history))
+        self._wait_for_head(hidden, token)
+        self.pending_token = token
+        if self.processors:
+            self.history = mx.concatenate([self.history, token])
+        return token
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def stream(self) -> Iterator[GenerationChunk]:
+        started = time.perf_counter()
+        first = self._prefill()
+        self.pending_token = first
+        if self.processors:
+            self.history = mx.concatenate([self.history, first])
+        mx.eval(first)
+        first_time = time.perf_counter()
+        self.output.add(first.item())
+        self.recorder.plain_steps(0)
+        yield from self._drain()
+        while self.output.finish is None:
+            k = self.policy.choose() if self.policy is not None else 0
+            if self.track_head and self.policy is not None and not self.policy.mtp_can_pay_off:
+                # Measured rounds showed drafting cannot pay off here: stop feeding the head.
+                self.track_head = False
+                self._head_hidden, self._head_tokens = [], []
+            if k == 0:
+                budget = self.policy.plain_budget() if self.policy is not None else 1 << 30
+                yield from self._plain_burst(budget)
+            else:
+                yield from self._speculative_round(k)
+        end = time.perf_counter()
+        stats = self._stats(first_time - started, end - first_time)
+        final = self.output.chunk() or GenerationChunk("", [], self.output.finish)
+        final.finish_reason = self.output.finish
+        final.stats = stats
+        yield final
+
+    def _drain(self) -> Iterator[GenerationChunk]:
+        """Yield what can be shown so far; once finished, everything left goes in the final chunk."""
+        if self.output.finish is None:
+            chunk = self.output.chunk()
+            if chunk is not None:
+                yield chunk
+
+    def _plain_burst(self, budget: int) -> Iterator[GenerationChunk]:
+        remaining = min(budget, self.output.max_tokens - len(self.output.tokens))
+        start = time.perf_counter()
+        emitted = 0
+        token = self._plain_step()
+        mx.async_eval(token)
+        while True:
+            emitted += 1
+            following = None
+            if emitted < remaining:
+                following = self._plain_step()
+                mx.async_eval(following)
+            self.output.add(token.item())
+            yield from self._drain()
+            if len(self._head_hidden) >= HEAD_FLUSH_ROWS:
+                # Long plain stretches: keep the head cache current in batches, off the token path.
+                out = self._flush_head()
+                mx.async_eval(out, self.head_cache.state)
+            if self.output.finish is not None or following is None:
+                break
+            token = following
+        self.recorder.plain_steps(emitted)
+        if self.policy is not None:
+            self.policy.observe_plain(emitted, time.perf_counter() - start)
+
+    def _speculative_round(self, k: int) -> Iterator[GenerationChunk]:
+        assert self.head is not None and self.pending_token is not None
+        start = time.perf_counter()
+        model, params = self.model, self.params
+        # 1. Draft.
+        out = self._flush_head()
+        assert out is not None
+        out = out[:, -1:]
+        drafts: list[mx.array] = []
+        draft_logprobs: list[mx.array] = []
+        history = self.history
+        for i in range(k):
+            if i > 0:
+                out = self.head(model.embed(drafts[-1][None]), out, self.head_cache)
+            logits = self._logits_for(out, history)
+            if params.greedy:
+                draft = mx.argmax(logits, axis=-1)
+            else:
+                logprobs = filtered_logprobs(logits, params)
+                draft = mx.random.categorical(logprobs, axis=-1, key=self.keys.next())
+                draft_logprobs.append(logprobs)
+            draft = draft.astype(mx.uint32)
+            drafts.append(draft)
+            if self.processors:
+                history = mx.concatenate([history, draft])
+        draft_tokens = mx.concatenate(drafts)
+        if self.engine.config.async_draft_eval:
+            mx.async_eval(draft_tokens, *draft_logprobs)
+        else:
+            mx.eval(draft_tokens, *draft_logprobs)
+        # 2. Verify.
+        rows = mx.concatenate([self.pending_token.reshape(1), draft_tokens])[None]
+        for c in self.cache:
+            if isinstance(c, RollbackArraysCache):
+                c.recording = True
+        model.set_moe_verify_mode(self.engine.config.moe_verify)
+        try:
+            hidden = model.hidden(rows, self.cache)
+        finally:
+            model.set_moe_verify_mode(None)
+            for c in self.cache:
+                if isinstance(c, RollbackArraysCache):
+                    c.recording = False
+        logits = model.logits(hidden)[0]  # [K+1, V]
+        if self.processors:
+            logits = mx.concatenate(
+                [
+                    apply_processors(
+                        self.processors, mx.concatenate([self.history, draft_tokens[:i]]), logits[i : i + 1]
+                    )
+                    for i in range(k + 1)
+                ]
+            )
+        # 3. Decide (on device), one host sync.
+        if params.greedy:
+            verdict = greedy_verdict(logits, draft_tokens)
+        else:
+            verdict = sampling_verdict(
+                filtered_logprobs(logits, params), mx.concatenate(draft_logprobs), draft_tokens, self.keys
+            )
+        mx.eval(draft_tokens, verdict.accepted, verdict.replacement, hidden)
+        proposed = draft_tokens.tolist()
+        accepted = accepted_prefix(verdict.accepted.tolist())
+        final_token = verdict.replacement.tolist()[accepted]
+        emitted = proposed[:accepted] + [final_token]
+        # 4. Roll back to the accepted prefix.
+        for c in self.cache:
+            if isinstance(c, RollbackArraysCache):
+                c.commit(accepted + 1)
+            else:
+                c.trim(k - accepted)
+        self.head_cache.trim(k - 1)
+        emitted_array = mx.array(emitted, dtype=mx.uint32)
+        self._wait_for_head(hidden[:, : accepted + 1], emitted_array)
+        self.pending_token = emitted_array[-1:]
+        if self.processors:
+            self.history = mx.concatenate([self.history, emitted_array])
+        self.recorder.round(k, accepted)
+        assert self.policy is not None
+        self.policy.observe_round(k, accepted, time.perf_counter() - start)
+        # 5. Emit, stopping exactly where the request ends.
+        for token in emitted:
+            self.output.add(token)
+            if self.output.finish is not None:
+                break
+        yield from self._drain()
+
+    def _stats(self, ttft_s: float, decode_s: float) -> NativeMTPStats:
+        rec = self.recorder
+        completion = len(self.output.tokens)
+        costs = None
+        if self.policy is not None and self.policy.costs.device:
+            effective = self.policy.effective_costs()
+            costs = {
+                "beta": [round(b, 3) for b in effective.beta],
+                "delta": [round(d, 3) for d in effective.delta],
+                "device": effective.device,
+            }
+        reason = self.reason
+        if self.policy is not None and self.policy.fixed_k == 0:
+            reason = "the MTP depth was forced to 0 (plain decoding)"
+        elif reason is None and self.policy is not None and not self.track_head:
+            reason = (
+                "adaptive depth chose plain decoding: on this device a verify call costs too much for "
+                "drafts to pay off even at full acceptance"
+            )
+        return NativeMTPStats(
+            enabled=self.policy is not None,
+            reason=reason,
+            k=self.policy.fixed_k if self.policy is not None and self.policy.fixed_k is not None else rec.last_k,
+            k_fixed=self.policy is not None and self.policy.fixed_k is not None,
+            k_histogram=dict(sorted(rec.k_histogram.items())),
+            rounds=rec.rounds,
+            drafted_tokens=rec.drafted,
+            accepted_tokens=rec.accepted_total,
+            acceptance_rate=round(rec.accepted_total / rec.drafted, 4) if rec.drafted else 0.0,
+            per_position_acceptance=[round(a, 4) for a in rec.per_position()],
+            ttft_ms=round(ttft_s * 1000.0, 3),
+            decode_tokens_per_s=round((completion - 1) / decode_s, 3) if completion > 1 and decode_s > 0 else 0.0,
+            prompt_tokens=len(self.request.prompt_tokens),
+            completion_tokens=completion,
+            costs=costs,
+        )

@@ -1,0 +1,415 @@
+"""Loading checkpoints from disk: the backbone through mlx-lm, the MTP head by exo.
+
+Layouts handled (as users have them on disk):
+- raw Hugging Face (the official Qwen files): ``model-*.safetensors`` + index, head as ``mtp.*`` in the
+  last shard, zero-centred norms, experts per expert or fused;
+- MLX (mlx-lm conversions, quantized or not): head as ``language_model.mtp.*`` (Qwen3.5/3.6) or ``mtp.*``
+  (Qwen3-Next) inside the shards, or a sidecar ``mtp.safetensors`` kept outside mlx-lm's
+  ``model*.safetensors`` glob; stock conversions (mlx-community) have no head at all.
+
+Whether the head's norms need the ``+1`` shift is decided by provenance, never by weight values:
+a head inside the shards follows the backbone (mlx-lm's own signal: an unsanitized ``conv1d`` weight
+means raw Hugging Face); a sidecar follows its safetensors metadata (``exo.norm_convention`` if set,
+else ``format: mlx`` means MLX convention and anything else means raw Hugging Face).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.utils import infer_quant_config, load_tokenizer
+from mlx_lm.utils import load_model as mlx_load_model
+from safetensors import safe_open
+
+from .models import SUPPORTED_MODEL_TYPES, UnsupportedModelError, get_model_classes
+from .models.backbone import SpeculativeBackbone
+from .models.mtp import HEAD_NORM_SUFFIXES, MTPHead
+
+SIDECAR_NAMES = ("mtp.safetensors",)
+HEAD_PREFIXES = ("language_model.mtp.", "model.mtp.", "mtp.")
+NormConvention = Literal["hf", "mlx"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is missing, incomplete or malformed."""
+
+
+class MTPHeadError(CheckpointError):
+    """The checkpoint's MTP head tensors are incomplete or do not fit the backbone."""
+
+
+@dataclass(frozen=True)
+class HeadInfo:
+    """Where a checkpoint's MTP head is and what it looks like (before loading it)."""
+
+    declared_layers: int  # mtp_num_hidden_layers / num_nextn_predict_layers in config.json (0: none)
+    files: tuple[Path, ...] = ()  # files holding the head tensors
+    keys: tuple[str, ...] = ()  # full tensor names in those files
+    prefix: str = ""
+    source: Literal["in-shard", "sidecar"] | None = None
+    norm_convention: NormConvention = "hf"
+
+    @property
+    def present(self) -> bool:
+        return bool(self.keys)
+
+
+@dataclass
+class HeadStatus:
+    """Whether native MTP can run on a loaded checkpoint, and why not."""
+
+    available: bool
+    reason: str | None = None
+    source: str | None = None
+    norm_convention: NormConvention | None = None
+    quantized: bool = False
+    moe: bool = False
+    expert_layout: str | None = None  # per_expert | fused | stacked
+
+
+@dataclass
+class LoadedModel:
+    """A backbone, its tokenizer and (when usable) its MTP head, ready for the engine."""
+
+    path: Path
+    model_id: str
+    model: Any  # an exo.engine.models.* Model (mlx-lm Model + SpeculativeBackbone)
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    config: dict[str, Any]
+    head: MTPHead | None
+    head_status: HeadStatus
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    @property
+    def backbone(self) -> SpeculativeBackbone:
+        return self.model
+
+    @property
+    def context_length(self) -> int | None:
+        text = self.config.get("text_config", self.config)
+        value = text.get("max_position_embeddings") or self.config.get("max_position_embeddings")
+        return int(value) if value else None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Inspection (headers only, nothing loaded)
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    config_file = path / "config.json"
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory")
+    if not config_file.is_file():
+        raise CheckpointError(f"{path} has no config.json: not a Hugging Face / MLX checkpoint directory")
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{config_file} is not valid JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_file} must hold a JSON object")
+    if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"{path}: model_type {config.get('model_type')!r} is not supported; exo runs "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (Qwen3.5 / Qwen3.6 dense and MoE, Qwen3-Next)"
+        )
+    return config
+
+
+def declared_head_layers(config: dict[str, Any]) -> int:
+    text = config.get("text_config") or {}
+    for source in (text, config):
+        for key in ("mtp_num_hidden_layers", "num_nextn_predict_layers"):
+            if source.get(key):
+                return int(source[key])
+    return 0
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The backbone's shards (mlx-lm's glob), checked against the index when there is one."""
+    files = sorted(path.glob("model*.safetensors"))
+    index_file = path / "model.safetensors.index.json"
+    if index_file.is_file():
+        try:
+            weight_map = json.loads(index_file.read_text()).get("weight_map", {})
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{index_file} is not valid JSON: {e}") from e
+        missing = sorted({name for name in weight_map.values() if not (path / name).is_file()})
+        if missing:
+            raise CheckpointError(
+                f"{path}: model.safetensors.index.json lists shards that are not on disk: "
+                f"{', '.join(missing)} (incomplete download? fetch the missing files again)"
+            )
+    if not files:
+        raise CheckpointError(f"{path} has no model*.safetensors weight files")
+    return files
+
+
+def _header(file: Path) -> tuple[list[str], dict[str, str], Any]:
+    try:
+        handle = safe_open(str(file), framework="numpy")
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise CheckpointError(f"{file} is not a readable safetensors file: {e}") from e
+    return list(handle.keys()), handle.metadata() or {}, handle
+
+
+def _is_raw_hf(files: list[Path]) -> bool:
+    """mlx-lm's provenance signal: raw checkpoints keep conv1d weights as [C, 1, K], MLX as [C, K, 1]."""
+    for file in files:
+        keys, _, handle = _header(file)
+        for key in keys:
+            if key.endswith("conv1d.weight"):
+                return handle.get_slice(key).get_shape()[-1] != 1
+    return False
+
+
+def inspect_head(path: Path, files: list[Path] | None = None) -> HeadInfo:
+    """Find the MTP head's tensors (in the shards or a sidecar) without loading anything."""
+    config = read_config(path)
+    declared = declared_head_layers(config)
+    files = files if files is not None else weight_files(path)
+    for file in reversed(files):  # official checkpoints keep the head in the last shard
+        keys, _, _ = _header(file)
+        for prefix in HEAD_PREFIXES:
+            head_keys = [k for k in keys if k.startswith(prefix)]
+            if head_keys:
+                owners = _files_with_prefix(files, prefix)
+                all_keys = tuple(k for f in owners for k in _header(f)[0] if k.startswith(prefix))
+                convention: NormConvention = "hf" if _is_raw_hf(files) else "mlx"
+                return HeadInfo(declared, tuple(owners), all_keys, prefix, "in-shard", convention)
+    for name in SIDECAR_NAMES:
+        sidecar = path / name
+        if sidecar.is_file():
+            keys, metadata, _ = _header(sidecar)
+            for prefix in HEAD_PREFIXES:
+                head_keys = tuple(k for k in keys if k.startswith(prefix))
+                if head_keys:
+                    return HeadInfo(
+                        declared, (sidecar,), head_keys, prefix, "sidecar", _sidecar_convention(metadata)
+                    )
+            raise MTPHeadError(f"{sidecar} holds no mtp.* tensors")
+    return HeadInfo(declared)
+
+
+def _files_with_prefix(files: list[Path], prefix: str) -> list[Path]:
+    return [f for f in files if any(k.startswith(prefix) for k in _header(f)[0])]
+
+
+def _sidecar_convention(metadata: dict[str, str]) -> NormConvention:
+    explicit = metadata.get("exo.norm_convention")
+    if explicit in ("hf", "mlx"):
+        return explicit  # type: ignore[return-value]
+    return "mlx" if metadata.get("format") == "mlx" else "hf"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Head weights -> MLX module
+
+
+_EXPERT_RE = re.compile(r"^layers\.0\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def sanitize_head_weights(
+    weights: dict[str, mx.array], convention: NormConvention
+) -> tuple[dict[str, mx.array], str | None]:
+    """Head tensors (names relative to the head) -> the MLX module's names and conventions.
+
+    Per-expert and fused experts become mlx-lm's stacked ``switch_mlp``; zero-centred norms of raw
+    Hugging Face files get the ``+1`` MLX's RMSNorm expects. Returns (weights, expert layout).
+    """
+    out: dict[str, mx.array] = {}
+    per_expert: dict[str, dict[int, mx.array]] = {}
+    layout: str | None = None
+    for name, value in weights.items():
+        match = _EXPERT_RE.match(name)
+        if match:
+            per_expert.setdefault(match.group(2), {})[int(match.group(1))] = value
+            layout = "per_expert"
+        elif name == "layers.0.mlp.experts.gate_up_proj":
+            mid = value.shape[-2] // 2
+            out["layers.0.mlp.switch_mlp.gate_proj.weight"] = value[..., :mid, :]
+            out["layers.0.mlp.switch_mlp.up_proj.weight"] = value[..., mid:, :]
+            layout = "fused"
+        elif name == "layers.0.mlp.experts.down_proj":
+            out["layers.0.mlp.switch_mlp.down_proj.weight"] = value
+        else:
+            if ".switch_mlp." in name:
+                layout = "stacked"
+            out[name] = value
+    for proj, experts in per_expert.items():
+        if sorted(experts) != list(range(len(experts))):
+            raise MTPHeadError(f"MTP head experts for {proj} are not numbered 0..{len(experts) - 1}")
+        out[f"layers.0.mlp.switch_mlp.{proj}.weight"] = mx.stack([experts[e] for e in range(len(experts))])
+    if convention == "hf":
+        for name, value in out.items():
+            if name.endswith(HEAD_NORM_SUFFIXES) and value.ndim == 1:
+                out[name] = value + 1.0
+    return out, layout
+
+
+def build_head(
+    model: SpeculativeBackbone, weights: dict[str, mx.array], convention: NormConvention, source: str
+) -> tuple[MTPHead, HeadStatus]:
+    """An MTPHead for ``model`` from its tensors (names relative to the head), validated and loaded."""
+    weights, layout = sanitize_head_weights(weights, convention)
+    moe = any(".mlp.switch_mlp." in k or k == "layers.0.mlp.gate.weight" for k in weights)
+    args = model.text_args
+    layer_ids = {int(k.split(".")[1]) for k in weights if k.startswith("layers.")}
+    if layer_ids - {0}:
+        raise MTPHeadError(
+            f"MTP head in {source} has {len(layer_ids)} layers; exo supports heads of one layer "
+            "(every published Qwen3.5 / Qwen3.6 / Qwen3-Next head has one)"
+        )
+    head = MTPHead(args.hidden_size, args.rms_norm_eps, model.make_head_layer(moe))
+    quantized = any(k.endswith(".scales") for k in weights)
+    if quantized:
+
+        def predicate(path: str, module: nn.Module):
+            if f"{path}.scales" not in weights or not hasattr(module, "to_quantized"):
+                return False
+            return infer_quant_config(path, module, weights)
+
+        nn.quantize(head, class_predicate=predicate)
+    expected = dict(tree_flatten(head.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join('mtp.' + k for k in missing[:6])}")
+        if unexpected:
+            parts.append(f"unexpected {', '.join('mtp.' + k for k in unexpected[:6])}")
+        raise MTPHeadError(f"MTP head in {source} does not match the backbone: {'; '.join(parts)}")
+    for name, value in weights.items():
+        if tuple(value.shape) != tuple(expected[name].shape):
+            raise MTPHeadError(
+                f"MTP head in {source}: mtp.{name} has shape {tuple(value.shape)}, "
+                f"the backbone needs {tuple(expected[name].shape)}"
+            )
+    head.load_weights(list(weights.items()))
+    head.eval()
+    mx.eval(head.parameters())
+    status = HeadStatus(
+        available=True,
+        source=source,
+        norm_convention=convention,
+        quantized=quantized,
+        moe=moe,
+        expert_layout=layout,
+    )
+    return head, status
+
+
+def load_head_tensors(info: HeadInfo) -> dict[str, mx.array]:
+    tensors: dict[str, mx.array] = {}
+    wanted = set(info.keys)
+    for file in info.files:
+        try:
+            arrays = mx.load(str(file))
+        except Exception as e:
+            raise CheckpointError(f"{file} could not be read: {e}") from e
+        for key, value in arrays.items():
+            if key in wanted:
+                tensors[key[len(info.prefix) :]] = value
+    return tensors
+
+
+def missing_head_reason(path: Path, declared: int, source_repo: str | None) -> str:
+    where = f"the official checkpoint {source_repo} (its last shard holds mtp.*)" if source_repo else (
+        "the model's official Hugging Face checkpoint (its last shard holds mtp.*)"
+    )
+    return (
+        f"{path.name} declares an MTP head ({declared} layer) but its weights have no mtp.* tensors: "
+        "stock mlx-lm conversions (e.g. every mlx-community/* repo) drop them. Get the head from "
+        f"{where} and save those tensors as mtp.safetensors in {path}, or use a conversion that "
+        "keeps the head. Running plain decoding."
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Entry point
+
+
+def eos_token_ids(path: Path, config: dict[str, Any], tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+
+    def add(value: Any) -> None:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(config.get("eos_token_id"))
+    add((config.get("text_config") or {}).get("eos_token_id"))
+    generation_config = path / "generation_config.json"
+    if generation_config.is_file():
+        try:
+            add(json.loads(generation_config.read_text()).get("eos_token_id"))
+        except json.JSONDecodeError:
+            pass
+    ids.update(getattr(tokenizer, "eos_token_ids", ()) or ())
+    return frozenset(ids)
+
+
+def load_checkpoint(
+    path: str | Path,
+    *,
+    model_id: str | None = None,
+    load_head: bool = True,
+    head_source_repo: str | None = None,
+    lazy: bool = False,
+) -> LoadedModel:
+    """Load a local checkpoint directory (raw Hugging Face or MLX layout) with its MTP head.
+
+    A head the config declares but the weights lack, or a malformed head, does not stop the load:
+    ``head_status`` says why MTP is unavailable and the model runs plain decoding.
+    """
+    path = Path(path).expanduser().resolve()
+    config = read_config(path)
+    files = weight_files(path)
+    for file in files:
+        _header(file)  # a corrupt shard fails here with the file's name, not deep inside mlx
+    try:
+        model, config = mlx_load_model(path, lazy=lazy, get_model_classes=get_model_classes)
+    except UnsupportedModelError:
+        raise
+    except (ValueError, KeyError, FileNotFoundError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: the weights do not match config.json: {e}") from e
+    try:
+        tokenizer = load_tokenizer(path)
+    except Exception as e:
+        raise CheckpointError(f"{path}: tokenizer files could not be loaded: {e}") from e
+
+    head: MTPHead | None = None
+    info = inspect_head(path, files)
+    if not load_head:
+        status = HeadStatus(available=False, reason="native MTP is disabled (the head was not loaded)")
+    elif info.present:
+        try:
+            head, status = build_head(
+                model, load_head_tensors(info), info.norm_convention, f"{path.name} ({info.source})"
+            )
+        except MTPHeadError as e:
+            status = HeadStatus(available=False, reason=f"{e}. Running plain decoding.")
+    elif info.declared_layers:
+        status = HeadStatus(
+            available=False, reason=missing_head_reason(path, info.declared_layers, head_source_repo)
+        )
+    else:
+        status = HeadStatus(available=False, reason=f"{path.name} has no MTP head")
+    return LoadedModel(
+        path=path,
+        model_id=model_id or path.name,
+        model=model,
+        tokenizer=tokenizer,
+        config=config,
+        head=head,
+        head_status=status,
+        eos_token_ids=eos_token_ids(path, config, tokenizer),
+    )

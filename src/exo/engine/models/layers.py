@@ -1,0 +1,175 @@
+"""Backbone layers extended for speculative verification, by subclassing mlx-lm's own classes.
+
+Two things plain decoding never needs and speculative decoding does:
+
+- GatedDeltaNet state cannot be trimmed like a KV cache. During a verify call the layer records the
+  conv window and the recurrent state after every row, so the round can commit exactly the accepted
+  prefix (``RollbackArraysCache.commit``). The recurrence of a recorded call runs one row at a time,
+  the same computation a decode step does, so the committed state equals plain decoding's.
+- A batched MoE router (M > 1 rows) can choose other top-k experts than decode's M = 1 router on near
+  ties, and then verification no longer reproduces sequential decoding. ``route_locked`` computes the
+  (small) router row by row and runs the experts batched; ``safe`` runs the whole block row by row.
+
+Parameter names are unchanged, so mlx-lm's ``sanitize`` and weight loading apply as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+from mlx_lm.models.qwen3_5 import GatedDeltaNet as Qwen35GatedDeltaNet
+from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet, Qwen3NextSparseMoeBlock
+
+MoEVerifyMode = Literal["route_locked", "batched", "safe"]
+
+
+class RollbackArraysCache(ArraysCache):
+    """GatedDeltaNet cache ([0] conv window, [1] recurrent state) that can keep a verified prefix."""
+
+    def __init__(self) -> None:
+        super().__init__(size=2)
+        self.recording = False
+        self._conv_input: mx.array | None = None
+        self._states: list[mx.array] | None = None
+
+    def record(self, conv_input: mx.array, states: list[mx.array]) -> None:
+        self._conv_input, self._states = conv_input, states
+
+    def commit(self, rows: int) -> None:
+        """Keep the state after the first ``rows`` rows of the last recorded call."""
+        if self._states is None or self._conv_input is None:
+            raise RuntimeError("commit() without a recorded verify call")
+        n_keep = self._conv_input.shape[1] - len(self._states)
+        if not 1 <= rows <= len(self._states):
+            raise ValueError(f"commit({rows}) outside 1..{len(self._states)}")
+        self[0] = mx.contiguous(self._conv_input[:, rows : rows + n_keep])
+        self[1] = self._states[rows - 1]
+        self.discard()
+
+    def discard(self) -> None:
+        self._conv_input = self._states = None
+
+    def pending_arrays(self) -> list[mx.array]:
+        """Arrays of the recorded call (to evaluate together with the verify outputs)."""
+        if self._states is None or self._conv_input is None:
+            return []
+        return [self._conv_input, *self._states]
+
+
+def _mix(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, mask, cache) -> mx.array:
+    """Conv + gated delta recurrence + gated norm + out projection, shared by Qwen3.5 and Qwen3-Next.
+
+    Mirrors mlx-lm's GatedDeltaNet.__call__ after the input projections; a RollbackArraysCache in
+    recording mode additionally gets the per-row states.
+    """
+    B, S, _ = mixed_qkv.shape
+    if cache is not None and cache[0] is not None:
+        conv_state = cache[0]
+    else:
+        conv_state = mx.zeros((B, layer.conv_kernel_size - 1, layer.conv_dim), dtype=mixed_qkv.dtype)
+    if mask is not None:
+        mixed_qkv = mx.where(mask[..., None], mixed_qkv, 0)
+    conv_input = mx.concatenate([conv_state, mixed_qkv], axis=1)
+    n_keep = layer.conv_kernel_size - 1
+    if cache is not None:
+        if cache.lengths is not None:
+            ends = mx.clip(cache.lengths, 0, S)
+            positions = (ends[:, None] + mx.arange(n_keep))[..., None]
+            cache[0] = mx.take_along_axis(conv_input, positions, axis=1)
+        else:
+            cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
+    conv_out = nn.silu(layer.conv1d(conv_input))
+    q, k, v = [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [layer.key_dim, 2 * layer.key_dim], -1),
+            [layer.num_k_heads, layer.num_k_heads, layer.num_v_heads],
+            [layer.head_k_dim, layer.head_k_dim, layer.head_v_dim],
+            strict=True,
+        )
+    ]
+    state = cache[1] if cache else None
+    q, k = normalize_qk(q, k, inv_scale=layer.head_k_dim**-0.5, eps=1e-6)
+    use_kernel = not layer.training
+    if isinstance(cache, RollbackArraysCache) and cache.recording:
+        outs, states = [], []
+        for t in range(S):
+            rows = slice(t, t + 1)
+            y, state = gated_delta_update(
+                q[:, rows], k[:, rows], v[:, rows], a[:, rows], b[:, rows],
+                layer.A_log, layer.dt_bias, state, None, use_kernel=use_kernel,
+            )
+            outs.append(y)
+            states.append(state)
+        out = mx.concatenate(outs, axis=1)
+        cache.record(conv_input, states)
+    else:
+        out, state = gated_delta_update(
+            q, k, v, a, b, layer.A_log, layer.dt_bias, state, mask, use_kernel=use_kernel
+        )
+    if cache is not None:
+        cache[1] = state
+        cache.advance(S)
+    out = layer.norm(out, z)
+    return layer.out_proj(out.reshape(B, S, -1))
+
+
+class GatedDeltaNet(Qwen35GatedDeltaNet):
+    """Qwen3.5 / Qwen3.6 GatedDeltaNet with per-row state capture for rollback."""
+
+    def __call__(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
+        if self.sharding_group is not None:
+            # Tensor parallelism is not used by exo (pipelines split by layers).
+            return super().__call__(inputs, mask, cache)
+        B, S, _ = inputs.shape
+        qkv = self.in_proj_qkv(inputs)
+        z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
+        return _mix(self, qkv, z, self.in_proj_b(inputs), self.in_proj_a(inputs), mask, cache)
+
+
+class NextGatedDeltaNet(Qwen3NextGatedDeltaNet):
+    """Qwen3-Next GatedDeltaNet with per-row state capture for rollback."""
+
+    def __call__(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
+        B, S, _ = inputs.shape
+        q, k, v, z, b, a = self.fix_query_key_value_ordering(
+            self.in_proj_qkvz(inputs), self.in_proj_ba(inputs)
+        )
+        mixed_qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
+        return _mix(self, mixed_qkv, z, b, a, mask, cache)
+
+
+class SparseMoeBlock(Qwen3NextSparseMoeBlock):
+    """Qwen3.5-MoE / Qwen3-Next sparse MoE block whose multi-row routing can be locked to decode's."""
+
+    verify_mode: MoEVerifyMode | None = None  # set by the engine around verify calls only
+
+    def _route(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        if self.verify_mode == "route_locked" and x.shape[1] > 1:
+            gates = mx.concatenate([self.gate(x[:, i : i + 1]) for i in range(x.shape[1])], axis=1)
+        else:
+            gates = self.gate(x)
+        gates = mx.softmax(gates, axis=-1, precise=True)
+        k = self.top_k
+        inds = mx.stop_gradient(mx.argpartition(gates, kth=-k, axis=-1)[..., -k:])
+        scores = mx.take_along_axis(gates, inds, axis=-1)
+        if self.norm_topk_prob:
+            scores = scores / scores.sum(axis=-1, keepdims=True)
+        return inds, scores
+
+    def _block(self, x: mx.array) -> mx.array:
+        inds, scores = self._route(x)
+        y = (self.switch_mlp(x, inds) * scores[..., None]).sum(axis=-2)
+        shared = mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y + shared
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.sharding_group is not None:
+            return super().__call__(x)
+        if self.verify_mode == "safe" and x.shape[1] > 1:
+            return mx.concatenate([self._block(x[:, i : i + 1]) for i in range(x.shape[1])], axis=1)
+        return self._block(x)

@@ -1,0 +1,69 @@
+"""Statistics of one generation: what users see as ``native_mtp`` in the CLI and API."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class NativeMTPStats(BaseModel):
+    """Native-MTP statistics of one generation (the ``native_mtp`` object of responses)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool
+    reason: str | None = None  # why MTP is off, or why it ran at K = 0
+    mode: Literal["single_node", "pipeline"] = "single_node"
+    k: int = 0  # the last depth used (the forced one when fixed)
+    k_fixed: bool = False
+    k_histogram: dict[int, int] = Field(default_factory=dict)  # rounds (plain steps at K = 0) per depth
+    rounds: int = 0  # speculative rounds (K >= 1)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_rate: float = 0.0
+    per_position_acceptance: list[float] = Field(default_factory=list)  # P(accept at i | reached i)
+    ttft_ms: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    costs: dict[str, list[float] | str] | None = None  # beta(K), delta(K) used by adaptive depth
+
+
+class StatsRecorder:
+    """Accumulates counts during a generation and produces ``NativeMTPStats``."""
+
+    def __init__(self, max_k: int):
+        self.k_histogram: dict[int, int] = {}
+        self.reached = [0] * max_k
+        self.accepted = [0] * max_k
+        self.rounds = 0
+        self.drafted = 0
+        self.accepted_total = 0
+        self.last_k = 0
+
+    def plain_steps(self, n: int) -> None:
+        if n:
+            self.k_histogram[0] = self.k_histogram.get(0, 0) + n
+            self.last_k = 0
+
+    def round(self, k: int, accepted: int) -> None:
+        self.k_histogram[k] = self.k_histogram.get(k, 0) + 1
+        self.rounds += 1
+        self.drafted += k
+        self.accepted_total += accepted
+        self.last_k = k
+        for i in range(k):
+            if i >= len(self.reached) or i > accepted:
+                break
+            self.reached[i] += 1
+            if i < accepted:
+                self.accepted[i] += 1
+
+    def per_position(self) -> list[float]:
+        out = []
+        for reached, accepted in zip(self.reached, self.accepted, strict=True):
+            if reached == 0:
+                break
+            out.append(accepted / reached)
+        return out
