@@ -497,6 +497,7 @@ class _Run:
             accepted_tokens=rec.accepted_total,
             acceptance_rate=round(rec.accepted_total / rec.drafted, 4) if rec.drafted else 0.0,
             per_position_acceptance=[round(a, 4) for a in rec.per_position()],
+            per_position_drafted=rec.per_position_drafted(),
             ttft_ms=round(ttft_s * 1000.0, 3),
             decode_tokens_per_s=round((completion - 1) / decode_s, 3) if completion > 1 and decode_s > 0 else 0.0,
             prompt_tokens=len(self.request.prompt_tokens),

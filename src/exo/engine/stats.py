@@ -23,6 +23,7 @@ class NativeMTPStats(BaseModel):
     accepted_tokens: int = 0
     acceptance_rate: float = 0.0
     per_position_acceptance: list[float] = Field(default_factory=list)  # P(accept at i | reached i)
+    per_position_drafted: list[int] = Field(default_factory=list)  # rounds that tested position i
     ttft_ms: float = 0.0
     decode_tokens_per_s: float = 0.0
     prompt_tokens: int = 0
@@ -61,9 +62,7 @@ class StatsRecorder:
                 self.accepted[i] += 1
 
     def per_position(self) -> list[float]:
-        out = []
-        for reached, accepted in zip(self.reached, self.accepted, strict=True):
-            if reached == 0:
-                break
-            out.append(accepted / reached)
-        return out
+        return [a / r for a, r in zip(self.accepted, self.per_position_drafted(), strict=False)]
+
+    def per_position_drafted(self) -> list[int]:
+        return [r for r in self.reached if r > 0]

@@ -1,0 +1,126 @@
+"""The ``exo`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from exo import __version__
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+
+class CommandError(Exception):
+    """An error for the user: printed without a traceback, exit status 1."""
+
+
+def _add_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="card id (see `exo models`), Hugging Face repo id, or a local checkpoint directory; "
+        "omitted: the bundled demo model",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="exo", description="Distributed LLM inference with native MTP, on MLX.")
+    parser.add_argument("--version", action="version", version=f"exo {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="generate a completion with one model on this machine")
+    _add_model_argument(run)
+    run.add_argument("--prompt", required=True, help="the prompt (a user message unless --raw)")
+    run.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
+    run.add_argument("--system", default=None, help="a system message (chat template only)")
+    run.add_argument("--max-tokens", type=int, default=256)
+    run.add_argument("--temperature", type=float, default=0.0)
+    run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--top-k", type=int, default=0)
+    run.add_argument("--min-p", type=float, default=0.0)
+    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    run.add_argument(
+        "--native-mtp",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="auto: use the MTP head when there is one; on: require it; off: plain decoding",
+    )
+    run.add_argument("--mtp-k", type=int, default=None, help="force the draft depth K (0..8); default adaptive")
+    run.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+    bench = sub.add_parser("bench", help="plain vs native-MTP decoding at each depth, in one run")
+    _add_model_argument(bench)
+    bench.add_argument("--max-tokens", type=int, default=128)
+    bench.add_argument("--temperature", type=float, default=0.0)
+    bench.add_argument("--repeats", type=int, default=1)
+    bench.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable); default: built-in")
+    bench.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    bench.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    models = sub.add_parser("models", help="list the models exo knows and which are on this machine")
+    models.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from exo.cards import CardError, UnknownModelError
+    from exo.engine import (
+        CheckpointError,
+        GenerationRequestError,
+        ModelNotAvailableError,
+        NativeMTPUnavailableError,
+        SamplingParamsError,
+        UnsupportedModelError,
+    )
+    from exo.settings import SettingsError
+
+    user_errors = (
+        CommandError,
+        CardError,
+        CheckpointError,
+        GenerationRequestError,
+        ModelNotAvailableError,
+        NativeMTPUnavailableError,
+        SamplingParamsError,
+        SettingsError,
+        UnknownModelError,
+        UnsupportedModelError,
+    )
+    try:
+        if args.command == "run":
+            from exo.cli.run import run_command
+
+            return run_command(args)
+        if args.command == "bench":
+            from exo.cli.bench import bench_command
+
+            return bench_command(args)
+        if args.command == "models":
+            from exo.cli.models import models_command
+
+            return models_command(args)
+    except user_errors as e:
+        message = e.args[0] if isinstance(e, LookupError) and e.args else str(e)
+        print(f"exo: error: {message}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+    parser.error(f"unknown command {args.command}")
+    return EXIT_USAGE
+
+
+def print_json(payload: object) -> None:
+    json.dump(payload, sys.stdout, indent=None, ensure_ascii=False)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

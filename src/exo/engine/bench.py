@@ -1,0 +1,165 @@
+"""Plain vs native-MTP decoding at each depth, measured in one run (``exo bench``).
+
+A benchmark, not a test: it reports ratios measured back to back on the same machine, prompts and
+model (speedup = MTP tokens/s / plain tokens/s), the acceptance per draft position, the round costs
+beta(K) / delta(K) adaptive depth works with, and whether greedy MTP reproduced plain decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from pydantic import BaseModel, Field
+
+from .adaptive import expected_speedup
+from .generate import Engine, GenerationRequest, GenerationResult
+from .sampling import SamplingParams
+
+DEFAULT_PROMPTS = (
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n\ndef list_python_files(root):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
+)
+PROJECTED_ACCEPTANCE = 0.8
+
+
+class BenchRow(BaseModel):
+    config: str  # "plain", "k=1", ..., "adaptive"
+    k: int | None  # forced depth, None for adaptive
+    completion_tokens: int
+    decode_seconds: float
+    tokens_per_s: float
+    speedup: float  # vs plain, same run
+    acceptance_rate: float
+    per_position_acceptance: list[float]
+    k_histogram: dict[int, int]
+    identical_to_plain: bool | None  # greedy only
+
+
+class BenchReport(BaseModel):
+    model: str
+    device: str
+    prompts: int
+    max_tokens: int
+    temperature: float
+    native_mtp_available: bool
+    reason: str | None = None
+    beta: list[float] = Field(default_factory=list)  # index K-1
+    delta: list[float] = Field(default_factory=list)
+    projected_speedup_at_0_8: list[float] = Field(default_factory=list)  # (1+.8+...)/(beta+delta)
+    rows: list[BenchRow] = Field(default_factory=list)
+
+
+def encode_prompt(engine: Engine, text: str, raw: bool) -> list[int]:
+    tokenizer = engine.loaded.tokenizer
+    if not raw and getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+    return list(tokenizer.encode(text))
+
+
+def run_bench(
+    engine: Engine,
+    prompts: Sequence[str] = DEFAULT_PROMPTS,
+    *,
+    max_tokens: int = 128,
+    temperature: float = 0.0,
+    raw: bool = True,
+    repeats: int = 1,
+    progress: Callable[[str], None] | None = None,
+) -> BenchReport:
+    from .costs import device_name
+
+    encoded = [encode_prompt(engine, p, raw) for p in prompts]
+    reason = engine.mtp_unavailable_reason()
+    report = BenchReport(
+        model=engine.loaded.model_id,
+        device=device_name(),
+        prompts=len(prompts),
+        max_tokens=max_tokens,
+        temperature=temperature,
+        native_mtp_available=reason is None,
+        reason=reason,
+    )
+    configs: list[tuple[str, int | None, str]] = [("plain", 0, "off")]
+    if reason is None:
+        costs = engine.costs()
+        report.beta = [round(b, 3) for b in costs.beta]
+        report.delta = [round(d, 3) for d in costs.delta]
+        report.projected_speedup_at_0_8 = [
+            round(expected_speedup(costs, [PROJECTED_ACCEPTANCE] * costs.max_k, k), 3)
+            for k in range(1, costs.max_k + 1)
+        ]
+        configs += [(f"k={k}", k, "on") for k in range(1, engine.config.max_k + 1)]
+        configs.append(("adaptive", None, "on"))
+
+    def run(tokens: list[int], k: int | None, mode: str, max_new: int, seed: int) -> GenerationResult:
+        request = GenerationRequest(
+            prompt_tokens=tokens,
+            max_tokens=max_new,
+            sampling=SamplingParams(temperature=temperature, seed=seed),
+            native_mtp=mode,  # type: ignore[arg-type]
+            mtp_k=None if mode == "off" else k,
+        )
+        return engine.complete(request)
+
+    # Warm-up: compile every path once so no configuration pays for kernel compilation.
+    for _, k, mode in configs:
+        run(encoded[0], k, mode, 8, 0)
+
+    totals = {name: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "same": True} for name, _, _ in configs}
+    position_tests: dict[str, list[int]] = {name: [] for name, _, _ in configs}
+    position_hits: dict[str, list[float]] = {name: [] for name, _, _ in configs}
+    histograms: dict[str, dict[int, int]] = {name: {} for name, _, _ in configs}
+    for repeat in range(repeats):
+        for index, tokens in enumerate(encoded):
+            baseline: list[int] | None = None
+            for name, k, mode in configs:
+                start = time.perf_counter()
+                result = run(tokens, k, mode, max_tokens, 1000 * repeat + index)
+                elapsed = time.perf_counter() - start
+                stats = result.stats
+                total = totals[name]
+                total["tokens"] += max(stats.completion_tokens - 1, 0)
+                total["seconds"] += max(elapsed - stats.ttft_ms / 1000.0, 1e-9)
+                total["drafted"] += stats.drafted_tokens
+                total["accepted"] += stats.accepted_tokens
+                if name == "plain":
+                    baseline = result.token_ids
+                elif temperature == 0.0:
+                    total["same"] = bool(total["same"]) and result.token_ids == baseline
+                for depth, count in stats.k_histogram.items():
+                    histograms[name][depth] = histograms[name].get(depth, 0) + count
+                for i, (tests, rate) in enumerate(
+                    zip(stats.per_position_drafted, stats.per_position_acceptance, strict=True)
+                ):
+                    if i == len(position_tests[name]):
+                        position_tests[name].append(0)
+                        position_hits[name].append(0.0)
+                    position_tests[name][i] += tests
+                    position_hits[name][i] += rate * tests
+                if progress:
+                    progress(f"{name:>9}  prompt {index + 1}/{len(encoded)}  {stats.decode_tokens_per_s:8.1f} tok/s")
+    plain_tps = totals["plain"]["tokens"] / totals["plain"]["seconds"]
+    for name, k, _ in configs:
+        total = totals[name]
+        tps = total["tokens"] / total["seconds"]
+        report.rows.append(
+            BenchRow(
+                config=name,
+                k=k if name != "adaptive" else None,
+                completion_tokens=int(total["tokens"]),
+                decode_seconds=round(total["seconds"], 4),
+                tokens_per_s=round(tps, 2),
+                speedup=round(tps / plain_tps, 3),
+                acceptance_rate=round(total["accepted"] / total["drafted"], 4) if total["drafted"] else 0.0,
+                per_position_acceptance=[
+                    round(h / t, 4) for h, t in zip(position_hits[name], position_tests[name], strict=True)
+                ],
+                k_histogram=dict(sorted(histograms[name].items())),
+                identical_to_plain=None if (name == "plain" or temperature > 0) else bool(total["same"]),
+            )
+        )
+    return report
+
