@@ -62,6 +62,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
 
+    convert = sub.add_parser(
+        "convert", help="convert a checkpoint to MLX layout (optionally quantized), keeping its MTP head"
+    )
+    convert.add_argument("source", help="checkpoint directory (raw Hugging Face or MLX layout)")
+    convert.add_argument("destination", help="new directory to write")
+    convert.add_argument("--bits", type=int, default=None, choices=(2, 3, 4, 5, 6, 8), help="quantize the backbone")
+    convert.add_argument("--group-size", type=int, default=64)
+    convert.add_argument(
+        "--head",
+        choices=("in-shard", "sidecar", "drop"),
+        default="in-shard",
+        help="where the MTP head goes: inside the shards, a sidecar mtp.safetensors, or nowhere",
+    )
+    convert.add_argument("--quantize-head", action="store_true", help="quantize the head too (default: keep it)")
+
     models = sub.add_parser("models", help="list the models exo knows and which are on this machine")
     models.add_argument("--json", action="store_true")
     return parser
@@ -83,6 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     user_errors = (
         CommandError,
+        FileExistsError,
         CardError,
         CheckpointError,
         GenerationRequestError,
@@ -102,6 +118,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             from exo.cli.bench import bench_command
 
             return bench_command(args)
+        if args.command == "convert":
+            from exo.engine.convert import convert_checkpoint
+
+            out = convert_checkpoint(
+                args.source,
+                args.destination,
+                bits=args.bits,
+                group_size=args.group_size,
+                head=args.head,
+                quantize_head_too=args.quantize_head,
+            )
+            print(out)
+            return 0
         if args.command == "models":
             from exo.cli.models import models_command
 

@@ -1,0 +1,115 @@
+"""Adaptive depth: table tests of the pure cost model and policy."""
+
+import pytest
+
+from exo.engine.adaptive import (
+    PROBE_FIRST,
+    DepthCosts,
+    DepthPolicy,
+    best_depth,
+    can_pay_off,
+    expected_speedup,
+    expected_tokens,
+)
+
+# Measured shapes of the two regimes (shared/reference/native-mtp.md).
+H100 = DepthCosts(beta=(1.27, 1.59, 2.17), delta=(0.05, 0.10, 0.15), device="cuda")
+FLAT = DepthCosts(beta=(1.1, 1.2, 1.3), delta=(0.1, 0.2, 0.3), device="metal")
+CPU = DepthCosts(beta=(2.0, 3.0, 4.0), delta=(0.15, 0.30, 0.45), device="cpu")
+
+
+@pytest.mark.parametrize(
+    ("acceptance", "k", "tokens"),
+    [
+        ([0.8, 0.8, 0.8], 0, 1.0),
+        ([0.8, 0.8, 0.8], 1, 1.8),
+        ([0.8, 0.5, 0.8], 2, 1 + 0.8 + 0.4),
+        ([1.0, 1.0, 1.0], 3, 4.0),
+        ([0.0, 1.0, 1.0], 3, 1.0),
+    ],
+)
+def test_expected_tokens(acceptance, k, tokens):
+    assert expected_tokens(acceptance, k) == pytest.approx(tokens)
+
+
+@pytest.mark.parametrize(
+    ("costs", "acceptance", "expected_k"),
+    [
+        (H100, [0.8, 0.8, 0.8], 2),  # 2.44/1.69 = 1.44x beats 1.8/1.32 = 1.36x and 2.95/2.32 = 1.27x
+        (H100, [0.95, 0.95, 0.95], 2),  # 2.85/1.69 = 1.69x vs 3.71/2.32 = 1.60x
+        (FLAT, [0.9, 0.9, 0.9], 3),  # cheap verify rows: 3.44/1.6 = 2.15x
+        (H100, [0.8, 0.3, 0.3], 1),  # deeper drafts rarely land
+        (H100, [0.2, 0.2, 0.2], 0),  # 1.2 / 1.32 < 1
+        (H100, [0.35, 0.0, 0.0], 0),  # 1.35 / 1.32 = 1.02x: inside the noise margin
+        (CPU, [1.0, 1.0, 1.0], 0),  # compute-bound: even perfect drafts lose
+        (CPU, [0.9, 0.9, 0.9], 0),
+    ],
+)
+def test_best_depth(costs, acceptance, expected_k):
+    k, speedup = best_depth(costs, acceptance, max_k=3)
+    assert k == expected_k
+    if k:
+        assert speedup == pytest.approx(expected_speedup(costs, acceptance, k))
+
+
+def test_best_depth_respects_max_k():
+    assert best_depth(H100, [0.9, 0.9, 0.9], max_k=1)[0] == 1
+
+
+def test_can_pay_off():
+    assert can_pay_off(H100, 3)
+    assert not can_pay_off(CPU, 3)
+
+
+def test_cpu_policy_never_drafts_or_probes():
+    policy = DepthPolicy(CPU, max_k=3, default_k=2)
+    assert not policy.mtp_can_pay_off
+    for _ in range(50):
+        assert policy.choose() == 0
+        policy.observe_plain(100, 1.0)
+    assert policy.plain_budget() > 10**6
+
+
+def test_policy_starts_at_default_then_follows_acceptance():
+    policy = DepthPolicy(FLAT, max_k=3, default_k=2)
+    assert policy.choose() == 2
+    for _ in range(30):
+        policy.observe_round(2, 2)  # everything accepted
+    assert policy.choose() == 3
+    for _ in range(60):
+        policy.observe_round(3, 0)  # nothing accepted
+    assert policy.choose() == 0
+
+
+def test_policy_probes_rarely_after_falling_back():
+    policy = DepthPolicy(H100, max_k=3, default_k=1)
+    policy.choose()
+    for _ in range(60):
+        policy.observe_round(1, 0)
+    assert policy.choose() == 0
+    assert policy.plain_budget() == PROBE_FIRST
+    policy.observe_plain(PROBE_FIRST)
+    assert policy.choose() == 1  # a probe
+    policy.observe_round(1, 0)
+    assert policy.choose() == 0
+    assert policy.plain_budget() == 2 * PROBE_FIRST  # the next probe comes twice as late
+
+
+def test_fixed_depth_is_kept():
+    policy = DepthPolicy(CPU, max_k=3, fixed_k=2)
+    assert policy.mtp_can_pay_off
+    for _ in range(10):
+        policy.observe_round(2, 0)
+        assert policy.choose() == 2
+
+
+def test_measured_round_times_replace_warmup_costs():
+    # Warm-up said drafting pays; real rounds turn out 3x slower than a plain step.
+    costs = DepthCosts(beta=(1.2,), delta=(0.1,), device="gpu", plain_s=0.010)
+    policy = DepthPolicy(costs, max_k=1, default_k=1)
+    assert policy.choose() == 1
+    for _ in range(20):
+        policy.observe_round(1, 1, seconds=0.030)
+    assert policy.effective_costs().round_cost(1) == pytest.approx(3.0, rel=0.05)
+    assert not policy.mtp_can_pay_off
+    assert policy.choose() == 0

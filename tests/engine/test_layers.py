@@ -1,0 +1,143 @@
+"""Rollback of GatedDeltaNet state and route-locked MoE verification, on real mlx-lm layers."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import qwen3_5, qwen3_next
+
+from exo.engine.models.layers import GatedDeltaNet, NextGatedDeltaNet, RollbackArraysCache, SparseMoeBlock
+
+DIMS = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+    rms_norm_eps=1e-6,
+    vocab_size=128,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+)
+
+
+def _qwen35_args():
+    return qwen3_5.TextModelArgs(model_type="qwen3_5_text", **DIMS)
+
+
+def _next_args():
+    return qwen3_next.ModelArgs(
+        model_type="qwen3_next",
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        rope_theta=10000.0,
+        partial_rotary_factor=0.25,
+        max_position_embeddings=4096,
+        **DIMS,
+    )
+
+
+def _prefilled(layer, x):
+    cache = RollbackArraysCache()
+    layer(x, cache=cache)
+    mx.eval(cache.state)
+    return cache
+
+
+@pytest.mark.parametrize("make", [lambda: GatedDeltaNet(_qwen35_args()), lambda: NextGatedDeltaNet(_next_args())])
+def test_recorded_verify_commits_exactly_the_sequential_state(make):
+    mx.random.seed(0)
+    layer = make()
+    context = mx.random.normal((1, 5, 64))
+    rows = mx.random.normal((1, 4, 64))
+    # Sequential decode, one row at a time: outputs and the state after each row.
+    sequential = _prefilled(layer, context)
+    seq_out, seq_states = [], []
+    for t in range(4):
+        seq_out.append(layer(rows[:, t : t + 1], cache=sequential))
+        seq_states.append((sequential[0], sequential[1]))
+    mx.eval(seq_out, seq_states)
+    for keep in range(1, 5):
+        cache = _prefilled(layer, context)
+        cache.recording = True
+        out = layer(rows, cache=cache)
+        cache.recording = False
+        assert mx.allclose(out, mx.concatenate(seq_out, axis=1), atol=1e-5)
+        cache.commit(keep)
+        conv, ssm = seq_states[keep - 1]
+        assert mx.array_equal(cache[0], conv)
+        assert mx.allclose(cache[1], ssm, atol=1e-6)
+        # Decoding goes on from the committed state exactly as it does after `keep` sequential rows.
+        nxt = mx.random.normal((1, 1, 64), key=mx.random.key(keep))
+        replay = _prefilled(layer, context)
+        for t in range(keep):
+            layer(rows[:, t : t + 1], cache=replay)
+        assert mx.allclose(layer(nxt, cache=cache), layer(nxt, cache=replay), atol=1e-5)
+
+
+def test_commit_without_recording_is_an_error():
+    cache = RollbackArraysCache()
+    with pytest.raises(RuntimeError):
+        cache.commit(1)
+
+
+def _near_tie_moe():
+    mx.random.seed(1)
+    block = SparseMoeBlock(_qwen35_args())
+    mx.eval(block.parameters())
+    return block
+
+
+@pytest.mark.parametrize("mode", ["route_locked", "safe"])
+def test_locked_routing_equals_row_by_row_decode(mode):
+    block = _near_tie_moe()
+    x = mx.random.normal((1, 4, 64), key=mx.random.key(5))
+    rows = mx.concatenate([block(x[:, i : i + 1]) for i in range(4)], axis=1)
+    block.verify_mode = mode
+    locked = block(x)
+    block.verify_mode = None
+    assert mx.allclose(locked, rows, atol=1e-5)
+
+
+def test_route_locking_uses_the_row_router():
+    # The routes a locked verify takes are the M = 1 router's, computed row by row.
+    block = _near_tie_moe()
+    x = mx.random.normal((1, 3, 64), key=mx.random.key(9))
+    block.verify_mode = "route_locked"
+    inds, _ = block._route(x)
+    block.verify_mode = None
+    for i in range(3):
+        row_inds, _ = block._route(x[:, i : i + 1])
+        assert sorted(inds[0, i].tolist()) == sorted(row_inds[0, 0].tolist())
+
+
+def test_batched_routing_can_diverge_and_route_locking_restores_it():
+    """A router whose multi-row matmul rounds differently (as GPU gemm vs gemv do) flips a near tie."""
+    import mlx.nn as nn
+
+    class RoundingGate(nn.Module):
+        # Expert 2 always first; expert 1 beats expert 0 for the second slot by 1e-3 at M = 1, while
+        # the "batched kernel" (M > 1) rounds expert 0 up by 2e-3 and flips the tie.
+        def __call__(self, x):
+            logits = mx.broadcast_to(mx.array([0.0, 1e-3, 5.0] + [-5.0] * 5), (*x.shape[:-1], 8))
+            if x.shape[1] > 1:
+                logits = logits + mx.array([2e-3] + [0.0] * 7)
+            return logits
+
+    block = _near_tie_moe()
+    block.gate = RoundingGate()
+    x = mx.random.normal((1, 3, 64), key=mx.random.key(2))
+    per_row = mx.concatenate([block(x[:, i : i + 1]) for i in range(3)], axis=1)
+    block.verify_mode = "batched"
+    batched = block(x)
+    block.verify_mode = "route_locked"
+    locked = block(x)
+    block.verify_mode = None
+    assert not mx.allclose(batched, per_row, atol=1e-4), "the batched router should have flipped the tie"
+    assert mx.allclose(locked, per_row, atol=1e-5)
