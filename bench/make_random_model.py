@@ -1,0 +1,98 @@
+"""Write a random-weight, real-shape Qwen3.5 checkpoint in MLX layout (quantized) WITH an MTP head.
+
+Random weights are useless for acceptance but exact for costs: a verify call, a draft step and a plain
+decode step of a random 4-bit Qwen3.5-9B-shaped model move the same bytes and do the same arithmetic as
+the real one. ``exo bench`` on it measures beta(K) and delta(K) on the machine at hand.
+
+    python bench/make_random_model.py --shape qwen3.5-9b --bits 4 --out /tmp/qwen3.5-9b-random-4bit
+    exo bench /tmp/qwen3.5-9b-random-4bit --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.utils import quantize_model, save_config, save_model
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from exo.engine.convert import quantize_head
+from exo.engine.models import get_model_classes
+from exo.engine.models.mtp import MTPHead
+
+# Public configs of the official checkpoints (text part).
+SHAPES = {
+    "tiny": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512, num_attention_heads=4,
+                 num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                 tie_word_embeddings=True, vocab_size=4096, head_dim=64),
+    "qwen3.5-2b": dict(hidden_size=2048, num_hidden_layers=24, intermediate_size=6144, num_attention_heads=8,
+                       num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=16,
+                       tie_word_embeddings=True),
+    "qwen3.5-9b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=12288, num_attention_heads=16,
+                       num_key_value_heads=4, linear_num_key_heads=16, linear_num_value_heads=32,
+                       tie_word_embeddings=False),
+    "qwen3.5-27b": dict(hidden_size=5120, num_hidden_layers=64, intermediate_size=17408, num_attention_heads=24,
+                        num_key_value_heads=4, linear_num_key_heads=16, linear_num_value_heads=48,
+                        tie_word_embeddings=False),
+}
+COMMON = dict(
+    model_type="qwen3_5_text", vocab_size=248320, head_dim=256, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4, rms_norm_eps=1e-6,
+    max_position_embeddings=262144, mtp_num_hidden_layers=1,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                     "mrope_section": [11, 11, 10]},
+)
+
+
+def word_tokenizer(vocab_size: int, out: Path) -> None:
+    """A tokenizer with ``vocab_size`` entries so every id the random model emits can be decoded."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    vocab.update({f"w{i}": i for i in range(len(vocab), vocab_size - 3)})
+    vocab.update({"<|endoftext|>": vocab_size - 3, "<|im_start|>": vocab_size - 2, "<|im_end|>": vocab_size - 1})
+    tok = Tokenizer(models.BPE(vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+    }))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3.5-9b")
+    parser.add_argument("--bits", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=64)
+    parser.add_argument("--quantize-head", action="store_true", help="quantize the head too (default bf16)")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    start = time.perf_counter()
+    text = dict(COMMON, **SHAPES[args.shape])
+    config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+              "text_config": text, "tie_word_embeddings": text["tie_word_embeddings"]}
+    model_cls, args_cls = get_model_classes(config)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(config))
+    model.set_dtype(mx.bfloat16)
+    lm = model.language_model
+    head = MTPHead(lm.args.hidden_size, lm.args.rms_norm_eps, model.make_head_layer(moe=False))
+    head.set_dtype(mx.bfloat16)
+    model, config = quantize_model(model, config, args.group_size, args.bits)
+    if args.quantize_head:
+        quantize_head(head, args.bits, args.group_size)
+    lm.mtp = head
+    args.out.mkdir(parents=True, exist_ok=False)
+    save_model(args.out, model)
+    save_config(config, args.out / "config.json")
+    word_tokenizer(text["vocab_size"], args.out)
+    size = sum(f.stat().st_size for f in args.out.glob("*.safetensors"))
+    print(f"{args.out}: {args.shape} {args.bits}-bit, {size / 1e9:.2f} GB, {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
