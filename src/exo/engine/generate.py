@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -48,7 +48,7 @@ from .sampling import (
 from .stats import NativeMTPStats, StatsRecorder
 
 NativeMTPMode = Literal["auto", "on", "off"]
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "cancelled"]
 MAX_FORCED_K = 8
 HEAD_FLUSH_ROWS = 256
 
@@ -80,6 +80,8 @@ class GenerationRequest:
     stop: Sequence[str] = ()
     native_mtp: NativeMTPMode = "auto"
     mtp_k: int | None = None  # force a depth (0..8); None: adaptive
+    # Polled once per decode step or speculative round; True ends the generation ("cancelled").
+    should_stop: Callable[[], bool] | None = None
 
 
 @dataclass
@@ -331,6 +333,8 @@ class _Run:
         self.recorder.plain_steps(0)
         yield from self._drain()
         while self.output.finish is None:
+            if self._cancelled():
+                break
             k = self.policy.choose() if self.policy is not None else 0
             if self.track_head and self.policy is not None and not self.policy.mtp_can_pay_off:
                 # Measured rounds showed drafting cannot pay off here: stop feeding the head.
@@ -347,6 +351,13 @@ class _Run:
         final.finish_reason = self.output.finish
         final.stats = stats
         yield final
+
+    def _cancelled(self) -> bool:
+        stop = self.request.should_stop
+        if stop is not None and stop():
+            self.output.finish = "cancelled"
+            return True
+        return False
 
     def _drain(self) -> Iterator[GenerationChunk]:
         """Yield what can be shown so far; once finished, everything left goes in the final chunk."""
@@ -373,7 +384,7 @@ class _Run:
                 # Long plain stretches: keep the head cache current in batches, off the token path.
                 out = self._flush_head()
                 mx.async_eval(out, self.head_cache.state)
-            if self.output.finish is not None or following is None:
+            if self.output.finish is not None or following is None or self._cancelled():
                 break
             token = following
         self.recorder.plain_steps(emitted)
