@@ -208,6 +208,17 @@ def _sidecar_convention(metadata: dict[str, str]) -> NormConvention:
     return "mlx" if metadata.get("format") == "mlx" else "hf"
 
 
+def cpu_compatible(module: nn.Module) -> None:
+    """MLX's CPU backend multiplies gathered experts (unquantized ``gather_mm``) in float32 only."""
+    if mx.default_device() != mx.cpu:
+        return
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    for _, leaf in module.named_modules():
+        if isinstance(leaf, SwitchLinear) and leaf.weight.dtype in (mx.bfloat16, mx.float16):
+            leaf.weight = leaf.weight.astype(mx.float32)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Head weights -> MLX module
 
@@ -293,6 +304,7 @@ def build_head(
                 f"the backbone needs {tuple(expected[name].shape)}"
             )
     head.load_weights(list(weights.items()))
+    cpu_compatible(head)
     head.eval()
     mx.eval(head.parameters())
     status = HeadStatus(
@@ -381,6 +393,7 @@ def load_checkpoint(
         raise
     except (ValueError, KeyError, FileNotFoundError, RuntimeError) as e:
         raise CheckpointError(f"{path}: the weights do not match config.json: {e}") from e
+    cpu_compatible(model)
     try:
         tokenizer = load_tokenizer(path)
     except Exception as e:

@@ -1,0 +1,244 @@
+"""Native-MTP generation on genuine tiny checkpoints: exactness, stop handling, fallbacks."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+
+from exo.engine import (
+    Engine,
+    EngineConfig,
+    GenerationRequest,
+    NativeMTPUnavailableError,
+    SamplingParams,
+    load_checkpoint,
+)
+
+ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_6_moe", "qwen3_next")
+CHUNK = 8  # small prefill chunks, so prompts cross chunk boundaries
+PROMPT_LENGTHS = (1, 2, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 3)
+MAX_TOKENS = 24
+
+
+@functools.cache
+def _loaded(path):
+    return load_checkpoint(path)
+
+
+def _engine(path, **config) -> Engine:
+    return Engine(_loaded(path), EngineConfig(prefill_chunk=CHUNK, **config))
+
+
+def _prompt(loaded, length: int) -> list[int]:
+    ids = loaded.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n    return fib")
+    while len(ids) < length:
+        ids = ids + ids
+    return ids[:length]
+
+
+def _greedy(engine: Engine, prompt, **request):
+    return engine.complete(GenerationRequest(prompt, max_tokens=request.pop("max_tokens", MAX_TOKENS), **request))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("depth", [1, 2, 3, None], ids=["k1", "k2", "k3", "adaptive"])
+def test_greedy_mtp_equals_plain_decoding(checkpoint, arch, depth):
+    path = checkpoint(arch, dtype="float32")
+    engine = _engine(path)
+    drafted = accepted = 0
+    for length in PROMPT_LENGTHS:
+        prompt = _prompt(engine.loaded, length)
+        plain = _greedy(engine, prompt, native_mtp="off")
+        mtp = _greedy(engine, prompt, native_mtp="on", mtp_k=depth)
+        assert mtp.token_ids == plain.token_ids, f"prompt length {length}"
+        assert mtp.text == plain.text
+        assert mtp.finish_reason == plain.finish_reason
+        assert mtp.stats.enabled and not plain.stats.enabled
+        drafted += mtp.stats.drafted_tokens
+        accepted += mtp.stats.accepted_tokens
+    if depth is not None:
+        # Both paths ran many times: the trained head agrees often, but not always.
+        assert accepted >= 0.3 * drafted, (accepted, drafted)
+        assert accepted < drafted
+
+
+@pytest.mark.parametrize("arch", ("qwen3_5", "qwen3_next"))
+def test_random_head_rejects_and_output_is_still_exact(checkpoint, arch):
+    engine = _engine(checkpoint(arch, head="random", dtype="float32"))
+    prompt = _prompt(engine.loaded, 12)
+    plain = _greedy(engine, prompt, native_mtp="off")
+    mtp = _greedy(engine, prompt, mtp_k=2)
+    assert mtp.token_ids == plain.token_ids
+    assert mtp.stats.rounds > 0
+    assert mtp.stats.acceptance_rate < 0.3
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bfloat16_checkpoints_are_exact_too(checkpoint, arch):
+    engine = _engine(checkpoint(arch))
+    prompt = _prompt(engine.loaded, 9)
+    plain = _greedy(engine, prompt, native_mtp="off")
+    for depth in (1, 3):
+        assert _greedy(engine, prompt, mtp_k=depth).token_ids == plain.token_ids
+
+
+def test_sync_and_async_draft_evaluation_agree(checkpoint):
+    path = checkpoint("qwen3_5", dtype="float32")
+    prompt = _prompt(_loaded(path), 10)
+    a = _greedy(_engine(path, async_draft_eval=True), prompt, mtp_k=3)
+    b = _greedy(_engine(path, async_draft_eval=False), prompt, mtp_k=3)
+    assert a.token_ids == b.token_ids
+    assert a.stats.accepted_tokens == b.stats.accepted_tokens
+
+
+@pytest.mark.parametrize("arch", ("qwen3_5_moe", "qwen3_6_moe", "qwen3_next"))
+def test_moe_verify_modes_are_equivalent(checkpoint, arch):
+    path = checkpoint(arch, dtype="float32")
+    prompt = _prompt(_loaded(path), 11)
+    plain = _greedy(_engine(path), prompt, native_mtp="off")
+    for mode in ("route_locked", "safe", "batched"):
+        result = _greedy(_engine(path, moe_verify=mode), prompt, mtp_k=2)
+        assert result.token_ids == plain.token_ids, mode
+
+
+def test_penalties_are_exact_on_the_mtp_path(checkpoint):
+    engine = _engine(checkpoint("qwen3_5", dtype="float32"))
+    prompt = engine.loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
+    sampling = SamplingParams(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3)
+    plain = _greedy(engine, prompt, native_mtp="off", sampling=sampling, max_tokens=32)
+    unpenalised = _greedy(engine, prompt, native_mtp="off", max_tokens=32)
+    assert plain.token_ids != unpenalised.token_ids  # the penalties do something here
+    for depth in (1, 3):
+        assert _greedy(engine, prompt, mtp_k=depth, sampling=sampling, max_tokens=32).token_ids == plain.token_ids
+
+
+# -- stopping exactly --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dense(checkpoint):
+    # The fixture models answer in a few tokens; without an EOS they keep going, so runs are long.
+    return dataclasses.replace(_loaded(checkpoint("qwen3_5", dtype="float32")), eos_token_ids=frozenset())
+
+
+def test_max_tokens_inside_an_accepted_run(dense):
+    engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK))
+    prompt = _prompt(dense, 10)
+    full = _greedy(engine, prompt, native_mtp="off", max_tokens=40).token_ids
+    for limit in range(1, 14):
+        result = _greedy(engine, prompt, mtp_k=3, max_tokens=limit)
+        assert result.token_ids == full[:limit]
+        assert result.finish_reason == "length"
+        assert result.stats.completion_tokens == limit
+
+
+def test_eos_inside_an_accepted_run(dense):
+    prompt = _prompt(dense, 10)
+    full = _greedy(Engine(dense), prompt, native_mtp="off", max_tokens=40).token_ids
+    for position in (1, 5, 9, 17):
+        eos_token = full[position]
+        stop_at = full.index(eos_token)  # its first occurrence ends the generation
+        loaded = dataclasses.replace(dense, eos_token_ids=frozenset({eos_token}))
+        engine = Engine(loaded, EngineConfig(prefill_chunk=CHUNK))
+        plain = _greedy(engine, prompt, native_mtp="off", max_tokens=40)
+        mtp = _greedy(engine, prompt, mtp_k=3, max_tokens=40)
+        assert plain.token_ids == full[: stop_at + 1]
+        assert mtp.token_ids == plain.token_ids
+        assert mtp.finish_reason == plain.finish_reason == "stop"
+        assert mtp.text == plain.text
+
+
+def test_stop_string_inside_an_accepted_run(dense):
+    engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK))
+    prompt = _prompt(dense, 10)
+    full = _greedy(engine, prompt, native_mtp="off", max_tokens=40)
+    assert len(full.text) > 12
+    for start in (3, 7, 11):
+        stop = full.text[start : start + 2]
+        expected = full.text[: full.text.index(stop)]
+        plain = _greedy(engine, prompt, native_mtp="off", max_tokens=40, stop=[stop])
+        mtp = _greedy(engine, prompt, mtp_k=3, max_tokens=40, stop=[stop])
+        assert plain.text == mtp.text == expected
+        assert plain.finish_reason == mtp.finish_reason == "stop"
+        assert mtp.token_ids == plain.token_ids
+
+
+def test_streamed_text_equals_the_whole(dense):
+    engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK))
+    prompt = _prompt(dense, 10)
+    chunks = list(engine.generate(GenerationRequest(prompt, max_tokens=30, mtp_k=2, stop=["zzz"])))
+    whole = _greedy(engine, prompt, max_tokens=30, mtp_k=2, stop=["zzz"])
+    assert "".join(c.text for c in chunks) == whole.text
+    assert [t for c in chunks for t in c.token_ids] == whole.token_ids
+    assert chunks[-1].finish_reason == "length" and chunks[-1].stats is not None
+    assert all(c.finish_reason is None and c.stats is None for c in chunks[:-1])
+
+
+def test_cancellation_ends_generation(dense):
+    engine = Engine(dense)
+    calls = []
+
+    def should_stop() -> bool:
+        calls.append(1)
+        return len(calls) > 3
+
+    result = engine.complete(GenerationRequest(_prompt(dense, 5), max_tokens=200, should_stop=should_stop))
+    assert result.finish_reason == "cancelled"
+    assert result.stats.completion_tokens < 200
+
+
+def test_nothing_stale_between_requests(dense):
+    engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK))
+    first, second = _prompt(dense, 13), _prompt(dense, 4)
+    _greedy(engine, first, mtp_k=3, max_tokens=7)  # ends mid-round, leaving speculative state behind
+    again = _greedy(engine, second, mtp_k=3)
+    fresh = _greedy(Engine(dense, EngineConfig(prefill_chunk=CHUNK)), second, mtp_k=3)
+    assert again.token_ids == fresh.token_ids
+    assert again.stats.accepted_tokens == fresh.stats.accepted_tokens
+
+
+# -- availability ------------------------------------------------------------------------------------
+
+
+def test_declared_but_missing_head_runs_plain_with_a_reason(checkpoint):
+    loaded = load_checkpoint(checkpoint("qwen3_5", layout="mlx"))
+    assert loaded.head is None
+    reason = loaded.head_status.reason
+    assert "mtp" in reason and "mlx-community" in reason and "mtp.safetensors" in reason
+    engine = Engine(loaded)
+    prompt = _prompt(loaded, 6)
+    result = _greedy(engine, prompt)
+    assert not result.stats.enabled and result.stats.reason == reason
+    with pytest.raises(NativeMTPUnavailableError, match="mtp"):
+        _greedy(engine, prompt, native_mtp="on")
+
+
+def test_disabled_by_setting_runs_plain_with_a_reason(dense):
+    engine = Engine(dense, EngineConfig(native_mtp_enabled=False))
+    result = _greedy(engine, _prompt(dense, 6))
+    assert not result.stats.enabled and "disabled" in result.stats.reason
+    with pytest.raises(NativeMTPUnavailableError, match="disabled"):
+        _greedy(engine, _prompt(dense, 6), native_mtp="on")
+
+
+def test_off_per_request(dense):
+    result = _greedy(Engine(dense), _prompt(dense, 6), native_mtp="off")
+    assert not result.stats.enabled and "off" in result.stats.reason
+    assert result.stats.rounds == 0
+
+
+def test_stats_are_consistent(dense):
+    result = _greedy(Engine(dense, EngineConfig(prefill_chunk=CHUNK)), _prompt(dense, 10), mtp_k=2, max_tokens=30)
+    s = result.stats
+    assert s.mode == "single_node" and s.k == 2 and s.k_fixed
+    assert s.k_histogram == {2: s.rounds}
+    assert s.drafted_tokens == 2 * s.rounds
+    assert 0 <= s.accepted_tokens <= s.drafted_tokens
+    assert s.acceptance_rate == pytest.approx(s.accepted_tokens / s.drafted_tokens, abs=1e-4)
+    assert len(s.per_position_acceptance) == 2 and s.per_position_drafted[0] == s.rounds
+    # Every round emits its accepted drafts plus one token; the first token comes from prefill.
+    assert s.completion_tokens <= 1 + s.rounds + s.accepted_tokens
+    assert s.prompt_tokens == 10 and s.completion_tokens == 30
+    assert s.ttft_ms > 0 and s.decode_tokens_per_s > 0

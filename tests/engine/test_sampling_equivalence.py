@@ -1,0 +1,86 @@
+"""MTP sampling draws from the same distribution as plain sampling (two-sample chi-squared tests)."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from scipy.stats import chi2_contingency
+
+from exo.engine import Engine, GenerationRequest, SamplingParams, load_checkpoint
+
+RUNS = 300
+LENGTH = 3  # token 0 comes from prefill; tokens 1 and 2 from speculative rounds
+
+
+@functools.cache
+def _engine(path) -> Engine:
+    return Engine(load_checkpoint(path))
+
+
+@functools.cache
+def _cached_samples(engine: Engine, prompt: tuple[int, ...], sampling: tuple, mode: str, k: int | None):
+    return _sample_runs(engine, list(prompt), dict(sampling), native_mtp=mode, mtp_k=k)
+
+
+def _samples(engine: Engine, prompt, sampling: dict, native_mtp: str = "auto", mtp_k: int | None = None):
+    return _cached_samples(engine, tuple(prompt), tuple(sorted(sampling.items())), native_mtp, mtp_k)
+
+
+def _sample_runs(engine: Engine, prompt, sampling: dict, **request) -> tuple[np.ndarray, int, int]:
+    rows, drafted, accepted = [], 0, 0
+    for seed in range(RUNS):
+        result = engine.complete(
+            GenerationRequest(prompt, max_tokens=LENGTH, sampling=SamplingParams(seed=seed, **sampling), **request)
+        )
+        rows.append((result.token_ids + [-1] * LENGTH)[:LENGTH])
+        drafted += result.stats.drafted_tokens
+        accepted += result.stats.accepted_tokens
+    return np.array(rows), drafted, accepted
+
+
+def _same_distribution_pvalue(a: np.ndarray, b: np.ndarray) -> float:
+    """Two-sample chi-squared on the joint (token1, token2) outcomes, rare outcomes pooled."""
+    keys_a = [tuple(r) for r in a]
+    keys_b = [tuple(r) for r in b]
+    outcomes = sorted(set(keys_a) | set(keys_b))
+    counts = np.array([[keys_a.count(o) for o in outcomes], [keys_b.count(o) for o in outcomes]])
+    common = counts.sum(axis=0) >= 10
+    table = np.column_stack([counts[:, common], counts[:, ~common].sum(axis=1)])
+    table = table[:, table.sum(axis=0) > 0]
+    return float(chi2_contingency(table).pvalue)
+
+
+@pytest.fixture(scope="module")
+def setup(checkpoint):
+    engine = _engine(checkpoint("qwen3_5", dtype="float32"))
+    prompt = engine.loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Tell me something."}], add_generation_prompt=True
+    )
+    return engine, prompt
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 1.0},
+        {"temperature": 0.8, "top_p": 0.9, "top_k": 20},
+        {"temperature": 1.2, "min_p": 0.05},
+    ],
+    ids=["t1", "top_p_top_k", "min_p"],
+)
+def test_mtp_sampling_matches_plain_sampling(setup, sampling):
+    engine, prompt = setup
+    plain, _, _ = _samples(engine, prompt, sampling, native_mtp="off")
+    mtp, drafted, accepted = _samples(engine, prompt, sampling, mtp_k=2)
+    assert 0 < accepted < drafted, "both the accept and the reject path must run"
+    pvalue = _same_distribution_pvalue(plain[:, 1:], mtp[:, 1:])
+    assert pvalue > 1e-3, pvalue
+
+
+def test_the_check_has_power(setup):
+    engine, prompt = setup
+    hot, _, _ = _samples(engine, prompt, {"temperature": 1.0}, native_mtp="off")
+    cold, _, _ = _samples(engine, prompt, {"temperature": 0.4}, native_mtp="off")
+    assert _same_distribution_pvalue(hot[:, 1:], cold[:, 1:]) < 1e-3
