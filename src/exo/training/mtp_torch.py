@@ -57,6 +57,12 @@ class MTPHead(nn.Module):
         self.layers = nn.ModuleList([_decoder_layer_class(backbone)(config, full_index)])
         self.norm = norm_cls(hidden, eps=config.rms_norm_eps)
         self._full_index = full_index
+        # Initialise like the backbone's own modules (zero-centred norms, N(0, initializer_range) linears,
+        # router and experts): without this the MoE experts keep torch.empty's uninitialised memory.
+        # The text model's own method: its config (the text config) has initializer_range.
+        init_weights = getattr(_text_model(backbone), "_init_weights", None)
+        if init_weights is not None:
+            self.apply(init_weights)
 
     def forward(
         self,
@@ -80,8 +86,12 @@ class MTPHead(nn.Module):
         if getattr(text.rotary_emb, "mrope_section", None) is not None:
             rotary_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
         position_embeddings = text.rotary_emb(x, rotary_ids)
+        # An explicit causal mask: with none, only SDPA is causal (it falls back to is_causal); eager
+        # attention would let every row attend to later rows.
+        mask = torch.full((length, length), torch.finfo(x.dtype).min, dtype=x.dtype, device=x.device)
+        mask = mask.triu(1)[None, None].expand(batch, 1, -1, -1)
         for layer in self.layers:
-            x = layer(x, position_embeddings=position_embeddings, position_ids=position_ids)
+            x = layer(x, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids)
         return self.norm(x)
 
     def logits(self, backbone: nn.Module, out: torch.Tensor) -> torch.Tensor:
