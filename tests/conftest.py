@@ -1,0 +1,63 @@
+"""Session fixtures: genuine tiny checkpoints of every target architecture, built once and cached.
+
+    def test_something(checkpoint, tokenizer_dir):
+        path = checkpoint("qwen3_5_moe", layout="hf", head="trained", dtype="float32")
+
+``checkpoint(arch, layout="hf", head=None, dtype="bfloat16") -> Path``
+    arch: "qwen3_5" | "qwen3_5_moe" | "qwen3_6_moe" | "qwen3_next"
+    layout: "hf" | "mlx" | "mlx_q4" | "mlx_sidecar" | "mlx_q4_sidecar"
+    head: "trained" | "random" | "none" (default: "trained", or "none" for mlx / mlx_q4)
+    dtype: "bfloat16" | "float32"
+``malformed_checkpoint(kind, arch="qwen3_5") -> Path`` with kind in fixtures.MALFORMED.
+``tokenizer_dir -> Path``; ``fixture_store -> fixtures.FixtureStore``.
+
+Returned directories live in pytest's cache (``.pytest_cache/d/exo_fixtures/<key>``) and are shared by
+every test and later sessions: never modify them (copy to tmp_path first). Each file's
+``exo_fixture.json`` says what was built and the measured head agreement.
+Set EXO_FIXTURE_DIR to keep the cache somewhere else (e.g. shared by several worktrees).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+# Torch's default of one thread per core thrashes when this small CPU is shared (a 1.5 s check took 40 s
+# with two threads under load). Set before anything imports torch; an explicit value is respected.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+_SRC = Path(__file__).resolve().parents[1] / "src"
+if _SRC.is_dir() and str(_SRC) not in sys.path:
+    sys.path.insert(0, str(_SRC))
+
+from fixtures import FixtureStore  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def fixture_store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> FixtureStore:
+    if os.environ.get("EXO_FIXTURE_DIR"):
+        root = Path(os.environ["EXO_FIXTURE_DIR"])
+    elif request.config.cache is not None:
+        root = request.config.cache.mkdir("exo_fixtures")
+    else:  # cacheprovider disabled (-p no:cacheprovider): build per session
+        root = tmp_path_factory.mktemp("exo_fixtures")
+    return FixtureStore(root)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(fixture_store: FixtureStore) -> Path:
+    return fixture_store.tokenizer_dir()
+
+
+@pytest.fixture(scope="session")
+def checkpoint(fixture_store: FixtureStore) -> Callable[..., Path]:
+    return fixture_store.checkpoint
+
+
+@pytest.fixture(scope="session")
+def malformed_checkpoint(fixture_store: FixtureStore) -> Callable[..., Path]:
+    return fixture_store.malformed
