@@ -79,6 +79,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="list the models exo knows and which are on this machine")
     models.add_argument("--json", action="store_true")
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API on this machine")
+    serve.add_argument("--host", default=None, help="address to listen on (default: settings api_host, 0.0.0.0)")
+    serve.add_argument("--port", type=int, default=None, help="port (default: settings api_port, 52415)")
+    serve.add_argument(
+        "--model",
+        default=None,
+        help="load this model at start and make it the default (card id, repo id or directory); "
+        "without it, models load when a request names them",
+    )
+    serve.add_argument(
+        "--load-timeout",
+        type=float,
+        default=None,
+        help="seconds a request waits for its model to load (default: the request timeout)",
+    )
+    serve.add_argument("--max-loaded", type=int, default=1, help="models kept in memory at once (default 1)")
     return parser
 
 
@@ -135,6 +152,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from exo.cli.models import models_command
 
             return models_command(args)
+        if args.command == "serve":
+            from exo.cli.serve import serve_command
+
+            return serve_command(args)
     except user_errors as e:
         message = e.args[0] if isinstance(e, LookupError) and e.args else str(e)
         print(f"exo: error: {message}", file=sys.stderr)

@@ -1,0 +1,77 @@
+"""Prometheus metrics of one server (its own registry, never prometheus-client's global one).
+
+Counters are updated from the event loop (HTTP requests, errors) and from the device worker thread
+(tokens, native-MTP drafts); prometheus-client's metrics are thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from exo.engine import NativeMTPStats
+
+_FAST = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_SLOW = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.http_requests = Counter(
+            "exo_http_requests", "HTTP requests by route and status", ["method", "route", "status"], registry=r
+        )
+        self.errors = Counter("exo_api_errors", "Error responses by error code", ["code"], registry=r)
+        self.generations = Counter(
+            "exo_generations", "Finished generations by model and finish reason", ["model", "finish_reason"], registry=r
+        )
+        self.prompt_tokens = Counter("exo_prompt_tokens", "Prompt tokens processed", ["model"], registry=r)
+        self.completion_tokens = Counter("exo_completion_tokens", "Tokens generated", ["model"], registry=r)
+        self.drafted = Counter("exo_native_mtp_drafted_tokens", "MTP draft tokens verified", ["model"], registry=r)
+        self.accepted = Counter("exo_native_mtp_accepted_tokens", "MTP draft tokens accepted", ["model"], registry=r)
+        self.acceptance = Gauge(
+            "exo_native_mtp_acceptance_rate", "Accepted / drafted tokens since start", ["model"], registry=r
+        )
+        self.queue_depth = Gauge("exo_queue_depth", "Requests waiting for the device", registry=r)
+        self.running = Gauge("exo_generations_running", "Generations running on the device", registry=r)
+        self.models_loaded = Gauge("exo_models_loaded", "Models loaded in memory", registry=r)
+        self.queue_wait = Histogram("exo_queue_wait_seconds", "Time from arrival to the device", registry=r, buckets=_SLOW)
+        self.ttft = Histogram("exo_ttft_seconds", "Prefill to first token on the device", registry=r, buckets=_FAST)
+        self.generation_time = Histogram(
+            "exo_generation_seconds", "Device time of one generation", registry=r, buckets=_SLOW
+        )
+        self.cancel_latency = Histogram(
+            "exo_cancel_latency_seconds", "From a cancellation (disconnect, timeout) to the device being free",
+            registry=r, buckets=_FAST,
+        )
+        self._lock = threading.Lock()
+        self._mtp_totals: dict[str, list[int]] = {}
+
+    def record_generation(self, model: str, finish_reason: str, stats: NativeMTPStats | None) -> None:
+        self.generations.labels(model, finish_reason).inc()
+        if stats is None:
+            return
+        self.prompt_tokens.labels(model).inc(stats.prompt_tokens)
+        self.completion_tokens.labels(model).inc(stats.completion_tokens)
+        self.ttft.observe(stats.ttft_ms / 1000.0)
+        if stats.drafted_tokens:
+            self.drafted.labels(model).inc(stats.drafted_tokens)
+            self.accepted.labels(model).inc(stats.accepted_tokens)
+            with self._lock:
+                totals = self._mtp_totals.setdefault(model, [0, 0])
+                totals[0] += stats.drafted_tokens
+                totals[1] += stats.accepted_tokens
+                self.acceptance.labels(model).set(totals[1] / totals[0])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,139 @@
+"""The OpenAPI 3.1 document of the server (``GET /openapi.json``), built from the pydantic models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from exo import __version__
+
+from . import schemas as s
+
+_REF = "#/components/schemas/{model}"
+_ERRORS = {
+    "400": "invalid request (malformed JSON, wrong types, bad values, unsupported fields, context too long)",
+    "401": "missing or wrong API key (when the server has one)",
+    "404": "unknown model, or a known model that is not on this machine",
+    "408": "the request ran past the server's request timeout",
+    "413": "the request body is too large",
+    "429": "the request queue is full (see Retry-After)",
+    "500": "the model could not be loaded, or an internal error",
+    "503": "the model is still loading (see Retry-After)",
+}
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": _REF.format(model=model.__name__)}
+
+
+def _json(model: type[BaseModel] | dict[str, Any], description: str) -> dict[str, Any]:
+    schema = _ref(model) if isinstance(model, type) else model
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _error_responses(*codes: str) -> dict[str, Any]:
+    out = {}
+    for code in codes:
+        response = _json(s.ErrorResponse, _ERRORS[code])
+        if code in ("429", "503"):
+            response["headers"] = {"Retry-After": {"schema": {"type": "string"}, "description": "seconds"}}
+        out[code] = response
+    return out
+
+
+def _generation(request: type[BaseModel], response: type[BaseModel], chunk: type[BaseModel], summary: str) -> dict:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+            "responses": {
+                "200": {
+                    "description": f"stream false: one {response.__name__}; stream true: server-sent events, "
+                    f"each `data: <{chunk.__name__}>`, ending with `data: [DONE]` (an error mid-stream is "
+                    "sent as `data: <ErrorResponse>` before it)",
+                    "content": {
+                        "application/json": {"schema": _ref(response)},
+                        "text/event-stream": {"schema": {"type": "string"}},
+                    },
+                },
+                **_error_responses("400", "401", "404", "408", "413", "429", "500", "503"),
+            },
+        }
+    }
+
+
+def build_openapi() -> dict[str, Any]:
+    models: list[tuple[type[BaseModel], Any]] = [
+        (m, "validation") for m in (s.ChatCompletionRequest, s.CompletionRequest, s.SettingsUpdate)
+    ] + [
+        (m, "serialization")
+        for m in (
+            s.ChatCompletion,
+            s.ChatCompletionChunk,
+            s.Completion,
+            s.ModelList,
+            s.ModelObject,
+            s.SettingsView,
+            s.Health,
+            s.ErrorResponse,
+        )
+    ]
+    _, top = models_json_schema(models, ref_template=_REF)
+    settings_view = _json(s.SettingsView, "the node's writable settings and where their values came from")
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "exo",
+            "version": __version__,
+            "description": "OpenAI-compatible API of an exo node, with native-MTP speculative decoding stats. "
+            "When the server has an API key (EXO_API_KEY), /v1/* needs `Authorization: Bearer <key>`.",
+        },
+        "paths": {
+            "/health": {"get": {"summary": "liveness and load", "responses": {"200": _json(s.Health, "the node is up")}}},
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics",
+                    "responses": {
+                        "200": {
+                            "description": "Prometheus text exposition format",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        }
+                    },
+                }
+            },
+            "/openapi.json": {
+                "get": {"summary": "this document", "responses": {"200": _json({"type": "object"}, "OpenAPI 3.1")}}
+            },
+            "/v1/models": {
+                "get": {
+                    "summary": "loaded models, then local ones (bundled first), then the rest of the catalog",
+                    "responses": {"200": _json(s.ModelList, "the models"), **_error_responses("401")},
+                }
+            },
+            "/v1/models/{model}": {
+                "get": {
+                    "summary": "one model",
+                    "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+                    "responses": {"200": _json(s.ModelObject, "the model"), **_error_responses("401", "404")},
+                }
+            },
+            "/v1/chat/completions": _generation(
+                s.ChatCompletionRequest, s.ChatCompletion, s.ChatCompletionChunk, "chat completion (chat template)"
+            ),
+            "/v1/completions": _generation(s.CompletionRequest, s.Completion, s.Completion, "text completion"),
+            "/v1/settings": {
+                "get": {"summary": "node settings", "responses": {"200": settings_view, **_error_responses("401")}},
+                "put": {
+                    "summary": "change node settings (persisted in the node's settings file; next request on)",
+                    "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(s.SettingsUpdate)}}},
+                    "responses": {"200": settings_view, **_error_responses("400", "401", "413", "500")},
+                },
+            },
+        },
+        "components": {
+            "schemas": top.get("$defs", {}),
+            "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},
+        },
+    }

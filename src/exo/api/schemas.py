@@ -1,0 +1,362 @@
+"""Request and response bodies of the API as pydantic models: validation, and the OpenAPI schemas.
+
+Requests are validated strictly (JSON types as documented, unknown fields rejected), so a typo or a
+feature exo does not have is a 400, never silently ignored. OpenAI fields exo does not implement
+(tools, logprobs, response_format, n > 1, ...) are accepted only with their "off" value and are
+otherwise rejected by ``reject_unsupported`` with ``code: "unsupported_parameter"``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from exo.engine.generate import MAX_FORCED_K
+from exo.engine.stats import NativeMTPStats
+
+from .errors import APIError
+
+MAX_STOP_SEQUENCES = 16
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
+# Known OpenAI fields exo does not implement, with the values that ask for nothing (accepted, dropped).
+_OFF: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True, False),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "verbosity": (None,),
+}
+_COMPLETIONS_OFF: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+}
+
+
+def _same(a: Any, b: Any) -> bool:
+    # 0 == False in Python; a JSON false must not match an allowed 0 (or the reverse).
+    return type(a) is type(b) and a == b
+
+
+def reject_unsupported(body: dict[str, Any], endpoint: Literal["chat", "completions"]) -> dict[str, Any]:
+    """Raise a 400 for OpenAI features exo does not implement; drop the ones sent with their off value."""
+    off = _OFF if endpoint == "chat" else _COMPLETIONS_OFF
+    out = {}
+    for key, value in body.items():
+        if key in off:
+            if not any(_same(value, allowed) for allowed in off[key]):
+                raise _unsupported(key, f"{key!r} is not supported by exo")
+            continue
+        out[key] = value
+    n = out.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+        raise _unsupported("n", "n > 1 is not supported by exo: send one request per completion")
+    if endpoint == "chat" and isinstance(out.get("messages"), list):
+        for i, message in enumerate(out["messages"]):
+            if isinstance(message, dict):
+                _reject_unsupported_message(message, f"messages.{i}")
+    if endpoint == "completions" and isinstance(out.get("prompt"), list):
+        prompt = out["prompt"]
+        several_texts = len(prompt) > 1 and all(isinstance(p, str) for p in prompt)
+        if several_texts or (prompt and all(isinstance(p, list) for p in prompt)):
+            raise _unsupported("prompt", "several prompts in one request are not supported: send one each")
+    return out
+
+
+def _reject_unsupported_message(message: dict[str, Any], where: str) -> None:
+    role = message.get("role")
+    if role in ("tool", "function"):
+        raise _unsupported(f"{where}.role", f"{role!r} messages are not supported by exo (no tool calling)")
+    for key in ("tool_calls", "function_call", "audio"):
+        if message.get(key) not in (None, []):
+            raise _unsupported(f"{where}.{key}", f"{key!r} in messages is not supported by exo")
+    content = message.get("content")
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise _unsupported(
+                    f"{where}.content.{j}.type", f"content parts of type {kind!r} are not supported: text only"
+                )
+
+
+def _unsupported(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param, code="unsupported_parameter")
+
+
+# -- requests ------------------------------------------------------------------------------------------
+
+
+class NativeMTPOptions(BaseModel):
+    """exo extension: native-MTP speculative decoding for this request."""
+
+    model_config = _STRICT
+
+    enabled: bool | None = Field(
+        default=None,
+        description="false: plain decoding; true or absent: use the model's MTP head when it can run "
+        "(the response's native_mtp stats say why not otherwise)",
+    )
+    k: int | None = Field(
+        default=None, ge=0, le=MAX_FORCED_K, description="force the draft depth (0 = plain); absent: adaptive"
+    )
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+
+    include_usage: bool | None = Field(
+        default=None, description="send a last chunk with empty choices and the same usage as non-streaming"
+    )
+
+
+class TextPart(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+
+class GenerationFields(BaseModel):
+    """Fields shared by both generation endpoints (OpenAI names, exo's engine limits)."""
+
+    model_config = _STRICT
+
+    model: str | None = Field(
+        default=None,
+        description="a model id from GET /v1/models (card id or Hugging Face repo id); absent or null: the "
+        "server's default model (exo serve --model, else the bundled exo-demo)",
+    )
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=100, description="default 1.0")
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0, description="exo extension; 0 disables it")
+    min_p: float | None = Field(default=None, ge=0, le=1, description="exo extension")
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(
+        default=None, gt=0, le=10, description="exo extension: multiplicative (mlx-lm semantics)"
+    )
+    stop: str | list[str] | None = Field(default=None, description="up to 16 stop strings")
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(default=None, ge=1, le=1, description="only 1 is supported")
+    user: str | None = Field(default=None, description="accepted for compatibility; not used")
+    native_mtp: NativeMTPOptions | None = None
+
+    def stop_list(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise APIError(400, f"at most {MAX_STOP_SEQUENCES} stop sequences", param="stop", code="invalid_value")
+        return stops
+
+    def check_combinations(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise APIError(
+                400, "stream_options is only allowed with stream: true", param="stream_options", code="invalid_value"
+            )
+        mtp = self.native_mtp
+        if mtp is not None and mtp.enabled is False and mtp.k is not None:
+            raise APIError(
+                400,
+                "native_mtp.k needs native MTP: drop k, or set enabled to true",
+                param="native_mtp.k",
+                code="invalid_value",
+            )
+
+
+class ChatCompletionRequest(GenerationFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, description="same as max_tokens")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="exo extension: extra variables for the chat template (e.g. enable_thinking)"
+    )
+
+    def completion_budget(self) -> int | None:
+        a, b = self.max_tokens, self.max_completion_tokens
+        if a is not None and b is not None and a != b:
+            raise APIError(
+                400,
+                "max_tokens and max_completion_tokens differ; send one of them",
+                param="max_completion_tokens",
+                code="invalid_value",
+            )
+        return a if a is not None else b
+
+
+class CompletionRequest(GenerationFields):
+    prompt: str | list[int] | list[str] = Field(
+        description="text, a list of token ids, or a list holding one text"
+    )
+
+    def prompt_value(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            return prompt[0]  # reject_unsupported already refused several prompts
+        if isinstance(prompt, list) and not prompt:
+            raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+        return prompt  # type: ignore[return-value]
+
+
+class SettingsUpdate(BaseModel):
+    model_config = _STRICT
+
+    native_mtp_enabled: bool = Field(description="the node-wide native-MTP switch; persisted")
+
+
+# -- responses (documentation: handlers build these shapes as plain dicts on the hot path) -------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    native_mtp: NativeMTPStats
+    ttft_ms: float
+    decode_tokens_per_s: float
+    queue_ms: float = Field(description="time spent waiting for the device")
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One SSE event (``data: {...}``) of a streamed chat completion; the stream ends with ``data: [DONE]``."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChunkChoice]
+    native_mtp: NativeMTPStats | None = Field(default=None, description="on the chunk with finish_reason")
+    usage: Usage | None = Field(default=None, description="on the last chunk (empty choices) with include_usage")
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    native_mtp: NativeMTPStats | None = None
+
+
+class ModelNativeMTP(BaseModel):
+    default_k: int | None
+    max_k: int | None
+    available: bool
+    reason: str | None
+
+
+class ModelObject(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    status: Literal["loaded", "local", "remote"]
+    name: str | None = None
+    arch: str | None = None
+    context_length: int | None = None
+    native_mtp: ModelNativeMTP
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelObject]
+
+
+class SettingsView(BaseModel):
+    object: Literal["settings"]
+    native_mtp_enabled: bool
+    sources: dict[str, Literal["default", "file", "env", "cli", "api"]] = Field(
+        description="which source set each value: default < file < env < cli at start-up; api: PUT /v1/settings"
+    )
+    env_overrides: dict[str, str] = Field(
+        description="EXO_* variables set for these fields: they win over the settings file at the next start"
+    )
+    settings_file: str
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    models_loaded: list[str]
+    queue_depth: int
+    running: int
+    uptime_s: float
+
+
+class ErrorObject(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorObject
