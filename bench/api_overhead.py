@@ -43,6 +43,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process (Linux /proc; None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _mode(mtp: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """(engine request fields, API native_mtp field) for one mode."""
     if mtp == "off":
@@ -172,9 +181,15 @@ def main() -> None:
             engine_run(engine, args.prompt, args.max_tokens, fields)  # warm both sides
             asyncio.run(http_once())
             engine_tps, http_tps, ratios = [], [], []
+            engine_cpu = server_cpu = 0.0
             for _ in range(args.repeats):
+                cpu0 = time.process_time()
                 e_tokens, e_s = engine_run(engine, args.prompt, args.max_tokens, fields)
+                engine_cpu += time.process_time() - cpu0
+                cpu0 = _cpu_seconds(server.pid)
                 h_tokens, h_s, _ = asyncio.run(http_once())
+                cpu1 = _cpu_seconds(server.pid)
+                server_cpu += (cpu1 - cpu0) if cpu0 is not None and cpu1 is not None else float("nan")
                 assert e_tokens == h_tokens, (e_tokens, h_tokens)
                 engine_tps.append(e_tokens / e_s)
                 http_tps.append(h_tokens / h_s)
@@ -189,6 +204,9 @@ def main() -> None:
                 "http_tok_s": http_tps,
                 "http_over_engine": ratios,
                 "overhead_pct_median": round((1 - statistics.median(ratios)) * 100, 2),
+                # CPU time per 1000 tokens: less sensitive than wall time to other work on a shared CPU.
+                "engine_cpu_s_per_1k_tokens": engine_cpu / (e_tokens * args.repeats) * 1000,
+                "server_cpu_s_per_1k_tokens": server_cpu / (e_tokens * args.repeats) * 1000,
                 "concurrency": conc,
             }
     finally:
@@ -207,6 +225,11 @@ def main() -> None:
         print(
             f"  HTTP / engine    {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}) "
             f"-> overhead {r['overhead_pct_median']:.1f}% (median)"
+        )
+        e_cpu, s_cpu = r["engine_cpu_s_per_1k_tokens"], r["server_cpu_s_per_1k_tokens"]
+        print(
+            f"  CPU s per 1000 tokens: engine {e_cpu:.2f}, exo serve process {s_cpu:.2f} "
+            f"({(s_cpu / e_cpu - 1) * 100:+.1f}%)"
         )
         base = r["concurrency"][0]["aggregate_tok_s"]
         for c in r["concurrency"]:

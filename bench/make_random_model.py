@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.utils import quantize_model, save_config, save_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 

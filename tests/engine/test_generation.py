@@ -242,3 +242,19 @@ def test_stats_are_consistent(dense):
     assert s.completion_tokens <= 1 + s.rounds + s.accepted_tokens
     assert s.prompt_tokens == 10 and s.completion_tokens == 30
     assert s.ttft_ms > 0 and s.decode_tokens_per_s > 0
+
+
+@pytest.mark.parametrize("margin", [0.02, 0.2, 100.0])
+def test_near_tie_guard_decodes_those_positions_plainly(dense, margin):
+    """Rows whose top-2 logits are close are re-decoded plainly (what GPUs need): output unchanged."""
+    engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK))
+    guarded = Engine(dense, EngineConfig(prefill_chunk=CHUNK, greedy_tie_margin=margin))
+    prompt = _prompt(dense, 10)
+    plain = _greedy(engine, prompt, native_mtp="off", max_tokens=40)
+    result = _greedy(guarded, prompt, mtp_k=3, max_tokens=40)
+    assert result.token_ids == plain.token_ids
+    assert result.stats.near_tie_fallbacks > 0
+    if margin == 100.0:  # every row is a "near tie": nothing is accepted, every round falls back
+        assert result.stats.accepted_tokens == 0
+        assert result.stats.near_tie_fallbacks == result.stats.rounds
+    assert _greedy(engine, prompt, mtp_k=3, max_tokens=40).stats.near_tie_fallbacks == 0  # CPU default: off

@@ -63,14 +63,15 @@ def test_recorded_verify_commits_exactly_the_sequential_state(make):
         seq_out.append(layer(rows[:, t : t + 1], cache=sequential))
         seq_states.append((sequential[0], sequential[1]))
     mx.eval(seq_out, seq_states)
-    for keep in range(1, 5):
+    start = _prefilled(layer, context)
+    for keep in range(0, 5):
         cache = _prefilled(layer, context)
         cache.recording = True
         out = layer(rows, cache=cache)
         cache.recording = False
         assert mx.allclose(out, mx.concatenate(seq_out, axis=1), atol=1e-5)
         cache.commit(keep)
-        conv, ssm = seq_states[keep - 1]
+        conv, ssm = seq_states[keep - 1] if keep else (start[0], start[1])
         assert mx.array_equal(cache[0], conv)
         assert mx.allclose(cache[1], ssm, atol=1e-6)
         # Decoding goes on from the committed state exactly as it does after `keep` sequential rows.

@@ -80,9 +80,23 @@ def test_greedy_verdict():
     verdict = greedy_verdict(logits, mx.array([1, 2]))
     assert verdict.accepted.tolist() == [True, False]
     assert verdict.replacement.tolist() == [1, 0, 2]
-    assert accepted_prefix(verdict.accepted.tolist()) == 1
-    assert accepted_prefix([False, True]) == 0
-    assert accepted_prefix([True, True]) == 2
+    assert accepted_prefix(verdict.accepted.tolist()) == (1, True)
+    assert accepted_prefix([False, True]) == (0, True)
+    assert accepted_prefix([True, True]) == (2, True)
+
+
+def test_near_ties_leave_rows_undecided():
+    # Row 0: clear winner; row 1: top two 0.001 apart (relative 1e-4); row 2: clear.
+    logits = mx.array([[0.0, 9.0, 1.0], [3.0, 3.001, 1.0], [0.0, 1.0, 9.0]])
+    strict = greedy_verdict(logits, mx.array([1, 1]), tie_margin=1e-3)
+    assert strict.decided.tolist() == [True, False, True]
+    assert accepted_prefix(strict.accepted.tolist(), strict.decided.tolist()) == (1, False)
+    loose = greedy_verdict(logits, mx.array([1, 1]), tie_margin=1e-5)
+    assert loose.decided.tolist() == [True, True, True]
+    assert accepted_prefix(loose.accepted.tolist(), loose.decided.tolist()) == (2, True)
+    # An undecided first row: nothing accepted, and the row after the (empty) run is undecided.
+    first = greedy_verdict(mx.array([[1.0, 1.0], [0.0, 5.0]]), mx.array([0]), tie_margin=1e-3)
+    assert accepted_prefix(first.accepted.tolist(), first.decided.tolist()) == (0, False)
 
 
 def _probs(logits, **kw):

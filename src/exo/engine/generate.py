@@ -51,6 +51,8 @@ NativeMTPMode = Literal["auto", "on", "off"]
 FinishReason = Literal["stop", "length", "cancelled"]
 MAX_FORCED_K = 8
 HEAD_FLUSH_ROWS = 256
+TIE_MARGIN_HALF = 2.0**-5  # ~4 ulps of a bf16 logit
+TIE_MARGIN_FP32 = 2.0**-14
 
 
 class NativeMTPUnavailableError(RuntimeError):
@@ -67,6 +69,10 @@ class EngineConfig:
     moe_verify: MoEVerifyMode = "route_locked"
     async_draft_eval: bool = True
     prefill_chunk: int = 2048
+    # Relative top-2 logit gap under which a greedy verify row is re-decoded plainly (see
+    # sampling.greedy_verdict). None: 0 on the CPU (its matmuls round the same for any row count),
+    # else by the logits' dtype.
+    greedy_tie_margin: float | None = None
     default_k: int = 1  # defaults for a checkpoint without a model card
     max_k: int = 3
     disabled_reason: str = "native MTP is disabled (EXO_NATIVE_MTP_ENABLED=0 or the node's settings)"
@@ -259,12 +265,21 @@ class _Run:
         self._head_hidden: list[mx.array] = []
         self._head_tokens: list[mx.array] = []
         self.pending_token: mx.array | None = None
+        self._plain_next = False  # a near tie left the next position to plain decoding
         self.history = mx.zeros((0,), dtype=mx.uint32)  # the completion so far, for penalties
         self.output = _Output(
             engine.loaded.tokenizer, engine.loaded.eos_token_ids, request.stop, request.max_tokens
         )
         max_k = policy.max_k if policy is not None else 0
         self.recorder = StatsRecorder(max(max_k, 1))
+
+    def tie_margin(self, dtype: mx.Dtype) -> float:
+        margin = self.engine.config.greedy_tie_margin
+        if margin is not None:
+            return margin
+        if mx.default_device() == mx.cpu:
+            return 0.0
+        return TIE_MARGIN_FP32 if dtype == mx.float32 else TIE_MARGIN_HALF
 
     # -- forward pieces ----------------------------------------------------------------------------
     def _logits_for(self, hidden_row: mx.array, history: mx.array) -> mx.array:
@@ -335,6 +350,10 @@ class _Run:
         while self.output.finish is None:
             if self._cancelled():
                 break
+            if self._plain_next:
+                self._plain_next = False
+                yield from self._plain_burst(1)
+                continue
             k = self.policy.choose() if self.policy is not None else 0
             if self.track_head and self.policy is not None and not self.policy.mtp_can_pay_off:
                 # Measured rounds showed drafting cannot pay off here: stop feeding the head.
@@ -446,28 +465,39 @@ class _Run:
             )
         # 3. Decide (on device), one host sync.
         if params.greedy:
-            verdict = greedy_verdict(logits, draft_tokens)
+            verdict = greedy_verdict(logits, draft_tokens, self.tie_margin(logits.dtype))
         else:
             verdict = sampling_verdict(
                 filtered_logprobs(logits, params), mx.concatenate(draft_logprobs), draft_tokens, self.keys
             )
-        mx.eval(draft_tokens, verdict.accepted, verdict.replacement, hidden)
+        extra = [verdict.decided] if verdict.decided is not None else []
+        mx.eval(draft_tokens, verdict.accepted, verdict.replacement, hidden, *extra)
         proposed = draft_tokens.tolist()
-        accepted = accepted_prefix(verdict.accepted.tolist())
-        final_token = verdict.replacement.tolist()[accepted]
-        emitted = proposed[:accepted] + [final_token]
-        # 4. Roll back to the accepted prefix.
+        accepted, decided = accepted_prefix(
+            verdict.accepted.tolist(), verdict.decided.tolist() if verdict.decided is not None else None
+        )
+        if decided:
+            emitted = proposed[:accepted] + [verdict.replacement.tolist()[accepted]]
+            kept_rows = accepted + 1
+        else:
+            # The token after the accepted drafts hinges on a near tie: decode it plainly next.
+            emitted = proposed[:accepted]
+            kept_rows = accepted
+            self._plain_next = True
+            self.recorder.near_tie_fallbacks += 1
+        # 4. Roll back to the kept rows.
         for c in self.cache:
             if isinstance(c, RollbackArraysCache):
-                c.commit(accepted + 1)
+                c.commit(kept_rows)
             else:
-                c.trim(k - accepted)
+                c.trim(k + 1 - kept_rows)
         self.head_cache.trim(k - 1)
-        emitted_array = mx.array(emitted, dtype=mx.uint32)
-        self._wait_for_head(hidden[:, : accepted + 1], emitted_array)
-        self.pending_token = emitted_array[-1:]
-        if self.processors:
-            self.history = mx.concatenate([self.history, emitted_array])
+        if emitted:
+            emitted_array = mx.array(emitted, dtype=mx.uint32)
+            self._wait_for_head(hidden[:, :kept_rows], emitted_array)  # row i is followed by emitted[i]
+            self.pending_token = emitted_array[-1:]
+            if self.processors:
+                self.history = mx.concatenate([self.history, emitted_array])
         self.recorder.round(k, accepted)
         assert self.policy is not None
         self.policy.observe_round(k, accepted, time.perf_counter() - start)
@@ -509,6 +539,7 @@ class _Run:
             acceptance_rate=round(rec.accepted_total / rec.drafted, 4) if rec.drafted else 0.0,
             per_position_acceptance=[round(a, 4) for a in rec.per_position()],
             per_position_drafted=rec.per_position_drafted(),
+            near_tie_fallbacks=rec.near_tie_fallbacks,
             ttft_ms=round(ttft_s * 1000.0, 3),
             decode_tokens_per_s=round((completion - 1) / decode_s, 3) if completion > 1 and decode_s > 0 else 0.0,
             prompt_tokens=len(self.request.prompt_tokens),

@@ -126,12 +126,24 @@ class Verdict:
 
     accepted: mx.array  # [K] bool: draft i passes its test (meaningful up to the first False)
     replacement: mx.array  # [K+1] the token emitted after i accepted drafts (correction or bonus)
+    decided: mx.array | None = None  # [K+1] bool: the row's choice does not hinge on a near tie
 
 
-def greedy_verdict(target_logits: mx.array, drafts: mx.array) -> Verdict:
-    """Accept while the target's argmax equals the draft; emit the target's argmax after."""
+def greedy_verdict(target_logits: mx.array, drafts: mx.array, tie_margin: float = 0.0) -> Verdict:
+    """Accept while the target's argmax equals the draft; emit the target's argmax after.
+
+    With ``tie_margin`` > 0, a row whose top two logits are closer than ``tie_margin * max(|top1|, 1)``
+    is marked undecided: on GPUs a multi-row matmul does not round like decode's one-row matmul, so
+    such a row could pick another token than plain decoding would (the engine then decodes that
+    position plainly).
+    """
     targets = mx.argmax(target_logits, axis=-1)  # [K+1]
-    return Verdict(accepted=targets[:-1] == drafts, replacement=targets)
+    decided = None
+    if tie_margin > 0.0:
+        top = mx.topk(target_logits.astype(mx.float32), 2, axis=-1)
+        first, second = mx.max(top, axis=-1), mx.min(top, axis=-1)
+        decided = (first - second) > tie_margin * mx.maximum(mx.abs(first), 1.0)
+    return Verdict(accepted=targets[:-1] == drafts, replacement=targets, decided=decided)
 
 
 def sampling_verdict(
@@ -160,11 +172,16 @@ def sampling_verdict(
     return Verdict(accepted=accepted, replacement=mx.concatenate([resampled, bonus]))
 
 
-def accepted_prefix(accepted: list[bool]) -> int:
-    """Number of leading accepted drafts."""
+def accepted_prefix(accepted: list[bool], decided: list[bool] | None = None) -> tuple[int, bool]:
+    """(number of leading accepted drafts, whether the row after them is decided).
+
+    A row that is not decided ends the accepted run even if its argmax matches the draft.
+    """
     n = 0
-    for ok in accepted:
+    for i, ok in enumerate(accepted):
+        if decided is not None and not decided[i]:
+            return n, False
         if not ok:
             break
         n += 1
-    return n
+    return n, decided is None or decided[n]

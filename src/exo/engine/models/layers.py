@@ -20,7 +20,7 @@ from typing import Any, Literal
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
-from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
 from mlx_lm.models.qwen3_5 import GatedDeltaNet as Qwen35GatedDeltaNet
 from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet, Qwen3NextSparseMoeBlock
 
@@ -37,17 +37,19 @@ class RollbackArraysCache(ArraysCache):
         self._states: list[mx.array] | None = None
 
     def record(self, conv_input: mx.array, states: list[mx.array]) -> None:
+        """``states[0]`` is the state before the call, ``states[t]`` the state after row t."""
         self._conv_input, self._states = conv_input, states
 
     def commit(self, rows: int) -> None:
-        """Keep the state after the first ``rows`` rows of the last recorded call."""
+        """Keep the state after the first ``rows`` rows (0: as before) of the last recorded call."""
         if self._states is None or self._conv_input is None:
             raise RuntimeError("commit() without a recorded verify call")
-        n_keep = self._conv_input.shape[1] - len(self._states)
-        if not 1 <= rows <= len(self._states):
-            raise ValueError(f"commit({rows}) outside 1..{len(self._states)}")
+        recorded_rows = len(self._states) - 1
+        n_keep = self._conv_input.shape[1] - recorded_rows
+        if not 0 <= rows <= recorded_rows:
+            raise ValueError(f"commit({rows}) outside 0..{recorded_rows}")
         self[0] = mx.contiguous(self._conv_input[:, rows : rows + n_keep])
-        self[1] = self._states[rows - 1]
+        self[1] = self._states[rows]
         self.discard()
 
     def discard(self) -> None:
@@ -58,6 +60,29 @@ class RollbackArraysCache(ArraysCache):
         if self._states is None or self._conv_input is None:
             return []
         return [self._conv_input, *self._states]
+
+
+def _uses_metal() -> bool:
+    return mx.default_device() == mx.gpu and mx.metal.is_available()
+
+
+def _recurrence(layer: Any, q, k, v, a, b, state, mask) -> tuple[mx.array, mx.array]:
+    """The gated delta rule over the rows of one call.
+
+    On Metal, mlx-lm's kernels; elsewhere MLX's fused ``mx.fast.gated_delta_update`` (mlx-lm falls back
+    to a loop of ~10 small ops per row there, which on CUDA costs a kernel launch each).
+    """
+    if _uses_metal():
+        return gated_delta_update(
+            q, k, v, a, b, layer.A_log, layer.dt_bias, state, mask, use_kernel=not layer.training
+        )
+    if state is None:
+        B, _, _, Dk = q.shape
+        Hv, Dv = v.shape[-2:]
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    gamma = compute_g(layer.A_log, a, layer.dt_bias)
+    y, state = mx.fast.gated_delta_update(q, k, v, gamma, mx.sigmoid(b), state, mask)
+    return y, state
 
 
 def _mix(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, mask, cache) -> mx.array:
@@ -94,23 +119,19 @@ def _mix(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array,
     ]
     state = cache[1] if cache else None
     q, k = normalize_qk(q, k, inv_scale=layer.head_k_dim**-0.5, eps=1e-6)
-    use_kernel = not layer.training
     if isinstance(cache, RollbackArraysCache) and cache.recording:
-        outs, states = [], []
+        if state is None:
+            state = mx.zeros((B, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim), dtype=mx.float32)
+        outs, states = [], [state]
         for t in range(S):
             rows = slice(t, t + 1)
-            y, state = gated_delta_update(
-                q[:, rows], k[:, rows], v[:, rows], a[:, rows], b[:, rows],
-                layer.A_log, layer.dt_bias, state, None, use_kernel=use_kernel,
-            )
+            y, state = _recurrence(layer, q[:, rows], k[:, rows], v[:, rows], a[:, rows], b[:, rows], state, None)
             outs.append(y)
             states.append(state)
         out = mx.concatenate(outs, axis=1)
         cache.record(conv_input, states)
     else:
-        out, state = gated_delta_update(
-            q, k, v, a, b, layer.A_log, layer.dt_bias, state, mask, use_kernel=use_kernel
-        )
+        out, state = _recurrence(layer, q, k, v, a, b, state, mask)
     if cache is not None:
         cache[1] = state
         cache.advance(S)
