@@ -22,6 +22,7 @@ the current token is read back).
 from __future__ import annotations
 
 import copy
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -266,6 +267,8 @@ class _Run:
         self._head_tokens: list[mx.array] = []
         self.pending_token: mx.array | None = None
         self._plain_next = False  # a near tie left the next position to plain decoding
+        self._phases: dict[str, float] | None = {} if os.environ.get("EXO_ENGINE_PROFILE") == "1" else None
+        self._phase_start = 0.0
         self.history = mx.zeros((0,), dtype=mx.uint32)  # the completion so far, for penalties
         self.output = _Output(
             engine.loaded.tokenizer, engine.loaded.eos_token_ids, request.stop, request.max_tokens
@@ -410,9 +413,18 @@ class _Run:
         if self.policy is not None:
             self.policy.observe_plain(emitted, time.perf_counter() - start)
 
+    def _mark(self, phase: str) -> None:
+        """Accumulates wall time per phase of speculative rounds (EXO_ENGINE_PROFILE=1)."""
+        if self._phases is None:
+            return
+        now = time.perf_counter()
+        self._phases[phase] = self._phases.get(phase, 0.0) + now - self._phase_start
+        self._phase_start = now
+
     def _speculative_round(self, k: int) -> Iterator[GenerationChunk]:
         assert self.head is not None and self.pending_token is not None
         start = time.perf_counter()
+        self._phase_start = start
         model, params = self.model, self.params
         # 1. Draft.
         out = self._flush_head()
@@ -440,6 +452,7 @@ class _Run:
             mx.async_eval(draft_tokens, *draft_logprobs)
         else:
             mx.eval(draft_tokens, *draft_logprobs)
+        self._mark("draft_build")
         # 2. Verify.
         rows = mx.concatenate([self.pending_token.reshape(1), draft_tokens])[None]
         for c in self.cache:
@@ -463,6 +476,7 @@ class _Run:
                     for i in range(k + 1)
                 ]
             )
+        self._mark("verify_build")
         # 3. Decide (on device), one host sync.
         if params.greedy:
             verdict = greedy_verdict(logits, draft_tokens, self.tie_margin(logits.dtype))
@@ -472,6 +486,7 @@ class _Run:
             )
         extra = [verdict.decided] if verdict.decided is not None else []
         mx.eval(draft_tokens, verdict.accepted, verdict.replacement, hidden, *extra)
+        self._mark("device_wait")
         proposed = draft_tokens.tolist()
         accepted, decided = accepted_prefix(
             verdict.accepted.tolist(), verdict.decided.tolist() if verdict.decided is not None else None
@@ -501,11 +516,13 @@ class _Run:
         self.recorder.round(k, accepted)
         assert self.policy is not None
         self.policy.observe_round(k, accepted, time.perf_counter() - start)
+        self._mark("rollback")
         # 5. Emit, stopping exactly where the request ends.
         for token in emitted:
             self.output.add(token)
             if self.output.finish is not None:
                 break
+        self._mark("emit")
         yield from self._drain()
 
     def _stats(self, ttft_s: float, decode_s: float) -> NativeMTPStats:
@@ -540,6 +557,7 @@ class _Run:
             per_position_acceptance=[round(a, 4) for a in rec.per_position()],
             per_position_drafted=rec.per_position_drafted(),
             near_tie_fallbacks=rec.near_tie_fallbacks,
+            profile_ms={k: round(v * 1000, 3) for k, v in self._phases.items()} if self._phases else None,
             ttft_ms=round(ttft_s * 1000.0, 3),
             decode_tokens_per_s=round((completion - 1) / decode_s, 3) if completion > 1 and decode_s > 0 else 0.0,
             prompt_tokens=len(self.request.prompt_tokens),

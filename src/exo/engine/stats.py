@@ -30,6 +30,7 @@ class NativeMTPStats(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     costs: dict[str, list[float] | str] | None = None  # beta(K), delta(K) used by adaptive depth
+    profile_ms: dict[str, float] | None = None  # time per round phase, with EXO_ENGINE_PROFILE=1
 
 
 class StatsRecorder:
