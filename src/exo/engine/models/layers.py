@@ -85,6 +85,22 @@ def _recurrence(layer: Any, q, k, v, a, b, state, mask) -> tuple[mx.array, mx.ar
     return y, state
 
 
+def _depthwise_conv(conv_input: mx.array, weight: mx.array) -> mx.array:
+    """The short causal depthwise conv as a sum of shifted products, accumulated in float32.
+
+    Equal to ``conv1d`` (groups = channels, no padding) up to rounding, and unlike a conv kernel it
+    rounds every output row the same way whatever the number of rows: a verify call's rows then match
+    decode steps (GPU conv libraries pick different algorithms per length).
+    """
+    taps = weight.shape[1]  # weight: [C, K, 1]
+    rows = conv_input.shape[1] - taps + 1
+    w = weight[:, :, 0].astype(mx.float32)
+    out = conv_input[:, 0:rows].astype(mx.float32) * w[:, 0]
+    for j in range(1, taps):
+        out = out + conv_input[:, j : j + rows].astype(mx.float32) * w[:, j]
+    return out.astype(conv_input.dtype)
+
+
 def _mix(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, mask, cache) -> mx.array:
     """Conv + gated delta recurrence + gated norm + out projection, shared by Qwen3.5 and Qwen3-Next.
 
@@ -107,7 +123,7 @@ def _mix(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array,
             cache[0] = mx.take_along_axis(conv_input, positions, axis=1)
         else:
             cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
-    conv_out = nn.silu(layer.conv1d(conv_input))
+    conv_out = nn.silu(_depthwise_conv(conv_input, layer.conv1d.weight))
     q, k, v = [
         t.reshape(B, S, h, d)
         for t, h, d in zip(
