@@ -61,3 +61,12 @@ def checkpoint(fixture_store: FixtureStore) -> Callable[..., Path]:
 @pytest.fixture(scope="session")
 def malformed_checkpoint(fixture_store: FixtureStore) -> Callable[..., Path]:
     return fixture_store.malformed
+
+
+@pytest.fixture(autouse=True)
+def _hermetic_exo_environment(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test gets an empty EXO_HOME and no EXO_* settings from the developer's shell."""
+    for name in list(os.environ):
+        if name.startswith("EXO_") and name != "EXO_FIXTURE_DIR":
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("EXO_HOME", str(tmp_path_factory.mktemp("exo-home")))
