@@ -43,6 +43,28 @@ def _error_responses(*codes: str) -> dict[str, Any]:
     return out
 
 
+def _sse_event(chunk: type[BaseModel]) -> dict[str, Any]:
+    """One server-sent event (OpenAPI 3.1: the schema of text/event-stream describes each event):
+    its data is a JSON chunk, a JSON error, or the final [DONE]."""
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "event": {"type": "string"},
+            "data": {
+                "anyOf": [
+                    {"const": "[DONE]"},
+                    {
+                        "type": "string",
+                        "contentMediaType": "application/json",
+                        "contentSchema": {"anyOf": [_ref(chunk), _ref(s.ErrorResponse)]},
+                    },
+                ]
+            },
+        },
+    }
+
+
 def _generation(request: type[BaseModel], response: type[BaseModel], chunk: type[BaseModel], summary: str) -> dict:
     return {
         "post": {
@@ -55,7 +77,7 @@ def _generation(request: type[BaseModel], response: type[BaseModel], chunk: type
                     "sent as `data: <ErrorResponse>` before it)",
                     "content": {
                         "application/json": {"schema": _ref(response)},
-                        "text/event-stream": {"schema": {"type": "string"}},
+                        "text/event-stream": {"schema": _sse_event(chunk)},
                     },
                 },
                 **_error_responses("400", "401", "404", "408", "413", "429", "500", "503"),
