@@ -25,6 +25,9 @@ from exo.engine.models.mtp import MTPHead
 
 # Public configs of the official checkpoints (text part).
 SHAPES = {
+    "medium": dict(hidden_size=1024, num_hidden_layers=16, intermediate_size=3072, num_attention_heads=8,
+                   num_key_value_heads=2, linear_num_key_heads=8, linear_num_value_heads=16,
+                   tie_word_embeddings=True, vocab_size=32768),
     "tiny": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512, num_attention_heads=4,
                  num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4,
                  tie_word_embeddings=True, vocab_size=4096, head_dim=64),
@@ -65,7 +68,8 @@ def word_tokenizer(vocab_size: int, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3.5-9b")
-    parser.add_argument("--bits", type=int, default=4)
+    parser.add_argument("--bits", type=int, default=4, help="0: no quantization")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--quantize-head", action="store_true", help="quantize the head too (default bf16)")
     parser.add_argument("--out", type=Path, required=True)
@@ -77,12 +81,14 @@ def main() -> None:
     model_cls, args_cls = get_model_classes(config)
     mx.random.seed(0)
     model = model_cls(args_cls.from_dict(config))
-    model.set_dtype(mx.bfloat16)
+    dtype = getattr(mx, args.dtype)
+    model.set_dtype(dtype)
     lm = model.language_model
     head = MTPHead(lm.args.hidden_size, lm.args.rms_norm_eps, model.make_head_layer(moe=False))
-    head.set_dtype(mx.bfloat16)
-    model, config = quantize_model(model, config, args.group_size, args.bits)
-    if args.quantize_head:
+    head.set_dtype(dtype)
+    if args.bits:
+        model, config = quantize_model(model, config, args.group_size, args.bits)
+    if args.quantize_head and args.bits:
         quantize_head(head, args.bits, args.group_size)
     lm.mtp = head
     args.out.mkdir(parents=True, exist_ok=False)
@@ -90,7 +96,7 @@ def main() -> None:
     save_config(config, args.out / "config.json")
     word_tokenizer(text["vocab_size"], args.out)
     size = sum(f.stat().st_size for f in args.out.glob("*.safetensors"))
-    print(f"{args.out}: {args.shape} {args.bits}-bit, {size / 1e9:.2f} GB, {time.perf_counter() - start:.1f} s")
+    print(f"{args.out}: {args.shape} {args.bits or args.dtype}-bit, {size / 1e9:.2f} GB, {time.perf_counter() - start:.1f} s")
 
 
 if __name__ == "__main__":

@@ -113,3 +113,17 @@ def test_measured_round_times_replace_warmup_costs():
     assert policy.effective_costs().round_cost(1) == pytest.approx(3.0, rel=0.05)
     assert not policy.mtp_can_pay_off
     assert policy.choose() == 0
+
+
+def test_learning_carries_over_to_the_next_request():
+    policy = DepthPolicy(FLAT, max_k=3, default_k=1)
+    assert policy.choose() == 1
+    for _ in range(30):
+        policy.observe_round(3, 3)
+    policy.new_request()
+    assert policy.choose() == 3  # not back to the default depth
+    for _ in range(80):
+        policy.observe_round(3, 0)
+    policy.new_request()
+    assert policy.choose() == 0
+    assert policy.plain_budget() == PROBE_FIRST  # the probe schedule restarts with each request

@@ -12,6 +12,7 @@ from typing import Any
 from exo.cards import AmbiguousModelError, CardError, UnknownModelError
 from exo.engine import (
     CheckpointError,
+    ContextLengthError,
     GenerationRequestError,
     ModelNotAvailableError,
     NativeMTPUnavailableError,
@@ -68,12 +69,8 @@ class PromptError(ValueError):
     """The prompt cannot be turned into tokens (chat template or tokenizer failure)."""
 
 
-class ContextLengthExceededError(GenerationRequestError):
-    """The prompt plus the completion budget does not fit in the model's context."""
-
-    def __init__(self, message: str, param: str = "messages") -> None:
-        super().__init__(message)
-        self.param = param
+# The engine's own type: the API raises it too when it checks a prompt before queueing it.
+ContextLengthExceededError = ContextLengthError
 
 
 def _message(exc: BaseException) -> str:
@@ -99,8 +96,7 @@ def api_error_from(exc: BaseException) -> APIError:
     if isinstance(exc, NativeMTPUnavailableError):
         return APIError(400, msg, param="native_mtp", code="native_mtp_unavailable")
     if isinstance(exc, GenerationRequestError):
-        code = "context_length_exceeded" if "context" in msg else "invalid_value"
-        return APIError(400, msg, code=code)
+        return APIError(400, msg, code="invalid_value")
     if isinstance(exc, SamplingParamsError):
         # The engine's messages start with the parameter's name ("top_p must be in (0, 1], got 2").
         return APIError(400, msg, param=msg.split(" ", 1)[0], code="invalid_value")

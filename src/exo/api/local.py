@@ -12,7 +12,6 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-import re
 import threading
 import time
 from collections import OrderedDict, deque
@@ -23,10 +22,9 @@ from typing import Any
 import mlx.core as mx
 
 from exo.cards import Catalog, ModelCard, UnknownModelError, load_catalog
-from exo.cards.schema import REPO_PATTERN
-from exo.engine import Engine, ModelNotAvailableError, ResolvedModel, engine_config, load_checkpoint
+from exo.engine import Engine, ResolvedModel, engine_config, load_checkpoint
 from exo.engine.loader import inspect_head, missing_head_reason, read_config
-from exo.engine.resolve import DEFAULT_MODEL, hf_cache_path, local_path
+from exo.engine.resolve import DEFAULT_MODEL, local_path, resolve_model
 from exo.settings import Settings
 
 from .errors import ModelLoadTimeoutError
@@ -96,24 +94,9 @@ class LocalModelService:
         with self._lock:
             if ref in self._known:
                 return self._known[ref]
-        try:
-            card: ModelCard | None = self.catalog.get(ref)  # AmbiguousModelError goes to the client
-        except UnknownModelError:
-            card = None
-        if card is not None:
-            with self._lock:
-                if card.id in self._known:
-                    return self._known[card.id]
-            path = local_path(card)
-            if path is None:
-                where = "this installation is incomplete (reinstall exo)" if card.bundled else (
-                    f"download it with `huggingface-cli download {card.repo}`"
-                )
-                raise ModelNotAvailableError(f"{card.id} is known but not on this machine: {where}")
-            return ResolvedModel(path, card.id, card)
-        if re.match(REPO_PATTERN, ref) and (path := hf_cache_path(ref)) is not None:
-            return ResolvedModel(path, ref, None)
-        raise UnknownModelError(ref, self.catalog.suggest(ref))
+        resolved = resolve_model(ref, self.catalog, allow_paths=False)
+        with self._lock:
+            return self._known.get(resolved.model_id, resolved)
 
     async def acquire(self, model: str | None, timeout: float) -> str:
         resolved = await asyncio.to_thread(self.resolve, model)

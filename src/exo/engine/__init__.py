@@ -15,6 +15,7 @@ from exo.settings import Settings, load_settings
 
 from .adaptive import DepthCosts, DepthPolicy
 from .generate import (
+    ContextLengthError,
     Engine,
     EngineConfig,
     GenerationChunk,
@@ -31,6 +32,7 @@ from .stats import NativeMTPStats
 
 __all__ = [
     "CheckpointError",
+    "ContextLengthError",
     "DepthCosts",
     "DepthPolicy",
     "Engine",

@@ -139,6 +139,11 @@ class DepthPolicy:
             return self.fixed_k > 0
         return can_pay_off(self.effective_costs(), self.max_k)
 
+    def new_request(self) -> None:
+        """A new generation: acceptance and costs learned so far stay, the probe schedule restarts."""
+        self._plain_since_probe = 0
+        self._probe_every = PROBE_FIRST
+
     # -- decisions ---------------------------------------------------------------------------------
     def choose(self) -> int:
         if self.fixed_k is not None:

@@ -64,6 +64,14 @@ class GenerationRequestError(ValueError):
     """A generation request is invalid (too long for the context, bad max_tokens, bad K...)."""
 
 
+class ContextLengthError(GenerationRequestError):
+    """The prompt plus the completion budget does not fit in the model's context."""
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     native_mtp_enabled: bool = True  # the global switch (EXO_NATIVE_MTP_ENABLED / settings)
@@ -116,6 +124,8 @@ class Engine:
         self.loaded = loaded
         self.config = config or EngineConfig()
         self._costs: DepthCosts | None = None
+        self._policy: DepthPolicy | None = None
+        self._policy_key: tuple[int, int] | None = None
 
     @property
     def model(self) -> Any:
@@ -151,16 +161,22 @@ class Engine:
         if request.native_mtp == "on" and reason is not None:
             raise NativeMTPUnavailableError(f"native MTP cannot run: {reason}")
         policy = None
-        if reason is None:
+        if reason is None and request.mtp_k is not None:
             fixed = request.mtp_k
-            costs = self.costs() if fixed is None else self._costs_or_unmeasured(fixed)
-            policy = DepthPolicy(
-                costs=costs,
-                max_k=self.config.max_k if fixed is None else max(fixed, 1),
-                default_k=self.config.default_k,
-                fixed_k=fixed,
-            )
+            policy = DepthPolicy(costs=self._costs_or_unmeasured(fixed), max_k=max(fixed, 1), fixed_k=fixed)
+        elif reason is None:
+            policy = self._adaptive_policy()
+            policy.new_request()
         return _Run(self, request, policy, reason).stream()
+
+    def _adaptive_policy(self) -> DepthPolicy:
+        """One adaptive policy per engine: what it learns (acceptance, round costs) carries over."""
+        costs = self.costs()
+        key = (self.config.max_k, self.config.default_k)
+        if self._policy is None or self._policy_key != key:
+            self._policy = DepthPolicy(costs=costs, max_k=self.config.max_k, default_k=self.config.default_k)
+            self._policy_key = key
+        return self._policy
 
     def complete(self, request: GenerationRequest) -> GenerationResult:
         text, tokens, finish, stats = [], [], None, None
@@ -189,7 +205,7 @@ class Engine:
             raise GenerationRequestError(f"prompt token ids must be in [0, {vocab})")
         limit = self.loaded.context_length
         if limit is not None and len(request.prompt_tokens) + request.max_tokens > limit:
-            raise GenerationRequestError(
+            raise ContextLengthError(
                 f"the prompt ({len(request.prompt_tokens)} tokens) plus max_tokens ({request.max_tokens}) "
                 f"exceeds the model's context of {limit} tokens"
             )

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from exo.cards import Catalog, ModelCard, UnknownModelError, bundled_model_dir, load_catalog
+from exo.cards.schema import REPO_PATTERN
 
 DEFAULT_MODEL = "exo-demo"
 # Defaults for a checkpoint without a card (docs/architecture.md, "Adaptive depth").
@@ -60,22 +62,21 @@ def hf_cache_path(repo: str) -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
-def resolve_model(ref: str | None, catalog: Catalog | None = None) -> ResolvedModel:
-    """Resolve ``ref``: None -> the bundled default model; a directory -> itself; else a card or a repo."""
+def resolve_model(ref: str | None, catalog: Catalog | None = None, *, allow_paths: bool = True) -> ResolvedModel:
+    """Resolve ``ref``: None -> the bundled default model; a directory -> itself (``allow_paths``, for
+    local users; never for network clients); else a card id or repo, or a repo in the HF cache."""
     catalog = catalog if catalog is not None else load_catalog()
     if ref is None:
         ref = DEFAULT_MODEL
     candidate = Path(ref).expanduser()
-    if candidate.is_dir():
+    if allow_paths and candidate.is_dir():
         return ResolvedModel(candidate.resolve(), candidate.resolve().name, None)
     try:
         card = catalog.get(ref)
     except UnknownModelError:
-        if "/" in ref and (path := hf_cache_path(ref)) is not None:
+        if re.fullmatch(REPO_PATTERN, ref) and (path := hf_cache_path(ref)) is not None:
             return ResolvedModel(path, ref, None)
-        if "/" in ref or ref.startswith((".", "~")):
-            raise UnknownModelError(ref, catalog.suggest(ref)) from None
-        raise
+        raise UnknownModelError(ref, catalog.suggest(ref)) from None
     path = local_path(card)
     if path is None:
         if card.bundled:
