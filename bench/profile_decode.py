@@ -40,7 +40,7 @@ def main() -> None:
     snapshot = _Snapshot(cache)
     print(f"{engine.loaded.model_id} on {device_name()}, context {args.context}")
 
-    def measure(build) -> tuple[float, float]:
+    def measure(build, state: _Snapshot = snapshot) -> tuple[float, float]:
         builds, evals = [], []
         for i in range(args.reps + 3):
             start = time.perf_counter()
@@ -51,7 +51,7 @@ def main() -> None:
             if i >= 3:
                 builds.append(built - start)
                 evals.append(done - built)
-            snapshot.restore()
+            state.restore()
         return 1000 * statistics.median(builds), 1000 * statistics.median(evals)
 
     base = None
@@ -86,18 +86,7 @@ def main() -> None:
             out = head(model.embed(tokens[:, :1]), last, head_cache)
             return mx.argmax(model.logits(out), axis=-1)
 
-        builds, evals = [], []
-        for i in range(args.reps + 3):
-            start = time.perf_counter()
-            out = draft()
-            built = time.perf_counter()
-            mx.eval(out)
-            done = time.perf_counter()
-            head_snapshot.restore()
-            if i >= 3:
-                builds.append(built - start)
-                evals.append(done - built)
-        b, e = 1000 * statistics.median(builds), 1000 * statistics.median(evals)
+        b, e = measure(draft, head_snapshot)
         print(f"draft step: build {b:7.3f} ms + eval {e:7.3f} ms = {b + e:7.3f} ms ({(b + e) / base:.2f}x one row)")
 
 
