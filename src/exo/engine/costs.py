@@ -2,13 +2,13 @@
 
 beta(K): a (K+1)-row verify call of the backbone, relative to a one-row decode step.
 delta(K): drafting K tokens with the MTP head (head layer + lm_head per token), same unit.
-Measured on a short random context with the caches restored after every timed call, medians of a few
-repetitions after warm-up calls (the first calls compile kernels).
+Measured on a short random context with the caches restored after every timed call: the fastest of a
+few repetitions after warm-up calls (the first calls compile kernels; other work on the machine only
+adds time).
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -56,7 +56,8 @@ class _Snapshot:
                     cache.discard()
 
 
-def _median_seconds(fn: Callable[[], None], reps: int, warmup: int = 2) -> float:
+def _fastest_seconds(fn: Callable[[], None], reps: int, warmup: int = 2) -> float:
+    """The fastest of a few timed calls: interference from other work only ever adds time."""
     for _ in range(warmup):
         fn()
     times = []
@@ -64,7 +65,7 @@ def _median_seconds(fn: Callable[[], None], reps: int, warmup: int = 2) -> float
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def measure_costs(
@@ -120,8 +121,8 @@ def measure_costs(
 
         return run
 
-    plain_s = _median_seconds(plain, reps)
+    plain_s = _fastest_seconds(plain, reps)
     # A verify of K+1 rows never really costs less than one row; timer noise on tiny models can say so.
-    beta = tuple(max(1.0, _median_seconds(verify(k), reps) / plain_s) for k in range(1, max_k + 1))
-    delta = tuple(_median_seconds(draft(k), reps) / plain_s for k in range(1, max_k + 1))
+    beta = tuple(max(1.0, _fastest_seconds(verify(k), reps) / plain_s) for k in range(1, max_k + 1))
+    delta = tuple(_fastest_seconds(draft(k), reps) / plain_s for k in range(1, max_k + 1))
     return DepthCosts(beta=beta, delta=delta, device=device_name(), plain_s=plain_s)
