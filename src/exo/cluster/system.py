@@ -1,0 +1,98 @@
+"""What a node has: memory (total, available), chip or CPU model, MLX backend, free disk.
+
+Read from the OS without extra dependencies: /proc on Linux, sysctl and vm_stat on macOS.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Memory:
+    total_bytes: int
+    available_bytes: int
+
+
+def memory() -> Memory:
+    if Path("/proc/meminfo").exists():
+        values = {}
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            name, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts and parts[0].isdigit():
+                values[name] = int(parts[0]) * 1024
+        total = values.get("MemTotal", 0)
+        return Memory(total, values.get("MemAvailable", values.get("MemFree", 0)))
+    if platform.system() == "Darwin":
+        total = int(_sysctl("hw.memsize") or 0)
+        return Memory(total, _darwin_available(total))
+    pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    return Memory(pages * size, pages * size)
+
+
+def _darwin_available(total: int) -> int:
+    # Free + inactive + purgeable + speculative pages can be handed to a new process.
+    try:
+        out = subprocess.run(["vm_stat"], capture_output=True, text=True, timeout=2).stdout
+    except (OSError, subprocess.SubprocessError):
+        return total
+    page = int(m.group(1)) if (m := re.search(r"page size of (\d+) bytes", out)) else 16384
+    pages = 0
+    for key in ("Pages free", "Pages inactive", "Pages purgeable", "Pages speculative"):
+        if m := re.search(rf"{key}:\s+(\d+)", out):
+            pages += int(m.group(1))
+    return min(total, pages * page) if pages else total
+
+
+def _sysctl(name: str) -> str | None:
+    try:
+        out = subprocess.run(["sysctl", "-n", name], capture_output=True, text=True, timeout=2)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+@functools.cache
+def chip() -> str:
+    if platform.system() == "Darwin":
+        return _sysctl("machdep.cpu.brand_string") or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "hardware", "cpu model")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@functools.cache
+def backend() -> str:
+    """MLX's default device: metal, cuda or cpu."""
+    import mlx.core as mx
+
+    try:
+        if mx.metal.is_available():
+            return "metal"
+    except AttributeError:
+        pass
+    try:
+        if mx.cuda.is_available():
+            return "cuda"
+    except AttributeError:
+        pass
+    return "cpu"
+
+
+def disk_free(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 0

@@ -1,0 +1,120 @@
+"""The runner's gRPC service (``exo.v1.Runner``) on a unix socket: Status and Generate.
+
+Handlers run on gRPC's thread pool and never touch MLX: Generate queues a job on the device (the main
+thread) and relays its chunks, sending a heartbeat whenever nothing else flowed for
+``HEARTBEAT_S`` so the caller can tell a slow generation from a dead runner.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+
+from exo.cluster.proto_gen import node_pb2 as pb
+from exo.cluster.proto_gen import node_pb2_grpc as pb_grpc
+
+from .device import DONE, Device, GenerationJob, QueueFullError
+from .wire import error_chunk
+
+HEARTBEAT_S = 2.0
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+class RunnerState:
+    """What Status reports: load progress, then the model it serves (thread-safe)."""
+
+    def __init__(self, instance_id: str, shard: pb.Shard) -> None:
+        self.instance_id = instance_id
+        self.shard = shard
+        self._lock = threading.Lock()
+        self.state = pb.INSTANCE_STATE_LOADING
+        self.progress = 0.0
+        self.stage = "starting"
+        self.error = ""
+        self.model: pb.ModelSummary | None = None
+
+    def update(self, stage: str, progress: float) -> None:
+        with self._lock:
+            self.stage, self.progress = stage, progress
+
+    def ready(self, model: pb.ModelSummary) -> None:
+        with self._lock:
+            self.state, self.stage, self.progress, self.model = pb.INSTANCE_STATE_READY, "ready", 1.0, model
+
+    def fail(self, error: str) -> None:
+        with self._lock:
+            self.state, self.stage, self.error = pb.INSTANCE_STATE_FAILED, "failed", error
+
+    def status(self, device: Device) -> pb.RunnerStatus:
+        snap = device.snapshot()
+        with self._lock:
+            return pb.RunnerStatus(
+                instance_id=self.instance_id,
+                state=self.state,
+                progress=self.progress,
+                stage=self.stage,
+                error=self.error,
+                model=self.model,
+                queue_depth=snap["queue_depth"],
+                running=snap["running"],
+                pid=os.getpid(),
+                shard=self.shard,
+                generations=snap["generations"],
+            )
+
+
+class RunnerServicer(pb_grpc.RunnerServicer):
+    def __init__(self, state: RunnerState, device: Device) -> None:
+        self.state = state
+        self.device = device
+
+    def Status(self, request: pb.RunnerStatusRequest, context: grpc.ServicerContext) -> pb.RunnerStatus:
+        return self.state.status(self.device)
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateChunk]:
+        if self.state.state != pb.INSTANCE_STATE_READY:
+            yield error_chunk("model_unavailable", f"instance {self.state.instance_id} is not ready ({self.state.stage})")
+            return
+        job = GenerationJob(request, self.device)
+        try:
+            self.device.submit(job)
+        except QueueFullError as e:
+            yield error_chunk("queue_full", str(e), retry_after_s=e.retry_after_s)
+            return
+        except RuntimeError as e:
+            yield error_chunk("model_unavailable", str(e))
+            return
+        context.add_callback(job.cancel)  # the call ended (client gone, deadline): stop generating
+        while True:
+            try:
+                item = job.out.get(timeout=HEARTBEAT_S)
+            except queue.Empty:
+                yield pb.GenerateChunk(heartbeat=True)
+                continue
+            if item is DONE:
+                return
+            yield item
+
+
+def start_server(socket_path: str, state: RunnerState, device: Device, max_workers: int) -> grpc.Server:
+    """Serve on a unix socket (created with the runner's umask inside a directory only the user opens)."""
+    if os.path.exists(socket_path):
+        os.unlink(socket_path)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="exo-runner-rpc"),
+        maximum_concurrent_rpcs=max_workers,
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
+    pb_grpc.add_RunnerServicer_to_server(RunnerServicer(state, device), server)
+    if server.add_insecure_port(f"unix:{socket_path}") == 0:
+        raise OSError(f"cannot listen on unix socket {socket_path}")
+    server.start()
+    return server
