@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from exo.cluster.discovery import SERVICE_TYPE, Advert, Discovery
+from exo.cluster.discovery import SERVICE_TYPE, Advert, Discovery, DiscoveryError
 
 from .netns import NetnsLab, netns_unavailable
 
@@ -127,6 +127,8 @@ def lan() -> Any:
                 grpc_port=52416 + i,
                 api_port=52415 - i,
                 version="0.1.0-test",
+                # b runs mDNS on its one address only (a daemon bound to --host); the others on all.
+                **({"interfaces": [lab.ips[i]]} if name == "b" else {}),
             )
             for i, name in enumerate("abcd")
         }
@@ -256,3 +258,24 @@ def test_in_process_discovery_and_id_change() -> None:
             await x.close()  # idempotent
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=25))
+
+
+def test_start_failure_is_a_clear_error() -> None:
+    async def scenario() -> None:
+        d = Discovery(
+            node_id=uuid.uuid4().hex,
+            namespace="x",
+            grpc_port=1,
+            api_port=2,
+            version="t",
+            on_found=lambda a: None,
+            on_lost=lambda n: None,
+            interfaces=["203.0.113.7"],  # TEST-NET-3: not an address of this host
+        )
+        with pytest.raises(DiscoveryError, match="mDNS discovery failed to start"):
+            await d.start()
+        await d.close()
+        with pytest.raises(DiscoveryError, match="after close"):
+            await d.start()
+
+    asyncio.run(scenario())

@@ -64,6 +64,11 @@ class Discovery:
     not reported again); ``on_lost(node_id)`` when the last service advertising that node id goes away
     (a goodbye packet or record expiry). Both run on the event loop thread that called ``start()``;
     exceptions they raise are logged and swallowed.
+
+    ``interfaces``: zeroconf's choice (a list of local IP addresses, or an ``InterfaceChoice``) of where to
+    run mDNS; the IPv4 addresses in a list are also the addresses advertised (a daemon bound to one
+    address passes ``[host]``; a wildcard such as ``0.0.0.0`` means every interface). None: every
+    interface, advertising each non-loopback IPv4 address of the host.
     """
 
     def __init__(
@@ -85,7 +90,7 @@ class Discovery:
         self._version = version
         self._on_found = on_found
         self._on_lost = on_lost
-        self._interfaces = interfaces
+        self._interfaces = _specific_interfaces(interfaces)
         self._aiozc: AsyncZeroconf | None = None
         self._browser: AsyncServiceBrowser | None = None
         self._info: ServiceInfo | None = None
@@ -328,6 +333,16 @@ def _local_networks() -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
             addr = ip.ip if isinstance(ip.ip, str) else ip.ip[0]
             nets.append(ipaddress.ip_network(f"{addr}/{ip.network_prefix}", strict=False))
     return nets
+
+
+def _specific_interfaces(interfaces: InterfacesType | None) -> InterfacesType | None:
+    """None (every interface) for a list holding a wildcard address: a daemon bound to 0.0.0.0 may pass
+    its bind address as is."""
+    if isinstance(interfaces, list | tuple) and any(i in ("0.0.0.0", "::", "") for i in interfaces):
+        return None
+    if isinstance(interfaces, tuple):
+        return list(interfaces)  # zeroconf accepts lists only
+    return interfaces
 
 
 def _advertised_addresses(interfaces: InterfacesType | None) -> list[str]:
