@@ -40,7 +40,8 @@ def test_exo_serve_process(model_dir, tmp_path):
     port = _free_port()
     env = {**os.environ, "EXO_HOME": str(tmp_path), "PYTHONPATH": str(SRC), "EXO_API_KEY": ""}
     process = subprocess.Popen(
-        [sys.executable, "-m", "exo.cli.main", "serve", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port)],
+        [sys.executable, "-m", "exo.cli.main", "serve", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+         "--grpc-port", str(_free_port()), "--no-discovery"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -12,17 +12,19 @@ and generation behind one interface), ``local`` (``LocalModelService``: this mac
 (pydantic request/response bodies), ``errors``, ``metrics``, ``openapi``.
 """
 
+from .cluster import ClusterModelService
 from .config import ServerConfig
 from .errors import APIError
 from .local import LocalModelService
 from .metrics import Metrics
 from .node_settings import NodeSettings
-from .server import BackgroundServer, build_app, create_app, run_app
+from .server import BackgroundServer, build_app, build_cluster_app, create_app, run_app
 from .service import GenerateParams, ModelInfo, ModelService, Prompt
 
 __all__ = [
     "APIError",
     "BackgroundServer",
+    "ClusterModelService",
     "GenerateParams",
     "LocalModelService",
     "Metrics",
@@ -32,6 +34,7 @@ __all__ = [
     "Prompt",
     "ServerConfig",
     "build_app",
+    "build_cluster_app",
     "create_app",
     "run_app",
 ]

@@ -10,6 +10,8 @@ import logging
 from typing import Any
 
 from exo.cards import AmbiguousModelError, CardError, UnknownModelError
+from exo.cluster.placement import AlreadyPlacedError, NoPlacementError, UnknownNodeError
+from exo.cluster.supervisor import InstanceFailedError
 from exo.engine import (
     CheckpointError,
     ContextLengthError,
@@ -19,6 +21,8 @@ from exo.engine import (
     SamplingParamsError,
     UnsupportedModelError,
 )
+from exo.runner.device import QueueFullError
+from exo.runner.prompt import PromptError
 from exo.settings import SettingsError
 
 log = logging.getLogger(__name__)
@@ -49,14 +53,6 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-class QueueFullError(RuntimeError):
-    """The device's request queue is full; retry after ``retry_after_s``."""
-
-    def __init__(self, waiting: int, retry_after_s: int) -> None:
-        super().__init__(f"the request queue is full ({waiting} requests waiting); retry in {retry_after_s} s")
-        self.retry_after_s = retry_after_s
-
-
 class RequestTimeoutError(TimeoutError):
     """The request ran past the server's request timeout (while queued or while generating)."""
 
@@ -65,9 +61,16 @@ class ModelLoadTimeoutError(TimeoutError):
     """A model is still loading after the load timeout; the load goes on in the background."""
 
 
-class PromptError(ValueError):
-    """The prompt cannot be turned into tokens (chat template or tokenizer failure)."""
+class NodeUnavailableError(RuntimeError):
+    """The node that holds an instance stopped answering (or left the cluster)."""
 
+
+class InstanceNotFoundError(LookupError):
+    """No instance with that id in the cluster."""
+
+
+# PromptError and QueueFullError (imported above) are the runner's: one type whether a request is served
+# in-process or through a runner.
 
 # The engine's own type: the API raises it too when it checks a prompt before queueing it.
 ContextLengthExceededError = ContextLengthError
@@ -114,6 +117,18 @@ def api_error_from(exc: BaseException) -> APIError:
         return APIError(408, msg, type="timeout_error", code="request_timeout")
     if isinstance(exc, ModelLoadTimeoutError):
         return APIError(503, msg, type="server_error", code="model_loading", headers={"Retry-After": "5"})
+    if isinstance(exc, InstanceNotFoundError):
+        return APIError(404, msg, param="id", code="instance_not_found")
+    if isinstance(exc, UnknownNodeError):
+        return APIError(404, msg, param="node", code="node_not_found")
+    if isinstance(exc, AlreadyPlacedError):
+        return APIError(409, msg, param="model", code="already_placed")
+    if isinstance(exc, NoPlacementError):
+        return APIError(507, msg, param="model", type="server_error", code="insufficient_memory")
+    if isinstance(exc, NodeUnavailableError):
+        return APIError(503, msg, type="server_error", code="node_unavailable", headers={"Retry-After": "2"})
+    if isinstance(exc, InstanceFailedError):
+        return APIError(500, f"the model could not be loaded: {msg}", type="server_error", code="model_load_failed")
     if isinstance(exc, (CheckpointError, CardError)):
         return APIError(500, f"the model could not be loaded: {msg}", type="server_error", code="model_load_failed")
     log.error("internal error while serving a request", exc_info=exc)

@@ -13,11 +13,12 @@ import logging
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from exo.engine import Engine, GenerationRequest, ResolvedModel
+from exo.engine import GenerationRequest, ResolvedModel
+from exo.runner.prompt import completion_budget, tokenize
 
-from .errors import ContextLengthExceededError, PromptError, RequestTimeoutError
+from .errors import RequestTimeoutError
 from .service import Failed, GenerateParams, Prompt, Started
 from .worker import Channel
 
@@ -25,16 +26,6 @@ if TYPE_CHECKING:
     from .local import LocalModelService
 
 log = logging.getLogger(__name__)
-
-# apply_chat_template arguments a request must not override through chat_template_kwargs.
-RESERVED_TEMPLATE_ARGS = frozenset(
-    {
-        "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-        "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
-        "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
-    }
-)
-
 
 class GenerationJob:
     """One generation request on the device worker."""
@@ -114,9 +105,16 @@ class GenerationJob:
         start = time.perf_counter()
         try:
             engine = svc._engine(self.model_id)
-            tokens = tokenize(engine.loaded.tokenizer, self.prompt)
-            param = "messages" if self.prompt.messages is not None else "prompt"
-            max_tokens = completion_budget(engine, len(tokens), self.params, param)
+            prompt, params = self.prompt, self.params
+            tokens = tokenize(
+                engine.loaded.tokenizer,
+                messages=prompt.messages,
+                text=prompt.text,
+                token_ids=prompt.token_ids,
+                template_kwargs=prompt.template_kwargs,
+            )
+            param = "messages" if prompt.messages is not None else "prompt"
+            max_tokens = completion_budget(engine, len(tokens), params.max_tokens, params.default_max_tokens, param)
             request = GenerationRequest(
                 prompt_tokens=tokens,
                 max_tokens=max_tokens,
@@ -175,45 +173,3 @@ class LoadJob:
         if self.future.set_running_or_notify_cancel():
             self.future.set_exception(RuntimeError(reason))
         self.service._load_finished(self.resolved.model_id)
-
-
-def tokenize(tokenizer: Any, prompt: Prompt) -> list[int]:
-    """The prompt's token ids: chat messages through the model's chat template, text encoded as is."""
-    if prompt.token_ids is not None:
-        return list(prompt.token_ids)
-    try:
-        if prompt.messages is not None:
-            if not getattr(tokenizer, "chat_template", None):
-                raise PromptError("this model's tokenizer has no chat template: use /v1/completions")
-            reserved = sorted(RESERVED_TEMPLATE_ARGS & set(prompt.template_kwargs))
-            if reserved:
-                raise PromptError(f"chat_template_kwargs cannot set {', '.join(reserved)}")
-            ids = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True, **prompt.template_kwargs)
-        else:
-            assert prompt.text is not None
-            ids = tokenizer.encode(prompt.text)
-        ids = list(ids)
-    except PromptError:
-        raise
-    except Exception as e:  # template errors, text the tokenizer refuses (lone surrogates, ...)
-        raise PromptError(f"the prompt could not be tokenized: {type(e).__name__}: {e}") from e
-    if not all(isinstance(t, int) for t in ids):
-        raise PromptError("the chat template did not produce token ids")
-    return ids
-
-
-def completion_budget(engine: Engine, prompt_tokens: int, params: GenerateParams, param: str = "messages") -> int:
-    """max_tokens as asked, or the default bounded by the context; raises if it does not fit."""
-    limit = engine.loaded.context_length
-    asked = params.max_tokens
-    budget = asked if asked is not None else params.default_max_tokens
-    if asked is None and limit is not None:
-        budget = min(budget, limit - prompt_tokens)
-    if limit is not None and (budget < 1 or prompt_tokens + budget > limit):
-        raise ContextLengthExceededError(
-            f"this model's maximum context length is {limit} tokens, but {prompt_tokens + max(budget, 1)} were "
-            f"requested ({prompt_tokens} in the prompt, {max(budget, 1)} for the completion); shorten the "
-            "prompt or lower max_tokens",
-            param,
-        )
-    return budget

@@ -16,27 +16,24 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
-from exo.cards import Catalog, ModelCard, UnknownModelError, load_catalog
+from exo.cards import Catalog, UnknownModelError, load_catalog
 from exo.engine import Engine, ResolvedModel, engine_config, load_checkpoint
-from exo.engine.loader import inspect_head, missing_head_reason, read_config
-from exo.engine.resolve import DEFAULT_MODEL, local_path, resolve_model
+from exo.engine.resolve import DEFAULT_MODEL, resolve_model
 from exo.settings import Settings
 
 from .errors import ModelLoadTimeoutError
 from .jobs import GenerationJob, LoadJob
+from .listing import LoadedFacts, model_info, model_rows
 from .metrics import Metrics
 from .service import (
     GenerateParams,
     GenerationStream,
     JobRecord,
     ModelInfo,
-    ModelStatus,
-    NativeMTPInfo,
     Prompt,
 )
 from .worker import Channel, DeviceWorker
@@ -172,93 +169,12 @@ class LocalModelService:
         with self._lock:
             loaded = {mid: self._engines[mid] for mid in reversed(self._engines)}  # most recent first
             known = dict(self._known)
-            registered = list(self._registered)
-        out = [self._info(known[mid], "loaded", engine) for mid, engine in loaded.items()]
-        seen = set(loaded)
-        local, remote = [], []
-        cards = list(self.catalog.cards)
-        bundled = [c for c in cards if c.bundled]
-        rest = [c for c in cards if not c.bundled]
-        for card in bundled:
-            self._card_row(card, seen, local, remote)
-        for mid in registered:
-            if mid not in seen:
-                seen.add(mid)
-                local.append(self._info(known[mid], "local"))
-        for card in rest:
-            self._card_row(card, seen, local, remote)
-        return out + local + remote
-
-    def _card_row(self, card: ModelCard, seen: set[str], local: list[ModelInfo], remote: list[ModelInfo]) -> None:
-        if card.id in seen:
-            return
-        seen.add(card.id)
-        path = local_path(card)
-        if path is not None:
-            local.append(self._info(ResolvedModel(path, card.id, card), "local"))
-            return
-        card_path = self.catalog.paths.get(card.id)
-        remote.append(
-            ModelInfo(
-                id=card.id,
-                status="remote",
-                owned_by=_owner(card),
-                created=_mtime(card_path),
-                native_mtp=NativeMTPInfo(
-                    default_k=card.native_mtp.default_k if card.native_mtp else None,
-                    max_k=card.native_mtp.max_k if card.native_mtp else None,
-                    available=False,
-                    reason=f"not on this machine: download {card.repo}" if card.repo else "not on this machine",
-                ),
-                name=card.name,
-                arch=card.arch,
-                context_length=card.context_length,
-            )
-        )
-
-    def _info(self, resolved: ResolvedModel, status: ModelStatus, engine: Engine | None = None) -> ModelInfo:
-        card = resolved.card
-        config: dict[str, Any] = {}
-        if card is None:
-            try:
-                config = read_config(resolved.path)
-            except Exception:  # a broken directory still gets listed; loading it says what is wrong
-                config = {}
-        text_config = config.get("text_config", config)
-        context = engine.loaded.context_length if engine is not None else (
-            card.context_length if card else text_config.get("max_position_embeddings")
-        )
-        return ModelInfo(
-            id=resolved.model_id,
-            status=status,
-            owned_by=_owner(card) if card else "local",
-            created=_mtime(resolved.path / "config.json"),
-            native_mtp=self._mtp_info(resolved, engine),
-            name=card.name if card else resolved.model_id,
-            arch=card.arch if card else config.get("model_type"),
-            context_length=int(context) if isinstance(context, int) else None,
-        )
-
-    def _mtp_info(self, resolved: ResolvedModel, engine: Engine | None) -> NativeMTPInfo:
-        reason: str | None
-        enabled, disabled_reason = self._mtp
-        if not enabled:
-            reason = disabled_reason
-        elif engine is not None:
-            reason = None if engine.loaded.head is not None else engine.loaded.head_status.reason
-        else:
-            try:
-                head = inspect_head(resolved.path)
-            except Exception as e:  # headers only; a malformed head is reported, not fatal
-                reason = f"the MTP head cannot be read: {e}"
-            else:
-                if head.present:
-                    reason = None
-                elif head.declared_layers:
-                    reason = missing_head_reason(resolved.path, head.declared_layers, resolved.head_source_repo)
-                else:
-                    reason = f"{resolved.model_id} has no MTP head"
-        return NativeMTPInfo(resolved.default_k, resolved.max_k, reason is None, reason)
+            registered = [known[mid] for mid in self._registered]
+        rows = [
+            model_info(known[mid], "loaded", self._mtp, LoadedFacts(engine.loaded.context_length, _head_reason(engine)))
+            for mid, engine in loaded.items()
+        ]
+        return model_rows(self.catalog, rows, registered, self._mtp)
 
     # -- generation ----------------------------------------------------------------------------------------
     def generate(
@@ -316,14 +232,6 @@ class LocalModelService:
         self.worker.close()
 
 
-def _owner(card: ModelCard) -> str:
-    if card.bundled:
-        return "exo"
-    return card.repo.split("/", 1)[0] if card.repo else "exo"
 
-
-def _mtime(path: Path | None) -> int:
-    try:
-        return int(path.stat().st_mtime) if path is not None else 0
-    except OSError:
-        return 0
+def _head_reason(engine: Engine) -> str | None:
+    return None if engine.loaded.head is not None else engine.loaded.head_status.reason

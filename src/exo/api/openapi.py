@@ -20,7 +20,9 @@ _ERRORS = {
     "413": "the request body is too large",
     "429": "the request queue is full (see Retry-After)",
     "500": "the model could not be loaded, or an internal error",
-    "503": "the model is still loading (see Retry-After)",
+    "503": "the model is still loading, or the node that runs it is unavailable (see Retry-After)",
+    "409": "the model already has an instance (delete it first to place it elsewhere)",
+    "507": "no node has room for the model (the message says how much is missing)",
 }
 
 
@@ -86,9 +88,46 @@ def _generation(request: type[BaseModel], response: type[BaseModel], chunk: type
     }
 
 
-def build_openapi() -> dict[str, Any]:
+def _cluster_paths() -> dict[str, Any]:
+    """The cluster's endpoints (served by ``exo serve``, a node of a cluster)."""
+    obj = _json({"type": "object"}, "see docs/architecture.md, \"Cluster\"")
+    model_q = {"name": "model", "in": "query", "required": True, "schema": {"type": "string"}}
+    node_q = {"name": "node", "in": "query", "required": False, "schema": {"type": "string"}}
+    id_p = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+    return {
+        "/v1/cluster": {
+            "get": {"summary": "nodes (self marked), links and instances as this node sees the cluster",
+                    "responses": {"200": obj, **_error_responses("401")}}
+        },
+        "/v1/instances": {
+            "get": {"summary": "every instance in the cluster (gone ones for a while)",
+                    "responses": {"200": obj, **_error_responses("401")}},
+            "post": {
+                "summary": "place a model (on `node`, or where placement decides) and load it",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(s.InstanceCreate)}}},
+                "responses": {
+                    "201": obj,
+                    **_error_responses("400", "401", "404", "409", "413", "500", "507"),
+                },
+            },
+        },
+        "/v1/instances/preview": {
+            "get": {"summary": "where a model would be placed, without side effects",
+                    "parameters": [model_q, node_q],
+                    "responses": {"200": obj, **_error_responses("400", "401", "404", "409", "507")}}
+        },
+        "/v1/instances/{id}": {
+            "get": {"summary": "one instance", "parameters": [id_p],
+                    "responses": {"200": obj, **_error_responses("401", "404")}},
+            "delete": {"summary": "stop an instance (its runner) and forget it", "parameters": [id_p],
+                       "responses": {"200": obj, **_error_responses("401", "404", "503")}},
+        },
+    }
+
+
+def build_openapi(cluster: bool = False) -> dict[str, Any]:
     models: list[tuple[type[BaseModel], Any]] = [
-        (m, "validation") for m in (s.ChatCompletionRequest, s.CompletionRequest, s.SettingsUpdate)
+        (m, "validation") for m in (s.ChatCompletionRequest, s.CompletionRequest, s.SettingsUpdate, s.InstanceCreate)
     ] + [
         (m, "serialization")
         for m in (
@@ -103,6 +142,7 @@ def build_openapi() -> dict[str, Any]:
         )
     ]
     _, top = models_json_schema(models, ref_template=_REF)
+    extra = _cluster_paths() if cluster else {}
     settings_view = _json(s.SettingsView, "the node's writable settings and where their values came from")
     return {
         "openapi": "3.1.0",
@@ -153,6 +193,7 @@ def build_openapi() -> dict[str, Any]:
                     "responses": {"200": settings_view, **_error_responses("400", "401", "413", "500")},
                 },
             },
+            **extra,
         },
         "components": {
             "schemas": top.get("$defs", {}),

@@ -229,6 +229,18 @@ class SettingsUpdate(BaseModel):
     native_mtp_enabled: bool = Field(description="the node-wide native-MTP switch; persisted")
 
 
+class InstanceCreate(BaseModel):
+    """``POST /v1/instances``."""
+
+    model_config = _STRICT
+
+    model: str = Field(min_length=1, description="card id, repo id, or a model id served by a node")
+    node: str | None = Field(
+        default=None, min_length=1, description="a node id (GET /v1/cluster); default: placement decides"
+    )
+    wait: bool = Field(default=False, description="answer once the instance is ready (bounded by the load timeout)")
+
+
 # -- responses (documentation: handlers build these shapes as plain dicts on the hot path) -------------
 
 

@@ -18,9 +18,11 @@ from aiohttp import web
 
 from exo.settings import Settings
 
+from .cluster import ClusterModelService
 from .completions import chat_completions, completions
 from .config import CONFIG, METRICS, NODE, OPENAPI, SERVICE, ServerConfig
 from .errors import APIError, api_error_from
+from .instances import add_cluster_routes
 from .local import LocalModelService
 from .metrics import Metrics
 from .node_settings import NodeSettings
@@ -55,6 +57,27 @@ def create_app(
         await asyncio.to_thread(app[SERVICE].close)
 
     app.on_cleanup.append(close_service)
+    return app
+
+
+def build_cluster_app(
+    settings: Settings, service: ClusterModelService, **config_overrides: Any
+) -> web.Application:
+    """The app of a cluster node (``exo serve``): the same handlers over a ``ClusterModelService``, the
+    cluster's endpoints, and the node (gRPC server, peers, runners) started and stopped with the app."""
+    config = ServerConfig.from_settings(settings, **config_overrides)
+    app = create_app(service, config, NodeSettings(settings, service), service.metrics)
+    app[OPENAPI] = build_openapi(cluster=True)
+    add_cluster_routes(app)
+
+    async def start_node(app: web.Application) -> None:
+        await service.start()
+
+    async def stop_node(app: web.Application) -> None:
+        await service.aclose()
+
+    app.on_startup.append(start_node)
+    app.on_cleanup.insert(0, stop_node)
     return app
 
 

@@ -95,7 +95,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="seconds a request waits for its model to load (default: the request timeout)",
     )
-    serve.add_argument("--max-loaded", type=int, default=1, help="models kept in memory at once (default 1)")
+    serve.add_argument(
+        "--max-loaded", type=int, default=1, help="on-demand models kept loaded on this node at once (default 1)"
+    )
+    serve.add_argument("--grpc-port", type=int, default=None, help="cluster (gRPC) port (default: settings grpc_port, 52416)")
+    serve.add_argument(
+        "--peers",
+        default=None,
+        help="static peers host:grpc_port,... for networks without multicast (default: EXO_PEERS)",
+    )
+    serve.add_argument(
+        "--namespace", default=None, help="cluster namespace: only nodes of the same one join (default: EXO_NAMESPACE, default)"
+    )
+    serve.add_argument("--no-discovery", action="store_true", help="turn zeroconf discovery off (static peers only)")
+    serve.add_argument("--name", default=None, help="this node's display name (default: the host name)")
+
+    cluster = sub.add_parser("cluster", help="the nodes of the cluster as seen from this node's running daemon")
+    cluster.add_argument("--url", default=None, help="the daemon's API (default http://127.0.0.1:<settings api_port>)")
+    cluster.add_argument("--json", action="store_true", help="print GET /v1/cluster as it is")
     return parser
 
 
@@ -152,6 +169,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from exo.cli.models import models_command
 
             return models_command(args)
+        if args.command == "cluster":
+            from exo.cli.cluster import cluster_command
+
+            return cluster_command(args)
         if args.command == "serve":
             from exo.cli.serve import serve_command
 

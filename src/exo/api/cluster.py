@@ -1,0 +1,803 @@
+"""``ClusterModelService``: the ``ModelService`` of an exo node in a cluster (what ``exo serve`` runs).
+
+Every model runs as an instance: a runner subprocess on some node of the cluster. A request names a
+model; if an instance of it exists anywhere in the cluster (ready, or loading), the request goes there;
+otherwise the model is placed (``exo.cluster.placement``) and loaded on demand, and the request waits,
+bounded by the load timeout. Generation on another node goes through that node's ``Generate`` stream
+(gRPC), generation on this node straight to the local runner; either way the handler gets the engine's
+chunks and stats exactly as the owning node produced them. Instances of a peer that dies are reported
+``gone`` (and a stream from it ends with an error, never a hang).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import time
+import uuid
+from typing import Any
+
+import grpc
+
+from exo import __version__
+from exo.cards import Catalog, ModelCard, UnknownModelError, load_catalog
+from exo.cluster import placement as pl
+from exo.cluster.models import LocalModels
+from exo.cluster.node import ClusterNode, MTPSwitch, new_instance_id
+from exo.cluster.proto_gen import node_pb2 as pb
+from exo.cluster.registry import Peer
+from exo.cluster.supervisor import InstanceFailedError
+from exo.engine import (
+    ContextLengthError,
+    GenerationChunk,
+    GenerationRequestError,
+    ModelNotAvailableError,
+    NativeMTPUnavailableError,
+    ResolvedModel,
+    SamplingParamsError,
+)
+from exo.engine.resolve import DEFAULT_MODEL
+from exo.runner.device import QueueFullError
+from exo.runner.prompt import PromptError
+from exo.runner.wire import chunk_from_pb, sampling_to_pb
+from exo.settings import Settings
+
+from .errors import (
+    APIError,
+    InstanceNotFoundError,
+    ModelLoadTimeoutError,
+    NodeUnavailableError,
+    RequestTimeoutError,
+)
+from .listing import card_info, model_rows
+from .metrics import Metrics
+from .service import DEADLINE_GRACE_S, Failed, GenerateParams, ModelInfo, NativeMTPInfo, Prompt, Started
+
+log = logging.getLogger(__name__)
+
+CALL_TIMEOUT_S = 5.0
+POLL_READY_S = 0.2
+# A generation stream that delivers nothing (runners send a heartbeat every 2 s) for this long means
+# the node or its runner stopped answering.
+STREAM_IDLE_S = 10.0
+GONE_KEPT_S = 600.0
+STATE_NAMES = {
+    pb.INSTANCE_STATE_LOADING: "loading",
+    pb.INSTANCE_STATE_READY: "ready",
+    pb.INSTANCE_STATE_FAILED: "failed",
+    pb.INSTANCE_STATE_STOPPING: "stopping",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Located:
+    """An instance and the node that runs it (``node_id`` == ours: this node)."""
+
+    node_id: str
+    instance: pb.Instance
+
+
+class ClusterModelService:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        metrics: Metrics | None = None,
+        catalog: Catalog | None = None,
+        max_loaded: int = 1,
+        default_model: str | None = None,
+        name: str | None = None,
+        max_restarts: int = 2,
+    ) -> None:
+        self.settings = settings
+        self.catalog = catalog if catalog is not None else load_catalog(home=settings.home)
+        self.metrics = metrics or Metrics()
+        self.max_loaded = max(1, max_loaded)
+        self.default_model = default_model or DEFAULT_MODEL
+        self.models = LocalModels(self.catalog)
+        self._mtp: tuple[bool, str] = (settings.native_mtp_enabled, "native MTP is disabled")
+        self.node = ClusterNode(
+            settings,
+            self.models,
+            version=__version__,
+            mtp_switch=lambda: MTPSwitch(*self._mtp),
+            name=name,
+            on_peer_lost=self._peer_lost,
+            max_restarts=max_restarts,
+        )
+        self._gone: dict[str, tuple[float, dict[str, Any]]] = {}  # instance id -> (when, its last view)
+        self._placing: dict[str, asyncio.Task[Located]] = {}  # model id -> its on-demand placement
+        self._routes: dict[str, Located] = {}  # model id -> the instance acquire() found for it
+        self._routed_at: dict[str, float] = {}  # instance id -> when it was routed to
+        self._reserved: dict[str, int] = {}  # instance id -> bytes it will take once loaded
+        self._last_used: dict[str, float] = {}
+        self._started = time.monotonic()
+        self._streams: set[RemoteGenerationStream] = set()
+
+    # -- lifecycle (the app's startup and cleanup hooks) ------------------------------------------------------
+    async def start(self) -> None:
+        await self.node.start()
+
+    async def aclose(self) -> None:
+        for stream in list(self._streams):
+            stream.cancel()
+        for task in self._placing.values():
+            task.cancel()
+        await self.node.close()
+
+    def close(self) -> None:
+        """The ModelService hook (from a thread): the node closes on the loop through ``aclose``."""
+
+    def register(self, resolved: ResolvedModel) -> str:
+        """Serve a directory under its id on this node (``exo serve --model DIR``)."""
+        return self.models.register(resolved)
+
+    # -- the cluster as this node sees it -----------------------------------------------------------------------
+    @property
+    def node_id(self) -> str:
+        return self.node.node_id
+
+    def peers(self) -> list[Peer]:
+        return self.node.registry.peers()
+
+    def located(self) -> list[Located]:
+        """Every instance in the cluster: ours (current), our peers' (as of their last answer), and the
+        ones this node started or found on a peer that its last answer does not show yet."""
+        out = [Located(self.node_id, inst) for inst in self.node.supervisor.list()]
+        for peer in self.peers():
+            out.extend(Located(peer.node_id, inst) for inst in peer.info.instances)
+        index = {loc.instance.instance_id: i for i, loc in enumerate(out)}
+        for model_id, route in list(self._routes.items()):
+            if route.node_id == self.node_id:
+                continue
+            i = index.get(route.instance.instance_id)
+            if i is not None:
+                if route.instance.updated_unix > out[i].instance.updated_unix:
+                    out[i] = route  # we asked that node since its last answer
+                continue
+            peer = self.node.registry.get(route.node_id)
+            if peer is None or peer.last_seen > self._routed_at.get(route.instance.instance_id, 0.0) + 1.0:
+                self._routes.pop(model_id, None)  # that node answered since, without it: it is gone
+                continue
+            out.append(route)
+        return out
+
+    def _find(self, instance_id: str) -> Located | None:
+        for loc in self.located():
+            if loc.instance.instance_id == instance_id:
+                return loc
+        return None
+
+    def _live(self, model_id: str) -> Located | None:
+        """An instance of the model that is ready (preferred; ours first) or loading."""
+        candidates = [
+            loc for loc in self.located()
+            if loc.instance.model_id == model_id
+            and loc.instance.state in (pb.INSTANCE_STATE_READY, pb.INSTANCE_STATE_LOADING)
+        ]
+        candidates.sort(key=lambda c: (c.instance.state != pb.INSTANCE_STATE_READY, c.node_id != self.node_id))
+        return candidates[0] if candidates else None
+
+    def capacities(self) -> list[pl.NodeCapacity]:
+        own = self.node.info()
+        infos = [own] + [p.info for p in self.peers()]
+        return [
+            pl.NodeCapacity(
+                node_id=info.node_id,
+                memory_available_bytes=info.memory_available_bytes,
+                memory_total_bytes=info.memory_total_bytes,
+                name=info.name,
+                models=frozenset(m.model_id for m in info.models),
+            )
+            for info in infos
+        ]
+
+    def existing(self) -> list[pl.ExistingInstance]:
+        return [
+            pl.ExistingInstance(
+                loc.instance.instance_id,
+                loc.instance.model_id,
+                loc.node_id,
+                STATE_NAMES.get(loc.instance.state, "failed"),
+                self._reserved.get(loc.instance.instance_id, 0),
+            )
+            for loc in self.located()
+        ]
+
+    def requirement(self, model_id: str) -> pl.ModelRequirement:
+        """What the model needs, from its card and the size of its weights on a node's disk."""
+        sizes = [m for info in [self.node.info()] + [p.info for p in self.peers()] for m in info.models
+                 if m.model_id == model_id]
+        card = self._card(model_id)
+        if card is not None:
+            disk = max((m.weights_bytes for m in sizes), default=0)
+            return pl.ModelRequirement.from_card(card, weights_bytes=disk or None)
+        if not sizes:
+            raise UnknownModelError(model_id, self.catalog.suggest(model_id))
+        m = sizes[0]
+        return pl.ModelRequirement(
+            model_id=model_id,
+            weights_bytes=m.weights_bytes,
+            kv_bytes_per_token=m.kv_bytes_per_token,
+            context_tokens=min(m.context_length or pl.CONTEXT_BUDGET_TOKENS, pl.CONTEXT_BUDGET_TOKENS),
+            n_layers=m.n_layers,
+        )
+
+    def _card(self, model_id: str) -> ModelCard | None:
+        try:
+            return self.catalog.get(model_id)
+        except (UnknownModelError, LookupError):
+            return None
+
+    def model_id(self, ref: str) -> str:
+        """A request's model reference -> a model id known somewhere in the cluster (may read the disk)."""
+        try:
+            return self.models.resolve(ref).model_id
+        except ModelNotAvailableError:
+            card = self._card(ref)
+            if card is not None:
+                return card.id
+            raise
+        except UnknownModelError:
+            for loc in self.located():
+                if ref in (loc.instance.model_id, loc.instance.model_ref):
+                    return loc.instance.model_id
+            for peer in self.peers():
+                if any(m.model_id == ref for m in peer.info.models):
+                    return ref
+            raise
+
+    # -- ModelService ------------------------------------------------------------------------------------------
+    def list_models(self) -> list[ModelInfo]:
+        loaded: list[ModelInfo] = []
+        seen: set[str] = set()
+        for loc in self.located():
+            inst = loc.instance
+            if inst.state == pb.INSTANCE_STATE_READY and inst.model_id not in seen:
+                seen.add(inst.model_id)
+                loaded.append(self._loaded_info(inst))
+        own = {m.model_id for m in self.node.local_models()}
+        elsewhere: dict[str, ModelCard | None] = {}
+        for peer in self.peers():
+            for m in peer.info.models:
+                if m.model_id not in own:
+                    elsewhere[m.model_id] = self._card(m.model_id)
+        return model_rows(self.catalog, loaded, self.models.registered(), self._mtp, elsewhere=elsewhere)
+
+    def _loaded_info(self, inst: pb.Instance) -> ModelInfo:
+        s = inst.model
+        enabled, disabled_reason = self._mtp
+        reason = disabled_reason if not enabled else (None if s.mtp_available else s.mtp_reason or "no MTP head")
+        card = self._card(inst.model_id)
+        base = card_info(card, self.catalog, "loaded", None) if card is not None else None
+        return ModelInfo(
+            id=inst.model_id,
+            status="loaded",
+            owned_by=s.owned_by or (base.owned_by if base else "local"),
+            created=base.created if base else int(inst.created_unix),
+            native_mtp=NativeMTPInfo(s.default_k or None, s.max_k or None, reason is None, reason),
+            name=s.name or inst.model_id,
+            arch=s.arch or None,
+            context_length=s.context_length or None,
+        )
+
+    async def acquire(self, model: str | None, timeout: float) -> str:
+        ref = self.default_model if model is None else model
+        model_id = await asyncio.to_thread(self.model_id, ref)
+        deadline = time.monotonic() + max(timeout, 0.0)
+        live = self._live(model_id)
+        if live is not None and live.instance.state == pb.INSTANCE_STATE_READY:
+            self._routes[model_id] = live
+            return model_id
+        task = self._placing.get(model_id)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._place_and_wait(model_id, live))
+            self._placing[model_id] = task
+            task.add_done_callback(lambda _t: self._placing.pop(model_id, None))
+        try:
+            located = await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise ModelLoadTimeoutError(
+                f"{model_id} is still loading after {timeout:.0f} s; the load goes on: retry shortly"
+            ) from None
+        self._routes[model_id] = located
+        return model_id
+
+    async def _place_and_wait(self, model_id: str, live: Located | None) -> Located:
+        if live is None:
+            try:
+                plan = pl.placement(self.requirement(model_id), self.capacities(), self.existing())
+            except pl.AlreadyPlacedError as e:
+                live = self._find(e.existing.instance_id)
+            except pl.NoPlacementError:
+                if not self.models.known(model_id) or self._on_some_disk(model_id):
+                    raise
+                # Known here but on no node's disk: the download hint says more than "does not fit".
+                await asyncio.to_thread(self.models.resolve, model_id)
+                raise
+            if live is None:
+                await self._evict_for(plan.node_id)
+                live = await self.load_on(
+                    plan.node_id, model_id, on_demand=True, reserved=plan.requirement.needed_bytes, shard=plan.shards[0]
+                )
+                self._routes[model_id] = live
+        return await self.wait_ready(live.node_id, live.instance.instance_id, timeout=None)
+
+    def _on_some_disk(self, model_id: str) -> bool:
+        return any(model_id in (c.models or ()) for c in self.capacities())
+
+    async def _evict_for(self, node_id: str) -> None:
+        """Keep at most ``max_loaded`` on-demand instances on this node (least recently used leaves)."""
+        if node_id != self.node_id:
+            return
+        on_demand = [i for i in self.node.supervisor.list() if i.on_demand]
+        on_demand.sort(key=lambda i: self._last_used.get(i.instance_id, i.created_unix))
+        for inst in on_demand[: max(0, len(on_demand) - self.max_loaded + 1)]:
+            log.info("unloading on-demand instance %s (%s) to make room", inst.instance_id, inst.model_id)
+            await self.node.supervisor.stop(inst.instance_id)
+
+    async def load_on(
+        self, node_id: str, model_id: str, *, on_demand: bool, reserved: int = 0, shard: pl.ShardAssignment | None = None
+    ) -> Located:
+        """Start an instance of ``model_id`` on a node; returns it at once (loading)."""
+        request = pb.LoadInstanceRequest(instance_id=new_instance_id(), model=model_id, on_demand=on_demand)
+        if shard is not None:
+            request.shard.CopyFrom(
+                pb.Shard(start_layer=shard.start_layer, end_layer=shard.end_layer, rank=shard.rank, world_size=shard.world_size)
+            )
+        self._reserved[request.instance_id] = reserved
+        if node_id == self.node_id:
+            instance = await self.node.load(request)
+        else:
+            peer = self._peer(node_id)
+            try:
+                instance = await peer.stub.LoadInstance(
+                    request, timeout=CALL_TIMEOUT_S, metadata=self.node.registry.metadata("/exo.v1.Node/LoadInstance")
+                )
+            except grpc.aio.AioRpcError as e:
+                raise _rpc_error(e, f"node {peer.info.name} ({node_id[:8]})") from None
+        self._routed_at[instance.instance_id] = time.monotonic()
+        log.info("instance %s of %s on node %s: %s", instance.instance_id, model_id, node_id[:8], instance.stage)
+        return Located(node_id, instance)
+
+    async def wait_ready(self, node_id: str, instance_id: str, timeout: float | None) -> Located:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            inst = await self.instance_on(node_id, instance_id)
+            if inst.state == pb.INSTANCE_STATE_READY:
+                self._reserved.pop(instance_id, None)
+                self._routed_at[instance_id] = time.monotonic()
+                return Located(node_id, inst)
+            if inst.state == pb.INSTANCE_STATE_FAILED:
+                self._reserved.pop(instance_id, None)
+                raise InstanceFailedError(inst, _failure_text(inst))
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"instance {instance_id} is still {STATE_NAMES.get(inst.state)} ({inst.stage})")
+            await asyncio.sleep(POLL_READY_S)
+
+    async def instance_on(self, node_id: str, instance_id: str) -> pb.Instance:
+        if node_id == self.node_id:
+            inst = self.node.supervisor.get(instance_id)
+            if inst is None:
+                raise InstanceNotFoundError(f"instance {instance_id} is gone")
+            return inst
+        peer = self._peer(node_id)
+        try:
+            return await peer.stub.GetInstance(
+                pb.GetInstanceRequest(instance_id=instance_id),
+                timeout=CALL_TIMEOUT_S,
+                metadata=self.node.registry.metadata("/exo.v1.Node/GetInstance"),
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                raise InstanceNotFoundError(f"instance {instance_id} is gone") from None
+            raise _rpc_error(e, f"node {peer.info.name} ({node_id[:8]})") from None
+
+    def _peer(self, node_id: str) -> Peer:
+        peer = self.node.registry.get(node_id)
+        if peer is None:
+            raise NodeUnavailableError(f"node {node_id} is not in the cluster (any more)")
+        return peer
+
+    def generate(
+        self, model_id: str, prompt: Prompt, params: GenerateParams, *, timeout_s: float, arrived: float
+    ) -> RemoteGenerationStream:
+        located = self._live(model_id)
+        if located is None or located.instance.state != pb.INSTANCE_STATE_READY:
+            raise NodeUnavailableError(f"no ready instance of {model_id} in the cluster (it went away)")
+        remaining = max(0.001, arrived + timeout_s - time.monotonic())
+        request = generate_request(model_id, located.instance.instance_id, prompt, params, remaining)
+        self._last_used[located.instance.instance_id] = time.monotonic()
+        stream = RemoteGenerationStream(self, located, request, timeout_s=timeout_s, arrived=arrived)
+        self._streams.add(stream)
+        return stream
+
+    def open_call(self, located: Located, request: pb.GenerateRequest, timeout: float) -> grpc.aio.UnaryStreamCall:
+        if located.node_id == self.node_id:
+            return self.node.generate_local(request, timeout=timeout)
+        peer = self._peer(located.node_id)
+        return peer.stub.Generate(
+            request, timeout=timeout, metadata=self.node.registry.metadata("/exo.v1.Node/Generate")
+        )
+
+    def set_native_mtp(self, enabled: bool, disabled_reason: str) -> None:
+        self._mtp = (enabled, disabled_reason)
+
+    @property
+    def native_mtp_enabled(self) -> bool:
+        return self._mtp[0]
+
+    def status(self) -> dict[str, Any]:
+        ours = self.node.supervisor.list()
+        return {
+            "node_id": self.node_id,
+            "models_loaded": [i.model_id for i in ours if i.state == pb.INSTANCE_STATE_READY],
+            "queue_depth": sum(i.queue_depth for i in ours),
+            "running": sum(i.running for i in ours),
+            "uptime_s": round(time.monotonic() - self._started, 3),
+            "peers": len(self.peers()),
+        }
+
+    # -- instances (POST/GET/DELETE /v1/instances) ---------------------------------------------------------------
+    def plan(self, model_id: str, node: str | None = None) -> pl.Placement:
+        return pl.placement(self.requirement(model_id), self.capacities(), self.existing(), node=node)
+
+    async def create_instance(self, model_id: str, node: str | None = None) -> tuple[Located, pl.Placement]:
+        plan = self.plan(model_id, node)
+        located = await self.load_on(
+            plan.node_id, model_id, on_demand=False, reserved=plan.requirement.needed_bytes, shard=plan.shards[0]
+        )
+        self._routes[model_id] = located
+        return located, plan
+
+    async def delete_instance(self, instance_id: str) -> bool:
+        if self._gone.pop(instance_id, None) is not None:
+            return True
+        located = self._find(instance_id)
+        if located is None:
+            raise InstanceNotFoundError(f"no instance {instance_id!r} in the cluster; list them with GET /v1/instances")
+        self._routes = {m: r for m, r in self._routes.items() if r.instance.instance_id != instance_id}
+        if located.node_id == self.node_id:
+            return await self.node.supervisor.stop(instance_id)
+        peer = self._peer(located.node_id)
+        try:
+            reply = await peer.stub.UnloadInstance(
+                pb.UnloadInstanceRequest(instance_id=instance_id),
+                timeout=30.0,
+                metadata=self.node.registry.metadata("/exo.v1.Node/UnloadInstance"),
+            )
+        except grpc.aio.AioRpcError as e:
+            raise _rpc_error(e, f"node {peer.info.name} ({located.node_id[:8]})") from None
+        # Our copy of that peer's instances is refreshed at its next poll; drop the instance now.
+        del_ids = [i for i, inst in enumerate(peer.info.instances) if inst.instance_id == instance_id]
+        for i in reversed(del_ids):
+            del peer.info.instances[i]
+        return reply.unloaded
+
+    def instances_view(self) -> list[dict[str, Any]]:
+        now = time.time()
+        self._gone = {k: v for k, v in self._gone.items() if now - v[0] < GONE_KEPT_S}
+        out = [instance_json(loc.instance, loc.node_id, self.node_id) for loc in self.located()]
+        return out + [view for _, view in self._gone.values()]
+
+    def instance_view(self, instance_id: str) -> dict[str, Any]:
+        loc = self._find(instance_id)
+        if loc is not None:
+            return instance_json(loc.instance, loc.node_id, self.node_id)
+        if instance_id in self._gone:
+            return self._gone[instance_id][1]
+        raise InstanceNotFoundError(f"no instance {instance_id!r} in the cluster; list them with GET /v1/instances")
+
+    def cluster_view(self) -> dict[str, Any]:
+        own = self.node.info()
+        nodes = [node_json(own, self_id=self.node_id, host=None, last_seen_s=0.0, rtt_ms=0.0, source="self")]
+        now = time.monotonic()
+        for peer in self.peers():
+            nodes.append(
+                node_json(peer.info, self_id=self.node_id, host=peer.address[0],
+                          last_seen_s=now - peer.last_seen, rtt_ms=peer.rtt_ms, source=peer.source)
+            )
+        links = [{"from": self.node_id, "to": p.node_id, "rtt_ms": round(p.rtt_ms, 3), "source": p.source}
+                 for p in self.peers()]
+        for peer in self.peers():
+            links.extend(
+                {"from": peer.node_id, "to": link.node_id, "rtt_ms": round(link.rtt_ms, 3), "source": link.source}
+                for link in peer.info.links
+            )
+        return {
+            "node_id": self.node_id,
+            "namespace": self.settings.namespace,
+            "nodes": nodes,
+            "links": links,
+            "instances": self.instances_view(),
+        }
+
+    def _peer_lost(self, peer: Peer) -> None:
+        now = time.time()
+        for inst in peer.info.instances:
+            view = instance_json(inst, peer.node_id, self.node_id)
+            view["state"] = "gone"
+            view["gone_reason"] = f"node {peer.info.name} ({peer.node_id[:8]}) left the cluster"
+            self._gone[inst.instance_id] = (now, view)
+            log.warning("instance %s (%s) is gone with node %s", inst.instance_id, inst.model_id, peer.node_id[:8])
+        self._routes = {m: r for m, r in self._routes.items() if r.node_id != peer.node_id}
+
+
+class RemoteGenerationStream:
+    """A generation on a runner (this node's or another's), with ``GenerationStream``'s interface."""
+
+    def __init__(
+        self,
+        service: ClusterModelService,
+        located: Located,
+        request: pb.GenerateRequest,
+        *,
+        timeout_s: float,
+        arrived: float,
+    ) -> None:
+        self.id = request.request_id
+        self.service = service
+        self.model_id = request.model
+        self.timeout_s = timeout_s
+        self.deadline = arrived + timeout_s
+        self.finished = False
+        self.tokens = 0
+        self._items: asyncio.Queue[Any] = asyncio.Queue()
+        self._error: BaseException | None = None
+        remaining = max(0.001, self.deadline - time.monotonic())
+        self._call = service.open_call(located, request, remaining + DEADLINE_GRACE_S)
+        where = "this node" if located.node_id == service.node_id else f"node {located.node_id[:8]}"
+        self._where = where
+        self._task = asyncio.get_running_loop().create_task(self._pump())
+
+    def cancel(self) -> None:
+        self._call.cancel()
+        self._task.cancel()
+        self.service._streams.discard(self)
+
+    async def _pump(self) -> None:
+        finish, stats = "error", None
+        try:
+            while True:
+                try:
+                    msg = await asyncio.wait_for(self._call.read(), STREAM_IDLE_S)
+                except TimeoutError:
+                    self._items.put_nowait(
+                        Failed(NodeUnavailableError(f"{self._where} stopped answering for {STREAM_IDLE_S:g} s"))
+                    )
+                    return
+                if msg is grpc.aio.EOF:
+                    self._items.put_nowait(Failed(NodeUnavailableError(f"{self._where} ended the stream early")))
+                    return
+                if msg.heartbeat:
+                    continue
+                if msg.HasField("error"):
+                    self._items.put_nowait(Failed(error_from_pb(msg.error)))
+                    finish = "rejected"
+                    return
+                if msg.HasField("started"):
+                    s = msg.started
+                    self._items.put_nowait(Started(s.prompt_tokens, s.max_tokens, s.queue_s))
+                    continue
+                chunk = chunk_from_pb(msg)
+                self.tokens += len(chunk.token_ids)
+                self._items.put_nowait(chunk)
+                if chunk.finish_reason is not None:
+                    finish, stats = chunk.finish_reason, chunk.stats
+                    return
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._items.put_nowait(Failed(RequestTimeoutError(
+                    f"the request exceeded the server's request timeout of {self.timeout_s:g} s")))
+            elif e.code() != grpc.StatusCode.CANCELLED:
+                self._items.put_nowait(Failed(_rpc_error(e, self._where)))
+            finish = "cancelled" if e.code() == grpc.StatusCode.CANCELLED else "error"
+        finally:
+            self.service._streams.discard(self)
+            if finish == "cancelled" and time.monotonic() > self.deadline:
+                finish = "timeout"
+            self.service.metrics.record_generation(self.model_id, finish, stats)
+
+    async def _get(self) -> Any:
+        remaining = self.deadline + DEADLINE_GRACE_S - time.monotonic()
+        try:
+            return await asyncio.wait_for(self._items.get(), max(0.0, remaining))
+        except TimeoutError:
+            self.cancel()
+            raise RequestTimeoutError(
+                f"the request exceeded the server's request timeout of {self.timeout_s:g} s"
+            ) from None
+
+    async def start(self) -> Started:
+        item = await self._get()
+        if isinstance(item, Failed):
+            self.finished = True
+            raise item.error
+        assert isinstance(item, Started), item
+        return item
+
+    async def next_batch(self) -> list[GenerationChunk]:
+        """The chunks delivered so far (at least one); raises the generation's error after its chunks."""
+        if self._error is not None:
+            raise self._error
+        items = [await self._get()]
+        while not self._items.empty():
+            items.append(self._items.get_nowait())
+        chunks: list[GenerationChunk] = []
+        for item in items:
+            if isinstance(item, Failed):
+                self._error = item.error
+                break
+            if item.finish_reason == "cancelled":
+                self._error = RequestTimeoutError(
+                    f"the request exceeded the server's request timeout of {self.timeout_s:g} s "
+                    f"after {self.tokens} generated tokens"
+                )
+                chunks.append(dataclasses.replace(item, finish_reason=None, stats=None))
+                break
+            chunks.append(item)
+            if item.finish_reason is not None:
+                self.finished = True
+        if not chunks:
+            assert self._error is not None
+            self.finished = True
+            raise self._error
+        return chunks
+
+
+# -- wire helpers --------------------------------------------------------------------------------------------
+
+
+def generate_request(
+    model_id: str, instance_id: str, prompt: Prompt, params: GenerateParams, timeout_s: float
+) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(
+        request_id=uuid.uuid4().hex,
+        model=model_id,
+        instance_id=instance_id,
+        default_max_tokens=params.default_max_tokens,
+        sampling=sampling_to_pb(params.sampling),
+        stop=list(params.stop),
+        native_mtp=params.native_mtp,
+        timeout_s=timeout_s,
+    )
+    if prompt.messages is not None:
+        request.messages.CopyFrom(pb.Messages(messages=[pb.ChatMessage(role=m["role"], content=m["content"])
+                                                        for m in prompt.messages]))
+    elif prompt.token_ids is not None:
+        request.token_ids.CopyFrom(pb.TokenIds(ids=prompt.token_ids))
+    else:
+        request.text = prompt.text or ""
+    if prompt.template_kwargs:
+        request.template_kwargs_json = json.dumps(prompt.template_kwargs)
+    if params.max_tokens is not None:
+        request.max_tokens = params.max_tokens
+    if params.mtp_k is not None:
+        request.mtp_k = params.mtp_k
+    return request
+
+
+def error_from_pb(err: pb.GenerateError) -> BaseException:
+    """The owning node's error as the exception that gives the same HTTP answer here."""
+    message = err.message
+    if err.type == "context_length_exceeded":
+        return ContextLengthError(message, err.param or "messages")
+    if err.type == "prompt":
+        return PromptError(message)
+    if err.type == "sampling_params":
+        return SamplingParamsError(message)
+    if err.type == "native_mtp_unavailable":
+        return NativeMTPUnavailableError(message)
+    if err.type == "generation_request":
+        return GenerationRequestError(message)
+    if err.type == "queue_full":
+        exc = QueueFullError(0, max(1, math.ceil(err.retry_after_s)))
+        exc.args = (message,)
+        return exc
+    if err.type == "timeout":
+        return RequestTimeoutError(message)
+    if err.type == "model_unavailable":
+        return NodeUnavailableError(message)
+    return RuntimeError(message)
+
+
+def _rpc_error(e: grpc.aio.AioRpcError, where: str) -> BaseException:
+    code = e.code()
+    if code == grpc.StatusCode.NOT_FOUND:
+        return UnknownModelError(e.details() or "not found", [])
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return ModelNotAvailableError(e.details() or "not available there")
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return APIError(502, f"{where} refused this node: {e.details()}", type="server_error", code="cluster_auth")
+    return NodeUnavailableError(f"{where} did not answer: {code.name}: {e.details()}")
+
+
+def _failure_text(inst: pb.Instance) -> str:
+    f = inst.failure
+    detail = f.message or (f.stderr_tail[-1] if f.stderr_tail else "")
+    return f"instance {inst.instance_id} of {inst.model_id} failed (exit code {f.exit_code}): {detail}"
+
+
+def instance_json(inst: pb.Instance, node_id: str, self_id: str) -> dict[str, Any]:
+    failure = None
+    if inst.HasField("failure"):
+        f = inst.failure
+        failure = {"exit_code": f.exit_code, "message": f.message, "stderr_tail": list(f.stderr_tail),
+                   "at": f.at_unix}
+    s = inst.model
+    return {
+        "id": inst.instance_id,
+        "object": "instance",
+        "model": inst.model_id,
+        "model_ref": inst.model_ref,
+        "node": node_id,
+        "self": node_id == self_id,
+        "state": STATE_NAMES.get(inst.state, "failed"),
+        "progress": round(inst.progress, 4),
+        "stage": inst.stage,
+        "shard": {"start_layer": inst.shard.start_layer, "end_layer": inst.shard.end_layer,
+                  "rank": inst.shard.rank, "world_size": inst.shard.world_size or 1},
+        "failure": failure,
+        "restarts": inst.restarts,
+        "pid": inst.pid,
+        "created": inst.created_unix,
+        "updated": inst.updated_unix,
+        "on_demand": inst.on_demand,
+        "queue_depth": inst.queue_depth,
+        "running": inst.running,
+        "native_mtp": {
+            "available": s.mtp_available,
+            "reason": s.mtp_reason or None,
+            "default_k": s.default_k or None,
+            "max_k": s.max_k or None,
+        } if inst.HasField("model") else None,
+    }
+
+
+def node_json(
+    info: pb.NodeInfo, *, self_id: str, host: str | None, last_seen_s: float, rtt_ms: float, source: str
+) -> dict[str, Any]:
+    return {
+        "id": info.node_id,
+        "name": info.name,
+        "self": info.node_id == self_id,
+        "host": host,
+        "api_port": info.api_port,
+        "grpc_port": info.grpc_port,
+        "version": info.version,
+        "namespace": info.namespace,
+        "memory_total_bytes": info.memory_total_bytes,
+        "memory_available_bytes": info.memory_available_bytes,
+        "chip": info.chip,
+        "backend": info.backend,
+        "disk_free_bytes": info.disk_free_bytes,
+        "platform": info.platform,
+        "cpu_count": info.cpu_count,
+        "uptime_s": round(info.uptime_s, 3),
+        "secured": info.secured,
+        "models": [m.model_id for m in info.models],
+        "instances": [i.instance_id for i in info.instances],
+        "last_seen_s": round(last_seen_s, 3),
+        "rtt_ms": round(rtt_ms, 3),
+        "source": source,
+    }
+
+
+def placement_json(plan: pl.Placement) -> dict[str, Any]:
+    req = plan.requirement
+    return {
+        "model": plan.model_id,
+        "node": plan.node_id,
+        "needed_bytes": req.needed_bytes,
+        "weights_bytes": req.weights_bytes,
+        "kv_bytes": req.kv_bytes,
+        "context_tokens": req.context_tokens,
+        "activation_bytes": req.activation_bytes,
+        "node_free_bytes": plan.node_free_bytes,
+        "headroom_bytes": plan.headroom_bytes,
+        "shards": [dataclasses.asdict(s) for s in plan.shards],
+    }
+

@@ -1,0 +1,77 @@
+"""The cluster's HTTP endpoints: ``/v1/instances`` (place, list, inspect, delete, preview) and ``/v1/cluster``.
+
+Served by every node of a cluster (``exo serve``); each answers for the whole cluster as it sees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from aiohttp import web
+
+from .cluster import ClusterModelService, instance_json, placement_json
+from .config import CONFIG, SERVICE
+from .errors import APIError
+from .parsing import read_json, validate
+from .schemas import InstanceCreate
+
+
+def add_cluster_routes(app: web.Application) -> None:
+    app.router.add_get("/v1/cluster", cluster)
+    app.router.add_get("/v1/instances", list_instances)
+    app.router.add_post("/v1/instances", create_instance)
+    app.router.add_get("/v1/instances/preview", preview)
+    app.router.add_get("/v1/instances/{id}", get_instance)
+    app.router.add_delete("/v1/instances/{id}", delete_instance)
+
+
+def _service(request: web.Request) -> ClusterModelService:
+    service = request.app[SERVICE]
+    assert isinstance(service, ClusterModelService)
+    return service
+
+
+async def cluster(request: web.Request) -> web.Response:
+    return web.json_response(await asyncio.to_thread(_service(request).cluster_view))
+
+
+async def list_instances(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "instances": _service(request).instances_view()})
+
+
+async def get_instance(request: web.Request) -> web.Response:
+    return web.json_response(_service(request).instance_view(request.match_info["id"]))
+
+
+async def preview(request: web.Request) -> web.Response:
+    model = request.query.get("model")
+    if not model:
+        raise APIError(400, "model: the query parameter `model` is required", param="model",
+                       code="missing_required_parameter")
+    service = _service(request)
+    model_id = await asyncio.to_thread(service.model_id, model)
+    plan = await asyncio.to_thread(service.plan, model_id, request.query.get("node") or None)
+    return web.json_response({"model": model_id, "placement": placement_json(plan)})
+
+
+async def create_instance(request: web.Request) -> web.Response:
+    body = validate(InstanceCreate, await read_json(request))
+    service = _service(request)
+    arrived = time.monotonic()
+    model_id = await asyncio.to_thread(service.model_id, body.model)
+    located, plan = await service.create_instance(model_id, body.node)
+    if body.wait:
+        remaining = request.app[CONFIG].load_timeout_s - (time.monotonic() - arrived)
+        try:
+            located = await service.wait_ready(located.node_id, located.instance.instance_id, max(0.0, remaining))
+        except TimeoutError:
+            pass  # answered as it is (loading); the load goes on
+    view = instance_json(located.instance, located.node_id, service.node_id)
+    return web.json_response({"instance": view, "placement": placement_json(plan)}, status=201)
+
+
+async def delete_instance(request: web.Request) -> web.Response:
+    instance_id = request.match_info["id"]
+    deleted = await _service(request).delete_instance(instance_id)
+    return web.json_response({"id": instance_id, "object": "instance.deleted", "deleted": deleted})
