@@ -23,6 +23,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +32,19 @@ from typing import Any
 _PREFIX = "exotest"
 _NAME = re.compile(rf"^{_PREFIX}(\d+)x(\d+)-")
 _counter = itertools.count()
+
+# Prints the status line then the body; a refused or timed-out connection prints status 0.
+_HTTP_GET = r"""
+import sys, urllib.error, urllib.request
+try:
+    with urllib.request.urlopen(sys.argv[1], timeout=float(sys.argv[2])) as r:
+        status, body = r.status, r.read()
+except urllib.error.HTTPError as e:
+    status, body = e.code, e.read()
+except OSError as e:
+    status, body = 0, str(e).encode()
+sys.stdout.write(f"{status}\n"); sys.stdout.flush(); sys.stdout.buffer.write(body)
+"""
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -110,6 +124,13 @@ class NetnsLab:
 
     def popen(self, i: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
         return subprocess.Popen(self.exec_argv(i, argv), **kwargs)
+
+    def http_get(self, i: int, url: str, timeout: float = 5.0) -> tuple[int, str]:
+        """GET ``url`` from inside node i's namespace (the root namespace has no route into the lab):
+        (status, body); status 0 when nothing answered."""
+        result = self.run(i, [sys.executable, "-c", _HTTP_GET, url, str(timeout)], timeout=timeout + 10)
+        status, _, body = result.stdout.partition("\n")
+        return (int(status), body) if status.isdigit() else (0, result.stderr)
 
     def close(self) -> None:
         """Kill what still runs inside, delete the namespaces (with their veths and bridge)."""

@@ -127,7 +127,7 @@ class Discovery:
             await self._shutdown()
             raise DiscoveryError(f"mDNS discovery failed to start: {type(e).__name__}: {e}") from e
         log.info(
-            "discovery: advertising %s (node %s, namespace %r) at %s",
+            "advertising %s (node %s, namespace %r) at %s",
             self._info.name,
             self._node_id,
             self._namespace,
@@ -148,7 +148,7 @@ class Discovery:
         self._node_id = node_id
         if old is not None:
             await (await self._aiozc.async_unregister_service(old))
-        log.info("discovery: now advertising %s (node %s)", self._info.name, node_id)
+        log.info("now advertising %s (node %s)", self._info.name, node_id)
 
     async def close(self) -> None:
         """Withdraw our service (goodbye packets) and stop browsing. Safe to call more than once."""
@@ -175,7 +175,7 @@ class Discovery:
             # async_close() sends the goodbyes for every registered service before closing the sockets.
             await aiozc.async_close()
         except Exception:
-            log.warning("discovery: error while shutting down zeroconf", exc_info=True)
+            log.warning("error while shutting down zeroconf", exc_info=True)
 
     def _new_info(self, node_id: str) -> ServiceInfo:
         # A random suffix makes the name unique per process: several daemons per host, or two nodes
@@ -208,7 +208,7 @@ class Discovery:
                 await (await self._aiozc.async_register_service(info))
                 return info
             except NonUniqueNameException:
-                log.warning("discovery: service name %s already taken (attempt %d)", info.name, attempt + 1)
+                log.warning("service name %s already taken (attempt %d)", info.name, attempt + 1)
         raise DiscoveryError(f"no unique service name after {_REGISTER_ATTEMPTS} attempts")
 
     def _on_service_state_change(
@@ -236,7 +236,7 @@ class Discovery:
         try:
             await self._resolve_and_report(zc, service_type, name, key)
         except Exception:
-            log.warning("discovery: resolving %s failed", name, exc_info=True)
+            log.warning("resolving %s failed", name, exc_info=True)
         finally:
             if self._resolving.get(key) is asyncio.current_task():
                 del self._resolving[key]
@@ -244,14 +244,14 @@ class Discovery:
     async def _resolve_and_report(self, zc: Zeroconf, service_type: str, name: str, key: str) -> None:
         info = AsyncServiceInfo(service_type, name)
         if not await info.async_request(zc, _RESOLVE_TIMEOUT_MS):
-            log.debug("discovery: %s did not resolve within %d ms", name, _RESOLVE_TIMEOUT_MS)
+            log.debug("%s did not resolve within %d ms", name, _RESOLVE_TIMEOUT_MS)
             return
         advert = _parse_advert(info)
         if advert is None:
             return
         if advert.namespace != self._namespace:
             log.debug(
-                "discovery: ignoring %s of namespace %r (ours: %r)", name, advert.namespace, self._namespace
+                "ignoring %s of namespace %r (ours: %r)", name, advert.namespace, self._namespace
             )
             self._forget(key)  # it may have moved out of our namespace
             return
@@ -280,25 +280,25 @@ class Discovery:
         try:
             callback(arg)
         except Exception:
-            log.exception("discovery: %s(%r) raised", getattr(callback, "__name__", "callback"), arg)
+            log.exception("%s(%r) raised", getattr(callback, "__name__", "callback"), arg)
 
 
 def _parse_advert(info: ServiceInfo) -> Advert | None:
     props = info.decoded_properties
     missing = [f for f in _TXT_FIELDS if not props.get(f)]
     if missing:
-        log.debug("discovery: %s lacks TXT %s", info.name, ", ".join(missing))
+        log.debug("%s lacks TXT %s", info.name, ", ".join(missing))
         return None
     try:
         grpc_port, api_port = int(props["grpc_port"] or ""), int(props["api_port"] or "")
     except ValueError:
-        log.debug("discovery: %s has non-numeric ports in TXT", info.name)
+        log.debug("%s has non-numeric ports in TXT", info.name)
         return None
     host = _pick_address(info.parsed_addresses(IPVersion.V4Only)) or _pick_address(
         info.parsed_scoped_addresses(IPVersion.V6Only)
     )
     if host is None:
-        log.debug("discovery: %s has no address", info.name)
+        log.debug("%s has no address", info.name)
         return None
     return Advert(
         node_id=props["node_id"] or "",
