@@ -16,13 +16,12 @@ import math
 import queue
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from exo.cluster.proto_gen import node_pb2 as pb
-from exo.engine import Engine, GenerationRequest
 
-from .prompt import completion_budget, tokenize
-from .wire import chunk_to_pb, error_chunk, error_to_pb, sampling_from_pb
+if TYPE_CHECKING:  # the engine (mlx-lm, transformers: seconds) is imported by the load, not before Status serves
+    from exo.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +30,8 @@ DONE = None  # the last item of a job's output queue
 
 
 class QueueFullError(RuntimeError):
+    """The device's request queue is full; retry after ``retry_after_s`` (the API's 429 too)."""
+
     def __init__(self, waiting: int, retry_after_s: int) -> None:
         super().__init__(f"the request queue is full ({waiting} requests waiting); retry in {retry_after_s} s")
         self.retry_after_s = retry_after_s
@@ -72,6 +73,11 @@ class GenerationJob:
             self.out.put(DONE)
 
     def _run(self, engine: Engine) -> None:
+        from exo.engine import GenerationRequest, SamplingParams
+
+        from .prompt import completion_budget, tokenize
+        from .wire import chunk_to_pb, error_chunk, error_to_pb, sampling_from_pb
+
         req = self.request
         queue_s = time.monotonic() - self.received
         if self._cancel.is_set():
@@ -107,7 +113,8 @@ class GenerationJob:
             request = GenerationRequest(
                 prompt_tokens=tokens,
                 max_tokens=max_tokens,
-                sampling=sampling_from_pb(req.sampling),
+                # An absent message means the defaults (its zero values would read as top_p=0).
+                sampling=sampling_from_pb(req.sampling) if req.HasField("sampling") else SamplingParams(),
                 stop=tuple(req.stop),
                 native_mtp=req.native_mtp or "auto",  # type: ignore[arg-type]
                 mtp_k=req.mtp_k if req.HasField("mtp_k") else None,
@@ -169,6 +176,8 @@ class Device:
             self._jobs.clear()
             running = self.running
             self._cv.notify_all()
+        from .wire import error_chunk
+
         for job in dropped:
             job.out.put(error_chunk("internal", "the runner is shutting down"))
             job.out.put(DONE)

@@ -110,14 +110,16 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def _load(args: argparse.Namespace, settings: Settings, state: RunnerState) -> tuple[Engine, pb.ModelSummary]:
-    from exo.cards import load_catalog
-    from exo.cluster.proto_gen import node_pb2 as pb
-    from exo.engine import Engine, ResolvedModel, engine_config, load_checkpoint
-
     if args.world_size != 1 or args.rank != 0 or args.start_layer != 0:
         raise NotImplementedError(
             "sharded instances (a layer range, world_size > 1) need the pipeline runtime, which is not built yet"
         )
+    # Status already serves (the server needs none of this): the engine's imports take seconds.
+    state.update("importing the engine", 0.02)
+    from exo.cards import load_catalog
+    from exo.cluster.proto_gen import node_pb2 as pb
+    from exo.engine import Engine, ResolvedModel, engine_config, load_checkpoint
+
     state.update("resolving", 0.05)
     card = load_catalog(home=settings.home).get(args.card) if args.card else None
     resolved = ResolvedModel(Path(args.model_path), args.model_id, card)

@@ -1,7 +1,7 @@
-"""Prompt -> token ids and the completion budget, where the model lives (the runner).
+"""Prompt -> token ids and the completion budget, checked where the model lives.
 
-The same rules and messages as the API's in-process path (``exo.api.jobs.tokenize`` and
-``completion_budget``), so a request answered through a runner fails or succeeds exactly as it would
+One definition for both paths: the API's in-process generations (``exo.api.jobs``) and a runner's
+(``exo.runner.device``), so a request answered through a runner fails or succeeds exactly as it would
 on a node serving the model itself.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from exo.engine import Engine, GenerationRequestError
+from exo.engine import ContextLengthError, Engine
 
 # apply_chat_template arguments a request must not override through chat_template_kwargs.
 RESERVED_TEMPLATE_ARGS = frozenset(
@@ -23,12 +23,6 @@ RESERVED_TEMPLATE_ARGS = frozenset(
 
 class PromptError(ValueError):
     """The prompt cannot be turned into tokens (chat template or tokenizer failure)."""
-
-
-class ContextLengthExceededError(GenerationRequestError):
-    def __init__(self, message: str, param: str = "messages") -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def tokenize(
@@ -73,7 +67,7 @@ def completion_budget(
     if max_tokens is None and limit is not None:
         budget = min(budget, limit - prompt_tokens)
     if limit is not None and (budget < 1 or prompt_tokens + budget > limit):
-        raise ContextLengthExceededError(
+        raise ContextLengthError(
             f"this model's maximum context length is {limit} tokens, but {prompt_tokens + max(budget, 1)} were "
             f"requested ({prompt_tokens} in the prompt, {max(budget, 1)} for the completion); shorten the "
             "prompt or lower max_tokens",

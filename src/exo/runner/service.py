@@ -19,7 +19,6 @@ from exo.cluster.proto_gen import node_pb2 as pb
 from exo.cluster.proto_gen import node_pb2_grpc as pb_grpc
 
 from .device import DONE, Device, GenerationJob, QueueFullError
-from .wire import error_chunk
 
 HEARTBEAT_S = 2.0
 MAX_MESSAGE_BYTES = 64 << 20
@@ -77,6 +76,8 @@ class RunnerServicer(pb_grpc.RunnerServicer):
         return self.state.status(self.device)
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateChunk]:
+        from .wire import error_chunk  # here: the module imports the engine, which Status must not wait for
+
         if self.state.state != pb.INSTANCE_STATE_READY:
             yield error_chunk("model_unavailable", f"instance {self.state.instance_id} is not ready ({self.state.stage})")
             return
@@ -89,7 +90,9 @@ class RunnerServicer(pb_grpc.RunnerServicer):
         except RuntimeError as e:
             yield error_chunk("model_unavailable", str(e))
             return
-        context.add_callback(job.cancel)  # the call ended (client gone, deadline): stop generating
+        # The call ended (client gone, deadline): stop generating. False: it already ended before this line.
+        if not context.add_callback(job.cancel):
+            job.cancel()
         while True:
             try:
                 item = job.out.get(timeout=HEARTBEAT_S)

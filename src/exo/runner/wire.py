@@ -7,11 +7,17 @@ Shared by the runner (which builds chunks) and the API node (which turns them ba
 from __future__ import annotations
 
 from exo.cluster.proto_gen import node_pb2 as pb
-from exo.engine import GenerationChunk, GenerationRequestError, NativeMTPStats, SamplingParams
+from exo.engine import (
+    ContextLengthError,
+    GenerationChunk,
+    GenerationRequestError,
+    NativeMTPStats,
+    SamplingParams,
+)
 from exo.engine.generate import NativeMTPUnavailableError
 from exo.engine.sampling import SamplingParamsError
 
-from .prompt import ContextLengthExceededError, PromptError
+from .prompt import PromptError
 
 
 def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
@@ -66,7 +72,7 @@ def error_chunk(type: str, message: str, *, param: str = "", retry_after_s: floa
 def error_to_pb(exc: BaseException) -> pb.GenerateChunk:
     """A generation's failure as the chunk the API node turns back into the same HTTP error."""
     message = str(exc.args[0]) if isinstance(exc, LookupError) and exc.args else str(exc)
-    if isinstance(exc, ContextLengthExceededError):
+    if isinstance(exc, ContextLengthError):
         return error_chunk("context_length_exceeded", message, param=exc.param)
     if isinstance(exc, PromptError):
         return error_chunk("prompt", message)
