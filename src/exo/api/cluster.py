@@ -312,12 +312,6 @@ class ClusterModelService:
                 plan = pl.placement(self.requirement(model_id), self.capacities(), self.existing())
             except pl.AlreadyPlacedError as e:
                 live = self._find(e.existing.instance_id)
-            except pl.NoPlacementError:
-                if not self.models.known(model_id) or self._on_some_disk(model_id):
-                    raise
-                # Known here but on no node's disk: the download hint says more than "does not fit".
-                await asyncio.to_thread(self.models.resolve, model_id)
-                raise
             if live is None:
                 await self._evict_for(plan.node_id)
                 live = await self.load_on(
@@ -325,9 +319,6 @@ class ClusterModelService:
                 )
                 self._routes[model_id] = live
         return await self.wait_ready(live.node_id, live.instance.instance_id, timeout=None)
-
-    def _on_some_disk(self, model_id: str) -> bool:
-        return any(model_id in (c.models or ()) for c in self.capacities())
 
     async def _evict_for(self, node_id: str) -> None:
         """Keep at most ``max_loaded`` on-demand instances on this node (least recently used leaves)."""

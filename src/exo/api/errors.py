@@ -10,7 +10,7 @@ import logging
 from typing import Any
 
 from exo.cards import AmbiguousModelError, CardError, UnknownModelError
-from exo.cluster.placement import AlreadyPlacedError, NoPlacementError, UnknownNodeError
+from exo.cluster.placement import AlreadyPlacedError, ModelNotOnDiskError, NoPlacementError, UnknownNodeError
 from exo.cluster.supervisor import InstanceFailedError
 from exo.engine import (
     CheckpointError,
@@ -123,6 +123,8 @@ def api_error_from(exc: BaseException) -> APIError:
         return APIError(404, msg, param="node", code="node_not_found")
     if isinstance(exc, AlreadyPlacedError):
         return APIError(409, msg, param="model", code="already_placed")
+    if isinstance(exc, ModelNotOnDiskError):
+        return APIError(404, msg, param="model", code="model_not_available")
     if isinstance(exc, NoPlacementError):
         return APIError(507, msg, param="model", type="server_error", code="insufficient_memory")
     if isinstance(exc, NodeUnavailableError):

@@ -111,6 +111,10 @@ class NoPlacementError(PlacementError):
         self.best_free_bytes = best_free_bytes
 
 
+class ModelNotOnDiskError(NoPlacementError):
+    """No node (or not the asked one) has the model's weights on its disk."""
+
+
 class AlreadyPlacedError(PlacementError):
     def __init__(self, existing: ExistingInstance) -> None:
         super().__init__(
@@ -155,7 +159,7 @@ def placement(
     holders = [n for n in nodes if n.models is None or req.model_id in n.models]
     if not holders:
         where = f"node {node}" if node is not None else "any node of the cluster"
-        raise NoPlacementError(
+        raise ModelNotOnDiskError(
             f"{req.model_id} is not on the disk of {where}: download it there first "
             f"(nodes: {', '.join(_label(n) for n in nodes) or 'none'})",
             needed_bytes=req.needed_bytes,
