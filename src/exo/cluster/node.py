@@ -85,6 +85,7 @@ class ClusterNode:
         self._server: grpc.aio.Server | None = None
         self._models: list[pb.ModelAvailability] = []
         self._refresh_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @property
     def node_id(self) -> str:
@@ -133,6 +134,8 @@ class ClusterNode:
             version=self.version,
             on_found=lambda a: self.registry.add_address(a.host, a.grpc_port, "zeroconf"),
             on_lost=self._advert_lost,
+            # Advertise the address the daemon listens on (wildcards: every interface).
+            interfaces=None if self.settings.api_host in ("0.0.0.0", "::", "") else [self.settings.api_host],
         )
         try:
             await discovery.start()
@@ -175,7 +178,14 @@ class ClusterNode:
 
     def _id_changed(self, old: str) -> None:
         if self.discovery is not None:
-            asyncio.get_running_loop().create_task(self.discovery.update_node_id(self.node_id))
+            task = asyncio.get_running_loop().create_task(self.discovery.update_node_id(self.node_id))
+            self._tasks.add(task)
+            task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("re-advertising under the new node id failed: %s", task.exception())
 
     # -- what this node says about itself ----------------------------------------------------------------------
     def caller(self) -> pb.Caller:
