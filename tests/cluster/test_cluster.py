@@ -7,6 +7,7 @@ the same native-MTP stats as asking B itself; nothing is loaded twice; a dead pe
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -194,6 +195,43 @@ def test_exo_cluster_command(trio):
         capture_output=True, text=True, timeout=60,
     )
     assert down.returncode == 1 and "no exo daemon" in down.stderr
+
+
+def test_a_client_that_goes_away_stops_the_generation_on_the_owning_node(trio, placed):
+    a, b, _ = trio
+    body = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 4000, "temperature": 0, "stream": True,
+            "native_mtp": {"enabled": False}}
+    with httpx.stream("POST", a.url + "/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        for _ in range(3):
+            next(lines)
+        running = lambda: b.get(f"/v1/instances/{placed['id']}").json()["running"]  # noqa: E731
+        wait_for(lambda: running() == 1, 10, "B to report the generation running")
+    closed = time.monotonic()
+    wait_for(lambda: b.get(f"/v1/instances/{placed['id']}").json()["running"] == 0, 10, "B's runner to stop")
+    assert time.monotonic() - closed < 10
+    # B is free again at once: a short request is answered (it would queue behind 4000 tokens otherwise).
+    started = time.monotonic()
+    assert a.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code == 200
+    assert time.monotonic() - started < 20
+
+
+def test_a_slow_peer_never_blocks_the_api(trio):
+    a, _, c = trio
+    assert c.process is not None
+    c.process.send_signal(signal.SIGSTOP)  # alive but answering nothing
+    try:
+        stopped = time.monotonic()
+        for path in ("/v1/cluster", "/v1/models", "/v1/instances", "/health"):
+            t0 = time.monotonic()
+            assert a.get(path, timeout=5).status_code == 200
+            assert time.monotonic() - t0 < 2.0, path
+        wait_for(lambda: c.node_id not in a.node_ids(), 15, "the stopped node to leave")
+        assert time.monotonic() - stopped <= 10.5
+    finally:
+        c.process.send_signal(signal.SIGCONT)
+    wait_for(lambda: c.node_id in a.node_ids(), 15, "the node to come back once it answers again")
 
 
 def test_a_killed_peer_leaves_and_its_instances_are_gone(trio, tmp_path):
