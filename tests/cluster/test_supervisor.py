@@ -289,6 +289,35 @@ def test_unresponsive_runner_is_killed(loop: LoopThread, home: Path, demo: Resol
     assert sup.list() == []
 
 
+def _runners_of(instance_id: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"exo.runner" in args and instance_id.encode() in args and _alive(int(proc.name)):
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="lists processes through /proc")
+def test_stop_during_start_leaves_no_runner(loop: LoopThread, home: Path, demo: ResolvedModel) -> None:
+    sup = InstanceSupervisor(home, node_id=lambda: "node-a")
+
+    async def race() -> list[Any]:
+        start = asyncio.ensure_future(sup.start("raced", demo))
+        await asyncio.sleep(0)  # start() is inside its spawn now
+        stopped = await sup.stop("raced")
+        return [stopped, *(await asyncio.gather(start, return_exceptions=True))]
+
+    stopped, started = loop.run(race())
+    assert stopped is True and isinstance(started, UnknownInstanceError), started
+    assert sup.get("raced") is None
+    assert _wait(lambda: not _runners_of("raced"), 5), _runners_of("raced")
+    loop.run(sup.close())
+
+
 def test_crashing_runner_is_restarted_within_its_budget(
     loop: LoopThread, home: Path, demo: ResolvedModel
 ) -> None:

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STDERR_TAIL_LINES = 20
+MAX_STDERR_LINE = 2000  # bytes of one stderr line kept in the tail
 # sun_path is 104 bytes on macOS, 108 on Linux (with its NUL); stay under both.
 MAX_SOCKET_PATH = 100
 _LOG_LINE_PREFIX = " runner "  # the runner's logging format: "<time> runner <id> LEVEL: message"
@@ -171,6 +172,10 @@ class InstanceSupervisor:
         except BaseException:
             self._entries.pop(instance_id, None)
             raise
+        if entry.stopping:  # stop() ran during the spawn, before this process existed: end it here
+            await self._terminate(entry, 0.0)
+            await self._close_channel(entry)
+            raise UnknownInstanceError(f"instance {instance_id} was stopped while it started")
         entry.monitor = asyncio.create_task(self._supervise(entry), name=f"exo-runner-monitor-{instance_id[:8]}")
         self._changed(entry)
         return self._snapshot(entry)
@@ -356,10 +361,13 @@ class InstanceSupervisor:
         assert proc.stderr is not None
         tag = entry.info.instance_id[:8]
         while True:
-            raw = await proc.stderr.readline()
+            try:
+                raw = await proc.stderr.readline()
+            except ValueError:  # a line over the stream's limit: dropped (readline skipped it)
+                raw = b"[a stderr line too long to keep]"
             if not raw:
                 return
-            line = raw.decode("utf-8", errors="replace").rstrip()
+            line = raw[:MAX_STDERR_LINE].decode("utf-8", errors="replace").rstrip()
             if line:
                 entry.stderr.append(line)
                 log.info("runner %s: %s", tag, line)
