@@ -197,6 +197,26 @@ def test_exo_cluster_command(trio):
     assert down.returncode == 1 and "no exo daemon" in down.stderr
 
 
+def test_the_owning_nodes_mtp_switch_decides_and_metrics_count_relayed_requests(trio, placed):
+    a, b, _ = trio
+    assert httpx.put(b.url + "/v1/settings", json={"native_mtp_enabled": False}, timeout=10).status_code == 200
+    try:
+        off = a.post("/v1/completions", {"model": MODEL, "prompt": "def f(x):", "max_tokens": 8, "temperature": 0})
+        stats = off.json()["usage"]["native_mtp"]
+        assert stats["enabled"] is False and "disabled" in stats["reason"] and stats["drafted_tokens"] == 0
+    finally:
+        httpx.put(b.url + "/v1/settings", json={"native_mtp_enabled": True}, timeout=10)
+    on = a.post("/v1/completions", {"model": MODEL, "prompt": "def f(x):", "max_tokens": 8, "temperature": 0})
+    assert on.json()["usage"]["native_mtp"]["enabled"] is True
+    assert on.json()["choices"][0]["text"] == off.json()["choices"][0]["text"]  # greedy: same tokens either way
+    metrics = a.get("/metrics").text
+    assert any(
+        line.startswith("exo_generations_total{") and 'model="exo-demo"' in line and 'finish_reason="length"' in line
+        and float(line.rsplit(" ", 1)[1]) >= 2
+        for line in metrics.splitlines()
+    )
+
+
 def test_a_client_that_goes_away_stops_the_generation_on_the_owning_node(trio, placed):
     a, b, _ = trio
     body = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 4000, "temperature": 0, "stream": True,
