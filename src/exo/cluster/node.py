@@ -238,7 +238,7 @@ class ClusterNode:
         instance_id = request.instance_id or new_instance_id()
         shard = request.shard if request.HasField("shard") else None
         return await self.supervisor.start(
-            instance_id, resolved, shard, on_demand=request.on_demand, group_id=request.group_id
+            instance_id, resolved, shard, on_demand=request.on_demand, group_id=request.group_id, model_ref=request.model
         )
 
     def switch_pb(self) -> pb.NodeSwitch:

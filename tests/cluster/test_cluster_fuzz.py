@@ -1,0 +1,67 @@
+"""Schema-driven fuzzing of a cluster node (``exo serve``): every operation of its /openapi.json, the
+cluster's endpoints included, answers as documented and never with a 5xx."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from .daemons import Daemon
+
+EXAMPLES = int(os.environ.get("EXO_FUZZ_EXAMPLES", "15"))
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    negative_data_rejection,
+]
+pytestmark = pytest.mark.timeout(400)
+
+
+@pytest.fixture(scope="module")
+def node(checkpoint, tmp_path_factory):
+    from api.conftest import short_context_copy  # tests/ is on sys.path (rootdir-relative test packages)
+
+    root = tmp_path_factory.mktemp("fuzz-node")
+    model = short_context_copy(checkpoint("qwen3_5"), root / "short-context", 64)
+    daemon = Daemon(root / "home", "fuzz", extra_args=["--model", str(model)])
+    daemon.start()
+    daemon.wait_up(180)
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=str)
+def test_fuzz_every_operation_of_a_cluster_node(node, mode):
+    schema = schemathesis.openapi.from_dict(node.get("/openapi.json").json())
+    operations = [result.ok() for result in schema.get_all_operations()]
+    paths = {op.path for op in operations}
+    assert {"/v1/cluster", "/v1/instances", "/v1/instances/preview", "/v1/instances/{id}"} <= paths
+    assert len(operations) == 15
+    if mode == GenerationMode.NEGATIVE:
+        operations = [op for op in operations if "requestBody" in op.definition.raw]
+        assert len(operations) == 4
+    for operation in operations:
+
+        @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @given(case=operation.as_strategy(generation_mode=mode))
+        def run(case) -> None:
+            case.call_and_validate(base_url=node.url, checks=CHECKS)
+
+        run()
+    assert node.post("/v1/completions", {"prompt": "The", "max_tokens": 4}).status_code == 200
+    assert node.process is not None and node.process.poll() is None
