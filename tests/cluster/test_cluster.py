@@ -7,6 +7,7 @@ the same native-MTP stats as asking B itself; nothing is loaded twice; a dead pe
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -235,6 +236,21 @@ def test_a_client_that_goes_away_stops_the_generation_on_the_owning_node(trio, p
     started = time.monotonic()
     assert a.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code == 200
     assert time.monotonic() - started < 20
+
+
+def test_a_crashed_runner_is_reported_and_restarted(trio, placed):
+    a, b, _ = trio
+    before = b.get(f"/v1/instances/{placed['id']}").json()
+    os.kill(before["pid"], signal.SIGKILL)
+
+    def restarted():
+        view = a.get(f"/v1/instances/{placed['id']}").json()
+        return view if view["restarts"] == before["restarts"] + 1 and view["state"] == "ready" else None
+
+    view = wait_for(restarted, 60, "A to see B's runner restarted and ready")
+    assert view["failure"]["exit_code"] == -9 and view["pid"] != before["pid"]
+    assert "SIGKILL" in view["failure"]["message"]
+    assert a.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code == 200
 
 
 def test_a_slow_peer_never_blocks_the_api(trio):
