@@ -32,7 +32,6 @@ from exo.cluster.registry import Peer
 from exo.cluster.supervisor import InstanceFailedError
 from exo.engine import (
     ContextLengthError,
-    GenerationChunk,
     GenerationRequestError,
     ModelNotAvailableError,
     NativeMTPUnavailableError,
@@ -54,7 +53,16 @@ from .errors import (
 )
 from .listing import card_info, model_rows
 from .metrics import Metrics
-from .service import DEADLINE_GRACE_S, Failed, GenerateParams, ModelInfo, NativeMTPInfo, Prompt, Started
+from .service import (
+    DEADLINE_GRACE_S,
+    BatchedStream,
+    Failed,
+    GenerateParams,
+    ModelInfo,
+    NativeMTPInfo,
+    Prompt,
+    Started,
+)
 
 log = logging.getLogger(__name__)
 
@@ -517,7 +525,7 @@ class ClusterModelService:
         self._routes = {m: r for m, r in self._routes.items() if r.node_id != peer.node_id}
 
 
-class RemoteGenerationStream:
+class RemoteGenerationStream(BatchedStream):
     """A generation on a runner (this node's or another's), with ``GenerationStream``'s interface."""
 
     def __init__(
@@ -537,7 +545,8 @@ class RemoteGenerationStream:
         self.finished = False
         self.tokens = 0
         self._items: asyncio.Queue[Any] = asyncio.Queue()
-        self._error: BaseException | None = None
+        self._pending: list[Any] = []
+        self._error = None
         remaining = max(0.001, self.deadline - time.monotonic())
         self._call = service.open_call(located, request, remaining + DEADLINE_GRACE_S)
         where = "this node" if located.node_id == service.node_id else f"node {located.node_id[:8]}"
@@ -592,51 +601,24 @@ class RemoteGenerationStream:
                 finish = "timeout"
             self.service.metrics.record_generation(self.model_id, finish, stats)
 
-    async def _get(self) -> Any:
+    def _put_back(self, items: list[Any]) -> None:
+        self._pending = items + self._pending
+
+    async def _take(self) -> list[Any]:
+        if self._pending:
+            items, self._pending = self._pending, []
+            return items
         remaining = self.deadline + DEADLINE_GRACE_S - time.monotonic()
         try:
-            return await asyncio.wait_for(self._items.get(), max(0.0, remaining))
+            items = [await asyncio.wait_for(self._items.get(), max(0.0, remaining))]
         except TimeoutError:
             self.cancel()
             raise RequestTimeoutError(
                 f"the request exceeded the server's request timeout of {self.timeout_s:g} s"
             ) from None
-
-    async def start(self) -> Started:
-        item = await self._get()
-        if isinstance(item, Failed):
-            self.finished = True
-            raise item.error
-        assert isinstance(item, Started), item
-        return item
-
-    async def next_batch(self) -> list[GenerationChunk]:
-        """The chunks delivered so far (at least one); raises the generation's error after its chunks."""
-        if self._error is not None:
-            raise self._error
-        items = [await self._get()]
         while not self._items.empty():
             items.append(self._items.get_nowait())
-        chunks: list[GenerationChunk] = []
-        for item in items:
-            if isinstance(item, Failed):
-                self._error = item.error
-                break
-            if item.finish_reason == "cancelled":
-                self._error = RequestTimeoutError(
-                    f"the request exceeded the server's request timeout of {self.timeout_s:g} s "
-                    f"after {self.tokens} generated tokens"
-                )
-                chunks.append(dataclasses.replace(item, finish_reason=None, stats=None))
-                break
-            chunks.append(item)
-            if item.finish_reason is not None:
-                self.finished = True
-        if not chunks:
-            assert self._error is not None
-            self.finished = True
-            raise self._error
-        return chunks
+        return items
 
 
 # -- wire helpers --------------------------------------------------------------------------------------------

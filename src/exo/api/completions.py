@@ -24,7 +24,7 @@ from .config import CONFIG, METRICS, SERVICE
 from .errors import api_error_from
 from .parsing import read_json, validate
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerationFields, reject_unsupported
-from .service import GenerateParams, GenerationStream, Prompt, Started
+from .service import BatchedStream, GenerateParams, Prompt, Started
 
 DEFAULT_CHAT_MAX_TOKENS = 4096  # chat: until EOS, at most this (and what is left of the context)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -130,7 +130,7 @@ async def _generate(
 
 
 async def _stream(
-    request: web.Request, stream: GenerationStream, writer: _Writer, started: Started, include_usage: bool
+    request: web.Request, stream: BatchedStream, writer: _Writer, started: Started, include_usage: bool
 ) -> web.StreamResponse:
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

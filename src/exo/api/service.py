@@ -101,46 +101,50 @@ class JobRecord:
     cancel_latency_s: float | None  # from cancel() to the device being free
 
 
-class GenerationStream:
-    """The handler's side of one generation: ``start()``, then ``next_batch()`` until a finish_reason."""
+class BatchedStream:
+    """What a handler sees of one generation: ``start()``, then ``next_batch()`` until a finish_reason.
 
-    def __init__(self, job: GenerationJob) -> None:
-        self._job = job
-        self._buffer: collections.deque[Any] = collections.deque()
-        self._error: BaseException | None = None
-        self.finished = False
+    Subclasses deliver items (``Started``, engine chunks, ``Failed``) through ``_take()``."""
 
-    @property
-    def id(self) -> str:
-        return self._job.id
+    timeout_s: float
+    tokens: int
+    finished: bool
+    _error: BaseException | None
+
+    async def _take(self) -> list[Any]:
+        """The items delivered so far (at least one)."""
+        raise NotImplementedError
 
     def cancel(self) -> None:
-        self._job.cancel()
+        raise NotImplementedError
 
     async def start(self) -> Started:
-        await self._fill()
-        item = self._buffer.popleft()
+        items = await self._take()
+        item = items[0]
+        self._put_back(items[1:])
         if isinstance(item, Failed):
+            self.finished = True
             raise item.error
+        assert isinstance(item, Started), item
         return item
+
+    def _put_back(self, items: list[Any]) -> None:
+        raise NotImplementedError
 
     async def next_batch(self) -> list[GenerationChunk]:
         """The chunks delivered so far (at least one); raises the generation's error after its chunks."""
         if self._error is not None:
             raise self._error
-        await self._fill()
-        items = list(self._buffer)
-        self._buffer.clear()
         chunks: list[GenerationChunk] = []
-        for item in items:
+        for item in await self._take():
             if isinstance(item, Failed):
                 self._error = item.error
                 break
             if item.finish_reason == "cancelled":
                 # Only timeouts reach a handler this way (a disconnected client has no handler left).
                 self._error = RequestTimeoutError(
-                    f"the request exceeded the server's request timeout of {self._job.timeout_s:g} s "
-                    f"after {self._job.tokens} generated tokens"
+                    f"the request exceeded the server's request timeout of {self.timeout_s:g} s "
+                    f"after {self.tokens} generated tokens"
                 )
                 chunks.append(dataclasses.replace(item, finish_reason=None, stats=None))
                 break
@@ -149,21 +153,52 @@ class GenerationStream:
                 self.finished = True
         if not chunks:
             assert self._error is not None
+            self.finished = True
             raise self._error
         return chunks
 
-    async def _fill(self) -> None:
-        if self._buffer:
-            return
-        try:
-            remaining = self._job.deadline + DEADLINE_GRACE_S - time.monotonic()
-            loop_deadline = asyncio.get_running_loop().time() + remaining  # the loop's own clock
-            self._buffer.extend(await self._job.channel.get_batch(loop_deadline))
-        except TimeoutError:
-            self._job.cancel()
-            raise RequestTimeoutError(
-                f"the request exceeded the server's request timeout of {self._job.timeout_s:g} s"
-            ) from None
+
+class GenerationStream(BatchedStream):
+    """A generation on this process's device worker."""
+
+    def __init__(self, job: GenerationJob) -> None:
+        self._job = job
+        self._buffer: collections.deque[Any] = collections.deque()
+        self._error = None
+        self.finished = False
+
+    @property
+    def id(self) -> str:
+        return self._job.id
+
+    @property
+    def timeout_s(self) -> float:  # type: ignore[override]
+        return self._job.timeout_s
+
+    @property
+    def tokens(self) -> int:  # type: ignore[override]
+        return self._job.tokens
+
+    def cancel(self) -> None:
+        self._job.cancel()
+
+    def _put_back(self, items: list[Any]) -> None:
+        self._buffer.extendleft(reversed(items))
+
+    async def _take(self) -> list[Any]:
+        if not self._buffer:
+            try:
+                remaining = self._job.deadline + DEADLINE_GRACE_S - time.monotonic()
+                loop_deadline = asyncio.get_running_loop().time() + remaining  # the loop's own clock
+                self._buffer.extend(await self._job.channel.get_batch(loop_deadline))
+            except TimeoutError:
+                self._job.cancel()
+                raise RequestTimeoutError(
+                    f"the request exceeded the server's request timeout of {self._job.timeout_s:g} s"
+                ) from None
+        items = list(self._buffer)
+        self._buffer.clear()
+        return items
 
 
 class ModelService(Protocol):
@@ -181,7 +216,7 @@ class ModelService(Protocol):
 
     def generate(
         self, model_id: str, prompt: Prompt, params: GenerateParams, *, timeout_s: float, arrived: float
-    ) -> GenerationStream:
+    ) -> BatchedStream:
         """Queue a generation (raises QueueFullError when the queue is full)."""
         ...
 
