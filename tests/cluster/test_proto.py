@@ -1,0 +1,54 @@
+"""The committed gRPC stubs are exactly what scripts/gen_proto.py derives from proto/exo/v1/node.proto."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMITTED = ROOT / "src" / "exo" / "cluster" / "proto_gen"
+
+
+def _gen_proto():
+    spec = importlib.util.spec_from_file_location("exo_gen_proto", ROOT / "scripts" / "gen_proto.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_stubs_are_fresh(tmp_path):
+    gen = _gen_proto()
+    written = gen.generate(tmp_path / "proto_gen")
+    names = sorted(p.name for p in written)
+    assert names == sorted(["__init__.py", *gen.GENERATED])
+    committed = sorted(p.name for p in COMMITTED.iterdir() if p.is_file())
+    assert committed == names, f"stale stubs: run python scripts/gen_proto.py (files {committed} vs {names})"
+    for path in written:
+        assert path.read_bytes() == (COMMITTED / path.name).read_bytes(), (
+            f"stale stubs: run python scripts/gen_proto.py ({path.name} differs)"
+        )
+
+
+def test_generated_grpc_module_imports_from_the_package():
+    # The rewrite in gen_proto.py: protoc's `from exo.v1 import node_pb2` would not import.
+    text = (COMMITTED / "node_pb2_grpc.py").read_text()
+    assert "from exo.cluster.proto_gen import node_pb2 as exo_dot_v1_dot_node__pb2" in text
+    assert "from exo.v1 import" not in text
+    from exo.cluster.proto_gen import node_pb2, node_pb2_grpc
+
+    assert node_pb2_grpc.exo_dot_v1_dot_node__pb2 is node_pb2
+    assert node_pb2.DESCRIPTOR.services_by_name["Node"].methods_by_name["Generate"].server_streaming
+
+
+def test_a_changed_proto_is_noticed(tmp_path):
+    # The freshness check above can fail: stubs of an edited proto differ from the committed ones.
+    gen = _gen_proto()
+    proto = tmp_path / "proto" / gen.PROTO_FILE
+    proto.parent.mkdir(parents=True)
+    text = (ROOT / "proto" / gen.PROTO_FILE).read_text()
+    proto.write_text(text.replace("message HealthRequest {}", "message HealthRequest {\n  bool deep = 1;\n}"))
+    gen.PROTO_ROOT = tmp_path / "proto"
+    written = {p.name: p for p in gen.generate(tmp_path / "out")}
+    assert written["node_pb2.py"].read_bytes() != (COMMITTED / "node_pb2.py").read_bytes()
+    assert written["__init__.py"].read_bytes() == (COMMITTED / "__init__.py").read_bytes()
