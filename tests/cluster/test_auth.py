@@ -238,3 +238,12 @@ def test_server_without_secret_accepts_anything():
     assert out["unary"] == "ns" and out["stream"] == "hello world"
     out = asyncio.run(_calls(None, ClusterAuth(None)))
     assert out["unary"] == "ns" and out["stream"] == "hello world"
+
+
+@pytest.mark.parametrize("ts", ["nan", "inf", "-inf", "soon"])
+def test_a_non_finite_or_malformed_timestamp_is_refused(ts):
+    auth = ClusterAuth("s3cret", clock=lambda: 1000.0)
+    # A correct signature over the odd timestamp: only the timestamp check can refuse it.
+    sig = auth._mac("/exo.v1.Node/Health", ts, "node", "n1")
+    meta = (("x-exo-node", "node"), ("x-exo-ts", ts), ("x-exo-nonce", "n1"), ("x-exo-sig", sig))
+    assert auth.check("/exo.v1.Node/Health", meta) == "malformed signature timestamp"

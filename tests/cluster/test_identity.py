@@ -56,12 +56,6 @@ def test_garbage_file_is_replaced_with_a_log_line(tmp_path, caplog, garbage):
     assert repr(garbage[:40]) in lines[0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=UnicodeDecodeError,
-    reason="identity.py reads node_id with read_text() and only catches FileNotFoundError: undecodable "
-    "bytes crash the node instead of being replaced (remove this marker once fixed)",
-)
 def test_binary_garbage_is_replaced(tmp_path, caplog):
     (tmp_path / NODE_ID_FILE).write_bytes(b"\xff\xfe\x00 not text")
     with caplog.at_level(logging.WARNING, logger=LOGGER):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -58,6 +59,8 @@ class ClusterAuth:
         try:
             sent = float(ts)
         except ValueError:
+            return "malformed signature timestamp"
+        if not math.isfinite(sent):
             return "malformed signature timestamp"
         now = self._clock()
         if abs(now - sent) > REPLAY_WINDOW_S:

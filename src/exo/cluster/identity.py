@@ -32,7 +32,7 @@ class NodeIdentity:
 
     def _load_or_create(self) -> str:
         try:
-            text = self.path.read_text().strip()
+            text = self.path.read_bytes().decode("utf-8", errors="replace").strip()
         except FileNotFoundError:
             text = ""
         if _ID.match(text):
