@@ -29,6 +29,18 @@ CHECKS = [
 ]
 
 
+def fuzz_operations(operations: list, mode: GenerationMode, base_url: str, examples: int) -> None:
+    """Every operation, ``examples`` generated cases each, all CHECKS on every response."""
+    for operation in operations:
+
+        @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @given(case=operation.as_strategy(generation_mode=mode))
+        def run(case) -> None:
+            case.call_and_validate(base_url=base_url, checks=CHECKS)
+
+        run()
+
+
 @pytest.fixture(scope="module")
 def fuzz_server(make_server, model_dir, tmp_path_factory):
     # A declared context of 64 tokens bounds every generation the fuzzer can ask for.
@@ -47,14 +59,7 @@ def test_fuzz_every_operation(fuzz_server, mode):
         operations = [op for op in operations if "requestBody" in op.definition.raw]
         assert len(operations) == 3
     start = time.monotonic()
-    for operation in operations:
-
-        @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-        @given(case=operation.as_strategy(generation_mode=mode))
-        def run(case) -> None:
-            case.call_and_validate(base_url=fuzz_server.url, checks=CHECKS)
-
-        run()
+    fuzz_operations(operations, mode, fuzz_server.url, EXAMPLES)
     assert time.monotonic() - start < 60
     with fuzz_server.http() as http:  # still serving
         assert http.post("/v1/completions", json={"prompt": "The", "max_tokens": 4}).status_code == 200

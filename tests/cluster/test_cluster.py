@@ -128,6 +128,18 @@ def test_errors_through_another_node_are_the_owners(trio, placed):
     assert through.status_code == direct.status_code == 400
     assert through.json()["error"]["code"] == direct.json()["error"]["code"] == "context_length_exceeded"
     assert through.json()["error"]["message"] == direct.json()["error"]["message"]
+    # Token ids no int64 can carry: the same 400 as the owner's, not a relay failure.
+    huge = {"model": MODEL, "prompt": [5, -(10**28), 10**20], "max_tokens": 2}
+    through, direct = a.post("/v1/completions", huge), b.post("/v1/completions", huge)
+    assert through.status_code == direct.status_code == 400
+    assert through.json()["error"]["message"] == direct.json()["error"]["message"]
+    # Absurd numbers travel (or are clamped to what means the same) and get the owner's answer.
+    for absurd in ({"max_tokens": 34791732188}, {"max_tokens": 10**30}, {"top_k": 10**12, "max_tokens": 3}):
+        body = {"model": MODEL, "prompt": "M", "temperature": 0, **absurd}
+        through, direct = a.post("/v1/completions", body), b.post("/v1/completions", body)
+        assert through.status_code == direct.status_code, (absurd, through.text, direct.text)
+        assert through.json().get("error") == direct.json().get("error")
+        assert through.json().get("choices") == direct.json().get("choices")
     bad = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "native_mtp": {"k": 99}}
     assert a.post("/v1/chat/completions", bad).status_code == b.post("/v1/chat/completions", bad).status_code
 
@@ -148,6 +160,8 @@ def test_instance_endpoints(trio, placed):
     assert unknown_node.status_code == 404 and unknown_node.json()["error"]["code"] == "node_not_found"
     assert a.get("/v1/instances/inst-000000000000").status_code == 404
     assert httpx.delete(a.url + "/v1/instances/inst-000000000000", timeout=10).status_code == 404
+    home_ref = a.get("/v1/instances/preview", params={"model": "~no-such-user/x"})
+    assert home_ref.status_code == 404 and home_ref.json()["error"]["code"] == "model_not_found"
     not_on_disk = a.get("/v1/instances/preview", params={"model": "qwen3.5-27b-4bit"})
     assert not_on_disk.status_code == 404 and "download" in not_on_disk.json()["error"]["message"]
     assert a.post("/v1/instances", {"model": MODEL, "extra": 1}).status_code == 400

@@ -7,26 +7,12 @@ import os
 
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from api.test_fuzz import fuzz_operations  # tests/ is on sys.path (rootdir-relative test packages)
 from schemathesis import GenerationMode
-from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import (
-    content_type_conformance,
-    negative_data_rejection,
-    response_schema_conformance,
-    status_code_conformance,
-)
 
 from .daemons import Daemon
 
 EXAMPLES = int(os.environ.get("EXO_FUZZ_EXAMPLES", "15"))
-CHECKS = [
-    not_a_server_error,
-    status_code_conformance,
-    content_type_conformance,
-    response_schema_conformance,
-    negative_data_rejection,
-]
 pytestmark = pytest.mark.timeout(400)
 
 
@@ -55,13 +41,6 @@ def test_fuzz_every_operation_of_a_cluster_node(node, mode):
     if mode == GenerationMode.NEGATIVE:
         operations = [op for op in operations if "requestBody" in op.definition.raw]
         assert len(operations) == 4
-    for operation in operations:
-
-        @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-        @given(case=operation.as_strategy(generation_mode=mode))
-        def run(case) -> None:
-            case.call_and_validate(base_url=node.url, checks=CHECKS)
-
-        run()
+    fuzz_operations(operations, mode, node.url, EXAMPLES)
     assert node.post("/v1/completions", {"prompt": "The", "max_tokens": 4}).status_code == 200
     assert node.process is not None and node.process.poll() is None

@@ -641,13 +641,17 @@ def generate_request(
         request.messages.CopyFrom(pb.Messages(messages=[pb.ChatMessage(role=m["role"], content=m["content"])
                                                         for m in prompt.messages]))
     elif prompt.token_ids is not None:
-        request.token_ids.CopyFrom(pb.TokenIds(ids=prompt.token_ids))
+        # Ids that int64 cannot carry are invalid anyway: send -1 so the owner refuses them with its own
+        # message ("prompt token ids must be in [0, vocab)"), as it would refuse them on its own API.
+        ids = [t if 0 <= t < 1 << 63 else -1 for t in prompt.token_ids]
+        request.token_ids.CopyFrom(pb.TokenIds(ids=ids))
     else:
         request.text = prompt.text or ""
     if prompt.template_kwargs:
         request.template_kwargs_json = json.dumps(prompt.template_kwargs)
     if params.max_tokens is not None:
-        request.max_tokens = params.max_tokens
+        # Beyond 2**63 - 1 no context fits either: the owner refuses it the same way.
+        request.max_tokens = min(params.max_tokens, (1 << 63) - 1)
     if params.mtp_k is not None:
         request.mtp_k = params.mtp_k
     return request

@@ -68,9 +68,13 @@ def resolve_model(ref: str | None, catalog: Catalog | None = None, *, allow_path
     catalog = catalog if catalog is not None else load_catalog()
     if ref is None:
         ref = DEFAULT_MODEL
-    candidate = Path(ref).expanduser()
-    if allow_paths and candidate.is_dir():
-        return ResolvedModel(candidate.resolve(), candidate.resolve().name, None)
+    if allow_paths:
+        try:
+            candidate = Path(ref).expanduser()
+        except RuntimeError:  # "~user" for a user this machine does not have: not a directory
+            candidate = Path(ref)
+        if candidate.is_dir():
+            return ResolvedModel(candidate.resolve(), candidate.resolve().name, None)
     try:
         card = catalog.get(ref)
     except UnknownModelError:

@@ -19,12 +19,14 @@ from exo.engine.sampling import SamplingParamsError
 
 from .prompt import PromptError
 
+INT32_MAX = (1 << 31) - 1
+
 
 def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
     out = pb.SamplingParams(
         temperature=params.temperature,
         top_p=params.top_p,
-        top_k=params.top_k,
+        top_k=min(params.top_k, INT32_MAX),  # any top_k >= the vocabulary keeps every token
         min_p=params.min_p,
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
