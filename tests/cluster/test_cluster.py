@@ -294,8 +294,20 @@ def test_a_killed_peer_leaves_and_its_instances_are_gone(trio, tmp_path):
         runner_pid = placed.json()["instance"]["pid"]
         wait_for(lambda: any(i["node"] == d.node_id for i in a.get("/v1/instances").json()["instances"]), 10,
                  "A to see node-d's instance")
-        d.kill()
-        killed = time.monotonic()
+        # Mid-generation, through A: the stream must end with an error event, not hang.
+        body = {"model": "exo-demo-moe", "prompt": "def f(x):", "max_tokens": 3000, "temperature": 0, "stream": True}
+        with httpx.stream("POST", a.url + "/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            for _ in range(3):
+                next(lines)
+            d.kill()
+            killed = time.monotonic()
+            rest = [line for line in lines if line.startswith("data: ")]
+        ended_after = time.monotonic() - killed
+        assert rest[-1] == "data: [DONE]" and ended_after < 12, (ended_after, rest[-3:])
+        error = json.loads(rest[-2][len("data: "):])["error"]
+        assert error["code"] == "node_unavailable", error
         wait_for(lambda: d.node_id not in a.node_ids(), 15, "node-d to leave A's registry")
         left_after = time.monotonic() - killed
         assert left_after <= 10.5, f"a dead peer took {left_after:.1f} s to leave"
