@@ -32,12 +32,14 @@ class Daemon:
         namespace: str | None = None,
         secret: str | None = None,
         extra_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         self.home = home
         self.name = name
         self.namespace = namespace
         self.secret = secret
         self.extra_args = list(extra_args)
+        self.env = dict(env or {})
         self.port = free_port()
         self.grpc_port = free_port()
         self.process: subprocess.Popen[str] | None = None
@@ -58,6 +60,7 @@ class Daemon:
         env.pop("EXO_CLUSTER_SECRET", None)
         if self.secret is not None:
             env["EXO_CLUSTER_SECRET"] = self.secret
+        env.update(self.env)
         args = [
             sys.executable, "-m", "exo.cli.main", "serve", "--host", "127.0.0.1", "--port", str(self.port),
             "--grpc-port", str(self.grpc_port), "--no-discovery", "--name", self.name, *self.extra_args,
