@@ -1,14 +1,16 @@
 """Serving overhead: tokens/s through `exo serve` (HTTP streaming) vs the engine alone, and concurrency.
 
-Starts `exo serve --model MODEL` as its own process (as users run it), then, in this process:
+Starts `exo serve --model MODEL` as its own process (as users run it: the daemon runs the model in a
+runner subprocess and relays generations from it over gRPC), then, in this process:
   1. engine alone: `Engine.generate` on the same model, prompt and settings, streamed chunk by chunk;
-  2. HTTP: a streamed POST /v1/completions (SSE) of the same request;
+  2. HTTP: a streamed POST /v1/completions (SSE) of the same request; with --via-peer, sent to a second
+     daemon that relays it over gRPC to the first (a model placed on another node of the cluster);
 runs alternate (engine, HTTP, engine, ...) so drift on a shared CPU hits both sides alike. Tokens/s is
 completion tokens / wall time from the call (request sent) to the last token (last event), prefill
 included on both sides. Then aggregate throughput with 1, 4 and 8 concurrent streams (the device runs
 one generation at a time, so the aggregate should stay flat while queueing shows in the TTFT).
 
-    python bench/api_overhead.py MODEL [--prompt P] [--max-tokens N] [--repeats R] [--mtp off,2]
+    python bench/api_overhead.py MODEL [--prompt P] [--max-tokens N] [--repeats R] [--mtp off,2] [--via-peer]
 
 MODEL: a card id (default exo-demo), repo id or checkpoint directory. --mtp: comma-separated modes per
 request: "off" (plain decoding), a depth K (forced), "auto" (adaptive: its depth choice follows timings,
@@ -120,11 +122,33 @@ async def concurrent(url: str, prompt: str, max_tokens: int, native_mtp: dict[st
     }
 
 
-def start_server(model: str, port: int) -> subprocess.Popen:
+def _tree_cpu_seconds(pid: int) -> float | None:
+    """CPU time of a process and its children (exo serve runs each model in a runner subprocess)."""
+    total = _cpu_seconds(pid)
+    if total is None:
+        return None
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    for child in children:
+        total += _tree_cpu_seconds(int(child)) or 0.0
+    return total
+
+
+def start_server(
+    model: str | None, port: int, grpc_port: int, peers: str | None = None, home: str | None = None
+) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
     env.pop("EXO_API_KEY", None)
+    if home is not None:
+        env["EXO_HOME"] = home
+    argv = [sys.executable, "-m", "exo.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port),
+            "--grpc-port", str(grpc_port), "--no-discovery"]
+    argv += ["--model", model] if model is not None else []
+    argv += ["--peers", peers] if peers is not None else []
     process = subprocess.Popen(
-        [sys.executable, "-m", "exo.cli.main", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port)],
+        argv,
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -162,14 +186,29 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--mtp", default="off,1", help="comma-separated: off, auto, or a depth K")
     parser.add_argument("--concurrency", default="1,4,8")
+    parser.add_argument(
+        "--via-peer",
+        action="store_true",
+        help="send the requests to a second daemon (a static peer) that relays them over gRPC to the node "
+        "running the model, as a cluster serves a model placed on another node",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    port = _free_port()
+    port, grpc_port = _free_port(), _free_port()
     url = f"http://127.0.0.1:{port}"
     engine = load(args.model, load_settings())
-    server = start_server(args.model, port)
-    report: dict[str, Any] = {"model": args.model, "prompt": args.prompt, "max_tokens": args.max_tokens, "modes": {}}
+    server = start_server(args.model, port, grpc_port)
+    front = None
+    if args.via_peer:
+        import tempfile
+
+        front_port = _free_port()
+        front = start_server(None, front_port, _free_port(), peers=f"127.0.0.1:{grpc_port}", home=tempfile.mkdtemp())
+        url = f"http://127.0.0.1:{front_port}"
+        time.sleep(4.0)  # a few registry polls: the front node learns the peer and its instance
+    report: dict[str, Any] = {"model": args.model, "prompt": args.prompt, "max_tokens": args.max_tokens,
+                              "via_peer": args.via_peer, "modes": {}}
     try:
         for mtp in args.mtp.split(","):
             fields, native = _mode(mtp)
@@ -186,9 +225,9 @@ def main() -> None:
                 cpu0 = time.process_time()
                 e_tokens, e_s = engine_run(engine, args.prompt, args.max_tokens, fields)
                 engine_cpu += time.process_time() - cpu0
-                cpu0 = _cpu_seconds(server.pid)
+                cpu0 = _tree_cpu_seconds(server.pid)
                 h_tokens, h_s, _ = asyncio.run(http_once())
-                cpu1 = _cpu_seconds(server.pid)
+                cpu1 = _tree_cpu_seconds(server.pid)
                 server_cpu += (cpu1 - cpu0) if cpu0 is not None and cpu1 is not None else float("nan")
                 assert e_tokens == h_tokens, (e_tokens, h_tokens)
                 engine_tps.append(e_tokens / e_s)
@@ -210,13 +249,17 @@ def main() -> None:
                 "concurrency": conc,
             }
     finally:
-        server.terminate()
-        server.wait(30)
+        for process in (front, server):
+            if process is not None:
+                process.terminate()
+                process.wait(30)
 
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    print(f"model {args.model}, prompt {args.prompt!r}, max_tokens {args.max_tokens}, {args.repeats} alternating runs")
+    path = "through a peer daemon (gRPC relay)" if args.via_peer else "to the daemon running the model"
+    print(f"model {args.model}, prompt {args.prompt!r}, max_tokens {args.max_tokens}, {args.repeats} alternating runs, "
+          f"HTTP {path}")
     for mtp, r in report["modes"].items():
         print(f"\nnative MTP {mtp}: {r['tokens']} tokens per request")
         print(f"  engine alone     tok/s {spread(r['engine_tok_s'])}")

@@ -563,7 +563,8 @@ class RemoteGenerationStream(BatchedStream):
         try:
             while True:
                 try:
-                    msg = await asyncio.wait_for(self._call.read(), STREAM_IDLE_S)
+                    async with asyncio.timeout(STREAM_IDLE_S):  # no task per read (unlike wait_for)
+                        msg = await self._call.read()
                 except TimeoutError:
                     self._items.put_nowait(
                         Failed(NodeUnavailableError(f"{self._where} stopped answering for {STREAM_IDLE_S:g} s"))

@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from exo.cards import Catalog, UnknownModelError
+from exo.cards import Catalog
 from exo.engine import ResolvedModel
 from exo.engine.loader import read_config
 from exo.engine.resolve import local_path, resolve_model
@@ -49,16 +49,6 @@ class LocalModels:
         resolved = resolve_model(ref, self.catalog, allow_paths=False)
         with self._lock:
             return self._registered.get(resolved.model_id, resolved)
-
-    def known(self, ref: str) -> bool:
-        with self._lock:
-            if ref in self._registered:
-                return True
-        try:
-            self.catalog.get(ref)
-        except (UnknownModelError, LookupError):
-            return False
-        return True
 
     def available(self) -> list[pb.ModelAvailability]:
         """Every model on this disk with its size (cached; may read the disk)."""

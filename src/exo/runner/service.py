@@ -101,7 +101,32 @@ class RunnerServicer(pb_grpc.RunnerServicer):
                 continue
             if item is DONE:
                 return
+            # Whatever else is ready goes in the same message (one write for several tokens).
+            while _is_output(item):
+                try:
+                    following = job.out.get_nowait()
+                except queue.Empty:
+                    break
+                if not _is_output(following):
+                    yield item
+                    item = following
+                    break
+                item.text += following.text
+                item.token_ids.extend(following.token_ids)
+            if item is DONE:
+                return
             yield item
+
+
+def _is_output(item: pb.GenerateChunk | None) -> bool:
+    """A piece of generated output still open for more (not started, error, heartbeat or the end)."""
+    return (
+        item is not None
+        and not item.finish_reason
+        and not item.HasField("error")
+        and not item.HasField("started")
+        and not item.heartbeat
+    )
 
 
 def start_server(socket_path: str, state: RunnerState, device: Device, max_workers: int) -> grpc.Server:
