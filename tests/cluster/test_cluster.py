@@ -95,6 +95,11 @@ def test_chat_through_any_node_is_served_by_the_placed_instance(trio, placed):
         assert _deterministic(mine["native_mtp"]) == _deterministic(theirs["native_mtp"])
         assert mine["native_mtp"]["drafted_tokens"] > 0 and mine["native_mtp"]["mode"] == "single_node"
         assert mine["ttft_ms"] > 0 and mine["decode_tokens_per_s"] > 0
+    # No model named: the default (the bundled demo model), served by the same instance; listed first.
+    default = c.post("/v1/completions", {"prompt": "def f(x):", "max_tokens": 4, "temperature": 0})
+    assert default.status_code == 200 and default.json()["model"] == MODEL
+    first = c.get("/v1/models").json()["data"][0]
+    assert (first["id"], first["status"]) == (MODEL, "loaded") and first["native_mtp"]["available"]
     # Nothing was loaded again: one instance of the model in the whole cluster, on B.
     instances = [i for i in a.get("/v1/instances").json()["instances"] if i["model"] == MODEL]
     assert [(i["id"], i["node"]) for i in instances] == [(placed["id"], b.node_id)]
