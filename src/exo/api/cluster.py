@@ -29,7 +29,7 @@ from exo.cluster.models import LocalModels
 from exo.cluster.node import ClusterNode, MTPSwitch, new_instance_id
 from exo.cluster.proto_gen import node_pb2 as pb
 from exo.cluster.registry import Peer
-from exo.cluster.supervisor import InstanceFailedError
+from exo.cluster.supervisor import InstanceFailedError, UnknownInstanceError
 from exo.engine import (
     ContextLengthError,
     GenerationRequestError,
@@ -416,7 +416,11 @@ class ClusterModelService:
 
     def open_call(self, located: Located, request: pb.GenerateRequest, timeout: float) -> grpc.aio.UnaryStreamCall:
         if located.node_id == self.node_id:
-            return self.node.generate_local(request, timeout=timeout)
+            try:
+                return self.node.generate_local(request, timeout=timeout)
+            except (UnknownInstanceError, InstanceFailedError) as e:  # gone or restarting since acquire()
+                message = str(e.args[0]) if isinstance(e, LookupError) and e.args else str(e)
+                raise NodeUnavailableError(message) from None
         peer = self._peer(located.node_id)
         return peer.stub.Generate(
             request, timeout=timeout, metadata=self.node.registry.metadata("/exo.v1.Node/Generate")
