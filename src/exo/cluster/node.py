@@ -168,10 +168,6 @@ class ClusterNode:
             except Exception:  # noqa: BLE001 - keep the last good scan
                 log.exception("scanning local models failed")
 
-    async def models_changed(self) -> None:
-        """Rescan now (a model was registered)."""
-        self._models = await asyncio.to_thread(self.models.available)
-
     def _peer_lost(self, peer: Peer) -> None:
         if self._on_peer_lost is not None:
             self._on_peer_lost(peer)
