@@ -10,7 +10,9 @@ import time
 
 from aiohttp import web
 
-from .cluster import ClusterModelService, instance_json, placement_json
+from exo.cluster.orchestration import ClusterModelService
+from exo.cluster.views import instance_json, placement_json
+
 from .config import CONFIG, SERVICE
 from .errors import APIError
 from .parsing import read_json, validate

@@ -12,7 +12,8 @@ import sys
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    from exo.api import ClusterModelService, build_cluster_app, run_app
+    from exo.api import build_cluster_app, run_app
+    from exo.cluster.orchestration import ClusterModelService
     from exo.cluster.placement import PlacementError
     from exo.cluster.supervisor import InstanceFailedError
     from exo.engine import resolve_model

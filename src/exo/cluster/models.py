@@ -16,8 +16,7 @@ from exo.cards import Catalog
 from exo.engine import ResolvedModel
 from exo.engine.loader import read_config
 from exo.engine.resolve import local_path, resolve_model
-
-from .proto_gen import node_pb2 as pb
+from exo.wire.proto_gen import node_pb2 as pb
 
 log = logging.getLogger(__name__)
 

@@ -23,13 +23,13 @@ import grpc
 from exo.cards import UnknownModelError
 from exo.engine.resolve import ModelNotAvailableError
 from exo.settings import Settings
+from exo.wire.proto_gen import node_pb2 as pb
+from exo.wire.proto_gen import node_pb2_grpc as pb_grpc
 
 from . import system
 from .auth import AuthInterceptor, ClusterAuth
 from .identity import NodeIdentity
 from .models import LocalModels
-from .proto_gen import node_pb2 as pb
-from .proto_gen import node_pb2_grpc as pb_grpc
 from .registry import CHANNEL_OPTIONS, Peer, PeerRegistry
 from .supervisor import InstanceFailedError, InstanceSupervisor, UnknownInstanceError
 

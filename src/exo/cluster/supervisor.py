@@ -31,10 +31,9 @@ from typing import TYPE_CHECKING
 import grpc
 
 import exo
-from exo.cluster.proto_gen import node_pb2 as pb
-from exo.cluster.proto_gen import node_pb2_grpc as pb_grpc
-from exo.runner.main import EXIT_LOAD_FAILED
-from exo.runner.service import MAX_MESSAGE_BYTES
+from exo.wire.proto_gen import node_pb2 as pb
+from exo.wire.proto_gen import node_pb2_grpc as pb_grpc
+from exo.wire.runner import EXIT_LOAD_FAILED, MAX_MESSAGE_BYTES
 
 if TYPE_CHECKING:
     from exo.engine import ResolvedModel

@@ -22,6 +22,7 @@ the current token is read back).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -130,6 +131,11 @@ class Engine:
     @property
     def model(self) -> Any:
         return self.loaded.model
+
+    def set_native_mtp(self, enabled: bool, disabled_reason: str) -> None:
+        """The node-wide switch; call between generations (it applies from the next one on)."""
+        if (self.config.native_mtp_enabled, self.config.disabled_reason) != (enabled, disabled_reason):
+            self.config = dataclasses.replace(self.config, native_mtp_enabled=enabled, disabled_reason=disabled_reason)
 
     # -- native MTP availability -------------------------------------------------------------------
     def mtp_unavailable_reason(self, mode: NativeMTPMode = "auto") -> str | None:

@@ -2,7 +2,7 @@
 
 Lifecycle: serve Status on the unix socket at once (state LOADING with progress), load the model and
 warm it up on the main thread, then serve generations on the main thread until SIGTERM. A load that
-fails prints the reason to stderr and exits with status ``EXIT_LOAD_FAILED``; the daemon reports it
+fails prints the reason to stderr and exits with status ``EXIT_LOAD_FAILED`` (``exo.wire.runner``); the daemon reports it
 with the last stderr lines. The runner dies with its daemon (PR_SET_PDEATHSIG on Linux, and a watcher
 of the parent pid everywhere), so a killed daemon never leaves runners behind.
 """
@@ -22,13 +22,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from exo.cluster.proto_gen import node_pb2 as pb
     from exo.engine import Engine
     from exo.settings import Settings
+    from exo.wire.proto_gen import node_pb2 as pb
 
     from .service import RunnerState
 
-EXIT_LOAD_FAILED = 3
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -74,8 +73,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C goes to the daemon; it stops us
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s runner {args.instance_id[:8]} %(levelname)s: %(message)s")
 
-    from exo.cluster.proto_gen import node_pb2 as pb
     from exo.settings import load_settings
+    from exo.wire.proto_gen import node_pb2 as pb
+    from exo.wire.runner import EXIT_LOAD_FAILED
 
     from .device import Device
     from .service import RunnerState, start_server
@@ -101,9 +101,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"exo runner: cannot load {args.model_id}: {type(e).__name__}: {message}", file=sys.stderr, flush=True)
         server.stop(0.2)
         os._exit(EXIT_LOAD_FAILED)
-    state.ready(summary)
+    state.ready(summary, engine)
     logging.getLogger(__name__).info("ready: %s", args.model_id)
-    device.serve(engine)  # until SIGTERM
+    device.serve()  # until SIGTERM
     server.stop(1.0).wait(2.0)
     sys.stderr.flush()
     os._exit(0)  # skip interpreter teardown: nothing to flush, and MLX's thread-exit hooks stay out of it
@@ -117,8 +117,8 @@ def _load(args: argparse.Namespace, settings: Settings, state: RunnerState) -> t
     # Status already serves (the server needs none of this): the engine's imports take seconds.
     state.update("importing the engine", 0.02)
     from exo.cards import load_catalog
-    from exo.cluster.proto_gen import node_pb2 as pb
     from exo.engine import Engine, ResolvedModel, engine_config, load_checkpoint
+    from exo.wire.proto_gen import node_pb2 as pb
 
     state.update("resolving", 0.05)
     card = load_catalog(home=settings.home).get(args.card) if args.card else None

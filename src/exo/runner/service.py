@@ -1,7 +1,7 @@
 """The runner's gRPC service (``exo.v1.Runner``) on a unix socket: Status and Generate.
 
-Handlers run on gRPC's thread pool and never touch MLX: Generate queues a job on the device (the main
-thread) and relays its chunks, sending a heartbeat whenever nothing else flowed for
+Handlers run on gRPC's thread pool and never touch MLX: Generate queues a job on the device (served by
+the main thread) and relays its chunks, sending a heartbeat whenever nothing else flowed for
 ``HEARTBEAT_S`` so the caller can tell a slow generation from a dead runner.
 """
 
@@ -12,16 +12,22 @@ import queue
 import threading
 from collections.abc import Iterator
 from concurrent import futures
+from typing import TYPE_CHECKING
 
 import grpc
 
-from exo.cluster.proto_gen import node_pb2 as pb
-from exo.cluster.proto_gen import node_pb2_grpc as pb_grpc
+from exo.wire.proto_gen import node_pb2 as pb
+from exo.wire.proto_gen import node_pb2_grpc as pb_grpc
+from exo.wire.runner import HEARTBEAT_S, MAX_MESSAGE_BYTES
 
-from .device import DONE, Device, GenerationJob, QueueFullError
+from .device import Device, Failed, GenerationJob, QueueFullError, Started
 
-HEARTBEAT_S = 2.0
-MAX_MESSAGE_BYTES = 64 << 20
+if TYPE_CHECKING:
+    from exo.engine import Engine
+
+DEFAULT_TIMEOUT_S = 600.0  # a request without timeout_s
+DONE = None  # the last item of a generation's output queue
+
 
 
 class RunnerState:
@@ -36,13 +42,15 @@ class RunnerState:
         self.stage = "starting"
         self.error = ""
         self.model: pb.ModelSummary | None = None
+        self.engine: Engine | None = None
 
     def update(self, stage: str, progress: float) -> None:
         with self._lock:
             self.stage, self.progress = stage, progress
 
-    def ready(self, model: pb.ModelSummary) -> None:
+    def ready(self, model: pb.ModelSummary, engine: Engine) -> None:
         with self._lock:
+            self.engine = engine
             self.state, self.stage, self.progress, self.model = pb.INSTANCE_STATE_READY, "ready", 1.0, model
 
     def fail(self, error: str) -> None:
@@ -76,12 +84,33 @@ class RunnerServicer(pb_grpc.RunnerServicer):
         return self.state.status(self.device)
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateChunk]:
-        from .wire import error_chunk  # here: the module imports the engine, which Status must not wait for
+        # Imported here: the engine takes seconds to import, which Status must not wait for.
+        from exo.wire.convert import chunk_to_pb, error_chunk, error_to_pb, request_from_pb
 
-        if self.state.state != pb.INSTANCE_STATE_READY:
+        engine = self.state.engine
+        if self.state.state != pb.INSTANCE_STATE_READY or engine is None:
             yield error_chunk("model_unavailable", f"instance {self.state.instance_id} is not ready ({self.state.stage})")
             return
-        job = GenerationJob(request, self.device)
+        out: queue.SimpleQueue[pb.GenerateChunk | None] = queue.SimpleQueue()
+
+        def emit(item: object) -> None:
+            if isinstance(item, Started):
+                out.put(pb.GenerateChunk(started=pb.Started(
+                    prompt_tokens=item.prompt_tokens, max_tokens=item.max_tokens, queue_s=item.queue_s)))
+            elif isinstance(item, Failed):
+                out.put(error_to_pb(item.error))
+            else:
+                out.put(chunk_to_pb(item))  # type: ignore[arg-type]
+
+        def on_device() -> Engine:
+            if request.HasField("node_mtp"):  # the owning node's switch decides (we are between requests)
+                engine.set_native_mtp(request.node_mtp.enabled, request.node_mtp.disabled_reason)
+            return engine
+
+        prompt, params = request_from_pb(request)
+        timeout = request.timeout_s if request.timeout_s > 0 else DEFAULT_TIMEOUT_S
+        job = GenerationJob(self.device, on_device, prompt, params, emit, timeout_s=timeout,
+                            on_done=lambda *_: out.put(DONE))
         try:
             self.device.submit(job)
         except QueueFullError as e:
@@ -95,7 +124,7 @@ class RunnerServicer(pb_grpc.RunnerServicer):
             job.cancel()
         while True:
             try:
-                item = job.out.get(timeout=HEARTBEAT_S)
+                item = out.get(timeout=HEARTBEAT_S)
             except queue.Empty:
                 yield pb.GenerateChunk(heartbeat=True)
                 continue
@@ -104,7 +133,7 @@ class RunnerServicer(pb_grpc.RunnerServicer):
             # Whatever else is ready goes in the same message (one write for several tokens).
             while _is_output(item):
                 try:
-                    following = job.out.get_nowait()
+                    following = out.get_nowait()
                 except queue.Empty:
                     break
                 if not _is_output(following):

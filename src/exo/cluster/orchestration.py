@@ -13,56 +13,46 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
-import math
 import time
-import uuid
 from typing import Any
 
 import grpc
 
 from exo import __version__
 from exo.cards import Catalog, ModelCard, UnknownModelError, load_catalog
-from exo.cluster import placement as pl
-from exo.cluster.models import LocalModels
-from exo.cluster.node import ClusterNode, MTPSwitch, new_instance_id
-from exo.cluster.proto_gen import node_pb2 as pb
-from exo.cluster.registry import Peer
-from exo.cluster.supervisor import InstanceFailedError, UnknownInstanceError
 from exo.engine import (
-    ContextLengthError,
-    GenerationRequestError,
     ModelNotAvailableError,
-    NativeMTPUnavailableError,
     ResolvedModel,
-    SamplingParamsError,
 )
 from exo.engine.resolve import DEFAULT_MODEL
-from exo.runner.device import QueueFullError
-from exo.runner.prompt import PromptError
-from exo.runner.wire import chunk_from_pb, sampling_to_pb
+from exo.metrics import Metrics
 from exo.settings import Settings
+from exo.wire.convert import chunk_from_pb, error_from_pb, generate_request
+from exo.wire.proto_gen import node_pb2 as pb
 
-from .errors import (
-    APIError,
-    InstanceNotFoundError,
-    ModelLoadTimeoutError,
-    NodeUnavailableError,
-    RequestTimeoutError,
-)
+from . import placement as pl
 from .listing import card_info, model_rows
-from .metrics import Metrics
+from .models import LocalModels
+from .node import ClusterNode, MTPSwitch, new_instance_id
+from .registry import Peer
 from .service import (
     DEADLINE_GRACE_S,
     BatchedStream,
+    ClusterAuthError,
     Failed,
     GenerateParams,
+    InstanceNotFoundError,
     ModelInfo,
+    ModelLoadTimeoutError,
     NativeMTPInfo,
+    NodeUnavailableError,
     Prompt,
+    RequestTimeoutError,
     Started,
 )
+from .supervisor import InstanceFailedError, UnknownInstanceError
+from .views import STATE_NAMES, instance_json, node_json
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +62,6 @@ POLL_READY_S = 0.2
 # the node or its runner stopped answering.
 STREAM_IDLE_S = 10.0
 GONE_KEPT_S = 600.0
-STATE_NAMES = {
-    pb.INSTANCE_STATE_LOADING: "loading",
-    pb.INSTANCE_STATE_READY: "ready",
-    pb.INSTANCE_STATE_FAILED: "failed",
-    pb.INSTANCE_STATE_STOPPING: "stopping",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -626,66 +610,6 @@ class RemoteGenerationStream(BatchedStream):
         return items
 
 
-# -- wire helpers --------------------------------------------------------------------------------------------
-
-
-def generate_request(
-    model_id: str, instance_id: str, prompt: Prompt, params: GenerateParams, timeout_s: float
-) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(
-        request_id=uuid.uuid4().hex,
-        model=model_id,
-        instance_id=instance_id,
-        default_max_tokens=params.default_max_tokens,
-        sampling=sampling_to_pb(params.sampling),
-        stop=list(params.stop),
-        native_mtp=params.native_mtp,
-        timeout_s=timeout_s,
-    )
-    if prompt.messages is not None:
-        request.messages.CopyFrom(pb.Messages(messages=[pb.ChatMessage(role=m["role"], content=m["content"])
-                                                        for m in prompt.messages]))
-    elif prompt.token_ids is not None:
-        # Ids that int64 cannot carry are invalid anyway: send -1 so the owner refuses them with its own
-        # message ("prompt token ids must be in [0, vocab)"), as it would refuse them on its own API.
-        ids = [t if 0 <= t < 1 << 63 else -1 for t in prompt.token_ids]
-        request.token_ids.CopyFrom(pb.TokenIds(ids=ids))
-    else:
-        request.text = prompt.text or ""
-    if prompt.template_kwargs:
-        request.template_kwargs_json = json.dumps(prompt.template_kwargs)
-    if params.max_tokens is not None:
-        # Beyond 2**63 - 1 no context fits either: the owner refuses it the same way.
-        request.max_tokens = min(params.max_tokens, (1 << 63) - 1)
-    if params.mtp_k is not None:
-        request.mtp_k = params.mtp_k
-    return request
-
-
-def error_from_pb(err: pb.GenerateError) -> BaseException:
-    """The owning node's error as the exception that gives the same HTTP answer here."""
-    message = err.message
-    if err.type == "context_length_exceeded":
-        return ContextLengthError(message, err.param or "messages")
-    if err.type == "prompt":
-        return PromptError(message)
-    if err.type == "sampling_params":
-        return SamplingParamsError(message)
-    if err.type == "native_mtp_unavailable":
-        return NativeMTPUnavailableError(message)
-    if err.type == "generation_request":
-        return GenerationRequestError(message)
-    if err.type == "queue_full":
-        exc = QueueFullError(0, max(1, math.ceil(err.retry_after_s)))
-        exc.args = (message,)
-        return exc
-    if err.type == "timeout":
-        return RequestTimeoutError(message)
-    if err.type == "model_unavailable":
-        return NodeUnavailableError(message)
-    return RuntimeError(message)
-
-
 def _rpc_error(e: grpc.aio.AioRpcError, where: str) -> BaseException:
     code = e.code()
     if code == grpc.StatusCode.NOT_FOUND:
@@ -693,7 +617,7 @@ def _rpc_error(e: grpc.aio.AioRpcError, where: str) -> BaseException:
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return ModelNotAvailableError(e.details() or "not available there")
     if code == grpc.StatusCode.UNAUTHENTICATED:
-        return APIError(502, f"{where} refused this node: {e.details()}", type="server_error", code="cluster_auth")
+        return ClusterAuthError(f"{where} refused this node: {e.details()}")
     return NodeUnavailableError(f"{where} did not answer: {code.name}: {e.details()}")
 
 
@@ -701,85 +625,3 @@ def _failure_text(inst: pb.Instance) -> str:
     f = inst.failure
     detail = f.message or (f.stderr_tail[-1] if f.stderr_tail else "")
     return f"instance {inst.instance_id} of {inst.model_id} failed (exit code {f.exit_code}): {detail}"
-
-
-def instance_json(inst: pb.Instance, node_id: str, self_id: str) -> dict[str, Any]:
-    failure = None
-    if inst.HasField("failure"):
-        f = inst.failure
-        failure = {"exit_code": f.exit_code, "message": f.message, "stderr_tail": list(f.stderr_tail),
-                   "at": f.at_unix}
-    s = inst.model
-    return {
-        "id": inst.instance_id,
-        "object": "instance",
-        "model": inst.model_id,
-        "model_ref": inst.model_ref,
-        "node": node_id,
-        "self": node_id == self_id,
-        "state": STATE_NAMES.get(inst.state, "failed"),
-        "progress": round(inst.progress, 4),
-        "stage": inst.stage,
-        "shard": {"start_layer": inst.shard.start_layer, "end_layer": inst.shard.end_layer,
-                  "rank": inst.shard.rank, "world_size": inst.shard.world_size or 1},
-        "failure": failure,
-        "restarts": inst.restarts,
-        "pid": inst.pid,
-        "created": inst.created_unix,
-        "updated": inst.updated_unix,
-        "on_demand": inst.on_demand,
-        "queue_depth": inst.queue_depth,
-        "running": inst.running,
-        "native_mtp": {
-            "available": s.mtp_available,
-            "reason": s.mtp_reason or None,
-            "default_k": s.default_k or None,
-            "max_k": s.max_k or None,
-        } if inst.HasField("model") else None,
-    }
-
-
-def node_json(
-    info: pb.NodeInfo, *, self_id: str, host: str | None, last_seen_s: float, rtt_ms: float, source: str
-) -> dict[str, Any]:
-    return {
-        "id": info.node_id,
-        "name": info.name,
-        "self": info.node_id == self_id,
-        "host": host,
-        "api_port": info.api_port,
-        "grpc_port": info.grpc_port,
-        "version": info.version,
-        "namespace": info.namespace,
-        "memory_total_bytes": info.memory_total_bytes,
-        "memory_available_bytes": info.memory_available_bytes,
-        "chip": info.chip,
-        "backend": info.backend,
-        "disk_free_bytes": info.disk_free_bytes,
-        "platform": info.platform,
-        "cpu_count": info.cpu_count,
-        "uptime_s": round(info.uptime_s, 3),
-        "secured": info.secured,
-        "models": [m.model_id for m in info.models],
-        "instances": [i.instance_id for i in info.instances],
-        "last_seen_s": round(last_seen_s, 3),
-        "rtt_ms": round(rtt_ms, 3),
-        "source": source,
-    }
-
-
-def placement_json(plan: pl.Placement) -> dict[str, Any]:
-    req = plan.requirement
-    return {
-        "model": plan.model_id,
-        "node": plan.node_id,
-        "needed_bytes": req.needed_bytes,
-        "weights_bytes": req.weights_bytes,
-        "kv_bytes": req.kv_bytes,
-        "context_tokens": req.context_tokens,
-        "activation_bytes": req.activation_bytes,
-        "node_free_bytes": plan.node_free_bytes,
-        "headroom_bytes": plan.headroom_bytes,
-        "shards": [dataclasses.asdict(s) for s in plan.shards],
-    }
-

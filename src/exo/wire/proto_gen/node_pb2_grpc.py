@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from exo.cluster.proto_gen import node_pb2 as exo_dot_v1_dot_node__pb2
+from exo.wire.proto_gen import node_pb2 as exo_dot_v1_dot_node__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
