@@ -376,11 +376,16 @@ def load_checkpoint(
     load_head: bool = True,
     head_source_repo: str | None = None,
     lazy: bool = False,
+    layers: tuple[int, int] | None = None,
 ) -> LoadedModel:
     """Load a local checkpoint directory (raw Hugging Face or MLX layout) with its MTP head.
 
     A head the config declares but the weights lack, or a malformed head, does not stop the load:
     ``head_status`` says why MTP is unavailable and the model runs plain decoding.
+
+    ``layers=(start, end)``: only a pipeline stage's part (``SpeculativeBackbone.keep_stage``), read from
+    disk and nothing else: the embedding on the first stage; the final norm, lm_head, the embedding
+    table, the tokenizer and the MTP head on the last. A middle or first stage has no tokenizer (None).
     """
     path = Path(path).expanduser().resolve()
     config = read_config(path)
@@ -388,20 +393,33 @@ def load_checkpoint(
     for file in files:
         _header(file)  # a corrupt shard fails here with the file's name, not deep inside mlx
     try:
-        model, config = mlx_load_model(path, lazy=lazy, get_model_classes=get_model_classes)
+        model, config = mlx_load_model(
+            path, lazy=lazy or layers is not None, get_model_classes=get_model_classes
+        )
+        last = True
+        if layers is not None:
+            start, end = layers
+            last = end == model.num_layers
+            model.keep_stage(start, end, first=start == 0, last=last)
+            if not lazy:
+                mx.eval(model.parameters())  # only this stage's weights are read
     except UnsupportedModelError:
         raise
     except (ValueError, KeyError, FileNotFoundError, RuntimeError) as e:
         raise CheckpointError(f"{path}: the weights do not match config.json: {e}") from e
     cpu_compatible(model)
-    try:
-        tokenizer = load_tokenizer(path)
-    except Exception as e:
-        raise CheckpointError(f"{path}: tokenizer files could not be loaded: {e}") from e
+    tokenizer = None
+    if last:
+        try:
+            tokenizer = load_tokenizer(path)
+        except Exception as e:
+            raise CheckpointError(f"{path}: tokenizer files could not be loaded: {e}") from e
 
     head: MTPHead | None = None
     info = inspect_head(path, files)
-    if not load_head:
+    if not last:
+        status = HeadStatus(available=False, reason="the MTP head runs on the pipeline's last stage")
+    elif not load_head:
         status = HeadStatus(available=False, reason="native MTP is disabled (the head was not loaded)")
     elif info.present:
         try:
@@ -424,5 +442,5 @@ def load_checkpoint(
         config=config,
         head=head,
         head_status=status,
-        eos_token_ids=eos_token_ids(path, config, tokenizer),
+        eos_token_ids=eos_token_ids(path, config, tokenizer) if tokenizer is not None else frozenset(),
     )
