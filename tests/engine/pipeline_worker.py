@@ -42,6 +42,7 @@ def main() -> None:
             result = engine.complete(GenerationRequest(
                 req["prompt"], max_tokens=req["max_tokens"], mtp_k=req.get("mtp_k"),
                 native_mtp=req.get("native_mtp", "auto"), sampling=SamplingParams(**req.get("sampling", {})),
+                stop=[req["stop"]] if req.get("stop") else (),
             ))
             results.append({"token_ids": result.token_ids, "text": result.text,
                             "finish_reason": result.finish_reason, "stats": result.stats.model_dump()})
