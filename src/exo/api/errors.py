@@ -10,7 +10,14 @@ import logging
 from typing import Any
 
 from exo.cards import AmbiguousModelError, CardError, UnknownModelError
-from exo.cluster.placement import AlreadyPlacedError, ModelNotOnDiskError, NoPlacementError, UnknownNodeError
+from exo.cluster.placement import (
+    AlreadyPlacedError,
+    InvalidPlacementRequest,
+    ModelNotOnDiskError,
+    NoPlacementError,
+    TooFewNodesError,
+    UnknownNodeError,
+)
 from exo.cluster.service import (
     ClusterAuthError,
     InstanceNotFoundError,
@@ -111,6 +118,10 @@ def api_error_from(exc: BaseException) -> APIError:
         return APIError(404, msg, param="node", code="node_not_found")
     if isinstance(exc, AlreadyPlacedError):
         return APIError(409, msg, param="model", code="already_placed")
+    if isinstance(exc, InvalidPlacementRequest):
+        return APIError(400, msg, code="invalid_value")
+    if isinstance(exc, TooFewNodesError):
+        return APIError(400, msg, param="min_nodes", code="too_few_nodes")
     if isinstance(exc, ModelNotOnDiskError):
         return APIError(404, msg, param="model", code="model_not_available")
     if isinstance(exc, NoPlacementError):

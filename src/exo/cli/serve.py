@@ -29,6 +29,7 @@ def serve_command(args: argparse.Namespace) -> int:
             "peers": args.peers,
             "namespace": args.namespace,
             "discovery": False if args.no_discovery else None,
+            "memory_budget_bytes": args.memory_budget,
         }
     )
     service = ClusterModelService(settings, max_loaded=args.max_loaded, name=args.name)

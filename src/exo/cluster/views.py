@@ -10,6 +10,15 @@ from exo.wire.proto_gen import node_pb2 as pb
 
 from . import placement as pl
 
+
+@dataclasses.dataclass(frozen=True)
+class Located:
+    """An instance (or a pipeline's stage) and the node that runs it."""
+
+    node_id: str
+    instance: pb.Instance
+
+
 STATE_NAMES = {
     pb.INSTANCE_STATE_LOADING: "loading",
     pb.INSTANCE_STATE_READY: "ready",
@@ -51,7 +60,51 @@ def instance_json(inst: pb.Instance, node_id: str, self_id: str) -> dict[str, An
             "default_k": s.default_k or None,
             "max_k": s.max_k or None,
         } if inst.HasField("model") else None,
+        # The instance's stages in order (one for a single-node instance), each with its own state.
+        "stages": [stage_json(inst, node_id)],
     }
+
+
+def stage_json(inst: pb.Instance | None, node_id: str, spec: pb.StagePlacement | None = None,
+               missing: str = "gone") -> dict[str, Any]:
+    """One stage: where it runs, its layers and rank, and its runner's state."""
+    if inst is None:
+        assert spec is not None
+        return {"node": spec.node_id, "start_layer": spec.start_layer, "end_layer": spec.end_layer,
+                "rank": spec.rank, "state": missing, "stage": "", "progress": 0.0, "pid": 0, "failure": None}
+    shard = inst.shard
+    failure = None
+    if inst.HasField("failure"):
+        failure = {"exit_code": inst.failure.exit_code, "message": inst.failure.message}
+    return {
+        "node": node_id,
+        "start_layer": shard.start_layer,
+        "end_layer": shard.end_layer,
+        "rank": shard.rank,
+        "state": STATE_NAMES.get(inst.state, "failed"),
+        "stage": inst.stage,
+        "progress": round(inst.progress, 4),
+        "pid": inst.pid,
+        "failure": failure,
+    }
+
+
+def pipeline_json(planned: list[pb.StagePlacement], found: list[Located | None], state: str, why: str,
+                  self_id: str) -> dict[str, Any]:
+    """A pipelined instance as ONE instance: the leader's (last stage's) view, plus every stage."""
+    leader = found[-1] or next(loc for loc in reversed(found) if loc is not None)
+    view = instance_json(leader.instance, planned[-1].node_id, self_id)
+    view["stages"] = [
+        stage_json(loc.instance if loc is not None else None, spec.node_id, spec)
+        for spec, loc in zip(planned, found, strict=True)
+    ]
+    view["state"] = state
+    view["progress"] = round(min(s["progress"] if s["state"] != "ready" else 1.0 for s in view["stages"]), 4)
+    view["pid"] = found[-1].instance.pid if found[-1] is not None else 0
+    if why and state == "failed" and view["failure"] is None:
+        view["failure"] = {"exit_code": 0, "message": why, "stderr_tail": [], "at": 0.0}
+    view["pipeline_reason"] = why or None
+    return view
 
 
 def node_json(
@@ -96,5 +149,15 @@ def placement_json(plan: pl.Placement) -> dict[str, Any]:
         "node_free_bytes": plan.node_free_bytes,
         "headroom_bytes": plan.headroom_bytes,
         "shards": [dataclasses.asdict(s) for s in plan.shards],
+        "stages": [
+            {"node": s.node_id, "start_layer": s.start_layer, "end_layer": s.end_layer, "rank": s.rank,
+             "free_bytes": free, "needed_bytes": needed}
+            for s, free, needed in zip(
+                plan.shards,
+                plan.stage_free_bytes or (plan.node_free_bytes,),
+                plan.stage_needed_bytes or (req.needed_bytes,),
+                strict=True,
+            )
+        ],
     }
 

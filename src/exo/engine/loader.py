@@ -151,6 +151,49 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+                "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+@dataclass(frozen=True)
+class CheckpointParts:
+    """Bytes of what a pipeline stage holds, from the shards' headers (nothing is loaded)."""
+
+    layer_bytes: tuple[int, ...]
+    embed_bytes: int
+    output_bytes: int  # final norm + lm_head
+    mtp_bytes: int
+
+
+def checkpoint_parts(path: Path, n_layers: int) -> CheckpointParts:
+    """Sizes of the backbone's layers, its embedding table, its output (final norm, lm_head) and its MTP
+    head, summed over every file mlx-lm or exo would load (a vision tower does not count)."""
+    layers = [0] * n_layers
+    embed = output = mtp = 0
+    files = weight_files(path) + [path / n for n in SIDECAR_NAMES if (path / n).is_file()]
+    for file in files:
+        keys, _, handle = _header(file)
+        for key in keys:
+            tensor = handle.get_slice(key)
+            size = _DTYPE_BYTES.get(tensor.get_dtype(), 2)
+            for dim in tensor.get_shape():
+                size *= dim
+            if "visual" in key or "vision" in key:
+                continue
+            if key.startswith(HEAD_PREFIXES) or ".mtp." in key:
+                mtp += size
+            elif (match := _LAYER_RE.search(key)) is not None:
+                index = int(match.group(1))
+                if index < n_layers:
+                    layers[index] += size
+            elif "embed_tokens" in key:
+                embed += size
+            else:  # lm_head, the final norm
+                output += size
+    return CheckpointParts(tuple(layers), embed, output, mtp)
+
+
 def _header(file: Path) -> tuple[list[str], dict[str, str], Any]:
     try:
         handle = safe_open(str(file), framework="numpy")

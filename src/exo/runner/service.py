@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from exo.wire.errors import NodeUnavailableError
 from exo.wire.proto_gen import node_pb2 as pb
 from exo.wire.proto_gen import node_pb2_grpc as pb_grpc
 from exo.wire.runner import HEARTBEAT_S, MAX_MESSAGE_BYTES
@@ -33,9 +34,14 @@ DONE = None  # the last item of a generation's output queue
 class RunnerState:
     """What Status reports: load progress, then the model it serves (thread-safe)."""
 
-    def __init__(self, instance_id: str, shard: pb.Shard) -> None:
+    def __init__(self, instance_id: str, shard: pb.Shard, ring_port: int = 0) -> None:
         self.instance_id = instance_id
         self.shard = shard
+        self.ring_port = ring_port
+        self.pipelined = shard.world_size > 1
+        self.group_broken = False  # a pipelined generation failed: the group must be formed anew
+        self._hosts: list[str] | None = None
+        self._hosts_set = threading.Event()
         self._lock = threading.Lock()
         self.state = pb.INSTANCE_STATE_LOADING
         self.progress = 0.0
@@ -48,7 +54,22 @@ class RunnerState:
         with self._lock:
             self.stage, self.progress = stage, progress
 
-    def ready(self, model: pb.ModelSummary, engine: Engine) -> None:
+    def join(self, hosts: list[str]) -> bool:
+        """The group's hosts (from the daemon); False when they came already (a second call changes nothing)."""
+        with self._lock:
+            if self._hosts is not None:
+                return self._hosts == hosts
+            self._hosts = list(hosts)
+        self._hosts_set.set()
+        return True
+
+    def wait_for_hosts(self, timeout: float) -> list[str]:
+        if not self._hosts_set.wait(timeout):
+            raise TimeoutError(f"the daemons did not send this stage its group's hosts within {timeout:.0f} s")
+        assert self._hosts is not None
+        return list(self._hosts)
+
+    def ready(self, model: pb.ModelSummary, engine: Engine | None) -> None:
         with self._lock:
             self.engine = engine
             self.state, self.stage, self.progress, self.model = pb.INSTANCE_STATE_READY, "ready", 1.0, model
@@ -72,6 +93,7 @@ class RunnerState:
                 pid=os.getpid(),
                 shard=self.shard,
                 generations=snap["generations"],
+                ring_port=self.ring_port,
             )
 
 
@@ -83,6 +105,13 @@ class RunnerServicer(pb_grpc.RunnerServicer):
     def Status(self, request: pb.RunnerStatusRequest, context: grpc.ServicerContext) -> pb.RunnerStatus:
         return self.state.status(self.device)
 
+    def JoinGroup(self, request: pb.JoinGroupRequest, context: grpc.ServicerContext) -> pb.JoinGroupReply:
+        shard = self.state.shard
+        if not self.state.pipelined or len(request.hosts) != shard.world_size:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"this runner is rank {shard.rank} of {shard.world_size}; got {len(request.hosts)} hosts")
+        return pb.JoinGroupReply(accepted=self.state.join(list(request.hosts)))
+
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateChunk]:
         # Imported here: the engine takes seconds to import, which Status must not wait for.
         from exo.wire.convert import chunk_to_pb, error_chunk, error_to_pb, request_from_pb
@@ -93,14 +122,32 @@ class RunnerServicer(pb_grpc.RunnerServicer):
             return
         out: queue.SimpleQueue[pb.GenerateChunk | None] = queue.SimpleQueue()
 
+        started = False
+
         def emit(item: object) -> None:
+            nonlocal started
             if isinstance(item, Started):
+                started = True
                 out.put(pb.GenerateChunk(started=pb.Started(
                     prompt_tokens=item.prompt_tokens, max_tokens=item.max_tokens, queue_s=item.queue_s)))
             elif isinstance(item, Failed):
-                out.put(error_to_pb(item.error))
+                error = item.error
+                if self.state.pipelined and started:
+                    # Once a pipelined generation runs, a failure is a stage (or the link to it) going away.
+                    error = NodeUnavailableError(
+                        f"a pipeline stage of {request.model} was lost mid-generation ({type(error).__name__}: "
+                        f"{error}); the instance is placed anew: retry shortly"
+                    )
+                out.put(error_to_pb(error))
             else:
                 out.put(chunk_to_pb(item))  # type: ignore[arg-type]
+
+        def on_done(finish: str, *_: object) -> None:
+            if self.state.pipelined and finish == "error":
+                # The other stages are mid-step or gone: this group is over; the daemon forms a new one.
+                self.state.group_broken = True
+                self.device.close()
+            out.put(DONE)
 
         def on_device() -> Engine:
             if request.HasField("node_mtp"):  # the owning node's switch decides (we are between requests)
@@ -109,8 +156,7 @@ class RunnerServicer(pb_grpc.RunnerServicer):
 
         prompt, params = request_from_pb(request)
         timeout = request.timeout_s if request.timeout_s > 0 else DEFAULT_TIMEOUT_S
-        job = GenerationJob(self.device, on_device, prompt, params, emit, timeout_s=timeout,
-                            on_done=lambda *_: out.put(DONE))
+        job = GenerationJob(self.device, on_device, prompt, params, emit, timeout_s=timeout, on_done=on_done)
         try:
             self.device.submit(job)
         except QueueFullError as e:
