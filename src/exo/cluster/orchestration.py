@@ -260,26 +260,9 @@ class ClusterModelService:
         sizes = [m for info in [self.node.info()] + [p.info for p in self.peers()] for m in info.models
                  if m.model_id == model_id]
         card = self._card(model_id)
-        detailed = max(sizes, key=lambda m: len(m.layer_bytes), default=None)
-        parts: dict[str, Any] = {}
-        if detailed is not None and detailed.layer_bytes:
-            parts = dict(layer_bytes=tuple(detailed.layer_bytes), embed_bytes=detailed.embed_bytes,
-                         output_bytes=detailed.output_bytes, mtp_bytes=detailed.mtp_bytes)
-        if card is not None:
-            disk = max((m.weights_bytes for m in sizes), default=0)
-            return dataclasses.replace(pl.ModelRequirement.from_card(card, weights_bytes=disk or None), **parts)
-        if not sizes:
+        if card is None and not sizes:
             raise UnknownModelError(model_id, self.catalog.suggest(model_id))
-        m = detailed or sizes[0]
-        return pl.ModelRequirement(
-            model_id=model_id,
-            weights_bytes=m.weights_bytes,
-            kv_bytes_per_token=m.kv_bytes_per_token,
-            context_tokens=min(m.context_length or pl.CONTEXT_BUDGET_TOKENS, pl.CONTEXT_BUDGET_TOKENS),
-            n_layers=m.n_layers,
-            full_attention_interval=m.full_attention_interval or 4,
-            **parts,
-        )
+        return model_requirement(model_id, card, sizes)
 
     def _card(self, model_id: str) -> ModelCard | None:
         try:
@@ -569,8 +552,8 @@ class ClusterModelService:
             self._broken[p.instance_id] = now
             log.warning("pipeline %s of %s is broken: %s", p.instance_id, p.model_id, why)
             self._remember_gone(p, why)
-            if any(s.node_id == self.node_id for s in p.planned):
-                await self.node.supervisor.stop(p.instance_id, grace=0.0)
+            # Ours stays listed (failed) until the responsible node removes it: everyone sees the break.
+            self.node.supervisor.kill(p.instance_id, f"its pipeline broke: {why}")
             if pipes.responsible_node(p, alive) == self.node_id:
                 self._spawn(self._replace(p, now), f"exo-replace-{p.instance_id[:10]}")
         self._broken = {k: v for k, v in self._broken.items() if now - v < GONE_KEPT_S}
@@ -775,6 +758,28 @@ class ClusterModelService:
         self._routes = {m: r for m, r in self._routes.items() if r.node_id != peer.node_id}
         # Stages of ours whose pipeline had a stage there wait in a receive that will never end: check now.
         self._spawn(self._check_pipelines(), "exo-pipeline-check")
+
+
+def model_requirement(model_id: str, card: ModelCard | None, sizes: Sequence[pb.ModelAvailability]) -> pl.ModelRequirement:
+    """A model's requirement from its card (if any) and what nodes report of its checkpoint on their disk."""
+    detailed = max(sizes, key=lambda m: len(m.layer_bytes), default=None)
+    parts: dict[str, Any] = {}
+    if detailed is not None and detailed.layer_bytes:
+        parts = dict(layer_bytes=tuple(detailed.layer_bytes), embed_bytes=detailed.embed_bytes,
+                     output_bytes=detailed.output_bytes, mtp_bytes=detailed.mtp_bytes)
+    if card is not None:
+        disk = max((m.weights_bytes for m in sizes), default=0)
+        return dataclasses.replace(pl.ModelRequirement.from_card(card, weights_bytes=disk or None), **parts)
+    m = detailed or sizes[0]
+    return pl.ModelRequirement(
+        model_id=model_id,
+        weights_bytes=m.weights_bytes,
+        kv_bytes_per_token=m.kv_bytes_per_token,
+        context_tokens=min(m.context_length or pl.CONTEXT_BUDGET_TOKENS, pl.CONTEXT_BUDGET_TOKENS),
+        n_layers=m.n_layers,
+        full_attention_interval=m.full_attention_interval or 4,
+        **parts,
+    )
 
 
 def _forget(peer: Peer, instance_id: str) -> None:

@@ -232,6 +232,18 @@ class InstanceSupervisor:
         entry.notify()
         return True
 
+    def kill(self, instance_id: str, reason: str) -> bool:
+        """Kill a runner now (SIGKILL: a pipeline stage blocked in a receive never runs a signal handler);
+        the instance stays listed, FAILED with ``reason`` (a pipeline stage is not restarted). False if
+        unknown or not running."""
+        entry = self._entries.get(instance_id)
+        if entry is None or entry.process is None or entry.process.returncode is not None:
+            return False
+        entry.kill_reason = reason
+        with contextlib.suppress(ProcessLookupError):
+            entry.process.kill()
+        return True
+
     async def close(self) -> None:
         """Stop every runner and wait for them."""
         await asyncio.gather(*(self.stop(iid) for iid in list(self._entries)), return_exceptions=True)
