@@ -1,6 +1,6 @@
 """One model across several processes: pipeline stages over mx.distributed (ring, 127.0.0.1), native MTP on.
 
-Each test starts one process per stage (tests/engine/pipeline_worker.py): real stages, real ring. At
+Each test starts one process per stage (exo.runner.local_pipeline): real stages, real ring. At
 temperature 0 a pipeline's output is token for token single-node plain decoding's (this CPU rounds a
 layer the same whoever runs it), at every depth and adaptive, across the prefill chunk edge.
 """
@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +16,8 @@ import pytest
 from scipy.stats import chi2_contingency
 
 from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, load_checkpoint
-from exo.runner.group import free_port
+from exo.runner.local_pipeline import run_local_pipeline
 
-WORKER = Path(__file__).with_name("pipeline_worker.py")
 CHUNK = 8
 PROMPT_LENGTHS = (1, CHUNK - 1, CHUNK, 2 * CHUNK + 3)
 DEPTHS = (1, 2, 3, None)
@@ -31,27 +27,7 @@ SPLITS = {2: [[0, 2], [2, 4]], 3: [[0, 1], [1, 3], [3, 4]]}  # the fixtures have
 
 def run_pipeline(tmp_path: Path, model: Path, stages: list[list[int]], requests: list[dict]) -> dict:
     """Run ``requests`` on a pipeline of ``stages`` (one process each); the leader's results."""
-    spec = {
-        "model": str(model),
-        "stages": stages,
-        "hosts": [f"127.0.0.1:{free_port()}" for _ in stages],
-        "prefill_chunk": CHUNK,
-        "requests": requests,
-        "out": str(tmp_path / "out.json"),
-    }
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    procs = [
-        subprocess.Popen([sys.executable, str(WORKER), str(tmp_path / "spec.json"), str(rank)],
-                         stderr=subprocess.PIPE, text=True)
-        for rank in range(len(stages))
-    ]
-    try:
-        errors = [p.communicate(timeout=240)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(e[-3000:] for e in errors)
-    return json.loads((tmp_path / "out.json").read_text())
+    return run_local_pipeline(model, [tuple(s) for s in stages], requests, prefill_chunk=CHUNK, timeout_s=240)
 
 
 @functools.cache
