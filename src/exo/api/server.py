@@ -16,20 +16,20 @@ from typing import Any
 
 from aiohttp import web
 
+from exo.cluster.orchestration import ClusterModelService
+from exo.cluster.service import ModelService
+from exo.metrics import Metrics
 from exo.settings import Settings
 
-from .cluster import ClusterModelService
 from .completions import chat_completions, completions
 from .config import CONFIG, METRICS, NODE, OPENAPI, SERVICE, ServerConfig
 from .errors import APIError, api_error_from
 from .instances import add_cluster_routes
 from .local import LocalModelService
-from .metrics import Metrics
 from .node_settings import NodeSettings
 from .openapi import build_openapi
 from .parsing import read_json, validate
 from .schemas import SettingsUpdate
-from .service import ModelService
 
 log = logging.getLogger(__name__)
 

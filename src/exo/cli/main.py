@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Sequence
 
@@ -15,6 +16,22 @@ EXIT_USAGE = 2
 
 class CommandError(Exception):
     """An error for the user: printed without a traceback, exit status 1."""
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+          "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'24GiB', '512 MiB', '16GB', '1000000' -> bytes (argparse type)."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use bytes, or a number with KiB, MiB, GiB, GB ...")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size")
+    return value
 
 
 def _add_model_argument(parser: argparse.ArgumentParser) -> None:
@@ -109,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--no-discovery", action="store_true", help="turn zeroconf discovery off (static peers only)")
     serve.add_argument("--name", default=None, help="this node's display name (default: the host name)")
+    serve.add_argument(
+        "--memory-budget", type=parse_bytes, default=None, metavar="SIZE",
+        help="the most memory this node offers to models, e.g. 24GiB (default: EXO_MEMORY_BUDGET_BYTES, "
+        "else what the OS has available)",
+    )
 
     cluster = sub.add_parser("cluster", help="the nodes of the cluster as seen from this node's running daemon")
     cluster.add_argument("--url", default=None, help="the daemon's API (default http://127.0.0.1:<settings api_port>)")

@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from exo.wire.proto_gen import node_pb2 as pb
+from exo.wire.proto_gen import node_pb2_grpc as pb_grpc
+
 from .auth import ClusterAuth
 from .identity import NodeIdentity
-from .proto_gen import node_pb2 as pb
-from .proto_gen import node_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from exo.cluster.proto_gen import node_pb2 as exo_dot_v1_dot_node__pb2
+from exo.wire.proto_gen import node_pb2 as exo_dot_v1_dot_node__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -69,6 +69,11 @@ class NodeStub:
                 request_serializer=exo_dot_v1_dot_node__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=exo_dot_v1_dot_node__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.JoinGroup = channel.unary_unary(
+                '/exo.v1.Node/JoinGroup',
+                request_serializer=exo_dot_v1_dot_node__pb2.JoinGroupRequest.SerializeToString,
+                response_deserializer=exo_dot_v1_dot_node__pb2.JoinGroupReply.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -121,6 +126,14 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JoinGroup(self, request, context):
+        """A pipelined instance: the hosts (one "ip:port" per rank) of its group, once every stage's runner has
+        chosen its ring port; the node hands them to its stage's runner, which joins the group.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +171,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=exo_dot_v1_dot_node__pb2.GenerateRequest.FromString,
                     response_serializer=exo_dot_v1_dot_node__pb2.GenerateChunk.SerializeToString,
+            ),
+            'JoinGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinGroup,
+                    request_deserializer=exo_dot_v1_dot_node__pb2.JoinGroupRequest.FromString,
+                    response_serializer=exo_dot_v1_dot_node__pb2.JoinGroupReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -359,9 +377,37 @@ class Node:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def JoinGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/exo.v1.Node/JoinGroup',
+            exo_dot_v1_dot_node__pb2.JoinGroupRequest.SerializeToString,
+            exo_dot_v1_dot_node__pb2.JoinGroupReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class RunnerStub:
-    """One member of an instance's group of runners (world_size 1 today; a pipeline runs several).
+    """One member of an instance's group of runners (one for a single-node instance, one per stage of a
+    pipeline: the last stage serves Generate).
     """
 
     def __init__(self, channel):
@@ -380,10 +426,16 @@ class RunnerStub:
                 request_serializer=exo_dot_v1_dot_node__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=exo_dot_v1_dot_node__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.JoinGroup = channel.unary_unary(
+                '/exo.v1.Runner/JoinGroup',
+                request_serializer=exo_dot_v1_dot_node__pb2.JoinGroupRequest.SerializeToString,
+                response_deserializer=exo_dot_v1_dot_node__pb2.JoinGroupReply.FromString,
+                _registered_method=True)
 
 
 class RunnerServicer:
-    """One member of an instance's group of runners (world_size 1 today; a pipeline runs several).
+    """One member of an instance's group of runners (one for a single-node instance, one per stage of a
+    pipeline: the last stage serves Generate).
     """
 
     def Status(self, request, context):
@@ -393,6 +445,12 @@ class RunnerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Generate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def JoinGroup(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -411,6 +469,11 @@ def add_RunnerServicer_to_server(servicer, server):
                     request_deserializer=exo_dot_v1_dot_node__pb2.GenerateRequest.FromString,
                     response_serializer=exo_dot_v1_dot_node__pb2.GenerateChunk.SerializeToString,
             ),
+            'JoinGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinGroup,
+                    request_deserializer=exo_dot_v1_dot_node__pb2.JoinGroupRequest.FromString,
+                    response_serializer=exo_dot_v1_dot_node__pb2.JoinGroupReply.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'exo.v1.Runner', rpc_method_handlers)
@@ -420,7 +483,8 @@ def add_RunnerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Runner:
-    """One member of an instance's group of runners (world_size 1 today; a pipeline runs several).
+    """One member of an instance's group of runners (one for a single-node instance, one per stage of a
+    pipeline: the last stage serves Generate).
     """
 
     @staticmethod
@@ -467,6 +531,33 @@ class Runner:
             '/exo.v1.Runner/Generate',
             exo_dot_v1_dot_node__pb2.GenerateRequest.SerializeToString,
             exo_dot_v1_dot_node__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/exo.v1.Runner/JoinGroup',
+            exo_dot_v1_dot_node__pb2.JoinGroupRequest.SerializeToString,
+            exo_dot_v1_dot_node__pb2.JoinGroupReply.FromString,
             options,
             channel_credentials,
             insecure,

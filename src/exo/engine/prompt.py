@@ -1,15 +1,16 @@
-"""Prompt -> token ids and the completion budget, checked where the model lives.
+"""A request before tokenization (``Prompt``, ``GenerateParams``) -> token ids and the completion budget.
 
-One definition for both paths: the API's in-process generations (``exo.api.jobs``) and a runner's
-(``exo.runner.device``), so a request answered through a runner fails or succeeds exactly as it would
-on a node serving the model itself.
+Checked where the model lives, with one definition for every path (in-process, a node's runner, a
+pipeline's leader), so a request fails or succeeds the same way wherever it is served.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
-from exo.engine import ContextLengthError, Engine
+from .generate import ContextLengthError, Engine, GenerationRequest, NativeMTPMode
+from .sampling import SamplingParams
 
 # apply_chat_template arguments a request must not override through chat_template_kwargs.
 RESERVED_TEMPLATE_ARGS = frozenset(
@@ -23,6 +24,26 @@ RESERVED_TEMPLATE_ARGS = frozenset(
 
 class PromptError(ValueError):
     """The prompt cannot be turned into tokens (chat template or tokenizer failure)."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Exactly one of: chat messages (through the chat template), text, or token ids."""
+
+    messages: list[dict[str, str]] | None = None
+    text: str | None = None
+    token_ids: list[int] | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GenerateParams:
+    max_tokens: int | None  # None: default_max_tokens, bounded by what is left of the context
+    default_max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    native_mtp: NativeMTPMode = "auto"
+    mtp_k: int | None = None
 
 
 def tokenize(
@@ -74,3 +95,27 @@ def completion_budget(
             param,
         )
     return budget
+
+
+def generation_request(
+    engine: Engine, prompt: Prompt, params: GenerateParams, should_stop: Any = None
+) -> GenerationRequest:
+    """The engine's request for a prompt and its parameters: tokenized, its budget checked."""
+    tokens = tokenize(
+        engine.loaded.tokenizer,
+        messages=prompt.messages,
+        text=prompt.text,
+        token_ids=prompt.token_ids,
+        template_kwargs=prompt.template_kwargs,
+    )
+    param = "messages" if prompt.messages is not None else "prompt"
+    max_tokens = completion_budget(engine, len(tokens), params.max_tokens, params.default_max_tokens, param)
+    return GenerationRequest(
+        prompt_tokens=tokens,
+        max_tokens=max_tokens,
+        sampling=params.sampling,
+        stop=params.stop,
+        native_mtp=params.native_mtp,
+        mtp_k=params.mtp_k,
+        should_stop=should_stop,
+    )

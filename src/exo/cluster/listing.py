@@ -12,11 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from exo.cards import Catalog, ModelCard
+from exo.cluster.service import ModelInfo, ModelStatus, NativeMTPInfo
 from exo.engine import ResolvedModel
 from exo.engine.loader import inspect_head, missing_head_reason, read_config
 from exo.engine.resolve import local_path
-
-from .service import ModelInfo, ModelStatus, NativeMTPInfo
 
 
 @dataclass(frozen=True)

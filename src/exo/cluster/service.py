@@ -1,32 +1,45 @@
-"""Model access behind a small interface, so the HTTP handlers do not care where a model runs.
+"""What the HTTP layer needs from "the models", behind a small interface, wherever the models run.
 
 ``ModelService`` is what the handlers use: ``list_models()``, ``acquire(model)`` (resolve it and make
-sure it is loaded, waiting at most a timeout) and ``generate(...)`` (a ``GenerationStream``: an async
-sequence of engine chunks with ``cancel()``). Prompts travel as messages or text, not token ids: the
-chat template and the context check run where the model lives (``local.LocalModelService`` on this
-machine; the cluster's implementation on another node).
+sure it can generate, waiting at most a timeout) and ``generate(...)`` (a ``BatchedStream``: batches of
+engine chunks with ``cancel()``). Prompts travel as messages or text, not token ids: the chat template
+and the context check run where the model lives. ``exo serve`` runs the cluster's implementation
+(``exo.cluster.orchestration.ClusterModelService``); ``exo.api.local.LocalModelService`` serves models
+in-process (notebooks, benchmarks, tests).
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import dataclasses
-import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
-from exo.engine import GenerationChunk, SamplingParams
-from exo.engine.generate import NativeMTPMode
+from exo.engine import GenerationChunk
+from exo.engine.prompt import GenerateParams, Prompt
+from exo.runner.device import Failed, Started
+from exo.wire.errors import NodeUnavailableError, QueueFullError, RequestTimeoutError
 
-from .errors import RequestTimeoutError
-
-if TYPE_CHECKING:
-    from .jobs import GenerationJob
+__all__ = [
+    "DEADLINE_GRACE_S", "BatchedStream", "ClusterAuthError", "Failed", "GenerateParams", "InstanceNotFoundError", "ModelInfo",
+    "ModelLoadTimeoutError", "ModelService", "ModelStatus", "NativeMTPInfo", "NodeUnavailableError", "Prompt",
+    "QueueFullError", "RequestTimeoutError", "Started",
+]
 
 ModelStatus = Literal["loaded", "local", "remote"]
 # A running generation notices its deadline by itself (should_stop); the handler waits this much longer.
 DEADLINE_GRACE_S = 5.0
+
+
+class ModelLoadTimeoutError(TimeoutError):
+    """A model is still loading after the load timeout; the load goes on in the background."""
+
+
+class InstanceNotFoundError(LookupError):
+    """No instance with that id in the cluster."""
+
+
+class ClusterAuthError(RuntimeError):
+    """Another node refused this node's calls (the cluster secrets differ)."""
 
 
 # -- what the handlers see -----------------------------------------------------------------------------
@@ -50,55 +63,6 @@ class ModelInfo:
     name: str | None = None
     arch: str | None = None
     context_length: int | None = None
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """Exactly one of: chat messages (through the chat template), text, or token ids."""
-
-    messages: list[dict[str, str]] | None = None
-    text: str | None = None
-    token_ids: list[int] | None = None
-    template_kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class GenerateParams:
-    max_tokens: int | None  # None: default_max_tokens, bounded by what is left of the context
-    default_max_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop: tuple[str, ...] = ()
-    native_mtp: NativeMTPMode = "auto"
-    mtp_k: int | None = None
-
-
-@dataclass(frozen=True)
-class Started:
-    """The first item of a generation: it passed validation and the device is on it."""
-
-    prompt_tokens: int
-    max_tokens: int
-    queue_s: float
-
-
-@dataclass(frozen=True)
-class Failed:
-    error: BaseException
-
-
-@dataclass(frozen=True)
-class JobRecord:
-    """A finished generation, as the service remembers it (``LocalModelService.history``)."""
-
-    id: str
-    model: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    queue_s: float
-    device_s: float
-    tokens_at_cancel: int | None  # tokens generated when cancel() was called (None: not cancelled)
-    cancel_latency_s: float | None  # from cancel() to the device being free
 
 
 class BatchedStream:
@@ -156,49 +120,6 @@ class BatchedStream:
             self.finished = True
             raise self._error
         return chunks
-
-
-class GenerationStream(BatchedStream):
-    """A generation on this process's device worker."""
-
-    def __init__(self, job: GenerationJob) -> None:
-        self._job = job
-        self._buffer: collections.deque[Any] = collections.deque()
-        self._error = None
-        self.finished = False
-
-    @property
-    def id(self) -> str:
-        return self._job.id
-
-    @property
-    def timeout_s(self) -> float:  # type: ignore[override]
-        return self._job.timeout_s
-
-    @property
-    def tokens(self) -> int:  # type: ignore[override]
-        return self._job.tokens
-
-    def cancel(self) -> None:
-        self._job.cancel()
-
-    def _put_back(self, items: list[Any]) -> None:
-        self._buffer.extendleft(reversed(items))
-
-    async def _take(self) -> list[Any]:
-        if not self._buffer:
-            try:
-                remaining = self._job.deadline + DEADLINE_GRACE_S - time.monotonic()
-                loop_deadline = asyncio.get_running_loop().time() + remaining  # the loop's own clock
-                self._buffer.extend(await self._job.channel.get_batch(loop_deadline))
-            except TimeoutError:
-                self._job.cancel()
-                raise RequestTimeoutError(
-                    f"the request exceeded the server's request timeout of {self._job.timeout_s:g} s"
-                ) from None
-        items = list(self._buffer)
-        self._buffer.clear()
-        return items
 
 
 class ModelService(Protocol):

@@ -57,18 +57,28 @@ class Link(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., host: _Optional[str] = ..., grpc_port: _Optional[int] = ..., rtt_ms: _Optional[float] = ..., source: _Optional[str] = ...) -> None: ...
 
 class ModelAvailability(_message.Message):
-    __slots__ = ("model_id", "weights_bytes", "kv_bytes_per_token", "context_length", "n_layers")
+    __slots__ = ("model_id", "weights_bytes", "kv_bytes_per_token", "context_length", "n_layers", "layer_bytes", "embed_bytes", "output_bytes", "mtp_bytes", "full_attention_interval")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     N_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EMBED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MTP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FULL_ATTENTION_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     weights_bytes: int
     kv_bytes_per_token: int
     context_length: int
     n_layers: int
-    def __init__(self, model_id: _Optional[str] = ..., weights_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., context_length: _Optional[int] = ..., n_layers: _Optional[int] = ...) -> None: ...
+    layer_bytes: _containers.RepeatedScalarFieldContainer[int]
+    embed_bytes: int
+    output_bytes: int
+    mtp_bytes: int
+    full_attention_interval: int
+    def __init__(self, model_id: _Optional[str] = ..., weights_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., context_length: _Optional[int] = ..., n_layers: _Optional[int] = ..., layer_bytes: _Optional[_Iterable[int]] = ..., embed_bytes: _Optional[int] = ..., output_bytes: _Optional[int] = ..., mtp_bytes: _Optional[int] = ..., full_attention_interval: _Optional[int] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
     __slots__ = ("node_id", "name", "version", "namespace", "api_port", "grpc_port", "boot_nonce", "memory_total_bytes", "memory_available_bytes", "chip", "backend", "disk_free_bytes", "instances", "links", "models", "proof", "secured", "uptime_s", "platform", "cpu_count")
@@ -142,19 +152,49 @@ class Shard(_message.Message):
     world_size: int
     def __init__(self, start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
+class StagePlacement(_message.Message):
+    __slots__ = ("node_id", "start_layer", "end_layer", "rank")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    START_LAYER_FIELD_NUMBER: _ClassVar[int]
+    END_LAYER_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    start_layer: int
+    end_layer: int
+    rank: int
+    def __init__(self, node_id: _Optional[str] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+
 class LoadInstanceRequest(_message.Message):
-    __slots__ = ("instance_id", "model", "shard", "on_demand", "group_id")
+    __slots__ = ("instance_id", "model", "shard", "on_demand", "group_id", "stages", "owner_node")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     ON_DEMAND_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    OWNER_NODE_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     model: str
     shard: Shard
     on_demand: bool
     group_id: str
-    def __init__(self, instance_id: _Optional[str] = ..., model: _Optional[str] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., on_demand: _Optional[bool] = ..., group_id: _Optional[str] = ...) -> None: ...
+    stages: _containers.RepeatedCompositeFieldContainer[StagePlacement]
+    owner_node: str
+    def __init__(self, instance_id: _Optional[str] = ..., model: _Optional[str] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., on_demand: _Optional[bool] = ..., group_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StagePlacement, _Mapping]]] = ..., owner_node: _Optional[str] = ...) -> None: ...
+
+class JoinGroupRequest(_message.Message):
+    __slots__ = ("instance_id", "hosts")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    hosts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, instance_id: _Optional[str] = ..., hosts: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class JoinGroupReply(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
 
 class Failure(_message.Message):
     __slots__ = ("exit_code", "message", "stderr_tail", "at_unix")
@@ -191,7 +231,7 @@ class ModelSummary(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., name: _Optional[str] = ..., arch: _Optional[str] = ..., context_length: _Optional[int] = ..., mtp_available: _Optional[bool] = ..., mtp_reason: _Optional[str] = ..., default_k: _Optional[int] = ..., max_k: _Optional[int] = ..., owned_by: _Optional[str] = ...) -> None: ...
 
 class Instance(_message.Message):
-    __slots__ = ("instance_id", "model_id", "model_ref", "node_id", "state", "progress", "stage", "shard", "failure", "restarts", "pid", "created_unix", "updated_unix", "model", "on_demand", "queue_depth", "running", "group_id")
+    __slots__ = ("instance_id", "model_id", "model_ref", "node_id", "state", "progress", "stage", "shard", "failure", "restarts", "pid", "created_unix", "updated_unix", "model", "on_demand", "queue_depth", "running", "group_id", "stages", "ring_port", "owner_node")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_REF_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +250,9 @@ class Instance(_message.Message):
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    RING_PORT_FIELD_NUMBER: _ClassVar[int]
+    OWNER_NODE_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     model_id: str
     model_ref: str
@@ -228,7 +271,10 @@ class Instance(_message.Message):
     queue_depth: int
     running: int
     group_id: str
-    def __init__(self, instance_id: _Optional[str] = ..., model_id: _Optional[str] = ..., model_ref: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., progress: _Optional[float] = ..., stage: _Optional[str] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., restarts: _Optional[int] = ..., pid: _Optional[int] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ..., model: _Optional[_Union[ModelSummary, _Mapping]] = ..., on_demand: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., group_id: _Optional[str] = ...) -> None: ...
+    stages: _containers.RepeatedCompositeFieldContainer[StagePlacement]
+    ring_port: int
+    owner_node: str
+    def __init__(self, instance_id: _Optional[str] = ..., model_id: _Optional[str] = ..., model_ref: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., progress: _Optional[float] = ..., stage: _Optional[str] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., restarts: _Optional[int] = ..., pid: _Optional[int] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ..., model: _Optional[_Union[ModelSummary, _Mapping]] = ..., on_demand: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., group_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StagePlacement, _Mapping]]] = ..., ring_port: _Optional[int] = ..., owner_node: _Optional[str] = ...) -> None: ...
 
 class UnloadInstanceRequest(_message.Message):
     __slots__ = ("instance_id",)
@@ -385,7 +431,7 @@ class RunnerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RunnerStatus(_message.Message):
-    __slots__ = ("instance_id", "state", "progress", "stage", "error", "model", "queue_depth", "running", "pid", "shard", "generations")
+    __slots__ = ("instance_id", "state", "progress", "stage", "error", "model", "queue_depth", "running", "pid", "shard", "generations", "ring_port")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
@@ -397,6 +443,7 @@ class RunnerStatus(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    RING_PORT_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     state: InstanceState
     progress: float
@@ -408,4 +455,5 @@ class RunnerStatus(_message.Message):
     pid: int
     shard: Shard
     generations: int
-    def __init__(self, instance_id: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., progress: _Optional[float] = ..., stage: _Optional[str] = ..., error: _Optional[str] = ..., model: _Optional[_Union[ModelSummary, _Mapping]] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., pid: _Optional[int] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., generations: _Optional[int] = ...) -> None: ...
+    ring_port: int
+    def __init__(self, instance_id: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., progress: _Optional[float] = ..., stage: _Optional[str] = ..., error: _Optional[str] = ..., model: _Optional[_Union[ModelSummary, _Mapping]] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., pid: _Optional[int] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., generations: _Optional[int] = ..., ring_port: _Optional[int] = ...) -> None: ...
