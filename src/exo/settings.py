@@ -50,6 +50,8 @@ class Settings(BaseModel):
     cluster_secret: SecretStr | None = None
     request_timeout_s: float = Field(default=600.0, gt=0)
     max_queue: int = Field(default=64, ge=1)
+    # EXO_OFFLINE=1: downloads use only the Hugging Face cache, never the network (as HF_HUB_OFFLINE=1).
+    offline: bool = Field(default=False, strict=True)
 
     _sources: dict[str, Source] = PrivateAttr(default_factory=dict)
 
