@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -15,13 +16,15 @@ from exo.api import BackgroundServer, LocalModelService, build_app
 from exo.downloads import HubConfig
 from exo.settings import load_settings
 
+from .conftest import write_card
+
 REPO = "org/tiny"
 SHARD1, SHARD2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 
 
 @pytest.fixture
-def api(hub, tmp_path) -> Iterator[httpx.Client]:
-    settings = load_settings(env={"EXO_HOME": str(tmp_path / "exo-home")})
+def api(hub) -> Iterator[httpx.Client]:
+    settings = load_settings(env={"EXO_HOME": os.environ["EXO_HOME"]})  # where write_card puts cards
     server = BackgroundServer(build_app(settings, service=LocalModelService(settings))).start()
     try:
         with httpx.Client(base_url=server.url, timeout=60) as client:
@@ -37,30 +40,39 @@ def events(client: httpx.Client, download_id: str) -> list:
                 for line in response.iter_lines() if line.startswith("data: ")]
 
 
-def test_a_download_and_its_progress_events(api, hub, checkpoint):
-    source = checkpoint("qwen3_5")
-    hub.add_repo(REPO, source)
-    for shard in (SHARD1, SHARD2):
-        hub.slow[(REPO, shard)] = 0.05  # a few tenths of a second each, so progress shows part-way
-    created = api.post("/v1/downloads", json={"model": REPO})
+def test_a_download_its_progress_events_and_its_recovered_head(api, hub, checkpoint):
+    # A stock MLX conversion whose card names the raw repo: the daemon fetches it, then the source's head
+    # shard, and recovers the head in a child process (a daemon never runs MLX in its own threads).
+    stripped = checkpoint("qwen3_5", layout="mlx")
+    hub.add_repo("mlx-community/tiny-4bit", stripped)
+    hub.add_repo("Qwen/Tiny", checkpoint("qwen3_5", "hf", "trained"))
+    write_card("tiny-4bit", "mlx-community/tiny-4bit", stripped, source_repo="Qwen/Tiny")
+    hub.slow[("mlx-community/tiny-4bit", "model.safetensors")] = 0.05  # progress shows part-way
+    hub.slow[("Qwen/Tiny", SHARD2)] = 0.1  # and so does the head's phase
+    created = api.post("/v1/downloads", json={"model": "tiny-4bit"})
     assert created.status_code == 201, created.text
     download = created.json()
-    assert download["object"] == "download" and download["model"] == REPO
-    assert download["progress"]["bytes_total"] == sum(p.stat().st_size for p in source.iterdir())
-    again = api.post("/v1/downloads", json={"model": REPO})  # the same model while it runs: the same download
+    assert download["object"] == "download" and download["model"] == "tiny-4bit"
+    weights = sum(p.stat().st_size for p in stripped.iterdir())
+    assert download["progress"]["bytes_total"] == weights
+    again = api.post("/v1/downloads", json={"model": "tiny-4bit"})  # while it runs: the same download
     assert again.status_code == 200 and again.json()["id"] == download["id"]
 
     seen = events(api, download["id"])
     assert seen[-1] == "[DONE]"
     updates = seen[:-1]
-    total = download["progress"]["bytes_total"]
     done = [u["progress"]["bytes_done"] for u in updates]
-    assert done == sorted(done) and any(0 < d < total for d in done)
-    assert [s for s in dict.fromkeys(u["status"] for u in updates)][-2:] == ["validating", "complete"]
+    assert done == sorted(done) and any(0 < d < weights for d in done)
+    statuses = list(dict.fromkeys(u["status"] for u in updates))
+    assert statuses[-3:] == ["recovering_head", "validating", "complete"], statuses
     final = updates[-1]
-    assert final["progress"]["bytes_done"] == total and final["progress"]["eta_s"] == 0
-    assert final["result"]["files_fetched"] == 8 and final["result"]["head"]["status"] == "present"
-    assert final["error"] is None
+    head_shard = (checkpoint("qwen3_5", "hf", "trained") / SHARD2).stat().st_size
+    assert final["progress"]["bytes_total"] > weights + head_shard  # the head's shard (and index) joined
+    assert final["progress"]["bytes_done"] == final["progress"]["bytes_total"] and final["progress"]["eta_s"] == 0
+    head = final["result"]["head"]
+    assert head["status"] == "recovered" and head["source_repo"] == "Qwen/Tiny" and head["agreement"] >= 0.3
+    assert final["result"]["files_fetched"] == len(list(stripped.iterdir())) and final["error"] is None
+    assert (Path(final["result"]["path"]) / "mtp.safetensors").is_file()
 
     assert api.get(f"/v1/downloads/{download['id']}").json() == final
     listed = api.get("/v1/downloads").json()
