@@ -26,7 +26,7 @@ from exo.engine.hf_cache import INDEX_FILE, UNUSED_WEIGHT_PATTERNS
 from exo.engine.loader import MTPHeadError, declared_head_layers, inspect_head, read_config
 
 from .checks import check_index_consistency, read_index
-from .errors import DownloadCancelledError, DownloadError, HubUnavailableError, RepoNotFoundError
+from .errors import DownloadCancelledError, DownloadError
 from .fetch import (
     DEFAULT_RESERVE_BYTES,
     DEFAULT_WORKERS,
@@ -259,7 +259,7 @@ def _head_plan(
         source_path = fetch(plan, hub, tracker, max_workers=options.max_workers)
     except DownloadCancelledError:
         raise
-    except (DownloadError, MTPHeadError, RepoNotFoundError, HubUnavailableError) as e:
+    except (DownloadError, MTPHeadError) as e:  # the hub's errors, offline and missing, no head in the source
         message = str(e.args[0]) if isinstance(e, LookupError) and e.args else str(e)
         return HeadReport("unavailable", source_repo=source, reason=f"the head could not be fetched: {message}"), None
     report = HeadReport("unavailable", source_repo=source, files_fetched=len(plan.to_fetch),
