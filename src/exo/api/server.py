@@ -18,11 +18,13 @@ from aiohttp import web
 
 from exo.cluster.orchestration import ClusterModelService
 from exo.cluster.service import ModelService
+from exo.downloads import DownloadManager
 from exo.metrics import Metrics
 from exo.settings import Settings
 
 from .completions import chat_completions, completions
 from .config import CONFIG, METRICS, NODE, OPENAPI, SERVICE, ServerConfig
+from .downloads import add_download_routes
 from .errors import APIError, api_error_from
 from .instances import add_cluster_routes
 from .local import LocalModelService
@@ -69,6 +71,7 @@ def build_cluster_app(
     app = create_app(service, config, NodeSettings(settings, service), service.metrics)
     app[OPENAPI] = build_openapi(cluster=True)
     add_cluster_routes(app)
+    add_download_routes(app, DownloadManager.from_settings(settings))
 
     async def start_node(app: web.Application) -> None:
         await service.start()
@@ -92,7 +95,9 @@ def build_app(
     metrics = metrics or (service.metrics if service is not None else Metrics())
     service = service or LocalModelService(settings, metrics=metrics)
     config = ServerConfig.from_settings(settings, **config_overrides)
-    return create_app(service, config, NodeSettings(settings, service), metrics)
+    app = create_app(service, config, NodeSettings(settings, service), metrics)
+    add_download_routes(app, DownloadManager.from_settings(settings))
+    return app
 
 
 # -- middlewares ----------------------------------------------------------------------------------------

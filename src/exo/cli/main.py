@@ -94,6 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert.add_argument("--quantize-head", action="store_true", help="quantize the head too (default: keep it)")
 
+    pull = sub.add_parser(
+        "pull", help="download a model into the Hugging Face cache and recover its stripped MTP head"
+    )
+    pull.add_argument("model", help="card id (see `exo models`) or Hugging Face repo id")
+    pull.add_argument("--revision", default="main", help="branch, tag or commit (default main)")
+    pull.add_argument(
+        "--quantize-head", action="store_true", help="quantize a recovered head like the backbone (default: bf16)"
+    )
+    pull.add_argument("--no-head", action="store_true", help="do not recover a stripped MTP head")
+    pull.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
     models = sub.add_parser("models", help="list the models exo knows and which are on this machine")
     models.add_argument("--json", action="store_true")
 
@@ -141,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from exo.cards import CardError, UnknownModelError
+    from exo.cards import AmbiguousModelError, CardError, UnknownModelError
+    from exo.downloads.errors import DownloadError, StageRangeError
     from exo.engine import (
         CheckpointError,
         GenerationRequestError,
@@ -154,6 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     user_errors = (
         CommandError,
+        AmbiguousModelError,
+        DownloadError,
+        StageRangeError,
         FileExistsError,
         CardError,
         CheckpointError,
@@ -187,6 +202,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             print(out)
             return 0
+        if args.command == "pull":
+            from exo.cli.pull import pull_command
+
+            return pull_command(args)
         if args.command == "models":
             from exo.cli.models import models_command
 

@@ -33,6 +33,8 @@ from .models.backbone import SpeculativeBackbone
 from .models.mtp import HEAD_NORM_SUFFIXES, MTPHead
 
 SIDECAR_NAMES = ("mtp.safetensors",)
+# Written next to the weights by head recovery (exo.downloads.heads) when it refused a head: the reason.
+HEAD_RECOVERY_NOTE = "mtp_recovery.json"
 HEAD_PREFIXES = ("language_model.mtp.", "model.mtp.", "mtp.")
 NormConvention = Literal["hf", "mlx"]
 
@@ -379,12 +381,25 @@ def missing_head_reason(path: Path, declared: int, source_repo: str | None) -> s
     where = f"the official checkpoint {source_repo} (its last shard holds mtp.*)" if source_repo else (
         "the model's official Hugging Face checkpoint (its last shard holds mtp.*)"
     )
+    note = recovery_note_reason(path)
+    if note is not None:
+        return note
     return (
         f"{path.name} declares an MTP head ({declared} layer) but its weights have no mtp.* tensors: "
-        "stock mlx-lm conversions (e.g. every mlx-community/* repo) drop them. Get the head from "
-        f"{where} and save those tensors as mtp.safetensors in {path}, or use a conversion that "
-        "keeps the head. Running plain decoding."
+        "stock mlx-lm conversions (e.g. every mlx-community/* repo) drop them. `exo pull` on this model "
+        f"recovers it when its card names a source_repo; or get the head from {where} and save those "
+        f"tensors as mtp.safetensors in {path}, or use a conversion that keeps the head. Running plain decoding."
     )
+
+
+def recovery_note_reason(path: Path) -> str | None:
+    """Why head recovery refused this checkpoint's head (its note), if it did."""
+    try:
+        note = json.loads((path / HEAD_RECOVERY_NOTE).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    reason = note.get("reason") if isinstance(note, dict) else None
+    return f"{reason} Running plain decoding." if isinstance(reason, str) and reason else None
 
 
 # ---------------------------------------------------------------------------------------------------
