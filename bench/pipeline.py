@@ -16,7 +16,6 @@ import argparse
 import json
 import statistics
 import sys
-from pathlib import Path
 
 from exo.engine import load_checkpoint, resolve_model
 from exo.runner.local_pipeline import run_local_pipeline
