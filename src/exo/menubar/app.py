@@ -20,7 +20,7 @@ from exo.settings import SettingsError
 
 from .controller import MenubarController
 from .errors import MenubarError
-from .menu import Action, MenuEntry, build_menu, render_text, title
+from .menu import Action, MenuEntry, build_menu, render_text, stable_view, title
 from .state import DaemonState, Snapshot
 from .tray import StatusItemBackend
 
@@ -53,6 +53,13 @@ def copy_text(text: str) -> None:
         raise MenubarError(f"cannot copy to the clipboard ({e})") from None
 
 
+def _log_failure(future: Future[None]) -> None:
+    """An action that failed with something other than a user error is a bug: log it, do not lose it."""
+    if not future.cancelled() and future.exception() is not None:
+        error = future.exception()
+        log.error("a menu action failed", exc_info=(type(error), error, error.__traceback__))
+
+
 class MenubarApp:
     def __init__(
         self,
@@ -76,6 +83,7 @@ class MenubarApp:
         self.entries: list[MenuEntry] = []
         self._render_lock = threading.Lock()
         self._rendered: tuple | None = None
+        self._echoed: tuple | None = None
         self._quitting = threading.Event()
         self._actions = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exo-menubar-action")
         self._poller: threading.Thread | None = None
@@ -116,18 +124,23 @@ class MenubarApp:
         entries = build_menu(snapshot)
         key = (title(snapshot), snapshot.state, tuple(entries))
         with self._render_lock:
+            if self.snapshot is not None and snapshot.seq < self.snapshot.seq:
+                return  # a refresh that finished after a newer one (poll thread vs action thread)
             self.snapshot, self.entries = snapshot, entries
             if key == self._rendered:
                 return
             self._rendered = key
             self.backend.update(title(snapshot), snapshot.state, entries, self.click)
-            if self.echo is not None:
+            if self.echo is not None and stable_view(entries) != self._echoed:
+                self._echoed = stable_view(entries)
                 self.echo(render_text(entries))
 
     # -- actions ------------------------------------------------------------------------------------------------
     def click(self, action: Action) -> Future[None]:
         """What a menu click calls (from the UI thread): the action runs on the worker thread."""
-        return self._actions.submit(self._perform, action)
+        future = self._actions.submit(self._perform, action)
+        future.add_done_callback(_log_failure)
+        return future
 
     def _perform(self, action: Action) -> None:
         try:
@@ -165,8 +178,8 @@ class MenubarApp:
         self.click(Action.QUIT)
 
     def _quit(self) -> None:
-        self._quitting.set()
         try:
-            self.controller.shutdown()  # before the UI goes: the menu shows "stopping" meanwhile
+            self.controller.shutdown()  # before the UI goes; polling goes on: the menu shows "stopping"
         finally:
+            self._quitting.set()
             self.backend.stop()

@@ -77,37 +77,42 @@ class MenubarController:
         self._exit_note: str | None = None  # how this app's daemon ended, when it ended on its own
         self._error: str | None = None
         self._snapshot: Snapshot | None = None
+        self._seq = 0
 
     # -- state ----------------------------------------------------------------------------------------------------
     def refresh(self) -> Snapshot:
-        """Ask the daemon (a few small calls, each bounded by the request timeout) and rebuild the snapshot."""
+        """Ask the daemon (a few small calls, each bounded by the request timeout) and rebuild the snapshot.
+
+        One refresh at a time, and none across a start: a snapshot never mixes before and after.
+        """
         with self._lock:
-            process, stopping = self._process, self._stopping
             self._note_exit()
-        cluster: ClusterSummary | None = None
-        daemon_settings: dict | None = None
-        detail: str | None = None
-        try:
-            self.api.health()
-            state = DaemonState.RUNNING
-            with self._lock:
-                self._answered_since_start = self._answered_since_start or process is not None
+            process, stopping = self._process, self._stopping
+            cluster: ClusterSummary | None = None
+            daemon_settings: dict | None = None
+            detail: str | None = None
             try:
-                cluster = cluster_summary(self.api.cluster())
-                daemon_settings = self.api.settings()
-            except (DaemonAPIError, DaemonUnreachableError) as e:
-                detail = str(e)  # e.g. an API key this app does not have: running, but details unknown
-        except DaemonUnreachableError as e:
-            state, detail = self._state_without_answer(process, e)
-        except DaemonAPIError as e:
-            state, detail = DaemonState.UNREACHABLE, f"{self.api_url} is not an exo API ({e})"
-        if stopping:
-            state = DaemonState.STOPPING
-        with self._lock:
-            started_here = self._process is not None and self._process.alive()
-            if state is DaemonState.STOPPED and self._exit_note:
+                self.api.health()
+                state = DaemonState.RUNNING
+                self._answered_since_start = self._answered_since_start or process is not None
+                try:
+                    cluster = cluster_summary(self.api.cluster())
+                    daemon_settings = self.api.settings()
+                except (DaemonAPIError, DaemonUnreachableError) as e:
+                    detail = str(e)  # e.g. an API key this app does not have: running, details unknown
+            except DaemonUnreachableError as e:
+                state, detail = self._state_without_answer(process, e)
+            except DaemonAPIError as e:
+                state, detail = DaemonState.UNREACHABLE, f"{self.api_url} is not an exo API ({e})"
+            if stopping:
+                state = DaemonState.STOPPING
+                pid = process.pid if process is not None else "?"
+                detail = f"exo (pid {pid}) got SIGTERM; SIGKILL after {self.stop_timeout_s:g} s"
+            elif state is DaemonState.STOPPED and self._exit_note:
                 detail = self._exit_note
-            snapshot = Snapshot(
+            started_here = process is not None and process.alive()
+            self._seq += 1
+            self._snapshot = Snapshot(
                 state=state,
                 detail=detail,
                 api_url=self.api_url,
@@ -117,9 +122,9 @@ class MenubarController:
                 native_mtp=self._mtp_toggle(state, daemon_settings, started_here),
                 log_path=self.log_path,
                 error=self._error,
+                seq=self._seq,
             )
-            self._snapshot = snapshot
-        return snapshot
+            return self._snapshot
 
     @property
     def snapshot(self) -> Snapshot:
@@ -201,8 +206,8 @@ class MenubarController:
 
     # -- start / stop ---------------------------------------------------------------------------------------------
     def start_daemon(self) -> Snapshot:
-        snapshot = self.refresh()
         with self._lock:
+            snapshot = self.refresh()
             if self._process is not None and self._process.alive():
                 raise DaemonAlreadyRunningError(f"this app's exo (pid {self._process.pid}) is still {snapshot.state}")
             if snapshot.state is not DaemonState.STOPPED:

@@ -28,6 +28,12 @@ class MenuEntry:
     checked: bool | None = None  # None: not a check item
     default: bool = False  # the action a plain click on the icon runs, where the backend has no menu
     separator: bool = False
+    live: bool = False  # a figure that moves all the time (free memory, seconds): not worth a reprint
+
+
+def stable_view(entries: Sequence[MenuEntry]) -> tuple:
+    """What the menu says apart from its live figures: printing the menu again is worth it when this changes."""
+    return tuple(dataclasses.replace(e, text="") if e.live else e for e in entries)
 
 
 SEPARATOR = MenuEntry("", enabled=False, separator=True)
@@ -40,8 +46,8 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):.1f}"
 
 
-def _info(text: str) -> MenuEntry:
-    return MenuEntry(text, enabled=False)
+def _info(text: str, live: bool = False) -> MenuEntry:
+    return MenuEntry(text, enabled=False, live=live)
 
 
 def title(snapshot: Snapshot) -> str:
@@ -75,13 +81,14 @@ def build_menu(snapshot: Snapshot) -> list[MenuEntry]:
         state_line += " (started here)"
     entries.append(_info(state_line))
     if snapshot.detail:
-        entries.append(_info(f"    {snapshot.detail}"))
+        entries.append(_info(f"    {snapshot.detail}", live=snapshot.state is DaemonState.STARTING))
     if snapshot.error:
         entries.append(_info(f"⚠ {snapshot.error}"))
     if snapshot.cluster is not None:
         c = snapshot.cluster
         nodes = f"{c.node_count} node{'s' if c.node_count != 1 else ''}"
-        entries.append(_info(f"{nodes} · {_gib(c.memory_available_bytes)} of {_gib(c.memory_total_bytes)} GiB free"))
+        free = f"{_gib(c.memory_available_bytes)} of {_gib(c.memory_total_bytes)} GiB free"
+        entries.append(_info(f"{nodes} · {free}", live=True))
         if not c.models:
             entries.append(_info("No models running"))
         for model in c.models:

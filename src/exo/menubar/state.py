@@ -73,6 +73,7 @@ class Snapshot:
     native_mtp: NativeMTPToggle
     log_path: Path
     error: str | None  # the last failed action, until the next action succeeds
+    seq: int = 0  # increases with every refresh: a UI drawing from several threads keeps the newest
 
     @property
     def can_start(self) -> bool:

@@ -4,8 +4,9 @@
 
 The menu-bar app starts its daemon this way. Quitting the app stops the daemon explicitly; this covers
 the app being killed or crashing. The watcher sends the daemon SIGTERM (not SIGKILL), so it shuts down
-as ``exo serve`` does on SIGTERM: its runners stop with it. On Linux PR_SET_PDEATHSIG delivers that
-SIGTERM at once; the pid watcher (every 0.5 s) is what works on macOS.
+as ``exo serve`` does on SIGTERM: its runners stop with it. A parent-pid watcher (every 0.5 s) rather
+than Linux's PR_SET_PDEATHSIG: that fires when the *thread* that started the daemon ends (the app starts
+it from a worker thread), and macOS has nothing like it.
 """
 
 from __future__ import annotations
@@ -13,27 +14,21 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Sequence
 
 WATCH_INTERVAL_S = 0.5
+FORCE_AFTER_S = 30.0
 
 
 def _stop_when_parent_is_gone(parent_pid: int) -> None:
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass  # the watcher below still works
-
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(WATCH_INTERVAL_S)
         os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(FORCE_AFTER_S)  # still here: shutdown hangs; nobody is left to force it but us
+        os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="exo-parent-watch", daemon=True).start()
 

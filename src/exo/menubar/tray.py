@@ -9,7 +9,9 @@ the app prints the menu to the terminal whenever it changes.
 from __future__ import annotations
 
 import functools
+import logging
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -57,6 +59,24 @@ def status_image(state: DaemonState) -> Any:
     return image
 
 
+class _SayDockFailureOnce(logging.Filter):
+    """pystray's X11 backend logs a traceback at every update while no system tray runs: say it once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.said = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage() != "Failed to dock icon":
+            return True
+        if self.said:
+            return False
+        self.said = True
+        record.msg, record.args = "no system tray on this display (yet): the icon appears when one runs", ()
+        record.exc_info = record.exc_text = None
+        return True
+
+
 class PystrayBackend:
     def __init__(self) -> None:
         try:
@@ -69,10 +89,15 @@ class PystrayBackend:
                 "(on Linux, with $DISPLAY set, e.g. under Xvfb), or try `exo menubar --once`"
             ) from None
         self._pystray = pystray
+        logging.getLogger("pystray._base").addFilter(_SayDockFailureOnce())  # pystray's icons log there
         self.icon = pystray.Icon("exo", icon=status_image(DaemonState.STOPPED), title="exo", menu=None)
         self.has_menu = bool(self.icon.HAS_MENU)
         self.name = type(self.icon).__module__.rsplit(".", 1)[-1].lstrip("_")  # darwin, xorg, gtk, ...
         self._state: DaemonState | None = None
+        # One call into pystray at a time: its X11 backend hands calls from other threads to its loop
+        # through one shared reply queue.
+        self._calls = threading.Lock()
+        self._stopped = False
 
     def run(self, on_ready: Callable[[], None]) -> None:
         def setup(icon: Any) -> None:
@@ -103,16 +128,40 @@ class PystrayBackend:
         menu = pystray.Menu(*[item(e) for e in entries])
 
         def apply() -> None:
-            if state is not self._state:
-                self._state = state
-                self.icon.icon = status_image(state)
-            self.icon.title = title
-            self.icon.menu = menu  # pystray rebuilds the native menu
+            with self._calls:
+                if self._stopped:
+                    return  # after stop() the loop is gone: a call would wait for it forever
+                if state is not self._state:
+                    self._state = state
+                    self.icon.icon = status_image(state)
+                self.icon.title = title
+                self.icon.menu = menu  # pystray rebuilds the native menu
+                self._flush_x11()
 
         _on_ui_thread(apply)
 
     def stop(self) -> None:
-        _on_ui_thread(self.icon.stop)
+        def stop_once() -> None:
+            with self._calls:
+                if not self._stopped:
+                    self._stopped = True
+                    self.icon.stop()
+                    self._flush_x11()
+
+        _on_ui_thread(stop_once)
+
+
+    def _flush_x11(self) -> None:
+        """Make sure what pystray's X11 loop queued (a title, the window's destruction) reaches the server.
+
+        python-xlib's threaded display returns early from a flush while another thread is sending, so a
+        request the loop queued in a handler can wait, unsent, until some other event wakes the loop; on
+        an idle display that is never (seen as a title that never changed and a Quit that never ended the
+        loop). A round trip from this thread sends everything queued before it.
+        """
+        display = getattr(self.icon, "_display", None) if self.name == "xorg" else None
+        if display is not None:
+            display.sync()
 
 
 def _clicked(on_click: Callable[[Action], None], action: Action, _icon: Any, _item: Any) -> None:
