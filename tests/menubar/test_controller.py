@@ -184,18 +184,25 @@ time.sleep(600)
 """
 
 
+@pytest.mark.timeout(120)
 def test_an_app_that_is_killed_leaves_no_daemon(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     app = subprocess.Popen(
         [sys.executable, "-c", APP_SCRIPT, url, *serve_flags()], env=app_env(tmp_path), stdout=subprocess.PIPE,
         text=True,
     )
+    daemon_pid = None
     try:
         daemon_pid = int(app.stdout.readline())
         assert get_json(url + "/health")["status"] == "ok"
-    finally:
         app.kill()
         app.wait(10)
-    wait_for(lambda: pid_gone(daemon_pid), 15, "the tethered daemon to stop")
+        wait_for(lambda: pid_gone(daemon_pid), 15, "the tethered daemon to stop")
+    finally:
+        if app.poll() is None:
+            app.kill()
+            app.wait(10)
+        if daemon_pid is not None and not pid_gone(daemon_pid):
+            os.kill(daemon_pid, signal.SIGKILL)  # the test failed: leave nothing behind
     log = (tmp_path / "logs" / "exo-serve.log").read_text()
     assert "Traceback" not in log, log

@@ -93,6 +93,7 @@ class FakeTray:
         self.display.flush()
 
 
+@pytest.mark.timeout(180)
 def test_exo_menubar_on_x11_starts_shows_clicks_and_quits(x_display, tmp_path: Path):
     tray = FakeTray(x_display)
     opened = tmp_path / "opened-url"
