@@ -182,3 +182,18 @@ def test_open_path_reports_a_missing_opener(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no xdg-open / open anywhere
     with pytest.raises(MenubarError, match="cannot open"):
         open_path(tmp_path / "exo-serve.log")
+
+
+def test_exo_menubar_once_prints_the_menu_and_bad_flags_are_user_errors(capsys, tmp_path):
+    from cluster.daemons import free_port
+
+    from exo.cli.main import main
+
+    url = f"http://127.0.0.1:{free_port()}"
+    assert main(["menubar", "--once", "--url", url]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == "exo: stopped" and "[x] Native MTP" in out and "Start exo" in out
+    assert main(["menubar", "--once", "--url", "localhost"]) == 1
+    assert "the daemon URL must look like http://host:port" in capsys.readouterr().err
+    assert main(["menubar", "--once", "--stop-timeout", "-1"]) == 1
+    assert "stop_timeout_s must be a positive" in capsys.readouterr().err

@@ -39,6 +39,15 @@ def test_nothing_listening_is_stopped(make_controller, tmp_path):
         controller.stop_daemon()
 
 
+def test_start_exo_only_for_this_machine(make_controller):
+    remote = make_controller(url="http://192.0.2.1:52415", request_timeout_s=0.3)  # TEST-NET: nobody
+    snapshot = remote.refresh()
+    assert snapshot.state in (DaemonState.STOPPED, DaemonState.UNREACHABLE) and not snapshot.can_start
+    with pytest.raises(MenubarError, match="Start exo starts exo on this machine; http://192.0.2.1:52415 is"):
+        remote.start_daemon()
+    assert remote.daemon_pid is None
+
+
 def test_bad_configuration_is_a_typed_error(make_controller, tmp_path):
     with pytest.raises(MenubarError, match="must look like http://host:port"):
         make_controller(url="localhost:52415")
@@ -107,6 +116,7 @@ def test_lifecycle_toggle_models_and_graceful_stop(make_controller, tmp_path):
     # Stop: SIGTERM, exo serve shuts down cleanly, its runner with it.
     daemon_pid = controller.daemon_pid
     assert controller.stop_daemon() is StopOutcome.GRACEFUL
+    assert controller.last_exit_code == 0  # exo serve's own clean shutdown, not SIGTERM's default death
     assert pid_gone(daemon_pid) and wait_for(lambda: pid_gone(runner_pid), 10, "the runner to exit")
     snapshot = controller.refresh()
     assert snapshot.state is DaemonState.STOPPED and snapshot.detail is None and not snapshot.started_here

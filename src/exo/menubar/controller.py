@@ -63,6 +63,8 @@ class MenubarController:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise MenubarError(f"the daemon URL must look like http://host:port, not {url!r}")
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        # Start exo starts a daemon on this machine: only where the app's URL points here.
+        self.local = parts.hostname in ("127.0.0.1", "localhost", "::1")
         self.dashboard_url = self.api_url + "/"
         self.serve_args = list(serve_args)
         self.stop_timeout_s = stop_timeout_s
@@ -78,6 +80,7 @@ class MenubarController:
         self._error: str | None = None
         self._snapshot: Snapshot | None = None
         self._seq = 0
+        self.last_exit_code: int | None = None  # how the last exo this app started ended (-N: signal N)
 
     # -- state ----------------------------------------------------------------------------------------------------
     def refresh(self) -> Snapshot:
@@ -118,6 +121,7 @@ class MenubarController:
                 api_url=self.api_url,
                 dashboard_url=self.dashboard_url,
                 started_here=started_here,
+                can_start_here=self.local,
                 cluster=cluster,
                 native_mtp=self._mtp_toggle(state, daemon_settings, started_here),
                 log_path=self.log_path,
@@ -147,6 +151,7 @@ class MenubarController:
         process = self._process
         if process is None or process.alive():
             return
+        self.last_exit_code = process.returncode
         if not self._stopping:
             when = "while starting" if not self._answered_since_start else ""
             last = process.log_tail(1)
@@ -206,6 +211,8 @@ class MenubarController:
 
     # -- start / stop ---------------------------------------------------------------------------------------------
     def start_daemon(self) -> Snapshot:
+        if not self.local:
+            raise MenubarError(f"Start exo starts exo on this machine; {self.api_url} is another one")
         with self._lock:
             snapshot = self.refresh()
             if self._process is not None and self._process.alive():
@@ -234,6 +241,7 @@ class MenubarController:
             outcome = process.stop(self.stop_timeout_s)
         finally:
             with self._lock:
+                self.last_exit_code = process.returncode
                 self._stopping = False
                 self._process = None
                 self._exit_note = None

@@ -69,6 +69,7 @@ class Snapshot:
     api_url: str
     dashboard_url: str
     started_here: bool  # this app started the daemon that runs (so Stop exo and Quit stop it)
+    can_start_here: bool  # the API URL is this machine's, so Start exo can start the daemon it watches
     cluster: ClusterSummary | None  # None unless running
     native_mtp: NativeMTPToggle
     log_path: Path
@@ -77,7 +78,7 @@ class Snapshot:
 
     @property
     def can_start(self) -> bool:
-        return self.state is DaemonState.STOPPED
+        return self.state is DaemonState.STOPPED and self.can_start_here
 
     @property
     def can_stop(self) -> bool:
