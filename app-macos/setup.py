@@ -1,7 +1,7 @@
 """py2app packaging of the exo menu-bar app (``exo menubar``) as exo.app. See README.md here.
 
-    python setup.py py2app -A   # alias build: a small .app that runs this checkout's venv in place
-    python setup.py py2app      # standalone: the interpreter, exo, MLX and the UI inside the .app
+python setup.py py2app -A   # alias build: a small .app that runs this checkout's venv in place
+python setup.py py2app      # standalone: the interpreter, exo, MLX and the UI inside the .app
 """
 
 from importlib.metadata import version
@@ -14,8 +14,21 @@ OPTIONS = {
     "argv_emulation": False,
     # Whole packages, not zipped: MLX loads its Metal library (mlx.metallib) from its package directory,
     # exo its bundled demo model and model cards; the daemon the app starts imports all of them.
-    "packages": ["exo", "mlx", "mlx_lm", "transformers", "tokenizers", "safetensors", "grpc", "google.protobuf",
-                 "zeroconf", "aiohttp", "pystray", "PIL", "pyperclip"],
+    "packages": [
+        "exo",
+        "mlx",
+        "mlx_lm",
+        "transformers",
+        "tokenizers",
+        "safetensors",
+        "grpc",
+        "google.protobuf",
+        "zeroconf",
+        "aiohttp",
+        "pystray",
+        "PIL",
+        "pyperclip",
+    ],
     "plist": {
         "CFBundleName": "exo",
         "CFBundleDisplayName": "exo",

@@ -37,7 +37,9 @@ def wait_state(
             return snapshot, seen
         if time.monotonic() > deadline:
             log = controller.log_path.read_text()[-3000:] if controller.log_path.exists() else ""
-            raise AssertionError(f"still {snapshot.state} ({snapshot.detail}) after {timeout} s, seen {seen}\n{log}")
+            raise AssertionError(
+                f"still {snapshot.state} ({snapshot.detail}) after {timeout} s, seen {seen}\n{log}"
+            )
         time.sleep(0.1)
 
 

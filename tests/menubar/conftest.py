@@ -18,7 +18,7 @@ from .apps import app_env, serve_flags
 
 @pytest.fixture
 def make_controller(tmp_path: Path) -> Iterator[Callable[..., MenubarController]]:
-    """``make_controller(home=..., env={...}, **kwargs)``: a controller whose daemon never outlives the test."""
+    """``make_controller(home=..., env={...}, **kwargs)``: a controller whose daemon dies with the test."""
     made: list[MenubarController] = []
 
     def make(home: Path | None = None, env: dict[str, str] | None = None, **kwargs: Any) -> MenubarController:

@@ -150,17 +150,37 @@ def test_a_backend_without_menus_gets_the_menu_printed_when_it_changes(make_cont
 
 def test_a_pipeline_model_lists_its_stages():
     view = {
-        "nodes": [{"id": "a1", "name": "studio", "memory_total_bytes": 2 << 30, "memory_available_bytes": 1 << 30},
-                  {"id": "b2", "name": "mini", "memory_total_bytes": 2 << 30, "memory_available_bytes": 1 << 30}],
+        "nodes": [
+            {"id": "a1", "name": "studio", "memory_total_bytes": 2 << 30, "memory_available_bytes": 1 << 30},
+            {"id": "b2", "name": "mini", "memory_total_bytes": 2 << 30, "memory_available_bytes": 1 << 30},
+        ],
         "instances": [
-            {"id": "i2", "model": "big", "node": "b2", "state": "loading", "stage": "loading weights", "progress": 0.4,
-             "shard": {"start_layer": 24, "end_layer": 48, "rank": 1, "world_size": 2}},
-            {"id": "i1", "model": "big", "node": "a1", "state": "ready", "stage": "ready", "progress": 1.0,
-             "shard": {"start_layer": 0, "end_layer": 24, "rank": 0, "world_size": 2}},
+            {
+                "id": "i2",
+                "model": "big",
+                "node": "b2",
+                "state": "loading",
+                "stage": "loading weights",
+                "progress": 0.4,
+                "shard": {"start_layer": 24, "end_layer": 48, "rank": 1, "world_size": 2},
+            },
+            {
+                "id": "i1",
+                "model": "big",
+                "node": "a1",
+                "state": "ready",
+                "stage": "ready",
+                "progress": 1.0,
+                "shard": {"start_layer": 0, "end_layer": 24, "rank": 0, "world_size": 2},
+            },
         ],
     }
     summary = cluster_summary(view)
-    assert (summary.node_count, summary.memory_total_bytes, summary.memory_available_bytes) == (2, 4 << 30, 2 << 30)
+    assert (summary.node_count, summary.memory_total_bytes, summary.memory_available_bytes) == (
+        2,
+        4 << 30,
+        2 << 30,
+    )
     assert model_lines(summary.models[0]) == [
         "big:",
         "    stage 1/2: ready on studio (layers 0-24)",

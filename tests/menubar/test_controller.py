@@ -33,7 +33,11 @@ def test_nothing_listening_is_stopped(make_controller, tmp_path):
     snapshot = controller.refresh()
     assert snapshot.state is DaemonState.STOPPED and snapshot.detail is None
     assert snapshot.cluster is None and snapshot.can_start and not snapshot.can_stop
-    assert snapshot.native_mtp.enabled and snapshot.native_mtp.can_change and snapshot.native_mtp.source == "default"
+    assert (
+        snapshot.native_mtp.enabled
+        and snapshot.native_mtp.can_change
+        and snapshot.native_mtp.source == "default"
+    )
     assert snapshot.dashboard_url == controller.api_url + "/"
     with pytest.raises(NotStartedHereError, match="not started by this app"):
         controller.stop_daemon()
@@ -92,7 +96,10 @@ def test_lifecycle_toggle_models_and_graceful_stop(make_controller, tmp_path):
     with pytest.raises(NativeMTPLockedError):
         other.set_native_mtp(False)
     forced = MenubarController(url=controller.api_url, env=app_env(home, EXO_NATIVE_MTP_ENABLED="0"))
-    assert forced.refresh().native_mtp.locked_reason == "EXO_NATIVE_MTP_ENABLED=0 is set in this app's environment"
+    assert (
+        forced.refresh().native_mtp.locked_reason
+        == "EXO_NATIVE_MTP_ENABLED=0 is set in this app's environment"
+    )
     with pytest.raises(NativeMTPLockedError, match="EXO_NATIVE_MTP_ENABLED=0"):
         forced.set_native_mtp(False)
     assert get_json(controller.api_url + "/v1/settings")["native_mtp_enabled"] is True
@@ -101,7 +108,9 @@ def test_lifecycle_toggle_models_and_graceful_stop(make_controller, tmp_path):
     assert other.shutdown() is None and controller.refresh().state is DaemonState.RUNNING
 
     # A model: nodes, memory and the model's stage as the daemon reports them.
-    created = httpx.post(controller.api_url + "/v1/instances", json={"model": "exo-demo", "wait": True}, timeout=120)
+    created = httpx.post(
+        controller.api_url + "/v1/instances", json={"model": "exo-demo", "wait": True}, timeout=120
+    )
     assert created.status_code == 201, created.text
     runner_pid = created.json()["instance"]["pid"]
     cluster = controller.refresh().cluster
@@ -110,7 +119,12 @@ def test_lifecycle_toggle_models_and_graceful_stop(make_controller, tmp_path):
     assert cluster.memory_total_bytes == nodes[0]["memory_total_bytes"] > 0
     [model] = cluster.models
     [stage] = model.stages
-    assert (model.model, stage.state, stage.stage, stage.node_name) == ("exo-demo", "ready", "ready", nodes[0]["name"])
+    assert (model.model, stage.state, stage.stage, stage.node_name) == (
+        "exo-demo",
+        "ready",
+        "ready",
+        nodes[0]["name"],
+    )
     assert (stage.start_layer, stage.end_layer, stage.world_size) == (0, 8, 1)
 
     # Stop: SIGTERM, exo serve shuts down cleanly, its runner with it.
@@ -141,7 +155,9 @@ def test_hung_daemon_unreachable_then_a_daemon_that_dies(make_controller):
 
     os.kill(pid, signal.SIGKILL)  # dies on its own
     snapshot, _ = wait_state(controller, DaemonState.STOPPED, timeout=10)
-    assert snapshot.detail.startswith("exo was killed (SIGKILL)") and str(controller.log_path) in snapshot.detail
+    assert (
+        snapshot.detail.startswith("exo was killed (SIGKILL)") and str(controller.log_path) in snapshot.detail
+    )
     assert not snapshot.started_here and snapshot.can_start
 
     controller.start_daemon()  # and starts again
@@ -198,7 +214,9 @@ time.sleep(600)
 def test_an_app_that_is_killed_leaves_no_daemon(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     app = subprocess.Popen(
-        [sys.executable, "-c", APP_SCRIPT, url, *serve_flags()], env=app_env(tmp_path), stdout=subprocess.PIPE,
+        [sys.executable, "-c", APP_SCRIPT, url, *serve_flags()],
+        env=app_env(tmp_path),
+        stdout=subprocess.PIPE,
         text=True,
     )
     daemon_pid = None

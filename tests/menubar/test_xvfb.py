@@ -33,11 +33,15 @@ def _require(condition: bool, reason: str) -> None:
 @pytest.fixture(scope="module")
 def x_display() -> Iterator[str]:
     _require(shutil.which("Xvfb") is not None, "Xvfb is not installed (apt-get install xvfb)")
-    pytest.importorskip("Xlib", reason="python-xlib (pystray's X11 backend) is not installed: pip install 'exo[menubar]'")
+    pytest.importorskip(
+        "Xlib", reason="python-xlib (pystray's X11 backend) is not installed: pip install 'exo[menubar]'"
+    )
     read_fd, write_fd = os.pipe()
     server = subprocess.Popen(
         ["Xvfb", "-displayfd", str(write_fd), "-screen", "0", "640x480x24", "-nolisten", "tcp"],
-        pass_fds=(write_fd,), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        pass_fds=(write_fd,),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     os.close(write_fd)
     with os.fdopen(read_fd) as announced:
@@ -86,8 +90,17 @@ class FakeTray:
         window = self.display.create_resource_object("window", window_id)
         root = self.display.screen().root
         event = Xlib.protocol.event.ButtonPress(
-            time=self.X.CurrentTime, root=root, window=window, same_screen=1, child=self.X.NONE,
-            root_x=1, root_y=1, event_x=1, event_y=1, state=0, detail=1,
+            time=self.X.CurrentTime,
+            root=root,
+            window=window,
+            same_screen=1,
+            child=self.X.NONE,
+            root_x=1,
+            root_y=1,
+            event_x=1,
+            event_y=1,
+            state=0,
+            detail=1,
         )
         window.send_event(event, event_mask=self.X.NoEventMask)  # no mask: to the client owning the window
         self.display.flush()
@@ -103,17 +116,39 @@ def test_exo_menubar_on_x11_starts_shows_clicks_and_quits(x_display, tmp_path: P
     url = f"http://127.0.0.1:{free_port()}"
     env = app_env(tmp_path / "home", DISPLAY=x_display, PYSTRAY_BACKEND="xorg", BROWSER=f"{browser} %s")
     app = subprocess.Popen(
-        [sys.executable, "-m", "exo.cli.main", "menubar", "--url", url, "--start", "--poll-interval", "0.3",
-         "--", *serve_flags()],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "exo.cli.main",
+            "menubar",
+            "--url",
+            url,
+            "--start",
+            "--poll-interval",
+            "0.3",
+            "--",
+            *serve_flags(),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         icon = tray.wait_for_dock_request(timeout=30)
-        wait_for(lambda: tray.title(icon) == "exo: running, 1 node, 0 model(s)", 60, "the icon's title to say running")
+        wait_for(
+            lambda: tray.title(icon) == "exo: running, 1 node, 0 model(s)",
+            60,
+            "the icon's title to say running",
+        )
         assert get_json(url + "/health")["status"] == "ok"
         tray.left_click(icon)  # pystray's X11 backend: a left click runs the menu's default entry
-        wait_for(lambda: opened.exists() and opened.read_text() == url + "/", 15, "the dashboard to be opened")
-        children = subprocess.run(["ps", "--ppid", str(app.pid), "-o", "pid="], capture_output=True, text=True)
+        wait_for(
+            lambda: opened.exists() and opened.read_text() == url + "/", 15, "the dashboard to be opened"
+        )
+        children = subprocess.run(
+            ["ps", "--ppid", str(app.pid), "-o", "pid="], capture_output=True, text=True
+        )
         [daemon_pid] = [int(p) for p in children.stdout.split()]
         app.send_signal(signal.SIGTERM)
         output, _ = app.communicate(timeout=30)
@@ -134,5 +169,7 @@ def test_copy_api_url_reaches_the_x_clipboard(x_display, monkeypatch):
     from exo.menubar.app import copy_text
 
     copy_text("http://127.0.0.1:52415")
-    pasted = subprocess.run(["xclip", "-o", "-selection", "clipboard"], capture_output=True, text=True, timeout=10)
+    pasted = subprocess.run(
+        ["xclip", "-o", "-selection", "clipboard"], capture_output=True, text=True, timeout=10
+    )
     assert pasted.stdout == "http://127.0.0.1:52415"

@@ -39,7 +39,9 @@ def menubar_command(args: argparse.Namespace) -> int:
             "dashboard; the menu is printed here when it changes",
             file=sys.stderr,
         )
-    app = MenubarApp(controller, backend, poll_interval_s=args.poll_interval, echo=echo, start_daemon=args.start)
+    app = MenubarApp(
+        controller, backend, poll_interval_s=args.poll_interval, echo=echo, start_daemon=args.start
+    )
     if sys.platform != "darwin":
         # Quit cleanly (stopping a daemon the app started) on Ctrl-C, kill and logout. Not on macOS: there
         # the main thread sits in AppKit's loop, where Python handlers never run; the default action ends

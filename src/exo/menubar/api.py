@@ -52,7 +52,9 @@ class DaemonAPI:
             if isinstance(e.reason, TimeoutError):  # connected (or connecting) but no reply: a hung daemon
                 raise self._silent() from None
             refused = isinstance(e.reason, ConnectionRefusedError)
-            raise DaemonUnreachableError(f"no exo daemon at {self.url} ({e.reason})", refused=refused) from None
+            raise DaemonUnreachableError(
+                f"no exo daemon at {self.url} ({e.reason})", refused=refused
+            ) from None
         except TimeoutError:
             raise self._silent() from None
         except (OSError, http.client.HTTPException) as e:  # a connection reset or closed mid-reply
@@ -62,11 +64,15 @@ class DaemonAPI:
         except ValueError:
             parsed = None
         if not isinstance(parsed, dict):
-            raise DaemonUnreachableError(f"{self.url}{path} is not an exo API (no JSON object)", refused=False)
+            raise DaemonUnreachableError(
+                f"{self.url}{path} is not an exo API (no JSON object)", refused=False
+            )
         return parsed
 
     def _silent(self) -> DaemonUnreachableError:
-        return DaemonUnreachableError(f"{self.url} does not answer (no reply within {self.timeout:g} s)", refused=False)
+        return DaemonUnreachableError(
+            f"{self.url} does not answer (no reply within {self.timeout:g} s)", refused=False
+        )
 
 
 def _error_message(error: urllib.error.HTTPError) -> str:

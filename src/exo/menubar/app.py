@@ -55,9 +55,9 @@ def copy_text(text: str) -> None:
 
 def _log_failure(future: Future[None]) -> None:
     """An action that failed with something other than a user error is a bug: log it, do not lose it."""
-    if not future.cancelled() and future.exception() is not None:
-        error = future.exception()
-        log.error("a menu action failed", exc_info=(type(error), error, error.__traceback__))
+    error = None if future.cancelled() else future.exception()
+    if error is not None:
+        log.error("a menu action failed", exc_info=error)
 
 
 class MenubarApp:
@@ -88,7 +88,7 @@ class MenubarApp:
         self._actions = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exo-menubar-action")
         self._poller: threading.Thread | None = None
 
-    # -- running ------------------------------------------------------------------------------------------------
+    # -- running ----------------------------------------------------------------------------------------
     def run(self) -> None:
         """The UI loop (blocks, main thread) until Quit or ``quit()``; then stops the daemon it started."""
         try:
@@ -135,7 +135,7 @@ class MenubarApp:
                 self._echoed = stable_view(entries)
                 self.echo(render_text(entries))
 
-    # -- actions ------------------------------------------------------------------------------------------------
+    # -- actions ----------------------------------------------------------------------------------------
     def click(self, action: Action) -> Future[None]:
         """What a menu click calls (from the UI thread): the action runs on the worker thread."""
         future = self._actions.submit(self._perform, action)

@@ -51,8 +51,11 @@ class MenubarController:
         start_timeout_s: float = 120.0,
         request_timeout_s: float = 2.0,
     ) -> None:
-        for name, value in (("stop_timeout_s", stop_timeout_s), ("start_timeout_s", start_timeout_s),
-                            ("request_timeout_s", request_timeout_s)):
+        for name, value in (
+            ("stop_timeout_s", stop_timeout_s),
+            ("start_timeout_s", start_timeout_s),
+            ("request_timeout_s", request_timeout_s),
+        ):
             if not value > 0:
                 raise MenubarError(f"{name} must be a positive number of seconds, not {value!r}")
         self.env = dict(os.environ if env is None else env)
@@ -82,7 +85,7 @@ class MenubarController:
         self._seq = 0
         self.last_exit_code: int | None = None  # how the last exo this app started ended (-N: signal N)
 
-    # -- state ----------------------------------------------------------------------------------------------------
+    # -- state ------------------------------------------------------------------------------------------
     def refresh(self) -> Snapshot:
         """Ask the daemon (a few small calls, each bounded by the request timeout) and rebuild the snapshot.
 
@@ -155,16 +158,23 @@ class MenubarController:
         if not self._stopping:
             when = "while starting" if not self._answered_since_start else ""
             last = process.log_tail(1)
-            self._exit_note = " ".join(
-                part for part in (f"exo {process.exit_description()}", when, f"({last})" if last else "") if part
-            ) + f"; see {process.log_path}"
+            self._exit_note = (
+                " ".join(
+                    part
+                    for part in (f"exo {process.exit_description()}", when, f"({last})" if last else "")
+                    if part
+                )
+                + f"; see {process.log_path}"
+            )
         self._process = None
 
-    # -- Native MTP -----------------------------------------------------------------------------------------------
+    # -- Native MTP -------------------------------------------------------------------------------------
     def _settings(self) -> Settings:
         return load_settings(env=self.env)
 
-    def _mtp_toggle(self, state: DaemonState, daemon_settings: dict | None, started_here: bool) -> NativeMTPToggle:
+    def _mtp_toggle(
+        self, state: DaemonState, daemon_settings: dict | None, started_here: bool
+    ) -> NativeMTPToggle:
         unavailable = {
             DaemonState.STARTING: "exo is starting",
             DaemonState.STOPPING: "exo is stopping",
@@ -184,7 +194,9 @@ class MenubarController:
             enabled, source = local.native_mtp_enabled, local.source("native_mtp_enabled")
         else:
             enabled, source = False, "unknown"
-        return NativeMTPToggle(enabled=enabled, locked_reason=locked, unavailable_reason=unavailable, source=source)
+        return NativeMTPToggle(
+            enabled=enabled, locked_reason=locked, unavailable_reason=unavailable, source=source
+        )
 
     def _lock_reason(self, local: Settings, daemon_settings: dict | None, started_here: bool) -> str | None:
         if local.source("native_mtp_enabled") == "env":
@@ -209,14 +221,16 @@ class MenubarController:
         persist_settings(self.home, {"native_mtp_enabled": enabled})
         return self._succeeded()
 
-    # -- start / stop ---------------------------------------------------------------------------------------------
+    # -- start / stop -----------------------------------------------------------------------------------
     def start_daemon(self) -> Snapshot:
         if not self.local:
             raise MenubarError(f"Start exo starts exo on this machine; {self.api_url} is another one")
         with self._lock:
             snapshot = self.refresh()
             if self._process is not None and self._process.alive():
-                raise DaemonAlreadyRunningError(f"this app's exo (pid {self._process.pid}) is still {snapshot.state}")
+                raise DaemonAlreadyRunningError(
+                    f"this app's exo (pid {self._process.pid}) is still {snapshot.state}"
+                )
             if snapshot.state is not DaemonState.STOPPED:
                 raise DaemonAlreadyRunningError(f"exo is already {snapshot.state} at {self.api_url}")
             env = dict(self.env)
@@ -246,8 +260,7 @@ class MenubarController:
                 self._process = None
                 self._exit_note = None
         if outcome is StopOutcome.FORCED:
-            self._error = f"exo did not stop within {self.stop_timeout_s:g} s of SIGTERM and was killed"
-            self.refresh()
+            self.record_error(f"exo did not stop within {self.stop_timeout_s:g} s of SIGTERM and was killed")
         else:
             self._succeeded()
         return outcome
@@ -263,7 +276,7 @@ class MenubarController:
         with self._lock:
             return self._process.pid if self._process is not None and self._process.alive() else None
 
-    # -- errors ---------------------------------------------------------------------------------------------------
+    # -- errors -----------------------------------------------------------------------------------------
     def record_error(self, message: str) -> Snapshot:
         """An action failed: the message stays in the menu until an action succeeds."""
         with self._lock:
@@ -274,4 +287,3 @@ class MenubarController:
         with self._lock:
             self._error = None
         return self.refresh()
-

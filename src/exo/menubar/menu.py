@@ -32,7 +32,7 @@ class MenuEntry:
 
 
 def stable_view(entries: Sequence[MenuEntry]) -> tuple:
-    """What the menu says apart from its live figures: printing the menu again is worth it when this changes."""
+    """The menu apart from its live figures: printing it again is worth it when this changes."""
     return tuple(dataclasses.replace(e, text="") if e.live else e for e in entries)
 
 
@@ -61,6 +61,7 @@ def title(snapshot: Snapshot) -> str:
 
 def model_lines(model: RunningModel) -> list[str]:
     """``exo-demo: ready on studio (layers 0-8)``; a pipeline gets one indented line per stage."""
+
     def where(s: ModelStage) -> str:
         progress = f" {s.progress:.0%}" if s.state == "loading" else ""
         doing = f", {s.stage}" if s.stage and s.stage != s.state else ""
@@ -96,7 +97,9 @@ def build_menu(snapshot: Snapshot) -> list[MenuEntry]:
     entries.append(SEPARATOR)
 
     mtp = snapshot.native_mtp
-    entries.append(MenuEntry(NATIVE_MTP, Action.TOGGLE_NATIVE_MTP, enabled=mtp.can_change, checked=mtp.enabled))
+    entries.append(
+        MenuEntry(NATIVE_MTP, Action.TOGGLE_NATIVE_MTP, enabled=mtp.can_change, checked=mtp.enabled)
+    )
     why_not = mtp.locked_reason or mtp.unavailable_reason
     if why_not:
         entries.append(_info(f"    {'locked: ' if mtp.locked_reason else ''}{why_not}"))

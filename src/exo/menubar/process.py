@@ -51,7 +51,11 @@ class DaemonProcess:
             log.flush()
             try:
                 process = subprocess.Popen(
-                    list(argv), env=dict(env), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    list(argv),
+                    env=dict(env),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )
             except OSError as e:

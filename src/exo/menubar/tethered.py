@@ -35,8 +35,12 @@ def _stop_when_parent_is_gone(parent_pid: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m exo.menubar.tethered")
-    parser.add_argument("--parent-pid", type=int, required=True, help="stop gracefully when this process is gone")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="the exo command line (e.g. serve --port 52415)")
+    parser.add_argument(
+        "--parent-pid", type=int, required=True, help="stop gracefully when this process is gone"
+    )
+    parser.add_argument(
+        "command", nargs=argparse.REMAINDER, help="the exo command line (e.g. serve --port 52415)"
+    )
     args = parser.parse_args(argv)
     if not args.command:
         parser.error("an exo command is required (e.g. serve)")

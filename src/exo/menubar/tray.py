@@ -39,7 +39,11 @@ class StatusItemBackend(Protocol):
         """Run the UI loop (on the main thread) until ``stop()``; ``on_ready`` runs once it is up."""
 
     def update(
-        self, title: str, state: DaemonState, entries: Sequence[MenuEntry], on_click: Callable[[Action], None]
+        self,
+        title: str,
+        state: DaemonState,
+        entries: Sequence[MenuEntry],
+        on_click: Callable[[Action], object],
     ) -> None:
         """Show this tooltip, icon state and menu (from any thread)."""
 
@@ -107,7 +111,11 @@ class PystrayBackend:
         self.icon.run(setup=setup)
 
     def update(
-        self, title: str, state: DaemonState, entries: Sequence[MenuEntry], on_click: Callable[[Action], None]
+        self,
+        title: str,
+        state: DaemonState,
+        entries: Sequence[MenuEntry],
+        on_click: Callable[[Action], object],
     ) -> None:
         pystray = self._pystray
 
@@ -150,7 +158,6 @@ class PystrayBackend:
 
         _on_ui_thread(stop_once)
 
-
     def _flush_x11(self) -> None:
         """Make sure what pystray's X11 loop queued (a title, the window's destruction) reaches the server.
 
@@ -164,7 +171,7 @@ class PystrayBackend:
             display.sync()
 
 
-def _clicked(on_click: Callable[[Action], None], action: Action, _icon: Any, _item: Any) -> None:
+def _clicked(on_click: Callable[[Action], object], action: Action, _icon: Any, _item: Any) -> None:
     on_click(action)
 
 
@@ -173,7 +180,7 @@ def _constant(value: bool, _item: Any) -> bool:
 
 
 def _on_ui_thread(fn: Callable[[], None]) -> None:
-    """AppKit objects may only change on the main thread; pystray's other backends marshal calls themselves."""
+    """AppKit objects may only change on the main thread; pystray's other backends marshal calls."""
     if sys.platform == "darwin":
         from PyObjCTools import AppHelper
 
