@@ -146,10 +146,8 @@ def test_exo_menubar_on_x11_starts_shows_clicks_and_quits(x_display, tmp_path: P
         wait_for(
             lambda: opened.exists() and opened.read_text() == url + "/", 15, "the dashboard to be opened"
         )
-        children = subprocess.run(
-            ["ps", "--ppid", str(app.pid), "-o", "pid="], capture_output=True, text=True
-        )
-        [daemon_pid] = [int(p) for p in children.stdout.split()]
+        children = " ".join(p.read_text() for p in Path(f"/proc/{app.pid}/task").glob("*/children"))
+        [daemon_pid] = [int(pid) for pid in children.split()]  # the app's only child: its exo
         app.send_signal(signal.SIGTERM)
         output, _ = app.communicate(timeout=30)
     finally:
@@ -169,7 +167,11 @@ def test_copy_api_url_reaches_the_x_clipboard(x_display, monkeypatch):
     from exo.menubar.app import copy_text
 
     copy_text("http://127.0.0.1:52415")
-    pasted = subprocess.run(
-        ["xclip", "-o", "-selection", "clipboard"], capture_output=True, text=True, timeout=10
-    )
-    assert pasted.stdout == "http://127.0.0.1:52415"
+
+    def pasted() -> str:  # xclip serves the selection from a process it forks: it may take a moment
+        out = subprocess.run(
+            ["xclip", "-o", "-selection", "clipboard"], capture_output=True, text=True, timeout=10
+        )
+        return out.stdout
+
+    wait_for(lambda: pasted() == "http://127.0.0.1:52415", 10, "the clipboard to hold the API URL")

@@ -85,6 +85,7 @@ class MenubarApp:
         self._rendered: tuple | None = None
         self._echoed: tuple | None = None
         self._quitting = threading.Event()
+        self._quit_requested = threading.Event()
         self._actions = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exo-menubar-action")
         self._poller: threading.Thread | None = None
 
@@ -99,11 +100,12 @@ class MenubarApp:
             self.controller.shutdown()
 
     def _on_ready(self) -> None:
-        self.refresh()
-        if self.start_daemon and self.snapshot is not None and self.snapshot.can_start:
-            self.click(Action.START)
-        self._poller = threading.Thread(target=self._poll, name="exo-menubar-poll", daemon=True)
-        self._poller.start()
+        try:
+            if self.start_daemon and self.refresh().can_start:
+                self.click(Action.START)
+        finally:  # whatever happened, the menu keeps following the daemon
+            self._poller = threading.Thread(target=self._poll, name="exo-menubar-poll", daemon=True)
+            self._poller.start()
 
     def _poll(self) -> None:
         while not self._quitting.is_set():
@@ -138,7 +140,12 @@ class MenubarApp:
     # -- actions ----------------------------------------------------------------------------------------
     def click(self, action: Action) -> Future[None]:
         """What a menu click calls (from the UI thread): the action runs on the worker thread."""
-        future = self._actions.submit(self._perform, action)
+        try:
+            future = self._actions.submit(self._perform, action)
+        except RuntimeError:  # the app has quit: nothing runs any more
+            future = Future()
+            future.set_result(None)
+            return future
         future.add_done_callback(_log_failure)
         return future
 
@@ -174,8 +181,10 @@ class MenubarApp:
             raise MenubarError(f"unknown action {action!r}")
 
     def quit(self) -> None:
-        """Quit from any thread (a signal handler's thread, a test): as if Quit were clicked."""
-        self.click(Action.QUIT)
+        """Quit from any thread (a signal handler's thread, a test): as if Quit were clicked, once."""
+        if not self._quit_requested.is_set():
+            self._quit_requested.set()
+            self.click(Action.QUIT)
 
     def _quit(self) -> None:
         try:
