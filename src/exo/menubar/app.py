@@ -170,7 +170,7 @@ class MenubarApp:
         elif action is Action.OPEN_DASHBOARD:
             self.open_url(c.dashboard_url)
         elif action is Action.COPY_API_URL:
-            self.copy_text(c.api_url)
+            self.copy_text(c.api_url + "/v1")  # the base URL OpenAI clients take
         elif action is Action.OPEN_LOG:
             if not c.log_path.exists():
                 raise MenubarError(f"no log yet: {c.log_path} is written when this app starts exo")
