@@ -120,7 +120,11 @@ def test_menu_follows_the_daemon_and_clicks_act(running_app):
     item.click("Open Dashboard")
     item.click("Copy API URL")
     item.click("Open exo Log")
-    assert edges == {"opened": [url + "/"], "copied": [url + "/v1", url + "/v1"], "files": [app.controller.log_path]}
+    assert edges == {
+        "opened": [url + "/"],
+        "copied": [url + "/v1", url + "/v1"],
+        "files": [app.controller.log_path],
+    }
 
     pid = app.controller.daemon_pid
     item.click("Quit (stops exo)")
