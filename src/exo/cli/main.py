@@ -146,6 +146,25 @@ def build_parser() -> argparse.ArgumentParser:
     cluster = sub.add_parser("cluster", help="the nodes of the cluster as seen from this node's running daemon")
     cluster.add_argument("--url", default=None, help="the daemon's API (default http://127.0.0.1:<settings api_port>)")
     cluster.add_argument("--json", action="store_true", help="print GET /v1/cluster as it is")
+
+    menubar = sub.add_parser(
+        "menubar",
+        help="the menu-bar app: exo's state, Native MTP, Start/Stop exo (a tray icon on Linux)",
+        description="Flags after `--` go to `exo serve` when the app starts exo "
+        "(e.g. exo menubar --start -- --model exo-demo).",
+    )
+    menubar.add_argument("--url", default=None, help="the daemon's API (default http://127.0.0.1:<settings api_port>)")
+    menubar.add_argument("--start", action="store_true", help="start exo at launch unless one already answers")
+    menubar.add_argument("--once", action="store_true", help="print the menu as text once and exit (no UI)")
+    menubar.add_argument("--poll-interval", type=float, default=2.0, help="seconds between state refreshes")
+    menubar.add_argument(
+        "--stop-timeout", type=float, default=10.0, help="seconds Stop exo waits after SIGTERM before SIGKILL"
+    )
+    menubar.add_argument(
+        "--start-timeout", type=float, default=120.0,
+        help="seconds a starting exo may stay silent before it counts as unreachable",
+    )
+    menubar.add_argument("serve_args", nargs="*", metavar="SERVE_FLAG", help="flags for exo serve (after --)")
     return parser
 
 
@@ -218,6 +237,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from exo.cli.serve import serve_command
 
             return serve_command(args)
+        if args.command == "menubar":
+            from exo.cli.menubar import menubar_command
+
+            return menubar_command(args)
     except user_errors as e:
         message = e.args[0] if isinstance(e, LookupError) and e.args else str(e)
         print(f"exo: error: {message}", file=sys.stderr)
