@@ -102,7 +102,7 @@ def test_every_field_from_env(home: Path) -> None:
     assert s.peers == ("10.0.0.2:52416", "mac-mini.local:52416", "[::1]:9000")
     assert s.api_key.get_secret_value() == "sk-secret-value"
     assert s.cluster_secret.get_secret_value() == "cluster-secret-value"
-    assert (s.request_timeout_s, s.max_queue, s.offline) == (12.5, 3, True)
+    assert (s.request_timeout_s, s.max_queue, s.offline, s.memory_budget_bytes) == (12.5, 3, True, 16 << 30)
     assert all(s.source(f) == "env" for f in Settings.model_fields)
 
 

@@ -4,6 +4,7 @@ are refused with the reason, which reaches the stats."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -24,15 +25,23 @@ MLX_REPO, SOURCE_REPO, CARD = "mlx-community/tiny-4bit", "Qwen/Tiny", "tiny-4bit
 INDEX, SHARD1, SHARD2 = ("model.safetensors.index.json", "model-00001-of-00002.safetensors",
                          "model-00002-of-00002.safetensors")
 PROMPTS = ("Count from one to twenty.", "What is the capital of France?", "List the days of the week.")
+MAX_TOKENS = 40
+# The recovered head against the one the fixture was built with, acceptance at K = 1 over PROMPTS x
+# MAX_TOKENS: the same bf16 tensors give the same acceptance; a head quantized to 4 bits moved it by at most
+# 0.031 over fixtures of seeds 0-4 (scripts/fixture_sweep.py, recovered_minus_original).
+SAME_HEAD_TOLERANCE = {False: 0.0, True: 0.1}
 
 
 def acceptance(engine: Engine) -> float:
-    """MTP acceptance at depth 1, greedy, over PROMPTS (the real generation path)."""
+    """MTP acceptance at depth 1, greedy, over PROMPTS x MAX_TOKENS (the real generation path). EOS is
+    ignored so the sample has a fixed size on any fixture: acceptance over a handful of drafts is noise."""
+    engine.loaded = dataclasses.replace(engine.loaded, eos_token_ids=frozenset())
     drafted = accepted = 0
     for text in PROMPTS:
         tokenizer = engine.loaded.tokenizer
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        stats = engine.complete(GenerationRequest(list(prompt), max_tokens=24, native_mtp="on", mtp_k=1)).stats
+        request = GenerationRequest(list(prompt), max_tokens=MAX_TOKENS, native_mtp="on", mtp_k=1)
+        stats = engine.complete(request).stats
         drafted, accepted = drafted + stats.drafted_tokens, accepted + stats.accepted_tokens
     return accepted / drafted
 
@@ -40,7 +49,7 @@ def acceptance(engine: Engine) -> float:
 @pytest.mark.parametrize(
     ("arch", "layout", "quantize"), [("qwen3_5", "mlx", False), ("qwen3_6_moe", "mlx_q4", True)], ids=str
 )
-def test_a_stripped_conversion_gets_its_head_back(hub, checkpoint, arch, layout, quantize):
+def test_a_stripped_conversion_gets_its_head_back(hub, checkpoint, arch, layout, quantize, record_property):
     stripped = checkpoint(arch, layout=layout)
     hub.add_repo(MLX_REPO, stripped)
     hub.add_repo(SOURCE_REPO, checkpoint(arch, "hf", "trained"))
@@ -61,8 +70,9 @@ def test_a_stripped_conversion_gets_its_head_back(hub, checkpoint, arch, layout,
     original = Engine(load_checkpoint(checkpoint(arch, f"{layout}_sidecar", "trained")))
     assert original.loaded.head_status.available
     recovered_rate, original_rate = acceptance(engine), acceptance(original)
+    record_property("recovered_minus_original", recovered_rate - original_rate)
     assert recovered_rate > 0.5
-    assert abs(recovered_rate - original_rate) <= 0.05, (recovered_rate, original_rate)
+    assert recovered_rate == pytest.approx(original_rate, abs=SAME_HEAD_TOLERANCE[quantize] + 1e-9)
 
     again = pull_model(CARD)  # nothing left to do
     assert again.files_fetched == 0 and again.head.status == "present"
