@@ -21,6 +21,7 @@ from exo.settings import Settings
 from .cluster import ClusterModelService
 from .completions import chat_completions, completions
 from .config import CONFIG, METRICS, NODE, OPENAPI, SERVICE, ServerConfig
+from .dashboard import add_dashboard
 from .errors import APIError, api_error_from
 from .instances import add_cluster_routes
 from .local import LocalModelService
@@ -69,6 +70,7 @@ def build_cluster_app(
     app = create_app(service, config, NodeSettings(settings, service), service.metrics)
     app[OPENAPI] = build_openapi(cluster=True)
     add_cluster_routes(app)
+    add_dashboard(app, service)
 
     async def start_node(app: web.Application) -> None:
         await service.start()
