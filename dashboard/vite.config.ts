@@ -8,7 +8,7 @@ export default defineConfig({
   plugins: [svelte()],
   base: "./",
   build: {
-    outDir: process.env.EXO_DASHBOARD_OUT ?? "../src/exo/assets/dashboard",
+    outDir: "../src/exo/assets/dashboard",
     emptyOutDir: true,
     sourcemap: false,
     reportCompressedSize: false,

@@ -9,6 +9,6 @@ import { UI } from "./lib/ui.svelte";
 const session = new Session({ storage: localStorage });
 const chat = new ChatStore(session.api, localStorage);
 const ui = new UI(localStorage);
-session.start();
+void session.start();
 
 mount(App, { target: document.getElementById("app")!, props: { session, chat, ui } });

@@ -19,11 +19,6 @@ import {
 
 const SAVE_EVERY_MS = 1000; // while a reply streams; always at its end
 
-export interface SendOptions {
-  maxTokens?: number;
-  temperature?: number;
-}
-
 export class ChatStore {
   data: ChatData = $state.raw({ conversations: [], activeId: null });
   /** Conversation ids with a reply streaming. */
@@ -71,13 +66,13 @@ export class ChatStore {
     this.commit(removeConversation(this.data, id));
   }
 
-  configure(change: { model?: string | null; mtp?: MTPChoice }): void {
+  configure(change: Partial<Pick<Conversation, "model" | "mtp" | "temperature" | "maxTokens">>): void {
     const active = this.active;
     if (active) this.commit(updateConversation(this.data, active.id, (c) => ({ ...c, ...change })));
   }
 
   /** Sends ``text`` in the active conversation (a new one if none) and streams the reply into it. */
-  async send(text: string, options: SendOptions = {}): Promise<void> {
+  async send(text: string): Promise<void> {
     const conversation = this.active ?? this.newChat(null);
     if (!text.trim() || this.streaming.includes(conversation.id)) return;
     if (!conversation.model) throw new Error("pick a model first");
@@ -108,7 +103,13 @@ export class ChatStore {
     try {
       const result = await streamChat(
         this.api,
-        { model, messages: history, mtp: conversation.mtp, ...options },
+        {
+          model,
+          messages: history,
+          mtp: conversation.mtp,
+          temperature: conversation.temperature ?? undefined,
+          maxTokens: conversation.maxTokens ?? undefined,
+        },
         (piece) => {
           content += piece;
           this.commit(updateConversation(this.data, id, (c) => updateMessage(c, reply.id, { content })), "throttled");

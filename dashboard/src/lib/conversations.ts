@@ -27,6 +27,9 @@ export interface Conversation {
   title: string;
   model: string | null;
   mtp: MTPChoice;
+  /** Sampling for this conversation's replies; null: the server's default. */
+  temperature: number | null;
+  maxTokens: number | null;
   messages: ChatMessage[];
   updated: number;
 }
@@ -47,13 +50,17 @@ export function newId(): string {
 }
 
 export function newConversation(model: string | null, mtp: MTPChoice = "auto"): Conversation {
-  return { id: newId(), title: "New chat", model, mtp, messages: [], updated: Date.now() };
+  return { id: newId(), title: "New chat", model, mtp, temperature: null, maxTokens: null, messages: [], updated: Date.now() };
 }
 
 /** The first line of the first message, shortened. */
 export function titleFrom(text: string): string {
   const line = text.trim().split("\n")[0].trim();
   return line.length > 48 ? `${line.slice(0, 47)}…` : line || "New chat";
+}
+
+function finiteOrNull(value: unknown): number | null {
+  return typeof value === "number" && Number.isFinite(value) && value >= 0 ? value : null;
 }
 
 function isMessage(value: unknown): value is ChatMessage {
@@ -82,6 +89,8 @@ export function loadChats(storage: KeyValueStorage): ChatData {
       ...c,
       model: typeof c.model === "string" ? c.model : null,
       mtp: c.mtp === "off" || (typeof c.mtp === "number" && c.mtp >= 1) ? c.mtp : "auto",
+      temperature: finiteOrNull(c.temperature),
+      maxTokens: finiteOrNull(c.maxTokens),
       messages: c.messages.filter(isMessage).map((m) => (m.status === "streaming" ? { ...m, status: "stopped" as const } : m)),
     }));
   const activeId = conversations.some((c) => c.id === data?.activeId) ? (data?.activeId ?? null) : (conversations[0]?.id ?? null);

@@ -24,10 +24,12 @@ export class Session {
   /** Events applied since the page loaded (what "live" means, for the curious). */
   eventsSeen = $state(0);
   readonly api: Api;
+  private readonly options: SessionOptions;
   private readonly storage: Storage;
   private readonly stream: EventStreamClient;
 
   constructor(options: SessionOptions) {
+    this.options = options;
     this.storage = options.storage;
     this.apiKey = loadApiKey(options.storage);
     const base = options.base ?? "";
@@ -57,7 +59,22 @@ export class Session {
     });
   }
 
-  start(): void {
+  /** Connects. A daemon that requires a key (its /health says so) is asked for one first, unless this
+   * browser remembers one: the page makes no call it knows will be refused. */
+  async start(): Promise<void> {
+    if (!this.apiKey) {
+      try {
+        const response = await (this.options.fetch ?? fetch)(`${this.options.base ?? ""}/health`, { cache: "no-store" });
+        const health = (await response.json()) as { api_key_required?: boolean };
+        if (health.api_key_required) {
+          this.keyNeeded = true;
+          this.status = "unauthorized";
+          return;
+        }
+      } catch {
+        // the daemon is not up (yet): the stream keeps trying
+      }
+    }
     this.stream.start();
   }
 

@@ -105,7 +105,7 @@ describe("EventStreamClient", () => {
       res.write(event("snapshot", { ok: true }));
     }).listen();
     let key = "";
-    const { events, statuses } = record({ retryMs: 10, headers: () => (key ? { Authorization: `Bearer ${key}` } : {}) });
+    const { events, statuses } = record({ retryMs: 10, headers: (): Record<string, string> => (key ? { Authorization: `Bearer ${key}` } : {}) });
     await waitFor(() => statuses.includes("unauthorized"), "unauthorized");
     await new Promise((resolve) => setTimeout(resolve, 150));
     expect(server.requests).toHaveLength(1); // no retry loop against a 401

@@ -94,6 +94,10 @@ describe("ChatStore", () => {
 describe("Session", () => {
   it("asks for the API key on 401, then connects with it and applies the events", async () => {
     server = await new TestServer((req, res) => {
+      if (req.url === "/health") {
+        res.writeHead(200, { "Content-Type": "application/json" }).end('{"status":"ok","api_key_required":false}');
+        return;
+      }
       if (req.headers.authorization !== "Bearer right") {
         res.writeHead(401, { "Content-Type": "application/json" }).end('{"error":{"message":"missing or invalid API key"}}');
         return;
@@ -104,7 +108,7 @@ describe("Session", () => {
     }).listen();
     const storage = new MemoryStorage();
     session = new Session({ storage: storage as unknown as Storage, base: server.url, retryMs: 10 });
-    session.start();
+    await session.start();
     await waitFor(() => session!.keyNeeded, "the key prompt");
     expect(session.status).toBe("unauthorized");
     await session.setApiKey("right");
@@ -113,6 +117,23 @@ describe("Session", () => {
     expect(session.keyNeeded).toBe(false);
     expect(storage.getItem("exo.dashboard.apiKey")).toBe("right"); // remembered for the next visit
     expect(server.requests.at(-1)!.headers.authorization).toBe("Bearer right");
+  });
+
+  it("asks for the key before any call when /health says one is required", async () => {
+    server = await new TestServer((req, res) => {
+      if (req.url === "/health") {
+        res.writeHead(200, { "Content-Type": "application/json" }).end('{"status":"ok","api_key_required":true}');
+        return;
+      }
+      sse(res);
+      res.write(event("snapshot", { nodes: [] }));
+    }).listen();
+    session = new Session({ storage: new MemoryStorage() as unknown as Storage, base: server.url });
+    await session.start();
+    expect(session.keyNeeded).toBe(true);
+    expect(server.requests.map((r) => r.url)).toEqual(["/health"]); // no call that would be refused
+    await session.setApiKey("k");
+    await waitFor(() => session!.status === "live", "live");
   });
 
   it("an API call refused with 401 raises the key prompt too", async () => {

@@ -154,7 +154,9 @@ async def _auth_middleware(request: web.Request, handler: Callable) -> web.Strea
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok", **request.app[SERVICE].status()})
+    # api_key_required: so a page can ask for the key before its first call instead of after a 401.
+    key_required = bool(request.app[CONFIG].api_key)
+    return web.json_response({"status": "ok", **request.app[SERVICE].status(), "api_key_required": key_required})
 
 
 async def metrics_handler(request: web.Request) -> web.Response:

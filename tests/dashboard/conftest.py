@@ -1,0 +1,75 @@
+"""The dashboard's tests: its toolchain (Node, for the unit tests and the bundle check), a real `exo serve`
+node that requires an API key (shared by the serving and browser tests), and where artifacts go.
+
+Tests that need Node's packages (``npm ci`` in dashboard/) or Chromium skip with the reason on a machine
+without them; under CI (``CI`` set, as ``.ci/run`` runs) a missing tool fails instead, so CI cannot pass
+by skipping them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2 as httpx
+import pytest
+from cluster.daemons import Daemon, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "dashboard"
+BUNDLE = ROOT / "src" / "exo" / "assets" / "dashboard"
+NODE_BIN = DASHBOARD / "node_modules" / ".bin"
+API_KEY = "dashboard-test-key"
+
+
+def needs(available: bool, reason: str) -> None:
+    """Skip without ``available``, except under CI, where it is a failure."""
+    if available:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason}; CI must provide it (see .ci/run)")
+    pytest.skip(reason)
+
+
+def node_tool(name: str) -> Path:
+    tool = NODE_BIN / name
+    needs(shutil.which("node") is not None and tool.exists(),
+          f"dashboard/node_modules/.bin/{name} is missing: run `npm ci` in dashboard/ (needs Node 20.19+)")
+    return tool
+
+
+@pytest.fixture(scope="session")
+def artifacts() -> Path:
+    """Screenshots and logs worth looking at after a run: dashboard/test-artifacts/ (git-ignored)."""
+    path = DASHBOARD / "test-artifacts"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+class KeyedDaemon(Daemon):
+    """An `exo serve` node with EXO_API_KEY set; its own calls carry the key."""
+
+    def http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+
+    def api(self, method: str, path: str, **kwargs) -> httpx.Response:
+        with self.http() as client:
+            return client.request(method, path, **kwargs)
+
+    def cluster(self) -> dict:
+        response = self.api("GET", "/v1/cluster")
+        assert response.status_code == 200, response.text
+        return response.json()
+
+
+@pytest.fixture(scope="package")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeyedDaemon]:
+    daemon = KeyedDaemon(tmp_path_factory.mktemp("dashboard") / "studio", "studio", env={"EXO_API_KEY": API_KEY})
+    daemon.start().wait_up()
+    try:
+        wait_for(lambda: daemon.cluster()["nodes"], 20, "the node to know itself")
+        yield daemon
+    finally:
+        daemon.stop()
