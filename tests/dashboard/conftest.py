@@ -64,9 +64,35 @@ class KeyedDaemon(Daemon):
         return response.json()
 
 
+BROKEN_MODEL = "broken-demo"
+
+
+def install_broken_model(home: Path) -> dict[str, str]:
+    """A model whose weights on disk are not safetensors (a truncated download, say): listed, placeable,
+    and failing to load in its runner. Returns the environment that points the daemon's Hugging Face
+    cache at it."""
+    demo = ROOT / "src" / "exo" / "assets" / "models" / "exo-demo"
+    cache = home / "hf-cache"
+    repo_dir = cache / "models--exo-tests--broken-demo"
+    snapshot = repo_dir / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text("0" * 40)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo / name, snapshot / name)
+    (snapshot / "model.safetensors").write_bytes(b"this is not a safetensors file" * 64)
+    card = (ROOT / "model_cards" / "exo-demo.toml").read_text()
+    card = card.replace('id = "exo-demo"', f'id = "{BROKEN_MODEL}"').replace('name = "exo demo (dense)"', 'name = "broken demo"')
+    card = card.replace('bundled = "exo-demo"', 'repo = "exo-tests/broken-demo"')
+    (home / "model_cards").mkdir(parents=True)
+    (home / "model_cards" / f"{BROKEN_MODEL}.toml").write_text(card)
+    return {"HF_HUB_CACHE": str(cache)}
+
+
 @pytest.fixture(scope="package")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeyedDaemon]:
-    daemon = KeyedDaemon(tmp_path_factory.mktemp("dashboard") / "studio", "studio", env={"EXO_API_KEY": API_KEY})
+    home = tmp_path_factory.mktemp("dashboard") / "studio"
+    daemon = KeyedDaemon(home, "studio", env={"EXO_API_KEY": API_KEY, **install_broken_model(home)})
     daemon.start().wait_up()
     try:
         wait_for(lambda: daemon.cluster()["nodes"], 20, "the node to know itself")

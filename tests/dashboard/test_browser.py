@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from cluster.daemons import Daemon, wait_for
 
-from .conftest import API_KEY, KeyedDaemon, needs
+from .conftest import API_KEY, BROKEN_MODEL, KeyedDaemon, needs
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -146,6 +146,22 @@ def test_models_view_launches_a_model_after_a_placement_preview(page, node, arti
     assert listed["model"] == "exo-demo" and listed["state"] == "ready" and not listed["on_demand"]
 
 
+def test_a_model_that_fails_to_load_shows_why(page, node, artifacts):
+    model = page.get_by_role("listitem", name="broken demo")
+    model.get_by_role("button", name="Launch…").click()
+    model.get_by_role("region", name=f"launch {BROKEN_MODEL}").get_by_role("button", name="Launch", exact=True).click()
+    instance = page.locator(f'article[aria-label="instance of {BROKEN_MODEL}"]')
+    expect(instance).to_have_attribute("data-state", "failed", timeout=120_000)
+    [failed] = [i for i in node.api("GET", "/v1/instances").json()["instances"] if i["model"] == BROKEN_MODEL]
+    expect(instance).to_contain_text(f"exit code {failed['failure']['exit_code']}")
+    expect(instance).to_contain_text(failed["failure"]["message"][:60])
+    instance.get_by_text("Runner output").click()  # the runner's last lines, for a bug report
+    expect(instance.locator("pre")).to_contain_text(failed["failure"]["stderr_tail"][-1][:60])
+    screenshot(page, artifacts, "models-failed-instance")
+    instance.get_by_role("button", name="Dismiss").click()
+    expect(instance).to_have_count(0)
+
+
 def test_chat_streams_a_reply_and_shows_its_native_mtp_stats(page):
     go(page, "chat")
     page.get_by_label("MTP depth").select_option("2")
@@ -157,7 +173,7 @@ def test_chat_streams_a_reply_and_shows_its_native_mtp_stats(page):
     page.evaluate("""() => {
         window.__lengths = [];
         new MutationObserver(() => {
-            const replies = document.querySelectorAll('article.assistant[data-status="streaming"] .markdown');
+            const replies = document.querySelectorAll('article.assistant[data-status="streaming"] .body');
             if (replies.length) window.__lengths.push(replies[replies.length - 1].textContent.length);
         }).observe(document.body, {subtree: true, childList: true, characterData: true, attributes: true});
     }""")
@@ -173,7 +189,7 @@ def test_chat_streams_a_reply_and_shows_its_native_mtp_stats(page):
     expect(reply).to_have_attribute("data-status", "done")
     grew = sorted(set(page.evaluate("window.__lengths")))
     assert len([n for n in grew if n > 0]) >= 3, f"the reply did not stream in: lengths seen {grew}"
-    assert reply.locator(".markdown").inner_text().strip()
+    assert reply.locator(".body").inner_text().strip()
 
 
 def test_stop_ends_the_generation_on_the_daemon(page, node):
@@ -183,7 +199,7 @@ def test_stop_ends_the_generation_on_the_daemon(page, node):
     reply = last_reply(page)
     expect(reply).to_have_attribute("data-status", "streaming")
     page.wait_for_function(  # the reply itself has text (not just its footer)
-        "() => [...document.querySelectorAll('article.assistant .markdown')].at(-1)?.textContent.length > 40",
+        "() => [...document.querySelectorAll('article.assistant .body')].at(-1)?.textContent.length > 40",
         timeout=60_000,
     )
     wait_for(lambda: any(i["running"] for i in node.api("GET", "/v1/instances").json()["instances"]), 15,
@@ -210,7 +226,7 @@ def test_conversation_is_kept_across_a_reload(page):
     expect(replies).to_have_count(2)
     expect(replies.first.get_by_test_id("message-stats")).to_contain_text(re.compile(r"acceptance \d+%"))
     expect(replies.last).to_have_attribute("data-status", "stopped")
-    expect(replies.last.locator(".markdown")).not_to_be_empty()
+    expect(replies.last.locator(".body")).not_to_be_empty()
     expect(page.get_by_role("article", name="user message").first).to_have_text("Hello")
     page.evaluate("window.__sameDocument = true")
 

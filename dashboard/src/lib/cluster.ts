@@ -44,8 +44,9 @@ export function nodesWithModel(state: DashboardState, modelId: string): NodeView
   return sortedNodes(state).filter((n) => n.models.includes(modelId));
 }
 
-export function instancesOf(state: DashboardState, modelId: string): InstanceView[] {
-  return sortedInstances(state).filter((i) => i.model === modelId && i.state !== "gone");
+/** The model's instances that run or are on their way (not failed, stopping or gone). */
+export function liveInstancesOf(state: DashboardState, modelId: string): InstanceView[] {
+  return sortedInstances(state).filter((i) => i.model === modelId && (i.state === "ready" || i.state === "loading"));
 }
 
 export function memoryUsedBytes(node: NodeView): number {

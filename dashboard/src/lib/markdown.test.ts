@@ -1,6 +1,6 @@
 import { describe, expect, it } from "vitest";
 
-import { renderMarkdown } from "./markdown";
+import { looksLikeBareCode, renderMarkdown } from "./markdown";
 
 describe("renderMarkdown", () => {
   it("renders markdown and fenced code", () => {
@@ -38,5 +38,19 @@ describe("renderMarkdown", () => {
 
   it("leaves images as text (no request to elsewhere)", () => {
     expect(renderMarkdown("![pixel](https://tracker.example/p.png)")).not.toContain("<img");
+  });
+});
+
+describe("looksLikeBareCode", () => {
+  it("spots code without fences", () => {
+    expect(looksLikeBareCode("def add(a, b):\n    x = a\n    return x + b\n")).toBe(true);
+    expect(looksLikeBareCode("int main() {\n\treturn 0;\n\t}\n")).toBe(true);
+  });
+
+  it("leaves prose, nested lists and fenced code to markdown", () => {
+    expect(looksLikeBareCode("Here is how.\n\nFirst, this.\nThen that.")).toBe(false);
+    expect(looksLikeBareCode("- fruit\n  - apple\n  - pear\n  1. first")).toBe(false);
+    expect(looksLikeBareCode("Like so:\n```py\ndef f():\n    x = 1\n    return x\n```")).toBe(false);
+    expect(looksLikeBareCode("one line\n    indented once")).toBe(false);
   });
 });

@@ -18,3 +18,14 @@ md.renderer.rules.link_open = (tokens, idx, options, env, self) => {
 export function renderMarkdown(text: string): string {
   return md.render(text);
 }
+
+const LIST_ITEM = /^\s*([-*+]|\d+[.)])\s/;
+
+/** Code with no fences around it (small models answer like that): markdown would collapse its
+ * indentation, so such a reply is shown as plain text. Two or more indented lines that are not nested
+ * list items, and no fence anywhere. */
+export function looksLikeBareCode(text: string): boolean {
+  if (text.includes("```") || text.includes("~~~")) return false;
+  const indented = text.split("\n").filter((line) => /^(\t| {2,})\S/.test(line) && !LIST_ITEM.test(line));
+  return indented.length >= 2;
+}

@@ -1,6 +1,6 @@
 import { describe, expect, it } from "vitest";
 
-import { chatModels, instancesOn, placementStages, sortedNodes, stagesOf } from "./cluster";
+import { chatModels, instancesOn, liveInstancesOf, placementStages, sortedNodes, stagesOf } from "./cluster";
 import { applyEvent, emptyState, type DashboardState } from "./reducer";
 import type { InstanceView, ModelView, NodeView, PlacementView } from "./types";
 
@@ -128,5 +128,24 @@ describe("cluster selectors", () => {
       ],
     ]);
     expect(chatModels(state).map((m) => m.id)).toEqual(["ready", "on-disk"]);
+  });
+});
+
+describe("live instances", () => {
+  it("counts ready and loading instances of a model, not failed or gone ones", () => {
+    const state = replay([
+      [
+        "snapshot",
+        {
+          instances: [
+            instance("a", "m", "n", { state: "failed" }),
+            instance("b", "m", "n", { state: "gone" }),
+            instance("c", "m", "n", { state: "loading" }),
+            instance("d", "other", "n"),
+          ],
+        },
+      ],
+    ]);
+    expect(liveInstancesOf(state, "m").map((i) => i.id)).toEqual(["c"]);
   });
 });
