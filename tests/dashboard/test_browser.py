@@ -148,6 +148,8 @@ def test_models_view_launches_a_model_after_a_placement_preview(page, node, arti
 
 def test_a_model_that_fails_to_load_shows_why(page, node, artifacts):
     model = page.get_by_role("listitem", name="broken demo")
+    expect(model).to_contain_text("no MTP")  # and why: its weights cannot even be read
+    expect(model).to_contain_text("the MTP head cannot be read")
     model.get_by_role("button", name="Launch…").click()
     model.get_by_role("region", name=f"launch {BROKEN_MODEL}").get_by_role("button", name="Launch", exact=True).click()
     instance = page.locator(f'article[aria-label="instance of {BROKEN_MODEL}"]')

@@ -73,9 +73,9 @@ export class ChatStore {
 
   /** Sends ``text`` in the active conversation (a new one if none) and streams the reply into it. */
   async send(text: string): Promise<void> {
-    const conversation = this.active ?? this.newChat(null);
-    if (!text.trim() || this.streaming.includes(conversation.id)) return;
-    if (!conversation.model) throw new Error("pick a model first");
+    const conversation = this.active;
+    // The view sends only with a model chosen and nothing streaming; anything else is a no-op.
+    if (!conversation?.model || !text.trim() || this.streaming.includes(conversation.id)) return;
     const id = conversation.id;
     const model = conversation.model;
     const history: ChatTurn[] = conversation.messages

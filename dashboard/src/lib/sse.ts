@@ -1,6 +1,6 @@
 // A server-sent-events client over fetch (EventSource cannot send the Authorization header), that
 // reconnects by itself: after the stream ends or fails it waits the server's `retry:` delay (doubling
-// while attempts keep failing, up to a cap) and connects again. A stream that stays silent longer than
+// while attempts keep failing, up to 5 s) and connects again. A stream that stays silent longer than
 // `idleTimeoutMs` (the daemon sends a heartbeat comment every 15 s) counts as dead. A 401 stops the loop
 // until `restart()` (the user typed a key).
 
@@ -77,7 +77,7 @@ export class EventStreamClient {
       if (!this.running || this.status === "unauthorized") return;
       failures = live ? 0 : failures + 1;
       this.setStatus("reconnecting", detail);
-      const delay = Math.min(this.retryMs * 2 ** Math.max(0, failures - 1), this.options.maxRetryMs ?? 10_000);
+      const delay = Math.min(this.retryMs * 2 ** Math.max(0, failures - 1), this.options.maxRetryMs ?? 5000);
       await new Promise<void>((resolve) => {
         const timer = setTimeout(resolve, delay);
         this.wake = () => {
