@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 
 import mlx.core as mx
+from snapshot import Snapshot
 
 from exo.engine import load
 from exo.engine.bench import encode_prompt
-from exo.engine.costs import _Snapshot, device_name
+from exo.engine.costs import device_name
 from exo.engine.models.layers import RollbackArraysCache
 
 
@@ -39,7 +40,7 @@ def main() -> None:
     flips = {r: [] for r in args.rows}
     gaps = []
     for _ in range(args.steps):
-        snapshot = _Snapshot(cache)
+        snapshot = Snapshot(cache)
         one = model.logits(model.hidden(token.reshape(1, 1), cache))[0, -1].astype(mx.float32)
         mx.eval(one)
         top = mx.topk(one, 2)

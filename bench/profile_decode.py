@@ -17,9 +17,10 @@ import time
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
+from snapshot import Snapshot
 
 from exo.engine import load
-from exo.engine.costs import _Snapshot, device_name
+from exo.engine.costs import device_name
 from exo.engine.models.layers import RollbackArraysCache
 
 
@@ -37,10 +38,10 @@ def main() -> None:
     cache = model.make_cache()
     hidden = model.hidden(tokens, cache)
     mx.eval([c.state for c in cache], hidden)
-    snapshot = _Snapshot(cache)
+    snapshot = Snapshot(cache)
     print(f"{engine.loaded.model_id} on {device_name()}, context {args.context}")
 
-    def measure(build, state: _Snapshot = snapshot) -> tuple[float, float]:
+    def measure(build, state: Snapshot = snapshot) -> tuple[float, float]:
         builds, evals = [], []
         for i in range(args.reps + 3):
             start = time.perf_counter()
@@ -79,7 +80,7 @@ def main() -> None:
         head_cache = KVCache()
         head(model.embed(tokens[:, 1:]), hidden[:, :-1], head_cache)
         mx.eval(head_cache.state)
-        head_snapshot = _Snapshot([head_cache])
+        head_snapshot = Snapshot([head_cache])
         last = hidden[:, -1:]
 
         def draft():

@@ -1,11 +1,11 @@
-"""Regenerate the Python stubs of proto/exo/v1/node.proto into src/exo/cluster/proto_gen/.
+"""Regenerate the Python stubs of proto/exo/v1/node.proto into src/exo/wire/proto_gen/.
 
     python scripts/gen_proto.py            # rewrite the committed stubs
     python scripts/gen_proto.py --out DIR  # write them somewhere else (the freshness test does)
 
 Needs grpcio-tools (the dev extra); its version is pinned in pyproject.toml so that everyone derives
 the same files. protoc names the message module after the proto's path (exo/v1/node.proto), so the
-grpc module's `from exo.v1 import node_pb2` is rewritten to import it from exo.cluster.proto_gen.
+grpc module's `from exo.v1 import node_pb2` is rewritten to import it from exo.wire.proto_gen.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PROTO_ROOT = ROOT / "proto"
 PROTO_FILE = "exo/v1/node.proto"
-PACKAGE = "exo.cluster.proto_gen"
-DEFAULT_OUT = ROOT / "src" / "exo" / "cluster" / "proto_gen"
+PACKAGE = "exo.wire.proto_gen"
+DEFAULT_OUT = ROOT / "src" / "exo" / "wire" / "proto_gen"
 GENERATED = ("node_pb2.py", "node_pb2.pyi", "node_pb2_grpc.py")
 INIT = '"""Generated from proto/exo/v1/node.proto by scripts/gen_proto.py: do not edit."""\n'
 

@@ -29,12 +29,30 @@ import pytest
 # Torch's default of one thread per core thrashes when this small CPU is shared (a 1.5 s check took 40 s
 # with two threads under load). Set before anything imports torch; an explicit value is respected.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The fixture checkpoints are trained here with torch. Its CPU kernels are chosen per machine (ATen's
+# AVX2 / AVX-512 paths, MKL's per-vendor code paths), and each choice rounds differently, so the same
+# recipe trained different weights on different machines. ATen's portable kernels and MKL's
+# conditional-numerical-reproducibility mode take the same code path on any x86-64 CPU (and oneDNN,
+# which also dispatches per instruction set, is switched off while training: fixtures/training.py).
+os.environ.setdefault("ATEN_CPU_CAPABILITY", "default")
+os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 
 _SRC = Path(__file__).resolve().parents[1] / "src"
 if _SRC.is_dir() and str(_SRC) not in sys.path:
     sys.path.insert(0, str(_SRC))
 
 from fixtures import FixtureStore  # noqa: E402
+
+FIXTURE_FIXTURES = frozenset({"fixture_store", "tokenizer_dir", "checkpoint", "malformed_checkpoint"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test that uses a built fixture (directly or through other fixtures) ``fixture_dependent``:
+    ``EXO_FIXTURE_SEED=N python -m pytest -m fixture_dependent`` reruns them on fixtures of another seed
+    (scripts/fixture_sweep.py does that for many seeds and reports the measured margins)."""
+    for item in items:
+        if FIXTURE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.fixture_dependent)
 
 
 @pytest.fixture(scope="session")
@@ -67,6 +85,6 @@ def malformed_checkpoint(fixture_store: FixtureStore) -> Callable[..., Path]:
 def _hermetic_exo_environment(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test gets an empty EXO_HOME and no EXO_* settings from the developer's shell."""
     for name in list(os.environ):
-        if name.startswith("EXO_") and name != "EXO_FIXTURE_DIR":
+        if name.startswith("EXO_") and name not in ("EXO_FIXTURE_DIR", "EXO_FIXTURE_SEED"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("EXO_HOME", str(tmp_path_factory.mktemp("exo-home")))

@@ -38,7 +38,7 @@ def test_defaults(home: Path) -> None:
         "default",
         True,
     )
-    assert (s.request_timeout_s, s.max_queue) == (600.0, 64)
+    assert (s.request_timeout_s, s.max_queue, s.offline) == (600.0, 64, False)
     for field in Settings.model_fields:
         if field != "home":
             assert s.source(field) == "default", field
@@ -84,6 +84,7 @@ def test_every_field_from_env(home: Path) -> None:
             EXO_CLUSTER_SECRET="cluster-secret-value",
             EXO_REQUEST_TIMEOUT_S="12.5",
             EXO_MAX_QUEUE="3",
+            EXO_OFFLINE="1",
         )
     )
     assert (s.native_mtp_enabled, s.native_mtp_moe_verify, s.native_mtp_async_draft_eval) == (
@@ -101,7 +102,7 @@ def test_every_field_from_env(home: Path) -> None:
     assert s.peers == ("10.0.0.2:52416", "mac-mini.local:52416", "[::1]:9000")
     assert s.api_key.get_secret_value() == "sk-secret-value"
     assert s.cluster_secret.get_secret_value() == "cluster-secret-value"
-    assert (s.request_timeout_s, s.max_queue) == (12.5, 3)
+    assert (s.request_timeout_s, s.max_queue, s.offline) == (12.5, 3, True)
     assert all(s.source(f) == "env" for f in Settings.model_fields)
 
 

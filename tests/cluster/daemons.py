@@ -101,6 +101,9 @@ class Daemon:
     def post(self, path: str, body: dict[str, Any], timeout: float = 120) -> httpx.Response:
         return httpx.post(self.url + path, json=body, timeout=timeout)
 
+    def delete(self, path: str, timeout: float = 60) -> httpx.Response:
+        return httpx.delete(self.url + path, timeout=timeout)
+
     def cluster(self) -> dict[str, Any]:
         response = self.get("/v1/cluster")
         assert response.status_code == 200, response.text

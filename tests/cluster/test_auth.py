@@ -8,8 +8,8 @@ import grpc
 import pytest
 
 from exo.cluster.auth import REPLAY_WINDOW_S, AuthInterceptor, ClusterAuth
-from exo.cluster.proto_gen import node_pb2 as pb
-from exo.cluster.proto_gen import node_pb2_grpc as pb_grpc
+from exo.wire.proto_gen import node_pb2 as pb
+from exo.wire.proto_gen import node_pb2_grpc as pb_grpc
 
 INFO = "/exo.v1.Node/GetNodeInfo"
 GENERATE = "/exo.v1.Node/Generate"

@@ -283,7 +283,8 @@ def test_a_slow_peer_never_blocks_the_api(trio):
             assert a.get(path, timeout=5).status_code == 200
             assert time.monotonic() - t0 < 2.0, path
         wait_for(lambda: c.node_id not in a.node_ids(), 15, "the stopped node to leave")
-        assert time.monotonic() - stopped <= 10.5
+        # Silent for EXPIRE_S (7.5 s) after its last answer, which came at most a poll (1.5 s) before the stop.
+        assert time.monotonic() - stopped <= 10.0
     finally:
         c.process.send_signal(signal.SIGCONT)
     wait_for(lambda: c.node_id in a.node_ids(), 15, "the node to come back once it answers again")

@@ -22,7 +22,8 @@ def node(checkpoint, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("fuzz-node")
     model = short_context_copy(checkpoint("qwen3_5"), root / "short-context", 64)
-    daemon = Daemon(root / "home", "fuzz", extra_args=["--model", str(model)])
+    # EXO_OFFLINE: POST /v1/downloads never reaches the network (a made-up repo id is a 404, not a download).
+    daemon = Daemon(root / "home", "fuzz", extra_args=["--model", str(model)], env={"EXO_OFFLINE": "1"})
     daemon.start()
     daemon.wait_up(180)
     try:
@@ -36,11 +37,11 @@ def test_fuzz_every_operation_of_a_cluster_node(node, mode):
     schema = schemathesis.openapi.from_dict(node.get("/openapi.json").json())
     operations = [result.ok() for result in schema.get_all_operations()]
     paths = {op.path for op in operations}
-    assert {"/v1/cluster", "/v1/instances", "/v1/instances/preview", "/v1/instances/{id}"} <= paths
-    assert len(operations) == 15
+    assert {"/v1/cluster", "/v1/instances", "/v1/instances/preview", "/v1/instances/{id}", "/v1/downloads"} <= paths
+    assert len(operations) == 20
     if mode == GenerationMode.NEGATIVE:
         operations = [op for op in operations if "requestBody" in op.definition.raw]
-        assert len(operations) == 4
+        assert len(operations) == 5
     fuzz_operations(operations, mode, node.url, EXAMPLES)
     assert node.post("/v1/completions", {"prompt": "The", "max_tokens": 4}).status_code == 200
     assert node.process is not None and node.process.poll() is None

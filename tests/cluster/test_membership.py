@@ -5,8 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from exo.cluster.proto_gen import node_pb2 as pb
-from exo.cluster.proto_gen import node_pb2_grpc as pb_grpc
+from exo.wire.proto_gen import node_pb2 as pb
+from exo.wire.proto_gen import node_pb2_grpc as pb_grpc
 
 from .daemons import Daemon, start_all, wait_for
 

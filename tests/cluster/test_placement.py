@@ -12,11 +12,13 @@ from exo.cluster.placement import (
     CONTEXT_BUDGET_TOKENS,
     AlreadyPlacedError,
     ExistingInstance,
+    InvalidPlacementRequest,
     ModelNotOnDiskError,
     ModelRequirement,
     NodeCapacity,
     NoPlacementError,
     ShardAssignment,
+    TooFewNodesError,
     UnknownNodeError,
     gib,
     placement,
@@ -137,7 +139,8 @@ def _gib_in(message: str, label: str) -> str:
 NO_ROOM_CASES = [
     # (nodes, existing, best node, best free bytes): needed is 4.5 GiB
     pytest.param([node("a", 3)], [], "a", 3 * GiB, id="single-too-small"),
-    pytest.param([node("a", 2), node("b", 4), node("c", 1)], [], "b", 4 * GiB, id="best-of-several"),
+    # Spread over every holder it still does not fit (4 GiB of layers, 0.5 GiB per stage).
+    pytest.param([node("a", 1), node("b", 2), node("c", 1)], [], "b", 2 * GiB, id="best-of-several"),
     pytest.param(
         [node("a", 8)], [inst("x", "a", "loading", 5)], "a", 3 * GiB, id="reservation-leaves-too-little"
     ),
@@ -159,8 +162,11 @@ def test_no_room_says_needed_best_and_missing(nodes, existing, best, best_free):
     assert _gib_in(msg, "needs") == "4.50 GiB"
     assert _gib_in(msg, "most free memory is") == gib(best_free)
     assert f"on node {best}:" in msg
-    assert msg.endswith(f"{gib(r.needed_bytes - best_free)} missing")
+    assert f"{gib(r.needed_bytes - best_free)} missing" in msg
     assert "weights 4.00 GiB" in msg and "activations 0.50 GiB" in msg
+    if len(nodes) > 1:  # and it says a pipeline would not fit either
+        total = sum(n.memory_available_bytes for n in nodes)
+        assert f"spread over all {len(nodes)} nodes that hold it ({gib(total)} free in all)" in msg
 
 
 def test_no_room_message_names_the_node_and_the_kv_budget():
@@ -302,3 +308,120 @@ def test_demo_model_fits_a_small_node(catalog):
         catalog.get("exo-demo"), [NodeCapacity("laptop", 1 * GiB, 8 * GiB, models=frozenset({"exo-demo"}))]
     )
     assert p.node_id == "laptop" and p.requirement.needed_bytes < 1 * GiB
+
+
+# -- pipelines: one model over several nodes ---------------------------------------------------------------
+
+
+def layered(layers: int = 8, layer_gib: float = 0.5, embed_gib: float = 0.0, output_gib: float = 0.0,
+            mtp_gib: float = 0.0, kv_per_token: int = 0, context: int = 0, interval: int = 4) -> ModelRequirement:
+    weights = layers * layer_gib + embed_gib + output_gib + mtp_gib
+    return ModelRequirement(
+        "m", int(weights * GiB), kv_per_token, context, n_layers=layers,
+        layer_bytes=tuple(int(layer_gib * GiB) for _ in range(layers)), embed_bytes=int(embed_gib * GiB),
+        output_bytes=int(output_gib * GiB), mtp_bytes=int(mtp_gib * GiB), full_attention_interval=interval,
+    )
+
+
+def stages(p) -> list[tuple[str, int, int]]:
+    return [(s.node_id, s.start_layer, s.end_layer) for s in p.shards]
+
+
+# (requirement, nodes, kwargs, expected stages (node, start, end) in rank order). Layers are split in
+# proportion to what each node has left once a stage's fixed part is counted (0.5 GiB of activations
+# per stage; the embedding on the first; output, MTP head and embedding on the last), largest remainder.
+PIPELINE_CASES = [
+    pytest.param(layered(), [node("a", 3), node("b", 3)], {},
+                 [("a", 0, 4), ("b", 4, 8)], id="fits-nowhere-alone-even-split"),
+    pytest.param(layered(), [node("a", 2.5), node("b", 4)], {},
+                 [("b", 0, 5), ("a", 5, 8)], id="proportional-to-room-most-free-first"),
+    pytest.param(layered(), [node("a", 2), node("b", 2), node("c", 2), node("d", 1)], {},
+                 [("a", 0, 3), ("b", 3, 6), ("c", 6, 8)], id="fewest-nodes-that-hold-it"),
+    pytest.param(layered(), [node("a", 30), node("b", 30)], {"min_nodes": 2},
+                 [("a", 0, 4), ("b", 4, 8)], id="min-nodes-spreads-what-fits-on-one"),
+    pytest.param(layered(), [node("a", 30), node("b", 30), node("c", 30)], {"min_nodes": 3},
+                 [("a", 0, 3), ("b", 3, 6), ("c", 6, 8)], id="min-nodes-3-largest-remainder"),
+    pytest.param(layered(), [node("a", 30), node("b", 30), node("c", 30)], {"nodes_in_order": ["c", "a"]},
+                 [("c", 0, 4), ("a", 4, 8)], id="nodes-exactly-in-order"),
+    pytest.param(layered(layers=4, layer_gib=0.25, embed_gib=1, output_gib=0.5, mtp_gib=0.5),
+                 [node("a", 3), node("b", 3)], {},
+                 [("a", 0, 3), ("b", 3, 4)], id="last-stage-carries-output-head-and-embedding"),
+    pytest.param(layered(layers=3), [node("a", 30), node("b", 30), node("c", 1.0)], {"min_nodes": 3},
+                 [("a", 0, 1), ("b", 1, 2), ("c", 2, 3)], id="at-least-one-layer-per-stage"),
+    pytest.param(layered(layers=8, layer_gib=0.25, kv_per_token=2 * GiB // 1024, context=1024, interval=2),
+                 [node("a", 3.5), node("b", 3.5)], {},
+                 [("a", 0, 4), ("b", 4, 8)], id="kv-of-attention-layers-counted"),
+]
+
+
+@pytest.mark.parametrize(("requirement", "nodes", "kwargs", "expected"), PIPELINE_CASES)
+def test_pipeline_placement(requirement, nodes, kwargs, expected):
+    p = placement(requirement, nodes, **kwargs)
+    assert stages(p) == expected
+    assert p.pipelined and p.node_id == expected[-1][0]  # the last stage leads
+    assert [s.rank for s in p.shards] == list(range(len(expected)))
+    assert all(s.world_size == len(expected) for s in p.shards)
+    free = {n.node_id: n.memory_available_bytes for n in nodes}
+    for s, needed in zip(p.shards, p.stage_needed_bytes, strict=True):
+        assert needed == requirement.stage_bytes(s.start_layer, s.end_layer) <= free[s.node_id]
+    assert p.headroom_bytes >= 0
+
+
+def test_stages_follow_the_fastest_links():
+    """Four equal nodes, two of them far apart: the ring of stages avoids the slow links."""
+    nodes = [node(x, 2) for x in "abcd"]
+    slow = {("a", "b"): 50.0, ("c", "d"): 50.0}
+    links = {(x, y): slow.get((x, y), slow.get((y, x), 1.0)) for x in "abcd" for y in "abcd" if x != y}
+    p = placement(layered(layers=8, layer_gib=0.6), nodes, min_nodes=4, links=links)
+    order = [s.node_id for s in p.shards]
+    ring = list(zip(order, order[1:] + order[:1], strict=True))
+    assert not any(pair in slow or pair[::-1] in slow for pair in ring), order
+
+
+def test_a_stage_holds_only_its_layers_and_the_stage_parts():
+    r = layered(layers=4, layer_gib=1, embed_gib=2, output_gib=1, mtp_gib=0.5)
+    half = int(0.5 * GiB)
+    assert r.stage_bytes(0, 2) == 2 * GiB + 2 * GiB + half  # layers, embedding, activations
+    assert r.stage_bytes(2, 4) == 2 * GiB + 2 * GiB + GiB + half + half  # + output, MTP head, embedding
+    assert r.stage_bytes(1, 3) == 2 * GiB + half  # a middle stage: layers and activations only
+    assert r.stage_bytes(0, 4) == 4 * GiB + 2 * GiB + GiB + half + half
+
+
+@pytest.mark.parametrize(
+    ("nodes", "kwargs", "error", "message"),
+    [
+        pytest.param([node("a", 30)], {"min_nodes": 2}, TooFewNodesError,
+                     "asked to spread over 2 nodes, but 1 node of the cluster hold its weights", id="one-node"),
+        pytest.param([node("a", 30), node("b", 30, models={"x"})], {"min_nodes": 2}, TooFewNodesError,
+                     "but 1 node of the cluster hold", id="only-one-holds-it"),
+        pytest.param([node("a", 30), node("b", 30)], {"nodes_in_order": ["a", "zz"]}, UnknownNodeError,
+                     "no node 'zz' in the cluster", id="unknown-node-in-nodes"),
+        pytest.param([node("a", 30), node("b", 30, models={"x"})], {"nodes_in_order": ["a", "b"]},
+                     ModelNotOnDiskError, "not on the disk of node b", id="weights-missing-on-a-stage"),
+        pytest.param([node("a", 30), node("b", 0.8)], {"nodes_in_order": ["a", "b"]}, NoPlacementError,
+                     "stage 1 on node b needs", id="a-named-stage-does-not-fit"),
+        pytest.param([node("a", 30), node("b", 30)], {"nodes_in_order": ["a", "a"]}, InvalidPlacementRequest,
+                     "nodes lists a node twice", id="duplicate-node"),
+        pytest.param([node("a", 30), node("b", 30)], {"node": "a", "min_nodes": 2}, InvalidPlacementRequest,
+                     "use `nodes`", id="node-and-min-nodes"),
+        pytest.param([node(x, 30) for x in "abcdefghij"], {"min_nodes": 9}, TooFewNodesError,
+                     "it has 8 layers", id="more-stages-than-layers"),
+    ],
+)
+def test_pipeline_placement_errors_say_what_is_missing(nodes, kwargs, error, message):
+    with pytest.raises(error) as exc:
+        placement(layered(), nodes, **kwargs)
+    assert message in str(exc.value)
+
+
+def test_pipeline_preview_is_pure():
+    nodes = [node("a", 3), node("b", 3)]
+    first = placement(layered(), nodes)
+    assert placement(layered(), nodes) == first
+    assert nodes == [node("a", 3), node("b", 3)]
+
+
+def test_a_live_stage_of_the_model_is_already_placed():
+    existing = [inst("m", "b", "ready", instance_id="p1"), inst("m", "a", "loading", instance_id="p1")]
+    with pytest.raises(AlreadyPlacedError):
+        placement(layered(), [node("a", 3), node("b", 3)], existing)

@@ -6,7 +6,7 @@ import importlib.util
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMITTED = ROOT / "src" / "exo" / "cluster" / "proto_gen"
+COMMITTED = ROOT / "src" / "exo" / "wire" / "proto_gen"
 
 
 def _gen_proto():
@@ -33,9 +33,9 @@ def test_stubs_are_fresh(tmp_path):
 def test_generated_grpc_module_imports_from_the_package():
     # The rewrite in gen_proto.py: protoc's `from exo.v1 import node_pb2` would not import.
     text = (COMMITTED / "node_pb2_grpc.py").read_text()
-    assert "from exo.cluster.proto_gen import node_pb2 as exo_dot_v1_dot_node__pb2" in text
+    assert "from exo.wire.proto_gen import node_pb2 as exo_dot_v1_dot_node__pb2" in text
     assert "from exo.v1 import" not in text
-    from exo.cluster.proto_gen import node_pb2, node_pb2_grpc
+    from exo.wire.proto_gen import node_pb2, node_pb2_grpc
 
     assert node_pb2_grpc.exo_dot_v1_dot_node__pb2 is node_pb2
     assert node_pb2.DESCRIPTOR.services_by_name["Node"].methods_by_name["Generate"].server_streaming

@@ -10,9 +10,9 @@ import grpc
 
 from exo.cluster.auth import AuthInterceptor, ClusterAuth
 from exo.cluster.identity import NODE_ID_FILE, NodeIdentity
-from exo.cluster.proto_gen import node_pb2 as pb
-from exo.cluster.proto_gen import node_pb2_grpc as pb_grpc
 from exo.cluster.registry import Peer, PeerRegistry
+from exo.wire.proto_gen import node_pb2 as pb
+from exo.wire.proto_gen import node_pb2_grpc as pb_grpc
 
 NS = "test-ns"
 HOST = "127.0.0.1"

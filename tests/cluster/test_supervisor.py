@@ -23,9 +23,9 @@ from typing import Any, TypeVar
 import pytest
 
 from exo.cards import load_catalog
-from exo.cluster.proto_gen import node_pb2 as pb
 from exo.cluster.supervisor import InstanceFailedError, InstanceSupervisor, UnknownInstanceError
 from exo.engine import GenerationRequest, NativeMTPStats, ResolvedModel, load, resolve_model
+from exo.wire.proto_gen import node_pb2 as pb
 
 pytestmark = pytest.mark.timeout(180)
 

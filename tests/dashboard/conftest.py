@@ -92,7 +92,11 @@ def install_broken_model(home: Path) -> dict[str, str]:
 @pytest.fixture(scope="package")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeyedDaemon]:
     home = tmp_path_factory.mktemp("dashboard") / "studio"
-    daemon = KeyedDaemon(home, "studio", env={"EXO_API_KEY": API_KEY, **install_broken_model(home)})
+    # Offline (and the hub at a closed local port besides): a download uses only what the cache holds,
+    # the same on every machine, and never fetches gigabytes where the network is open.
+    env = {"EXO_API_KEY": API_KEY, "EXO_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9",
+           **install_broken_model(home)}
+    daemon = KeyedDaemon(home, "studio", env=env)
     daemon.start().wait_up()
     try:
         wait_for(lambda: daemon.cluster()["nodes"], 20, "the node to know itself")

@@ -164,6 +164,34 @@ def test_a_model_that_fails_to_load_shows_why(page, node, artifacts):
     expect(instance).to_have_count(0)
 
 
+def test_downloading_a_model_says_why_it_cannot(page, console):
+    page.get_by_label("show models not on any node").check()
+    model = page.get_by_role("listitem", name="Qwen3.5 2B (8-bit)")
+    model.get_by_role("button", name="Download").click()
+    expect(model.get_by_role("alert")).to_contain_text("not in the Hugging Face cache")  # the daemon's words
+    page.get_by_label("show models not on any node").uncheck()
+    # Chromium logs every refused request; this one (offline, so 404) the page handled and showed.
+    refused = wait_for(lambda: [c for c in console if c["url"].endswith("/v1/downloads")], 5, "the console line")
+    assert len(refused) == 1 and "404" in refused[0]["text"], console
+    console.remove(refused[0])
+
+
+def test_a_download_shows_up_live_with_its_outcome(page, node, artifacts):
+    # Offline, the node "downloads" what its cache holds: the broken model, checked and found wanting.
+    assert node.api("POST", "/v1/downloads", json={"model": BROKEN_MODEL}).status_code == 201
+    card = page.get_by_role("article", name=f"download of {BROKEN_MODEL}")
+    expect(card).to_be_visible()
+    expect(card).to_have_attribute("data-status", re.compile("complete|failed"), timeout=60_000)
+    [download] = node.api("GET", "/v1/downloads").json()["data"]
+    expect(card).to_contain_text(download["status"])
+    if download["error"]:
+        expect(card).to_contain_text(download["error"]["message"][:60])
+    screenshot(page, artifacts, "models-download")
+    card.get_by_role("button", name="Dismiss").click()
+    expect(card).to_have_count(0)
+    assert node.api("GET", "/v1/downloads").json()["data"] == []
+
+
 def test_chat_streams_a_reply_and_shows_its_native_mtp_stats(page):
     go(page, "chat")
     page.get_by_label("MTP depth").select_option("2")

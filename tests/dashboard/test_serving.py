@@ -15,7 +15,7 @@ from typing import Any
 import httpx2 as httpx
 import pytest
 
-from .conftest import API_KEY, BUNDLE, KeyedDaemon
+from .conftest import API_KEY, BROKEN_MODEL, BUNDLE, KeyedDaemon
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -119,3 +119,17 @@ def test_event_stream_starts_with_the_whole_state_then_pushes_changes(node: Keye
                       and data["state"] == "ready")
         assert node.api("DELETE", f"/v1/instances/{instance_id}").status_code == 200
         events.until(lambda kind, data: kind == "instance.removed" and data["id"] == instance_id, timeout=20)
+
+        # The node's downloads (offline: from its cache), from start to end.
+        assert state["downloads"] == []
+        started = node.api("POST", "/v1/downloads", json={"model": BROKEN_MODEL})
+        assert started.status_code == 201, started.text
+        download_id = started.json()["id"]
+        added = events.until(lambda kind, data: kind == "download.added" and data["id"] == download_id)
+        assert added["data"]["model"] == BROKEN_MODEL
+        final = events.until(lambda kind, data: kind == "download.updated" and data["id"] == download_id
+                              and data["status"] in ("complete", "failed", "cancelled"))
+        now = node.api("GET", f"/v1/downloads/{download_id}").json()
+        assert (final["data"]["status"], final["data"]["error"]) == (now["status"], now["error"])
+        node.api("DELETE", f"/v1/downloads/{download_id}")
+        events.until(lambda kind, data: kind == "download.removed" and data["id"] == download_id)

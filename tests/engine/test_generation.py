@@ -20,6 +20,9 @@ ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_6_moe", "qwen3_next")
 CHUNK = 8  # small prefill chunks, so prompts cross chunk boundaries
 PROMPT_LENGTHS = (1, 2, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 3)
 MAX_TOKENS = 24
+# The first position where penalised and plain greedy outputs differ: at most 27 over fixtures of seeds
+# 0-10 with milder penalties (scripts/fixture_sweep.py); these, and this many tokens, leave room.
+PENALISED_TOKENS = 64
 
 
 @functools.cache
@@ -27,8 +30,15 @@ def _loaded(path):
     return load_checkpoint(path)
 
 
+@functools.cache
+def _without_eos(path):
+    """The fixture models answer in a few tokens; without an EOS every generation runs its whole budget,
+    so each comparison covers a fixed number of tokens (and of speculative rounds) on any fixture."""
+    return dataclasses.replace(_loaded(path), eos_token_ids=frozenset())
+
+
 def _engine(path, **config) -> Engine:
-    return Engine(_loaded(path), EngineConfig(prefill_chunk=CHUNK, **config))
+    return Engine(_without_eos(path), EngineConfig(prefill_chunk=CHUNK, **config))
 
 
 def _prompt(loaded, length: int) -> list[int]:
@@ -44,7 +54,7 @@ def _greedy(engine: Engine, prompt, **request):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("depth", [1, 2, 3, None], ids=["k1", "k2", "k3", "adaptive"])
-def test_greedy_mtp_equals_plain_decoding(checkpoint, arch, depth):
+def test_greedy_mtp_equals_plain_decoding(checkpoint, arch, depth, record_property):
     path = checkpoint(arch, dtype="float32")
     engine = _engine(path)
     drafted = accepted = 0
@@ -58,21 +68,26 @@ def test_greedy_mtp_equals_plain_decoding(checkpoint, arch, depth):
         assert mtp.stats.enabled and not plain.stats.enabled
         drafted += mtp.stats.drafted_tokens
         accepted += mtp.stats.accepted_tokens
+    record_property("acceptance", accepted / drafted if drafted else None)
+    record_property("drafted", drafted)
     if depth is not None:
-        # Both paths ran many times: the trained head agrees often, but not always.
+        # The trained head agrees: 0.45-0.97 at a fixed depth over fixtures of seeds 0-10
+        # (scripts/fixture_sweep.py); a broken one ~0 (test_random_head_rejects...). Rejections, and the
+        # rollback to every row, are exercised deterministically there and in test_layers.py.
         assert accepted >= 0.3 * drafted, (accepted, drafted)
-        assert accepted < drafted
 
 
 @pytest.mark.parametrize("arch", ("qwen3_5", "qwen3_next"))
-def test_random_head_rejects_and_output_is_still_exact(checkpoint, arch):
+def test_random_head_rejects_and_output_is_still_exact(checkpoint, arch, record_property):
     engine = _engine(checkpoint(arch, head="random", dtype="float32"))
     prompt = _prompt(engine.loaded, 12)
     plain = _greedy(engine, prompt, native_mtp="off")
     mtp = _greedy(engine, prompt, mtp_k=2)
     assert mtp.token_ids == plain.token_ids
     assert mtp.stats.rounds > 0
-    assert mtp.stats.acceptance_rate < 0.3
+    record_property("acceptance", mtp.stats.acceptance_rate)
+    record_property("drafted", mtp.stats.drafted_tokens)
+    assert mtp.stats.acceptance_rate < 0.3  # measured 0-0.048 over fixtures of seeds 0-10
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -103,15 +118,19 @@ def test_moe_verify_modes_are_equivalent(checkpoint, arch):
         assert result.token_ids == plain.token_ids, mode
 
 
-def test_penalties_are_exact_on_the_mtp_path(checkpoint):
+def test_penalties_are_exact_on_the_mtp_path(checkpoint, record_property):
     engine = _engine(checkpoint("qwen3_5", dtype="float32"))
     prompt = engine.loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
-    sampling = SamplingParams(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3)
-    plain = _greedy(engine, prompt, native_mtp="off", sampling=sampling, max_tokens=32)
-    unpenalised = _greedy(engine, prompt, native_mtp="off", max_tokens=32)
-    assert plain.token_ids != unpenalised.token_ids  # the penalties do something here
+    sampling = SamplingParams(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.5)
+    plain = _greedy(engine, prompt, native_mtp="off", sampling=sampling, max_tokens=PENALISED_TOKENS)
+    unpenalised = _greedy(engine, prompt, native_mtp="off", max_tokens=PENALISED_TOKENS)
+    # The penalties do something here: a tiny model's chat (turn markers and all) repeats itself.
+    differs_at = next((i for i, (a, b) in enumerate(zip(plain.token_ids, unpenalised.token_ids, strict=True)) if a != b), None)
+    record_property("penalised_differs_at", differs_at)
+    assert differs_at is not None
     for depth in (1, 3):
-        assert _greedy(engine, prompt, mtp_k=depth, sampling=sampling, max_tokens=32).token_ids == plain.token_ids
+        penalised = _greedy(engine, prompt, mtp_k=depth, sampling=sampling, max_tokens=PENALISED_TOKENS)
+        assert penalised.token_ids == plain.token_ids
 
 
 # -- stopping exactly --------------------------------------------------------------------------------
@@ -120,7 +139,7 @@ def test_penalties_are_exact_on_the_mtp_path(checkpoint):
 @pytest.fixture(scope="module")
 def dense(checkpoint):
     # The fixture models answer in a few tokens; without an EOS they keep going, so runs are long.
-    return dataclasses.replace(_loaded(checkpoint("qwen3_5", dtype="float32")), eos_token_ids=frozenset())
+    return _without_eos(checkpoint("qwen3_5", dtype="float32"))
 
 
 def test_max_tokens_inside_an_accepted_run(dense):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import shutil
 
@@ -22,14 +23,27 @@ from exo.engine.loader import inspect_head
 
 ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_6_moe", "qwen3_next")
 PROMPTS = ("Hello", "What is 2 plus 3?", "Name a color.", "Tell me something.")
+MAX_TOKENS = 40
+# Acceptance at K = 2 over PROMPTS x MAX_TOKENS, measured with scripts/fixture_sweep.py over fixtures of
+# seeds 0-10 (EXO_FIXTURE_SEED): the raw checkpoint 0.526-0.955; 4-bit backbones (bf16 or 4-bit head)
+# 0.481-0.938, sometimes 0.32 below their own raw checkpoint (so no bound relative to it); broken heads
+# (a missed norm shift, a random head) 0-0.057. A working head is one above the middle of that gap.
+REFERENCE_ACCEPTANCE_MIN = 0.4
+WORKING_HEAD_ACCEPTANCE = 0.25
 
 
 def _acceptance(loaded, k: int = 2) -> tuple[list[list[int]], float]:
+    """Greedy outputs and acceptance at depth k over PROMPTS x MAX_TOKENS tokens.
+
+    EOS is ignored so every prompt runs its whole budget: the fixture models answer these prompts in a
+    few tokens, and an acceptance rate over a handful of drafts is a coin toss, not a measurement.
+    """
+    loaded = dataclasses.replace(loaded, eos_token_ids=frozenset())
     engine = Engine(loaded)
     outputs, drafted, accepted = [], 0, 0
     for text in PROMPTS:
         prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        result = engine.complete(GenerationRequest(prompt, max_tokens=24, mtp_k=k))
+        result = engine.complete(GenerationRequest(prompt, max_tokens=MAX_TOKENS, mtp_k=k))
         outputs.append(result.token_ids)
         drafted += result.stats.drafted_tokens
         accepted += result.stats.accepted_tokens
@@ -42,7 +56,7 @@ def _reference(path):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_raw_hugging_face_layout(checkpoint, arch):
+def test_raw_hugging_face_layout(checkpoint, arch, record_property):
     path = checkpoint(arch)
     info = inspect_head(path)
     assert info.source == "in-shard" and info.norm_convention == "hf" and info.declared_layers == 1
@@ -52,7 +66,8 @@ def test_raw_hugging_face_layout(checkpoint, arch):
     expected_layout = {"qwen3_5": None, "qwen3_5_moe": "per_expert", "qwen3_6_moe": "fused", "qwen3_next": "per_expert"}
     assert loaded.head_status.expert_layout == expected_layout[arch]
     _, acceptance = _reference(path)
-    assert acceptance > 0.4
+    record_property("acceptance", acceptance)
+    assert acceptance > REFERENCE_ACCEPTANCE_MIN
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -67,11 +82,14 @@ def test_stock_mlx_conversion_with_raw_sidecar(checkpoint, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_quantized_backbone_with_bf16_head(checkpoint, arch):
+def test_quantized_backbone_with_bf16_head(checkpoint, arch, record_property):
     loaded = load_checkpoint(checkpoint(arch, layout="mlx_q4_sidecar", head="trained"))
     assert loaded.head_status.available and not loaded.head_status.quantized
     _, acceptance = _acceptance(loaded)
-    assert acceptance > 0.5 * _reference(checkpoint(arch))[1]
+    reference = _reference(checkpoint(arch))[1]
+    record_property("acceptance", acceptance)
+    record_property("acceptance_minus_reference", acceptance - reference)
+    assert acceptance > WORKING_HEAD_ACCEPTANCE
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -85,7 +103,7 @@ def test_quantized_backbone_with_bf16_head(checkpoint, arch):
     ],
     ids=["mlx", "mlx-sidecar", "q4-bf16-head", "q4-q4-head"],
 )
-def test_exo_convert_keeps_the_head(checkpoint, tmp_path, arch, options, source, quantized):
+def test_exo_convert_keeps_the_head(checkpoint, tmp_path, arch, options, source, quantized, record_property):
     src = checkpoint(arch)
     dst = convert_checkpoint(src, tmp_path / "converted", **options)
     info = inspect_head(dst)
@@ -97,7 +115,9 @@ def test_exo_convert_keeps_the_head(checkpoint, tmp_path, arch, options, source,
     if "bits" not in options:
         assert outputs == ref_outputs and acceptance == pytest.approx(ref_acceptance)
     else:
-        assert acceptance > 0.5 * ref_acceptance
+        record_property("acceptance", acceptance)
+        record_property("acceptance_minus_reference", acceptance - ref_acceptance)
+        assert acceptance > WORKING_HEAD_ACCEPTANCE
 
 
 def _rewrite_sidecar(path, metadata):
@@ -107,7 +127,7 @@ def _rewrite_sidecar(path, metadata):
     save_file(tensors, str(sidecar), metadata=metadata)
 
 
-def test_sidecar_provenance_comes_from_its_metadata(checkpoint, tmp_path):
+def test_sidecar_provenance_comes_from_its_metadata(checkpoint, tmp_path, record_property):
     """The same zero-centred tensors: shifted when the file says raw, not when it claims MLX."""
     # float32, so numpy can rewrite the sidecar
     source = checkpoint("qwen3_5", layout="mlx_sidecar", head="trained", dtype="float32")
@@ -117,7 +137,9 @@ def test_sidecar_provenance_comes_from_its_metadata(checkpoint, tmp_path):
     _rewrite_sidecar(claimed_mlx, {"format": "mlx"})
     assert inspect_head(claimed_mlx).norm_convention == "mlx"
     missed_shift = _acceptance(load_checkpoint(claimed_mlx))[1]
-    assert missed_shift < 0.5 * reference  # a missed shift ruins acceptance (and nothing crashes)
+    record_property("reference", reference)
+    record_property("missed_shift", missed_shift)
+    assert missed_shift < WORKING_HEAD_ACCEPTANCE  # a missed shift ruins acceptance (and nothing crashes)
     explicit = tmp_path / "explicit"
     shutil.copytree(source, explicit)
     _rewrite_sidecar(explicit, {"format": "mlx", "exo.norm_convention": "hf"})

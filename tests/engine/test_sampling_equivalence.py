@@ -69,17 +69,21 @@ def setup(checkpoint):
     ],
     ids=["t1", "filtered"],
 )
-def test_mtp_sampling_matches_plain_sampling(setup, sampling):
+def test_mtp_sampling_matches_plain_sampling(setup, sampling, record_property):
     engine, prompt = setup
     plain, _, _ = _samples(engine, prompt, sampling, native_mtp="off")
     mtp, drafted, accepted = _samples(engine, prompt, sampling, mtp_k=2)
     assert 0 < accepted < drafted, "both the accept and the reject path must run"
     pvalue = _same_distribution_pvalue(plain[:, 1:], mtp[:, 1:])
+    record_property("pvalue", pvalue)
+    record_property("acceptance", accepted / drafted)
     assert pvalue > 1e-3, pvalue
 
 
-def test_the_check_has_power(setup):
+def test_the_check_has_power(setup, record_property):
     engine, prompt = setup
     hot, _, _ = _samples(engine, prompt, {"temperature": 1.0}, native_mtp="off")
     cold, _, _ = _samples(engine, prompt, {"temperature": 0.4}, native_mtp="off")
-    assert _same_distribution_pvalue(hot[:, 1:], cold[:, 1:]) < 1e-3
+    pvalue = _same_distribution_pvalue(hot[:, 1:], cold[:, 1:])
+    record_property("pvalue", pvalue)
+    assert pvalue < 1e-3

@@ -67,9 +67,22 @@ describe("applyEvent", () => {
     expect(again.instances).toEqual({});
   });
 
+  it("follows this node's downloads", () => {
+    const download = (status: string, bytes: number) => ({ id: "d1", model: "qwen3.5-2b-8bit", status, progress: { bytes_done: bytes } });
+    const state = replay([
+      ["snapshot", { ...snapshot, downloads: [download("downloading", 10)] }],
+      ["download.updated", download("downloading", 99)],
+      ["download.added", { ...download("queued", 0), id: "d2" }],
+    ]);
+    expect(state.downloads.d1.progress.bytes_done).toBe(99);
+    expect(Object.keys(state.downloads)).toEqual(["d1", "d2"]);
+    expect(Object.keys(applyEvent(state, "download.removed", { id: "d1" }).downloads)).toEqual(["d2"]);
+    expect(replay([["snapshot", snapshot]]).downloads).toEqual({}); // an older daemon: none
+  });
+
   it("ignores events it does not know (a newer daemon) without copying the state", () => {
     const state = replay([["snapshot", snapshot]]);
-    expect(applyEvent(state, "download.progress", { id: "x" })).toBe(state);
+    expect(applyEvent(state, "gpu.temperature", { id: "x" })).toBe(state);
   });
 
   it("never changes the state it was given", () => {

@@ -1,6 +1,6 @@
 // The dashboard's picture of the cluster, and how each /v1/events event changes it (pure functions).
 
-import type { ClusterMeta, InstanceView, LinkView, ModelView, NodeView, SettingsView } from "./types";
+import type { ClusterMeta, DownloadView, InstanceView, LinkView, ModelView, NodeView, SettingsView } from "./types";
 
 export interface DashboardState {
   cluster: ClusterMeta | null;
@@ -9,10 +9,12 @@ export interface DashboardState {
   instances: Record<string, InstanceView>;
   settings: SettingsView | null;
   models: ModelView[];
+  /** This node's downloads (a daemon without /v1/downloads sends none). */
+  downloads: Record<string, DownloadView>;
 }
 
 export function emptyState(): DashboardState {
-  return { cluster: null, nodes: {}, links: [], instances: {}, settings: null, models: [] };
+  return { cluster: null, nodes: {}, links: [], instances: {}, settings: null, models: [], downloads: {} };
 }
 
 function byId<T extends { id: string }>(items: T[] | undefined): Record<string, T> {
@@ -33,6 +35,7 @@ interface Snapshot {
   instances?: InstanceView[];
   settings?: SettingsView;
   models?: ModelView[];
+  downloads?: DownloadView[];
 }
 
 /** The state after one event. Returns the same object for events it does not know (newer daemons). */
@@ -47,6 +50,7 @@ export function applyEvent(state: DashboardState, type: string, data: unknown): 
         instances: byId(s.instances),
         settings: s.settings ?? null,
         models: s.models ?? [],
+        downloads: byId(s.downloads),
       };
     }
     case "cluster":
@@ -65,6 +69,13 @@ export function applyEvent(state: DashboardState, type: string, data: unknown): 
     }
     case "instance.removed":
       return { ...state, instances: without(state.instances, (data as { id: string }).id) };
+    case "download.added":
+    case "download.updated": {
+      const download = data as DownloadView;
+      return { ...state, downloads: { ...state.downloads, [download.id]: download } };
+    }
+    case "download.removed":
+      return { ...state, downloads: without(state.downloads, (data as { id: string }).id) };
     case "links":
       return { ...state, links: data as LinkView[] };
     case "settings":

@@ -47,6 +47,10 @@ export interface StageView {
   end_layer: number;
   rank: number;
   state?: string;
+  /** What the stage's runner is doing ("loading weights", "ready"), its load progress and failure. */
+  stage?: string;
+  progress?: number;
+  failure?: { exit_code: number; message: string } | null;
 }
 
 export type InstanceState = "loading" | "ready" | "failed" | "stopping" | "gone";
@@ -86,6 +90,8 @@ export interface InstanceView {
   running: number;
   native_mtp: MTPAvailability | null;
   gone_reason?: string;
+  /** A pipeline's state explained (a stage missing, a node gone). */
+  pipeline_reason?: string | null;
 }
 
 export type ModelStatus = "loaded" | "local" | "remote";
@@ -146,4 +152,35 @@ export interface MTPStats {
   decode_tokens_per_s: number;
   prompt_tokens: number;
   completion_tokens: number;
+}
+
+export type DownloadStatus =
+  | "queued"
+  | "planning"
+  | "downloading"
+  | "recovering_head"
+  | "validating"
+  | "complete"
+  | "failed"
+  | "cancelled";
+
+/** One download of GET /v1/downloads (this node's). */
+export interface DownloadView {
+  id: string;
+  model: string;
+  repo: string | null;
+  revision: string;
+  status: DownloadStatus;
+  progress: {
+    bytes_done: number;
+    bytes_total: number;
+    files_done: number;
+    files_total: number;
+    speed_bytes_per_s: number;
+    eta_s: number | null;
+    elapsed_s: number;
+    current_files: string[];
+  };
+  created_at: number;
+  error: { code: string; message: string } | null;
 }

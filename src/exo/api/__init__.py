@@ -5,21 +5,25 @@
     with BackgroundServer(build_app(load_settings())) as server:
         ...  # openai.OpenAI(base_url=server.url + "/v1", api_key="-")
 
+The HTTP mapping only: requests go to a ``ModelService`` (``exo.cluster.service``), which ``exo serve``
+implements with ``exo.cluster.orchestration.ClusterModelService`` (models in runner processes anywhere in
+the cluster) and ``local.LocalModelService`` implements in this process (notebooks, benchmarks, tests).
+
 Modules: ``server`` (the app, middlewares, small routes, running it), ``completions`` (the two
-generation endpoints: parsing, SSE, response shapes), ``service`` (``ModelService``: listing, loading
-and generation behind one interface), ``local`` (``LocalModelService``: this machine), ``jobs`` and
-``worker`` (the one device thread and its jobs), ``node_settings`` (GET/PUT /v1/settings), ``schemas``
-(pydantic request/response bodies), ``errors``, ``metrics``, ``openapi``.
+generation endpoints: parsing, SSE, response shapes), ``instances`` (``/v1/instances``, ``/v1/cluster``),
+``local``, ``node_settings`` (GET/PUT /v1/settings), ``schemas`` (pydantic request/response bodies),
+``errors`` (typed errors -> OpenAI-style bodies), ``openapi``.
 """
 
-from .cluster import ClusterModelService
+from exo.cluster.orchestration import ClusterModelService
+from exo.cluster.service import GenerateParams, ModelInfo, ModelService, Prompt
+from exo.metrics import Metrics
+
 from .config import ServerConfig
 from .errors import APIError
 from .local import LocalModelService
-from .metrics import Metrics
 from .node_settings import NodeSettings
 from .server import BackgroundServer, build_app, build_cluster_app, create_app, run_app
-from .service import GenerateParams, ModelInfo, ModelService, Prompt
 
 __all__ = [
     "APIError",

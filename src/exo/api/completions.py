@@ -18,13 +18,13 @@ from typing import Any
 
 from aiohttp import web
 
+from exo.cluster.service import BatchedStream, GenerateParams, Prompt, Started
 from exo.engine import GenerationChunk, SamplingParams
 
 from .config import CONFIG, METRICS, SERVICE
 from .errors import api_error_from
 from .parsing import read_json, validate
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerationFields, reject_unsupported
-from .service import BatchedStream, GenerateParams, Prompt, Started
 
 DEFAULT_CHAT_MAX_TOKENS = 4096  # chat: until EOS, at most this (and what is left of the context)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

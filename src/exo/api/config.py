@@ -7,11 +7,11 @@ from typing import Any
 
 from aiohttp import web
 
+from exo.cluster.service import ModelService
+from exo.metrics import Metrics
 from exo.settings import Settings
 
-from .metrics import Metrics
 from .node_settings import NodeSettings
-from .service import ModelService
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 

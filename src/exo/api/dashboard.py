@@ -20,8 +20,11 @@ from typing import Any
 
 from aiohttp import web
 
-from .cluster import ClusterModelService
+from exo.cluster.orchestration import ClusterModelService
+from exo.downloads import DownloadManager
+
 from .config import NODE
+from .downloads import DOWNLOADS
 from .events import EventHub, Section, stream_events
 from .node_settings import NodeSettings
 
@@ -98,8 +101,11 @@ async def serve_asset(request: web.Request) -> web.StreamResponse:
     return web.Response(body=body, headers={**headers, "Content-Type": asset.content_type})
 
 
-def cluster_sections(service: ClusterModelService, node_settings: NodeSettings) -> list[Section]:
-    """The dashboard's state of a cluster node, read from the service and the node's settings."""
+def cluster_sections(
+    service: ClusterModelService, node_settings: NodeSettings, downloads: DownloadManager | None = None
+) -> list[Section]:
+    """The dashboard's state of a cluster node, read from the service, the node's settings and its
+    downloads (when the app has them)."""
 
     def cluster_meta() -> dict[str, Any]:
         return {"node_id": service.node_id, "namespace": service.settings.namespace, "name": service.node.name,
@@ -112,7 +118,7 @@ def cluster_sections(service: ClusterModelService, node_settings: NodeSettings) 
         # Round-trip times move on every poll; the dashboard shows them rounded to a millisecond.
         return [{**link, "rtt_ms": round(link["rtt_ms"])} for link in service.cluster_view()["links"]]
 
-    return [
+    sections = [
         Section("cluster", cluster_meta),
         Section("nodes", lambda: service.cluster_view()["nodes"], item="node", noise=NODE_NOISE),
         Section("links", links),
@@ -121,6 +127,9 @@ def cluster_sections(service: ClusterModelService, node_settings: NodeSettings) 
         # The catalog reads model directories (headers only): seldom, or when something announced a change.
         Section("models", models, every_s=10.0, blocking=True),
     ]
+    if downloads is not None:
+        sections.append(Section("downloads", downloads.views, item="download"))
+    return sections
 
 
 def _chain(owner: object, attribute: str, then: Callable[[], None]) -> None:
@@ -137,7 +146,7 @@ def _chain(owner: object, attribute: str, then: Callable[[], None]) -> None:
 
 def add_dashboard(app: web.Application, service: ClusterModelService) -> EventHub:
     """Serve the bundle and ``/v1/events`` on a cluster node's app; push the node's changes to the hub."""
-    hub = EventHub(cluster_sections(service, app[NODE]))
+    hub = EventHub(cluster_sections(service, app[NODE], app.get(DOWNLOADS)))
     app[EVENTS] = hub
     app[_BUNDLE] = load_bundle()
 

@@ -10,7 +10,22 @@ import logging
 from typing import Any
 
 from exo.cards import AmbiguousModelError, CardError, UnknownModelError
-from exo.cluster.placement import AlreadyPlacedError, ModelNotOnDiskError, NoPlacementError, UnknownNodeError
+from exo.cluster.placement import (
+    AlreadyPlacedError,
+    InvalidPlacementRequest,
+    ModelNotOnDiskError,
+    NoPlacementError,
+    TooFewNodesError,
+    UnknownNodeError,
+)
+from exo.cluster.service import (
+    ClusterAuthError,
+    InstanceNotFoundError,
+    ModelLoadTimeoutError,
+    NodeUnavailableError,
+    QueueFullError,
+    RequestTimeoutError,
+)
 from exo.cluster.supervisor import InstanceFailedError
 from exo.engine import (
     CheckpointError,
@@ -21,8 +36,7 @@ from exo.engine import (
     SamplingParamsError,
     UnsupportedModelError,
 )
-from exo.runner.device import QueueFullError
-from exo.runner.prompt import PromptError
+from exo.engine.prompt import PromptError
 from exo.settings import SettingsError
 
 log = logging.getLogger(__name__)
@@ -52,25 +66,6 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-
-class RequestTimeoutError(TimeoutError):
-    """The request ran past the server's request timeout (while queued or while generating)."""
-
-
-class ModelLoadTimeoutError(TimeoutError):
-    """A model is still loading after the load timeout; the load goes on in the background."""
-
-
-class NodeUnavailableError(RuntimeError):
-    """The node that holds an instance stopped answering (or left the cluster)."""
-
-
-class InstanceNotFoundError(LookupError):
-    """No instance with that id in the cluster."""
-
-
-# PromptError and QueueFullError (imported above) are the runner's: one type whether a request is served
-# in-process or through a runner.
 
 # The engine's own type: the API raises it too when it checks a prompt before queueing it.
 ContextLengthExceededError = ContextLengthError
@@ -123,10 +118,16 @@ def api_error_from(exc: BaseException) -> APIError:
         return APIError(404, msg, param="node", code="node_not_found")
     if isinstance(exc, AlreadyPlacedError):
         return APIError(409, msg, param="model", code="already_placed")
+    if isinstance(exc, InvalidPlacementRequest):
+        return APIError(400, msg, code="invalid_value")
+    if isinstance(exc, TooFewNodesError):
+        return APIError(400, msg, param="min_nodes", code="too_few_nodes")
     if isinstance(exc, ModelNotOnDiskError):
         return APIError(404, msg, param="model", code="model_not_available")
     if isinstance(exc, NoPlacementError):
         return APIError(507, msg, param="model", type="server_error", code="insufficient_memory")
+    if isinstance(exc, ClusterAuthError):
+        return APIError(502, msg, type="server_error", code="cluster_auth")
     if isinstance(exc, NodeUnavailableError):
         return APIError(503, msg, type="server_error", code="node_unavailable", headers={"Retry-After": "2"})
     if isinstance(exc, InstanceFailedError):

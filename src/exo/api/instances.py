@@ -10,7 +10,9 @@ import time
 
 from aiohttp import web
 
-from .cluster import ClusterModelService, instance_json, placement_json
+from exo.cluster.orchestration import ClusterModelService
+from exo.cluster.views import placement_json
+
 from .config import CONFIG, SERVICE
 from .errors import APIError
 from .parsing import read_json, validate
@@ -44,30 +46,55 @@ async def get_instance(request: web.Request) -> web.Response:
     return web.json_response(_service(request).instance_view(request.match_info["id"]))
 
 
+def _query_int(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise APIError(400, f"{name}: expected an integer, got {raw!r}", param=name, code="invalid_value") from None
+    if not lo <= value <= hi:
+        raise APIError(400, f"{name}: must be in [{lo}, {hi}], got {value}", param=name, code="invalid_value")
+    return value
+
+
 async def preview(request: web.Request) -> web.Response:
     model = request.query.get("model")
     if not model:
         raise APIError(400, "model: the query parameter `model` is required", param="model",
                        code="missing_required_parameter")
+    nodes_text = request.query.get("nodes")
+    placement_request = InstanceCreate(
+        model=model,
+        node=request.query.get("node") or None,
+        min_nodes=_query_int(request, "min_nodes", 1, 1, 64),
+        nodes=[n.strip() for n in nodes_text.split(",")] if nodes_text else None,
+    )
+    placement_request.check_combinations()
     service = _service(request)
     model_id = await asyncio.to_thread(service.model_id, model)
-    plan = await asyncio.to_thread(service.plan, model_id, request.query.get("node") or None)
+    plan = await asyncio.to_thread(
+        service.plan, model_id, placement_request.node, min_nodes=placement_request.min_nodes,
+        nodes=placement_request.nodes,
+    )
     return web.json_response({"model": model_id, "placement": placement_json(plan)})
 
 
 async def create_instance(request: web.Request) -> web.Response:
     body = validate(InstanceCreate, await read_json(request))
+    body.check_combinations()
     service = _service(request)
     arrived = time.monotonic()
     model_id = await asyncio.to_thread(service.model_id, body.model)
-    located, plan = await service.create_instance(model_id, body.node)
+    located, plan = await service.create_instance(model_id, body.node, min_nodes=body.min_nodes, nodes=body.nodes)
     if body.wait:
         remaining = request.app[CONFIG].load_timeout_s - (time.monotonic() - arrived)
         try:
-            located = await service.wait_ready(located.node_id, located.instance.instance_id, max(0.0, remaining))
+            await service.wait_ready(located.node_id, located.instance.instance_id, max(0.0, remaining))
         except TimeoutError:
             pass  # answered as it is (loading); the load goes on
-    view = instance_json(located.instance, located.node_id, service.node_id)
+    view = service.instance_view(located.instance.instance_id)
     return web.json_response({"instance": view, "placement": placement_json(plan)}, status=201)
 
 

@@ -1,44 +1,182 @@
-"""``LocalModelService``: the models of this machine behind the ``ModelService`` interface.
+"""``LocalModelService``: the models of this machine, in this process, behind the ``ModelService`` interface.
 
-Serves the catalog's local models (bundled first) and directories registered by ``exo serve --model``.
-One ``DeviceWorker`` thread does every load and generation in FIFO order. Loaded engines stay in memory
-up to ``max_loaded`` (least recently used evicted first). Requests name models by card id or repo id,
-never by path: clients cannot make the server read arbitrary directories.
+For notebooks, benchmarks and tests (``exo serve`` runs models in runner processes: see
+``exo.cluster.orchestration``). Serves the catalog's local models (bundled first) and directories
+registered by ``exo serve --model``. The runner's device queue (``exo.runner.device.Device``), served by
+one parked thread, does every load and generation in FIFO order; chunks reach the handler through a
+``Channel``. Loaded engines stay in memory up to ``max_loaded`` (least recently used evicted first).
+Requests name models by card id or repo id, never by path: clients cannot make the server read
+arbitrary directories.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
-import dataclasses
 import logging
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
 from exo.cards import Catalog, UnknownModelError, load_catalog
-from exo.engine import Engine, ResolvedModel, engine_config, load_checkpoint
+from exo.cluster.listing import LoadedFacts, model_info, model_rows
+from exo.cluster.service import (
+    DEADLINE_GRACE_S,
+    BatchedStream,
+    GenerateParams,
+    ModelInfo,
+    ModelLoadTimeoutError,
+    Prompt,
+    RequestTimeoutError,
+)
+from exo.engine import Engine, NativeMTPStats, ResolvedModel, engine_config, load_checkpoint
 from exo.engine.resolve import DEFAULT_MODEL, resolve_model
+from exo.metrics import Metrics
+from exo.runner.device import Device, GenerationJob, Started
 from exo.settings import Settings
 
-from .errors import ModelLoadTimeoutError
-from .jobs import GenerationJob, LoadJob
-from .listing import LoadedFacts, model_info, model_rows
-from .metrics import Metrics
-from .service import (
-    GenerateParams,
-    GenerationStream,
-    JobRecord,
-    ModelInfo,
-    Prompt,
-)
-from .worker import Channel, DeviceWorker
-
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """A finished generation, as the service remembers it (``LocalModelService.history``)."""
+
+    id: str
+    model: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    queue_s: float
+    device_s: float
+    tokens_at_cancel: int | None  # tokens generated when cancel() was called (None: not cancelled)
+    cancel_latency_s: float | None  # from cancel() to the device being free
+
+
+class Channel:
+    """Items from the device thread to one handler, in order, through the handler's event loop.
+
+    The device appends under a lock and wakes the loop only when no wake-up is pending, so a busy
+    handler takes everything delivered meanwhile in one batch (one write for several tokens).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._items: collections.deque[Any] = collections.deque()
+        self._lock = threading.Lock()
+        self._wake_pending = False
+        self._waiter: asyncio.Future[None] | None = None  # event loop side only
+
+    def put(self, item: Any) -> None:
+        """Thread-safe; a closed loop (server gone) drops the item."""
+        with self._lock:
+            self._items.append(item)
+            if self._wake_pending:
+                return
+            self._wake_pending = True
+        try:
+            self._loop.call_soon_threadsafe(self._wake)
+        except RuntimeError:
+            pass
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._wake_pending = False
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get_batch(self, deadline: float) -> list[Any]:
+        """Everything delivered so far (at least one item); TimeoutError past ``deadline`` (loop time)."""
+        while True:
+            with self._lock:
+                if self._items:
+                    items = list(self._items)
+                    self._items.clear()
+                    return items
+            # A put() after the check schedules _wake, which runs after this coroutine yields: no lost wake-up.
+            self._waiter = self._loop.create_future()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self._waiter
+            finally:
+                self._waiter = None
+
+
+class GenerationStream(BatchedStream):
+    """A generation on this process's device."""
+
+    def __init__(self, job: GenerationJob, channel: Channel) -> None:
+        self._job = job
+        self._channel = channel
+        self._buffer: collections.deque[Any] = collections.deque()
+        self._error = None
+        self.finished = False
+
+    @property
+    def id(self) -> str:
+        return self._job.id
+
+    @property
+    def timeout_s(self) -> float:  # type: ignore[override]
+        return self._job.timeout_s
+
+    @property
+    def tokens(self) -> int:  # type: ignore[override]
+        return self._job.tokens
+
+    def cancel(self) -> None:
+        self._job.cancel()
+
+    def _put_back(self, items: list[Any]) -> None:
+        self._buffer.extendleft(reversed(items))
+
+    async def _take(self) -> list[Any]:
+        if not self._buffer:
+            try:
+                remaining = self._job.deadline + DEADLINE_GRACE_S - time.monotonic()
+                loop_deadline = asyncio.get_running_loop().time() + remaining  # the loop's own clock
+                self._buffer.extend(await self._channel.get_batch(loop_deadline))
+            except TimeoutError:
+                self._job.cancel()
+                raise RequestTimeoutError(
+                    f"the request exceeded the server's request timeout of {self._job.timeout_s:g} s"
+                ) from None
+        items = list(self._buffer)
+        self._buffer.clear()
+        return items
+
+
+class LoadJob:
+    """Load one model on the device; waiters share a concurrent Future."""
+
+    bounded = False
+
+    def __init__(self, service: LocalModelService, resolved: ResolvedModel) -> None:
+        self.service = service
+        self.resolved = resolved
+        self.future: concurrent.futures.Future[str] = concurrent.futures.Future()
+
+    def run(self) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return
+        try:
+            self.service._engine(self.resolved.model_id, self.resolved)
+            self.future.set_result(self.resolved.model_id)
+        except BaseException as e:
+            self.future.set_exception(e)
+        finally:
+            self.service._load_finished(self.resolved.model_id)
+
+    def drop(self, reason: str) -> None:
+        if self.future.set_running_or_notify_cancel():
+            self.future.set_exception(RuntimeError(reason))
+        self.service._load_finished(self.resolved.model_id)
 
 
 class LocalModelService:
@@ -71,7 +209,8 @@ class LocalModelService:
         # The node-wide switch and the reason given when it is off, replaced together (one assignment).
         self._mtp: tuple[bool, str] = (settings.native_mtp_enabled, "native MTP is disabled")
         self._started = time.monotonic()
-        self.worker = DeviceWorker(settings.max_queue, on_depth=self.metrics.queue_depth.set)
+        self.device = Device(settings.max_queue, on_depth=self.metrics.queue_depth.set)
+        self.device.start_thread()
 
     # -- models ------------------------------------------------------------------------------------------
     def register(self, resolved: ResolvedModel, *, load: bool = False, timeout: float | None = None) -> str:
@@ -119,7 +258,7 @@ class LocalModelService:
             else:
                 submit = False
         if submit:
-            self.worker.submit(job)
+            self.device.submit(job)
         return job.future
 
     def _load_finished(self, model_id: str) -> None:
@@ -137,10 +276,7 @@ class LocalModelService:
             if resolved is None:
                 raise UnknownModelError(model_id, [])
             engine = self._load(resolved)
-        enabled, reason = self._mtp
-        if (engine.config.native_mtp_enabled, engine.config.disabled_reason) != (enabled, reason):
-            # Between requests (we are on the device thread): the next generation sees the new switch.
-            engine.config = dataclasses.replace(engine.config, native_mtp_enabled=enabled, disabled_reason=reason)
+        engine.set_native_mtp(*self._mtp)  # between requests (we are on the device thread)
         return engine
 
     def _load(self, resolved: ResolvedModel) -> Engine:
@@ -181,28 +317,45 @@ class LocalModelService:
         self, model_id: str, prompt: Prompt, params: GenerateParams, *, timeout_s: float, arrived: float
     ) -> GenerationStream:
         channel = Channel(asyncio.get_running_loop())
-        job = GenerationJob(self, model_id, prompt, params, channel, timeout_s=timeout_s, arrived=arrived)
-        self.worker.submit(job)  # QueueFullError when full: nothing was queued
-        return GenerationStream(job)
+        job: GenerationJob
 
-    def _record(self, job: GenerationJob, finish: str, stats: Any, queue_s: float, device_s: float) -> None:
+        def on_done(finish: str, stats: NativeMTPStats | None, queue_s: float, device_s: float) -> None:
+            self._record(model_id, job, finish, stats, queue_s, device_s)
+
+        def emit(item: Any) -> None:
+            if isinstance(item, Started):
+                self.metrics.running.set(1)
+            channel.put(item)
+
+        job = GenerationJob(
+            self.device, lambda: self._engine(model_id), prompt, params, emit, timeout_s=timeout_s,
+            arrived=arrived, on_done=on_done, step_hook=self.step_hook,
+        )
+        self.device.submit(job)  # QueueFullError when full: nothing was queued
+        return GenerationStream(job, channel)
+
+    def _record(
+        self, model_id: str, job: GenerationJob, finish: str, stats: Any, queue_s: float, device_s: float
+    ) -> None:
+        self.metrics.running.set(0)
+        self.metrics.queue_wait.observe(queue_s)
         cancel_latency = None
-        if job._cancelled_at is not None and finish in ("cancelled", "timeout"):
-            cancel_latency = max(0.0, time.perf_counter() - job._cancelled_at)
+        if job.cancelled_at is not None and finish in ("cancelled", "timeout"):
+            cancel_latency = max(0.0, time.perf_counter() - job.cancelled_at)
             self.metrics.cancel_latency.observe(cancel_latency)
-        self.metrics.record_generation(job.model_id, finish, stats)
+        self.metrics.record_generation(model_id, finish, stats)
         if device_s:
             self.metrics.generation_time.observe(device_s)
         self.history.append(
             JobRecord(
                 id=job.id,
-                model=job.model_id,
+                model=model_id,
                 finish_reason=finish,
                 prompt_tokens=stats.prompt_tokens if stats is not None else 0,
                 completion_tokens=job.tokens,
                 queue_s=queue_s,
                 device_s=device_s,
-                tokens_at_cancel=job._tokens_at_cancel,
+                tokens_at_cancel=job.tokens_at_cancel,
                 cancel_latency_s=cancel_latency,
             )
         )
@@ -218,19 +371,16 @@ class LocalModelService:
     def status(self) -> dict[str, Any]:
         with self._lock:
             loaded = list(reversed(self._engines))
+        snap = self.device.snapshot()
         return {
             "models_loaded": loaded,
-            "queue_depth": self.worker.waiting,
-            "running": 1 if self.worker.running is not None and isinstance(self.worker.running, GenerationJob) else 0,
+            "queue_depth": snap["queue_depth"],
+            "running": snap["running"],
             "uptime_s": round(time.monotonic() - self._started, 3),
         }
 
     def close(self) -> None:
-        running = self.worker.running
-        if isinstance(running, GenerationJob):
-            running.cancel()
-        self.worker.close()
-
+        self.device.close(timeout=10.0)
 
 
 def _head_reason(engine: Engine) -> str | None:

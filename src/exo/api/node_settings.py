@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from exo.cluster.service import ModelService
 from exo.settings import Settings, env_var, persist_settings
-
-from .service import ModelService
 
 WRITABLE_SETTINGS = ("native_mtp_enabled",)
 _SOURCE_WORDS = {

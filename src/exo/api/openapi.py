@@ -93,6 +93,10 @@ def _cluster_paths() -> dict[str, Any]:
     obj = _json({"type": "object"}, "see docs/architecture.md, \"Cluster\"")
     model_q = {"name": "model", "in": "query", "required": True, "schema": {"type": "string"}}
     node_q = {"name": "node", "in": "query", "required": False, "schema": {"type": "string"}}
+    min_nodes_q = {"name": "min_nodes", "in": "query", "required": False,
+                   "schema": {"type": "integer", "minimum": 1, "maximum": 64}}
+    nodes_q = {"name": "nodes", "in": "query", "required": False, "schema": {"type": "string"},
+               "description": "node ids, comma-separated: exactly these, as the stages in this order"}
     id_p = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
     return {
         "/v1/cluster": {
@@ -103,7 +107,7 @@ def _cluster_paths() -> dict[str, Any]:
             "get": {"summary": "every instance in the cluster (gone ones for a while)",
                     "responses": {"200": obj, **_error_responses("401")}},
             "post": {
-                "summary": "place a model (on `node`, or where placement decides) and load it",
+                "summary": "place a model (on `node`, on `nodes` as pipeline stages, or where placement decides) and load it",
                 "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(s.InstanceCreate)}}},
                 "responses": {
                     "201": obj,
@@ -113,7 +117,7 @@ def _cluster_paths() -> dict[str, Any]:
         },
         "/v1/instances/preview": {
             "get": {"summary": "where a model would be placed, without side effects",
-                    "parameters": [model_q, node_q],
+                    "parameters": [model_q, node_q, min_nodes_q, nodes_q],
                     "responses": {"200": obj, **_error_responses("400", "401", "404", "409", "507")}}
         },
         "/v1/instances/{id}": {

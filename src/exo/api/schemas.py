@@ -239,6 +239,23 @@ class InstanceCreate(BaseModel):
         default=None, min_length=1, description="a node id (GET /v1/cluster); default: placement decides"
     )
     wait: bool = Field(default=False, description="answer once the instance is ready (bounded by the load timeout)")
+    min_nodes: int = Field(
+        default=1, ge=1, le=64,
+        description="spread the model over at least this many nodes (a pipeline), even if it fits on fewer",
+    )
+    nodes: list[str] | None = Field(
+        default=None, min_length=1, max_length=64,
+        description="exactly these node ids, as the pipeline's stages in this order (the last one leads)",
+    )
+
+    def check_combinations(self) -> None:
+        if self.node is not None and (self.nodes is not None or self.min_nodes > 1):
+            raise APIError(400, "node places on one node: use nodes (or min_nodes) to spread over several",
+                           param="node", code="invalid_value")
+        if self.nodes is not None and len(set(self.nodes)) != len(self.nodes):
+            raise APIError(400, "nodes lists a node more than once", param="nodes", code="invalid_value")
+        if self.nodes is not None and any(not n for n in self.nodes):
+            raise APIError(400, "nodes: empty node id", param="nodes", code="invalid_value")
 
 
 # -- responses (documentation: handlers build these shapes as plain dicts on the hot path) -------------

@@ -16,21 +16,23 @@ from typing import Any
 
 from aiohttp import web
 
+from exo.cluster.orchestration import ClusterModelService
+from exo.cluster.service import ModelService
+from exo.downloads import DownloadManager
+from exo.metrics import Metrics
 from exo.settings import Settings
 
-from .cluster import ClusterModelService
 from .completions import chat_completions, completions
 from .config import CONFIG, METRICS, NODE, OPENAPI, SERVICE, ServerConfig
 from .dashboard import add_dashboard
+from .downloads import add_download_routes
 from .errors import APIError, api_error_from
 from .instances import add_cluster_routes
 from .local import LocalModelService
-from .metrics import Metrics
 from .node_settings import NodeSettings
 from .openapi import build_openapi
 from .parsing import read_json, validate
 from .schemas import SettingsUpdate
-from .service import ModelService
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,7 @@ def build_cluster_app(
     app = create_app(service, config, NodeSettings(settings, service), service.metrics)
     app[OPENAPI] = build_openapi(cluster=True)
     add_cluster_routes(app)
+    add_download_routes(app, DownloadManager.from_settings(settings))
     add_dashboard(app, service)
 
     async def start_node(app: web.Application) -> None:
@@ -94,7 +97,9 @@ def build_app(
     metrics = metrics or (service.metrics if service is not None else Metrics())
     service = service or LocalModelService(settings, metrics=metrics)
     config = ServerConfig.from_settings(settings, **config_overrides)
-    return create_app(service, config, NodeSettings(settings, service), metrics)
+    app = create_app(service, config, NodeSettings(settings, service), metrics)
+    add_download_routes(app, DownloadManager.from_settings(settings))
+    return app
 
 
 # -- middlewares ----------------------------------------------------------------------------------------

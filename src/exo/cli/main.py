@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Sequence
 
@@ -15,6 +16,22 @@ EXIT_USAGE = 2
 
 class CommandError(Exception):
     """An error for the user: printed without a traceback, exit status 1."""
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+          "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'24GiB', '512 MiB', '16GB', '1000000' -> bytes (argparse type)."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use bytes, or a number with KiB, MiB, GiB, GB ...")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size")
+    return value
 
 
 def _add_model_argument(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert.add_argument("--quantize-head", action="store_true", help="quantize the head too (default: keep it)")
 
+    pull = sub.add_parser(
+        "pull", help="download a model into the Hugging Face cache and recover its stripped MTP head"
+    )
+    pull.add_argument("model", help="card id (see `exo models`) or Hugging Face repo id")
+    pull.add_argument("--revision", default="main", help="branch, tag or commit (default main)")
+    pull.add_argument(
+        "--quantize-head", action="store_true", help="quantize a recovered head like the backbone (default: bf16)"
+    )
+    pull.add_argument("--no-head", action="store_true", help="do not recover a stripped MTP head")
+    pull.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
     models = sub.add_parser("models", help="list the models exo knows and which are on this machine")
     models.add_argument("--json", action="store_true")
 
@@ -109,17 +137,42 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--no-discovery", action="store_true", help="turn zeroconf discovery off (static peers only)")
     serve.add_argument("--name", default=None, help="this node's display name (default: the host name)")
+    serve.add_argument(
+        "--memory-budget", type=parse_bytes, default=None, metavar="SIZE",
+        help="the most memory this node offers to models, e.g. 24GiB (default: EXO_MEMORY_BUDGET_BYTES, "
+        "else what the OS has available)",
+    )
 
     cluster = sub.add_parser("cluster", help="the nodes of the cluster as seen from this node's running daemon")
     cluster.add_argument("--url", default=None, help="the daemon's API (default http://127.0.0.1:<settings api_port>)")
     cluster.add_argument("--json", action="store_true", help="print GET /v1/cluster as it is")
+
+    menubar = sub.add_parser(
+        "menubar",
+        help="the menu-bar app: exo's state, Native MTP, Start/Stop exo (a tray icon on Linux)",
+        description="Flags after `--` go to `exo serve` when the app starts exo "
+        "(e.g. exo menubar --start -- --model exo-demo).",
+    )
+    menubar.add_argument("--url", default=None, help="the daemon's API (default http://127.0.0.1:<settings api_port>)")
+    menubar.add_argument("--start", action="store_true", help="start exo at launch unless one already answers")
+    menubar.add_argument("--once", action="store_true", help="print the menu as text once and exit (no UI)")
+    menubar.add_argument("--poll-interval", type=float, default=2.0, help="seconds between state refreshes")
+    menubar.add_argument(
+        "--stop-timeout", type=float, default=10.0, help="seconds Stop exo waits after SIGTERM before SIGKILL"
+    )
+    menubar.add_argument(
+        "--start-timeout", type=float, default=120.0,
+        help="seconds a starting exo may stay silent before it counts as unreachable",
+    )
+    menubar.add_argument("serve_args", nargs="*", metavar="SERVE_FLAG", help="flags for exo serve (after --)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from exo.cards import CardError, UnknownModelError
+    from exo.cards import AmbiguousModelError, CardError, UnknownModelError
+    from exo.downloads.errors import DownloadError, StageRangeError
     from exo.engine import (
         CheckpointError,
         GenerationRequestError,
@@ -132,6 +185,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     user_errors = (
         CommandError,
+        AmbiguousModelError,
+        DownloadError,
+        StageRangeError,
         FileExistsError,
         CardError,
         CheckpointError,
@@ -165,6 +221,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             print(out)
             return 0
+        if args.command == "pull":
+            from exo.cli.pull import pull_command
+
+            return pull_command(args)
         if args.command == "models":
             from exo.cli.models import models_command
 
@@ -177,6 +237,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from exo.cli.serve import serve_command
 
             return serve_command(args)
+        if args.command == "menubar":
+            from exo.cli.menubar import menubar_command
+
+            return menubar_command(args)
     except user_errors as e:
         message = e.args[0] if isinstance(e, LookupError) and e.args else str(e)
         print(f"exo: error: {message}", file=sys.stderr)

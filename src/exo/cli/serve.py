@@ -12,7 +12,8 @@ import sys
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    from exo.api import ClusterModelService, build_cluster_app, run_app
+    from exo.api import build_cluster_app, run_app
+    from exo.cluster.orchestration import ClusterModelService
     from exo.cluster.placement import PlacementError
     from exo.cluster.supervisor import InstanceFailedError
     from exo.engine import resolve_model
@@ -28,6 +29,7 @@ def serve_command(args: argparse.Namespace) -> int:
             "peers": args.peers,
             "namespace": args.namespace,
             "discovery": False if args.no_discovery else None,
+            "memory_budget_bytes": args.memory_budget,
         }
     )
     service = ClusterModelService(settings, max_loaded=args.max_loaded, name=args.name)

@@ -14,10 +14,9 @@ from pathlib import Path
 
 from exo.cards import Catalog
 from exo.engine import ResolvedModel
-from exo.engine.loader import read_config
+from exo.engine.loader import checkpoint_parts, read_config
 from exo.engine.resolve import local_path, resolve_model
-
-from .proto_gen import node_pb2 as pb
+from exo.wire.proto_gen import node_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -70,31 +69,44 @@ def weights_bytes(path: Path) -> int:
 
 
 def availability(resolved: ResolvedModel) -> pb.ModelAvailability:
-    """What placement needs to size a model: weights on disk, KV bytes per token, context, layers."""
+    """What placement needs to size a model: weights on disk, KV bytes per token, context, layers, and
+    what each pipeline stage would hold (from the shards' headers)."""
     card = resolved.card
     size = weights_bytes(resolved.path)
-    if card is not None:
-        kv = card.kv_bytes_per_token() if card.head_dim is not None else 0
-        return pb.ModelAvailability(
-            model_id=resolved.model_id,
-            weights_bytes=size or card.storage_bytes,
-            kv_bytes_per_token=kv,
-            context_length=card.context_length,
-            n_layers=card.n_layers,
-        )
     try:
         config = read_config(resolved.path)
     except Exception:  # noqa: BLE001 - a broken directory is still listed; loading it says what is wrong
         config = {}
     text = config.get("text_config", config)
-    layers = int(text.get("num_hidden_layers") or 0)
-    interval = int(text.get("full_attention_interval") or 4)
-    heads = int(text.get("num_key_value_heads") or 0)
-    head_dim = int(text.get("head_dim") or 0)
-    return pb.ModelAvailability(
-        model_id=resolved.model_id,
-        weights_bytes=size,
-        kv_bytes_per_token=2 * (layers // interval) * heads * head_dim * 2,
-        context_length=int(text.get("max_position_embeddings") or 0),
-        n_layers=layers,
-    )
+    if card is not None:
+        kv = card.kv_bytes_per_token() if card.head_dim is not None else 0
+        out = pb.ModelAvailability(
+            model_id=resolved.model_id,
+            weights_bytes=size or card.storage_bytes,
+            kv_bytes_per_token=kv,
+            context_length=card.context_length,
+            n_layers=card.n_layers,
+            full_attention_interval=card.full_attention_interval,
+        )
+    else:
+        layers = int(text.get("num_hidden_layers") or 0)
+        interval = int(text.get("full_attention_interval") or 4)
+        heads = int(text.get("num_key_value_heads") or 0)
+        head_dim = int(text.get("head_dim") or 0)
+        out = pb.ModelAvailability(
+            model_id=resolved.model_id,
+            weights_bytes=size,
+            kv_bytes_per_token=2 * (layers // interval) * heads * head_dim * 2,
+            context_length=int(text.get("max_position_embeddings") or 0),
+            n_layers=layers,
+            full_attention_interval=interval,
+        )
+    if size and out.n_layers:
+        try:
+            parts = checkpoint_parts(resolved.path, out.n_layers)
+        except Exception:  # noqa: BLE001 - sizes are a refinement: placement spreads weights evenly without
+            log.debug("no per-layer sizes for %s", resolved.path, exc_info=True)
+        else:
+            out.layer_bytes.extend(parts.layer_bytes)
+            out.embed_bytes, out.output_bytes, out.mtp_bytes = parts.embed_bytes, parts.output_bytes, parts.mtp_bytes
+    return out

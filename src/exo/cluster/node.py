@@ -23,13 +23,13 @@ import grpc
 from exo.cards import UnknownModelError
 from exo.engine.resolve import ModelNotAvailableError
 from exo.settings import Settings
+from exo.wire.proto_gen import node_pb2 as pb
+from exo.wire.proto_gen import node_pb2_grpc as pb_grpc
 
 from . import system
 from .auth import AuthInterceptor, ClusterAuth
 from .identity import NodeIdentity
 from .models import LocalModels
-from .proto_gen import node_pb2 as pb
-from .proto_gen import node_pb2_grpc as pb_grpc
 from .registry import CHANNEL_OPTIONS, Peer, PeerRegistry
 from .supervisor import InstanceFailedError, InstanceSupervisor, UnknownInstanceError
 
@@ -197,7 +197,7 @@ class ClusterNode:
         return list(self._models)
 
     def info(self, challenge: str = "") -> pb.NodeInfo:
-        mem = system.memory()
+        mem = system.memory(self.settings.memory_budget_bytes)
         return pb.NodeInfo(
             node_id=self.node_id,
             name=self.name,
@@ -226,15 +226,20 @@ class ClusterNode:
 
     # -- instances on this node -----------------------------------------------------------------------------
     async def load(self, request: pb.LoadInstanceRequest) -> pb.Instance:
-        """Start an instance here (or return this node's live instance of that model)."""
+        """Start an instance here (or return this node's live instance of that model), or this node's stage
+        of a pipelined instance (or that stage, when it runs already)."""
         resolved = await asyncio.to_thread(self.models.resolve, request.model)
-        existing = self.supervisor.live_for(resolved.model_id)
+        if request.stages:
+            existing = self.supervisor.get(request.instance_id)
+        else:
+            existing = self.supervisor.live_for(resolved.model_id)
         if existing is not None:
             return existing
         instance_id = request.instance_id or new_instance_id()
         shard = request.shard if request.HasField("shard") else None
         return await self.supervisor.start(
-            instance_id, resolved, shard, on_demand=request.on_demand, group_id=request.group_id, model_ref=request.model
+            instance_id, resolved, shard, on_demand=request.on_demand, group_id=request.group_id,
+            model_ref=request.model, stages=list(request.stages), owner_node=request.owner_node,
         )
 
     def switch_pb(self) -> pb.NodeSwitch:
@@ -299,6 +304,15 @@ class NodeServicer(pb_grpc.NodeServicer):
     async def ListInstances(self, request: pb.ListInstancesRequest, context: grpc.aio.ServicerContext) -> pb.InstanceList:
         return pb.InstanceList(instances=self.node.supervisor.list())
 
+    async def JoinGroup(self, request: pb.JoinGroupRequest, context: grpc.aio.ServicerContext) -> pb.JoinGroupReply:
+        try:
+            accepted = await self.node.supervisor.join_group(request.instance_id, list(request.hosts))
+        except UnknownInstanceError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, _text(e))
+        except grpc.aio.AioRpcError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the stage's runner did not take the hosts: {e.details()}")
+        return pb.JoinGroupReply(accepted=accepted)
+
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateChunk]:
@@ -312,8 +326,9 @@ class NodeServicer(pb_grpc.NodeServicer):
                 yield chunk
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.CANCELLED:
+                # The runner went away mid-generation (crashed, or killed with its pipeline group).
                 message = f"the runner of {request.model} failed: {e.code().name}: {e.details()}"
-                yield pb.GenerateChunk(error=pb.GenerateError(type="internal", message=message))
+                yield pb.GenerateChunk(error=pb.GenerateError(type="model_unavailable", message=message))
         finally:
             call.cancel()  # our caller went away (or we are done): stop the runner's generation
 

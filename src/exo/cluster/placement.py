@@ -1,17 +1,25 @@
-"""Placement: which node runs a model. A pure function of the model's size and the nodes' memory.
+"""Placement: which node runs a model, or which layers run on which nodes. A pure function of the model's
+size and the nodes' memory (and the links between them).
 
 A model fits on a node when its weights plus headroom fit in the node's available memory: the KV cache
 of ``CONTEXT_BUDGET_TOKENS`` tokens of context (at most the model's context length; only the
 full-attention layers grow with the context) and a fixed ``ACTIVATION_MARGIN_BYTES`` for activations
 and the MTP head's cache. Memory promised to instances still loading on a node is not yet counted in
 its available memory, so it is subtracted here. Among the nodes that hold the weights on disk and have
-room, the one with the most free memory wins. One node per model for now; the placement keeps a list
-of shards (layers per rank) so that a pipeline can span several nodes later.
+room, the one with the most free memory wins.
+
+When no node can hold the model (or ``min_nodes`` asks for more), it is pipelined over the fewest nodes
+that hold it: the nodes with the most free memory, ordered along the fastest links (the last stage leads:
+it talks to the API), contiguous layer ranges in proportion to what each node has left once the parts
+that are not layers are counted (the embedding table on the first stage; the final norm, lm_head, the
+MTP head and the embedding table, which the head needs, on the last; every stage's activation margin),
+largest remainder, at least one layer each. ``nodes`` names the stages exactly, in order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from exo.cards import ModelCard
@@ -19,6 +27,7 @@ from exo.cards import ModelCard
 CONTEXT_BUDGET_TOKENS = 32768
 ACTIVATION_MARGIN_BYTES = 512 << 20
 LIVE_STATES = frozenset({"loading", "ready"})
+MAX_ORDERED_EXHAUSTIVELY = 7  # stages ordered by trying every order up to this many nodes, greedily beyond
 
 
 @dataclass(frozen=True)
@@ -29,6 +38,13 @@ class ModelRequirement:
     context_tokens: int
     activation_bytes: int = ACTIVATION_MARGIN_BYTES
     n_layers: int = 0
+    # What a pipeline stage holds, when known from the checkpoint's tensors (else the weights are spread
+    # evenly over the layers): each layer's weights, the embedding table, final norm + lm_head, MTP head.
+    layer_bytes: tuple[int, ...] = ()
+    embed_bytes: int = 0
+    output_bytes: int = 0
+    mtp_bytes: int = 0
+    full_attention_interval: int = 4
 
     @property
     def kv_bytes(self) -> int:
@@ -54,7 +70,37 @@ class ModelRequirement:
             kv_bytes_per_token=kv,
             context_tokens=min(card.context_length, context_budget),
             n_layers=card.n_layers,
+            full_attention_interval=card.full_attention_interval,
         )
+
+    # -- a stage's share ----------------------------------------------------------------------------------
+    def _layer_weights(self) -> list[float]:
+        if self.layer_bytes and len(self.layer_bytes) == self.n_layers:
+            return [float(b) for b in self.layer_bytes]
+        rest = max(0, self.weights_bytes - self.embed_bytes - self.output_bytes - self.mtp_bytes)
+        return [rest / max(1, self.n_layers)] * self.n_layers
+
+    def _kv_per_attention_layer(self) -> float:
+        attention_layers = self.n_layers // max(1, self.full_attention_interval)
+        return self.kv_bytes / attention_layers if attention_layers else 0.0
+
+    def layer_cost(self, layer: int) -> float:
+        """Bytes layer ``layer`` needs: its weights and, for a full-attention layer, its KV cache."""
+        attention = (layer + 1) % max(1, self.full_attention_interval) == 0
+        return self._layer_weights()[layer] + (self._kv_per_attention_layer() if attention else 0.0)
+
+    def fixed_bytes(self, first: bool, last: bool) -> int:
+        """What a stage needs besides its layers."""
+        total = self.activation_bytes
+        if first or last:  # the last stage's MTP head embeds tokens too
+            total += self.embed_bytes
+        if last:
+            total += self.output_bytes + self.mtp_bytes
+        return total
+
+    def stage_bytes(self, start: int, end: int) -> int:
+        first, last = start == 0, end == self.n_layers
+        return int(self.fixed_bytes(first, last) + sum(self.layer_cost(i) for i in range(start, end)))
 
 
 @dataclass(frozen=True)
@@ -77,6 +123,8 @@ class ExistingInstance:
 
 @dataclass(frozen=True)
 class ShardAssignment:
+    """One stage: layers [start_layer, end_layer) on ``node_id``, rank ``rank`` of ``world_size``."""
+
     node_id: str
     start_layer: int
     end_layer: int
@@ -87,14 +135,27 @@ class ShardAssignment:
 @dataclass(frozen=True)
 class Placement:
     model_id: str
-    node_id: str
+    node_id: str  # the node that serves the instance's generations (the last stage of a pipeline)
     requirement: ModelRequirement
     node_free_bytes: int  # the chosen node's free memory before this model
     shards: tuple[ShardAssignment, ...] = field(default=())
+    # Per stage (in rank order): its node's free memory before this model, and what the stage needs.
+    stage_free_bytes: tuple[int, ...] = ()
+    stage_needed_bytes: tuple[int, ...] = ()
 
     @property
     def headroom_bytes(self) -> int:
+        if self.pipelined:
+            return min(f - n for f, n in zip(self.stage_free_bytes, self.stage_needed_bytes, strict=True))
         return self.node_free_bytes - self.requirement.needed_bytes
+
+    @property
+    def pipelined(self) -> bool:
+        return len(self.shards) > 1
+
+    @property
+    def stages(self) -> tuple[ShardAssignment, ...]:
+        return self.shards
 
 
 class PlacementError(Exception):
@@ -115,6 +176,10 @@ class ModelNotOnDiskError(NoPlacementError):
     """No node (or not the asked one) has the model's weights on its disk."""
 
 
+class TooFewNodesError(NoPlacementError):
+    """Fewer nodes hold the model (or the asked nodes are fewer) than the placement needs."""
+
+
 class AlreadyPlacedError(PlacementError):
     def __init__(self, existing: ExistingInstance) -> None:
         super().__init__(
@@ -131,7 +196,11 @@ class UnknownNodeError(PlacementError):
         self.node_id = node_id
 
 
-def gib(n: int) -> str:
+class InvalidPlacementRequest(PlacementError):
+    """The request itself is contradictory (e.g. a node and a list of nodes)."""
+
+
+def gib(n: float) -> str:
     return f"{n / (1 << 30):.2f} GiB"
 
 
@@ -141,18 +210,31 @@ def placement(
     existing: Sequence[ExistingInstance] = (),
     *,
     node: str | None = None,
+    nodes_in_order: Sequence[str] | None = None,
+    min_nodes: int = 1,
+    links: Mapping[tuple[str, str], float] | None = None,
 ) -> Placement:
     """Where ``model`` runs, or raises a ``PlacementError`` saying why it cannot.
 
-    ``node``: only this node (an id). ``existing``: the cluster's instances; one of the same model
-    that is loading or ready means the model is already placed (AlreadyPlacedError).
+    ``node``: only this node (an id). ``nodes_in_order``: exactly these nodes, as the pipeline's stages
+    in this order. ``min_nodes``: spread over at least this many nodes even if fewer would do.
+    ``existing``: the cluster's instances; one of the same model that is loading or ready means the model
+    is already placed (AlreadyPlacedError). ``links``: round-trip times (ms) between node ids, to order
+    the stages along the fastest links.
     """
     req = model if isinstance(model, ModelRequirement) else ModelRequirement.from_card(model)
+    if node is not None and (nodes_in_order or min_nodes > 1):
+        raise InvalidPlacementRequest("`node` places on one node; use `nodes` (or `min_nodes`) for a pipeline")
+    if min_nodes < 1:
+        raise InvalidPlacementRequest(f"min_nodes must be >= 1, got {min_nodes}")
     for inst in existing:
         if inst.model_id == req.model_id and inst.state in LIVE_STATES:
             raise AlreadyPlacedError(inst)
+    known = [n.node_id for n in nodes]
+    free = _free_memory(nodes, existing)
+    if nodes_in_order:
+        return _exact(req, nodes, free, list(nodes_in_order), min_nodes)
     if node is not None:
-        known = [n.node_id for n in nodes]
         nodes = [n for n in nodes if n.node_id == node]
         if not nodes:
             raise UnknownNodeError(node, known)
@@ -164,27 +246,176 @@ def placement(
             f"(nodes: {', '.join(_label(n) for n in nodes) or 'none'})",
             needed_bytes=req.needed_bytes,
         )
+    ranked = sorted(holders, key=lambda n: (-free[n.node_id], n.node_id))
+    best = ranked[0]
+    if min_nodes == 1 and free[best.node_id] >= req.needed_bytes:
+        shard = ShardAssignment(best.node_id, 0, req.n_layers, 0, 1)
+        return Placement(req.model_id, best.node_id, req, free[best.node_id], (shard,))
+    single_failure = _no_room_message(req, best, free[best.node_id])
+    if node is not None or len(ranked) < 2 or req.n_layers < 2:
+        if min_nodes > 1:
+            raise TooFewNodesError(
+                f"{req.model_id} was asked to spread over {min_nodes} nodes, but "
+                f"{_count(len(ranked), 'node')} of the cluster hold its weights",
+                needed_bytes=req.needed_bytes,
+            )
+        raise NoPlacementError(single_failure, needed_bytes=req.needed_bytes, best_node=best.node_id,
+                               best_free_bytes=free[best.node_id])
+    if min_nodes > len(ranked) or min_nodes > req.n_layers:
+        raise TooFewNodesError(
+            f"{req.model_id} was asked to spread over {min_nodes} nodes, but "
+            f"{_count(len(ranked), 'node')} of the cluster hold its weights"
+            + (f" and it has {req.n_layers} layers" if min_nodes > req.n_layers else ""),
+            needed_bytes=req.needed_bytes,
+        )
+    for k in range(max(2, min_nodes), min(len(ranked), req.n_layers) + 1):
+        chosen = _order_along_links(ranked[:k], links)
+        stages = _split(req, [free[n.node_id] for n in chosen])
+        if stages is not None:
+            return _pipeline(req, chosen, free, stages)
+    total = sum(free[n.node_id] for n in ranked)
+    spread_needed = req.needed_bytes + (len(ranked) - 1) * req.activation_bytes + req.embed_bytes
+    raise NoPlacementError(
+        f"{single_failure}; spread over all {_count(len(ranked), 'node')} that hold it "
+        f"({gib(total)} free in all) it needs about {gib(spread_needed)}: add a node or free memory",
+        needed_bytes=req.needed_bytes,
+        best_node=best.node_id,
+        best_free_bytes=free[best.node_id],
+    )
+
+
+def _free_memory(nodes: Sequence[NodeCapacity], existing: Sequence[ExistingInstance]) -> dict[str, int]:
     reserved: dict[str, int] = {}
     for inst in existing:
         if inst.state == "loading":
             reserved[inst.node_id] = reserved.get(inst.node_id, 0) + inst.reserved_bytes
-    ranked = sorted(
-        ((max(0, n.memory_available_bytes - reserved.get(n.node_id, 0)), n) for n in holders),
-        key=lambda pair: (-pair[0], pair[1].node_id),
-    )
-    free, best = ranked[0]
-    if free < req.needed_bytes:
-        raise NoPlacementError(
-            f"{req.model_id} does not fit: it needs {gib(req.needed_bytes)} (weights {gib(req.weights_bytes)} "
-            f"+ KV cache for {req.context_tokens} tokens {gib(req.kv_bytes)} + activations "
-            f"{gib(req.activation_bytes)}), but the most free memory is {gib(free)} on node {_label(best)}: "
-            f"{gib(req.needed_bytes - free)} missing",
-            needed_bytes=req.needed_bytes,
-            best_node=best.node_id,
-            best_free_bytes=free,
+    return {n.node_id: max(0, n.memory_available_bytes - reserved.get(n.node_id, 0)) for n in nodes}
+
+
+def _exact(req: ModelRequirement, nodes: Sequence[NodeCapacity], free: dict[str, int], order: list[str],
+           min_nodes: int) -> Placement:
+    by_id = {n.node_id: n for n in nodes}
+    for node_id in order:
+        if node_id not in by_id:
+            raise UnknownNodeError(node_id, by_id)
+    if len(set(order)) != len(order):
+        raise InvalidPlacementRequest(f"nodes lists a node twice: {', '.join(order)}")
+    if len(order) < min_nodes:
+        raise TooFewNodesError(
+            f"min_nodes is {min_nodes} but nodes lists {_count(len(order), 'node')}", needed_bytes=req.needed_bytes
         )
-    shard = ShardAssignment(best.node_id, 0, req.n_layers, 0, 1)
-    return Placement(req.model_id, best.node_id, req, free, (shard,))
+    if len(order) > max(1, req.n_layers):
+        raise TooFewNodesError(
+            f"{req.model_id} has {req.n_layers} layers: it cannot be spread over {len(order)} nodes",
+            needed_bytes=req.needed_bytes,
+        )
+    chosen = [by_id[i] for i in order]
+    lacking = [n for n in chosen if n.models is not None and req.model_id not in n.models]
+    if lacking:
+        raise ModelNotOnDiskError(
+            f"{req.model_id} is not on the disk of {', '.join('node ' + _label(n) for n in lacking)}: "
+            "download it there first",
+            needed_bytes=req.needed_bytes,
+        )
+    if len(chosen) == 1:
+        n = chosen[0]
+        if free[n.node_id] < req.needed_bytes:
+            raise NoPlacementError(_no_room_message(req, n, free[n.node_id]), needed_bytes=req.needed_bytes,
+                                   best_node=n.node_id, best_free_bytes=free[n.node_id])
+        return Placement(req.model_id, n.node_id, req, free[n.node_id], (ShardAssignment(n.node_id, 0, req.n_layers),))
+    stages = _split(req, [free[n.node_id] for n in chosen])
+    if stages is None:
+        stages = _split(req, [free[n.node_id] for n in chosen], force=True)
+        assert stages is not None
+        short = [
+            f"stage {rank} on node {_label(n)} needs {gib(req.stage_bytes(a, b))} "
+            f"(layers {a}-{b - 1}) but has {gib(free[n.node_id])}"
+            for rank, (n, (a, b)) in enumerate(zip(chosen, stages, strict=True))
+            if req.stage_bytes(a, b) > free[n.node_id]
+        ]
+        raise NoPlacementError(
+            f"{req.model_id} does not fit on {', '.join(order)}: " + "; ".join(short),
+            needed_bytes=req.needed_bytes,
+        )
+    return _pipeline(req, chosen, free, stages)
+
+
+def _split(req: ModelRequirement, free: Sequence[int], force: bool = False) -> list[tuple[int, int]] | None:
+    """Contiguous layer ranges, one per node in order, in proportion to what each node has left for
+    layers (largest remainder, at least one layer each); None when some stage does not fit (``force``:
+    the split anyway)."""
+    n, k = req.n_layers, len(free)
+    if k > n:
+        return None
+    room = [max(0.0, f - req.fixed_bytes(i == 0, i == k - 1)) for i, f in enumerate(free)]
+    total = sum(room)
+    if total <= 0:
+        if not force:
+            return None
+        room, total = [1.0] * k, float(k)
+    shares = [n * r / total for r in room]
+    counts = [max(1, int(s)) for s in shares]
+    while sum(counts) > n:  # the minimum of one layer took layers from the others
+        i = max((i for i in range(k) if counts[i] > 1), key=lambda i: counts[i] - shares[i])
+        counts[i] -= 1
+    order = sorted(range(k), key=lambda i: (-(shares[i] - int(shares[i])), i))
+    for i in itertools.islice(itertools.cycle(order), n - sum(counts)):
+        counts[i] += 1
+    stages, start = [], 0
+    for c in counts:
+        stages.append((start, start + c))
+        start += c
+    if not force and any(req.stage_bytes(a, b) > f for (a, b), f in zip(stages, free, strict=True)):
+        return None
+    return stages
+
+
+def _order_along_links(nodes: list[NodeCapacity], links: Mapping[tuple[str, str], float] | None) -> list[NodeCapacity]:
+    """The order of the stages: the path through the nodes with the smallest total round-trip time (a ring
+    closes last -> first too: the leader sends each step to the first stage). Without link figures, or
+    on ties, the order by free memory stands."""
+    if not links or len(nodes) < 2:
+        return nodes
+
+    def rtt(a: NodeCapacity, b: NodeCapacity) -> float:
+        return links.get((a.node_id, b.node_id), links.get((b.node_id, a.node_id), 0.0))
+
+    def cost(path: Sequence[NodeCapacity]) -> float:
+        return sum(rtt(a, b) for a, b in itertools.pairwise(path)) + rtt(path[-1], path[0])
+
+    if len(nodes) <= MAX_ORDERED_EXHAUSTIVELY:
+        return list(min(itertools.permutations(nodes), key=lambda p: (round(cost(p), 6), [n.node_id for n in p])))
+    path, rest = [nodes[0]], nodes[1:]
+    while rest:
+        following = min(rest, key=lambda n: (rtt(path[-1], n), n.node_id))
+        path.append(following)
+        rest.remove(following)
+    return path
+
+
+def _pipeline(req: ModelRequirement, chosen: Sequence[NodeCapacity], free: dict[str, int],
+              stages: list[tuple[int, int]]) -> Placement:
+    k = len(chosen)
+    shards = tuple(ShardAssignment(n.node_id, a, b, rank, k) for rank, (n, (a, b)) in enumerate(zip(chosen, stages, strict=True)))
+    leader = chosen[-1]
+    return Placement(
+        req.model_id, leader.node_id, req, free[leader.node_id], shards,
+        stage_free_bytes=tuple(free[n.node_id] for n in chosen),
+        stage_needed_bytes=tuple(req.stage_bytes(a, b) for a, b in stages),
+    )
+
+
+def _no_room_message(req: ModelRequirement, best: NodeCapacity, free: int) -> str:
+    return (
+        f"{req.model_id} does not fit: it needs {gib(req.needed_bytes)} (weights {gib(req.weights_bytes)} "
+        f"+ KV cache for {req.context_tokens} tokens {gib(req.kv_bytes)} + activations "
+        f"{gib(req.activation_bytes)}), but the most free memory is {gib(free)} on node {_label(best)}: "
+        f"{gib(req.needed_bytes - free)} missing"
+    )
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def _label(node: NodeCapacity) -> str:

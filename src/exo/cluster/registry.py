@@ -20,16 +20,18 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from exo.wire.proto_gen import node_pb2 as pb
+from exo.wire.proto_gen import node_pb2_grpc as pb_grpc
+
 from .auth import ClusterAuth
 from .identity import NodeIdentity
-from .proto_gen import node_pb2 as pb
-from .proto_gen import node_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
 POLL_S = 1.5
 CALL_TIMEOUT_S = 2.0
 EXPIRE_S = 7.5
+EXPIRE_CHECK_S = 0.25  # a silent peer leaves at most this long after EXPIRE_S
 MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -87,6 +89,7 @@ class PeerRegistry:
         self._peers: dict[str, Peer] = {}
         self._rejected: dict[Address, str] = {}  # why an address is not a peer (logged once per reason)
         self._task: asyncio.Task[None] | None = None
+        self._expiry_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
 
     # -- addresses -------------------------------------------------------------------------------------------
@@ -126,15 +129,17 @@ class PeerRegistry:
     # -- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="exo-peer-registry")
+        self._expiry_task = asyncio.create_task(self._run_expiry(), name="exo-peer-expiry")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        for task in (self._task, self._expiry_task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        self._task = self._expiry_task = None
         channels, self._channels = list(self._channels.values()), {}
         await asyncio.gather(*(c.close(grace=None) for c in channels), return_exceptions=True)
 
@@ -157,6 +162,16 @@ class PeerRegistry:
                 await asyncio.wait_for(self._wake.wait(), self.poll_s)
             except TimeoutError:
                 pass
+
+    async def _run_expiry(self) -> None:
+        """Expire silent peers on time: a poll round waits up to its call deadline for a silent peer, so
+        checking only after each round would let a peer stay up to a round (~3.5 s) past ``expire_s``."""
+        while True:
+            await asyncio.sleep(EXPIRE_CHECK_S)
+            try:
+                self._expire()
+            except Exception:  # noqa: BLE001 - a failing on_lost callback must not stop expiry
+                log.exception("peer expiry failed")
 
     def _channel(self, address: Address) -> grpc.aio.Channel:
         channel = self._channels.get(address)

@@ -31,10 +31,9 @@ from typing import TYPE_CHECKING
 import grpc
 
 import exo
-from exo.cluster.proto_gen import node_pb2 as pb
-from exo.cluster.proto_gen import node_pb2_grpc as pb_grpc
-from exo.runner.main import EXIT_LOAD_FAILED
-from exo.runner.service import MAX_MESSAGE_BYTES
+from exo.wire.proto_gen import node_pb2 as pb
+from exo.wire.proto_gen import node_pb2_grpc as pb_grpc
+from exo.wire.runner import EXIT_GROUP_LOST, EXIT_LOAD_FAILED, MAX_MESSAGE_BYTES
 
 if TYPE_CHECKING:
     from exo.engine import ResolvedModel
@@ -130,8 +129,9 @@ class InstanceSupervisor:
         return [self._snapshot(e) for e in entries]
 
     def live_for(self, model_id: str) -> pb.Instance | None:
-        """An instance of ``model_id`` that is loading or ready (a ready one first)."""
-        live = [e for e in self._entries.values() if e.info.model_id == model_id and e.info.state in _LIVE]
+        """A single-node instance of ``model_id`` that is loading or ready (a ready one first)."""
+        live = [e for e in self._entries.values()
+                if e.info.model_id == model_id and e.info.state in _LIVE and not e.info.stages]
         if not live:
             return None
         live.sort(key=lambda e: (e.info.state != pb.INSTANCE_STATE_READY, e.info.created_unix))
@@ -148,8 +148,11 @@ class InstanceSupervisor:
         on_demand: bool = False,
         group_id: str = "",
         model_ref: str | None = None,
+        stages: Sequence[pb.StagePlacement] = (),
+        owner_node: str = "",
     ) -> pb.Instance:
-        """Spawn a runner for ``resolved`` (or a shard of it); returns at once, in state LOADING."""
+        """Spawn a runner for ``resolved`` (or a pipeline stage of it: ``shard``, ``stages``); returns at
+        once, in state LOADING."""
         if instance_id in self._entries:
             raise ValueError(f"instance {instance_id} already exists")
         now = time.time()
@@ -164,6 +167,8 @@ class InstanceSupervisor:
             updated_unix=now,
             on_demand=on_demand,
             group_id=group_id,
+            stages=list(stages),
+            owner_node=owner_node,
         )
         entry = _Entry(info, resolved, self._socket_path(instance_id))
         self._entries[instance_id] = entry
@@ -227,6 +232,18 @@ class InstanceSupervisor:
         entry.notify()
         return True
 
+    def kill(self, instance_id: str, reason: str) -> bool:
+        """Kill a runner now (SIGKILL: a pipeline stage blocked in a receive never runs a signal handler);
+        the instance stays listed, FAILED with ``reason`` (a pipeline stage is not restarted). False if
+        unknown or not running."""
+        entry = self._entries.get(instance_id)
+        if entry is None or entry.process is None or entry.process.returncode is not None:
+            return False
+        entry.kill_reason = reason
+        with contextlib.suppress(ProcessLookupError):
+            entry.process.kill()
+        return True
+
     async def close(self) -> None:
         """Stop every runner and wait for them."""
         await asyncio.gather(*(self.stop(iid) for iid in list(self._entries)), return_exceptions=True)
@@ -234,6 +251,16 @@ class InstanceSupervisor:
             shutil.rmtree(self._tmp_run_dir, ignore_errors=True)
             self._tmp_run_dir = None
             self._run_dir = None
+
+    async def join_group(self, instance_id: str, hosts: Sequence[str]) -> bool:
+        """Hand a pipeline stage's runner its group's hosts; it joins the ring."""
+        entry = self._entries.get(instance_id)
+        if entry is None or entry.stub is None:
+            raise UnknownInstanceError(f"unknown instance {instance_id} (it was stopped or never started)")
+        reply = await entry.stub.JoinGroup(
+            pb.JoinGroupRequest(instance_id=instance_id, hosts=list(hosts)), timeout=self.STATUS_DEADLINE_S
+        )
+        return reply.accepted
 
     # -- generation -----------------------------------------------------------------------------------------
 
@@ -307,6 +334,7 @@ class InstanceSupervisor:
         cmd = [
             *self.runner_cmd,
             "--instance-id", info.instance_id,
+            *(["--group-id", info.group_id] if info.group_id else []),
             "--socket", entry.socket_path,
             "--model-path", str(resolved.path),
             "--model-id", resolved.model_id,
@@ -401,7 +429,12 @@ class InstanceSupervisor:
                     return
                 failure = await self._failure(entry, code)
                 await self._close_channel(entry)
-                restartable = code != EXIT_LOAD_FAILED and entry.info.restarts < self.max_restarts
+                # A pipeline stage is never restarted alone: its group is formed anew (exo.cluster.orchestration).
+                pipelined = entry.info.shard.world_size > 1
+                restartable = (
+                    code not in (EXIT_LOAD_FAILED, EXIT_GROUP_LOST) and not pipelined
+                    and entry.info.restarts < self.max_restarts
+                )
                 log.warning("instance %s: runner exited (%d): %s%s", entry.info.instance_id, code, failure.message,
                             "; restarting" if restartable else "")
                 entry.info.failure.CopyFrom(failure)
@@ -473,6 +506,9 @@ class InstanceSupervisor:
             return e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         if entry.stopping:
             return True
+        if status.ring_port and entry.info.ring_port != status.ring_port:
+            entry.info.ring_port = status.ring_port
+            entry.notify()  # the orchestrator waits for every stage's port
         if status.state == pb.INSTANCE_STATE_READY:
             if entry.info.state != pb.INSTANCE_STATE_READY:
                 entry.info.model.CopyFrom(status.model)

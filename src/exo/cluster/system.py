@@ -21,7 +21,15 @@ class Memory:
     available_bytes: int
 
 
-def memory() -> Memory:
+def memory(budget: int | None = None) -> Memory:
+    """The machine's memory; with a ``budget`` (``memory_budget_bytes``), at most that much of it."""
+    mem = _os_memory()
+    if budget is None:
+        return mem
+    return Memory(min(mem.total_bytes, budget), min(mem.available_bytes, budget))
+
+
+def _os_memory() -> Memory:
     if Path("/proc/meminfo").exists():
         values = {}
         for line in Path("/proc/meminfo").read_text().splitlines():

@@ -2,7 +2,7 @@
 
 beta(K): a (K+1)-row verify call of the backbone, relative to a one-row decode step.
 delta(K): drafting K tokens with the MTP head (head layer + lm_head per token), same unit.
-Measured on a short random context with the caches restored after every timed call: the fastest of a
+Measured on a short random context, verify calls rolled back after each timed call: the fastest of a
 few repetitions after warm-up calls (the first calls compile kernels; other work on the machine only
 adds time).
 """
@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from .adaptive import DepthCosts
-from .models.layers import MoEVerifyMode, RollbackArraysCache
+from .forward import Forward
 from .models.mtp import MTPHead
 
 
@@ -36,26 +36,6 @@ def device_name() -> str:
     return f"cpu ({platform.machine()})"
 
 
-class _Snapshot:
-    """Saves cache positions/states so a timed call can be undone."""
-
-    def __init__(self, caches: list[Any]):
-        self.caches = caches
-        self.saved = [
-            c.offset if isinstance(c, KVCache) else (c[0], c[1]) for c in caches
-        ]
-
-    def restore(self) -> None:
-        for cache, saved in zip(self.caches, self.saved, strict=True):
-            if isinstance(cache, KVCache):
-                cache.trim(cache.offset - saved)
-            else:
-                cache[0], cache[1] = saved
-                if isinstance(cache, RollbackArraysCache):
-                    cache.recording = False
-                    cache.discard()
-
-
 def _fastest_seconds(fn: Callable[[], None], reps: int, warmup: int = 2) -> float:
     """The fastest of a few timed calls: interference from other work only ever adds time."""
     for _ in range(warmup):
@@ -70,59 +50,58 @@ def _fastest_seconds(fn: Callable[[], None], reps: int, warmup: int = 2) -> floa
 
 def measure_costs(
     model: Any,
+    forward: Forward,
     head: MTPHead,
     max_k: int,
     *,
-    moe_verify: MoEVerifyMode = "route_locked",
     context: int = 64,
     reps: int = 5,
 ) -> DepthCosts:
+    """beta(K) and delta(K) relative to one plain step, through ``forward`` (a pipeline's costs include
+    its stages and the transfers between them: that is what a round costs there)."""
     vocab = model.text_model.embed_tokens.weight.shape[0]
     tokens = mx.random.randint(0, vocab, (1, context), key=mx.random.key(0))
-    cache = model.make_cache()
+    cache = forward.new_cache()
     head_cache = KVCache()
-    hidden = model.hidden(tokens, cache)
-    head(model.embed(tokens[:, 1:]), hidden[:, :-1], head_cache)
-    last_hidden = hidden[:, -1:]
-    mx.eval([c.state for c in cache], head_cache.state, last_hidden)
-    backbone_state = _Snapshot(cache)
-    head_state = _Snapshot([head_cache])
-    one = tokens[:, :1]
+    try:
+        hidden = forward.hidden(tokens, cache)
+        head(model.embed(tokens[:, 1:]), hidden[:, :-1], head_cache)
+        last_hidden = hidden[:, -1:]
+        mx.eval(last_hidden, head_cache.state)
+        head_offset = head_cache.offset
+        one = tokens[:, :1]
 
-    def plain() -> None:
-        token = mx.argmax(model.logits(model.hidden(one, cache))[:, -1], axis=-1)
-        mx.eval(token)
-        backbone_state.restore()
+        def plain() -> None:
+            # The context grows by one per call (a pipeline's other stages cannot be rewound): a few tokens
+            # more than the verify calls see, which changes nothing measurable.
+            mx.eval(mx.argmax(model.logits(forward.hidden(one, cache))[:, -1], axis=-1))
 
-    def verify(k: int) -> Callable[[], None]:
-        rows = mx.concatenate([one] * (k + 1), axis=1)
+        def verify(k: int) -> Callable[[], None]:
+            rows = mx.concatenate([one] * (k + 1), axis=1)
 
-        def run() -> None:
-            for c in cache:
-                if isinstance(c, RollbackArraysCache):
-                    c.recording = True
-            model.set_moe_verify_mode(moe_verify)
-            out = model.hidden(rows, cache)
-            model.set_moe_verify_mode(None)
-            mx.eval(mx.argmax(model.logits(out), axis=-1))
-            backbone_state.restore()
+            def run() -> None:
+                out = forward.hidden(rows, cache, verify=True)
+                mx.eval(mx.argmax(model.logits(out), axis=-1))
+                forward.rollback(cache, k + 1, 0)
 
-        return run
+            return run
 
-    def draft(k: int) -> Callable[[], None]:
-        def run() -> None:
-            out = head(model.embed(one), last_hidden, head_cache)
-            drafts = [mx.argmax(model.logits(out)[:, -1], axis=-1)]
-            for _ in range(k - 1):
-                out = head(model.embed(drafts[-1][None]), out, head_cache)
-                drafts.append(mx.argmax(model.logits(out)[:, -1], axis=-1))
-            mx.eval(drafts)
-            head_state.restore()
+        def draft(k: int) -> Callable[[], None]:
+            def run() -> None:
+                out = head(model.embed(one), last_hidden, head_cache)
+                drafts = [mx.argmax(model.logits(out)[:, -1], axis=-1)]
+                for _ in range(k - 1):
+                    out = head(model.embed(drafts[-1][None]), out, head_cache)
+                    drafts.append(mx.argmax(model.logits(out)[:, -1], axis=-1))
+                mx.eval(drafts)
+                head_cache.trim(head_cache.offset - head_offset)
 
-        return run
+            return run
 
-    plain_s = _fastest_seconds(plain, reps)
-    # A verify of K+1 rows never really costs less than one row; timer noise on tiny models can say so.
-    beta = tuple(max(1.0, _fastest_seconds(verify(k), reps) / plain_s) for k in range(1, max_k + 1))
-    delta = tuple(_fastest_seconds(draft(k), reps) / plain_s for k in range(1, max_k + 1))
+        plain_s = _fastest_seconds(plain, reps)
+        # A verify of K+1 rows never really costs less than one row; timer noise on tiny models can say so.
+        beta = tuple(max(1.0, _fastest_seconds(verify(k), reps) / plain_s) for k in range(1, max_k + 1))
+        delta = tuple(_fastest_seconds(draft(k), reps) / plain_s for k in range(1, max_k + 1))
+    finally:
+        forward.end(cache)
     return DepthCosts(beta=beta, delta=delta, device=device_name(), plain_s=plain_s)

@@ -22,6 +22,7 @@ the current token is read back).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -33,8 +34,9 @@ from mlx_lm.models.cache import KVCache
 
 from .adaptive import DepthCosts, DepthPolicy
 from .costs import measure_costs
+from .forward import Forward, LocalForward
 from .loader import LoadedModel
-from .models.layers import MoEVerifyMode, RollbackArraysCache
+from .models.layers import MoEVerifyMode
 from .sampling import (
     KeyStream,
     SamplingParams,
@@ -120,9 +122,12 @@ class GenerationResult:
 class Engine:
     """Generates from one loaded model. Not thread-safe: callers serialize requests."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, forward: Forward | None = None):
+        """``forward``: how the backbone runs; by default here (``LocalForward``), or through the stages of
+        a pipeline (``exo.engine.pipeline.PipelineForward``, on the last stage)."""
         self.loaded = loaded
         self.config = config or EngineConfig()
+        self.forward = forward or LocalForward(loaded.model, self.config.moe_verify)
         self._costs: DepthCosts | None = None
         self._policy: DepthPolicy | None = None
         self._policy_key: tuple[int, int] | None = None
@@ -130,6 +135,11 @@ class Engine:
     @property
     def model(self) -> Any:
         return self.loaded.model
+
+    def set_native_mtp(self, enabled: bool, disabled_reason: str) -> None:
+        """The node-wide switch; call between generations (it applies from the next one on)."""
+        if (self.config.native_mtp_enabled, self.config.disabled_reason) != (enabled, disabled_reason):
+            self.config = dataclasses.replace(self.config, native_mtp_enabled=enabled, disabled_reason=disabled_reason)
 
     # -- native MTP availability -------------------------------------------------------------------
     def mtp_unavailable_reason(self, mode: NativeMTPMode = "auto") -> str | None:
@@ -145,9 +155,7 @@ class Engine:
         """Round costs measured on this machine (once per engine)."""
         if self._costs is None:
             assert self.loaded.head is not None
-            self._costs = measure_costs(
-                self.model, self.loaded.head, self.config.max_k, moe_verify=self.config.moe_verify
-            )
+            self._costs = measure_costs(self.model, self.forward, self.loaded.head, self.config.max_k)
         return self._costs
 
     def warmup(self) -> None:
@@ -275,7 +283,8 @@ class _Run:
         self.reason = reason
         self.keys = KeyStream(self.params.seed)
         self.processors = make_processors(self.params)
-        self.cache = self.model.make_cache()
+        self.forward = engine.forward
+        self.cache = self.forward.new_cache()
         self.head_cache = KVCache()
         # The head is fed only when MTP can run and could pay off (on a compute-bound CPU it never can).
         self.track_head = policy is not None and policy.mtp_can_pay_off
@@ -328,7 +337,7 @@ class _Run:
         chunk = max(1, self.engine.config.prefill_chunk)
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
-            hidden = self.model.hidden(prompt[None, start:end], self.cache)
+            hidden = self.forward.hidden(prompt[None, start:end], self.cache)
             # Rows whose next token is known prime the head now, chunk by chunk.
             known = min(end, n - 1) - start
             if known > 0:
@@ -346,7 +355,7 @@ class _Run:
 
     def _plain_step(self) -> mx.array:
         assert self.pending_token is not None
-        hidden = self.model.hidden(self.pending_token.reshape(1, 1), self.cache)
+        hidden = self.forward.hidden(self.pending_token.reshape(1, 1), self.cache)
         token = self._sample(self._logits_for(hidden, self.history))
         self._wait_for_head(hidden, token)
         self.pending_token = token
@@ -356,6 +365,13 @@ class _Run:
 
     # -- the loop ------------------------------------------------------------------------------------
     def stream(self) -> Iterator[GenerationChunk]:
+        try:
+            yield from self._stream()
+        finally:
+            # Finished, cancelled, failed or abandoned: a pipeline's other stages drop the request too.
+            self.forward.end(self.cache)
+
+    def _stream(self) -> Iterator[GenerationChunk]:
         started = time.perf_counter()
         first = self._prefill()
         self.pending_token = first
@@ -471,17 +487,7 @@ class _Run:
         self._mark("draft_build")
         # 2. Verify.
         rows = mx.concatenate([self.pending_token.reshape(1), draft_tokens])[None]
-        for c in self.cache:
-            if isinstance(c, RollbackArraysCache):
-                c.recording = True
-        model.set_moe_verify_mode(self.engine.config.moe_verify)
-        try:
-            hidden = model.hidden(rows, self.cache)
-        finally:
-            model.set_moe_verify_mode(None)
-            for c in self.cache:
-                if isinstance(c, RollbackArraysCache):
-                    c.recording = False
+        hidden = self.forward.hidden(rows, self.cache, verify=True)
         logits = model.logits(hidden)[0]  # [K+1, V]
         if self.processors:
             logits = mx.concatenate(
@@ -517,11 +523,7 @@ class _Run:
             self._plain_next = True
             self.recorder.near_tie_fallbacks += 1
         # 4. Roll back to the kept rows.
-        for c in self.cache:
-            if isinstance(c, RollbackArraysCache):
-                c.commit(kept_rows)
-            else:
-                c.trim(k + 1 - kept_rows)
+        self.forward.rollback(self.cache, k + 1, kept_rows)
         self.head_cache.trim(k - 1)
         if emitted:
             emitted_array = mx.array(emitted, dtype=mx.uint32)
@@ -563,6 +565,8 @@ class _Run:
         return NativeMTPStats(
             enabled=self.policy is not None,
             reason=reason,
+            mode="pipeline" if self.forward.stages > 1 else "single_node",
+            stages=self.forward.stages,
             k=self.policy.fixed_k if self.policy is not None and self.policy.fixed_k is not None else rec.last_k,
             k_fixed=self.policy is not None and self.policy.fixed_k is not None,
             k_histogram=dict(sorted(rec.k_histogram.items())),

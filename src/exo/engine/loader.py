@@ -33,6 +33,8 @@ from .models.backbone import SpeculativeBackbone
 from .models.mtp import HEAD_NORM_SUFFIXES, MTPHead
 
 SIDECAR_NAMES = ("mtp.safetensors",)
+# Written next to the weights by head recovery (exo.downloads.heads) when it refused a head: the reason.
+HEAD_RECOVERY_NOTE = "mtp_recovery.json"
 HEAD_PREFIXES = ("language_model.mtp.", "model.mtp.", "mtp.")
 NormConvention = Literal["hf", "mlx"]
 
@@ -149,6 +151,49 @@ def weight_files(path: Path) -> list[Path]:
     if not files:
         raise CheckpointError(f"{path} has no model*.safetensors weight files")
     return files
+
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+                "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+@dataclass(frozen=True)
+class CheckpointParts:
+    """Bytes of what a pipeline stage holds, from the shards' headers (nothing is loaded)."""
+
+    layer_bytes: tuple[int, ...]
+    embed_bytes: int
+    output_bytes: int  # final norm + lm_head
+    mtp_bytes: int
+
+
+def checkpoint_parts(path: Path, n_layers: int) -> CheckpointParts:
+    """Sizes of the backbone's layers, its embedding table, its output (final norm, lm_head) and its MTP
+    head, summed over every file mlx-lm or exo would load (a vision tower does not count)."""
+    layers = [0] * n_layers
+    embed = output = mtp = 0
+    files = weight_files(path) + [path / n for n in SIDECAR_NAMES if (path / n).is_file()]
+    for file in files:
+        keys, _, handle = _header(file)
+        for key in keys:
+            tensor = handle.get_slice(key)
+            size = _DTYPE_BYTES.get(tensor.get_dtype(), 2)
+            for dim in tensor.get_shape():
+                size *= dim
+            if "visual" in key or "vision" in key:
+                continue
+            if key.startswith(HEAD_PREFIXES) or ".mtp." in key:
+                mtp += size
+            elif (match := _LAYER_RE.search(key)) is not None:
+                index = int(match.group(1))
+                if index < n_layers:
+                    layers[index] += size
+            elif "embed_tokens" in key:
+                embed += size
+            else:  # lm_head, the final norm
+                output += size
+    return CheckpointParts(tuple(layers), embed, output, mtp)
 
 
 def _header(file: Path) -> tuple[list[str], dict[str, str], Any]:
@@ -336,12 +381,25 @@ def missing_head_reason(path: Path, declared: int, source_repo: str | None) -> s
     where = f"the official checkpoint {source_repo} (its last shard holds mtp.*)" if source_repo else (
         "the model's official Hugging Face checkpoint (its last shard holds mtp.*)"
     )
+    note = recovery_note_reason(path)
+    if note is not None:
+        return note
     return (
         f"{path.name} declares an MTP head ({declared} layer) but its weights have no mtp.* tensors: "
-        "stock mlx-lm conversions (e.g. every mlx-community/* repo) drop them. Get the head from "
-        f"{where} and save those tensors as mtp.safetensors in {path}, or use a conversion that "
-        "keeps the head. Running plain decoding."
+        "stock mlx-lm conversions (e.g. every mlx-community/* repo) drop them. `exo pull` on this model "
+        f"recovers it when its card names a source_repo; or get the head from {where} and save those "
+        f"tensors as mtp.safetensors in {path}, or use a conversion that keeps the head. Running plain decoding."
     )
+
+
+def recovery_note_reason(path: Path) -> str | None:
+    """Why head recovery refused this checkpoint's head (its note), if it did."""
+    try:
+        note = json.loads((path / HEAD_RECOVERY_NOTE).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    reason = note.get("reason") if isinstance(note, dict) else None
+    return f"{reason} Running plain decoding." if isinstance(reason, str) and reason else None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -376,11 +434,16 @@ def load_checkpoint(
     load_head: bool = True,
     head_source_repo: str | None = None,
     lazy: bool = False,
+    layers: tuple[int, int] | None = None,
 ) -> LoadedModel:
     """Load a local checkpoint directory (raw Hugging Face or MLX layout) with its MTP head.
 
     A head the config declares but the weights lack, or a malformed head, does not stop the load:
     ``head_status`` says why MTP is unavailable and the model runs plain decoding.
+
+    ``layers=(start, end)``: only a pipeline stage's part (``SpeculativeBackbone.keep_stage``), read from
+    disk and nothing else: the embedding on the first stage; the final norm, lm_head, the embedding
+    table, the tokenizer and the MTP head on the last. A middle or first stage has no tokenizer (None).
     """
     path = Path(path).expanduser().resolve()
     config = read_config(path)
@@ -388,20 +451,33 @@ def load_checkpoint(
     for file in files:
         _header(file)  # a corrupt shard fails here with the file's name, not deep inside mlx
     try:
-        model, config = mlx_load_model(path, lazy=lazy, get_model_classes=get_model_classes)
+        model, config = mlx_load_model(
+            path, lazy=lazy or layers is not None, get_model_classes=get_model_classes
+        )
+        last = True
+        if layers is not None:
+            start, end = layers
+            last = end == model.num_layers
+            model.keep_stage(start, end, first=start == 0, last=last)
+            if not lazy:
+                mx.eval(model.parameters())  # only this stage's weights are read
     except UnsupportedModelError:
         raise
     except (ValueError, KeyError, FileNotFoundError, RuntimeError) as e:
         raise CheckpointError(f"{path}: the weights do not match config.json: {e}") from e
     cpu_compatible(model)
-    try:
-        tokenizer = load_tokenizer(path)
-    except Exception as e:
-        raise CheckpointError(f"{path}: tokenizer files could not be loaded: {e}") from e
+    tokenizer = None
+    if last:
+        try:
+            tokenizer = load_tokenizer(path)
+        except Exception as e:
+            raise CheckpointError(f"{path}: tokenizer files could not be loaded: {e}") from e
 
     head: MTPHead | None = None
     info = inspect_head(path, files)
-    if not load_head:
+    if not last:
+        status = HeadStatus(available=False, reason="the MTP head runs on the pipeline's last stage")
+    elif not load_head:
         status = HeadStatus(available=False, reason="native MTP is disabled (the head was not loaded)")
     elif info.present:
         try:
@@ -424,5 +500,5 @@ def load_checkpoint(
         config=config,
         head=head,
         head_status=status,
-        eos_token_ids=eos_token_ids(path, config, tokenizer),
+        eos_token_ids=eos_token_ids(path, config, tokenizer) if tokenizer is not None else frozenset(),
     )

@@ -9,6 +9,8 @@ from pathlib import Path
 from exo.cards import Catalog, ModelCard, UnknownModelError, bundled_model_dir, load_catalog
 from exo.cards.schema import REPO_PATTERN
 
+from .hf_cache import cached_snapshot
+
 DEFAULT_MODEL = "exo-demo"
 # Defaults for a checkpoint without a card (docs/architecture.md, "Adaptive depth").
 UNCARDED_DEFAULT_K = 1
@@ -51,15 +53,9 @@ def local_path(card: ModelCard) -> Path | None:
 
 
 def hf_cache_path(repo: str) -> Path | None:
-    """A complete snapshot of ``repo`` in the Hugging Face cache, without touching the network."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        path = Path(snapshot_download(repo, local_files_only=True))
-    except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):
-        return None
-    return path if (path / "config.json").is_file() else None
+    """A complete snapshot of ``repo`` in the Hugging Face cache, without touching the network
+    (``hf_cache.cached_snapshot``: a half-downloaded snapshot is not one)."""
+    return cached_snapshot(repo)
 
 
 def resolve_model(ref: str | None, catalog: Catalog | None = None, *, allow_paths: bool = True) -> ResolvedModel:
@@ -90,7 +86,7 @@ def resolve_model(ref: str | None, catalog: Catalog | None = None, *, allow_path
             )
         raise ModelNotAvailableError(
             f"{card.id} ({card.repo}) is not downloaded on this machine. Download it with "
-            f"`huggingface-cli download {card.repo}` (it lands in the Hugging Face cache, where exo looks) "
-            "or pass the path of a local checkout"
+            f"`exo pull {card.id}` (or `huggingface-cli download {card.repo}`: it lands in the Hugging Face "
+            "cache, where exo looks) or pass the path of a local checkout"
         )
     return ResolvedModel(path, card.id, card)

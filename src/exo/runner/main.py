@@ -1,10 +1,13 @@
-"""``python -m exo.runner``: one member of an instance's group of runners (world_size 1 today).
+"""``python -m exo.runner``: one member of an instance's group of runners (one, or one per pipeline stage).
 
-Lifecycle: serve Status on the unix socket at once (state LOADING with progress), load the model and
-warm it up on the main thread, then serve generations on the main thread until SIGTERM. A load that
-fails prints the reason to stderr and exits with status ``EXIT_LOAD_FAILED``; the daemon reports it
-with the last stderr lines. The runner dies with its daemon (PR_SET_PDEATHSIG on Linux, and a watcher
-of the parent pid everywhere), so a killed daemon never leaves runners behind.
+Lifecycle: serve Status on the unix socket at once (state LOADING with progress), load the model (a
+pipeline stage: its layers) and warm it up on the main thread, then serve generations on the main thread
+until SIGTERM. A pipeline stage first waits for its group's hosts (``JoinGroup``, from its daemon) and
+joins the ring; the last stage then serves generations, the others serve steps until the leader shuts
+the group down. A load that fails prints the reason to stderr and exits with ``EXIT_LOAD_FAILED``; a
+stage whose group lost a member exits with ``EXIT_GROUP_LOST`` (``exo.wire.runner``); the daemon reports
+either with the last stderr lines. The runner dies with its daemon (PR_SET_PDEATHSIG on Linux, and a
+watcher of the parent pid everywhere), so a killed daemon never leaves runners behind.
 """
 
 from __future__ import annotations
@@ -19,16 +22,14 @@ import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from exo.cluster.proto_gen import node_pb2 as pb
-    from exo.engine import Engine
     from exo.settings import Settings
+    from exo.wire.proto_gen import node_pb2 as pb
 
     from .service import RunnerState
 
-EXIT_LOAD_FAILED = 3
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -43,6 +44,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--end-layer", type=int, default=0)
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--group-id", default="")
     return p.parse_args(argv)
 
 
@@ -74,15 +76,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C goes to the daemon; it stops us
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s runner {args.instance_id[:8]} %(levelname)s: %(message)s")
 
-    from exo.cluster.proto_gen import node_pb2 as pb
     from exo.settings import load_settings
+    from exo.wire.proto_gen import node_pb2 as pb
+    from exo.wire.runner import EXIT_GROUP_LOST, EXIT_LOAD_FAILED
 
     from .device import Device
+    from .group import free_port
     from .service import RunnerState, start_server
 
     settings = load_settings()
     shard = pb.Shard(start_layer=args.start_layer, end_layer=args.end_layer, rank=args.rank, world_size=args.world_size)
-    state = RunnerState(args.instance_id, shard)
+    pipelined = args.world_size > 1
+    # A pipeline stage's ring listener: chosen now, reported by Status, used once the group's hosts arrive.
+    state = RunnerState(args.instance_id, shard, ring_port=free_port("0.0.0.0") if pipelined else 0)
     device = Device(settings.max_queue)
     server = start_server(args.socket, state, device, max_workers=settings.max_queue + 8)
 
@@ -93,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     signal.signal(signal.SIGTERM, on_term)
     try:
-        engine, summary = _load(args, settings, state)
+        loaded, config, summary = _load(args, settings, state)
     except BaseException as e:  # noqa: BLE001 - reported to the daemon through stderr and the exit code
         message = str(e.args[0]) if isinstance(e, LookupError) and e.args else str(e)
         state.fail(f"{type(e).__name__}: {message}")
@@ -101,41 +107,92 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"exo runner: cannot load {args.model_id}: {type(e).__name__}: {message}", file=sys.stderr, flush=True)
         server.stop(0.2)
         os._exit(EXIT_LOAD_FAILED)
-    state.ready(summary)
-    logging.getLogger(__name__).info("ready: %s", args.model_id)
-    device.serve(engine)  # until SIGTERM
-    server.stop(1.0).wait(2.0)
+    log = logging.getLogger(__name__)
+    if not pipelined:
+        from exo.engine import Engine
+
+        state.update("warming up", 0.75)
+        engine = Engine(loaded, config)
+        engine.warmup()  # adaptive depth's cost measurement, once, here rather than in the first request
+        state.ready(summary, engine)
+        log.info("ready: %s", args.model_id)
+        device.serve()  # until SIGTERM
+        _exit(server, 0)
+    try:
+        code = _serve_stage(args, state, device, loaded, config, summary)
+    except Exception as e:  # noqa: BLE001 - a lost member (or a bug) ends this member of the group
+        state.fail(f"{type(e).__name__}: {e}")
+        print(f"exo runner: pipeline stage {args.rank} of {args.model_id} left its group: {type(e).__name__}: {e}",
+              file=sys.stderr, flush=True)
+        code = EXIT_GROUP_LOST
+    _exit(server, code)
+
+
+def _exit(server: object, code: int) -> None:
+    server.stop(1.0).wait(2.0)  # type: ignore[attr-defined]
     sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown: nothing to flush, and MLX's thread-exit hooks stay out of it
+    os._exit(code)  # skip interpreter teardown: nothing to flush, and MLX's thread-exit hooks stay out of it
 
 
-def _load(args: argparse.Namespace, settings: Settings, state: RunnerState) -> tuple[Engine, pb.ModelSummary]:
-    if args.world_size != 1 or args.rank != 0 or args.start_layer != 0:
-        raise NotImplementedError(
-            "sharded instances (a layer range, world_size > 1) need the pipeline runtime, which is not built yet"
-        )
+def _serve_stage(args: argparse.Namespace, state: RunnerState, device: object, loaded: object, config: object,
+                 summary: pb.ModelSummary) -> int:
+    """A pipeline stage: join the group, then lead (the last stage: generations through the Runner service)
+    or serve steps (the others). Returns the exit status."""
+    from exo.engine import Engine
+    from exo.engine.pipeline import PipelineForward, StageSpec, serve_stage
+    from exo.wire.runner import EXIT_GROUP_LOST
+
+    from .group import JOIN_TIMEOUT_S, join_group
+
+    log = logging.getLogger(__name__)
+    stage = StageSpec(args.rank, args.world_size, args.start_layer, args.end_layer)
+    state.update("waiting for the other stages", 0.7)
+    hosts = state.wait_for_hosts(JOIN_TIMEOUT_S)
+    state.update("joining the group", 0.72)
+    link = join_group(hosts, args.rank)
+    log.info("stage %d of %d (layers %d-%d) joined %s", stage.rank, stage.world_size, stage.start_layer,
+             stage.end_layer - 1, ",".join(hosts))
+    if not stage.last:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # blocked in a receive, a handler would never run
+        state.ready(summary, None)
+        serve_stage(loaded.model, stage, link)  # type: ignore[attr-defined]
+        log.info("the group was shut down")
+        return 0
+    forward = PipelineForward(loaded.model, stage, link, config.moe_verify)  # type: ignore[attr-defined]
+    engine = Engine(loaded, config, forward=forward)  # type: ignore[arg-type]
+    state.update("warming up", 0.75)
+    engine.warmup()
+    state.ready(summary, engine)
+    log.info("ready: %s, leading a pipeline of %d stages", args.model_id, stage.world_size)
+    device.serve()  # type: ignore[attr-defined]  # until SIGTERM, or a generation that broke the group
+    if state.group_broken:
+        return EXIT_GROUP_LOST
+    try:
+        forward.shutdown()
+    except Exception:  # noqa: BLE001 - the others are gone already
+        pass
+    return 0
+
+
+def _load(args: argparse.Namespace, settings: Settings, state: RunnerState) -> tuple[Any, Any, pb.ModelSummary]:
     # Status already serves (the server needs none of this): the engine's imports take seconds.
     state.update("importing the engine", 0.02)
     from exo.cards import load_catalog
-    from exo.cluster.proto_gen import node_pb2 as pb
-    from exo.engine import Engine, ResolvedModel, engine_config, load_checkpoint
+    from exo.engine import ResolvedModel, engine_config, load_checkpoint
+    from exo.wire.proto_gen import node_pb2 as pb
 
     state.update("resolving", 0.05)
     card = load_catalog(home=settings.home).get(args.card) if args.card else None
     resolved = ResolvedModel(Path(args.model_path), args.model_id, card)
     state.update("loading weights", 0.1)
     config = engine_config(resolved, settings)
-    loaded = load_checkpoint(resolved.path, model_id=resolved.model_id, head_source_repo=resolved.head_source_repo)
-    text_config = loaded.config.get("text_config", loaded.config)
-    n_layers = int(text_config.get("num_hidden_layers") or 0)
-    if args.end_layer not in (0, n_layers):
-        raise NotImplementedError(
-            f"layers [{args.start_layer}, {args.end_layer}) of {n_layers}: a partial model needs the pipeline "
-            "runtime, which is not built yet"
-        )
-    state.update("warming up", 0.75)
-    engine = Engine(loaded, config)
-    engine.warmup()  # adaptive depth's cost measurement, once, here rather than in the first request
+    layers = (args.start_layer, args.end_layer) if args.world_size > 1 else None
+    loaded = load_checkpoint(
+        resolved.path, model_id=resolved.model_id, head_source_repo=resolved.head_source_repo, layers=layers
+    )
+    n_layers = loaded.model.num_layers
+    if args.world_size == 1 and (args.start_layer, args.end_layer) not in ((0, 0), (0, n_layers)):
+        raise ValueError(f"layers [{args.start_layer}, {args.end_layer}) of {n_layers} on a single runner")
     owner = "local"
     if card is not None:
         owner = "exo" if card.bundled else (card.repo.split("/", 1)[0] if card.repo else "exo")
@@ -150,4 +207,4 @@ def _load(args: argparse.Namespace, settings: Settings, state: RunnerState) -> t
         max_k=resolved.max_k,
         owned_by=owner,
     )
-    return engine, summary
+    return loaded, config, summary

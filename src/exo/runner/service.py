@@ -1,7 +1,7 @@
 """The runner's gRPC service (``exo.v1.Runner``) on a unix socket: Status and Generate.
 
-Handlers run on gRPC's thread pool and never touch MLX: Generate queues a job on the device (the main
-thread) and relays its chunks, sending a heartbeat whenever nothing else flowed for
+Handlers run on gRPC's thread pool and never touch MLX: Generate queues a job on the device (served by
+the main thread) and relays its chunks, sending a heartbeat whenever nothing else flowed for
 ``HEARTBEAT_S`` so the caller can tell a slow generation from a dead runner.
 """
 
@@ -12,37 +12,66 @@ import queue
 import threading
 from collections.abc import Iterator
 from concurrent import futures
+from typing import TYPE_CHECKING
 
 import grpc
 
-from exo.cluster.proto_gen import node_pb2 as pb
-from exo.cluster.proto_gen import node_pb2_grpc as pb_grpc
+from exo.wire.errors import NodeUnavailableError
+from exo.wire.proto_gen import node_pb2 as pb
+from exo.wire.proto_gen import node_pb2_grpc as pb_grpc
+from exo.wire.runner import HEARTBEAT_S, MAX_MESSAGE_BYTES
 
-from .device import DONE, Device, GenerationJob, QueueFullError
+from .device import Device, Failed, GenerationJob, QueueFullError, Started
 
-HEARTBEAT_S = 2.0
-MAX_MESSAGE_BYTES = 64 << 20
+if TYPE_CHECKING:
+    from exo.engine import Engine
+
+DEFAULT_TIMEOUT_S = 600.0  # a request without timeout_s
+DONE = None  # the last item of a generation's output queue
+
 
 
 class RunnerState:
     """What Status reports: load progress, then the model it serves (thread-safe)."""
 
-    def __init__(self, instance_id: str, shard: pb.Shard) -> None:
+    def __init__(self, instance_id: str, shard: pb.Shard, ring_port: int = 0) -> None:
         self.instance_id = instance_id
         self.shard = shard
+        self.ring_port = ring_port
+        self.pipelined = shard.world_size > 1
+        self.group_broken = False  # a pipelined generation failed: the group must be formed anew
+        self._hosts: list[str] | None = None
+        self._hosts_set = threading.Event()
         self._lock = threading.Lock()
         self.state = pb.INSTANCE_STATE_LOADING
         self.progress = 0.0
         self.stage = "starting"
         self.error = ""
         self.model: pb.ModelSummary | None = None
+        self.engine: Engine | None = None
 
     def update(self, stage: str, progress: float) -> None:
         with self._lock:
             self.stage, self.progress = stage, progress
 
-    def ready(self, model: pb.ModelSummary) -> None:
+    def join(self, hosts: list[str]) -> bool:
+        """The group's hosts (from the daemon); False when they came already (a second call changes nothing)."""
         with self._lock:
+            if self._hosts is not None:
+                return self._hosts == hosts
+            self._hosts = list(hosts)
+        self._hosts_set.set()
+        return True
+
+    def wait_for_hosts(self, timeout: float) -> list[str]:
+        if not self._hosts_set.wait(timeout):
+            raise TimeoutError(f"the daemons did not send this stage its group's hosts within {timeout:.0f} s")
+        assert self._hosts is not None
+        return list(self._hosts)
+
+    def ready(self, model: pb.ModelSummary, engine: Engine | None) -> None:
+        with self._lock:
+            self.engine = engine
             self.state, self.stage, self.progress, self.model = pb.INSTANCE_STATE_READY, "ready", 1.0, model
 
     def fail(self, error: str) -> None:
@@ -64,6 +93,7 @@ class RunnerState:
                 pid=os.getpid(),
                 shard=self.shard,
                 generations=snap["generations"],
+                ring_port=self.ring_port,
             )
 
 
@@ -75,13 +105,58 @@ class RunnerServicer(pb_grpc.RunnerServicer):
     def Status(self, request: pb.RunnerStatusRequest, context: grpc.ServicerContext) -> pb.RunnerStatus:
         return self.state.status(self.device)
 
-    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateChunk]:
-        from .wire import error_chunk  # here: the module imports the engine, which Status must not wait for
+    def JoinGroup(self, request: pb.JoinGroupRequest, context: grpc.ServicerContext) -> pb.JoinGroupReply:
+        shard = self.state.shard
+        if not self.state.pipelined or len(request.hosts) != shard.world_size:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"this runner is rank {shard.rank} of {shard.world_size}; got {len(request.hosts)} hosts")
+        return pb.JoinGroupReply(accepted=self.state.join(list(request.hosts)))
 
-        if self.state.state != pb.INSTANCE_STATE_READY:
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateChunk]:
+        # Imported here: the engine takes seconds to import, which Status must not wait for.
+        from exo.wire.convert import chunk_to_pb, error_chunk, error_to_pb, request_from_pb
+
+        engine = self.state.engine
+        if self.state.state != pb.INSTANCE_STATE_READY or engine is None:
             yield error_chunk("model_unavailable", f"instance {self.state.instance_id} is not ready ({self.state.stage})")
             return
-        job = GenerationJob(request, self.device)
+        out: queue.SimpleQueue[pb.GenerateChunk | None] = queue.SimpleQueue()
+
+        started = False
+
+        def emit(item: object) -> None:
+            nonlocal started
+            if isinstance(item, Started):
+                started = True
+                out.put(pb.GenerateChunk(started=pb.Started(
+                    prompt_tokens=item.prompt_tokens, max_tokens=item.max_tokens, queue_s=item.queue_s)))
+            elif isinstance(item, Failed):
+                error = item.error
+                if self.state.pipelined and started:
+                    # Once a pipelined generation runs, a failure is a stage (or the link to it) going away.
+                    error = NodeUnavailableError(
+                        f"a pipeline stage of {request.model} was lost mid-generation ({type(error).__name__}: "
+                        f"{error}); the instance is placed anew: retry shortly"
+                    )
+                out.put(error_to_pb(error))
+            else:
+                out.put(chunk_to_pb(item))  # type: ignore[arg-type]
+
+        def on_done(finish: str, *_: object) -> None:
+            if self.state.pipelined and finish == "error":
+                # The other stages are mid-step or gone: this group is over; the daemon forms a new one.
+                self.state.group_broken = True
+                self.device.close()
+            out.put(DONE)
+
+        def on_device() -> Engine:
+            if request.HasField("node_mtp"):  # the owning node's switch decides (we are between requests)
+                engine.set_native_mtp(request.node_mtp.enabled, request.node_mtp.disabled_reason)
+            return engine
+
+        prompt, params = request_from_pb(request)
+        timeout = request.timeout_s if request.timeout_s > 0 else DEFAULT_TIMEOUT_S
+        job = GenerationJob(self.device, on_device, prompt, params, emit, timeout_s=timeout, on_done=on_done)
         try:
             self.device.submit(job)
         except QueueFullError as e:
@@ -95,7 +170,7 @@ class RunnerServicer(pb_grpc.RunnerServicer):
             job.cancel()
         while True:
             try:
-                item = job.out.get(timeout=HEARTBEAT_S)
+                item = out.get(timeout=HEARTBEAT_S)
             except queue.Empty:
                 yield pb.GenerateChunk(heartbeat=True)
                 continue
@@ -104,7 +179,7 @@ class RunnerServicer(pb_grpc.RunnerServicer):
             # Whatever else is ready goes in the same message (one write for several tokens).
             while _is_output(item):
                 try:
-                    following = job.out.get_nowait()
+                    following = out.get_nowait()
                 except queue.Empty:
                     break
                 if not _is_output(following):

@@ -2,8 +2,12 @@
 
 Each architecture module subclasses mlx-lm's ``Model`` together with ``SpeculativeBackbone``; the mixin
 swaps in the rollback-capable GatedDeltaNet and route-lockable MoE layers (same parameter names) and
-gives the engine one interface: post-norm hiddens, logits from hiddens, caches, and the MTP head's
-decoder layer.
+gives the engine one interface: a stage's forward (post-norm hiddens on the last stage), logits from
+hiddens, caches, and the MTP head's decoder layer.
+
+A model may hold only a stage of a pipeline: layers [stage_start, stage_end), the embedding on the first
+stage, the final norm, lm_head (and the engine's MTP head, which embeds tokens too) on the last. One stage
+holding everything is the whole model, on a single node; both run the same ``stage_hidden``.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import KVCache
 
 from .layers import GatedDeltaNet, MoEVerifyMode, RollbackArraysCache, SparseMoeBlock
@@ -26,6 +31,12 @@ class SpeculativeBackbone:
     text_model: nn.Module
     gdn_class: type = GatedDeltaNet
 
+    # The stage this model holds (see keep_stage); by default all of it.
+    stage_start: int = 0
+    stage_end: int | None = None
+    first_stage: bool = True
+    last_stage: bool = True
+
     def _install_speculative_layers(self) -> None:
         for layer in self.text_model.layers:
             if layer.is_linear:
@@ -33,10 +44,65 @@ class SpeculativeBackbone:
             if isinstance(layer.mlp, nn.Module) and hasattr(layer.mlp, "switch_mlp"):
                 layer.mlp = SparseMoeBlock(self.text_args)
 
-    # -- forward pieces --------------------------------------------------------------------------
-    def hidden(self, tokens: mx.array, cache: list[Any] | None = None) -> mx.array:
-        """Post-final-norm hidden states [B, T, H] (what lm_head sees, and what the MTP head wants)."""
-        return self.text_model(tokens, cache)
+    # -- pipeline stages -------------------------------------------------------------------------------
+    def keep_stage(self, start: int, end: int, *, first: bool, last: bool) -> None:
+        """Keep only what a stage runs (call on a lazily loaded model, before evaluating its weights): drop
+        the other stages' layers, the embedding on a middle stage, the final norm and lm_head before the
+        last. Layer numbers stay (``text_model.layers`` keeps None where another stage's layers were)."""
+        text = self.text_model
+        n = len(text.layers)
+        if not 0 <= start < end <= n:
+            raise ValueError(f"layers [{start}, {end}) are outside the model's {n} layers")
+        if first != (start == 0) or last != (end == n):
+            raise ValueError(f"layers [{start}, {end}) of {n}: first/last stage flags do not match")
+        text.layers = [layer if start <= i < end else None for i, layer in enumerate(text.layers)]
+        self.stage_start, self.stage_end, self.first_stage, self.last_stage = start, end, first, last
+        if not first and not last:  # the last stage keeps the table: the MTP head embeds tokens
+            del text["embed_tokens"]
+        if not last:
+            del text["norm"]
+            self._drop_output_head()
+
+    def _drop_output_head(self) -> None:
+        """Remove lm_head (each architecture module knows where it is)."""
+        raise NotImplementedError
+
+    @property
+    def stage_layers(self) -> list[nn.Module]:
+        return [layer for layer in self.text_model.layers if layer is not None]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.text_model.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.text_args.hidden_size)
+
+    def stage_hidden(self, inputs: mx.array, cache: list[Any]) -> mx.array:
+        """This stage's forward: token ids [B, T] (first stage) or the previous stage's hidden [B, T, H]
+        in; hidden states out, post-final-norm on the last stage (what lm_head and the MTP head see).
+
+        The computation of mlx-lm's text model ``__call__`` (embedding; attention and SSM masks from the
+        first cache of each kind; the layers; the final norm), restricted to this stage's layers.
+        """
+        text = self.text_model
+        h = text.embed_tokens(inputs) if self.first_stage else inputs
+        layers = self.stage_layers
+        fa = next((i for i, layer in enumerate(layers) if not layer.is_linear), None)
+        ssm = next((i for i, layer in enumerate(layers) if layer.is_linear), None)
+        fa_mask = create_attention_mask(h, cache[fa]) if fa is not None else None
+        ssm_mask = create_ssm_mask(h, cache[ssm]) if ssm is not None else None
+        for layer, c in zip(layers, cache, strict=True):
+            h = layer(h, mask=ssm_mask if layer.is_linear else fa_mask, cache=c)
+        return text.norm(h) if self.last_stage else h
+
+    # -- forward pieces (the last stage, or the whole model) -----------------------------------------
+    def hidden(self, tokens: mx.array, cache: list[Any]) -> mx.array:
+        """Post-final-norm hidden states [B, T, H] of the whole model (a model that holds every layer)."""
+        if not (self.first_stage and self.last_stage):
+            raise RuntimeError("this model holds one stage of a pipeline: run it through its PipelineForward")
+        return self.stage_hidden(tokens, cache)
 
     def embed(self, tokens: mx.array) -> mx.array:
         return self.text_model.embed_tokens(tokens)
@@ -45,11 +111,12 @@ class SpeculativeBackbone:
         raise NotImplementedError
 
     def make_cache(self) -> list[Any]:
-        return [RollbackArraysCache() if layer.is_linear else KVCache() for layer in self.text_model.layers]
+        """Caches of this stage's layers (all layers of a whole model)."""
+        return [RollbackArraysCache() if layer.is_linear else KVCache() for layer in self.stage_layers]
 
     # -- speculative verification ------------------------------------------------------------------
     def moe_blocks(self) -> Iterator[SparseMoeBlock]:
-        for layer in self.text_model.layers:
+        for layer in self.stage_layers:
             if isinstance(layer.mlp, SparseMoeBlock):
                 yield layer.mlp
 

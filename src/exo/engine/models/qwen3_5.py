@@ -30,6 +30,10 @@ class Qwen35Backbone(SpeculativeBackbone):
             return lm.model.embed_tokens.as_linear(hidden)
         return lm.lm_head(hidden)
 
+    def _drop_output_head(self) -> None:
+        if "lm_head" in self.language_model:
+            del self.language_model["lm_head"]
+
     def make_head_layer(self, moe: bool) -> nn.Module:
         layer = DecoderLayer(self.text_args, self.full_attention_index)
         layer.mlp = head_mlp(self.text_args, moe, Qwen3NextMLP)

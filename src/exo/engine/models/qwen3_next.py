@@ -48,6 +48,10 @@ class Model(SpeculativeBackbone, qwen3_next.Model):
             return self.model.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)
 
+    def _drop_output_head(self) -> None:
+        if "lm_head" in self:
+            del self["lm_head"]
+
     def make_head_layer(self, moe: bool) -> nn.Module:
         layer = Qwen3NextDecoderLayer(self.args, self.full_attention_index)
         layer.mlp = head_mlp(self.args, moe, Qwen3NextMLP)

@@ -1,0 +1,163 @@
+"""The cluster's state as plain JSON-ready data: instances, nodes, placements (what ``/v1/cluster``,
+``/v1/instances`` and the dashboard's events carry)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from exo.wire.proto_gen import node_pb2 as pb
+
+from . import placement as pl
+
+
+@dataclasses.dataclass(frozen=True)
+class Located:
+    """An instance (or a pipeline's stage) and the node that runs it."""
+
+    node_id: str
+    instance: pb.Instance
+
+
+STATE_NAMES = {
+    pb.INSTANCE_STATE_LOADING: "loading",
+    pb.INSTANCE_STATE_READY: "ready",
+    pb.INSTANCE_STATE_FAILED: "failed",
+    pb.INSTANCE_STATE_STOPPING: "stopping",
+}
+
+
+def instance_json(inst: pb.Instance, node_id: str, self_id: str) -> dict[str, Any]:
+    failure = None
+    if inst.HasField("failure"):
+        f = inst.failure
+        failure = {"exit_code": f.exit_code, "message": f.message, "stderr_tail": list(f.stderr_tail),
+                   "at": f.at_unix}
+    s = inst.model
+    return {
+        "id": inst.instance_id,
+        "object": "instance",
+        "model": inst.model_id,
+        "model_ref": inst.model_ref,
+        "node": node_id,
+        "self": node_id == self_id,
+        "state": STATE_NAMES.get(inst.state, "failed"),
+        "progress": round(inst.progress, 4),
+        "stage": inst.stage,
+        "shard": {"start_layer": inst.shard.start_layer, "end_layer": inst.shard.end_layer,
+                  "rank": inst.shard.rank, "world_size": inst.shard.world_size or 1},
+        "failure": failure,
+        "restarts": inst.restarts,
+        "pid": inst.pid,
+        "created": inst.created_unix,
+        "updated": inst.updated_unix,
+        "on_demand": inst.on_demand,
+        "queue_depth": inst.queue_depth,
+        "running": inst.running,
+        "native_mtp": {
+            "available": s.mtp_available,
+            "reason": s.mtp_reason or None,
+            "default_k": s.default_k or None,
+            "max_k": s.max_k or None,
+        } if inst.HasField("model") else None,
+        # The instance's stages in order (one for a single-node instance), each with its own state.
+        "stages": [stage_json(inst, node_id)],
+    }
+
+
+def stage_json(inst: pb.Instance | None, node_id: str, spec: pb.StagePlacement | None = None,
+               missing: str = "gone") -> dict[str, Any]:
+    """One stage: where it runs, its layers and rank, and its runner's state."""
+    if inst is None:
+        assert spec is not None
+        return {"node": spec.node_id, "start_layer": spec.start_layer, "end_layer": spec.end_layer,
+                "rank": spec.rank, "state": missing, "stage": "", "progress": 0.0, "pid": 0, "failure": None}
+    shard = inst.shard
+    failure = None
+    if inst.HasField("failure"):
+        failure = {"exit_code": inst.failure.exit_code, "message": inst.failure.message}
+    return {
+        "node": node_id,
+        "start_layer": shard.start_layer,
+        "end_layer": shard.end_layer,
+        "rank": shard.rank,
+        "state": STATE_NAMES.get(inst.state, "failed"),
+        "stage": inst.stage,
+        "progress": round(inst.progress, 4),
+        "pid": inst.pid,
+        "failure": failure,
+    }
+
+
+def pipeline_json(planned: list[pb.StagePlacement], found: list[Located | None], state: str, why: str,
+                  self_id: str) -> dict[str, Any]:
+    """A pipelined instance as ONE instance: the leader's (last stage's) view, plus every stage."""
+    leader = found[-1] or next(loc for loc in reversed(found) if loc is not None)
+    view = instance_json(leader.instance, planned[-1].node_id, self_id)
+    view["stages"] = [
+        stage_json(loc.instance if loc is not None else None, spec.node_id, spec)
+        for spec, loc in zip(planned, found, strict=True)
+    ]
+    view["state"] = state
+    view["progress"] = round(min(s["progress"] if s["state"] != "ready" else 1.0 for s in view["stages"]), 4)
+    view["pid"] = found[-1].instance.pid if found[-1] is not None else 0
+    if why and state == "failed" and view["failure"] is None:
+        view["failure"] = {"exit_code": 0, "message": why, "stderr_tail": [], "at": 0.0}
+    view["pipeline_reason"] = why or None
+    return view
+
+
+def node_json(
+    info: pb.NodeInfo, *, self_id: str, host: str | None, last_seen_s: float, rtt_ms: float, source: str
+) -> dict[str, Any]:
+    return {
+        "id": info.node_id,
+        "name": info.name,
+        "self": info.node_id == self_id,
+        "host": host,
+        "api_port": info.api_port,
+        "grpc_port": info.grpc_port,
+        "version": info.version,
+        "namespace": info.namespace,
+        "memory_total_bytes": info.memory_total_bytes,
+        "memory_available_bytes": info.memory_available_bytes,
+        "chip": info.chip,
+        "backend": info.backend,
+        "disk_free_bytes": info.disk_free_bytes,
+        "platform": info.platform,
+        "cpu_count": info.cpu_count,
+        "uptime_s": round(info.uptime_s, 3),
+        "secured": info.secured,
+        "models": [m.model_id for m in info.models],
+        "instances": [i.instance_id for i in info.instances],
+        "last_seen_s": round(last_seen_s, 3),
+        "rtt_ms": round(rtt_ms, 3),
+        "source": source,
+    }
+
+
+def placement_json(plan: pl.Placement) -> dict[str, Any]:
+    req = plan.requirement
+    return {
+        "model": plan.model_id,
+        "node": plan.node_id,
+        "needed_bytes": req.needed_bytes,
+        "weights_bytes": req.weights_bytes,
+        "kv_bytes": req.kv_bytes,
+        "context_tokens": req.context_tokens,
+        "activation_bytes": req.activation_bytes,
+        "node_free_bytes": plan.node_free_bytes,
+        "headroom_bytes": plan.headroom_bytes,
+        "shards": [dataclasses.asdict(s) for s in plan.shards],
+        "stages": [
+            {"node": s.node_id, "start_layer": s.start_layer, "end_layer": s.end_layer, "rank": s.rank,
+             "free_bytes": free, "needed_bytes": needed}
+            for s, free, needed in zip(
+                plan.shards,
+                plan.stage_free_bytes or (plan.node_free_bytes,),
+                plan.stage_needed_bytes or (req.needed_bytes,),
+                strict=True,
+            )
+        ],
+    }
+

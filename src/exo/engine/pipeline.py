@@ -1,0 +1,208 @@
+"""One model across several processes (machines): pipeline stages, with native MTP.
+
+Stage r of N holds layers [start_r, end_r). The LAST stage leads: it holds the final norm, lm_head, the
+MTP head (and the embedding table the head needs), runs the engine's one generation loop
+(``generate.py``) and talks to the API. Its ``PipelineForward`` is the loop's backbone: a forward call
+sends a small step message to the first stage and receives the hidden states of the stage before it.
+Every other stage runs ``serve_stage``: receive a step, roll back what the previous verify call did not
+keep, run its layers, pass the hidden states on.
+
+A round at depth K, N = 3 stages::
+
+    stage 2 (leader): drafts d1..dK with the head; sends [header, pending + d1..dK] -> stage 0
+    stage 0: rolls back the previous round (header.kept), embeds, runs its layers -> [header, h] -> stage 1
+    stage 1: rolls back, runs its layers -> h -> stage 2
+    stage 2: its layers, final norm, logits; decides acceptance; rolls back its own caches and the head's
+
+So what crosses a stage boundary per round is the decision (the header: kept rows of the previous
+round, the row count, the verify flag) with K + 1 token ids on the way to the first stage, and the hidden
+states [K + 1, H] between consecutive stages. Nothing is gathered to every stage, logits never leave the
+leader. Every stage rolls back its own attention KV and GatedDeltaNet state (``forward.keep_rows``).
+
+No sockets here: the stages talk through a ``Link`` (send / recv of MLX arrays between ranks), which the
+runner builds on ``mx.distributed`` (ring backend over TCP).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import mlx.core as mx
+
+from .forward import MOE_MODES, keep_rows, verify_call
+from .models.backbone import SpeculativeBackbone
+from .models.layers import MoEVerifyMode
+
+log = logging.getLogger(__name__)
+
+# The step header: int32 [HEADER_LEN].
+OP_FORWARD, OP_END, OP_SHUTDOWN = 1, 2, 3
+HEADER_LEN = 6
+_OP, _ROWS, _VERIFY, _MOE, _KEEP_ROWS, _KEEP_KEPT = range(HEADER_LEN)
+NO_ROLLBACK = -1
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Stage ``rank`` of ``world_size``: layers [start_layer, end_layer) of the model's ``num_layers``."""
+
+    rank: int
+    world_size: int
+    start_layer: int
+    end_layer: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside a group of {self.world_size}")
+        if not 0 <= self.start_layer < self.end_layer:
+            raise ValueError(f"a stage holds at least one layer, got [{self.start_layer}, {self.end_layer})")
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.rank == self.world_size - 1
+
+    @property
+    def previous(self) -> int:
+        """Where this stage's input comes from: the stage before, or (the first stage) the leader."""
+        return (self.rank - 1) % self.world_size
+
+    @property
+    def next(self) -> int:
+        return (self.rank + 1) % self.world_size
+
+
+class Link(Protocol):
+    """Point-to-point transfers between the ranks of a group, as lazy MLX operations."""
+
+    def send(self, x: mx.array, dst: int) -> mx.array: ...
+
+    def recv(self, shape: tuple[int, ...], dtype: mx.Dtype, src: int) -> mx.array: ...
+
+
+class DistributedLink:
+    """A ``Link`` over an ``mx.distributed`` group (the ring backend between runners)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def send(self, x: mx.array, dst: int) -> mx.array:
+        return mx.distributed.send(x, dst, group=self.group)
+
+    def recv(self, shape: tuple[int, ...], dtype: mx.Dtype, src: int) -> mx.array:
+        return mx.distributed.recv(shape, dtype, src, group=self.group)
+
+
+def _header(op: int, rows: int = 0, verify: MoEVerifyMode | None = None,
+            rollback: tuple[int, int] | None = None) -> mx.array:
+    keep_rows_, kept = rollback if rollback is not None else (NO_ROLLBACK, NO_ROLLBACK)
+    moe = 0 if verify is None else MOE_MODES.index(verify) + 1
+    return mx.array([op, rows, int(verify is not None), moe, keep_rows_, kept], dtype=mx.int32)
+
+
+def hidden_dtype(model: SpeculativeBackbone) -> mx.Dtype:
+    """The activations' dtype between stages: the dtype the layers compute in (their norms' weights)."""
+    layer = model.stage_layers[0]
+    return layer.input_layernorm.weight.dtype
+
+
+class PipelineForward:
+    """The leader's (last stage's) view of the backbone: a ``Forward`` whose calls run every stage."""
+
+    def __init__(self, model: SpeculativeBackbone, stage: StageSpec, link: Link,
+                 moe_verify: MoEVerifyMode = "route_locked") -> None:
+        if not stage.last or stage.world_size < 2:
+            raise ValueError("PipelineForward runs on the last stage of a pipeline of two or more")
+        self.model = model
+        self.stage = stage
+        self.link = link
+        self.moe_verify = moe_verify
+        self.stages = stage.world_size
+        self.dtype = hidden_dtype(model)
+        self._rollback: tuple[int, int] | None = None  # owed to the other stages, sent with the next step
+        self.bytes_sent = 0  # by this stage, for the benchmark's per-round figures
+        self.bytes_received = 0
+
+    def new_cache(self) -> list[Any]:
+        return self.model.make_cache()
+
+    def hidden(self, tokens: mx.array, cache: list[Any], *, verify: bool = False) -> mx.array:
+        rows = int(tokens.shape[-1])
+        header = _header(OP_FORWARD, rows, self.moe_verify if verify else None, self._rollback)
+        self._rollback = None
+        sent = self.link.send(header, 0)
+        # The token ids follow the header (the first stage reads its row count from the header).
+        sent = self.link.send(mx.depends(tokens.reshape(-1).astype(mx.uint32), sent), 0)
+        h = self.link.recv((1, rows, self.model.hidden_size), self.dtype, self.stage.previous)
+        h = mx.depends(h, sent)
+        self.bytes_sent += 4 * HEADER_LEN + 4 * rows
+        self.bytes_received += rows * self.model.hidden_size * self.dtype.size
+        if not verify:
+            return self.model.stage_hidden(h, cache)
+        with verify_call(self.model, cache, self.moe_verify):
+            return self.model.stage_hidden(h, cache)
+
+    def rollback(self, cache: list[Any], rows: int, kept: int) -> None:
+        keep_rows(cache, rows, kept)
+        self._rollback = (rows, kept)
+
+    def end(self, cache: list[Any]) -> None:
+        self._rollback = None
+        mx.eval(self.link.send(_header(OP_END), 0))
+
+    def shutdown(self) -> None:
+        """Tell the other stages to return from ``serve_stage`` (the group is closing)."""
+        mx.eval(self.link.send(_header(OP_SHUTDOWN), 0))
+
+
+def serve_stage(
+    model: SpeculativeBackbone, stage: StageSpec, link: Link, *, on_step: Callable[[], None] | None = None
+) -> None:
+    """A stage that does not lead: run steps until the leader shuts the group down.
+
+    Raises what the link raises when a member of the group is lost (the caller ends the process: the
+    group is disposable and is formed anew).
+    """
+    if stage.last:
+        raise ValueError("the last stage leads (PipelineForward); it does not serve steps")
+    dtype = hidden_dtype(model)
+    hidden_size = model.hidden_size
+    forward_header = stage.next != stage.world_size - 1  # the leader knows the header: it wrote it
+    cache = model.make_cache()
+    while True:
+        header = link.recv((HEADER_LEN,), mx.int32, stage.previous)
+        mx.eval(header)
+        fields = header.tolist()
+        op, rows = fields[_OP], fields[_ROWS]
+        if op in (OP_END, OP_SHUTDOWN):
+            if forward_header:
+                mx.eval(link.send(header, stage.next))
+            if op == OP_SHUTDOWN:
+                return
+            cache = model.make_cache()  # nothing of a request survives it
+            continue
+        if op != OP_FORWARD or rows < 1:
+            raise RuntimeError(f"pipeline stage {stage.rank}: unexpected step header {fields}")
+        if fields[_KEEP_ROWS] != NO_ROLLBACK:
+            keep_rows(cache, fields[_KEEP_ROWS], fields[_KEEP_KEPT])
+        if stage.first:
+            x = link.recv((rows,), mx.uint32, stage.previous)[None]
+        else:
+            x = link.recv((1, rows, hidden_size), dtype, stage.previous)
+        if fields[_VERIFY]:
+            with verify_call(model, cache, MOE_MODES[fields[_MOE] - 1]):
+                h = model.stage_hidden(x, cache)
+        else:
+            h = model.stage_hidden(x, cache)
+        if forward_header:
+            h = mx.depends(h, link.send(header, stage.next))
+        out = link.send(h, stage.next)
+        mx.eval(out, *[c.state for c in cache if c.state is not None])
+        if on_step is not None:
+            on_step()

@@ -1,0 +1,110 @@
+"""A pipeline of stages on this machine, one process per stage over a loopback ring: no daemons.
+
+For tests and benchmarks (``exo bench --stages N``, ``bench/pipeline.py``): the same stage runtime a
+cluster runs (``load_checkpoint(layers=...)``, ``join_group``, ``serve_stage`` / ``PipelineForward``),
+without the control plane around it.
+
+    results = run_local_pipeline(model_dir, [(0, 4), (4, 8)], [{"prompt": [1, 2, 3], "max_tokens": 16}])
+
+Each request: {"prompt": [ids], "max_tokens": n, "mtp_k": k | None, "native_mtp": "auto" | "on" | "off",
+"sampling": {...}, "stop": str, "ignore_eos": bool}; each result: {"token_ids", "text", "finish_reason",
+"stats", "seconds", "bytes_sent", "bytes_received"} (bytes: the leader's stage, both ways). A single stage [(0, n)] runs the model whole in one process, for comparisons.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .group import free_port
+
+
+class LocalPipelineError(RuntimeError):
+    """A stage process failed; the message carries its stderr."""
+
+
+def run_local_pipeline(
+    model: str | Path, stages: Sequence[tuple[int, int]], requests: list[dict[str, Any]], *,
+    prefill_chunk: int = 2048, warmup: bool = False, timeout_s: float = 300.0,
+) -> dict[str, Any]:
+    """Run ``requests`` on a pipeline of ``stages`` (one process each); the leader's results and the bytes
+    its stage sent and received."""
+    with tempfile.TemporaryDirectory(prefix="exo-local-pipeline-") as tmp:
+        spec = {
+            "model": str(model), "stages": [list(s) for s in stages],
+            "hosts": [f"127.0.0.1:{free_port()}" for _ in stages], "prefill_chunk": prefill_chunk,
+            "warmup": warmup, "requests": requests, "out": str(Path(tmp) / "out.json"),
+        }
+        spec_file = Path(tmp) / "spec.json"
+        spec_file.write_text(json.dumps(spec))
+        procs = [
+            subprocess.Popen([sys.executable, "-m", "exo.runner.local_pipeline", str(spec_file), str(rank)],
+                             stderr=subprocess.PIPE, text=True)
+            for rank in range(len(stages))
+        ]
+        try:
+            errors = [p.communicate(timeout=timeout_s)[1] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+        if any(p.returncode != 0 for p in procs):
+            raise LocalPipelineError("\n".join(f"stage {i}: {e[-3000:]}" for i, e in enumerate(errors) if e))
+        return json.loads(Path(spec["out"]).read_text())
+
+
+def _stage_main(spec_file: str, rank: int) -> None:
+    spec = json.loads(Path(spec_file).read_text())
+    from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, load_checkpoint
+    from exo.engine.pipeline import PipelineForward, StageSpec, serve_stage
+
+    from .group import join_group
+
+    stages = spec["stages"]
+    start, end = stages[rank]
+    config = EngineConfig(prefill_chunk=spec.get("prefill_chunk", 2048))
+    forward = None
+    if len(stages) == 1:
+        loaded = load_checkpoint(spec["model"])
+    else:
+        stage = StageSpec(rank, len(stages), start, end)
+        loaded = load_checkpoint(spec["model"], layers=(start, end))
+        link = join_group(spec["hosts"], rank)
+        if not stage.last:
+            serve_stage(loaded.model, stage, link)
+            return
+        forward = PipelineForward(loaded.model, stage, link)
+    engine = Engine(loaded, config, forward=forward)
+    results = []
+    try:
+        if spec.get("warmup"):
+            engine.warmup()
+        for req in spec["requests"]:
+            engine.loaded = dataclasses.replace(loaded, eos_token_ids=frozenset()) if req.get("ignore_eos") else loaded
+            started = time.perf_counter()
+            before = (forward.bytes_sent, forward.bytes_received) if forward is not None else (0, 0)
+            result = engine.complete(GenerationRequest(
+                req["prompt"], max_tokens=req["max_tokens"], mtp_k=req.get("mtp_k"),
+                native_mtp=req.get("native_mtp", "auto"), sampling=SamplingParams(**req.get("sampling", {})),
+                stop=[req["stop"]] if req.get("stop") else (),
+            ))
+            after = (forward.bytes_sent, forward.bytes_received) if forward is not None else (0, 0)
+            results.append({"token_ids": result.token_ids, "text": result.text, "finish_reason": result.finish_reason,
+                            "stats": result.stats.model_dump(), "seconds": time.perf_counter() - started,
+                            "bytes_sent": after[0] - before[0], "bytes_received": after[1] - before[1]})
+    finally:
+        if forward is not None:
+            forward.shutdown()
+    sent = forward.bytes_sent if forward is not None else 0
+    received = forward.bytes_received if forward is not None else 0
+    Path(spec["out"]).write_text(json.dumps({"results": results, "bytes": {"sent": sent, "received": received}}))
+
+
+if __name__ == "__main__":
+    _stage_main(sys.argv[1], int(sys.argv[2]))

@@ -1,0 +1,195 @@
+"""One model across several `exo serve` daemons on 127.0.0.1: pipelined instances, with native MTP.
+
+Four daemons (A holds no stage; B, C, D hold stages) serve fixture checkpoints of the three families from
+a shared Hugging Face cache, described by user model cards. Requests go through A; at temperature 0 a
+pipeline's output is single-node plain decoding's, at every depth and adaptive.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from exo.engine import Engine, GenerationRequest, SamplingParams, load_checkpoint
+
+from .daemons import Daemon, start_all, wait_for
+
+pytestmark = pytest.mark.timeout(600)
+
+# card id -> (fixture arch, repo in the shared cache)
+MODELS = {
+    "pipe-dense": ("qwen3_5", "exo-test/pipe-dense"),
+    "pipe-moe": ("qwen3_5_moe", "exo-test/pipe-moe"),
+    "pipe-next": ("qwen3_next", "exo-test/pipe-next"),
+}
+CARD = """
+id = "{id}"
+name = "pipeline test {arch}"
+arch = "{model_type}"
+repo = "{repo}"
+n_layers = 4
+hidden_size = 64
+kv_heads = 2
+head_dim = 32
+context_length = 4096
+storage_bytes = 1000000
+
+[native_mtp]
+num_layers = 1
+default_k = 2
+max_k = 3
+"""
+PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fib"
+MAX_TOKENS = 16
+
+
+def hf_cache_entry(cache: Path, repo: str, source: Path) -> None:
+    """A Hugging Face cache snapshot of ``repo`` holding the files of ``source`` (the hub's own layout)."""
+    folder = cache / ("models--" + repo.replace("/", "--"))
+    snapshot = folder / "snapshots" / "0123456789abcdef"
+    snapshot.mkdir(parents=True)
+    for file in source.iterdir():
+        (snapshot / file.name).symlink_to(file)
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text("0123456789abcdef")
+
+
+@pytest.fixture(scope="module")
+def sources(checkpoint) -> dict[str, Path]:
+    return {card: checkpoint(arch, dtype="float32") for card, (arch, _) in MODELS.items()}
+
+
+@pytest.fixture(scope="module")
+def quartet(tmp_path_factory, sources):
+    root = tmp_path_factory.mktemp("pipeline-cluster")
+    cache = root / "hf-cache"
+    for card, (_, repo) in MODELS.items():
+        hf_cache_entry(cache, repo, sources[card])
+    daemons = []
+    for name in "abcd":
+        home = root / f"node-{name}"
+        (home / "model_cards").mkdir(parents=True)
+        for card, (arch, repo) in MODELS.items():
+            model_type = "qwen3_5_moe" if arch == "qwen3_5_moe" else arch
+            (home / "model_cards" / f"{card}.toml").write_text(
+                textwrap.dedent(CARD.format(id=card, arch=arch, model_type=model_type, repo=repo)))
+        daemons.append(Daemon(home, f"node-{name}", env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}))
+    start_all(daemons, [d.address for d in daemons])
+    try:
+        wait_for(lambda: all(len(d.node_ids()) == 4 for d in daemons), 30, "four nodes to see each other")
+        wait_for(lambda: all(card in _models_of(daemons[0], d.node_id) for d in daemons for card in MODELS), 30,
+                 "every node to list the test models")
+        yield daemons
+    finally:
+        for d in daemons:
+            d.stop()
+
+
+def _models_of(api: Daemon, node_id: str) -> set[str]:
+    return next(set(n["models"]) for n in api.cluster()["nodes"] if n["id"] == node_id)
+
+
+_engines: dict[Path, Engine] = {}
+
+
+def single_node(path: Path) -> Engine:
+    if path not in _engines:
+        _engines[path] = Engine(load_checkpoint(path))
+    return _engines[path]
+
+
+def complete(api: Daemon, model: str, **fields) -> dict:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, **fields}
+    response = api.post("/v1/completions", body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_preview_and_placement_errors(quartet):
+    a, b, c, d = quartet
+    preview = a.get("/v1/instances/preview?model=pipe-dense&min_nodes=3")
+    assert preview.status_code == 200, preview.text
+    stages = preview.json()["placement"]["stages"]
+    assert [s["rank"] for s in stages] == [0, 1, 2] and len({s["node"] for s in stages}) == 3
+    assert stages[0]["start_layer"] == 0 and stages[-1]["end_layer"] == 4
+    assert all(s["end_layer"] == t["start_layer"] for s, t in zip(stages, stages[1:], strict=False))
+    exact = a.get(f"/v1/instances/preview?model=pipe-dense&nodes={d.node_id},{b.node_id}").json()["placement"]
+    assert [s["node"] for s in exact["stages"]] == [d.node_id, b.node_id] and exact["node"] == b.node_id
+    assert a.get("/v1/instances").json()["instances"] == []  # a preview changes nothing
+    cases = [
+        ({"model": "pipe-dense", "min_nodes": 5}, 400, "too_few_nodes", "spread over 5 nodes"),
+        ({"model": "pipe-dense", "nodes": [b.node_id, "nope"]}, 404, "node_not_found", "no node 'nope'"),
+        ({"model": "pipe-dense", "node": b.node_id, "nodes": [c.node_id, d.node_id]}, 400, "invalid_value", "node"),
+        ({"model": "pipe-dense", "nodes": [b.node_id, b.node_id]}, 400, "invalid_value", "more than once"),
+        ({"model": "pipe-dense", "min_nodes": 0}, 400, None, "min_nodes"),
+    ]
+    for body, status, code, text in cases:
+        response = a.post("/v1/instances", body)
+        assert response.status_code == status, (body, response.text)
+        error = response.json()["error"]
+        assert code is None or error["code"] == code, (body, error)
+        assert text in error["message"], (body, error)
+
+
+@pytest.mark.parametrize(
+    ("card", "stages"),
+    [("pipe-dense", 2), ("pipe-dense", 3), ("pipe-moe", 3), ("pipe-next", 2)],
+    ids=["dense-2", "dense-3", "moe-3", "next-2"],
+)
+def test_a_pipeline_is_one_instance_and_decodes_like_one_node(quartet, sources, card, stages):
+    a, b, c, d = quartet
+    nodes = [b.node_id, c.node_id, d.node_id][:stages]
+    created = a.post("/v1/instances", {"model": card, "nodes": nodes, "wait": True})
+    assert created.status_code == 201, created.text
+    instance = created.json()["instance"]
+    try:
+        assert instance["state"] == "ready", instance
+        assert [s["node"] for s in instance["stages"]] == nodes and instance["node"] == nodes[-1]
+        assert [s["rank"] for s in instance["stages"]] == list(range(stages))
+        listed = [i for i in a.get("/v1/instances").json()["instances"] if i["model"] == card]
+        assert len(listed) == 1 and listed[0]["id"] == instance["id"]  # ONE instance, with its stages
+        wait_for(lambda: all(s["state"] == "ready" for s in a.get(f"/v1/instances/{instance['id']}").json()["stages"]),
+                 10, "every stage to be reported ready")
+        engine = single_node(sources[card])
+        prompt = engine.loaded.tokenizer.encode(PROMPT)
+        plain = engine.complete(GenerationRequest(prompt, max_tokens=MAX_TOKENS, native_mtp="off"))
+        for mtp in ({"enabled": False}, {"k": 1}, {"k": 2}, {"k": 3}, None):
+            fields = {} if mtp is None else {"native_mtp": mtp}
+            result = complete(a, card, **fields)  # A holds no stage
+            assert result["choices"][0]["text"] == plain.text, mtp
+            usage = result["usage"]
+            assert usage["completion_tokens"] == len(plain.token_ids), mtp
+            stats = usage["native_mtp"]
+            assert stats["mode"] == "pipeline" and stats["stages"] == stages, stats
+            assert stats["enabled"] == (mtp != {"enabled": False}), stats
+        stream = a.post("/v1/completions", {"model": card, "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+                                             "temperature": 0, "stream": True, "native_mtp": {"k": 2}})
+        events = [json.loads(line[6:]) for line in stream.text.splitlines()
+                  if line.startswith("data: {")]
+        assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == plain.text
+        assert stream.text.rstrip().endswith("data: [DONE]")
+    finally:
+        assert a.delete(f"/v1/instances/{instance['id']}").status_code == 200
+    wait_for(lambda: not [i for i in a.get("/v1/instances").json()["instances"]
+                          if i["model"] == card and i["state"] != "gone"], 30, "the pipeline to be deleted")
+
+
+def test_pipeline_sampling_is_single_node_mtp_sampling(quartet, sources):
+    """With a seed, a pipeline samples exactly what one node samples with the same depth (whose
+    distribution is plain sampling's: tests/engine/test_sampling_equivalence.py)."""
+    a, b, c, _ = quartet
+    created = a.post("/v1/instances", {"model": "pipe-dense", "nodes": [c.node_id, b.node_id], "wait": True})
+    assert created.status_code == 201, created.text
+    try:
+        engine = single_node(sources["pipe-dense"])
+        prompt = engine.loaded.tokenizer.encode(PROMPT)
+        for seed in range(12):
+            result = complete(a, "pipe-dense", temperature=1.0, seed=seed, max_tokens=6, native_mtp={"k": 2})
+            alone = engine.complete(GenerationRequest(prompt, max_tokens=6, mtp_k=2,
+                                                      sampling=SamplingParams(temperature=1.0, seed=seed)))
+            assert result["choices"][0]["text"] == alone.text, seed
+    finally:
+        assert a.delete(f"/v1/instances/{created.json()['instance']['id']}").status_code == 200

@@ -1,0 +1,178 @@
+"""A pipeline's node dies mid-generation: the request ends with a clear error within 15 s (503 before
+any output, an SSE error event after), no stage is left waiting in a collective, and the model is placed
+anew on the nodes that are left when it fits there (a clear 507 when it does not). A node that comes back
+takes stages again.
+
+Each daemon offers a memory budget that holds half of the bundled demo model (with its headroom), so the
+model never fits on one node: placement must pipeline it, and re-place it as a pipeline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+
+from exo.cards import load_catalog
+from exo.cluster import placement as pl
+from exo.cluster.models import availability
+from exo.cluster.orchestration import model_requirement
+from exo.engine import resolve_model
+
+from .daemons import Daemon, start_all, wait_for
+
+pytestmark = pytest.mark.timeout(300)
+MODEL = "exo-demo"
+ERROR_WITHIN_S = 15.0
+
+
+@pytest.fixture(scope="module")
+def budget(tmp_path_factory) -> int:
+    """A memory budget under what the model needs on one node, over what a stage of two needs."""
+    resolved = resolve_model(MODEL, load_catalog(home=tmp_path_factory.mktemp("home")))
+    requirement = model_requirement(MODEL, resolved.card, [availability(resolved)])
+    stage = max(requirement.stage_bytes(0, 4), requirement.stage_bytes(4, 8))
+    budget = (requirement.needed_bytes + stage) // 2
+    nodes = [pl.NodeCapacity(n, budget, budget) for n in "ab"]
+    assert len(pl.placement(requirement, nodes).shards) == 2  # fits as two stages, not as one
+    return budget
+
+
+def daemons(tmp_path, budget: int, names: str) -> list[Daemon]:
+    out = [Daemon(tmp_path / f"node-{n}", f"node-{n}", extra_args=["--memory-budget", str(budget)]) for n in names]
+    start_all(out, [d.address for d in out])
+    wait_for(lambda: all(len(d.node_ids()) == len(out) for d in out), 30, "the nodes to see each other")
+    return out
+
+
+def instances(api: Daemon) -> list[dict]:
+    return [i for i in api.get("/v1/instances").json()["instances"] if i["model"] == MODEL]
+
+
+def ready_pipeline(api: Daemon, without: str | None = None) -> dict | None:
+    for inst in instances(api):
+        if inst["state"] == "ready" and len(inst["stages"]) > 1 and all(s["node"] != without for s in inst["stages"]):
+            return inst
+    return None
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Stream:
+    """A streaming chat completion read line by line on a thread."""
+
+    def __init__(self, api: Daemon) -> None:
+        import httpx2 as httpx
+
+        self.lines: list[str] = []
+        self.first_token = threading.Event()
+        self.ended = threading.Event()
+        self.ended_at = 0.0
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}],
+                "max_tokens": 3000, "temperature": 0, "stream": True, "native_mtp": {"k": 2}}
+
+        def run() -> None:
+            with httpx.stream("POST", api.url + "/v1/chat/completions", json=body, timeout=120) as response:
+                self.status = response.status_code
+                for line in response.iter_lines():
+                    if line:
+                        self.lines.append(line)
+                    if '"content"' in line:
+                        self.first_token.set()
+            self.ended_at = time.monotonic()
+            self.ended.set()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+
+def test_a_middle_stage_dies_mid_stream_and_the_model_is_placed_anew(tmp_path, budget):
+    a, b, c, d = daemons(tmp_path, budget, "abcd")
+    try:
+        created = a.post("/v1/instances", {"model": MODEL, "nodes": [b.node_id, c.node_id, d.node_id], "wait": True})
+        assert created.status_code == 201 and created.json()["instance"]["state"] == "ready", created.text
+        old = created.json()["instance"]
+        wait_for(lambda: all(s["pid"] for s in a.get(f"/v1/instances/{old['id']}").json()["stages"]), 10, "pids")
+        pids = [s["pid"] for s in a.get(f"/v1/instances/{old['id']}").json()["stages"]]
+        stream = Stream(a)  # through A, which holds no stage
+        assert stream.first_token.wait(60), stream.lines
+        killed = time.monotonic()
+        c.kill()  # the middle stage's daemon (its runner dies with it)
+        assert stream.ended.wait(ERROR_WITHIN_S + 5), "the stream did not end"
+        assert stream.ended_at - killed <= ERROR_WITHIN_S, stream.ended_at - killed
+        data = [line[6:] for line in stream.lines if line.startswith("data: ")]
+        assert data[-1] == "[DONE]" and "error" in json.loads(data[-2]), data[-3:]
+        assert "stage" in json.loads(data[-2])["error"]["message"] or "node" in json.loads(data[-2])["error"]["message"]
+        # No stage is left waiting for the dead one.
+        wait_for(lambda: not any(alive(p) for p in pids), 15, "every stage of the broken pipeline to end")
+        # Placed anew on the nodes that are left (it fits on two), with no manual step.
+        new = wait_for(lambda: ready_pipeline(a, without=c.node_id), 90, "the model to be placed anew")
+        assert new["id"] != old["id"] and c.node_id not in {s["node"] for s in new["stages"]}
+        gone = a.get(f"/v1/instances/{old['id']}").json()
+        assert gone["state"] in ("gone", "failed"), gone
+        reply = a.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                 "max_tokens": 8, "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["native_mtp"]["mode"] == "pipeline"
+    finally:
+        for daemon in (a, b, c, d):
+            daemon.stop()
+
+
+def test_the_leader_dies_then_the_model_no_longer_fits_then_its_node_comes_back(tmp_path, budget):
+    a, b = daemons(tmp_path, budget, "ab")
+    try:
+        created = a.post("/v1/instances", {"model": MODEL, "nodes": [a.node_id, b.node_id], "wait": True})
+        assert created.status_code == 201 and created.json()["instance"]["state"] == "ready", created.text
+        result: dict = {}
+
+        def request() -> None:  # not streamed: the status is only decided at the end
+            started = time.monotonic()
+            response = a.post("/v1/chat/completions", {
+                "model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}],
+                "max_tokens": 3000, "temperature": 0}, timeout=120)
+            result.update(status=response.status_code, body=response.json(), ended=time.monotonic(), started=started)
+
+        thread = threading.Thread(target=request, daemon=True)
+        thread.start()
+        wait_for(lambda: any(i["running"] for i in b.get("/v1/instances").json()["instances"] if i["self"]), 30,
+                 "the generation to run on the leader (B)")
+        killed = time.monotonic()
+        b.kill()  # the last stage: it leads the pipeline
+        thread.join(ERROR_WITHIN_S + 10)
+        assert result.get("status") == 503, result
+        assert result["ended"] - killed <= ERROR_WITHIN_S, result["ended"] - killed
+        assert result["body"]["error"]["code"] == "node_unavailable", result["body"]
+        # A alone cannot hold the model: a clear answer, not a hang.
+        wait_for(lambda: b.node_id not in a.node_ids(), 15, "B to leave")
+        wait_for(lambda: not any(alive(s["pid"]) for i in instances(a) for s in i["stages"]
+                                 if s["node"] == a.node_id and s["pid"]), 15, "A's stage to end")
+        reply = a.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                 "max_tokens": 8})
+        assert reply.status_code == 507, reply.text
+        assert reply.json()["error"]["code"] == "insufficient_memory"
+        assert "does not fit" in reply.json()["error"]["message"]
+        # B comes back (same home, same node id): it rejoins and takes a stage again.
+        b.start([a.address]).wait_up()
+        wait_for(lambda: b.node_id in a.node_ids(), 20, "B to rejoin")
+        reply = a.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                 "max_tokens": 8})
+        assert reply.status_code == 200, reply.text
+        placed = ready_pipeline(a)
+        assert placed is not None and {s["node"] for s in placed["stages"]} == {a.node_id, b.node_id}
+    finally:
+        for daemon in (a, b):
+            daemon.stop()

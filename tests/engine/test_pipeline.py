@@ -1,0 +1,177 @@
+"""One model across several processes: pipeline stages over mx.distributed (ring, 127.0.0.1), native MTP on.
+
+Each test starts one process per stage (exo.runner.local_pipeline): real stages, real ring. At
+temperature 0 a pipeline's output is token for token single-node plain decoding's (this CPU rounds a
+layer the same whoever runs it), at every depth and adaptive, across the prefill chunk edge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy.stats import chi2_contingency
+
+from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, load_checkpoint
+from exo.runner.local_pipeline import run_local_pipeline
+
+CHUNK = 8
+PROMPT_LENGTHS = (1, CHUNK - 1, CHUNK, 2 * CHUNK + 3)
+DEPTHS = (1, 2, 3, None)
+MAX_TOKENS = 16
+SPLITS = {2: [[0, 2], [2, 4]], 3: [[0, 1], [1, 3], [3, 4]]}  # the fixtures have 4 layers
+
+
+def run_pipeline(tmp_path: Path, model: Path, stages: list[list[int]], requests: list[dict]) -> dict:
+    """Run ``requests`` on a pipeline of ``stages`` (one process each); the leader's results."""
+    return run_local_pipeline(model, [tuple(s) for s in stages], requests, prefill_chunk=CHUNK, timeout_s=240)
+
+
+@functools.cache
+def _single_node(path: Path, ignore_eos: bool) -> Engine:
+    loaded = load_checkpoint(path)
+    if ignore_eos:
+        loaded = dataclasses.replace(loaded, eos_token_ids=frozenset())
+    return Engine(loaded, EngineConfig(prefill_chunk=CHUNK))
+
+
+def _prompt(engine: Engine, length: int) -> list[int]:
+    ids = engine.loaded.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n    return fib")
+    while len(ids) < length:
+        ids = ids + ids
+    return ids[:length]
+
+
+# -- stages in one process ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_stages_compose_to_the_whole_model(checkpoint, arch):
+    """Each stage loads only its part; run one after another they compute the whole model, bit for bit."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    path = checkpoint(arch, dtype="float32")
+    whole = load_checkpoint(path)
+    parts = [load_checkpoint(path, layers=tuple(r)) for r in SPLITS[3]]
+    names = [{k for k, _ in tree_flatten(p.model.parameters())} for p in parts]
+    assert all(not any(".layers.3." in n for n in names[i]) for i in (0, 1))
+    assert not any(".layers.0." in n for n in names[1] | names[2])
+    assert any("embed_tokens" in n for n in names[0]) and not any("embed_tokens" in n for n in names[1])
+    assert any("embed_tokens" in n for n in names[2])  # the last stage's MTP head embeds tokens
+    assert not any("lm_head" in n or n.endswith("model.norm.weight") for n in names[0] | names[1])
+    assert parts[2].head is not None and parts[0].head is None and parts[0].tokenizer is None
+    tokens = mx.array([_prompt(_single_node(path, False), 11)])
+    caches = [p.model.make_cache() for p in parts]
+    h = tokens
+    for part, cache in zip(parts, caches, strict=True):
+        h = part.model.stage_hidden(h, cache)
+    assert mx.array_equal(h, whole.model.hidden(tokens, whole.model.make_cache())).item()
+
+
+# -- real pipelines -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stages", [2, 3], ids=["2-stages", "3-stages"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_pipeline_greedy_equals_single_node_plain(checkpoint, tmp_path, arch, stages, record_property):
+    path = checkpoint(arch, dtype="float32")
+    engine = _single_node(path, True)
+    prompts = [_prompt(engine, n) for n in PROMPT_LENGTHS]
+    requests = [{"prompt": p, "max_tokens": MAX_TOKENS, "ignore_eos": True, "native_mtp": "off"} for p in prompts]
+    requests += [{"prompt": p, "max_tokens": MAX_TOKENS, "ignore_eos": True, "mtp_k": k, "native_mtp": "on"}
+                 for k in DEPTHS for p in prompts]
+    out = run_pipeline(tmp_path, path, SPLITS[stages], requests)
+    drafted = accepted = 0
+    for request, result in zip(requests, out["results"], strict=True):
+        plain = engine.complete(GenerationRequest(request["prompt"], max_tokens=MAX_TOKENS, native_mtp="off"))
+        where = (len(request["prompt"]), request.get("mtp_k"), request["native_mtp"])
+        assert result["token_ids"] == plain.token_ids, where
+        assert result["text"] == plain.text, where
+        stats = result["stats"]
+        assert stats["mode"] == "pipeline" and stats["stages"] == stages
+        assert stats["enabled"] == (request["native_mtp"] == "on"), where
+        drafted += stats["drafted_tokens"]
+        accepted += stats["accepted_tokens"]
+    record_property("acceptance", accepted / drafted)
+    assert drafted > 0 and accepted > 0  # the head drafted through the pipeline and was right at times
+
+
+def test_pipeline_penalties_stops_and_cancellation(checkpoint, tmp_path):
+    """Penalties and a stop string inside accepted runs end exactly as on one node; a generation cut short
+    (max_tokens inside a round) leaves no state behind for the next request on the same stages."""
+    path = checkpoint("qwen3_5", dtype="float32")
+    engine = _single_node(path, True)
+    prompt = _prompt(engine, 10)
+    full = engine.complete(GenerationRequest(prompt, max_tokens=40, native_mtp="off"))
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
+    penalties = {"repetition_penalty": 1.3, "presence_penalty": 0.4, "frequency_penalty": 0.3}
+    requests = [
+        {"prompt": prompt, "max_tokens": 40, "ignore_eos": True, "mtp_k": 3, "sampling": penalties},
+        {"prompt": prompt, "max_tokens": 5, "ignore_eos": True, "mtp_k": 3},
+        {"prompt": prompt, "max_tokens": 40, "ignore_eos": True, "mtp_k": 2, "stop": stop},
+        {"prompt": prompt, "max_tokens": 40, "ignore_eos": True, "mtp_k": 3},
+    ]
+    for request in requests:
+        request.setdefault("native_mtp", "on")
+    out = run_pipeline(tmp_path, path, SPLITS[2], requests)["results"]
+    penalised = engine.complete(GenerationRequest(prompt, max_tokens=40, native_mtp="off",
+                                                  sampling=SamplingParams(**penalties)))
+    assert out[0]["token_ids"] == penalised.token_ids
+    assert out[1]["token_ids"] == full.token_ids[:5] and out[1]["finish_reason"] == "length"
+    stopped = engine.complete(GenerationRequest(prompt, max_tokens=40, native_mtp="off", stop=[stop]))
+    assert out[2]["token_ids"] == stopped.token_ids and out[2]["finish_reason"] == "stop"
+    assert out[2]["text"] == stopped.text
+    assert out[3]["token_ids"] == full.token_ids
+
+
+def test_pipeline_without_a_head_runs_plain_and_says_why(checkpoint, tmp_path):
+    path = checkpoint("qwen3_5", layout="mlx")  # a stock conversion: the head was dropped
+    engine = _single_node(path, True)
+    prompt = _prompt(engine, 9)
+    out = run_pipeline(tmp_path, path, SPLITS[2], [{"prompt": prompt, "max_tokens": 8, "ignore_eos": True}])
+    result = out["results"][0]
+    plain = engine.complete(GenerationRequest(prompt, max_tokens=8, native_mtp="off"))
+    assert result["token_ids"] == plain.token_ids
+    assert not result["stats"]["enabled"] and "mtp" in result["stats"]["reason"].lower()
+    assert result["stats"]["mode"] == "pipeline"
+
+
+RUNS = 300
+
+
+def _pvalue(a: list[list[int]], b: list[list[int]]) -> float:
+    """Two-sample chi-squared on the joint outcomes of tokens 1 and 2, rare outcomes pooled."""
+    keys_a, keys_b = [tuple(r[1:3]) for r in a], [tuple(r[1:3]) for r in b]
+    outcomes = sorted(set(keys_a) | set(keys_b))
+    counts = np.array([[keys_a.count(o) for o in outcomes], [keys_b.count(o) for o in outcomes]])
+    common = counts.sum(axis=0) >= 10
+    table = np.column_stack([counts[:, common], counts[:, ~common].sum(axis=1)])
+    return float(chi2_contingency(table[:, table.sum(axis=0) > 0]).pvalue)
+
+
+def test_pipeline_sampling_keeps_plain_sampling_distribution(checkpoint, tmp_path, record_property):
+    path = checkpoint("qwen3_5", dtype="float32")
+    engine = _single_node(path, False)
+    prompt = engine.loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Tell me something."}], add_generation_prompt=True
+    )
+    requests = [{"prompt": prompt, "max_tokens": 3, "mtp_k": 2, "native_mtp": "on",
+                 "sampling": {"temperature": 1.0, "seed": seed}} for seed in range(RUNS)]
+    out = run_pipeline(tmp_path, path, SPLITS[2], requests)["results"]
+    piped = [(r["token_ids"] + [-1] * 3)[:3] for r in out]
+    plain = [
+        (engine.complete(GenerationRequest(prompt, max_tokens=3, native_mtp="off",
+                                           sampling=SamplingParams(temperature=1.0, seed=RUNS + seed))).token_ids
+         + [-1] * 3)[:3]
+        for seed in range(RUNS)
+    ]
+    drafted = sum(r["stats"]["drafted_tokens"] for r in out)
+    accepted = sum(r["stats"]["accepted_tokens"] for r in out)
+    assert 0 < accepted < drafted, "both the accept and the reject path must run"
+    pvalue = _pvalue(piped, plain)
+    record_property("pvalue", pvalue)
+    assert pvalue > 1e-3, pvalue

@@ -1,0 +1,236 @@
+"""The menu-bar app's controller against real ``exo serve`` daemons: states, the Native MTP toggle,
+start and stop, a hung daemon, a daemon that dies, and an app that dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx2 as httpx
+import pytest
+from cluster.daemons import Daemon, free_port, wait_for
+
+from exo.menubar import (
+    DaemonAlreadyRunningError,
+    DaemonBusyError,
+    DaemonState,
+    MenubarController,
+    MenubarError,
+    NativeMTPLockedError,
+    NotStartedHereError,
+    StopOutcome,
+)
+
+from .apps import app_env, get_json, pid_gone, serve_flags, wait_state
+
+
+def test_nothing_listening_is_stopped(make_controller, tmp_path):
+    controller = make_controller()
+    snapshot = controller.refresh()
+    assert snapshot.state is DaemonState.STOPPED and snapshot.detail is None
+    assert snapshot.cluster is None and snapshot.can_start and not snapshot.can_stop
+    assert (
+        snapshot.native_mtp.enabled
+        and snapshot.native_mtp.can_change
+        and snapshot.native_mtp.source == "default"
+    )
+    assert snapshot.dashboard_url == controller.api_url + "/"
+    with pytest.raises(NotStartedHereError, match="not started by this app"):
+        controller.stop_daemon()
+
+
+def test_start_exo_only_for_this_machine(make_controller):
+    remote = make_controller(url="http://192.0.2.1:52415", request_timeout_s=0.3)  # TEST-NET: nobody
+    snapshot = remote.refresh()
+    assert snapshot.state in (DaemonState.STOPPED, DaemonState.UNREACHABLE) and not snapshot.can_start
+    with pytest.raises(MenubarError, match="Start exo starts exo on this machine; http://192.0.2.1:52415 is"):
+        remote.start_daemon()
+    assert remote.daemon_pid is None
+
+
+def test_bad_configuration_is_a_typed_error(make_controller, tmp_path):
+    with pytest.raises(MenubarError, match="must look like http://host:port"):
+        make_controller(url="localhost:52415")
+    with pytest.raises(MenubarError, match="stop_timeout_s must be a positive"):
+        make_controller(stop_timeout_s=0)
+    from exo.settings import SettingsError
+
+    with pytest.raises(SettingsError, match="EXO_NATIVE_MTP_ENABLED"):
+        make_controller(env={"EXO_NATIVE_MTP_ENABLED": "maybe"})
+
+
+def test_lifecycle_toggle_models_and_graceful_stop(make_controller, tmp_path):
+    home = tmp_path / "app-home"
+    controller = make_controller(home=home)
+
+    # Stopped: the flip goes to the node's settings file, and the next start passes it on.
+    assert controller.set_native_mtp(False).native_mtp.enabled is False
+    assert json.loads((home / "settings.json").read_text()) == {"native_mtp_enabled": False}
+    assert controller.refresh().native_mtp.source == "file"
+
+    controller.start_daemon()
+    with pytest.raises(DaemonAlreadyRunningError):
+        controller.start_daemon()
+    snapshot, seen = wait_state(controller, DaemonState.RUNNING)
+    assert seen[0] is DaemonState.STARTING and seen[-1] is DaemonState.RUNNING, seen
+    assert snapshot.started_here and snapshot.can_stop
+    view = get_json(controller.api_url + "/v1/settings")
+    assert view["native_mtp_enabled"] is False and view["sources"]["native_mtp_enabled"] == "env"
+    # The app passed its own saved choice: that is no lock for the app that started it.
+    assert snapshot.native_mtp.enabled is False and snapshot.native_mtp.can_change
+
+    # Running: the flip is a PUT, applied at once and persisted by the daemon.
+    assert controller.set_native_mtp(True).native_mtp.enabled is True
+    view = get_json(controller.api_url + "/v1/settings")
+    assert view["native_mtp_enabled"] is True and view["sources"]["native_mtp_enabled"] == "api"
+    assert json.loads((home / "settings.json").read_text())["native_mtp_enabled"] is True
+
+    # Another app (or one with the variable in its environment) sees the lock and changes nothing.
+    other = MenubarController(url=controller.api_url, env=app_env(home))
+    locked = other.refresh().native_mtp
+    assert locked.locked_reason == "the running exo was started with EXO_NATIVE_MTP_ENABLED set"
+    with pytest.raises(NativeMTPLockedError):
+        other.set_native_mtp(False)
+    forced = MenubarController(url=controller.api_url, env=app_env(home, EXO_NATIVE_MTP_ENABLED="0"))
+    assert (
+        forced.refresh().native_mtp.locked_reason
+        == "EXO_NATIVE_MTP_ENABLED=0 is set in this app's environment"
+    )
+    with pytest.raises(NativeMTPLockedError, match="EXO_NATIVE_MTP_ENABLED=0"):
+        forced.set_native_mtp(False)
+    assert get_json(controller.api_url + "/v1/settings")["native_mtp_enabled"] is True
+    with pytest.raises(NotStartedHereError):
+        other.stop_daemon()
+    assert other.shutdown() is None and controller.refresh().state is DaemonState.RUNNING
+
+    # A model: nodes, memory and the model's stage as the daemon reports them.
+    created = httpx.post(
+        controller.api_url + "/v1/instances", json={"model": "exo-demo", "wait": True}, timeout=120
+    )
+    assert created.status_code == 201, created.text
+    runner_pid = created.json()["instance"]["pid"]
+    cluster = controller.refresh().cluster
+    nodes = get_json(controller.api_url + "/v1/cluster")["nodes"]
+    assert cluster is not None and cluster.node_count == len(nodes) == 1
+    assert cluster.memory_total_bytes == nodes[0]["memory_total_bytes"] > 0
+    [model] = cluster.models
+    [stage] = model.stages
+    assert (model.model, stage.state, stage.stage, stage.node_name) == (
+        "exo-demo",
+        "ready",
+        "ready",
+        nodes[0]["name"],
+    )
+    assert (stage.start_layer, stage.end_layer, stage.world_size) == (0, 8, 1)
+
+    # Stop: SIGTERM, exo serve shuts down cleanly, its runner with it.
+    daemon_pid = controller.daemon_pid
+    assert controller.stop_daemon() is StopOutcome.GRACEFUL
+    assert controller.last_exit_code == 0  # exo serve's own clean shutdown, not SIGTERM's default death
+    assert pid_gone(daemon_pid) and wait_for(lambda: pid_gone(runner_pid), 10, "the runner to exit")
+    snapshot = controller.refresh()
+    assert snapshot.state is DaemonState.STOPPED and snapshot.detail is None and not snapshot.started_here
+    log = controller.log_path.read_text()
+    assert "started by the exo menu-bar app" in log and f"serving on {controller.api_url}" in log
+
+
+def test_hung_daemon_unreachable_then_a_daemon_that_dies(make_controller):
+    controller = make_controller(stop_timeout_s=1.0)
+    controller.start_daemon()
+    wait_state(controller, DaemonState.RUNNING)
+    pid = controller.daemon_pid
+
+    os.kill(pid, signal.SIGSTOP)  # hung: the port still accepts, nothing answers
+    snapshot = controller.refresh()
+    assert snapshot.state is DaemonState.UNREACHABLE and f"pid {pid}" in snapshot.detail
+    assert snapshot.native_mtp.unavailable_reason == "exo does not answer"
+    with pytest.raises(DaemonBusyError):
+        controller.set_native_mtp(False)
+    os.kill(pid, signal.SIGCONT)
+    wait_state(controller, DaemonState.RUNNING, timeout=10)
+
+    os.kill(pid, signal.SIGKILL)  # dies on its own
+    snapshot, _ = wait_state(controller, DaemonState.STOPPED, timeout=10)
+    assert (
+        snapshot.detail.startswith("exo was killed (SIGKILL)") and str(controller.log_path) in snapshot.detail
+    )
+    assert not snapshot.started_here and snapshot.can_start
+
+    controller.start_daemon()  # and starts again
+    wait_state(controller, DaemonState.RUNNING)
+    assert controller.refresh().detail is None
+    pid = controller.daemon_pid
+    os.kill(pid, signal.SIGSTOP)  # SIGTERM cannot end it now: Stop exo forces it after the timeout
+    started = time.monotonic()
+    assert controller.stop_daemon() is StopOutcome.FORCED
+    assert 1.0 <= time.monotonic() - started < 10 and pid_gone(pid)
+    snapshot = controller.refresh()
+    assert snapshot.state is DaemonState.STOPPED and "was killed" in snapshot.error
+
+
+def test_daemon_that_fails_to_start_says_why(make_controller):
+    controller = make_controller(serve_args=[*serve_flags(), "--namespace", "not a namespace"])
+    controller.start_daemon()
+    snapshot, seen = wait_state(controller, DaemonState.STOPPED, timeout=60)
+    assert seen[0] is DaemonState.STARTING
+    assert snapshot.detail.startswith("exo exited with status 1 while starting (exo: error: --namespace")
+
+
+def test_a_daemon_started_elsewhere_is_shown_not_owned_and_its_death_noticed(make_controller, tmp_path):
+    daemon = Daemon(tmp_path / "elsewhere", "elsewhere", env={"EXO_NATIVE_MTP_ENABLED": "0"}).start()
+    try:
+        daemon.wait_up()
+        controller = make_controller(url=daemon.url)
+        snapshot = controller.refresh()
+        assert snapshot.state is DaemonState.RUNNING and not snapshot.started_here and not snapshot.can_stop
+        assert snapshot.native_mtp.enabled is False and snapshot.native_mtp.source == "env"
+        assert "EXO_NATIVE_MTP_ENABLED" in snapshot.native_mtp.locked_reason
+        with pytest.raises(DaemonAlreadyRunningError, match="already running"):
+            controller.start_daemon()
+        with pytest.raises(NotStartedHereError):
+            controller.stop_daemon()
+    finally:
+        daemon.stop()
+    assert controller.refresh().state is DaemonState.STOPPED and controller.snapshot.can_start
+
+
+APP_SCRIPT = """
+import sys, time
+from exo.menubar import DaemonState, MenubarController
+controller = MenubarController(url=sys.argv[1], serve_args=sys.argv[2:])
+controller.start_daemon()
+while controller.refresh().state is not DaemonState.RUNNING:
+    time.sleep(0.1)
+print(controller.daemon_pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_an_app_that_is_killed_leaves_no_daemon(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    app = subprocess.Popen(
+        [sys.executable, "-c", APP_SCRIPT, url, *serve_flags()],
+        env=app_env(tmp_path),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    daemon_pid = None
+    try:
+        daemon_pid = int(app.stdout.readline())
+        assert get_json(url + "/health")["status"] == "ok"
+        app.kill()
+        app.wait(10)
+        wait_for(lambda: pid_gone(daemon_pid), 15, "the tethered daemon to stop")
+    finally:
+        if app.poll() is None:
+            app.kill()
+            app.wait(10)
+        if daemon_pid is not None and not pid_gone(daemon_pid):
+            os.kill(daemon_pid, signal.SIGKILL)  # the test failed: leave nothing behind
+    log = (tmp_path / "logs" / "exo-serve.log").read_text()
+    assert "Traceback" not in log, log
