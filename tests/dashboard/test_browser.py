@@ -319,6 +319,31 @@ def test_a_second_daemon_joining_appears_live(page, laptop):
     assert page.evaluate("window.__sameDocument") is True  # no reload: the stream brought it
 
 
+def test_a_pipeline_over_two_nodes_shows_which_layers_run_where(page, node, laptop, artifacts):
+    go(page, "models")
+    model = page.get_by_role("listitem", name="exo demo (MoE)")
+    model.get_by_role("button", name="Launch…").click()
+    preview = model.get_by_role("region", name="launch exo-demo-moe")
+    preview.get_by_label("Spread over").select_option("2")
+    stages = preview.locator("ol.stages li")
+    expect(stages).to_have_count(2)
+    expect(stages.nth(0)).to_contain_text(re.compile(r"layers 0–\d"))
+    expect(preview.locator("ol.stages")).to_contain_text("studio")
+    expect(preview.locator("ol.stages")).to_contain_text("laptop")
+    screenshot(page, artifacts, "models-pipeline-preview")
+    preview.get_by_role("button", name="Launch", exact=True).click()
+    instance = page.locator('article[aria-label="instance of exo-demo-moe"]')
+    expect(instance).to_have_attribute("data-state", "ready", timeout=120_000)
+    [pipeline] = [i for i in node.api("GET", "/v1/instances").json()["instances"] if i["model"] == "exo-demo-moe"]
+    assert {s["node"] for s in pipeline["stages"]} == {node.node_id, laptop.node_id}
+    for stage in pipeline["stages"]:
+        expect(instance.locator("ol.stages")).to_contain_text(f"layers {stage['start_layer']}–{stage['end_layer'] - 1}")
+    go(page, "cluster")  # each node's card lists the pipeline it holds a stage of
+    for name in ("studio", "laptop"):
+        expect(page.get_by_role("article", name=f"node {name}").locator(
+            'article[aria-label="instance of exo-demo-moe"]')).to_be_visible()
+
+
 def test_a_setting_forced_by_the_environment_is_shown_locked(browser, laptop, console, artifacts):
     context = browser.new_context(viewport=LAPTOP)
     other = watch(context.new_page(), console)
@@ -343,11 +368,12 @@ def test_screenshots_of_every_view(page, artifacts):
     page.set_viewport_size(LAPTOP)
 
 
-def test_unloading_an_instance(page, node):
+def test_unloading_instances(page, node):
     go(page, "models")
-    instance = page.locator('article[aria-label="instance of exo-demo"]')
-    instance.get_by_role("button", name="Unload").click()
-    expect(instance).to_have_count(0, timeout=30_000)
+    for model in ("exo-demo", "exo-demo-moe"):  # one node's, then the pipeline over two
+        instance = page.locator(f'article[aria-label="instance of {model}"]')
+        instance.get_by_role("button", name="Unload").click()
+        expect(instance).to_have_count(0, timeout=30_000)
     assert node.api("GET", "/v1/instances").json()["instances"] == []
 
 

@@ -51,6 +51,9 @@ export interface StageView {
   stage?: string;
   progress?: number;
   failure?: { exit_code: number; message: string } | null;
+  /** A placement preview's stage: what it needs and what its node has free. */
+  needed_bytes?: number;
+  free_bytes?: number;
 }
 
 export type InstanceState = "loading" | "ready" | "failed" | "stopping" | "gone";
