@@ -136,6 +136,13 @@ async def serving(hub: EventHub) -> AsyncIterator[tuple[str, aiohttp.ClientSessi
         await runner.cleanup()
 
 
+async def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
 def run(test: Callable[[], Any]) -> None:
     asyncio.run(asyncio.wait_for(test(), 30))
 
@@ -183,11 +190,9 @@ def test_unannounced_changes_are_found_by_the_interval_and_slow_sections_wait_th
             stream = Stream(response)
             await stream.event()
             reads = source.catalog_reads
-            source.nodes[0]["name"] = "renamed"
-            started = time.monotonic()
-            event = await stream.event()
+            source.nodes[0]["name"] = "renamed"  # nobody calls notify(): the interval finds it
+            event = await stream.event(timeout=10.0)
             assert (event["event"], event["data"]["name"]) == ("node.updated", "renamed")
-            assert time.monotonic() - started < 2.0
             await asyncio.sleep(0.3)  # several intervals
             assert source.catalog_reads == reads  # the catalog is read hourly unless announced
             source.catalog.append("qwen3.5-27b-4bit")
@@ -209,9 +214,8 @@ def test_heartbeats_while_quiet_and_nothing_runs_without_clients():
                 await stream.event()
                 assert await stream.message(timeout=2.0) == {"comment": "heartbeat"}
                 assert hub.subscribers == 1
-            await asyncio.sleep(0.3)
-            assert hub.subscribers == 0
-            assert hub._task is not None and hub._task.done()  # the watcher stopped with its last client
+            await eventually(lambda: hub.subscribers == 0)
+            await eventually(lambda: hub._task is not None and hub._task.done())  # stopped with its last client
 
     run(scenario)
 
@@ -234,7 +238,7 @@ def test_every_client_gets_the_same_changes_and_close_ends_all_streams():
                 await hub.close()  # what the app's shutdown does
                 for stream in streams:
                     assert await stream.event() == {"eof": True}
-                assert time.monotonic() - started < 1.0
+                assert time.monotonic() - started < 5.0  # at once, not whenever the clients give up
 
     run(scenario)
 
