@@ -378,6 +378,7 @@ class Health(BaseModel):
     queue_depth: int
     running: int
     uptime_s: float
+    api_key_required: bool
 
 
 class ErrorObject(BaseModel):

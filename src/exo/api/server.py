@@ -24,6 +24,7 @@ from exo.settings import Settings
 
 from .completions import chat_completions, completions
 from .config import CONFIG, METRICS, NODE, OPENAPI, SERVICE, ServerConfig
+from .dashboard import add_dashboard
 from .downloads import add_download_routes
 from .errors import APIError, api_error_from
 from .instances import add_cluster_routes
@@ -72,6 +73,7 @@ def build_cluster_app(
     app[OPENAPI] = build_openapi(cluster=True)
     add_cluster_routes(app)
     add_download_routes(app, DownloadManager.from_settings(settings))
+    add_dashboard(app, service)
 
     async def start_node(app: web.Application) -> None:
         await service.start()
@@ -157,7 +159,9 @@ async def _auth_middleware(request: web.Request, handler: Callable) -> web.Strea
 
 
 async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok", **request.app[SERVICE].status()})
+    # api_key_required: so a page can ask for the key before its first call instead of after a 401.
+    key_required = bool(request.app[CONFIG].api_key)
+    return web.json_response({"status": "ok", **request.app[SERVICE].status(), "api_key_required": key_required})
 
 
 async def metrics_handler(request: web.Request) -> web.Response:

@@ -1,0 +1,23 @@
+// The page's singletons, handed to components through Svelte's context.
+
+import { getContext, setContext } from "svelte";
+
+import type { ChatStore } from "./chat.svelte";
+import type { Session } from "./session.svelte";
+import type { UI } from "./ui.svelte";
+
+export interface AppContext {
+  session: Session;
+  chat: ChatStore;
+  ui: UI;
+}
+
+const KEY = Symbol("exo-dashboard");
+
+export function provideApp(context: AppContext): void {
+  setContext(KEY, context);
+}
+
+export function useApp(): AppContext {
+  return getContext<AppContext>(KEY);
+}
