@@ -151,11 +151,13 @@ def placement_json(plan: pl.Placement) -> dict[str, Any]:
         "shards": [dataclasses.asdict(s) for s in plan.shards],
         "stages": [
             {"node": s.node_id, "start_layer": s.start_layer, "end_layer": s.end_layer, "rank": s.rank,
-             "free_bytes": free, "needed_bytes": needed}
-            for s, free, needed in zip(
+             "free_bytes": free, "needed_bytes": needed, "download": download,
+             "download_bytes": req.stage_weight_bytes(s.start_layer, s.end_layer) if download else 0}
+            for s, free, needed, download in zip(
                 plan.shards,
                 plan.stage_free_bytes or (plan.node_free_bytes,),
                 plan.stage_needed_bytes or (req.needed_bytes,),
+                plan.stage_downloads or (False,) * len(plan.shards),
                 strict=True,
             )
         ],
