@@ -270,6 +270,7 @@ def test_a_failed_download_fails_the_instance_with_the_reason(cluster, hub):
     assert all(i["state"] == "failed" for i in instances_of(a, "dl-broken"))
     for inst in instances_of(a, "dl-broken"):
         assert a.delete(f"/v1/instances/{inst['id']}").status_code == 200
+    wait_for(lambda: all(not instances_of(d, "dl-broken") for d in (a, b, c)), 15, "the failed ones to be gone")
 
 
 def test_offline_a_model_on_no_disk_says_what_to_pull(cluster, hub):

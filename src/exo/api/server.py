@@ -72,7 +72,9 @@ def build_cluster_app(
     app[OPENAPI] = build_openapi(cluster=True)
     add_cluster_routes(app)
     # The node's own manager: instances whose weights are missing download through it too (shared).
-    add_download_routes(app, service.downloads, node_id=lambda: service.node_id, peer_downloads=service.peer_downloads)
+    add_download_routes(
+        app, service.downloads, node_id=lambda: service.node_id, peer_downloads=service.peer_downloads
+    )
 
     async def start_node(app: web.Application) -> None:
         await service.start()

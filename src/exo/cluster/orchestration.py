@@ -563,10 +563,15 @@ class ClusterModelService:
                 continue
             self._broken[p.instance_id] = now
             log.warning("pipeline %s of %s is broken: %s", p.instance_id, p.model_id, why)
-            self._remember_gone(p, why)
+            # A download that failed would fail again: such a pipeline stays listed (failed) until deleted.
+            replace = not pipes.download_failed(p)
+            if replace:
+                self._remember_gone(p, why)
+            else:
+                self._routes = {m: r for m, r in self._routes.items() if r.instance.instance_id != p.instance_id}
             # Ours stays listed (failed) until the responsible node removes it: everyone sees the break.
             self.node.supervisor.kill(p.instance_id, f"its pipeline broke: {why}")
-            if pipes.responsible_node(p, alive) == self.node_id and not pipes.download_failed(p):
+            if replace and pipes.responsible_node(p, alive) == self.node_id:
                 self._spawn(self._replace(p, now), f"exo-replace-{p.instance_id[:10]}")
         self._broken = {k: v for k, v in self._broken.items() if now - v < GONE_KEPT_S}
 
