@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -16,6 +17,7 @@ from exo.cluster.placement import (
     ModelNotOnDiskError,
     ModelRequirement,
     NodeCapacity,
+    NoDiskRoomError,
     NoPlacementError,
     ShardAssignment,
     TooFewNodesError,
@@ -425,3 +427,103 @@ def test_a_live_stage_of_the_model_is_already_placed():
     existing = [inst("m", "b", "ready", instance_id="p1"), inst("m", "a", "loading", instance_id="p1")]
     with pytest.raises(AlreadyPlacedError):
         placement(layered(), [node("a", 3), node("b", 3)], existing)
+
+
+# -- weights no node has: nodes that can download them ------------------------------------------------------
+
+
+def fetcher(node_id: str, free_gib: float, room_gib: float = 100, *, holds: bool = False) -> NodeCapacity:
+    """A node that can download (not offline), with ``room_gib`` of disk to download into."""
+    return NodeCapacity(node_id, int(free_gib * GiB), 64 * GiB, models=frozenset({"m"} if holds else set()),
+                        can_download=True, download_room_bytes=int(room_gib * GiB))
+
+
+def offline(node_id: str, free_gib: float) -> NodeCapacity:
+    return NodeCapacity(node_id, int(free_gib * GiB), 64 * GiB, models=frozenset(), can_download=False,
+                        download_room_bytes=100 * GiB)
+
+
+def downloadable(r: ModelRequirement | None = None) -> ModelRequirement:
+    return dataclasses.replace(r or req(), downloadable=True)
+
+
+# (nodes, kwargs, expected stages (node, start, end), whether each stage's node downloads). req() needs
+# 4.5 GiB of memory and 4 GiB of disk; layered() 8 layers of 0.5 GiB (2 GiB a stage of 4 layers).
+DOWNLOAD_CASES = [
+    pytest.param([fetcher("a", 8), fetcher("b", 20)], {}, req(), [("b", 0, 8)], [True], id="most-free-downloads"),
+    pytest.param([fetcher("a", 6, holds=True), fetcher("b", 20)], {}, req(), [("a", 0, 8)], [False],
+                 id="a-holder-with-room-beats-more-memory"),
+    pytest.param([fetcher("a", 3, holds=True), fetcher("c", 3, holds=True), fetcher("b", 8)], {}, layered(),
+                 [("b", 0, 8)], [True], id="one-node-downloading-beats-a-pipeline-of-holders"),
+    pytest.param([fetcher("a", 20, room_gib=1), fetcher("b", 8)], {}, req(), [("b", 0, 8)], [True],
+                 id="skips-a-node-without-disk"),
+    pytest.param([offline("a", 20), fetcher("b", 8)], {}, req(), [("b", 0, 8)], [True],
+                 id="an-offline-node-downloads-nothing"),
+    pytest.param([fetcher("a", 30), fetcher("b", 8)], {"node": "b"}, req(), [("b", 0, 8)], [True],
+                 id="named-node-downloads"),
+    pytest.param([fetcher("a", 3, holds=True), fetcher("b", 3), fetcher("c", 3)], {}, layered(),
+                 [("a", 0, 4), ("b", 4, 8)], [False, True], id="pipeline-takes-holders-first"),
+    pytest.param([fetcher("a", 3), fetcher("b", 3)], {}, layered(), [("a", 0, 4), ("b", 4, 8)], [True, True],
+                 id="pipeline-of-downloaders"),
+    pytest.param([fetcher("a", 3, room_gib=2.5), fetcher("b", 3, room_gib=2.5)], {}, layered(),
+                 [("a", 0, 4), ("b", 4, 8)], [True, True], id="each-stage-needs-disk-for-its-part-only"),
+    pytest.param([fetcher("a", 30, holds=True), fetcher("c", 30)], {"nodes_in_order": ["c", "a"]}, layered(),
+                 [("c", 0, 4), ("a", 4, 8)], [True, False], id="named-stages-download-where-missing"),
+    pytest.param([fetcher("a", 30), fetcher("b", 30, holds=True)], {"min_nodes": 2}, layered(),
+                 [("a", 0, 4), ("b", 4, 8)], [True, False], id="min-nodes-with-a-downloader"),
+]
+
+
+@pytest.mark.parametrize(("nodes", "kwargs", "requirement", "expected", "downloads"), DOWNLOAD_CASES)
+def test_placement_downloads_what_is_missing(nodes, kwargs, requirement, expected, downloads):
+    p = placement(downloadable(requirement), nodes, **kwargs)
+    assert stages(p) == expected
+    assert list(p.stage_downloads) == downloads
+    assert p.node_id == expected[-1][0]
+
+
+def test_weights_that_cannot_be_downloaded_are_not_placed_on_nodes_without_them():
+    with pytest.raises(ModelNotOnDiskError) as exc:  # no repo (not downloadable): as before
+        placement(req(), [fetcher("a", 30)])
+    assert "download it there first (`exo pull m`)" in str(exc.value)
+
+
+@pytest.mark.parametrize(("kwargs", "where"), [({}, "any node of the cluster"), ({"nodes_in_order": ["a", "b"]},
+                                                                               "node a, node b")])
+def test_offline_nodes_say_what_to_pull(kwargs, where):
+    with pytest.raises(ModelNotOnDiskError) as exc:
+        placement(downloadable(layered()), [offline("a", 30), offline("b", 30)], **kwargs)
+    msg = str(exc.value)
+    assert msg.startswith(f"m is not on the disk of {where}, and the nodes are offline")
+    assert "exo pull m" in msg and "EXO_OFFLINE" in msg
+
+
+@pytest.mark.parametrize(
+    ("nodes", "kwargs", "message"),
+    [
+        pytest.param([fetcher("a", 30, room_gib=3)], {}, "node a has 3.00 GiB of disk to download into, it "
+                     "needs 4.00 GiB", id="one-node"),
+        pytest.param([fetcher("a", 3, room_gib=1), fetcher("b", 3, room_gib=1)], {},
+                     "it needs 2.00 GiB", id="pipeline-stages"),
+        pytest.param([fetcher("a", 30), fetcher("b", 30, room_gib=1)], {"nodes_in_order": ["a", "b"]},
+                     "stage 1: node b has 1.00 GiB of disk", id="named-stage"),
+    ],
+)
+def test_no_disk_to_download_is_a_clear_error(nodes, kwargs, message):
+    r = downloadable(layered() if len(nodes) > 1 else req())
+    with pytest.raises(NoDiskRoomError) as exc:
+        placement(r, nodes, **kwargs)
+    assert message in str(exc.value) and "HF_HOME" in str(exc.value)
+
+
+def test_stage_weight_bytes():
+    r = layered(layers=4, layer_gib=1, embed_gib=2, output_gib=1, mtp_gib=0.5)
+    assert r.stage_weight_bytes(0, 2) == 4 * GiB  # two layers and the embedding
+    assert r.stage_weight_bytes(1, 3) == 2 * GiB
+    assert r.stage_weight_bytes(2, 4) == int(5.5 * GiB)  # layers, embedding, output, MTP head
+    assert r.stage_weight_bytes(0, 4) == r.weights_bytes
+
+
+def test_a_card_with_a_repo_is_downloadable_a_bundled_one_is_not(catalog):
+    assert ModelRequirement.from_card(catalog.get("qwen3.5-27b-4bit")).downloadable
+    assert not ModelRequirement.from_card(catalog.get("exo-demo")).downloadable

@@ -3,6 +3,7 @@
     hub = FakeHub().start()                 # http://127.0.0.1:<port>; point HF_ENDPOINT at hub.url
     hub.add_repo("org/tiny", directory)     # every file of the directory, at one commit
     hub.cut_once("org/tiny", "big.safetensors", after=11 << 20)   # drop the connection mid-file, once
+    hub.failing[("org/tiny", "big.safetensors")] = 500   # every GET of that file answers HTTP 500
     hub.log                                 # every request: method, path, Range, status, bytes sent
 
 Endpoints (what the real client requests, found by pointing it here):
@@ -58,6 +59,8 @@ class FakeHub:
     slow: dict[tuple[str, str], float] = field(default_factory=dict)
     # (repo, file) -> event a GET of that file waits for before sending its body
     gates: dict[tuple[str, str], threading.Event] = field(default_factory=dict)
+    # (repo, file) -> the HTTP status every GET of that file gets (a hub that fails)
+    failing: dict[tuple[str, str], int] = field(default_factory=dict)
     started: list[str] = field(default_factory=list)  # paths of file GETs whose body began
     _server: BackgroundServer | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -153,6 +156,9 @@ class FakeHub:
             raise _http_error(404, "EntryNotFound", f"{name} does not exist", commit=repo.commit,
                               record=lambda s: self._record(request, s))
         headers = {"X-Repo-Commit": repo.commit, "ETag": f'"{repo.etag(name)}"', "Accept-Ranges": "bytes"}
+        failing = self.failing.get((repo_id, name))
+        if failing is not None and request.method == "GET":
+            raise _http_error(failing, "", "the hub failed", record=lambda s: self._record(request, s))
         if request.method == "HEAD":
             self._record(request, 200)
             return web.Response(status=200, headers={**headers, "Content-Length": str(len(data))})
@@ -196,8 +202,9 @@ class FakeHub:
 def _http_error(status: int, code: str, message: str, commit: str | None = None, record=None) -> web.HTTPException:
     if record is not None:
         record(status)
-    headers = {"X-Error-Code": code, "X-Error-Message": message}
+    headers = {"X-Error-Code": code, "X-Error-Message": message} if code else {}
     if commit:
         headers["X-Repo-Commit"] = commit
-    kind = {401: web.HTTPUnauthorized, 404: web.HTTPNotFound}[status]
+    kind = {401: web.HTTPUnauthorized, 404: web.HTTPNotFound, 500: web.HTTPInternalServerError,
+            503: web.HTTPServiceUnavailable}[status]
     return kind(text=f'{{"error": "{message}"}}', content_type="application/json", headers=headers)

@@ -2,18 +2,22 @@
 
     POST   /v1/downloads {"model", "revision"?, "recover_head"?, "quantize_head"?}  201 (started) or
            200 (the same model is already downloading: that download)
-    GET    /v1/downloads                  every download this node knows (running, then recent ones)
+    GET    /v1/downloads                  every download this node knows (running, then recent ones) and,
+                                          on a cluster node, its peers' (each says its ``node``)
     GET    /v1/downloads/{id}             one, with progress: bytes, total, speed, ETA, files
     GET    /v1/downloads/{id}/events      server-sent events: the download each time it moves, then [DONE]
     DELETE /v1/downloads/{id}             cancel a running download (a finished one is forgotten)
 
-``add_download_routes(app, manager)`` registers them and their OpenAPI entries on an app.
+``add_download_routes(app, manager)`` registers them and their OpenAPI entries on an app; a cluster node
+passes its id and its peers' downloads (``ClusterModelService.peer_downloads``). A peer's download is
+shown here as of the peer's last answer; it is followed (events) and cancelled on that node's API.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from typing import Any, Literal
 
 from aiohttp import web
@@ -36,6 +40,8 @@ from .errors import APIError
 from .parsing import read_json, validate
 
 DOWNLOADS = web.AppKey("downloads", DownloadManager)
+# On a cluster node: (this node's id, the peers' downloads as JSON); absent on a lone server.
+CLUSTER_DOWNLOADS = web.AppKey("cluster_downloads", tuple)
 EVENT_INTERVAL_S = 0.25
 HEARTBEAT_S = 5.0
 _STRICT = ConfigDict(extra="forbid", strict=True)
@@ -111,8 +117,10 @@ class DownloadObject(BaseModel):
     progress: DownloadProgressView
     options: dict[str, Any]
     created_at: float
-    result: DownloadResultView | None
+    result: DownloadResultView | None = Field(description="what was fetched (null until complete, and for "
+                                                          "a peer's download)")
     error: DownloadFailure | None
+    node: str | None = Field(default=None, description="the node it runs on (null: not a cluster node)")
 
 
 class DownloadList(BaseModel):
@@ -130,9 +138,18 @@ class DownloadDeleted(BaseModel):
 # -- routes ---------------------------------------------------------------------------------------------
 
 
-def add_download_routes(app: web.Application, manager: DownloadManager) -> None:
-    """Serve ``/v1/downloads`` from ``manager`` (cancelled on shutdown) and document it in the OpenAPI."""
+def add_download_routes(
+    app: web.Application,
+    manager: DownloadManager,
+    *,
+    node_id: Callable[[], str] | None = None,
+    peer_downloads: Callable[[], list[dict[str, Any]]] | None = None,
+) -> None:
+    """Serve ``/v1/downloads`` from ``manager`` (cancelled on shutdown) and document it in the OpenAPI; a
+    cluster node adds its id and its peers' downloads."""
     app[DOWNLOADS] = manager
+    if node_id is not None and peer_downloads is not None:
+        app[CLUSTER_DOWNLOADS] = (node_id, peer_downloads)
     app.router.add_get("/v1/downloads", list_downloads)
     app.router.add_post("/v1/downloads", create_download)
     app.router.add_get("/v1/downloads/{id}", get_download)
@@ -162,8 +179,26 @@ def _error(exc: Exception) -> APIError:
     return APIError(502, message, type="server_error", code=getattr(exc, "code", "download_failed"))
 
 
+def _view(request: web.Request, view: dict[str, Any]) -> dict[str, Any]:
+    cluster = request.app.get(CLUSTER_DOWNLOADS)
+    return {**view, "node": cluster[0]() if cluster else None}
+
+
+def _peer_download(request: web.Request, download_id: str) -> dict[str, Any] | None:
+    cluster = request.app.get(CLUSTER_DOWNLOADS)
+    return next((d for d in cluster[1]() if d["id"] == download_id), None) if cluster else None
+
+
+def _elsewhere(view: dict[str, Any], what: str) -> APIError:
+    return APIError(409, f"download {view['id']} runs on node {view['node']}: {what} on that node's API",
+                    param="id", code="download_on_other_node")
+
+
 async def list_downloads(request: web.Request) -> web.Response:
-    views = await asyncio.to_thread(request.app[DOWNLOADS].views)
+    views = [_view(request, v) for v in await asyncio.to_thread(request.app[DOWNLOADS].views)]
+    cluster = request.app.get(CLUSTER_DOWNLOADS)
+    if cluster:
+        views += cluster[1]()
     return web.json_response({"object": "list", "data": views})
 
 
@@ -179,15 +214,18 @@ async def create_download(request: web.Request) -> web.Response:
         if isinstance(e, LookupError) and not isinstance(e, RepoNotFoundError):
             raise  # offline and missing files: the API's own "model not available" 404
         raise _error(e) from None
-    return web.json_response(task.view(), status=201 if started else 200)
+    return web.json_response(_view(request, task.view()), status=201 if started else 200)
 
 
 async def get_download(request: web.Request) -> web.Response:
     try:
         task = request.app[DOWNLOADS].get(request.match_info["id"])
     except DownloadNotFoundError as e:
+        peer = _peer_download(request, request.match_info["id"])
+        if peer is not None:
+            return web.json_response(peer)
         raise _error(e) from None
-    return web.json_response(task.view())
+    return web.json_response(_view(request, task.view()))
 
 
 async def delete_download(request: web.Request) -> web.Response:
@@ -195,6 +233,9 @@ async def delete_download(request: web.Request) -> web.Response:
     try:
         _, cancelled = await asyncio.to_thread(request.app[DOWNLOADS].cancel, download_id)
     except DownloadNotFoundError as e:
+        peer = _peer_download(request, download_id)
+        if peer is not None:
+            raise _elsewhere(peer, "cancel it") from None
         raise _error(e) from None
     return web.json_response({"id": download_id, "object": "download.deleted", "cancelled": cancelled, "deleted": True})
 
@@ -203,6 +244,9 @@ async def download_events(request: web.Request) -> web.StreamResponse:
     try:
         task = request.app[DOWNLOADS].get(request.match_info["id"])
     except DownloadNotFoundError as e:
+        peer = _peer_download(request, request.match_info["id"])
+        if peer is not None:
+            raise _elsewhere(peer, "follow it") from None
         raise _error(e) from None
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
@@ -211,7 +255,7 @@ async def download_events(request: web.Request) -> web.StreamResponse:
     loop = asyncio.get_running_loop()
     while True:
         finished = task.finished  # read before the view: the last event is the final state
-        view = task.view()
+        view = _view(request, task.view())
         progress = view["progress"]
         moved = (view["status"], progress["bytes_done"], progress["bytes_total"], progress["files_done"])
         if moved != sent or loop.time() - last_sent >= HEARTBEAT_S:
@@ -233,6 +277,7 @@ _ERRORS = {
     "401": "missing or wrong API key (when the server has one)",
     "404": "unknown model (not a card, not a repo id), a repo the hub does not have, offline with files "
            "missing from the cache, or no such download",
+    "409": "the download runs on another node of the cluster (its `node`): cancel or follow it there",
     "413": "the request body is too large",
     "502": "the hub answered something a download cannot use",
     "503": "the hub cannot be reached (see Retry-After)",
@@ -267,7 +312,7 @@ def _document(document: dict[str, Any]) -> None:
     }
     document["paths"].update({
         "/v1/downloads": {
-            "get": {"summary": "downloads on this node (running, then recent)",
+            "get": {"summary": "downloads on this node (running, then recent) and on its peers (each with its node)",
                     "responses": {"200": _json(DownloadList, "the downloads"), **_error_responses("401")}},
             "post": {
                 "summary": "download a model (card id or repo) into this node's Hugging Face cache; recovers "
@@ -285,7 +330,7 @@ def _document(document: dict[str, Any]) -> None:
                     "responses": {"200": _json(DownloadObject, "the download"), **_error_responses("401", "404")}},
             "delete": {"summary": "cancel a running download (a finished one is forgotten)", "parameters": [id_p],
                        "responses": {"200": _json(DownloadDeleted, "cancelled or forgotten"),
-                                     **_error_responses("401", "404")}},
+                                     **_error_responses("401", "404", "409")}},
         },
         "/v1/downloads/{id}/events": {
             "get": {
@@ -294,7 +339,7 @@ def _document(document: dict[str, Any]) -> None:
                 "responses": {
                     "200": {"description": "`data: <DownloadObject>` events, ending with `data: [DONE]`",
                             "content": {"text/event-stream": {"schema": event}}},
-                    **_error_responses("401", "404"),
+                    **_error_responses("401", "404", "409"),
                 },
             }
         },

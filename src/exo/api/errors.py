@@ -14,6 +14,7 @@ from exo.cluster.placement import (
     AlreadyPlacedError,
     InvalidPlacementRequest,
     ModelNotOnDiskError,
+    NoDiskRoomError,
     NoPlacementError,
     TooFewNodesError,
     UnknownNodeError,
@@ -124,6 +125,8 @@ def api_error_from(exc: BaseException) -> APIError:
         return APIError(400, msg, param="min_nodes", code="too_few_nodes")
     if isinstance(exc, ModelNotOnDiskError):
         return APIError(404, msg, param="model", code="model_not_available")
+    if isinstance(exc, NoDiskRoomError):
+        return APIError(507, msg, param="model", type="server_error", code="insufficient_storage")
     if isinstance(exc, NoPlacementError):
         return APIError(507, msg, param="model", type="server_error", code="insufficient_memory")
     if isinstance(exc, ClusterAuthError):

@@ -72,7 +72,10 @@ def build_cluster_app(
     app = create_app(service, config, NodeSettings(settings, service), service.metrics)
     app[OPENAPI] = build_openapi(cluster=True)
     add_cluster_routes(app)
-    add_download_routes(app, DownloadManager.from_settings(settings))
+    # The node's own manager: instances whose weights are missing download through it too (shared).
+    add_download_routes(
+        app, service.downloads, node_id=lambda: service.node_id, peer_downloads=service.peer_downloads
+    )
     add_dashboard(app, service)
 
     async def start_node(app: web.Application) -> None:

@@ -36,6 +36,11 @@ class LocalModels:
             self._scan = None
         return resolved.model_id
 
+    def rescan(self) -> None:
+        """Forget the last scan (a download just completed): the next ``available()`` reads the disk."""
+        with self._lock:
+            self._scan = None
+
     def registered(self) -> list[ResolvedModel]:
         with self._lock:
             return list(self._registered.values())

@@ -3,7 +3,8 @@
 Everything runs on the daemon's asyncio loop (the same loop as the HTTP API): the gRPC server and
 clients are ``grpc.aio``, the runners are asyncio subprocesses, zeroconf is ``AsyncZeroconf``. The
 node answers its peers from what it already knows (cached disk scans, the registry's last answers), so
-no call waits on another node.
+no call waits on another node. A model (or pipeline stage) whose weights are not on its disk is
+downloaded first when the node can (``fetching.InstanceFetcher``): the instance is listed meanwhile.
 """
 
 from __future__ import annotations
@@ -17,10 +18,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
-from exo.cards import UnknownModelError
+from exo.cards import ModelCard, UnknownModelError
+from exo.downloads import HubConfig
+from exo.downloads.fetch import free_bytes
+from exo.engine import ResolvedModel
 from exo.engine.resolve import ModelNotAvailableError
 from exo.settings import Settings
 from exo.wire.proto_gen import node_pb2 as pb
@@ -28,10 +33,14 @@ from exo.wire.proto_gen import node_pb2_grpc as pb_grpc
 
 from . import system
 from .auth import AuthInterceptor, ClusterAuth
+from .fetching import InstanceFetcher, node_downloads
 from .identity import NodeIdentity
 from .models import LocalModels
 from .registry import CHANNEL_OPTIONS, Peer, PeerRegistry
-from .supervisor import InstanceFailedError, InstanceSupervisor, UnknownInstanceError
+from .supervisor import DownloadReport, InstanceFailedError, InstanceSupervisor, UnknownInstanceError
+
+if TYPE_CHECKING:
+    from exo.downloads import DownloadManager
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +70,12 @@ class ClusterNode:
         name: str | None = None,
         on_peer_lost: Callable[[Peer], None] | None = None,
         max_restarts: int = 2,
+        downloads: DownloadManager | None = None,
     ) -> None:
         self.settings = settings
+        self.downloads = downloads
+        self.fetcher = (InstanceFetcher(downloads, lambda: models.catalog, self.offline)
+                        if downloads is not None else None)
         self.models = models
         self.version = version
         self.mtp_switch = mtp_switch
@@ -196,6 +209,10 @@ class ClusterNode:
     def local_models(self) -> list[pb.ModelAvailability]:
         return list(self._models)
 
+    def offline(self) -> bool:
+        """EXO_OFFLINE or HF_HUB_OFFLINE, as they are now: the node downloads nothing."""
+        return HubConfig.from_env(offline=self.settings.offline).offline
+
     def info(self, challenge: str = "") -> pb.NodeInfo:
         mem = system.memory(self.settings.memory_budget_bytes)
         return pb.NodeInfo(
@@ -222,13 +239,23 @@ class ClusterNode:
             uptime_s=time.monotonic() - self.started,
             platform=f"{platform.system()} {platform.machine()}",
             cpu_count=os.cpu_count() or 0,
+            downloads=node_downloads(self.downloads) if self.downloads is not None else [],
+            offline=self.fetcher is None or self.offline(),
+            hub_cache_free_bytes=free_bytes(HubConfig.from_env().cache_dir),
         )
 
     # -- instances on this node -----------------------------------------------------------------------------
     async def load(self, request: pb.LoadInstanceRequest) -> pb.Instance:
         """Start an instance here (or return this node's live instance of that model), or this node's stage
-        of a pipelined instance (or that stage, when it runs already)."""
-        resolved = await asyncio.to_thread(self.models.resolve, request.model)
+        of a pipelined instance (or that stage, when it runs already). Weights that are not here are
+        downloaded first, when they can be (a card's repo, and the node not offline)."""
+        try:
+            resolved = await asyncio.to_thread(self.models.resolve, request.model)
+        except ModelNotAvailableError:
+            card = self.fetcher.downloadable_card(request.model) if self.fetcher is not None else None
+            if card is None:
+                raise
+            return await self._load_after_download(request, card)
         if request.stages:
             existing = self.supervisor.get(request.instance_id)
         else:
@@ -240,6 +267,30 @@ class ClusterNode:
         return await self.supervisor.start(
             instance_id, resolved, shard, on_demand=request.on_demand, group_id=request.group_id,
             model_ref=request.model, stages=list(request.stages), owner_node=request.owner_node,
+        )
+
+    async def _load_after_download(self, request: pb.LoadInstanceRequest, card: ModelCard) -> pb.Instance:
+        """An instance (or pipeline stage) of a model whose weights are not here: listed at once,
+        downloading (a stage: only its files), then loading as usual."""
+        fetcher = self.fetcher
+        assert fetcher is not None
+        existing = self.supervisor.get(request.instance_id) if request.stages else self.supervisor.live_for(card.id)
+        if existing is not None:
+            return existing
+        shard = request.shard if request.HasField("shard") else None
+        stage = fetcher.stage_of(card, shard) if request.stages else None
+
+        async def fetch(report: DownloadReport) -> ResolvedModel:
+            resolved = await fetcher.fetch(card, stage, report)
+            if stage is None:  # the whole model is on this disk now: say so to placement at once
+                self.models.rescan()
+                self._models = await asyncio.to_thread(self.models.available)
+            return resolved
+
+        return await self.supervisor.fetch_and_start(
+            request.instance_id or new_instance_id(), card.id, fetch, shard, on_demand=request.on_demand,
+            group_id=request.group_id, model_ref=request.model, stages=list(request.stages),
+            owner_node=request.owner_node,
         )
 
     def switch_pb(self) -> pb.NodeSwitch:

@@ -13,7 +13,12 @@ through each node's ``LoadInstance``; once every stage's runner has chosen its r
 node hands them all the group's hosts (``JoinGroup``) and they join one ``mx.distributed`` ring. The
 last stage leads: requests go to it. A pipeline whose stage fails or whose node leaves is torn down on
 every node that still runs a stage of it (a stage waiting for a dead neighbour would wait forever) and
-placed anew by the node that placed it (or the surviving stage node with the smallest id).
+placed anew by the node that placed it (or the surviving stage node with the smallest id), unless a
+stage failed because its weights could not be downloaded (placing it again would fetch from the same hub:
+the next request does).
+
+Weights on no node's disk are downloaded by the nodes placement picks (``fetching``): each stage's node
+fetches its stage's files; the instance is ``downloading`` meanwhile, then loads as usual.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import grpc
 
 from exo import __version__
 from exo.cards import Catalog, ModelCard, UnknownModelError, load_catalog
+from exo.downloads import DownloadManager
+from exo.downloads.fetch import DEFAULT_RESERVE_BYTES
 from exo.engine import (
     ModelNotAvailableError,
     ResolvedModel,
@@ -62,7 +69,7 @@ from .service import (
     Started,
 )
 from .supervisor import InstanceFailedError, UnknownInstanceError
-from .views import STATE_NAMES, Located, instance_json, node_json, pipeline_json
+from .views import STATE_NAMES, Located, download_json, instance_json, node_json, pipeline_json
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +101,8 @@ class ClusterModelService:
         self.default_model = default_model or DEFAULT_MODEL
         self.models = LocalModels(self.catalog)
         self._mtp: tuple[bool, str] = (settings.native_mtp_enabled, "native MTP is disabled")
+        # The node's downloads: /v1/downloads' and those of instances whose weights are missing (shared).
+        self.downloads = DownloadManager.from_settings(settings)
         self.node = ClusterNode(
             settings,
             self.models,
@@ -102,6 +111,7 @@ class ClusterModelService:
             name=name,
             on_peer_lost=self._peer_lost,
             max_restarts=max_restarts,
+            downloads=self.downloads,
         )
         self._gone: dict[str, tuple[float, dict[str, Any]]] = {}  # instance id -> (when, its last view)
         self._placing: dict[str, asyncio.Task[Located]] = {}  # model id -> its on-demand placement
@@ -231,6 +241,8 @@ class ClusterModelService:
                 memory_total_bytes=info.memory_total_bytes,
                 name=info.name,
                 models=frozenset(m.model_id for m in info.models),
+                can_download=not info.offline,
+                download_room_bytes=max(0, info.hub_cache_free_bytes - DEFAULT_RESERVE_BYTES),
             )
             for info in infos
         ]
@@ -551,10 +563,15 @@ class ClusterModelService:
                 continue
             self._broken[p.instance_id] = now
             log.warning("pipeline %s of %s is broken: %s", p.instance_id, p.model_id, why)
-            self._remember_gone(p, why)
+            # A download that failed would fail again: such a pipeline stays listed (failed) until deleted.
+            replace = not pipes.download_failed(p)
+            if replace:
+                self._remember_gone(p, why)
+            else:
+                self._routes = {m: r for m, r in self._routes.items() if r.instance.instance_id != p.instance_id}
             # Ours stays listed (failed) until the responsible node removes it: everyone sees the break.
             self.node.supervisor.kill(p.instance_id, f"its pipeline broke: {why}")
-            if pipes.responsible_node(p, alive) == self.node_id:
+            if replace and pipes.responsible_node(p, alive) == self.node_id:
                 self._spawn(self._replace(p, now), f"exo-replace-{p.instance_id[:10]}")
         self._broken = {k: v for k, v in self._broken.items() if now - v < GONE_KEPT_S}
 
@@ -745,6 +762,10 @@ class ClusterModelService:
             "instances": self.instances_view(),
         }
 
+    def peer_downloads(self) -> list[dict[str, Any]]:
+        """The downloads of the other nodes (as of their last answer), for ``GET /v1/downloads``."""
+        return [download_json(d, peer.node_id) for peer in self.peers() for d in peer.info.downloads]
+
     def _peer_lost(self, peer: Peer) -> None:
         now = time.time()
         for inst in peer.info.instances:
@@ -899,4 +920,5 @@ def _rpc_error(e: grpc.aio.AioRpcError, where: str) -> BaseException:
 def _failure_text(inst: pb.Instance) -> str:
     f = inst.failure
     detail = f.message or (f.stderr_tail[-1] if f.stderr_tail else "")
-    return f"instance {inst.instance_id} of {inst.model_id} failed (exit code {f.exit_code}): {detail}"
+    code = f" (exit code {f.exit_code})" if inst.pid else ""  # no pid: no runner ran (its download failed)
+    return f"instance {inst.instance_id} of {inst.model_id} failed{code}: {detail}"

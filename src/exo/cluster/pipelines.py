@@ -108,6 +108,13 @@ def pipeline_state(p: Pipeline, alive: Collection[str]) -> tuple[int, str]:
     return LOADING, leader.instance.stage
 
 
+def download_failed(p: Pipeline) -> bool:
+    """A stage failed because its weights could not be downloaded (placing the pipeline anew at once would
+    fetch from the same hub, onto the same disks)."""
+    return any(loc is not None and loc.instance.state == FAILED and loc.instance.HasField("download")
+               and loc.instance.download.status in ("failed", "cancelled") for loc in p.found)
+
+
 def responsible_node(p: Pipeline, alive: Collection[str]) -> str | None:
     """Which node re-places a broken pipeline: the node that placed it while it is in the cluster, else the
     surviving stage node with the smallest id (every node computes the same answer from the same view)."""

@@ -8,6 +8,14 @@ and the MTP head's cache. Memory promised to instances still loading on a node i
 its available memory, so it is subtracted here. Among the nodes that hold the weights on disk and have
 room, the one with the most free memory wins.
 
+A model whose weights a node lacks can still go there when it can be downloaded (``downloadable``: a
+card's Hugging Face repo) and the node can download it (``can_download``: not offline) with room on its
+disk for what it would fetch (``download_room_bytes``: the free disk of its Hugging Face cache, less what
+a download keeps free). Fewest nodes first, then the fewest nodes that must download, then memory: a
+model that fits one node goes to a node that holds it if one has room, else to one that downloads it; a
+pipeline takes as many holders as a split that fits allows. Each stage's node downloads only its stage's
+files (``ModelRequirement.stage_weight_bytes`` estimates them).
+
 When no node can hold the model (or ``min_nodes`` asks for more), it is pipelined over the fewest nodes
 that hold it: the nodes with the most free memory, ordered along the fastest links (the last stage leads:
 it talks to the API), contiguous layer ranges in proportion to what each node has left once the parts
@@ -45,6 +53,7 @@ class ModelRequirement:
     output_bytes: int = 0
     mtp_bytes: int = 0
     full_attention_interval: int = 4
+    downloadable: bool = False  # the weights can be fetched (a card's Hugging Face repo)
 
     @property
     def kv_bytes(self) -> int:
@@ -71,6 +80,7 @@ class ModelRequirement:
             context_tokens=min(card.context_length, context_budget),
             n_layers=card.n_layers,
             full_attention_interval=card.full_attention_interval,
+            downloadable=card.repo is not None,
         )
 
     # -- a stage's share ----------------------------------------------------------------------------------
@@ -102,6 +112,18 @@ class ModelRequirement:
         first, last = start == 0, end == self.n_layers
         return int(self.fixed_bytes(first, last) + sum(self.layer_cost(i) for i in range(start, end)))
 
+    def stage_weight_bytes(self, start: int, end: int) -> int:
+        """The weights a stage holds, about what its node downloads (shards are fetched whole)."""
+        if (start, end) == (0, self.n_layers):
+            return self.weights_bytes
+        first, last = start == 0, end == self.n_layers
+        total = sum(self._layer_weights()[start:end])
+        if first or last:
+            total += self.embed_bytes
+        if last:
+            total += self.output_bytes + self.mtp_bytes
+        return int(total)
+
 
 @dataclass(frozen=True)
 class NodeCapacity:
@@ -110,6 +132,8 @@ class NodeCapacity:
     memory_total_bytes: int
     name: str = ""
     models: frozenset[str] | None = None  # models whose weights are on the node's disk; None: unknown
+    can_download: bool = False  # fetches missing weights from the hub (not offline)
+    download_room_bytes: int = 0  # free disk for downloads, less what a download keeps free
 
 
 @dataclass(frozen=True)
@@ -142,6 +166,8 @@ class Placement:
     # Per stage (in rank order): its node's free memory before this model, and what the stage needs.
     stage_free_bytes: tuple[int, ...] = ()
     stage_needed_bytes: tuple[int, ...] = ()
+    # Per stage (in rank order): whether its node must download the weights (its stage's files) first.
+    stage_downloads: tuple[bool, ...] = ()
 
     @property
     def headroom_bytes(self) -> int:
@@ -178,6 +204,10 @@ class ModelNotOnDiskError(NoPlacementError):
 
 class TooFewNodesError(NoPlacementError):
     """Fewer nodes hold the model (or the asked nodes are fewer) than the placement needs."""
+
+
+class NoDiskRoomError(NoPlacementError):
+    """Nodes with room in memory would have to download the weights and lack the disk for them."""
 
 
 class AlreadyPlacedError(PlacementError):
@@ -238,50 +268,104 @@ def placement(
         nodes = [n for n in nodes if n.node_id == node]
         if not nodes:
             raise UnknownNodeError(node, known)
-    holders = [n for n in nodes if n.models is None or req.model_id in n.models]
-    if not holders:
+    holders = sorted((n for n in nodes if _holds(n, req)), key=lambda n: (-free[n.node_id], n.node_id))
+    fetchers = sorted((n for n in nodes if not _holds(n, req) and _may_download(n, req)),
+                      key=lambda n: (-free[n.node_id], n.node_id))
+    if not holders and not fetchers:
         where = f"node {node}" if node is not None else "any node of the cluster"
-        raise ModelNotOnDiskError(
-            f"{req.model_id} is not on the disk of {where}: download it there first "
-            f"(nodes: {', '.join(_label(n) for n in nodes) or 'none'})",
-            needed_bytes=req.needed_bytes,
-        )
-    ranked = sorted(holders, key=lambda n: (-free[n.node_id], n.node_id))
+        raise ModelNotOnDiskError(_not_on_disk(req, where, nodes), needed_bytes=req.needed_bytes)
+    short_of_disk: list[str] = []
+    if min_nodes == 1:
+        for candidates, download in ((holders, False), (fetchers, True)):
+            for n in candidates:  # most free memory first
+                if free[n.node_id] < req.needed_bytes:
+                    break
+                if download and n.download_room_bytes < req.weights_bytes:
+                    short_of_disk.append(_disk_short(n, req.weights_bytes))
+                    continue
+                shard = ShardAssignment(n.node_id, 0, req.n_layers, 0, 1)
+                return Placement(req.model_id, n.node_id, req, free[n.node_id], (shard,), stage_downloads=(download,))
+    ranked = sorted([*holders, *fetchers], key=lambda n: (-free[n.node_id], n.node_id))
     best = ranked[0]
-    if min_nodes == 1 and free[best.node_id] >= req.needed_bytes:
-        shard = ShardAssignment(best.node_id, 0, req.n_layers, 0, 1)
-        return Placement(req.model_id, best.node_id, req, free[best.node_id], (shard,))
+    hold = "hold its weights" + (" or can download them" if fetchers else "")
     single_failure = _no_room_message(req, best, free[best.node_id])
     if node is not None or len(ranked) < 2 or req.n_layers < 2:
         if min_nodes > 1:
             raise TooFewNodesError(
                 f"{req.model_id} was asked to spread over {min_nodes} nodes, but "
-                f"{_count(len(ranked), 'node')} of the cluster hold its weights",
+                f"{_count(len(ranked), 'node')} of the cluster {hold}",
                 needed_bytes=req.needed_bytes,
             )
+        _raise_if_short_of_disk(req, short_of_disk)
         raise NoPlacementError(single_failure, needed_bytes=req.needed_bytes, best_node=best.node_id,
                                best_free_bytes=free[best.node_id])
     if min_nodes > len(ranked) or min_nodes > req.n_layers:
         raise TooFewNodesError(
             f"{req.model_id} was asked to spread over {min_nodes} nodes, but "
-            f"{_count(len(ranked), 'node')} of the cluster hold its weights"
+            f"{_count(len(ranked), 'node')} of the cluster {hold}"
             + (f" and it has {req.n_layers} layers" if min_nodes > req.n_layers else ""),
             needed_bytes=req.needed_bytes,
         )
     for k in range(max(2, min_nodes), min(len(ranked), req.n_layers) + 1):
-        chosen = _order_along_links(ranked[:k], links)
-        stages = _split(req, [free[n.node_id] for n in chosen])
-        if stages is not None:
-            return _pipeline(req, chosen, free, stages)
+        # As many holders as possible: each node that downloads is time before the first token.
+        for h in range(min(k, len(holders)), max(0, k - len(fetchers)) - 1, -1):
+            picked = sorted([*holders[:h], *fetchers[: k - h]], key=lambda n: (-free[n.node_id], n.node_id))
+            chosen = _order_along_links(picked, links)
+            stages = _split(req, [free[n.node_id] for n in chosen])
+            if stages is None:
+                continue
+            downloads = tuple(not _holds(n, req) for n in chosen)
+            short = [_disk_short(n, req.stage_weight_bytes(a, b))
+                     for n, (a, b), d in zip(chosen, stages, downloads, strict=True)
+                     if d and n.download_room_bytes < req.stage_weight_bytes(a, b)]
+            if short:
+                short_of_disk += short
+                continue
+            return _pipeline(req, chosen, free, stages, downloads)
+    _raise_if_short_of_disk(req, short_of_disk)
     total = sum(free[n.node_id] for n in ranked)
     spread_needed = req.needed_bytes + (len(ranked) - 1) * req.activation_bytes + req.embed_bytes
     raise NoPlacementError(
-        f"{single_failure}; spread over all {_count(len(ranked), 'node')} that hold it "
+        f"{single_failure}; spread over all {_count(len(ranked), 'node')} that "
+        f"{'hold it' if not fetchers else 'hold it or can download it'} "
         f"({gib(total)} free in all) it needs about {gib(spread_needed)}: add a node or free memory",
         needed_bytes=req.needed_bytes,
         best_node=best.node_id,
         best_free_bytes=free[best.node_id],
     )
+
+
+def _holds(node: NodeCapacity, req: ModelRequirement) -> bool:
+    return node.models is None or req.model_id in node.models
+
+
+def _may_download(node: NodeCapacity, req: ModelRequirement) -> bool:
+    return req.downloadable and node.can_download
+
+
+def _not_on_disk(req: ModelRequirement, where: str, nodes: Sequence[NodeCapacity]) -> str:
+    """Why no node can have the weights: nobody has them, and they cannot be downloaded (no repo) or the
+    nodes are offline. Names what to run."""
+    names = ", ".join(_label(n) for n in nodes) or "none"
+    if req.downloadable:
+        return (f"{req.model_id} is not on the disk of {where}, and the nodes are offline (EXO_OFFLINE / "
+                f"HF_HUB_OFFLINE): run `exo pull {req.model_id}` where the hub can be reached, or unset them "
+                f"(nodes: {names})")
+    return (f"{req.model_id} is not on the disk of {where}: download it there first "
+            f"(`exo pull {req.model_id}`) (nodes: {names})")
+
+
+def _disk_short(node: NodeCapacity, needed: int) -> str:
+    return f"node {_label(node)} has {gib(node.download_room_bytes)} of disk to download into, it needs {gib(needed)}"
+
+
+def _raise_if_short_of_disk(req: ModelRequirement, short: list[str]) -> None:
+    if short:
+        raise NoDiskRoomError(
+            f"{req.model_id} is not on the disk of the nodes with room for it, and they lack the disk to "
+            f"download it: {'; '.join(dict.fromkeys(short))} (free disk, or point HF_HOME at a larger one)",
+            needed_bytes=req.needed_bytes,
+        )
 
 
 def _free_memory(nodes: Sequence[NodeCapacity], existing: Sequence[ExistingInstance]) -> dict[str, int]:
@@ -310,19 +394,20 @@ def _exact(req: ModelRequirement, nodes: Sequence[NodeCapacity], free: dict[str,
             needed_bytes=req.needed_bytes,
         )
     chosen = [by_id[i] for i in order]
-    lacking = [n for n in chosen if n.models is not None and req.model_id not in n.models]
+    lacking = [n for n in chosen if not _holds(n, req) and not _may_download(n, req)]
     if lacking:
-        raise ModelNotOnDiskError(
-            f"{req.model_id} is not on the disk of {', '.join('node ' + _label(n) for n in lacking)}: "
-            "download it there first",
-            needed_bytes=req.needed_bytes,
-        )
+        where = ", ".join("node " + _label(n) for n in lacking)
+        raise ModelNotOnDiskError(_not_on_disk(req, where, lacking), needed_bytes=req.needed_bytes)
+    downloads = tuple(not _holds(n, req) for n in chosen)
     if len(chosen) == 1:
         n = chosen[0]
         if free[n.node_id] < req.needed_bytes:
             raise NoPlacementError(_no_room_message(req, n, free[n.node_id]), needed_bytes=req.needed_bytes,
                                    best_node=n.node_id, best_free_bytes=free[n.node_id])
-        return Placement(req.model_id, n.node_id, req, free[n.node_id], (ShardAssignment(n.node_id, 0, req.n_layers),))
+        if downloads[0] and n.download_room_bytes < req.weights_bytes:
+            _raise_if_short_of_disk(req, [_disk_short(n, req.weights_bytes)])
+        return Placement(req.model_id, n.node_id, req, free[n.node_id], (ShardAssignment(n.node_id, 0, req.n_layers),),
+                         stage_downloads=downloads)
     stages = _split(req, [free[n.node_id] for n in chosen])
     if stages is None:
         stages = _split(req, [free[n.node_id] for n in chosen], force=True)
@@ -337,7 +422,12 @@ def _exact(req: ModelRequirement, nodes: Sequence[NodeCapacity], free: dict[str,
             f"{req.model_id} does not fit on {', '.join(order)}: " + "; ".join(short),
             needed_bytes=req.needed_bytes,
         )
-    return _pipeline(req, chosen, free, stages)
+    _raise_if_short_of_disk(req, [
+        f"stage {rank}: " + _disk_short(n, req.stage_weight_bytes(a, b))
+        for rank, (n, (a, b), d) in enumerate(zip(chosen, stages, downloads, strict=True))
+        if d and n.download_room_bytes < req.stage_weight_bytes(a, b)
+    ])
+    return _pipeline(req, chosen, free, stages, downloads)
 
 
 def _split(req: ModelRequirement, free: Sequence[int], force: bool = False) -> list[tuple[int, int]] | None:
@@ -394,7 +484,7 @@ def _order_along_links(nodes: list[NodeCapacity], links: Mapping[tuple[str, str]
 
 
 def _pipeline(req: ModelRequirement, chosen: Sequence[NodeCapacity], free: dict[str, int],
-              stages: list[tuple[int, int]]) -> Placement:
+              stages: list[tuple[int, int]], downloads: tuple[bool, ...]) -> Placement:
     k = len(chosen)
     shards = tuple(ShardAssignment(n.node_id, a, b, rank, k) for rank, (n, (a, b)) in enumerate(zip(chosen, stages, strict=True)))
     leader = chosen[-1]
@@ -402,6 +492,7 @@ def _pipeline(req: ModelRequirement, chosen: Sequence[NodeCapacity], free: dict[
         req.model_id, leader.node_id, req, free[leader.node_id], shards,
         stage_free_bytes=tuple(free[n.node_id] for n in chosen),
         stage_needed_bytes=tuple(req.stage_bytes(a, b) for a, b in stages),
+        stage_downloads=downloads,
     )
 
 

@@ -8,6 +8,10 @@ a failed load (``EXIT_LOAD_FAILED``: the same checkpoint would fail again) or an
 leaves the instance FAILED and listed until ``stop()``. A runner whose Status stays unreachable while
 its process lives is killed and treated as a crash, so no runner is ever left half-alive. Runners die
 with the daemon (``--parent-pid``: see ``exo.runner.main``).
+
+An instance whose weights the node lacks starts with ``fetch_and_start``: it is listed at once (LOADING,
+stage ``downloading``, its ``download`` progress), its monitor first awaits the download, then spawns
+the runner as ``start`` does; a failed download fails the instance with the reason.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -47,6 +51,10 @@ MAX_SOCKET_PATH = 100
 _LOG_LINE_PREFIX = " runner "  # the runner's logging format: "<time> runner <id> LEVEL: message"
 
 _LIVE = (pb.INSTANCE_STATE_LOADING, pb.INSTANCE_STATE_READY)
+# Hands a download's id and progress to the instance waiting for it.
+DownloadReport = Callable[[str, pb.DownloadProgress], None]
+# Downloads an instance's weights (reporting progress); the model to run once they are there.
+Fetch = Callable[[DownloadReport], Awaitable["ResolvedModel"]]
 
 
 class InstanceFailedError(RuntimeError):
@@ -67,7 +75,7 @@ class UnknownInstanceError(LookupError):
 @dataclass
 class _Entry:
     info: pb.Instance  # node_id is filled at snapshot time
-    resolved: ResolvedModel
+    resolved: ResolvedModel | None  # None while its weights are downloading
     socket_path: str
     stderr: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES))
     process: asyncio.subprocess.Process | None = None
@@ -76,6 +84,7 @@ class _Entry:
     monitor: asyncio.Task[None] | None = None
     drain: asyncio.Task[None] | None = None
     stopping: bool = False
+    downloading: bool = False  # its monitor is awaiting the weights (no runner yet)
     kill_reason: str = ""  # set when the supervisor itself killed a runner that stopped answering
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -185,6 +194,70 @@ class InstanceSupervisor:
         self._changed(entry)
         return self._snapshot(entry)
 
+    async def fetch_and_start(
+        self,
+        instance_id: str,
+        model_id: str,
+        fetch: Fetch,
+        shard: pb.Shard | None = None,
+        *,
+        on_demand: bool = False,
+        group_id: str = "",
+        model_ref: str | None = None,
+        stages: Sequence[pb.StagePlacement] = (),
+        owner_node: str = "",
+    ) -> pb.Instance:
+        """An instance whose weights must be downloaded first: listed at once (LOADING, ``downloading``);
+        ``fetch`` runs in its monitor, then the runner starts as in ``start``."""
+        if instance_id in self._entries:
+            raise ValueError(f"instance {instance_id} already exists")
+        now = time.time()
+        info = pb.Instance(
+            instance_id=instance_id, model_id=model_id, model_ref=model_ref if model_ref is not None else model_id,
+            state=pb.INSTANCE_STATE_LOADING, stage="downloading",
+            shard=shard if shard is not None else pb.Shard(world_size=1), created_unix=now, updated_unix=now,
+            on_demand=on_demand, group_id=group_id, stages=list(stages), owner_node=owner_node,
+        )
+        entry = _Entry(info, None, self._socket_path(instance_id), downloading=True)
+        self._entries[instance_id] = entry
+        entry.monitor = asyncio.create_task(self._fetch_then_supervise(entry, fetch),
+                                            name=f"exo-runner-monitor-{instance_id[:8]}")
+        self._changed(entry)
+        return self._snapshot(entry)
+
+    async def _fetch_then_supervise(self, entry: _Entry, fetch: Fetch) -> None:
+        def report(download_id: str, progress: pb.DownloadProgress) -> None:
+            entry.info.download_id = download_id
+            entry.info.download.CopyFrom(progress)
+            entry.info.updated_unix = time.time()
+
+        try:
+            resolved = await fetch(report)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a failed download fails the instance, with the reason
+            entry.downloading = False
+            text = str(e.args[0]) if isinstance(e, LookupError) and e.args else str(e)
+            log.warning("instance %s: %s", entry.info.instance_id, text)
+            entry.info.failure.CopyFrom(pb.Failure(message=text, at_unix=time.time()))
+            self._set(entry, state=pb.INSTANCE_STATE_FAILED, stage="failed")
+            return
+        entry.downloading = False
+        if entry.stopping:
+            return
+        entry.resolved = resolved
+        self._set(entry, stage="starting")
+        try:
+            await self._spawn(entry)
+        except OSError as e:
+            entry.info.failure.CopyFrom(pb.Failure(message=f"the runner could not start: {e}", at_unix=time.time()))
+            self._set(entry, state=pb.INSTANCE_STATE_FAILED, stage="failed")
+            return
+        if entry.stopping:
+            await self._terminate(entry, 0.0)
+            return
+        await self._supervise(entry)
+
     async def wait_ready(self, instance_id: str, timeout: float) -> pb.Instance:
         """Wait until the instance is READY; raises InstanceFailedError, TimeoutError, UnknownInstanceError."""
         deadline = asyncio.get_running_loop().time() + timeout
@@ -217,6 +290,8 @@ class InstanceSupervisor:
         if not entry.stopping:
             entry.stopping = True
             self._set(entry, state=pb.INSTANCE_STATE_STOPPING, stage="stopping")
+        if entry.downloading and entry.monitor is not None:
+            entry.monitor.cancel()  # no runner yet; the download itself goes on (it may be shared)
         await self._terminate(entry, grace)
         if entry.monitor is not None and entry.monitor is not asyncio.current_task():
             # It returns once it sees `stopping` (and kills a process it spawned meanwhile).
@@ -234,9 +309,15 @@ class InstanceSupervisor:
 
     def kill(self, instance_id: str, reason: str) -> bool:
         """Kill a runner now (SIGKILL: a pipeline stage blocked in a receive never runs a signal handler);
-        the instance stays listed, FAILED with ``reason`` (a pipeline stage is not restarted). False if
-        unknown or not running."""
+        the instance stays listed, FAILED with ``reason`` (a pipeline stage is not restarted). An instance
+        still downloading its weights fails at once. False if unknown or not running."""
         entry = self._entries.get(instance_id)
+        if entry is not None and entry.downloading and entry.monitor is not None:
+            entry.monitor.cancel()  # no runner yet: it fails here, and its download goes on (it may be shared)
+            entry.downloading = False
+            entry.info.failure.CopyFrom(pb.Failure(message=reason, at_unix=time.time()))
+            self._set(entry, state=pb.INSTANCE_STATE_FAILED, stage="failed")
+            return True
         if entry is None or entry.process is None or entry.process.returncode is not None:
             return False
         entry.kill_reason = reason
@@ -331,6 +412,7 @@ class InstanceSupervisor:
 
     def _command(self, entry: _Entry) -> list[str]:
         info, resolved = entry.info, entry.resolved
+        assert resolved is not None, "a runner starts once its weights are there"
         cmd = [
             *self.runner_cmd,
             "--instance-id", info.instance_id,

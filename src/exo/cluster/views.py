@@ -19,6 +19,57 @@ class Located:
     instance: pb.Instance
 
 
+def progress_json(progress: pb.DownloadProgress) -> dict[str, Any]:
+    """A download's progress as ``/v1/downloads`` shows it: bytes (done, total), files, speed, ETA."""
+    return {
+        "bytes_done": progress.bytes_done,
+        "bytes_total": progress.bytes_total,
+        "files_done": progress.files_done,
+        "files_total": progress.files_total,
+        "speed_bytes_per_s": round(progress.speed_bytes_per_s, 1),
+        "eta_s": round(progress.eta_s, 1) if progress.HasField("eta_s") else None,
+        "elapsed_s": round(progress.elapsed_s, 3),
+    }
+
+
+def download_json(item: pb.NodeDownload, node_id: str) -> dict[str, Any]:
+    """A node's download in the shape of ``/v1/downloads``' objects (without its result), with its node."""
+    stage = item.stage
+    return {
+        "id": item.download_id,
+        "object": "download",
+        "model": item.model_id,
+        "repo": item.repo or None,
+        "revision": item.revision,
+        "status": item.progress.status,
+        "progress": progress_json(item.progress),
+        "options": {"stage": {"start": stage.start_layer, "end": stage.end_layer, "n_layers": stage.n_layers}
+                    if item.HasField("stage") else None},
+        "created_at": round(item.created_unix, 3),
+        "result": None,
+        "error": {"code": item.error_code, "message": item.error_message} if item.error_code else None,
+        "node": node_id,
+    }
+
+
+def instance_download_json(inst: pb.Instance) -> dict[str, Any] | None:
+    """The download that fetched (or fetches) an instance's weights: its id, status and progress."""
+    if not inst.HasField("download"):
+        return None
+    return {"id": inst.download_id, "status": inst.download.status, **progress_json(inst.download)}
+
+
+def downloading(inst: pb.Instance) -> bool:
+    """Loading, and its weights are still on their way."""
+    return (inst.state == pb.INSTANCE_STATE_LOADING and inst.HasField("download")
+            and inst.download.status not in ("complete", "failed", "cancelled"))
+
+
+def state_name(inst: pb.Instance) -> str:
+    """loading | downloading (loading, its weights not there yet) | ready | failed | stopping."""
+    return "downloading" if downloading(inst) else STATE_NAMES.get(inst.state, "failed")
+
+
 STATE_NAMES = {
     pb.INSTANCE_STATE_LOADING: "loading",
     pb.INSTANCE_STATE_READY: "ready",
@@ -41,7 +92,7 @@ def instance_json(inst: pb.Instance, node_id: str, self_id: str) -> dict[str, An
         "model_ref": inst.model_ref,
         "node": node_id,
         "self": node_id == self_id,
-        "state": STATE_NAMES.get(inst.state, "failed"),
+        "state": state_name(inst),
         "progress": round(inst.progress, 4),
         "stage": inst.stage,
         "shard": {"start_layer": inst.shard.start_layer, "end_layer": inst.shard.end_layer,
@@ -62,6 +113,8 @@ def instance_json(inst: pb.Instance, node_id: str, self_id: str) -> dict[str, An
         } if inst.HasField("model") else None,
         # The instance's stages in order (one for a single-node instance), each with its own state.
         "stages": [stage_json(inst, node_id)],
+        # Its weights were not on the node: the download that fetches them (null: nothing was downloaded).
+        "download": instance_download_json(inst),
     }
 
 
@@ -71,7 +124,8 @@ def stage_json(inst: pb.Instance | None, node_id: str, spec: pb.StagePlacement |
     if inst is None:
         assert spec is not None
         return {"node": spec.node_id, "start_layer": spec.start_layer, "end_layer": spec.end_layer,
-                "rank": spec.rank, "state": missing, "stage": "", "progress": 0.0, "pid": 0, "failure": None}
+                "rank": spec.rank, "state": missing, "stage": "", "progress": 0.0, "pid": 0, "failure": None,
+                "download": None}
     shard = inst.shard
     failure = None
     if inst.HasField("failure"):
@@ -81,11 +135,12 @@ def stage_json(inst: pb.Instance | None, node_id: str, spec: pb.StagePlacement |
         "start_layer": shard.start_layer,
         "end_layer": shard.end_layer,
         "rank": shard.rank,
-        "state": STATE_NAMES.get(inst.state, "failed"),
+        "state": state_name(inst),
         "stage": inst.stage,
         "progress": round(inst.progress, 4),
         "pid": inst.pid,
         "failure": failure,
+        "download": instance_download_json(inst),
     }
 
 
@@ -99,12 +154,36 @@ def pipeline_json(planned: list[pb.StagePlacement], found: list[Located | None],
         for spec, loc in zip(planned, found, strict=True)
     ]
     view["state"] = state
+    if state == "loading" and any(s["state"] == "downloading" for s in view["stages"]):
+        view["state"] = "downloading"
+    view["download"] = _pipeline_download(view["stages"])
     view["progress"] = round(min(s["progress"] if s["state"] != "ready" else 1.0 for s in view["stages"]), 4)
     view["pid"] = found[-1].instance.pid if found[-1] is not None else 0
     if why and state == "failed" and view["failure"] is None:
         view["failure"] = {"exit_code": 0, "message": why, "stderr_tail": [], "at": 0.0}
     view["pipeline_reason"] = why or None
     return view
+
+
+def _pipeline_download(stages: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A pipeline's downloads as one: bytes and files summed over its stages, the slowest stage's ETA."""
+    parts = [s["download"] for s in stages if s["download"] is not None]
+    if not parts:
+        return None
+    statuses = [p["status"] for p in parts]
+    etas = [p["eta_s"] for p in parts]
+    return {
+        "id": None,
+        "status": next((x for x in statuses if x not in ("complete",)), "complete"),
+        "bytes_done": sum(p["bytes_done"] for p in parts),
+        "bytes_total": sum(p["bytes_total"] for p in parts),
+        "files_done": sum(p["files_done"] for p in parts),
+        "files_total": sum(p["files_total"] for p in parts),
+        "speed_bytes_per_s": round(sum(p["speed_bytes_per_s"] for p in parts), 1),
+        "eta_s": None if any(e is None for e in etas) else max(etas),
+        "elapsed_s": max(p["elapsed_s"] for p in parts),
+        "stages": len(parts),
+    }
 
 
 def node_json(
@@ -133,6 +212,10 @@ def node_json(
         "last_seen_s": round(last_seen_s, 3),
         "rtt_ms": round(rtt_ms, 3),
         "source": source,
+        "offline": info.offline,
+        "hub_cache_free_bytes": info.hub_cache_free_bytes,
+        # Its downloads (running, and those that ended in the last minutes), as /v1/downloads shows them.
+        "downloads": [download_json(d, info.node_id) for d in info.downloads],
     }
 
 
@@ -151,11 +234,13 @@ def placement_json(plan: pl.Placement) -> dict[str, Any]:
         "shards": [dataclasses.asdict(s) for s in plan.shards],
         "stages": [
             {"node": s.node_id, "start_layer": s.start_layer, "end_layer": s.end_layer, "rank": s.rank,
-             "free_bytes": free, "needed_bytes": needed}
-            for s, free, needed in zip(
+             "free_bytes": free, "needed_bytes": needed, "download": download,
+             "download_bytes": req.stage_weight_bytes(s.start_layer, s.end_layer) if download else 0}
+            for s, free, needed, download in zip(
                 plan.shards,
                 plan.stage_free_bytes or (plan.node_free_bytes,),
                 plan.stage_needed_bytes or (req.needed_bytes,),
+                plan.stage_downloads or (False,) * len(plan.shards),
                 strict=True,
             )
         ],

@@ -141,6 +141,10 @@ class DownloadManager:
         task.thread.start()
         return task, True
 
+    def running(self, model: str, *, revision: str = "main", stage: Stage | None = None) -> DownloadTask | None:
+        """The running download of ``model`` (that revision, that stage; None: the whole model), if any."""
+        return self._running(download_key(pull_target(model, self._catalog()), PullOptions(revision, stage=stage)))
+
     def get(self, download_id: str) -> DownloadTask:
         with self._lock:
             task = self._tasks.get(download_id)

@@ -28,7 +28,7 @@ from mlx_lm.utils import infer_quant_config, load_tokenizer
 from mlx_lm.utils import load_model as mlx_load_model
 from safetensors import safe_open
 
-from .models import SUPPORTED_MODEL_TYPES, UnsupportedModelError, get_model_classes
+from .models import SUPPORTED_MODEL_TYPES, UnsupportedModelError, get_model_classes, stage_model_classes
 from .models.backbone import SpeculativeBackbone
 from .models.mtp import HEAD_NORM_SUFFIXES, MTPHead
 
@@ -153,7 +153,68 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
+def stage_weight_files(path: Path, start: int, end: int, config: dict[str, Any]) -> tuple[list[Path], bool]:
+    """The shards a pipeline stage running layers [start, end) loads, and whether the checkpoint is partial.
+
+    A stage's download (``exo.downloads.stages``) fetches only the shards that hold the stage's tensors, so
+    shards the index lists for other stages may be absent: that is a partial checkpoint, loadable for this
+    stage only. A shard the stage needs that is absent is a ``CheckpointError`` naming it.
+    """
+    index_file = path / "model.safetensors.index.json"
+    if not index_file.is_file():
+        return weight_files(path), False
+    try:
+        weight_map = json.loads(index_file.read_text()).get("weight_map", {})
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{index_file} is not valid JSON: {e}") from e
+    absent = {name for name in weight_map.values() if not (path / name).is_file()}
+    if not absent:
+        return weight_files(path), False
+    text = config.get("text_config") or config
+    n_layers = int(text.get("num_hidden_layers") or 0)
+    first, last = start == 0, end == n_layers
+    needed = sorted({file for tensor, file in weight_map.items()
+                     if file in absent and _stage_needs(tensor, start, end, first, last)})
+    if needed:
+        raise CheckpointError(
+            f"{path}: layers [{start}, {end}) need {', '.join(needed)}, which model.safetensors.index.json "
+            "lists but is not on disk (incomplete download? fetch the stage's files again)"
+        )
+    files = sorted(path.glob("model*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path} has no model*.safetensors weight files")
+    raw = any(name.startswith("model.language_model.") for name in weight_map)
+    if raw and config.get("model_type") in ("qwen3_5", "qwen3_5_moe") and not _has_conv1d(files):
+        # mlx-lm tells raw norms (zero-centred, shifted +1 when loaded) from MLX ones by the conv1d weights'
+        # layout; a stage of full-attention layers only, without the other shards, has none to look at.
+        raise CheckpointError(
+            f"{path}: layers [{start}, {end}) of a raw checkpoint hold no linear-attention layer, and the "
+            "shards of the others are not on disk: download the whole model for this stage"
+        )
+    return files, True
+
+
+def _stage_needs(tensor: str, start: int, end: int, first: bool, last: bool) -> bool:
+    """Whether a stage loads ``tensor`` (as ``load_checkpoint(layers=...)`` and ``keep_stage`` keep it)."""
+    if "visual" in tensor or "vision" in tensor:
+        return False
+    if tensor.startswith(HEAD_PREFIXES) or ".mtp." in tensor:
+        return last
+    if (match := _LAYER_RE.search(tensor)) is not None:
+        return start <= int(match.group(1)) < end
+    if "embed_tokens" in tensor:
+        return first or last  # the last stage's MTP head embeds tokens
+    if "lm_head" in tensor or _FINAL_NORM_RE.search(tensor):
+        return last
+    return True  # a tensor exo cannot place: required rather than silently missing
+
+
+def _has_conv1d(files: list[Path]) -> bool:
+    return any(key.endswith("conv1d.weight") for file in files for key in _header(file)[0])
+
+
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_FINAL_NORM_RE = re.compile(r"(?:^|\.)norm\.(?:weight|bias)$")
 _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
                 "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
@@ -444,21 +505,27 @@ def load_checkpoint(
     ``layers=(start, end)``: only a pipeline stage's part (``SpeculativeBackbone.keep_stage``), read from
     disk and nothing else: the embedding on the first stage; the final norm, lm_head, the embedding
     table, the tokenizer and the MTP head on the last. A middle or first stage has no tokenizer (None).
+    The directory may hold only the shards the stage needs (``stage_weight_files``).
     """
     path = Path(path).expanduser().resolve()
     config = read_config(path)
-    files = weight_files(path)
+    # A stage may load from a partial checkpoint (only its shards downloaded): its model drops the other
+    # stages' layers before the weights arrive, so mlx-lm's strict check covers what the stage keeps.
+    if layers is None:
+        files, partial = weight_files(path), False
+    else:
+        files, partial = stage_weight_files(path, *layers, config)
     for file in files:
         _header(file)  # a corrupt shard fails here with the file's name, not deep inside mlx
     try:
-        model, config = mlx_load_model(
-            path, lazy=lazy or layers is not None, get_model_classes=get_model_classes
-        )
+        classes = stage_model_classes(*layers) if layers is not None and partial else get_model_classes
+        model, config = mlx_load_model(path, lazy=lazy or layers is not None, get_model_classes=classes)
         last = True
         if layers is not None:
             start, end = layers
             last = end == model.num_layers
-            model.keep_stage(start, end, first=start == 0, last=last)
+            if not partial:  # a partial checkpoint's model kept its stage while loading
+                model.keep_stage(start, end, first=start == 0, last=last)
             if not lazy:
                 mx.eval(model.parameters())  # only this stage's weights are read
     except UnsupportedModelError:

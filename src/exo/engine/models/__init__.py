@@ -22,3 +22,14 @@ def get_model_classes(config: dict[str, Any]):
         )
     module = importlib.import_module(f"{__name__}.{model_type}")
     return module.Model, module.ModelArgs
+
+
+def stage_model_classes(start: int, end: int):
+    """``get_model_classes`` for one pipeline stage of a partial checkpoint (only the stage's shards on
+    disk): the model keeps layers [start, end) as its weights arrive (``SpeculativeBackbone.load_weights``)."""
+
+    def classes(config: dict[str, Any]):
+        model_class, args_class = get_model_classes(config)
+        return type(model_class.__name__, (model_class,), {"load_stage": (start, end)}), args_class
+
+    return classes

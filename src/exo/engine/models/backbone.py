@@ -17,6 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import KVCache
 
@@ -45,6 +46,22 @@ class SpeculativeBackbone:
                 layer.mlp = SparseMoeBlock(self.text_args)
 
     # -- pipeline stages -------------------------------------------------------------------------------
+    # Set on a class made by ``stage_model_classes``: the stage to keep while loading a partial checkpoint.
+    load_stage: tuple[int, int] | None = None
+
+    def load_weights(self, file_or_weights: Any, strict: bool = True) -> Any:
+        """mlx-lm hands every weight it found; a model that loads one stage of a partial checkpoint
+        (``load_stage``) first drops the other stages' parts, and their weights that came along in shared
+        shards, so the strict check (every parameter, every shape) covers exactly what the stage keeps."""
+        if self.load_stage is None:
+            return super().load_weights(file_or_weights, strict=strict)  # type: ignore[misc]
+        start, end = self.load_stage
+        before = set(tree_flatten(self.parameters(), destination={}))  # type: ignore[attr-defined]
+        self.keep_stage(start, end, first=start == 0, last=end == self.num_layers)
+        dropped = before - set(tree_flatten(self.parameters(), destination={}))  # type: ignore[attr-defined]
+        weights = [(k, v) for k, v in file_or_weights if k not in dropped]
+        return super().load_weights(weights, strict=strict)  # type: ignore[misc]
+
     def keep_stage(self, start: int, end: int, *, first: bool, last: bool) -> None:
         """Keep only what a stage runs (call on a lazily loaded model, before evaluating its weights): drop
         the other stages' layers, the embedding on a middle stage, the final norm and lm_head before the

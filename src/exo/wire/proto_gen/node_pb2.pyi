@@ -81,7 +81,7 @@ class ModelAvailability(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., weights_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., context_length: _Optional[int] = ..., n_layers: _Optional[int] = ..., layer_bytes: _Optional[_Iterable[int]] = ..., embed_bytes: _Optional[int] = ..., output_bytes: _Optional[int] = ..., mtp_bytes: _Optional[int] = ..., full_attention_interval: _Optional[int] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "name", "version", "namespace", "api_port", "grpc_port", "boot_nonce", "memory_total_bytes", "memory_available_bytes", "chip", "backend", "disk_free_bytes", "instances", "links", "models", "proof", "secured", "uptime_s", "platform", "cpu_count")
+    __slots__ = ("node_id", "name", "version", "namespace", "api_port", "grpc_port", "boot_nonce", "memory_total_bytes", "memory_available_bytes", "chip", "backend", "disk_free_bytes", "instances", "links", "models", "proof", "secured", "uptime_s", "platform", "cpu_count", "downloads", "offline", "hub_cache_free_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,9 @@ class NodeInfo(_message.Message):
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     CPU_COUNT_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOADS_FIELD_NUMBER: _ClassVar[int]
+    OFFLINE_FIELD_NUMBER: _ClassVar[int]
+    HUB_CACHE_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     name: str
     version: str
@@ -122,7 +125,62 @@ class NodeInfo(_message.Message):
     uptime_s: float
     platform: str
     cpu_count: int
-    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[str] = ..., namespace: _Optional[str] = ..., api_port: _Optional[int] = ..., grpc_port: _Optional[int] = ..., boot_nonce: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., chip: _Optional[str] = ..., backend: _Optional[str] = ..., disk_free_bytes: _Optional[int] = ..., instances: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[Link, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelAvailability, _Mapping]]] = ..., proof: _Optional[str] = ..., secured: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., platform: _Optional[str] = ..., cpu_count: _Optional[int] = ...) -> None: ...
+    downloads: _containers.RepeatedCompositeFieldContainer[NodeDownload]
+    offline: bool
+    hub_cache_free_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[str] = ..., namespace: _Optional[str] = ..., api_port: _Optional[int] = ..., grpc_port: _Optional[int] = ..., boot_nonce: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., chip: _Optional[str] = ..., backend: _Optional[str] = ..., disk_free_bytes: _Optional[int] = ..., instances: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[Link, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelAvailability, _Mapping]]] = ..., proof: _Optional[str] = ..., secured: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., platform: _Optional[str] = ..., cpu_count: _Optional[int] = ..., downloads: _Optional[_Iterable[_Union[NodeDownload, _Mapping]]] = ..., offline: _Optional[bool] = ..., hub_cache_free_bytes: _Optional[int] = ...) -> None: ...
+
+class DownloadProgress(_message.Message):
+    __slots__ = ("status", "bytes_done", "bytes_total", "files_done", "files_total", "speed_bytes_per_s", "eta_s", "elapsed_s")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FILES_DONE_FIELD_NUMBER: _ClassVar[int]
+    FILES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SPEED_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    ETA_S_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    bytes_done: int
+    bytes_total: int
+    files_done: int
+    files_total: int
+    speed_bytes_per_s: float
+    eta_s: float
+    elapsed_s: float
+    def __init__(self, status: _Optional[str] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., files_done: _Optional[int] = ..., files_total: _Optional[int] = ..., speed_bytes_per_s: _Optional[float] = ..., eta_s: _Optional[float] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
+
+class LayerRange(_message.Message):
+    __slots__ = ("start_layer", "end_layer", "n_layers")
+    START_LAYER_FIELD_NUMBER: _ClassVar[int]
+    END_LAYER_FIELD_NUMBER: _ClassVar[int]
+    N_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    start_layer: int
+    end_layer: int
+    n_layers: int
+    def __init__(self, start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., n_layers: _Optional[int] = ...) -> None: ...
+
+class NodeDownload(_message.Message):
+    __slots__ = ("download_id", "model_id", "repo", "revision", "progress", "stage", "created_unix", "error_code", "error_message")
+    DOWNLOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    REPO_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    download_id: str
+    model_id: str
+    repo: str
+    revision: str
+    progress: DownloadProgress
+    stage: LayerRange
+    created_unix: float
+    error_code: str
+    error_message: str
+    def __init__(self, download_id: _Optional[str] = ..., model_id: _Optional[str] = ..., repo: _Optional[str] = ..., revision: _Optional[str] = ..., progress: _Optional[_Union[DownloadProgress, _Mapping]] = ..., stage: _Optional[_Union[LayerRange, _Mapping]] = ..., created_unix: _Optional[float] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -231,7 +289,7 @@ class ModelSummary(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., name: _Optional[str] = ..., arch: _Optional[str] = ..., context_length: _Optional[int] = ..., mtp_available: _Optional[bool] = ..., mtp_reason: _Optional[str] = ..., default_k: _Optional[int] = ..., max_k: _Optional[int] = ..., owned_by: _Optional[str] = ...) -> None: ...
 
 class Instance(_message.Message):
-    __slots__ = ("instance_id", "model_id", "model_ref", "node_id", "state", "progress", "stage", "shard", "failure", "restarts", "pid", "created_unix", "updated_unix", "model", "on_demand", "queue_depth", "running", "group_id", "stages", "ring_port", "owner_node")
+    __slots__ = ("instance_id", "model_id", "model_ref", "node_id", "state", "progress", "stage", "shard", "failure", "restarts", "pid", "created_unix", "updated_unix", "model", "on_demand", "queue_depth", "running", "group_id", "stages", "ring_port", "owner_node", "download", "download_id")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_REF_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +311,8 @@ class Instance(_message.Message):
     STAGES_FIELD_NUMBER: _ClassVar[int]
     RING_PORT_FIELD_NUMBER: _ClassVar[int]
     OWNER_NODE_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOAD_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOAD_ID_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     model_id: str
     model_ref: str
@@ -274,7 +334,9 @@ class Instance(_message.Message):
     stages: _containers.RepeatedCompositeFieldContainer[StagePlacement]
     ring_port: int
     owner_node: str
-    def __init__(self, instance_id: _Optional[str] = ..., model_id: _Optional[str] = ..., model_ref: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., progress: _Optional[float] = ..., stage: _Optional[str] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., restarts: _Optional[int] = ..., pid: _Optional[int] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ..., model: _Optional[_Union[ModelSummary, _Mapping]] = ..., on_demand: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., group_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StagePlacement, _Mapping]]] = ..., ring_port: _Optional[int] = ..., owner_node: _Optional[str] = ...) -> None: ...
+    download: DownloadProgress
+    download_id: str
+    def __init__(self, instance_id: _Optional[str] = ..., model_id: _Optional[str] = ..., model_ref: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., progress: _Optional[float] = ..., stage: _Optional[str] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., restarts: _Optional[int] = ..., pid: _Optional[int] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ..., model: _Optional[_Union[ModelSummary, _Mapping]] = ..., on_demand: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., group_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StagePlacement, _Mapping]]] = ..., ring_port: _Optional[int] = ..., owner_node: _Optional[str] = ..., download: _Optional[_Union[DownloadProgress, _Mapping]] = ..., download_id: _Optional[str] = ...) -> None: ...
 
 class UnloadInstanceRequest(_message.Message):
     __slots__ = ("instance_id",)
