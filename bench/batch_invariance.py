@@ -53,9 +53,9 @@ def main() -> None:
             for c in cache:
                 if isinstance(c, RollbackArraysCache):
                     c.recording = True
-            model.set_moe_verify_mode(engine.config.moe_verify)
+            model.set_verify_mode(engine.config.moe_verify, engine.verify_mode.per_row_attention)
             many = model.logits(model.hidden(batch, cache))[0, 0].astype(mx.float32)
-            model.set_moe_verify_mode(None)
+            model.set_verify_mode(None)
             mx.eval(many)
             snapshot.restore()
             rel = mx.max(mx.abs(many - one)).item() / max(abs(first), 1.0)

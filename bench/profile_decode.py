@@ -63,9 +63,9 @@ def main() -> None:
             for c in cache:
                 if isinstance(c, RollbackArraysCache):
                     c.recording = rows > 1
-            model.set_moe_verify_mode("route_locked" if rows > 1 else None)
+            model.set_verify_mode("route_locked" if rows > 1 else None, rows > 1 and engine.verify_mode.per_row_attention)
             out = mx.argmax(model.logits(model.hidden(inputs, cache)), axis=-1)
-            model.set_moe_verify_mode(None)
+            model.set_verify_mode(None)
             for c in cache:
                 if isinstance(c, RollbackArraysCache):
                     c.recording = False

@@ -111,8 +111,73 @@ def test_measured_round_times_replace_warmup_costs():
     for _ in range(20):
         policy.observe_round(1, 1, seconds=0.030)
     assert policy.effective_costs().round_cost(1) == pytest.approx(3.0, rel=0.05)
-    assert not policy.mtp_can_pay_off
     assert policy.choose() == 0
+    # Live timings leave a depth; only the warm-up (a property of the device) turns MTP off for good,
+    # so the policy still probes now and then (timings of a busy moment must not disable MTP forever).
+    assert policy.mtp_can_pay_off
+    policy.observe_plain(PROBE_FIRST, PROBE_FIRST * 0.010)
+    assert policy.choose() == 1
+
+
+def test_costs_are_compared_like_for_like_from_live_timings():
+    """Plain tokens and rounds are both timed live, in seconds: a plain step that runs faster live than at
+    warm-up (pipelined) does not make rounds look costlier than they are."""
+    costs = DepthCosts(beta=(1.5,), delta=(0.2,), device="cpu", plain_s=0.020)
+    policy = DepthPolicy(costs, max_k=1, default_k=1)
+    policy.choose()
+    for _ in range(16):
+        policy.observe_plain(16, 16 * 0.010)  # 10 ms a token live
+        policy.observe_round(1, 1, seconds=0.017)  # a round: 1.7 plain steps, 2 tokens
+    assert policy.effective_costs().round_cost(1) == pytest.approx(1.7)
+    assert policy.choose() == 1  # 1.9 tokens (acceptance ~0.95) per 1.7 steps beats plain
+
+
+def test_noisy_timings_do_not_move_the_choice():
+    costs = DepthCosts(beta=(1.3,), delta=(0.1,), device="gpu", plain_s=0.010)
+    policy = DepthPolicy(costs, max_k=1, default_k=1)
+    policy.choose()
+    for i in range(40):
+        policy.observe_plain(8, 8 * 0.010)
+        # A busy moment now and then: a round takes 5x as long.
+        policy.observe_round(1, 1, seconds=0.075 if i % 5 == 0 else 0.015)
+        assert policy.choose() == 1
+
+
+def test_rounds_that_catch_the_head_up_are_not_timed():
+    costs = DepthCosts(beta=(1.3,), delta=(0.1,), device="gpu", plain_s=0.010)
+    policy = DepthPolicy(costs, max_k=1, default_k=1)
+    policy.choose()
+    for _ in range(10):
+        policy.observe_round(1, 1, seconds=None)  # after a long plain stretch: not representative
+    assert policy.effective_costs() == costs
+
+
+def test_unmeasured_depths_carry_the_measured_overhead():
+    """A depth not run yet is estimated from its warm-up cost times how much slower the measured depths
+    ran than theirs."""
+    costs = DepthCosts(beta=(1.2, 1.4), delta=(0.1, 0.2), device="gpu", plain_s=0.010)
+    policy = DepthPolicy(costs, max_k=2, default_k=1)
+    policy.choose()
+    for _ in range(16):
+        policy.observe_plain(8, 8 * 0.010)
+        policy.observe_round(1, 1, seconds=0.013 * 1.5)  # K = 1 ran 1.5x its warm-up cost
+    effective = policy.effective_costs()
+    assert effective.round_cost(1) == pytest.approx(1.95)
+    assert effective.round_cost(2) == pytest.approx(1.6 * 1.5)
+
+
+def test_a_depth_is_left_only_for_a_clearly_faster_one():
+    costs = DepthCosts(beta=(1.3, 1.6), delta=(0.1, 0.2), device="gpu", plain_s=0.010)
+    policy = DepthPolicy(costs, max_k=2, default_k=1)
+    assert policy.choose() == 1
+    # Position 2 accepted just often enough that K = 2 would be ~1% faster: stay at K = 1.
+    for _ in range(60):
+        policy.observe_round(2, 1)
+        policy.observe_round(2, 2)
+    rates = policy.tracker.rates()
+    gain = expected_speedup(costs, rates, 2) / expected_speedup(costs, rates, 1)
+    assert gain < 1.03
+    assert policy.choose() == 1
 
 
 def test_learning_carries_over_to_the_next_request():

@@ -77,6 +77,22 @@ def test_greedy_mtp_equals_plain_decoding(checkpoint, arch, depth, record_proper
         assert accepted >= 0.3 * drafted, (accepted, drafted)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_verify_rows_per_row_is_exact_too(checkpoint, arch):
+    """A GPU's verify call attends (and computes logits) row by row where its kernels round a block of
+    rows differently from one row (engine/verify.py); forced here, that path gives plain decoding's output
+    on this CPU too."""
+    path = checkpoint(arch, dtype="float32")
+    engine = _engine(path, verify_rows="per_row")
+    assert engine.verify_mode.per_row_attention and engine.verify_mode.per_row_logits
+    prompt = _prompt(engine.loaded, 11)
+    plain = _greedy(engine, prompt, native_mtp="off")
+    for depth in (1, 3):
+        mtp = _greedy(engine, prompt, mtp_k=depth)
+        assert mtp.token_ids == plain.token_ids, depth
+        assert mtp.stats.rounds > 0
+
+
 @pytest.mark.parametrize("arch", ("qwen3_5", "qwen3_next"))
 def test_random_head_rejects_and_output_is_still_exact(checkpoint, arch, record_property):
     engine = _engine(checkpoint(arch, head="random", dtype="float32"))
@@ -277,3 +293,14 @@ def test_near_tie_guard_decodes_those_positions_plainly(dense, margin):
         assert result.stats.accepted_tokens == 0
         assert result.stats.near_tie_fallbacks == result.stats.rounds
     assert _greedy(engine, prompt, mtp_k=3, max_tokens=40).stats.near_tie_fallbacks == 0  # CPU default: off
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_verify_probe_finds_every_row_exact_on_this_cpu(checkpoint, arch):
+    """On the CPU every operation rounds a block of rows as it rounds each row alone (bench/op_invariance.py):
+    the probe runs the model's own layers both ways and keeps verify calls batched and exact."""
+    engine = _engine(checkpoint(arch, dtype="float32"))
+    mode = engine.verify_mode
+    assert mode.exact and not mode.per_row_attention and not mode.per_row_logits
+    assert engine.verify_probe == {"gated_delta_layer": True, "attention_layer_batched": True, "logits_batched": True}
+    assert engine.forward.verify is mode

@@ -142,3 +142,31 @@ def test_batched_routing_can_diverge_and_route_locking_restores_it():
     block.verify_mode = None
     assert not mx.allclose(batched, per_row, atol=1e-4), "the batched router should have flipped the tie"
     assert mx.allclose(locked, per_row, atol=1e-5)
+
+
+def test_row_by_row_attention_equals_a_decode_step_per_row():
+    """A verify call attending row by row computes, for each row, what a one-row decode step computes."""
+    from mlx_lm.models.cache import KVCache
+
+    from exo.engine.models.layers import Attention
+
+    mx.random.seed(3)
+    args = _qwen35_args()
+    layer = Attention(args)
+    mx.eval(layer.parameters())
+    prefix = mx.random.normal((1, 6, args.hidden_size))
+    rows = mx.random.normal((1, 4, args.hidden_size))
+    decode_cache, verify_cache = KVCache(), KVCache()
+    for c in (decode_cache, verify_cache):
+        layer(prefix, mask="causal", cache=c)
+    stepwise = mx.concatenate([layer(rows[:, t : t + 1], cache=decode_cache) for t in range(4)], axis=1)
+    layer.per_row = True
+    verified = layer(rows, mask="causal", cache=verify_cache)
+    layer.per_row = False
+    batched_cache = KVCache()
+    layer(prefix, mask="causal", cache=batched_cache)
+    batched = layer(rows, mask="causal", cache=batched_cache)
+    mx.eval(stepwise, verified, batched)
+    assert mx.array_equal(verified, stepwise)
+    assert mx.allclose(batched, stepwise, atol=1e-5)  # and on this CPU the batched call too
+    assert mx.array_equal(verify_cache.keys[..., :10, :], decode_cache.keys[..., :10, :])

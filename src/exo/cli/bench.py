@@ -21,6 +21,7 @@ def bench_command(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         raw=not args.chat,
         repeats=args.repeats,
+        baseline=args.baseline,
         progress=None if args.json else (lambda line: print(line, file=sys.stderr)),
     )
     if args.json:
@@ -37,12 +38,24 @@ def bench_command(args: argparse.Namespace) -> int:
         print("beta+delta   " + "".join(f"{b + d:>8.3f}" for b, d in zip(report.beta, report.delta, strict=True)))
         print("proj. @0.8   " + "".join(f"{s:>8.3f}x" for s in report.projected_speedup_at_0_8))
     print()
-    print(f"{'config':>9} {'tok/s':>9} {'speedup':>8} {'accept':>7}  per-position        k-histogram   same-as-plain")
+    stock = any(row.vs_stock is not None for row in report.rows)
+    print(f"{'config':>12} {'tok/s':>9} {'speedup':>8}" + (f" {'vs stock':>9}" if stock else "")
+          + f" {'accept':>7}  per-position        k-histogram   same-as-plain")
     for row in report.rows:
         positions = "/".join(f"{a:.2f}" for a in row.per_position_acceptance) or "-"
         same = "" if row.identical_to_plain is None else ("yes" if row.identical_to_plain else "NO")
+        versus = f" {row.vs_stock:>8.3f}x" if stock and row.vs_stock is not None else (" " * 10 if stock else "")
         print(
-            f"{row.config:>9} {row.tokens_per_s:>9.1f} {row.speedup:>7.3f}x {row.acceptance_rate:>6.1%}  "
+            f"{row.config:>12} {row.tokens_per_s:>9.1f} {row.speedup:>7.3f}x{versus} {row.acceptance_rate:>6.1%}  "
             f"{positions:<19} {str(row.k_histogram):<13} {same}"
         )
+    glue = [row for row in report.rows if row.glue is not None]
+    if glue:
+        print("\nround cost (plain steps), measured / beta+delta alone: "
+              + "  ".join(f"{row.config} {row.round_cost:.3f} / {row.round_cost / row.glue:.3f} = {row.glue:.3f}x" for row in glue))
+    if stock:
+        if report.plain_identical_to_stock is not None:
+            print(f"\nplain decoding identical to stock mlx-lm's, token for token: "
+                  f"{'yes' if report.plain_identical_to_stock else 'NO'}")
+        print("vs stock: median over prompts and repeats of tokens/s / stock mlx-lm's plain tokens/s in the same round")
     return 0

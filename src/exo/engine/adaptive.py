@@ -14,6 +14,8 @@ Everything here is pure Python over numbers: table-tested in tests/engine/test_a
 
 from __future__ import annotations
 
+import collections
+import statistics
 from dataclasses import dataclass, field
 
 # A depth must beat plain decoding by this factor to be chosen: measurement noise must not make the
@@ -24,6 +26,8 @@ PRIOR_WEIGHT = 2.0  # pseudo-observations behind the prior
 FORGET = 0.97  # per observation: recent rounds matter more (acceptance varies with the text)
 PROBE_FIRST = 16  # plain tokens before the first probe when K = 0 was chosen on acceptance
 PROBE_MAX = 512
+COST_WINDOW = 16  # live timings kept per depth (their median is the depth's cost)
+MIN_ROUND_SAMPLES = 3  # round timings before they replace a depth's warm-up estimate
 
 
 @dataclass(frozen=True)
@@ -99,15 +103,24 @@ class AcceptanceTracker:
 
 @dataclass
 class DepthPolicy:
-    """Chooses the depth of each round. ``fixed_k`` forces a depth (0..max_k) and disables adaptation."""
+    """Chooses the depth of each round. ``fixed_k`` forces a depth (0..max_k) and disables adaptation.
+
+    What a depth costs is measured live, in seconds, the same way for every K: a plain token's time in
+    plain stretches (K = 0), a round's time (K >= 1), each the median of the last ``COST_WINDOW``
+    measurements, so that a noisy moment on a shared machine moves nothing. A depth not measured yet is
+    estimated from the warm-up costs, scaled by the live plain step and by how much slower than their
+    warm-up costs the measured depths turned out (the loop's own work around a round). Whether drafting
+    can pay off at all (even at full acceptance) is decided by the warm-up costs alone: live noise must
+    not turn MTP off for good; a depth that measures slow is left by ``choose`` and probed again later.
+    """
 
     costs: DepthCosts
     max_k: int
     default_k: int = 1
     fixed_k: int | None = None
     tracker: AcceptanceTracker = field(init=False)
-    _measured: dict[int, float] = field(default_factory=dict, init=False)  # EMA seconds per round by K
-    _plain_step_s: float | None = field(default=None, init=False)
+    _seconds: dict[int, collections.deque[float]] = field(default_factory=dict, init=False)
+    _current: int = field(default=0, init=False)
     _plain_since_probe: int = field(default=0, init=False)
     _probe_every: int = field(default=PROBE_FIRST, init=False)
     _rounds_run: int = field(default=0, init=False)
@@ -116,28 +129,47 @@ class DepthPolicy:
         self.max_k = min(self.max_k, self.costs.max_k)
         self.default_k = min(self.default_k, self.max_k)
         self.tracker = AcceptanceTracker(self.max_k)
-        self._plain_step_s = self.costs.plain_s
 
     # -- costs -----------------------------------------------------------------------------------
+    def _median(self, k: int) -> float | None:
+        samples = self._seconds.get(k)
+        # A plain timing already averages a stretch of tokens; one round is one round: wait for a few.
+        enough = 1 if k == 0 else MIN_ROUND_SAMPLES
+        return statistics.median(samples) if samples and len(samples) >= enough else None
+
+    def plain_step_s(self) -> float | None:
+        return self._median(0) or self.costs.plain_s
+
+    def _glue(self) -> float:
+        """Measured round time over warm-up cost x live plain step, over the depths measured (1 if none)."""
+        plain = self.plain_step_s()
+        ratios = [
+            measured / (self.costs.round_cost(k) * plain)
+            for k in range(1, self.costs.max_k + 1)
+            if plain and (measured := self._median(k)) is not None and self.costs.round_cost(k) > 0
+        ]
+        return statistics.median(ratios) if ratios else 1.0
+
     def effective_costs(self) -> DepthCosts:
-        """Warm-up costs, replaced by measured round times once both sides have been observed."""
-        if self._plain_step_s is None or not self._measured:
+        """Costs in plain steps as measured live (warm-up costs where a depth was not measured yet)."""
+        plain = self.plain_step_s()
+        if plain is None or not self._seconds:
             return self.costs
-        beta = list(self.costs.beta)
-        delta = list(self.costs.delta)
-        for k, seconds in self._measured.items():
-            if 1 <= k <= len(beta):
-                # The measurement covers verify + draft together; keep the warm-up split.
-                total = seconds / self._plain_step_s
-                share = beta[k - 1] / (beta[k - 1] + delta[k - 1])
-                beta[k - 1], delta[k - 1] = total * share, total * (1.0 - share)
-        return DepthCosts(tuple(beta), tuple(delta), self.costs.device, self._plain_step_s)
+        glue = self._glue()
+        beta, delta = list(self.costs.beta), list(self.costs.delta)
+        for k in range(1, len(beta) + 1):
+            warm = beta[k - 1] + delta[k - 1]
+            measured = self._median(k)
+            total = measured / plain if measured is not None else warm * glue
+            share = beta[k - 1] / warm if warm else 1.0  # keep the warm-up split of verify and drafts
+            beta[k - 1], delta[k - 1] = total * share, total * (1.0 - share)
+        return DepthCosts(tuple(beta), tuple(delta), self.costs.device, plain)
 
     @property
     def mtp_can_pay_off(self) -> bool:
         if self.fixed_k is not None:
             return self.fixed_k > 0
-        return can_pay_off(self.effective_costs(), self.max_k)
+        return can_pay_off(self.costs, self.max_k)
 
     def new_request(self) -> None:
         """A new generation: acceptance and costs learned so far stay, the probe schedule restarts."""
@@ -148,16 +180,23 @@ class DepthPolicy:
     def choose(self) -> int:
         if self.fixed_k is not None:
             return self.fixed_k
-        costs = self.effective_costs()
-        if not can_pay_off(costs, self.max_k):
+        if not self.mtp_can_pay_off:
             return 0
         if self._rounds_run == 0 and self.default_k > 0:
+            self._current = self.default_k
             return self.default_k
-        k, _ = best_depth(costs, self.tracker.rates(), self.max_k)
+        costs = self.effective_costs()
+        rates = self.tracker.rates()
+        speed = {k: expected_speedup(costs, rates, k) for k in range(0, self.max_k + 1)}
+        best = max(speed, key=lambda k: (speed[k], -k))
+        # Hysteresis: leave the current depth only for one that is clearly faster (timings are noisy).
+        current = min(self._current, self.max_k)
+        k = best if speed[best] > speed[current] * MIN_GAIN else current
         if k == 0 and self._plain_since_probe >= self._probe_every:
             self._plain_since_probe = 0
             self._probe_every = min(self._probe_every * 2, PROBE_MAX)
-            return 1
+            return 1  # a probe: the current depth stays 0 unless it shows otherwise
+        self._current = k
         return k
 
     def plain_budget(self) -> int:
@@ -167,18 +206,20 @@ class DepthPolicy:
         return max(1, self._probe_every - self._plain_since_probe)
 
     # -- observations ------------------------------------------------------------------------------
+    def _sample(self, k: int, seconds: float) -> None:
+        self._seconds.setdefault(k, collections.deque(maxlen=COST_WINDOW)).append(seconds)
+
     def observe_round(self, k: int, accepted: int, seconds: float | None = None) -> None:
+        """A round at depth k accepted ``accepted`` drafts in ``seconds`` (None: not a representative
+        round, e.g. one that first caught the head up on a long plain stretch)."""
         self._rounds_run += 1
         self.tracker.observe(k, accepted)
         if accepted > 0 and k > 0:
             self._probe_every = PROBE_FIRST  # drafts are landing again: probe eagerly next time
         if seconds is not None and k > 0:
-            previous = self._measured.get(k)
-            self._measured[k] = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+            self._sample(k, seconds)
 
     def observe_plain(self, tokens: int, seconds: float | None = None) -> None:
         self._plain_since_probe += tokens
         if seconds is not None and tokens > 0:
-            per_token = seconds / tokens
-            previous = self._plain_step_s
-            self._plain_step_s = per_token if previous is None else 0.8 * previous + 0.2 * per_token
+            self._sample(0, seconds / tokens)

@@ -7,6 +7,7 @@ beta(K) / delta(K) adaptive depth works with, and whether greedy MTP reproduced 
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -26,12 +27,17 @@ PROJECTED_ACCEPTANCE = 0.8
 
 
 class BenchRow(BaseModel):
-    config: str  # "plain", "k=1", ..., "adaptive"
+    config: str  # "stock mlx-lm" (--baseline), "plain", "k=1", ..., "adaptive"
     k: int | None  # forced depth, None for adaptive
     completion_tokens: int
     decode_seconds: float
     tokens_per_s: float
     speedup: float  # vs plain, same run
+    vs_stock: float | None = None  # median over prompts and repeats of (this / stock mlx-lm plain), same round
+    # Fixed K: a round's measured cost in plain steps, and that over beta(K) + delta(K) (the verify call and
+    # the K draft steps timed alone): what the loop adds around them (host work not hidden, syncs).
+    round_cost: float | None = None
+    glue: float | None = None
     acceptance_rate: float
     per_position_acceptance: list[float]
     k_histogram: dict[int, int]
@@ -43,12 +49,14 @@ class BenchReport(BaseModel):
     device: str
     prompts: int
     max_tokens: int
+    repeats: int = 1
     temperature: float
     native_mtp_available: bool
     reason: str | None = None
     beta: list[float] = Field(default_factory=list)  # index K-1
     delta: list[float] = Field(default_factory=list)
     projected_speedup_at_0_8: list[float] = Field(default_factory=list)  # (1+.8+...)/(beta+delta)
+    plain_identical_to_stock: bool | None = None  # --baseline, greedy: exo's plain tokens == stock mlx-lm's
     rows: list[BenchRow] = Field(default_factory=list)
 
 
@@ -67,17 +75,26 @@ def run_bench(
     temperature: float = 0.0,
     raw: bool = True,
     repeats: int = 1,
+    baseline: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> BenchReport:
+    """Every configuration on every prompt, ``repeats`` times, EOS ignored (every generation is
+    ``max_tokens`` long). ``baseline``: stock mlx-lm (its own model classes, ``stream_generate``) decodes
+    the same prompt ids in the same round, so each configuration gets a ratio to it per round."""
+    import dataclasses
+
     from .costs import device_name
 
+    engine.loaded = dataclasses.replace(engine.loaded, eos_token_ids=frozenset())
     encoded = [encode_prompt(engine, p, raw) for p in prompts]
     reason = engine.mtp_unavailable_reason()
+    stock = StockMLXLM(engine.loaded.path) if baseline else None
     report = BenchReport(
         model=engine.loaded.model_id,
         device=device_name(),
         prompts=len(prompts),
         max_tokens=max_tokens,
+        repeats=repeats,
         temperature=temperature,
         native_mtp_available=reason is None,
         reason=reason,
@@ -107,14 +124,19 @@ def run_bench(
     # Warm-up: compile every path once so no configuration pays for kernel compilation.
     for _, k, mode in configs:
         run(encoded[0], k, mode, 8, 0)
+    if stock is not None:
+        stock.decode(encoded[0], 8, temperature)
+    ratios: dict[str, list[float]] = {name: [] for name, _, _ in configs}
 
-    totals = {name: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "same": True} for name, _, _ in configs}
+    totals = {name: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "same": True, "rounds": 0}
+              for name, _, _ in configs}
     position_tests: dict[str, list[int]] = {name: [] for name, _, _ in configs}
     position_hits: dict[str, list[float]] = {name: [] for name, _, _ in configs}
     histograms: dict[str, dict[int, int]] = {name: {} for name, _, _ in configs}
     for repeat in range(repeats):
         for index, tokens in enumerate(encoded):
             baseline: list[int] | None = None
+            stock_tps, stock_tokens = stock.decode(tokens, max_tokens, temperature) if stock is not None else (None, None)
             for name, k, mode in configs:
                 start = time.perf_counter()
                 result = run(tokens, k, mode, max_tokens, 1000 * repeat + index)
@@ -125,8 +147,14 @@ def run_bench(
                 total["seconds"] += max(elapsed - stats.ttft_ms / 1000.0, 1e-9)
                 total["drafted"] += stats.drafted_tokens
                 total["accepted"] += stats.accepted_tokens
+                total["rounds"] += stats.rounds
+                if stock_tps:
+                    ratios[name].append(stats.decode_tokens_per_s / stock_tps)
                 if name == "plain":
                     baseline = result.token_ids
+                    if stock_tokens is not None and temperature == 0.0:
+                        report.plain_identical_to_stock = (
+                            report.plain_identical_to_stock is not False and stock_tokens == result.token_ids)
                 elif temperature == 0.0:
                     total["same"] = bool(total["same"]) and result.token_ids == baseline
                 for depth, count in stats.k_histogram.items():
@@ -141,7 +169,20 @@ def run_bench(
                     position_hits[name][i] += rate * tests
                 if progress:
                     progress(f"{name:>9}  prompt {index + 1}/{len(encoded)}  {stats.decode_tokens_per_s:8.1f} tok/s")
+            if stock_tps and progress:
+                progress(f"{'stock':>9}  prompt {index + 1}/{len(encoded)}  {stock_tps:8.1f} tok/s")
+            if stock is not None:
+                stock.rounds.append(stock_tps or 0.0)
     plain_tps = totals["plain"]["tokens"] / totals["plain"]["seconds"]
+    plain_step_s = 1.0 / plain_tps
+    if stock is not None and stock.rounds:
+        stock_median = statistics.median(stock.rounds)
+        report.rows.append(BenchRow(
+            config="stock mlx-lm", k=None, completion_tokens=len(stock.rounds) * (max_tokens - 1),
+            decode_seconds=0.0, tokens_per_s=round(stock_median, 2), speedup=round(stock_median / plain_tps, 3),
+            acceptance_rate=0.0, per_position_acceptance=[], k_histogram={}, identical_to_plain=None,
+            vs_stock=1.0,
+        ))
     for name, k, _ in configs:
         total = totals[name]
         tps = total["tokens"] / total["seconds"]
@@ -159,7 +200,47 @@ def run_bench(
                 ],
                 k_histogram=dict(sorted(histograms[name].items())),
                 identical_to_plain=None if (name == "plain" or temperature > 0) else bool(total["same"]),
+                vs_stock=round(statistics.median(ratios[name]), 3) if ratios[name] else None,
+                **_round_cost(total, k if name != "adaptive" else None, plain_step_s, report),
             )
         )
     return report
+
+
+def _round_cost(total: dict, k: int | None, plain_step_s: float, report: BenchReport) -> dict:
+    if not k or not total["rounds"] or k > len(report.beta):
+        return {}
+    cost = total["seconds"] / total["rounds"] / plain_step_s
+    alone = report.beta[k - 1] + report.delta[k - 1]
+    return {"round_cost": round(cost, 3), "glue": round(cost / alone, 3) if alone else None}
+
+
+class StockMLXLM:
+    """Stock mlx-lm on the same checkpoint directory: its own model classes and ``stream_generate``, plain
+    decoding (the reference exo's engine must at least match). EOS is ignored, like the engine's runs."""
+
+    def __init__(self, path) -> None:
+        from mlx_lm import load
+
+        self.model, self.tokenizer = load(str(path))
+        self.tokenizer.eos_token_ids = set()
+        self.rounds: list[float] = []
+
+    def decode(self, prompt: list[int], max_tokens: int, temperature: float) -> tuple[float, list[int]]:
+        """(decode tokens/s from the first token to the last, as ``decode_tokens_per_s`` measures; tokens)."""
+        import mlx.core as mx
+        from mlx_lm import stream_generate
+        from mlx_lm.sample_utils import make_sampler
+
+        first = last = 0.0
+        tokens: list[int] = []
+        prompt_array = mx.array(prompt)
+        for response in stream_generate(self.model, self.tokenizer, prompt_array, max_tokens=max_tokens,
+                                        sampler=make_sampler(temp=temperature)):
+            last = time.perf_counter()
+            if not tokens:
+                first = last
+            tokens.append(int(response.token))
+        count = len(tokens)
+        return ((count - 1) / (last - first) if count > 1 and last > first else 0.0), tokens
 

@@ -13,15 +13,15 @@ import mlx.core as mx
 
 from .models.backbone import SpeculativeBackbone
 from .models.layers import MoEVerifyMode, RollbackArraysCache
+from .verify import VerifyMode
 
 # The MoE verify mode on the wire of a pipeline (a header field): 0 is "not a verify call".
 MOE_MODES: tuple[MoEVerifyMode, ...] = ("route_locked", "batched", "safe")
-
-
 class Forward(Protocol):
     """The backbone as the generation loop sees it."""
 
     stages: int  # 1 on a single node
+    verify: VerifyMode  # how verify calls compute their rows (the engine sets it from its probe)
 
     def new_cache(self) -> list[Any]:
         """Fresh caches for a request (this process's layers)."""
@@ -43,23 +43,24 @@ class Forward(Protocol):
         ...
 
 
-def verify_call(model: SpeculativeBackbone, cache: list[Any], moe_verify: MoEVerifyMode | None):
-    """Context for one verify call on a model's (stage's) layers: recording on, MoE routing locked."""
-    return _VerifyCall(model, cache, moe_verify)
+def verify_call(model: SpeculativeBackbone, cache: list[Any], mode: VerifyMode):
+    """Context for building one verify call on a model's (stage's) layers: GatedDeltaNet recording,
+    MoE routing locked, attention per row where this device needs it (``verify.probe``)."""
+    return _VerifyCall(model, cache, mode)
 
 
 class _VerifyCall:
-    def __init__(self, model: SpeculativeBackbone, cache: list[Any], moe_verify: MoEVerifyMode | None) -> None:
-        self.model, self.cache, self.moe_verify = model, cache, moe_verify
+    def __init__(self, model: SpeculativeBackbone, cache: list[Any], mode: VerifyMode) -> None:
+        self.model, self.cache, self.mode = model, cache, mode
 
     def __enter__(self) -> None:
         for c in self.cache:
             if isinstance(c, RollbackArraysCache):
                 c.recording = True
-        self.model.set_moe_verify_mode(self.moe_verify)
+        self.model.set_verify_mode(self.mode.moe, self.mode.per_row_attention)
 
     def __exit__(self, *exc: object) -> None:
-        self.model.set_moe_verify_mode(None)
+        self.model.set_verify_mode(None, False)
         for c in self.cache:
             if isinstance(c, RollbackArraysCache):
                 c.recording = False
@@ -79,9 +80,9 @@ class LocalForward:
 
     stages = 1
 
-    def __init__(self, model: SpeculativeBackbone, moe_verify: MoEVerifyMode = "route_locked") -> None:
+    def __init__(self, model: SpeculativeBackbone, verify: VerifyMode | None = None) -> None:
         self.model = model
-        self.moe_verify = moe_verify
+        self.verify = verify or VerifyMode()  # the engine replaces it with its probed mode
 
     def new_cache(self) -> list[Any]:
         return self.model.make_cache()
@@ -89,7 +90,7 @@ class LocalForward:
     def hidden(self, tokens: mx.array, cache: list[Any], *, verify: bool = False) -> mx.array:
         if not verify:
             return self.model.stage_hidden(tokens, cache)
-        with verify_call(self.model, cache, self.moe_verify):
+        with verify_call(self.model, cache, self.verify):
             return self.model.stage_hidden(tokens, cache)
 
     def rollback(self, cache: list[Any], rows: int, kept: int) -> None:

@@ -49,13 +49,14 @@ from .sampling import (
     select_token,
 )
 from .stats import NativeMTPStats, StatsRecorder
+from .verify import VerifyMode, VerifyRows, probe, verify_logits
 
 NativeMTPMode = Literal["auto", "on", "off"]
+TIE_MARGIN_HALF = 2.0**-5  # ~4 ulps of a bf16 logit
+TIE_MARGIN_FP32 = 2.0**-14
 FinishReason = Literal["stop", "length", "cancelled"]
 MAX_FORCED_K = 8
 HEAD_FLUSH_ROWS = 256
-TIE_MARGIN_HALF = 2.0**-5  # ~4 ulps of a bf16 logit
-TIE_MARGIN_FP32 = 2.0**-14
 
 
 class NativeMTPUnavailableError(RuntimeError):
@@ -76,13 +77,19 @@ class ContextLengthError(GenerationRequestError):
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """How an engine decodes (``verify_mode``: how its verify calls compute their rows)."""
+
     native_mtp_enabled: bool = True  # the global switch (EXO_NATIVE_MTP_ENABLED / settings)
     moe_verify: MoEVerifyMode = "route_locked"
+    # How a verify call computes its rows (engine/verify.py): "auto" measures which parts must run per
+    # row on this device (attention, logits) so that each row rounds as its decode step; "per_row" and
+    # "batched" force them (tests, benchmarks).
+    verify_rows: VerifyRows = "auto"
     async_draft_eval: bool = True
     prefill_chunk: int = 2048
-    # Relative top-2 logit gap under which a greedy verify row is re-decoded plainly (see
-    # sampling.greedy_verdict). None: 0 on the CPU (its matmuls round the same for any row count),
-    # else by the logits' dtype.
+    # Relative top-2 logit gap under which a greedy verify row is re-decoded plainly (sampling.greedy_verdict).
+    # None: 0 where the verify probe found every row equal to its decode step (greedy output is then plain
+    # decoding's by construction), else a few ulps of the logits' dtype (a safety net, not a guarantee).
     greedy_tie_margin: float | None = None
     default_k: int = 1  # defaults for a checkpoint without a model card
     max_k: int = 3
@@ -127,7 +134,9 @@ class Engine:
         a pipeline (``exo.engine.pipeline.PipelineForward``, on the last stage)."""
         self.loaded = loaded
         self.config = config or EngineConfig()
-        self.forward = forward or LocalForward(loaded.model, self.config.moe_verify)
+        self.forward = forward or LocalForward(loaded.model)
+        self._verify: VerifyMode | None = None
+        self.verify_probe: dict[str, bool] = {}
         self._costs: DepthCosts | None = None
         self._policy: DepthPolicy | None = None
         self._policy_key: tuple[int, int] | None = None
@@ -151,9 +160,21 @@ class Engine:
             return self.loaded.head_status.reason or "this model has no usable MTP head"
         return None
 
+    @property
+    def verify_mode(self) -> VerifyMode:
+        """How this engine's verify calls compute their rows (probed once, on the first need)."""
+        if self._verify is None:
+            if self.config.verify_rows == "auto":
+                self._verify, self.verify_probe = probe(self.model, self.config.moe_verify)
+            else:
+                self._verify = VerifyMode.forced(self.config.moe_verify, self.config.verify_rows)
+            self.forward.verify = self._verify
+        return self._verify
+
     def costs(self) -> DepthCosts:
         """Round costs measured on this machine (once per engine)."""
         if self._costs is None:
+            self.verify_mode  # noqa: B018 - the measured verify calls compute their rows as real ones do
             assert self.loaded.head is not None
             self._costs = measure_costs(self.model, self.forward, self.loaded.head, self.config.max_k)
         return self._costs
@@ -169,6 +190,8 @@ class Engine:
         if request.native_mtp == "on" and reason is not None:
             raise NativeMTPUnavailableError(f"native MTP cannot run: {reason}")
         policy = None
+        if reason is None:
+            self.verify_mode  # noqa: B018 - probed before the first verify call
         if reason is None and request.mtp_k is not None:
             fixed = request.mtp_k
             policy = DepthPolicy(costs=self._costs_or_unmeasured(fixed), max_k=max(fixed, 1), fixed_k=fixed)
@@ -305,7 +328,7 @@ class _Run:
         margin = self.engine.config.greedy_tie_margin
         if margin is not None:
             return margin
-        if mx.default_device() == mx.cpu:
+        if self.engine.verify_mode.exact:
             return 0.0
         return TIE_MARGIN_FP32 if dtype == mx.float32 else TIE_MARGIN_HALF
 
@@ -458,7 +481,8 @@ class _Run:
         start = time.perf_counter()
         self._phase_start = start
         model, params = self.model, self.params
-        # 1. Draft.
+        # 1. Draft. A round that first catches the head up on a plain stretch is not a typical round.
+        catch_up = sum(h.shape[1] for h in self._head_hidden) > k + 1
         out = self._flush_head()
         assert out is not None
         out = out[:, -1:]
@@ -488,7 +512,7 @@ class _Run:
         # 2. Verify.
         rows = mx.concatenate([self.pending_token.reshape(1), draft_tokens])[None]
         hidden = self.forward.hidden(rows, self.cache, verify=True)
-        logits = model.logits(hidden)[0]  # [K+1, V]
+        logits = verify_logits(model, hidden, self.engine.verify_mode)[0]  # [K+1, V]
         if self.processors:
             logits = mx.concatenate(
                 [
@@ -533,7 +557,7 @@ class _Run:
                 self.history = mx.concatenate([self.history, emitted_array])
         self.recorder.round(k, accepted)
         assert self.policy is not None
-        self.policy.observe_round(k, accepted, time.perf_counter() - start)
+        self.policy.observe_round(k, accepted, None if catch_up else time.perf_counter() - start)
         self._mark("rollback")
         # 5. Emit, stopping exactly where the request ends.
         for token in emitted:

@@ -34,14 +34,14 @@ import mlx.core as mx
 
 from .forward import MOE_MODES, keep_rows, verify_call
 from .models.backbone import SpeculativeBackbone
-from .models.layers import MoEVerifyMode
+from .verify import VerifyMode
 
 log = logging.getLogger(__name__)
 
 # The step header: int32 [HEADER_LEN].
 OP_FORWARD, OP_END, OP_SHUTDOWN = 1, 2, 3
-HEADER_LEN = 6
-_OP, _ROWS, _VERIFY, _MOE, _KEEP_ROWS, _KEEP_KEPT = range(HEADER_LEN)
+HEADER_LEN = 7
+_OP, _ROWS, _VERIFY, _MOE, _KEEP_ROWS, _KEEP_KEPT, _PER_ROW = range(HEADER_LEN)
 NO_ROLLBACK = -1
 
 
@@ -99,11 +99,12 @@ class DistributedLink:
         return mx.distributed.recv(shape, dtype, src, group=self.group)
 
 
-def _header(op: int, rows: int = 0, verify: MoEVerifyMode | None = None,
+def _header(op: int, rows: int = 0, verify: VerifyMode | None = None,
             rollback: tuple[int, int] | None = None) -> mx.array:
     keep_rows_, kept = rollback if rollback is not None else (NO_ROLLBACK, NO_ROLLBACK)
-    moe = 0 if verify is None else MOE_MODES.index(verify) + 1
-    return mx.array([op, rows, int(verify is not None), moe, keep_rows_, kept], dtype=mx.int32)
+    moe = 0 if verify is None else MOE_MODES.index(verify.moe) + 1
+    per_row = int(verify is not None and verify.per_row_attention)
+    return mx.array([op, rows, int(verify is not None), moe, keep_rows_, kept, per_row], dtype=mx.int32)
 
 
 def hidden_dtype(model: SpeculativeBackbone) -> mx.Dtype:
@@ -116,13 +117,13 @@ class PipelineForward:
     """The leader's (last stage's) view of the backbone: a ``Forward`` whose calls run every stage."""
 
     def __init__(self, model: SpeculativeBackbone, stage: StageSpec, link: Link,
-                 moe_verify: MoEVerifyMode = "route_locked") -> None:
+                 verify: VerifyMode | None = None) -> None:
         if not stage.last or stage.world_size < 2:
             raise ValueError("PipelineForward runs on the last stage of a pipeline of two or more")
         self.model = model
         self.stage = stage
         self.link = link
-        self.moe_verify = moe_verify
+        self.verify = verify or VerifyMode()
         self.stages = stage.world_size
         self.dtype = hidden_dtype(model)
         self._rollback: tuple[int, int] | None = None  # owed to the other stages, sent with the next step
@@ -134,7 +135,7 @@ class PipelineForward:
 
     def hidden(self, tokens: mx.array, cache: list[Any], *, verify: bool = False) -> mx.array:
         rows = int(tokens.shape[-1])
-        header = _header(OP_FORWARD, rows, self.moe_verify if verify else None, self._rollback)
+        header = _header(OP_FORWARD, rows, self.verify if verify else None, self._rollback)
         self._rollback = None
         sent = self.link.send(header, 0)
         # The token ids follow the header (the first stage reads its row count from the header).
@@ -145,7 +146,7 @@ class PipelineForward:
         self.bytes_received += rows * self.model.hidden_size * self.dtype.size
         if not verify:
             return self.model.stage_hidden(h, cache)
-        with verify_call(self.model, cache, self.moe_verify):
+        with verify_call(self.model, cache, self.verify):
             return self.model.stage_hidden(h, cache)
 
     def rollback(self, cache: list[Any], rows: int, kept: int) -> None:
@@ -196,7 +197,7 @@ def serve_stage(
         else:
             x = link.recv((1, rows, hidden_size), dtype, stage.previous)
         if fields[_VERIFY]:
-            with verify_call(model, cache, MOE_MODES[fields[_MOE] - 1]):
+            with verify_call(model, cache, VerifyMode(MOE_MODES[fields[_MOE] - 1], bool(fields[_PER_ROW]))):
                 h = model.stage_hidden(x, cache)
         else:
             h = model.stage_hidden(x, cache)

@@ -158,7 +158,7 @@ def _serve_stage(args: argparse.Namespace, state: RunnerState, device: object, l
         serve_stage(loaded.model, stage, link)  # type: ignore[attr-defined]
         log.info("the group was shut down")
         return 0
-    forward = PipelineForward(loaded.model, stage, link, config.moe_verify)  # type: ignore[attr-defined]
+    forward = PipelineForward(loaded.model, stage, link)  # the engine sets its verify mode (its probe)
     engine = Engine(loaded, config, forward=forward)  # type: ignore[arg-type]
     state.update("warming up", 0.75)
     engine.warmup()

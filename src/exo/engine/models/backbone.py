@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import KVCache
 
-from .layers import GatedDeltaNet, MoEVerifyMode, RollbackArraysCache, SparseMoeBlock
+from .layers import Attention, GatedDeltaNet, MoEVerifyMode, RollbackArraysCache, SparseMoeBlock
 
 
 class SpeculativeBackbone:
@@ -42,6 +42,8 @@ class SpeculativeBackbone:
         for layer in self.text_model.layers:
             if layer.is_linear:
                 layer.linear_attn = self.gdn_class(self.text_args)
+            else:
+                layer.self_attn = Attention(self.text_args)
             if isinstance(layer.mlp, nn.Module) and hasattr(layer.mlp, "switch_mlp"):
                 layer.mlp = SparseMoeBlock(self.text_args)
 
@@ -141,9 +143,13 @@ class SpeculativeBackbone:
     def is_moe(self) -> bool:
         return any(True for _ in self.moe_blocks())
 
-    def set_moe_verify_mode(self, mode: MoEVerifyMode | None) -> None:
+    def set_verify_mode(self, moe: MoEVerifyMode | None, per_row_attention: bool = False) -> None:
+        """Around a verify call: lock MoE routing (``moe``), attend row by row (``per_row_attention``)."""
         for block in self.moe_blocks():
-            block.verify_mode = mode
+            block.verify_mode = moe
+        for layer in self.stage_layers:
+            if isinstance(getattr(layer, "self_attn", None), Attention):
+                layer.self_attn.per_row = per_row_attention
 
     # -- MTP head ------------------------------------------------------------------------------------
     @property

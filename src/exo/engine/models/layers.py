@@ -19,10 +19,11 @@ from typing import Any, Literal
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import ArraysCache
-from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
+from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 from mlx_lm.models.qwen3_5 import GatedDeltaNet as Qwen35GatedDeltaNet
-from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet, Qwen3NextSparseMoeBlock
+from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextGatedDeltaNet, Qwen3NextSparseMoeBlock
 
 MoEVerifyMode = Literal["route_locked", "batched", "safe"]
 
@@ -62,43 +63,25 @@ class RollbackArraysCache(ArraysCache):
         return [self._conv_input, *self._states]
 
 
-def _uses_metal() -> bool:
-    return mx.default_device() == mx.gpu and mx.metal.is_available()
-
-
 def _recurrence(layer: Any, q, k, v, a, b, state, mask) -> tuple[mx.array, mx.array]:
-    """The gated delta rule over the rows of one call.
+    """The gated delta rule over the rows of one call: mlx-lm's ``gated_delta_update``, as stock decoding
+    runs it (its Metal kernel on Apple GPUs; elsewhere its compiled step, which measured faster than MLX's
+    fused ``mx.fast.gated_delta_update`` on an H100: 187 vs 279 us per one-row call)."""
+    return gated_delta_update(q, k, v, a, b, layer.A_log, layer.dt_bias, state, mask, use_kernel=not layer.training)
 
-    On Metal, mlx-lm's kernels; elsewhere MLX's fused ``mx.fast.gated_delta_update`` (mlx-lm falls back
-    to a loop of ~10 small ops per row there, which on CUDA costs a kernel launch each).
+
+def _conv(layer: Any, conv_input: mx.array, verify: bool) -> mx.array:
+    """The layer's short causal depthwise conv: mlx-lm's ``conv1d``, exactly as stock decoding runs it.
+
+    A verify call convolves each row's own window (``conv_kernel_size`` inputs, one output): the shape a
+    decode step convolves, so each row rounds as that decode step would, whatever a backend's conv
+    kernel does with longer inputs (on the CPU the two are equal anyway: bench/op_invariance.py).
     """
-    if _uses_metal():
-        return gated_delta_update(
-            q, k, v, a, b, layer.A_log, layer.dt_bias, state, mask, use_kernel=not layer.training
-        )
-    if state is None:
-        B, _, _, Dk = q.shape
-        Hv, Dv = v.shape[-2:]
-        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
-    gamma = compute_g(layer.A_log, a, layer.dt_bias)
-    y, state = mx.fast.gated_delta_update(q, k, v, gamma, mx.sigmoid(b), state, mask)
-    return y, state
-
-
-def _depthwise_conv(conv_input: mx.array, weight: mx.array) -> mx.array:
-    """The short causal depthwise conv as a sum of shifted products, accumulated in float32.
-
-    Equal to ``conv1d`` (groups = channels, no padding) up to rounding, and unlike a conv kernel it
-    rounds every output row the same way whatever the number of rows: a verify call's rows then match
-    decode steps (GPU conv libraries pick different algorithms per length).
-    """
-    taps = weight.shape[1]  # weight: [C, K, 1]
+    taps = layer.conv_kernel_size
     rows = conv_input.shape[1] - taps + 1
-    w = weight[:, :, 0].astype(mx.float32)
-    out = conv_input[:, 0:rows].astype(mx.float32) * w[:, 0]
-    for j in range(1, taps):
-        out = out + conv_input[:, j : j + rows].astype(mx.float32) * w[:, j]
-    return out.astype(conv_input.dtype)
+    if not verify or rows == 1:
+        return layer.conv1d(conv_input)
+    return mx.concatenate([layer.conv1d(conv_input[:, t : t + taps]) for t in range(rows)], axis=1)
 
 
 def _mix(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, mask, cache) -> mx.array:
@@ -123,7 +106,8 @@ def _mix(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array,
             cache[0] = mx.take_along_axis(conv_input, positions, axis=1)
         else:
             cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
-    conv_out = nn.silu(_depthwise_conv(conv_input, layer.conv1d.weight))
+    recording = isinstance(cache, RollbackArraysCache) and cache.recording
+    conv_out = nn.silu(_conv(layer, conv_input, recording))
     q, k, v = [
         t.reshape(B, S, h, d)
         for t, h, d in zip(
@@ -135,7 +119,7 @@ def _mix(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array,
     ]
     state = cache[1] if cache else None
     q, k = normalize_qk(q, k, inv_scale=layer.head_k_dim**-0.5, eps=1e-6)
-    if isinstance(cache, RollbackArraysCache) and cache.recording:
+    if recording:
         if state is None:
             state = mx.zeros((B, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim), dtype=mx.float32)
         outs, states = [], [state]
@@ -210,3 +194,40 @@ class SparseMoeBlock(Qwen3NextSparseMoeBlock):
         if self.verify_mode == "safe" and x.shape[1] > 1:
             return mx.concatenate([self._block(x[:, i : i + 1]) for i in range(x.shape[1])], axis=1)
         return self._block(x)
+
+
+class Attention(Qwen3NextAttention):
+    """Qwen3.5 / Qwen3.6 / Qwen3-Next full attention whose verify call can attend row by row.
+
+    Measured (bench/op_invariance.py): on MLX's CUDA backend every matmul, norm, conv and the gated delta
+    rule give row 0 of a 4-row call bit for bit what a 1-row call gives, but scaled-dot-product attention
+    does not (a query block and a single query take different kernels). With ``per_row``, a multi-row
+    call attends each row against the keys up to itself, exactly the shape of a decode step, so a verify
+    row rounds as that decode step does; the projections stay batched.
+    """
+
+    per_row: bool = False  # set by the engine around verify calls only
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        B, L, _ = x.shape
+        if not self.per_row or L == 1 or cache is None:
+            return super().__call__(x, mask, cache)
+        queries, gate = mx.split(self.q_proj(x).reshape(B, L, self.num_attention_heads, -1), 2, axis=-1)
+        gate = gate.reshape(B, L, -1)
+        keys, values = self.k_proj(x), self.v_proj(x)
+        queries = self.q_norm(queries).transpose(0, 2, 1, 3)
+        keys = self.k_norm(keys.reshape(B, L, self.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
+        values = values.reshape(B, L, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+        queries = self.rope(queries, offset=cache.offset)
+        keys = self.rope(keys, offset=cache.offset)
+        keys, values = cache.update_and_fetch(keys, values)
+        before = keys.shape[2] - L
+        rows = [
+            scaled_dot_product_attention(
+                queries[:, :, t : t + 1], keys[:, :, : before + t + 1], values[:, :, : before + t + 1],
+                cache=cache, scale=self.scale, mask=None,
+            )
+            for t in range(L)
+        ]
+        output = mx.concatenate(rows, axis=2).transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(output * mx.sigmoid(gate))

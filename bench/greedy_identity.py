@@ -1,0 +1,66 @@
+"""How often greedy MTP output is token-identical to plain greedy decoding on this device.
+
+    python bench/greedy_identity.py [MODEL ...] [--runs 12] [--max-tokens 192] [--json]
+
+Each run is one prompt (a different one per run), decoded plainly and with native MTP at K = 1, 2, 3 and
+adaptive, EOS ignored. On the CPU identity is exact by construction (the test suite asserts it); GPU
+kernels may round a multi-row verify call differently from a one-row decode step, which this measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from exo.engine import GenerationRequest, load
+from exo.engine.costs import device_name
+
+PROMPTS = (
+    "def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n",
+    "def parse_args(argv=None):\n", "for i in range(10):\n", "def read_file(path):\n    with open(",
+    "# Sort a list of numbers\n", "async def fetch(session, url):\n", "class Node:\n    def __init__(self, value):\n",
+    "def main():\n    args = ", "import json\n\ndef load_config(path):\n", "while True:\n    line = ",
+    "def quicksort(items):\n", "from dataclasses import dataclass\n\n@dataclass\nclass Point:\n",
+    "def is_prime(n):\n", "with open('data.csv') as f:\n",
+)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("models", nargs="*", default=[None])
+    p.add_argument("--runs", type=int, default=12)
+    p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    report = {"device": device_name(), "runs": args.runs, "max_tokens": args.max_tokens, "models": {}}
+    for model in args.models:
+        engine = load(model)
+        engine.loaded = dataclasses.replace(engine.loaded, eos_token_ids=frozenset())
+        tokenizer = engine.loaded.tokenizer
+        same = {"k1": 0, "k2": 0, "k3": 0, "adaptive": 0}
+        first_divergence: dict[str, list[int]] = {name: [] for name in same}
+        for run in range(args.runs):
+            prompt = tokenizer.encode(PROMPTS[run % len(PROMPTS)])
+            plain = engine.complete(GenerationRequest(prompt, max_tokens=args.max_tokens, native_mtp="off")).token_ids
+            for name, k in (("k1", 1), ("k2", 2), ("k3", 3), ("adaptive", None)):
+                out = engine.complete(GenerationRequest(prompt, max_tokens=args.max_tokens, mtp_k=k)).token_ids
+                if out == plain:
+                    same[name] += 1
+                else:
+                    first_divergence[name].append(next(i for i, (a, b) in enumerate(zip(out, plain, strict=True)) if a != b))
+        report["models"][engine.loaded.model_id] = {
+            "identical": {name: f"{count}/{args.runs}" for name, count in same.items()},
+            "first_divergence": first_divergence,
+        }
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(f"{report['device']}: {args.runs} runs x {args.max_tokens} tokens, greedy MTP identical to plain")
+        for model, row in report["models"].items():
+            print(f"  {model}: " + "  ".join(f"{k} {v}" for k, v in row["identical"].items()))
+    return report
+
+
+if __name__ == "__main__":
+    main()

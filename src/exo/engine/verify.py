@@ -1,0 +1,112 @@
+"""How a verify call computes its K+1 rows so that each row rounds as a decode step would.
+
+Greedy speculative decoding reproduces plain decoding token for token only if every row of a verify call
+computes exactly what the one-row decode step at that position computes. Which operations do depends on
+the backend and on the shapes: measured with bench/op_invariance.py, every operation of these models gives
+the same bits for one row and for a block of rows on the CPU, while on MLX's CUDA backend attention over a
+cache does not (a query block and a single query take different kernels) and a matmul may not (the
+lm_head of one demo model: the library picks another kernel for more rows). So this is measured, not
+assumed: ``probe`` runs the model's own layers, on this device, both ways, and the verify call then
+computes per row exactly the operations that need it (attention, logits), the rest batched:
+
+- GatedDeltaNet layers always run their conv and recurrence per row in a verify call (they record the
+  state after every row for the rollback anyway: ``models.layers``);
+- MoE routing is locked to decode's routes (``moe``);
+- ``per_row_attention``: each row attends to the keys up to itself, a decode step's shape;
+- ``per_row_logits``: the lm_head runs per row.
+
+When even that leaves a difference (a layer's matmuls round differently by row count), ``exact`` is False
+and the engine re-decodes near ties plainly (``EngineConfig.greedy_tie_margin``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from .models.backbone import SpeculativeBackbone
+from .models.layers import MoEVerifyMode, RollbackArraysCache
+
+VerifyRows = Literal["auto", "per_row", "batched"]
+PROBE_ROWS = 4
+PROBE_PREFIX = 6
+
+
+@dataclass(frozen=True)
+class VerifyMode:
+    moe: MoEVerifyMode = "route_locked"
+    per_row_attention: bool = False
+    per_row_logits: bool = False
+    exact: bool = True  # every verify row equals its decode step (measured by ``probe``)
+
+    @classmethod
+    def forced(cls, moe: MoEVerifyMode, rows: VerifyRows) -> VerifyMode:
+        per_row = rows == "per_row"
+        return cls(moe, per_row, per_row)
+
+
+def verify_logits(model: SpeculativeBackbone, hidden: mx.array, mode: VerifyMode) -> mx.array:
+    """Logits [1, T, V] of a verify call's hiddens, per row when this device needs it."""
+    if not mode.per_row_logits or hidden.shape[1] == 1:
+        return model.logits(hidden)
+    return mx.concatenate([model.logits(hidden[:, t : t + 1]) for t in range(hidden.shape[1])], axis=1)
+
+
+def probe(model: SpeculativeBackbone, moe: MoEVerifyMode) -> tuple[VerifyMode, dict[str, bool]]:
+    """Which parts of a verify call must run per row on this device, from the model's own layers: each
+    layer kind of this stage (GatedDeltaNet, full attention) and the lm_head, a block of rows against
+    one-row decode steps on the same cache. Returns the mode and what was found (name -> rows equal)."""
+    layers = model.stage_layers
+    dtype = layers[0].input_layernorm.weight.dtype
+    key = mx.random.key(20261123)
+    prefix = (mx.random.normal((1, PROBE_PREFIX, model.hidden_size), key=key) * 0.5).astype(dtype)
+    rows = (mx.random.normal((1, PROBE_ROWS, model.hidden_size), key=mx.random.split(key)[0]) * 0.5).astype(dtype)
+    found: dict[str, bool] = {}
+
+    def same_as_decode(layer: Any, per_row_attention: bool) -> bool:
+        decode, verify = _layer_cache(layer), _layer_cache(layer)
+        for cache in (decode, verify):
+            layer(prefix, mask="causal" if not layer.is_linear else None, cache=cache)
+        stepwise = mx.concatenate([layer(rows[:, t : t + 1], mask=None, cache=decode) for t in range(PROBE_ROWS)],
+                                  axis=1)
+        if isinstance(verify, RollbackArraysCache):
+            verify.recording = True
+        model.set_verify_mode(moe, per_row_attention)
+        try:
+            block = layer(rows, mask=None if layer.is_linear else "causal", cache=verify)
+        finally:
+            model.set_verify_mode(None, False)
+            if isinstance(verify, RollbackArraysCache):
+                verify.recording = False
+        mx.eval(stepwise, block)
+        return bool(mx.array_equal(stepwise, block).item())
+
+    linear = next((layer for layer in layers if layer.is_linear), None)
+    attention = next((layer for layer in layers if not layer.is_linear), None)
+    exact = True
+    if linear is not None:
+        found["gated_delta_layer"] = same_as_decode(linear, False)
+        exact &= found["gated_delta_layer"]
+    per_row_attention = False
+    if attention is not None:
+        found["attention_layer_batched"] = same_as_decode(attention, False)
+        if not found["attention_layer_batched"]:
+            per_row_attention = True
+            found["attention_layer_per_row"] = same_as_decode(attention, True)
+            exact &= found["attention_layer_per_row"]
+    per_row_logits = False
+    if model.last_stage:
+        block = model.logits(rows)
+        single = mx.concatenate([model.logits(rows[:, t : t + 1]) for t in range(PROBE_ROWS)], axis=1)
+        mx.eval(block, single)
+        found["logits_batched"] = bool(mx.array_equal(block, single).item())
+        per_row_logits = not found["logits_batched"]
+    return VerifyMode(moe, per_row_attention, per_row_logits, exact), found
+
+
+def _layer_cache(layer: Any) -> Any:
+    return RollbackArraysCache() if layer.is_linear else KVCache()
+
