@@ -85,6 +85,7 @@ def test_every_field_from_env(home: Path) -> None:
             EXO_REQUEST_TIMEOUT_S="12.5",
             EXO_MAX_QUEUE="3",
             EXO_OFFLINE="1",
+            EXO_MEMORY_BUDGET_BYTES=str(16 << 30),
         )
     )
     assert (s.native_mtp_enabled, s.native_mtp_moe_verify, s.native_mtp_async_draft_eval) == (
