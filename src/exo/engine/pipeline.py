@@ -20,7 +20,7 @@ states [K + 1, H] between consecutive stages. Nothing is gathered to every stage
 leader. Every stage rolls back its own attention KV and GatedDeltaNet state (``forward.keep_rows``).
 
 No sockets here: the stages talk through a ``Link`` (send / recv of MLX arrays between ranks), which the
-runner builds on ``mx.distributed`` (ring backend over TCP).
+runner builds on ``mx.distributed`` (ring backend over TCP: ``exo.runner.group.RingLink``).
 """
 
 from __future__ import annotations
@@ -79,24 +79,15 @@ class StageSpec:
 
 
 class Link(Protocol):
-    """Point-to-point transfers between the ranks of a group, as lazy MLX operations."""
+    """Point-to-point transfers between the ranks of a group.
 
-    def send(self, x: mx.array, dst: int) -> mx.array: ...
+    ``send`` transmits now (it evaluates ``x``); ``recv`` returns once the message is there (an array to
+    evaluate, which then costs a copy, not a wait) and raises when the peer is gone.
+    """
+
+    def send(self, x: mx.array, dst: int) -> None: ...
 
     def recv(self, shape: tuple[int, ...], dtype: mx.Dtype, src: int) -> mx.array: ...
-
-
-class DistributedLink:
-    """A ``Link`` over an ``mx.distributed`` group (the ring backend between runners)."""
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-
-    def send(self, x: mx.array, dst: int) -> mx.array:
-        return mx.distributed.send(x, dst, group=self.group)
-
-    def recv(self, shape: tuple[int, ...], dtype: mx.Dtype, src: int) -> mx.array:
-        return mx.distributed.recv(shape, dtype, src, group=self.group)
 
 
 def _header(op: int, rows: int = 0, verify: VerifyMode | None = None,
@@ -137,11 +128,10 @@ class PipelineForward:
         rows = int(tokens.shape[-1])
         header = _header(OP_FORWARD, rows, self.verify if verify else None, self._rollback)
         self._rollback = None
-        sent = self.link.send(header, 0)
+        self.link.send(header, 0)
         # The token ids follow the header (the first stage reads its row count from the header).
-        sent = self.link.send(mx.depends(tokens.reshape(-1).astype(mx.uint32), sent), 0)
+        self.link.send(tokens.reshape(-1).astype(mx.uint32), 0)
         h = self.link.recv((1, rows, self.model.hidden_size), self.dtype, self.stage.previous)
-        h = mx.depends(h, sent)
         self.bytes_sent += 4 * HEADER_LEN + 4 * rows
         self.bytes_received += rows * self.model.hidden_size * self.dtype.size
         if not verify:
@@ -155,11 +145,11 @@ class PipelineForward:
 
     def end(self, cache: list[Any]) -> None:
         self._rollback = None
-        mx.eval(self.link.send(_header(OP_END), 0))
+        self.link.send(_header(OP_END), 0)
 
     def shutdown(self) -> None:
         """Tell the other stages to return from ``serve_stage`` (the group is closing)."""
-        mx.eval(self.link.send(_header(OP_SHUTDOWN), 0))
+        self.link.send(_header(OP_SHUTDOWN), 0)
 
 
 def serve_stage(
@@ -183,7 +173,7 @@ def serve_stage(
         op, rows = fields[_OP], fields[_ROWS]
         if op in (OP_END, OP_SHUTDOWN):
             if forward_header:
-                mx.eval(link.send(header, stage.next))
+                link.send(header, stage.next)
             if op == OP_SHUTDOWN:
                 return
             cache = model.make_cache()  # nothing of a request survives it
@@ -202,8 +192,8 @@ def serve_stage(
         else:
             h = model.stage_hidden(x, cache)
         if forward_header:
-            h = mx.depends(h, link.send(header, stage.next))
-        out = link.send(h, stage.next)
-        mx.eval(out, *[c.state for c in cache if c.state is not None])
+            link.send(header, stage.next)  # the next stage reads it while this one computes
+        link.send(h, stage.next)
+        mx.eval(*[c.state for c in cache if c.state is not None])
         if on_step is not None:
             on_step()

@@ -1,0 +1,70 @@
+"""The stages' link: messages over the mx.distributed ring, announced on a doorbell; a member that goes
+away is an error at once for the one waiting on it, never a receive that spins forever."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+from exo.runner.group import free_port
+
+MEMBER = textwrap.dedent(
+    """
+    import os, sys, time
+    import mlx.core as mx
+    from exo.runner.group import GroupError, join_group
+
+    rank, hosts, mode = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3]
+    link = join_group(hosts, rank, timeout_s=30)
+    peer = (rank + 1) % 2
+    if rank == 0:
+        for i in range(20):  # ping-pong: what is sent is what arrives, in order, both ways
+            link.send(mx.arange(i, i + 4096, dtype=mx.int32).reshape(1, -1), peer)
+            back = link.recv((1, 4096), mx.int32, peer)
+            assert back.tolist()[0] == list(range(i + 1, i + 4097)), i
+        big = mx.ones((1, 2048, 1024), dtype=mx.bfloat16)  # larger than the socket buffers
+        link.send(big, peer)
+        print("rank 0 done", flush=True)
+        if mode == "vanish":
+            os._exit(0)  # gone without a word, as a killed process
+        link.send(mx.array([7], dtype=mx.int32), peer)
+    else:
+        for i in range(20):
+            x = link.recv((1, 4096), mx.int32, peer)
+            link.send(x + 1, peer)
+        big = link.recv((1, 2048, 1024), mx.bfloat16, peer)
+        assert big.sum().item() == 2048 * 1024
+        started = time.monotonic()
+        try:
+            last = link.recv((1,), mx.int32, peer)
+            print("rank 1 got", last.item(), flush=True)
+        except GroupError as e:
+            print(f"rank 1 GroupError after {time.monotonic() - started:.2f}s: {e}", flush=True)
+    """
+)
+
+
+def run_pair(mode: str) -> list[str]:
+    hosts = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", MEMBER, str(rank), hosts, mode], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+        for rank in (0, 1)
+    ]
+    outs = []
+    deadline = time.monotonic() + 60
+    for p in procs:
+        out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        assert p.returncode == 0, err
+        outs.append(out.strip())
+    return outs
+
+
+def test_messages_arrive_in_order_both_ways_and_a_vanished_member_is_an_error_at_once() -> None:
+    assert run_pair("stay") == ["rank 0 done", "rank 1 got 7"]
+    first, second = run_pair("vanish")
+    assert first == "rank 0 done"
+    assert second.startswith("rank 1 GroupError after") and "gone" in second, second
+    assert float(second.split("after ")[1].split("s:")[0]) < 2.0, second
