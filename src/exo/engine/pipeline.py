@@ -38,10 +38,12 @@ from .verify import VerifyMode
 
 log = logging.getLogger(__name__)
 
-# The step header: int32 [HEADER_LEN].
+# The step header: int32 [HEADER_LEN]: 7 fields, then up to INLINE_TOKENS token ids (a decode step's or a
+# verify round's rows travel in the header itself: one message per step; a longer prefill chunk follows it).
 OP_FORWARD, OP_END, OP_SHUTDOWN = 1, 2, 3
-HEADER_LEN = 7
-_OP, _ROWS, _VERIFY, _MOE, _KEEP_ROWS, _KEEP_KEPT, _PER_ROW = range(HEADER_LEN)
+_OP, _ROWS, _VERIFY, _MOE, _KEEP_ROWS, _KEEP_KEPT, _PER_ROW = range(7)
+INLINE_TOKENS = 8
+HEADER_LEN = 7 + INLINE_TOKENS
 NO_ROLLBACK = -1
 
 
@@ -91,11 +93,14 @@ class Link(Protocol):
 
 
 def _header(op: int, rows: int = 0, verify: VerifyMode | None = None,
-            rollback: tuple[int, int] | None = None) -> mx.array:
+            rollback: tuple[int, int] | None = None, tokens: mx.array | None = None) -> mx.array:
     keep_rows_, kept = rollback if rollback is not None else (NO_ROLLBACK, NO_ROLLBACK)
     moe = 0 if verify is None else MOE_MODES.index(verify.moe) + 1
     per_row = int(verify is not None and verify.per_row_attention)
-    return mx.array([op, rows, int(verify is not None), moe, keep_rows_, kept, per_row], dtype=mx.int32)
+    fields = mx.array([op, rows, int(verify is not None), moe, keep_rows_, kept, per_row], dtype=mx.int32)
+    inline = tokens.reshape(-1).astype(mx.int32) if tokens is not None else mx.zeros((0,), dtype=mx.int32)
+    padding = mx.zeros((INLINE_TOKENS - inline.shape[0],), dtype=mx.int32)
+    return mx.concatenate([fields, inline, padding])
 
 
 def hidden_dtype(model: SpeculativeBackbone) -> mx.Dtype:
@@ -126,13 +131,16 @@ class PipelineForward:
 
     def hidden(self, tokens: mx.array, cache: list[Any], *, verify: bool = False) -> mx.array:
         rows = int(tokens.shape[-1])
-        header = _header(OP_FORWARD, rows, self.verify if verify else None, self._rollback)
+        inline = rows <= INLINE_TOKENS
+        header = _header(OP_FORWARD, rows, self.verify if verify else None, self._rollback,
+                         tokens if inline else None)
         self._rollback = None
         self.link.send(header, 0)
-        # The token ids follow the header (the first stage reads its row count from the header).
-        self.link.send(tokens.reshape(-1).astype(mx.uint32), 0)
+        if not inline:  # a prefill chunk's ids follow the header (the first stage reads the row count)
+            self.link.send(tokens.reshape(-1).astype(mx.uint32), 0)
+            self.bytes_sent += 4 * rows
         h = self.link.recv((1, rows, self.model.hidden_size), self.dtype, self.stage.previous)
-        self.bytes_sent += 4 * HEADER_LEN + 4 * rows
+        self.bytes_sent += 4 * HEADER_LEN
         self.bytes_received += rows * self.model.hidden_size * self.dtype.size
         if not verify:
             return self.model.stage_hidden(h, cache)
@@ -182,7 +190,9 @@ def serve_stage(
             raise RuntimeError(f"pipeline stage {stage.rank}: unexpected step header {fields}")
         if fields[_KEEP_ROWS] != NO_ROLLBACK:
             keep_rows(cache, fields[_KEEP_ROWS], fields[_KEEP_KEPT])
-        if stage.first:
+        if stage.first and rows <= INLINE_TOKENS:
+            x = mx.array(fields[HEADER_LEN - INLINE_TOKENS : HEADER_LEN - INLINE_TOKENS + rows], dtype=mx.uint32)[None]
+        elif stage.first:
             x = link.recv((rows,), mx.uint32, stage.previous)[None]
         else:
             x = link.recv((1, rows, hidden_size), dtype, stage.previous)
@@ -193,7 +203,7 @@ def serve_stage(
             h = model.stage_hidden(x, cache)
         if forward_header:
             link.send(header, stage.next)  # the next stage reads it while this one computes
+        mx.eval(h, *[c.state for c in cache if c.state is not None])
         link.send(h, stage.next)
-        mx.eval(*[c.state for c in cache if c.state is not None])
         if on_step is not None:
             on_step()
