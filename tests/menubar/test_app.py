@@ -192,6 +192,25 @@ def test_a_pipeline_model_lists_its_stages():
     ]
 
 
+def test_a_model_whose_weights_download_shows_how_far_the_download_is():
+    view = {
+        "nodes": [{"id": "a1", "name": "studio", "memory_total_bytes": 2 << 30, "memory_available_bytes": 1 << 30}],
+        "instances": [
+            {
+                "id": "i1",
+                "model": "qwen",
+                "node": "a1",
+                "state": "downloading",
+                "stage": "downloading",
+                "progress": 0.0,
+                "download": {"id": "d1", "status": "downloading", "bytes_done": 1 << 30, "bytes_total": 4 << 30},
+                "shard": {"start_layer": 0, "end_layer": 32, "rank": 0, "world_size": 1},
+            }
+        ],
+    }
+    assert model_lines(cluster_summary(view).models[0]) == ["qwen: downloading 25% on studio (layers 0-32)"]
+
+
 def test_quit_without_a_daemon_stops_the_ui(running_app):
     app, item, _ = running_app()
     started = time.monotonic()

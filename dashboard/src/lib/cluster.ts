@@ -46,7 +46,7 @@ export function nodesWithModel(state: DashboardState, modelId: string): NodeView
 
 /** The model's instances that run or are on their way (not failed, stopping or gone). */
 export function liveInstancesOf(state: DashboardState, modelId: string): InstanceView[] {
-  return sortedInstances(state).filter((i) => i.model === modelId && (i.state === "ready" || i.state === "loading"));
+  return sortedInstances(state).filter((i) => i.model === modelId && (i.state === "ready" || i.state === "loading" || i.state === "downloading"));
 }
 
 export function memoryUsedBytes(node: NodeView): number {

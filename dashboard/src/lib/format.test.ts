@@ -1,6 +1,15 @@
 import { describe, expect, it } from "vitest";
 
-import { formatAgo, formatBytes, formatDuration, formatLayers, formatPercent, formatRate, formatStats } from "./format";
+import {
+  formatAgo,
+  formatBytes,
+  formatDuration,
+  formatInstanceDownload,
+  formatLayers,
+  formatPercent,
+  formatRate,
+  formatStats,
+} from "./format";
 import type { MTPStats } from "./types";
 
 describe("formatting", () => {
@@ -48,6 +57,16 @@ const stats = (over: Partial<MTPStats>): MTPStats => ({
   prompt_tokens: 20,
   completion_tokens: 60,
   ...over,
+});
+
+describe("formatInstanceDownload", () => {
+  const d = { id: "d1", status: "downloading", files_done: 1, files_total: 4, speed_bytes_per_s: 0, elapsed_s: 3 };
+  it("says how far the weights are, and how long is left when known", () => {
+    expect(formatInstanceDownload({ ...d, bytes_done: 2 ** 30, bytes_total: 4 * 2 ** 30, eta_s: 12 })).toBe(
+      "25% · 1.00 GB of 4.00 GB · 12 s left",
+    );
+    expect(formatInstanceDownload({ ...d, bytes_done: 0, bytes_total: 0, eta_s: null })).toBe("0% · 0 B of 0 B");
+  });
 });
 
 describe("formatStats", () => {

@@ -1,6 +1,6 @@
 // Numbers as people read them. Every function takes what the API sends and returns display text.
 
-import type { MTPStats } from "./types";
+import type { InstanceDownload, MTPStats } from "./types";
 
 const UNITS = ["B", "KB", "MB", "GB", "TB", "PB"];
 
@@ -37,6 +37,13 @@ export function formatDuration(ms: number | null | undefined): string {
 export function formatRate(tokensPerSecond: number | null | undefined): string {
   if (tokensPerSecond == null || !Number.isFinite(tokensPerSecond) || tokensPerSecond <= 0) return "—";
   return `${tokensPerSecond.toFixed(tokensPerSecond < 10 ? 2 : 1)} tok/s`;
+}
+
+/** An instance's weights on their way: "25% · 1.00 GB of 4.00 GB · 12 s left". */
+export function formatInstanceDownload(d: InstanceDownload): string {
+  const done = d.bytes_total > 0 ? d.bytes_done / d.bytes_total : 0;
+  const left = d.eta_s != null ? ` · ${formatDuration(d.eta_s * 1000)} left` : "";
+  return `${formatPercent(done)} · ${formatBytes(d.bytes_done)} of ${formatBytes(d.bytes_total)}${left}`;
 }
 
 /** Layers [start, end) as people count them: "layers 0–7". */

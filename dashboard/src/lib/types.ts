@@ -56,7 +56,20 @@ export interface StageView {
   free_bytes?: number;
 }
 
-export type InstanceState = "loading" | "ready" | "failed" | "stopping" | "gone";
+export type InstanceState = "loading" | "downloading" | "ready" | "failed" | "stopping" | "gone";
+
+/** The download that fetches an instance's weights (state "downloading"). */
+export interface InstanceDownload {
+  id: string;
+  status: string;
+  bytes_done: number;
+  bytes_total: number;
+  files_done: number;
+  files_total: number;
+  speed_bytes_per_s: number;
+  eta_s: number | null;
+  elapsed_s: number;
+}
 
 export interface InstanceFailure {
   exit_code: number;
@@ -93,6 +106,7 @@ export interface InstanceView {
   running: number;
   native_mtp: MTPAvailability | null;
   gone_reason?: string;
+  download?: InstanceDownload | null;
   /** A pipeline's state explained (a stage missing, a node gone). */
   pipeline_reason?: string | null;
 }

@@ -63,7 +63,7 @@ def model_lines(model: RunningModel) -> list[str]:
     """``exo-demo: ready on studio (layers 0-8)``; a pipeline gets one indented line per stage."""
 
     def where(s: ModelStage) -> str:
-        progress = f" {s.progress:.0%}" if s.state == "loading" else ""
+        progress = f" {s.progress:.0%}" if s.state in ("loading", "downloading") else ""
         doing = f", {s.stage}" if s.stage and s.stage != s.state else ""
         return f"{s.state}{progress}{doing} on {s.node_name} (layers {s.start_layer}-{s.end_layer})"
 

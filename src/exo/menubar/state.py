@@ -27,9 +27,9 @@ class ModelStage:
 
     instance_id: str
     node_name: str
-    state: str  # loading | ready | failed | stopping | gone
+    state: str  # loading | downloading | ready | failed | stopping | gone
     stage: str  # what its runner is doing: "loading weights", "ready", ...
-    progress: float
+    progress: float  # loading: the runner's; downloading: the weights' bytes done
     start_layer: int
     end_layer: int
     rank: int
@@ -100,7 +100,7 @@ def cluster_summary(view: dict[str, Any]) -> ClusterSummary:
             node_name=names.get(node, node[:8] or "?"),
             state=str(inst.get("state", "unknown")),
             stage=str(inst.get("stage") or ""),
-            progress=float(inst.get("progress") or 0.0),
+            progress=_progress(inst),
             start_layer=int(shard.get("start_layer", 0)),
             end_layer=int(shard.get("end_layer", 0)),
             rank=int(shard.get("rank", 0)),
@@ -117,3 +117,11 @@ def cluster_summary(view: dict[str, Any]) -> ClusterSummary:
         memory_available_bytes=sum(int(n.get("memory_available_bytes") or 0) for n in nodes),
         models=models,
     )
+
+
+def _progress(inst: dict) -> float:
+    """How far an instance is: its download's bytes while its weights arrive, else its runner's load."""
+    download = inst.get("download")
+    if inst.get("state") == "downloading" and isinstance(download, dict) and download.get("bytes_total"):
+        return float(download.get("bytes_done") or 0) / float(download["bytes_total"])
+    return float(inst.get("progress") or 0.0)
