@@ -116,3 +116,13 @@ def test_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
+
+
+def test_exo_cluster_says_how_far_an_instance_is():
+    from exo.cli.cluster import instance_label
+
+    assert instance_label({"model": "exo-demo", "state": "ready", "progress": 1.0}) == "exo-demo (ready)"
+    assert instance_label({"model": "big", "state": "loading", "progress": 0.4}) == "big (loading 40%)"
+    downloading = {"model": "qwen", "state": "downloading", "progress": 0.0,
+                   "download": {"bytes_done": 1 << 30, "bytes_total": 4 << 30}}
+    assert instance_label(downloading) == "qwen (downloading 25%)"

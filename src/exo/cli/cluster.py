@@ -34,6 +34,17 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):.1f}"
 
 
+def instance_label(inst: dict) -> str:
+    """``exo-demo (ready)``; how far it is while its weights download or load: ``qwen (downloading 25%)``."""
+    state = inst["state"]
+    download = inst.get("download") or {}
+    if state == "downloading" and download.get("bytes_total"):
+        state += f" {download.get('bytes_done', 0) / download['bytes_total']:.0%}"
+    elif state == "loading" and inst.get("progress"):
+        state += f" {inst['progress']:.0%}"
+    return f"{inst['model']} ({state})"
+
+
 def cluster_command(args: argparse.Namespace) -> int:
     from exo.settings import load_settings
 
@@ -45,7 +56,7 @@ def cluster_command(args: argparse.Namespace) -> int:
         return 0
     by_node: dict[str, list[str]] = {}
     for inst in view.get("instances", []):
-        by_node.setdefault(inst["node"], []).append(f"{inst['model']} ({inst['state']})")
+        by_node.setdefault(inst["node"], []).append(instance_label(inst))
     print(f"cluster namespace {view.get('namespace')}: {len(view['nodes'])} node(s), as seen from {url}")
     header = f"{'':2}{'NODE':<14}{'NAME':<20}{'ADDRESS':<22}{'BACKEND':<8}{'CHIP':<28}{'MEM FREE/TOTAL GiB':<20}{'RTT ms':>8}  INSTANCES"
     print(header)
