@@ -1,0 +1,358 @@
+"""Constrained decoding: a grammar (llguidance) decides which tokens may come next at every position.
+
+A request asks for structure with a ``ConstraintSpec`` (JSON valid against a schema, or one or more calls
+of listed tools); where the model lives it becomes a Lark grammar for llguidance (``grammar_for``), in the
+tool-call format the model's chat template writes (``tool_format``), compiled against the model's
+tokenizer (``compile_grammar``). A ``Matcher`` follows one generation: ``mask()`` is the set of tokens
+allowed after everything consumed so far, ``consume`` / ``rollback`` move it, so native MTP's drafts can
+be consumed speculatively and rolled back with the caches when the verify call rejects them.
+
+Tool-call formats (Qwen families):
+  json (Qwen3, Qwen3-Next; exo's own rendering for templates that render no tools):
+      <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>
+  xml (Qwen3.5, Qwen3.6, Qwen3-Coder):
+      <tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import mlx.core as mx
+import numpy as np
+
+ToolFormat = Literal["json", "xml"]
+
+# JSON inside a grammar: one canonical spelling (json.dumps' separators), no free whitespace, so a model
+# cannot spin on blanks and the output reads like what chat templates render (``tojson``).
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_LENIENT = {"lenient": True}
+TOOL_CALL_TAIL = "}\n</tool_call>"
+_STRING_ONLY = frozenset({"type", "description", "title", "default", "examples", "enum", "const"})
+
+
+class ConstraintError(ValueError):
+    """A constraint that cannot be compiled (an invalid schema, one the grammar engine cannot handle)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A function the model may call: its name and the JSON schema of its arguments (an object)."""
+
+    name: str
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """What the output must be. Exactly one of: ``json_schema`` (the whole output is one JSON value valid
+    against it) or ``tools`` (the output is one call, or with ``parallel_tool_calls`` one or more calls,
+    of these functions, with arguments valid against their schemas)."""
+
+    json_schema: dict[str, Any] | None = None
+    tools: tuple[ToolSpec, ...] = ()
+    parallel_tool_calls: bool = False
+    # Where each schema came from in the request, for errors (e.g. "response_format.json_schema.schema").
+    params: tuple[str, ...] = ()
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "json_schema": self.json_schema,
+                "tools": [{"name": t.name, "parameters": t.parameters} for t in self.tools],
+                "parallel_tool_calls": self.parallel_tool_calls,
+                "params": list(self.params),
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> ConstraintSpec:
+        data = json.loads(text)
+        return cls(
+            json_schema=data.get("json_schema"),
+            tools=tuple(ToolSpec(t["name"], t["parameters"]) for t in data.get("tools", [])),
+            parallel_tool_calls=bool(data.get("parallel_tool_calls", False)),
+            params=tuple(data.get("params", ())),
+        )
+
+
+def tool_format(chat_template: str | None) -> ToolFormat:
+    """The tool-call format a chat template teaches (xml: Qwen3.5/3.6/Coder; else Qwen3's JSON)."""
+    if chat_template and "<function=" in chat_template:
+        return "xml"
+    return "json"
+
+
+def check_schema(schema: Any, param: str, *, lenient: bool = False) -> None:
+    """Raise ``ConstraintError`` (naming ``param``) if llguidance cannot compile ``schema``.
+
+    ``lenient``: keywords llguidance does not implement are ignored (tools that are only shown to the model);
+    otherwise they are an error (a constraint must mean what the schema says)."""
+    if not isinstance(schema, dict):
+        raise ConstraintError(f"{param} must be a JSON schema object", param)
+    import llguidance
+
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema), overrides={**_JSON_STYLE, **(_LENIENT if lenient else {})}
+        )
+    except (ValueError, TypeError) as e:
+        raise ConstraintError(f"{param} is not a valid JSON schema: {e}", param) from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ConstraintError(f"{param} cannot be used as a constraint: {_first_line(error)}", param)
+
+
+def _first_line(error: str) -> str:
+    return error.strip().splitlines()[0] if error.strip() else error
+
+
+def closed(schema: Any, *, inside_all_of: bool = False) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that lists properties and
+    says nothing about others (OpenAI's strict mode): what it accepts is a subset of what ``schema`` accepts,
+    and a model cannot wander off into made-up keys. allOf members are left open (closing each would
+    forbid the others' properties)."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas"):
+            out[key] = {k: closed(v) for k, v in value.items()} if isinstance(value, dict) else value
+        elif key == "allOf":
+            out[key] = [closed(v, inside_all_of=True) for v in value] if isinstance(value, list) else value
+        elif key in ("items", "prefixItems", "anyOf", "oneOf", "additionalProperties", "not", "if", "then", "else",
+                     "contains", "additionalItems"):
+            out[key] = closed(value)
+        else:
+            out[key] = value
+    if (
+        not inside_all_of
+        and isinstance(out.get("properties"), dict)
+        and "additionalProperties" not in out
+        and "patternProperties" not in out
+        and "unevaluatedProperties" not in out
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
+def _json_block(schema: dict[str, Any]) -> str:
+    schema = closed(schema)
+    return "%json " + json.dumps({**schema, "x-guidance": {**schema.get("x-guidance", {}), **_JSON_STYLE}})
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text)
+
+
+def grammar_for(spec: ConstraintSpec, fmt: ToolFormat) -> str:
+    """The Lark grammar (llguidance's dialect) of ``spec``; tool calls in the format ``fmt``."""
+    if spec.json_schema is not None:
+        return "start: " + _json_block(spec.json_schema) + "\n"
+    if not spec.tools:
+        raise ConstraintError("a constraint needs a schema or at least one tool")
+    rules = []
+    names = []
+    for i, tool in enumerate(spec.tools):
+        param = spec.params[i] if i < len(spec.params) else f"tools.{i}.function.parameters"
+        body = _json_call(tool) if fmt == "json" else _xml_call(tool, i, rules, param)
+        rules.append(f"call_{i}: {body}")
+        names.append(f"call_{i}")
+    calls = "call: " + " | ".join(names)
+    start = 'start: call ("\\n" call)*' if spec.parallel_tool_calls else "start: call"
+    return "\n".join([start, calls, *rules]) + "\n"
+
+
+def _json_call(tool: ToolSpec) -> str:
+    head = _lark_string('<tool_call>\n{"name": ' + json.dumps(tool.name) + ', "arguments": ')
+    return f"{head} {_json_block(tool.parameters)} {_lark_string(TOOL_CALL_TAIL)}"
+
+
+def _xml_call(tool: ToolSpec, index: int, rules: list[str], param: str) -> str:
+    """One call in the XML format: every parameter in the schema's order (required ones always)."""
+    schema = tool.parameters
+    if schema.get("type", "object") != "object" or not isinstance(schema.get("properties", {}), dict):
+        raise ConstraintError(
+            f"{param}: this model writes tool arguments as XML parameters, which exo can constrain only for an "
+            "object schema with properties",
+            param,
+        )
+    properties: dict[str, Any] = schema.get("properties", {})
+    required = set(schema.get("required", []))
+    defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+    parts = []
+    for j, (name, sub) in enumerate(properties.items()):
+        rule = f"p_{index}_{j}"
+        value = _xml_value(sub if isinstance(sub, dict) else {}, defs, f"{param}.properties.{name}")
+        rules.append(f"{rule}: {_lark_string(f'<parameter={name}>' + chr(10))} {value}")
+        parts.append(rule if name in required else f"{rule}?")
+    if not properties and schema.get("additionalProperties", True) is not False:
+        rules.append(f"p_{index}_any: \"<parameter=\" /[A-Za-z0-9_.-]+/ \">\\n\" raw_value")
+        parts.append(f"p_{index}_any*")
+    if any("raw_value" in r for r in rules) and not any(r.startswith("raw_value") for r in rules):
+        rules.append("raw_value[lazy]: /(.|\\n)*\\n<\\/parameter>/ \"\\n\"")
+    head = _lark_string(f"<tool_call>\n<function={tool.name}>\n")
+    tail = _lark_string("</function>\n</tool_call>")
+    return " ".join([head, *parts, tail])
+
+
+def _xml_value(schema: dict[str, Any], defs: dict[str, Any], param: str) -> str:
+    end = _lark_string("\n</parameter>\n")
+    if schema.get("type") == "string" and set(schema) <= _STRING_ONLY:
+        choices = schema.get("enum") or ([schema["const"]] if "const" in schema else None)
+        if choices is not None:
+            if not all(isinstance(c, str) for c in choices):
+                raise ConstraintError(f"{param}: a string enum must list strings", param)
+            return "(" + " | ".join(_lark_string(c) for c in choices) + f") {end}"
+        return "raw_value"
+    if schema.get("type") == "string":
+        extra = sorted(set(schema) - _STRING_ONLY)
+        raise ConstraintError(
+            f"{param}: this model writes string arguments as raw text, which exo cannot constrain with "
+            f"{', '.join(extra)}",
+            param,
+        )
+    return f"{_json_block({**schema, **defs})} {end}"
+
+
+@functools.cache
+def _unpack_table() -> np.ndarray:
+    return np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(bool)
+
+
+_BLANKS = b" \t\r\n"
+_CLOSERS = frozenset(b'"}]')
+_SEPARATORS = frozenset(b'"}],:')
+
+
+@dataclass(frozen=True)
+class ClosingTokens:
+    """Token classes for closing a JSON structure: ``closers`` spell only quotes and closing brackets (and
+    blanks), ``separators`` only those plus ``,`` and ``:``."""
+
+    closers: np.ndarray  # bool [vocab]
+    separators: np.ndarray
+
+    @classmethod
+    def of(cls, tokenizer: Any, vocab: int) -> ClosingTokens:
+        closers = np.zeros(vocab, dtype=bool)
+        separators = np.zeros(vocab, dtype=bool)
+        for token in range(min(vocab, tokenizer.vocab_size)):
+            if tokenizer.is_special_token(token):
+                continue
+            text = tokenizer.decode_bytes([token]).strip(_BLANKS)
+            if text and all(b in _CLOSERS for b in text):
+                closers[token] = True
+            elif text and all(b in _SEPARATORS for b in text):
+                separators[token] = True
+        return cls(closers, separators)
+
+
+def closing_window(max_tokens: int) -> int:
+    """How many tokens before the end of the budget a JSON structure starts closing."""
+    return max(4, min(48, max_tokens // 4))
+
+
+class Matcher:
+    """One generation's grammar state (an llguidance matcher) and the token masks it allows.
+
+    With ``closing`` (JSON outputs), the last ``closing_window(max_tokens)`` positions of the budget prefer
+    tokens that close the structure (quotes and closing brackets, else separators), so an answer that would
+    run out of tokens mid-value ends as a complete, valid document instead. The mask of a position depends
+    only on the tokens before it and its index, as the grammar's does, so plain and speculative decoding see
+    the same masks."""
+
+    def __init__(self, grammar: Grammar, max_tokens: int | None = None) -> None:
+        import llguidance
+
+        self._matcher = llguidance.LLMatcher(grammar.tokenizer, grammar.grammar, log_level=0)
+        if self._matcher.is_error():
+            raise ConstraintError(f"the constraint cannot be compiled: {_first_line(self._matcher.get_error())}")
+        self.vocab = grammar.vocab
+        self._words = (grammar.tokenizer.vocab_size + 31) // 32
+        self.closing = grammar.closing
+        self.closing_from = None if max_tokens is None else max_tokens - closing_window(max_tokens)
+        self.consumed = 0  # tokens consumed so far (drafts included until rolled back)
+        self.closing_steps = 0  # positions whose mask the closing preference narrowed
+
+    def allowed(self) -> np.ndarray:
+        """Bool [vocab]: the tokens allowed next."""
+        bits = np.empty(self._words, dtype=np.int32)
+        self._matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+        allowed = _unpack_table()[bits.view(np.uint8)].reshape(-1)
+        if allowed.shape[0] < self.vocab:
+            allowed = np.concatenate([allowed, np.zeros(self.vocab - allowed.shape[0], dtype=bool)])
+        allowed = allowed[: self.vocab]
+        if self.closing is not None and self.closing_from is not None and self.consumed >= self.closing_from:
+            for preferred in (self.closing.closers, self.closing.closers | self.closing.separators):
+                narrowed = allowed & preferred
+                if narrowed.any():
+                    self.closing_steps += 1
+                    return narrowed
+        return allowed
+
+    def mask(self) -> mx.array:
+        """The allowed tokens as a device bool array [vocab] (computed on the host, from this state)."""
+        allowed = self.allowed()
+        if not allowed.any():
+            raise RuntimeError(f"the grammar allows no token here ({self._matcher.get_error() or 'dead end'})")
+        return mx.array(allowed)
+
+    def consume(self, token: int) -> None:
+        if not self._matcher.consume_token(token):
+            raise RuntimeError(f"the grammar refused token {token}: {self._matcher.get_error()}")
+        self.consumed += 1
+
+    def rollback(self, n: int) -> None:
+        if n > 0:
+            if not self._matcher.rollback(n):
+                raise RuntimeError(f"the grammar could not roll back {n} tokens: {self._matcher.get_error()}")
+            self.consumed -= n
+
+    def is_accepting(self) -> bool:
+        return self._matcher.is_accepting()
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A constraint compiled for one model's tokenizer: makes a ``Matcher`` per generation."""
+
+    tokenizer: Any  # llguidance.LLTokenizer
+    grammar: str
+    vocab: int
+    closing: ClosingTokens | None = None  # JSON output: how to close it when the budget runs out
+
+    def matcher(self, max_tokens: int | None = None) -> Matcher:
+        return Matcher(self, max_tokens)
+
+
+def compile_grammar(
+    spec: ConstraintSpec, tokenizer: Any, vocab: int, fmt: ToolFormat, closing: ClosingTokens | None = None
+) -> Grammar:
+    """``spec`` as a grammar for this tokenizer (an ``llguidance.LLTokenizer``); ConstraintError if it cannot.
+
+    ``closing``: the tokenizer's ``ClosingTokens``, used when the output is JSON (a schema, or tool calls in
+    the JSON format)."""
+    import llguidance
+
+    for i, tool in enumerate(spec.tools):
+        check_schema(tool.parameters, spec.params[i] if i < len(spec.params) else f"tools.{i}.function.parameters")
+    if spec.json_schema is not None:
+        check_schema(spec.json_schema, spec.params[0] if spec.params else "response_format")
+    lark = grammar_for(spec, fmt)
+    grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    if error:
+        param = spec.params[0] if len(spec.params) == 1 else None
+        raise ConstraintError(f"the constraint cannot be compiled: {_first_line(error)}", param)
+    json_output = spec.json_schema is not None or fmt == "json"
+    return Grammar(tokenizer, grammar, vocab, closing if json_output else None)
