@@ -283,9 +283,17 @@ class Matcher:
         self.closing_from = None if max_tokens is None else max_tokens - closing_window(max_tokens)
         self.consumed = 0  # tokens consumed so far (drafts included until rolled back)
         self.closing_steps = 0  # positions whose mask the closing preference narrowed
+        self.eos = frozenset(grammar.tokenizer.eos_tokens)
+        # Tokens taken since an end-of-sequence token (a draft's; the output ends there). They are not given
+        # to llguidance, whose rollback does not undo a consumed end of sequence (1.9: the next token fails).
+        self._after_eos = 0
 
     def allowed(self) -> np.ndarray:
         """Bool [vocab]: the tokens allowed next."""
+        if self._after_eos:
+            only_eos = np.zeros(self.vocab, dtype=bool)
+            only_eos[[t for t in self.eos if t < self.vocab]] = True
+            return only_eos
         bits = np.empty(self._words, dtype=np.int32)
         self._matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
         allowed = _unpack_table()[bits.view(np.uint8)].reshape(-1)
@@ -308,15 +316,22 @@ class Matcher:
         return mx.array(allowed)
 
     def consume(self, token: int) -> None:
-        if not self._matcher.consume_token(token):
+        if self._after_eos or token in self.eos:
+            if not self._after_eos and not self._matcher.is_accepting():
+                raise RuntimeError("the grammar refused the end of sequence: the output is not complete")
+            self._after_eos += 1
+        elif not self._matcher.consume_token(token):
             raise RuntimeError(f"the grammar refused token {token}: {self._matcher.get_error()}")
         self.consumed += 1
 
     def rollback(self, n: int) -> None:
-        if n > 0:
-            if not self._matcher.rollback(n):
-                raise RuntimeError(f"the grammar could not roll back {n} tokens: {self._matcher.get_error()}")
-            self.consumed -= n
+        if n <= 0:
+            return
+        virtual = min(n, self._after_eos)
+        self._after_eos -= virtual
+        if n > virtual and not self._matcher.rollback(n - virtual):
+            raise RuntimeError(f"the grammar could not roll back {n} tokens: {self._matcher.get_error()}")
+        self.consumed -= n
 
     def is_accepting(self) -> bool:
         return self._matcher.is_accepting()
