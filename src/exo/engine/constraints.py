@@ -31,7 +31,9 @@ ToolFormat = Literal["json", "xml"]
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _LENIENT = {"lenient": True}
 TOOL_CALL_TAIL = "}\n</tool_call>"
-_STRING_ONLY = frozenset({"type", "description", "title", "default", "examples", "enum", "const"})
+_STRING_ONLY = frozenset(
+    {"type", "description", "title", "default", "examples", "enum", "const", "minLength", "maxLength"}
+)
 
 
 class ConstraintError(ValueError):
@@ -192,20 +194,28 @@ def _xml_call(tool: ToolSpec, index: int, rules: list[str], param: str) -> str:
     parts = []
     for j, (name, sub) in enumerate(properties.items()):
         rule = f"p_{index}_{j}"
-        value = _xml_value(sub if isinstance(sub, dict) else {}, defs, f"{param}.properties.{name}")
+        value = _xml_value(sub if isinstance(sub, dict) else {}, defs, f"{param}.properties.{name}", rules)
         rules.append(f"{rule}: {_lark_string(f'<parameter={name}>' + chr(10))} {value}")
         parts.append(rule if name in required else f"{rule}?")
     if not properties and schema.get("additionalProperties", True) is not False:
-        rules.append(f"p_{index}_any: \"<parameter=\" /[A-Za-z0-9_.-]+/ \">\\n\" raw_value")
+        rules.append(f"p_{index}_any: \"<parameter=\" /[A-Za-z0-9_.-]+/ \">\\n\" {_raw_value(rules, 0, None)}")
         parts.append(f"p_{index}_any*")
-    if any("raw_value" in r for r in rules) and not any(r.startswith("raw_value") for r in rules):
-        rules.append("raw_value[lazy]: /(.|\\n)*\\n<\\/parameter>/ \"\\n\"")
     head = _lark_string(f"<tool_call>\n<function={tool.name}>\n")
     tail = _lark_string("</function>\n</tool_call>")
     return " ".join([head, *parts, tail])
 
 
-def _xml_value(schema: dict[str, Any], defs: dict[str, Any], param: str) -> str:
+def _raw_value(rules: list[str], low: int, high: int | None) -> str:
+    """A raw-text parameter value (``low``..``high`` characters) and its closing tag: a lazy lexeme, so it
+    ends at the first ``\\n</parameter>``."""
+    name = f"raw_value_{low}_{high if high is not None else 'n'}"
+    if not any(r.startswith(name + "[") for r in rules):
+        count = f"{{{low},{high if high is not None else ''}}}"
+        rules.append(f"{name}[lazy]: /(.|\\n){count}\\n<\\/parameter>/ \"\\n\"")
+    return name
+
+
+def _xml_value(schema: dict[str, Any], defs: dict[str, Any], param: str, rules: list[str]) -> str:
     end = _lark_string("\n</parameter>\n")
     if schema.get("type") == "string" and set(schema) <= _STRING_ONLY:
         choices = schema.get("enum") or ([schema["const"]] if "const" in schema else None)
@@ -213,7 +223,7 @@ def _xml_value(schema: dict[str, Any], defs: dict[str, Any], param: str) -> str:
             if not all(isinstance(c, str) for c in choices):
                 raise ConstraintError(f"{param}: a string enum must list strings", param)
             return "(" + " | ".join(_lark_string(c) for c in choices) + f") {end}"
-        return "raw_value"
+        return _raw_value(rules, schema.get("minLength", 0), schema.get("maxLength"))
     if schema.get("type") == "string":
         extra = sorted(set(schema) - _STRING_ONLY)
         raise ConstraintError(
@@ -230,31 +240,71 @@ def _unpack_table() -> np.ndarray:
 
 
 _BLANKS = b" \t\r\n"
-_CLOSERS = frozenset(b'"}]')
-_SEPARATORS = frozenset(b'"}],:')
+_QUOTE = ord('"')
+_BRACKETS = frozenset(b"}]")
+_PUNCTUATION = frozenset(b"}],:")
 
 
 @dataclass(frozen=True)
 class ClosingTokens:
-    """Token classes for closing a JSON structure: ``closers`` spell only quotes and closing brackets (and
-    blanks), ``separators`` only those plus ``,`` and ``:``."""
+    """Token classes for closing a JSON document when the budget runs out (blanks aside): ``quotes`` close a
+    string (a quote, then only brackets and separators), ``brackets`` only close objects and arrays,
+    ``separators`` only brackets, ``,`` and ``:``; ``eos`` end the output."""
 
-    closers: np.ndarray  # bool [vocab]
+    quotes: np.ndarray  # bool [vocab]
+    brackets: np.ndarray
     separators: np.ndarray
+    eos: np.ndarray
+    texts: tuple[bytes, ...]  # every token's bytes (special tokens: empty), for following the JSON state
 
     @classmethod
     def of(cls, tokenizer: Any, vocab: int) -> ClosingTokens:
-        closers = np.zeros(vocab, dtype=bool)
-        separators = np.zeros(vocab, dtype=bool)
-        for token in range(min(vocab, tokenizer.vocab_size)):
-            if tokenizer.is_special_token(token):
+        quotes, brackets, separators, eos = (np.zeros(vocab, dtype=bool) for _ in range(4))
+        texts = []
+        for token in range(vocab):
+            if token >= tokenizer.vocab_size or tokenizer.is_special_token(token):
+                eos[token] = token in tokenizer.eos_tokens
+                texts.append(b"")
                 continue
-            text = tokenizer.decode_bytes([token]).strip(_BLANKS)
-            if text and all(b in _CLOSERS for b in text):
-                closers[token] = True
-            elif text and all(b in _SEPARATORS for b in text):
+            raw = tokenizer.decode_bytes([token])
+            texts.append(raw)
+            text = raw.strip(_BLANKS)
+            if not text:
+                continue
+            if text[0] == _QUOTE and all(b in _PUNCTUATION for b in text[1:]):
+                quotes[token] = True
+            elif all(b in _BRACKETS for b in text):
+                brackets[token] = separators[token] = True
+            elif all(b in _PUNCTUATION for b in text):
                 separators[token] = True
-        return cls(closers, separators)
+        return cls(quotes, brackets, separators, eos, tuple(texts))
+
+
+@dataclass(frozen=True)
+class JsonState:
+    """Where a JSON text stands after some bytes: inside a string (after a backslash), open brackets."""
+
+    in_string: bool = False
+    escaped: bool = False
+    open: tuple[int, ...] = ()
+
+    def after(self, data: bytes) -> JsonState:
+        in_string, escaped, stack = self.in_string, self.escaped, list(self.open)
+        for b in data:
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif b == 0x5C:  # backslash
+                    escaped = True
+                elif b == _QUOTE:
+                    in_string = False
+            elif b == _QUOTE:
+                in_string = True
+            elif b in (0x7B, 0x5B):  # { [
+                stack.append(b)
+            elif b in (0x7D, 0x5D) and stack:
+                stack.pop()
+        return JsonState(in_string, escaped, tuple(stack))
 
 
 def closing_window(max_tokens: int) -> int:
@@ -265,11 +315,12 @@ def closing_window(max_tokens: int) -> int:
 class Matcher:
     """One generation's grammar state (an llguidance matcher) and the token masks it allows.
 
-    With ``closing`` (JSON outputs), the last ``closing_window(max_tokens)`` positions of the budget prefer
-    tokens that close the structure (quotes and closing brackets, else separators), so an answer that would
-    run out of tokens mid-value ends as a complete, valid document instead. The mask of a position depends
-    only on the tokens before it and its index, as the grammar's does, so plain and speculative decoding see
-    the same masks."""
+    With ``closing`` (JSON outputs), the last ``closing_window(max_tokens)`` positions of the budget narrow
+    the grammar's mask to the tokens that close what is open, where it allows any: inside a string its
+    closing quote; else closing brackets, then separators, then a quote (a required key); at the top level
+    the end of the output. So an answer that would run out of tokens mid-value ends as a complete, valid
+    document instead. The mask of a position depends only on the tokens before it and its index, as the
+    grammar's does, so plain and speculative decoding see the same masks."""
 
     def __init__(self, grammar: Grammar, max_tokens: int | None = None) -> None:
         import llguidance
@@ -283,6 +334,7 @@ class Matcher:
         self.closing_from = None if max_tokens is None else max_tokens - closing_window(max_tokens)
         self.consumed = 0  # tokens consumed so far (drafts included until rolled back)
         self.closing_steps = 0  # positions whose mask the closing preference narrowed
+        self._json = [JsonState()]  # the JSON state after each consumed token (closing only)
         self.eos = frozenset(grammar.tokenizer.eos_tokens)
         # Tokens taken since an end-of-sequence token (a draft's; the output ends there). They are not given
         # to llguidance, whose rollback does not undo a consumed end of sequence (1.9: the next token fails).
@@ -301,7 +353,10 @@ class Matcher:
             allowed = np.concatenate([allowed, np.zeros(self.vocab - allowed.shape[0], dtype=bool)])
         allowed = allowed[: self.vocab]
         if self.closing is not None and self.closing_from is not None and self.consumed >= self.closing_from:
-            for preferred in (self.closing.closers, self.closing.closers | self.closing.separators):
+            state, c = self._json[-1], self.closing
+            tiers = ((c.quotes,) if state.in_string else (c.brackets, c.separators, c.quotes) if state.open
+                     else (c.eos,))
+            for preferred in tiers:
                 narrowed = allowed & preferred
                 if narrowed.any():
                     self.closing_steps += 1
@@ -323,6 +378,9 @@ class Matcher:
         elif not self._matcher.consume_token(token):
             raise RuntimeError(f"the grammar refused token {token}: {self._matcher.get_error()}")
         self.consumed += 1
+        if self.closing is not None:
+            text = self.closing.texts[token] if token < len(self.closing.texts) else b""
+            self._json.append(self._json[-1].after(text))
 
     def rollback(self, n: int) -> None:
         if n <= 0:
@@ -332,6 +390,8 @@ class Matcher:
         if n > virtual and not self._matcher.rollback(n - virtual):
             raise RuntimeError(f"the grammar could not roll back {n} tokens: {self._matcher.get_error()}")
         self.consumed -= n
+        if self.closing is not None:
+            del self._json[-n:]
 
     def is_accepting(self) -> bool:
         return self._matcher.is_accepting()
