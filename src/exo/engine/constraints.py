@@ -247,11 +247,12 @@ _PUNCTUATION = frozenset(b"}],:")
 
 @dataclass(frozen=True)
 class ClosingTokens:
-    """Token classes for closing a JSON document when the budget runs out (blanks aside): ``quotes`` close a
-    string (a quote, then only brackets and separators), ``brackets`` only close objects and arrays,
-    ``separators`` only brackets, ``,`` and ``:``; ``eos`` end the output."""
+    """Token classes for closing a JSON document when the budget runs out (blanks aside): ``end_string`` close a
+    string (a quote, then only closing brackets), ``quotes`` a quote then brackets or separators, ``brackets``
+    only close objects and arrays, ``separators`` only brackets, ``,`` and ``:``; ``eos`` end the output."""
 
-    quotes: np.ndarray  # bool [vocab]
+    end_string: np.ndarray  # bool [vocab]
+    quotes: np.ndarray
     brackets: np.ndarray
     separators: np.ndarray
     eos: np.ndarray
@@ -259,7 +260,7 @@ class ClosingTokens:
 
     @classmethod
     def of(cls, tokenizer: Any, vocab: int) -> ClosingTokens:
-        quotes, brackets, separators, eos = (np.zeros(vocab, dtype=bool) for _ in range(4))
+        end_string, quotes, brackets, separators, eos = (np.zeros(vocab, dtype=bool) for _ in range(5))
         texts = []
         for token in range(vocab):
             if token >= tokenizer.vocab_size or tokenizer.is_special_token(token):
@@ -273,11 +274,12 @@ class ClosingTokens:
                 continue
             if text[0] == _QUOTE and all(b in _PUNCTUATION for b in text[1:]):
                 quotes[token] = True
+                end_string[token] = all(b in _BRACKETS for b in text[1:])
             elif all(b in _BRACKETS for b in text):
                 brackets[token] = separators[token] = True
             elif all(b in _PUNCTUATION for b in text):
                 separators[token] = True
-        return cls(quotes, brackets, separators, eos, tuple(texts))
+        return cls(end_string, quotes, brackets, separators, eos, tuple(texts))
 
 
 @dataclass(frozen=True)
@@ -309,7 +311,7 @@ class JsonState:
 
 def closing_window(max_tokens: int) -> int:
     """How many tokens before the end of the budget a JSON structure starts closing."""
-    return max(4, min(48, max_tokens // 4))
+    return max(6, min(48, max_tokens // 4))
 
 
 class Matcher:
@@ -354,8 +356,8 @@ class Matcher:
         allowed = allowed[: self.vocab]
         if self.closing is not None and self.closing_from is not None and self.consumed >= self.closing_from:
             state, c = self._json[-1], self.closing
-            tiers = ((c.quotes,) if state.in_string else (c.brackets, c.separators, c.quotes) if state.open
-                     else (c.eos,))
+            tiers = ((c.end_string, c.quotes) if state.in_string else (c.brackets, c.separators, c.quotes)
+                     if state.open else (c.eos,))
             for preferred in tiers:
                 narrowed = allowed & preferred
                 if narrowed.any():
