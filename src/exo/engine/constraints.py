@@ -333,7 +333,8 @@ class Matcher:
         self.vocab = grammar.vocab
         self._words = (grammar.tokenizer.vocab_size + 31) // 32
         self.closing = grammar.closing
-        self.closing_from = None if max_tokens is None else max_tokens - closing_window(max_tokens)
+        window = closing_window(max_tokens) + grammar.frame_tokens if max_tokens is not None else 0
+        self.closing_from = None if max_tokens is None else max_tokens - window
         self.consumed = 0  # tokens consumed so far (drafts included until rolled back)
         self.closing_steps = 0  # positions whose mask the closing preference narrowed
         self._json = [JsonState()]  # the JSON state after each consumed token (closing only)
@@ -407,6 +408,9 @@ class Grammar:
     grammar: str
     vocab: int
     closing: ClosingTokens | None = None  # JSON output: how to close it when the budget runs out
+    # Tokens of the longest fixed text around a tool call's arguments: the closing window widens by it, so
+    # a call started late still fits (and between calls, the end of the output is preferred).
+    frame_tokens: int = 0
 
     def matcher(self, max_tokens: int | None = None) -> Matcher:
         return Matcher(self, max_tokens)
@@ -432,4 +436,9 @@ def compile_grammar(
         param = spec.params[0] if len(spec.params) == 1 else None
         raise ConstraintError(f"the constraint cannot be compiled: {_first_line(error)}", param)
     json_output = spec.json_schema is not None or fmt == "json"
-    return Grammar(tokenizer, grammar, vocab, closing if json_output else None)
+    frame = max((len(tokenizer.tokenize_str(_json_frame(t))) for t in spec.tools), default=0)
+    return Grammar(tokenizer, grammar, vocab, closing if json_output else None, frame)
+
+
+def _json_frame(tool: ToolSpec) -> str:
+    return '<tool_call>\n{"name": ' + json.dumps(tool.name) + ', "arguments": ' + TOOL_CALL_TAIL
