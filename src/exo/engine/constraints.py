@@ -103,7 +103,7 @@ def check_schema(schema: Any, param: str, *, lenient: bool = False) -> None:
 
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            json.dumps(schema), overrides={**_JSON_STYLE, **(_LENIENT if lenient else {})}
+            json.dumps(schema), overrides={**_JSON_STYLE, **(_LENIENT if lenient else {})}  # type: ignore[arg-type]
         )
     except (ValueError, TypeError) as e:
         raise ConstraintError(f"{param} is not a valid JSON schema: {e}", param) from None
@@ -162,8 +162,8 @@ def grammar_for(spec: ConstraintSpec, fmt: ToolFormat) -> str:
         return "start: " + _json_block(spec.json_schema) + "\n"
     if not spec.tools:
         raise ConstraintError("a constraint needs a schema or at least one tool")
-    rules = []
-    names = []
+    rules: list[str] = []
+    names: list[str] = []
     for i, tool in enumerate(spec.tools):
         param = spec.params[i] if i < len(spec.params) else f"tools.{i}.function.parameters"
         body = _json_call(tool) if fmt == "json" else _xml_call(tool, i, rules, param)
@@ -190,7 +190,7 @@ def _xml_call(tool: ToolSpec, index: int, rules: list[str], param: str) -> str:
         )
     properties: dict[str, Any] = schema.get("properties", {})
     required = set(schema.get("required", []))
-    defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+    defs: dict[str, Any] = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
     parts = []
     for j, (name, sub) in enumerate(properties.items()):
         rule = f"p_{index}_{j}"

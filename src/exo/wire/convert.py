@@ -97,7 +97,7 @@ def error_to_pb(exc: BaseException) -> pb.GenerateChunk:
     """A generation's failure as the chunk the API node turns back into the same HTTP error."""
     message = str(exc.args[0]) if isinstance(exc, LookupError) and exc.args else str(exc)
     if isinstance(exc, ContextLengthError):
-        return error_chunk("context_length_exceeded", message, param=exc.param)
+        return error_chunk("context_length_exceeded", message, param=exc.param or "")
     if isinstance(exc, PromptError):
         return error_chunk("prompt", message)
     if isinstance(exc, NativeMTPUnavailableError):
