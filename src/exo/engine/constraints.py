@@ -99,17 +99,24 @@ def check_schema(schema: Any, param: str, *, lenient: bool = False) -> None:
     otherwise they are an error (a constraint must mean what the schema says)."""
     if not isinstance(schema, dict):
         raise ConstraintError(f"{param} must be a JSON schema object", param)
+    problem = _schema_problem(json.dumps(schema, sort_keys=True), lenient)
+    if problem is not None:
+        raise ConstraintError(f"{param} {problem}", param)
+
+
+@functools.lru_cache(maxsize=512)
+def _schema_problem(schema: str, lenient: bool) -> str | None:
+    """Why llguidance cannot compile a schema (None: it can). Cached: agents send the same tools each turn."""
     import llguidance
 
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            json.dumps(schema), overrides={**_JSON_STYLE, **(_LENIENT if lenient else {})}  # type: ignore[arg-type]
+            schema, overrides={**_JSON_STYLE, **(_LENIENT if lenient else {})}  # type: ignore[arg-type]
         )
     except (ValueError, TypeError) as e:
-        raise ConstraintError(f"{param} is not a valid JSON schema: {e}", param) from None
+        return f"is not a valid JSON schema: {e}"
     error = llguidance.LLMatcher.validate_grammar(grammar)
-    if error:
-        raise ConstraintError(f"{param} cannot be used as a constraint: {_first_line(error)}", param)
+    return f"cannot be used as a constraint: {_first_line(error)}" if error else None
 
 
 def _first_line(error: str) -> str:
@@ -327,7 +334,10 @@ class Matcher:
     def __init__(self, grammar: Grammar, max_tokens: int | None = None) -> None:
         import llguidance
 
-        self._matcher = llguidance.LLMatcher(grammar.tokenizer, grammar.grammar, log_level=0)
+        if grammar.template is not None:
+            self._matcher = grammar.template.deep_copy()  # a fresh state without parsing the grammar again
+        else:
+            self._matcher = llguidance.LLMatcher(grammar.tokenizer, grammar.grammar, log_level=0)
         if self._matcher.is_error():
             raise ConstraintError(f"the constraint cannot be compiled: {_first_line(self._matcher.get_error())}")
         self.vocab = grammar.vocab
@@ -411,6 +421,7 @@ class Grammar:
     # Tokens of the longest fixed text around a tool call's arguments: the closing window widens by it, so
     # a call started late still fits (and between calls, the end of the output is preferred).
     frame_tokens: int = 0
+    template: Any = None  # an llguidance.LLMatcher at the start, copied for each generation
 
     def matcher(self, max_tokens: int | None = None) -> Matcher:
         return Matcher(self, max_tokens)
@@ -437,7 +448,10 @@ def compile_grammar(
         raise ConstraintError(f"the constraint cannot be compiled: {_first_line(error)}", param)
     json_output = spec.json_schema is not None or fmt == "json"
     frame = max((len(tokenizer.tokenize_str(_json_frame(t))) for t in spec.tools), default=0)
-    return Grammar(tokenizer, grammar, vocab, closing if json_output else None, frame)
+    template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    if template.is_error():
+        raise ConstraintError(f"the constraint cannot be compiled: {_first_line(template.get_error())}")
+    return Grammar(tokenizer, grammar, vocab, closing if json_output else None, frame, template)
 
 
 def _json_frame(tool: ToolSpec) -> str:

@@ -33,7 +33,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from .adaptive import DepthCosts, DepthPolicy
-from .constraints import Grammar, Matcher
+from .constraints import ConstraintSpec, Grammar, Matcher, ToolFormat, compile_grammar
 from .costs import measure_costs
 from .forward import Forward, LocalForward
 from .loader import LoadedModel
@@ -60,6 +60,7 @@ MAX_FORCED_K = 8
 MAX_TOP_LOGPROBS = 20
 LOGPROB_FLOOR = -9999.0  # what a token the distribution excludes (-inf) reports
 HEAD_FLUSH_ROWS = 256
+GRAMMAR_CACHE = 16  # compiled grammars an engine keeps
 
 
 class NativeMTPUnavailableError(RuntimeError):
@@ -175,6 +176,7 @@ class Engine:
         self._grammar_tokenizer: Any = None
         self._closing_tokens: Any = None
         self._token_bytes: dict[int, bytes] = {}
+        self._grammars: dict[tuple[str, str], Grammar] = {}  # insertion order: least recently used first
 
     @property
     def model(self) -> Any:
@@ -205,6 +207,18 @@ class Engine:
 
             self._closing_tokens = ClosingTokens.of(self.grammar_tokenizer, self.vocab_size)
         return self._closing_tokens
+
+    def grammar(self, spec: ConstraintSpec, fmt: ToolFormat) -> Grammar:
+        """``spec`` compiled for this model (ConstraintError if it cannot be); the last few are kept, since
+        an agent sends the same tools and schemas turn after turn."""
+        key = (spec.to_json(), fmt)
+        grammar = self._grammars.pop(key, None)
+        if grammar is None:
+            grammar = compile_grammar(spec, self.grammar_tokenizer, self.vocab_size, fmt, self.closing_tokens)
+        self._grammars[key] = grammar
+        while len(self._grammars) > GRAMMAR_CACHE:
+            self._grammars.pop(next(iter(self._grammars)))
+        return grammar
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes a token stands for (a special token: its text)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .constraints import ConstraintError, ConstraintSpec, ToolFormat, compile_grammar, tool_format
+from .constraints import ConstraintError, ConstraintSpec, ToolFormat, tool_format
 from .generate import ContextLengthError, Engine, GenerationRequest, GenerationRequestError, NativeMTPMode
 from .sampling import SamplingParams
 
@@ -181,13 +181,7 @@ def generation_request(
     grammar = None
     if params.constraint is not None:
         try:
-            grammar = compile_grammar(
-                params.constraint,
-                engine.grammar_tokenizer,
-                engine.vocab_size,
-                prompt_tool_format(engine.loaded.tokenizer),
-                engine.closing_tokens,
-            )
+            grammar = engine.grammar(params.constraint, prompt_tool_format(engine.loaded.tokenizer))
         except ConstraintError as e:
             raise GenerationRequestError(str(e), param=e.param) from None
     return GenerationRequest(
