@@ -224,6 +224,7 @@ class _Block:
     """One <tool_call> block being read."""
 
     body: str = ""
+    blanks: str = ""  # the whitespace before the block (kept if it is not a call after all)
     call: ParsedCall | None = None
     kind: Literal["json", "xml"] | None = None
     args_start: int = 0  # json: where the arguments value starts in body
@@ -270,8 +271,8 @@ class ToolCallParser:
                 before = self._buffer[:at].rstrip()
                 if before:
                     events.append(Content(before))
+                self._block = _Block(blanks=self._buffer[len(before) : at])
                 self._buffer = self._buffer[at + len(START) :]
-                self._block = _Block()
                 continue
             at = self._buffer.find(END)
             if at < 0:
@@ -283,8 +284,8 @@ class ToolCallParser:
                 return events
             self._block.body += self._buffer[:at]
             self._buffer = self._buffer[at + len(END) :]
-            self._after_block = True
             events.extend(self._advance(final=True, closing=END))
+            self._after_block = self._block.call is not None
             self._block = None
 
     def finish(self) -> list[Event]:
@@ -318,8 +319,8 @@ class ToolCallParser:
         elif block.kind == "xml":
             events = self._advance_xml(block, final)
         if final and block.call is None:
-            # Not a call after all: the block's text is content.
-            events.append(Content(START + block.body + closing))
+            # Not a call after all: the block's text is content, as written.
+            events.append(Content(block.blanks + START + block.body + closing))
         return events
 
     def _start(self, block: _Block, name: str) -> CallStart:
