@@ -104,13 +104,11 @@ def test_out_of_range_parameters(server, body, param):
 @pytest.mark.parametrize(
     ("endpoint", "body", "param"),
     [
-        ("chat", _chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-        ("chat", _chat(logprobs=True), "logprobs"),
-        ("chat", _chat(top_logprobs=3), "top_logprobs"),
-        ("chat", _chat(response_format={"type": "json_object"}), "response_format"),
+        ("chat", _chat(functions=[{"name": "f"}]), "functions"),
+        ("chat", _chat(function_call="auto"), "function_call"),
         ("chat", _chat(n=2), "n"),
         ("chat", _chat(logit_bias={"5": 10}), "logit_bias"),
-        ("chat", _chat(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]), "messages.0.role"),
+        ("chat", _chat(messages=[{"role": "function", "content": "x", "name": "f"}]), "messages.0.role"),
         (
             "chat",
             _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),

@@ -149,6 +149,40 @@ def test_errors_through_another_node_are_the_owners(trio, placed):
     assert a.post("/v1/chat/completions", bad).status_code == b.post("/v1/chat/completions", bad).status_code
 
 
+def test_tools_structured_output_and_logprobs_through_another_node(trio, placed):
+    """Tools, tool messages, a forced call, a JSON schema and logprobs cross the gRPC hop unchanged: node A
+    answers exactly as B, which runs the instance, does (MTP on, the grammar compiled on B)."""
+    a, b, _ = trio
+    weather = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+               "required": ["city", "days"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
+    ask = [{"role": "user", "content": "Weather in Oslo?"}]
+    forced = {"model": MODEL, "messages": ask, "tools": tools, "tool_choice": "required", "temperature": 0,
+              "max_tokens": 64, "logprobs": True, "top_logprobs": 2, "native_mtp": {"k": 2}}
+    through, direct = a.post("/v1/chat/completions", forced).json(), b.post("/v1/chat/completions", forced).json()
+    for answer in (through, direct):
+        assert answer["choices"][0]["finish_reason"] == "tool_calls", answer
+    call, same = through["choices"][0]["message"]["tool_calls"][0], direct["choices"][0]["message"]["tool_calls"][0]
+    assert (call["function"], call["type"]) == (same["function"], same["type"])
+    assert through["choices"][0]["logprobs"] == direct["choices"][0]["logprobs"]
+    assert json.loads(call["function"]["arguments"]).keys() == {"city", "days"}
+    # The call and its result go back through A: messages with tool_calls and tool_call_id travel too.
+    follow = {"model": MODEL, "tools": tools, "temperature": 0, "max_tokens": 12, "messages": ask + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "sunny"},
+    ]}
+    through, direct = a.post("/v1/chat/completions", follow).json(), b.post("/v1/chat/completions", follow).json()
+    assert through["choices"][0]["message"] == direct["choices"][0]["message"]
+    assert through["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"]
+    schema = {"model": MODEL, "messages": ask, "temperature": 0, "max_tokens": 48, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "w", "schema": weather}}}
+    through, direct = a.post("/v1/chat/completions", schema).json(), b.post("/v1/chat/completions", schema).json()
+    assert through["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
+    assert json.loads(through["choices"][0]["message"]["content"]).keys() == {"city", "days"}
+    bad = {**schema, "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": 3}}}}
+    assert a.post("/v1/chat/completions", bad).json()["error"]["param"] == "response_format.json_schema.schema"
+
+
 def test_instance_endpoints(trio, placed):
     a, b, c = trio
     # Already placed: 409 that names the instance; preview has no side effects.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from pathlib import Path
 
 import numpy as np
@@ -126,6 +127,28 @@ def test_pipeline_penalties_stops_and_cancellation(checkpoint, tmp_path):
     assert out[2]["token_ids"] == stopped.token_ids and out[2]["finish_reason"] == "stop"
     assert out[2]["text"] == stopped.text
     assert out[3]["token_ids"] == full.token_ids
+
+
+def test_pipeline_constrained_decoding_and_logprobs_equal_single_node(checkpoint, tmp_path):
+    """The leader runs the one loop: a grammar (compiled on the leader) and logprobs through a pipeline give
+    single-node constrained plain decoding's tokens and log-probabilities."""
+    from exo.engine.constraints import ConstraintSpec, compile_grammar
+
+    path = checkpoint("qwen3_5", dtype="float32")
+    engine = _single_node(path, False)
+    spec = ConstraintSpec(json_schema={"type": "object", "properties": {"n": {"type": "integer"}, "ok": {
+        "type": "boolean"}}, "required": ["n", "ok"]})
+    grammar = compile_grammar(spec, engine.grammar_tokenizer, engine.vocab_size, "json", engine.closing_tokens)
+    prompt = _prompt(engine, 12)
+    plain = engine.complete(GenerationRequest(prompt, max_tokens=40, native_mtp="off", constraint=grammar, logprobs=2))
+    assert plain.finish_reason == "stop" and json.loads(plain.text).keys() == {"n", "ok"}
+    requests = [{"prompt": prompt, "max_tokens": 40, "mtp_k": k, "constraint": spec.to_json(), "logprobs": 2}
+                for k in (2, 3)]
+    for out in run_pipeline(tmp_path, path, SPLITS[2], requests)["results"]:
+        assert out["token_ids"] == plain.token_ids and out["text"] == plain.text
+        assert [e[0] for e in out["logprobs"]] == [e.token for e in plain.logprobs]
+        assert [e[1] for e in out["logprobs"]] == pytest.approx([e.logprob for e in plain.logprobs], abs=1e-4)
+    assert out["stats"]["mode"] == "pipeline"
 
 
 def test_pipeline_without_a_head_runs_plain_and_says_why(checkpoint, tmp_path):

@@ -20,11 +20,25 @@ from aiohttp import web
 
 from exo.cluster.service import BatchedStream, GenerateParams, Prompt, Started
 from exo.engine import GenerationChunk, SamplingParams
+from exo.engine.constraints import ConstraintSpec
+from exo.engine.generate import TokenLogprob
 
 from .config import CONFIG, METRICS, SERVICE
 from .errors import api_error_from
 from .parsing import read_json, validate
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerationFields, reject_unsupported
+from .tools import (
+    Arguments,
+    CallStart,
+    Content,
+    Event,
+    ToolCallParser,
+    chat_messages,
+    constraint_for,
+    logprobs_for,
+    parses_tool_calls,
+    tool_definitions,
+)
 
 DEFAULT_CHAT_MAX_TOKENS = 4096  # chat: until EOS, at most this (and what is left of the context)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -46,7 +60,14 @@ def _sampling(req: GenerationFields) -> SamplingParams:
     )
 
 
-def _params(req: GenerationFields, max_tokens: int | None, default_max_tokens: int) -> GenerateParams:
+def _params(
+    req: GenerationFields,
+    max_tokens: int | None,
+    default_max_tokens: int,
+    *,
+    constraint: ConstraintSpec | None = None,
+    logprobs: int | None = None,
+) -> GenerateParams:
     req.check_combinations()
     mtp = req.native_mtp
     mode = "off" if mtp is not None and mtp.enabled is False else "auto"
@@ -57,24 +78,21 @@ def _params(req: GenerationFields, max_tokens: int | None, default_max_tokens: i
         stop=tuple(req.stop_list()),
         native_mtp=mode,
         mtp_k=mtp.k if mtp is not None else None,
+        constraint=constraint,
+        logprobs=logprobs,
     )
-
-
-def _chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
-    out = []
-    for m in req.messages:
-        content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)
-        role = "system" if m.role == "developer" else m.role  # chat templates know "system"
-        out.append({"role": role, "content": content})
-    return out
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrived = time.monotonic()
     req = validate(ChatCompletionRequest, reject_unsupported(await read_json(request), "chat"))
-    prompt = Prompt(messages=_chat_messages(req), template_kwargs=dict(req.chat_template_kwargs or {}))
-    params = _params(req, req.completion_budget(), DEFAULT_CHAT_MAX_TOKENS)
-    return await _generate(request, req, prompt, params, arrived, chat=True)
+    tools = tool_definitions(req)
+    prompt = Prompt(messages=chat_messages(req), template_kwargs=dict(req.chat_template_kwargs or {}), tools=tools)
+    params = _params(
+        req, req.completion_budget(), DEFAULT_CHAT_MAX_TOKENS, constraint=constraint_for(req), logprobs=logprobs_for(req)
+    )
+    writer = _Writer(chat=True, tools=tools if parses_tool_calls(req) else None, logprobs=params.logprobs is not None)
+    return await _generate(request, req, prompt, params, arrived, writer)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -82,8 +100,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = validate(CompletionRequest, reject_unsupported(await read_json(request), "completions"))
     value = req.prompt_value()
     prompt = Prompt(text=value) if isinstance(value, str) else Prompt(token_ids=list(value))
-    params = _params(req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
-    return await _generate(request, req, prompt, params, arrived, chat=False)
+    params = _params(req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, logprobs=req.logprobs)
+    writer = _Writer(chat=False, logprobs=req.logprobs is not None)
+    return await _generate(request, req, prompt, params, arrived, writer)
 
 
 # -- generation -----------------------------------------------------------------------------------------
@@ -107,8 +126,7 @@ async def _generate(
     prompt: Prompt,
     params: GenerateParams,
     arrived: float,
-    *,
-    chat: bool,
+    writer: _Writer,
 ) -> web.StreamResponse:
     service, config = request.app[SERVICE], request.app[CONFIG]
     remaining = arrived + config.request_timeout_s - time.monotonic()
@@ -116,7 +134,7 @@ async def _generate(
     stream = service.generate(model_id, prompt, params, timeout_s=config.request_timeout_s, arrived=arrived)
     try:
         started = await stream.start()  # errors before any output (validation, context) are plain 4xx
-        writer = _Writer(model_id, chat)
+        writer.model = model_id
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return await _stream(request, stream, writer, started, include_usage)
@@ -166,15 +184,31 @@ def _sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
-class _Writer:
-    """OpenAI response shapes for one generation (chat or text completion)."""
+def _logprob_value(value: float) -> float:
+    return max(value, -9999.0)
 
-    def __init__(self, model: str, chat: bool) -> None:
+
+def _token_text(data: bytes) -> str:
+    return data.decode("utf-8", errors="replace")
+
+
+class _Writer:
+    """OpenAI response shapes for one generation (chat or text completion).
+
+    ``tools``: the answer's text is searched for tool calls (``api/tools.py``), which become
+    ``tool_calls`` (streamed as OpenAI's deltas); ``logprobs``: the chunks' token log-probabilities are
+    reported (chat: ``logprobs.content``; completions: the legacy tokens / token_logprobs shape)."""
+
+    def __init__(self, *, chat: bool, tools: list[dict[str, Any]] | None = None, logprobs: bool = False) -> None:
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
-        self.model = model
+        self.model = ""
         self.include_usage = False
+        self.tools = tools
+        self.logprobs = logprobs
+        self.parser = ToolCallParser(tools) if tools is not None else None
+        self.text_offset = 0  # completions: where the next token's text starts
 
     def _base(self, obj: str) -> dict[str, Any]:
         base = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "system_fingerprint": None}
@@ -182,29 +216,91 @@ class _Writer:
             base["usage"] = None
         return base
 
-    def _chunk(self, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+    def _chunk(self, delta: dict[str, Any], finish: str | None, logprobs: Any = None) -> dict[str, Any]:
         if self.chat:
-            delta: dict[str, Any] = {}
-            if role:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return {**self._base("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": delta.get("content") or "", "logprobs": logprobs, "finish_reason": finish}
         return {**self._base("text_completion"), "choices": [choice]}
 
     def opening(self) -> bytes:
-        return _sse(self._chunk("", None, role=True)) if self.chat else b""
+        return _sse(self._chunk({"role": "assistant", "content": ""}, None)) if self.chat else b""
 
+    # -- logprobs ----------------------------------------------------------------------------------------
+    def _chat_logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:
+        content = [
+            {
+                "token": _token_text(e.bytes),
+                "logprob": _logprob_value(e.logprob),
+                "bytes": list(e.bytes),
+                "top_logprobs": [
+                    {"token": _token_text(t.bytes), "logprob": _logprob_value(t.logprob), "bytes": list(t.bytes)}
+                    for t in e.top
+                ],
+            }
+            for e in entries
+        ]
+        return {"content": content, "refusal": None}
+
+    def _completion_logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:
+        tokens, offsets = [], []
+        for e in entries:
+            text = _token_text(e.bytes)
+            tokens.append(text)
+            offsets.append(self.text_offset)
+            self.text_offset += len(text)
+        top = [{_token_text(t.bytes): _logprob_value(t.logprob) for t in e.top} for e in entries]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_logprob_value(e.logprob) for e in entries],
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+    def _logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        entries = entries or []
+        return self._chat_logprobs(entries) if self.chat else self._completion_logprobs(entries)
+
+    # -- tool calls --------------------------------------------------------------------------------------
+    def _events(self, text: str, final: bool) -> list[Event]:
+        if self.parser is None:
+            return [Content(text)] if text else []
+        events = self.parser.feed(text) if text else []
+        return events + self.parser.finish() if final else events
+
+    @staticmethod
+    def _delta(event: Event) -> dict[str, Any]:
+        if isinstance(event, Content):
+            return {"content": event.text}
+        if isinstance(event, CallStart):
+            call = {"index": event.index, "id": event.id, "type": "function",
+                    "function": {"name": event.name, "arguments": ""}}
+            return {"tool_calls": [call]}
+        assert isinstance(event, Arguments)
+        return {"tool_calls": [{"index": event.index, "function": {"arguments": event.fragment}}]}
+
+    def _finish_reason(self, finish: str) -> str:
+        if finish == "stop" and self.parser is not None and self.parser.calls:
+            return "tool_calls"
+        return finish
+
+    # -- streaming and whole answers -----------------------------------------------------------------------
     def events(self, chunk: GenerationChunk, started: Started) -> bytes:
         out = b""
-        if chunk.text:
-            out += _sse(self._chunk(chunk.text, None))
-        if chunk.finish_reason is not None:
-            final = self._chunk(None if self.chat else "", chunk.finish_reason)
-            final["native_mtp"] = chunk.stats.model_dump(mode="json") if chunk.stats else None
-            out += _sse(final)
+        final = chunk.finish_reason is not None
+        logprobs = self._logprobs(chunk.logprobs) if (chunk.logprobs or (final and self.logprobs)) else None
+        for event in self._events(chunk.text, final):
+            out += _sse(self._chunk(self._delta(event), None, logprobs))
+            logprobs = None
+        if logprobs is not None and (logprobs.get("content") or logprobs.get("tokens")):
+            out += _sse(self._chunk({}, None, logprobs))
+        if final:
+            assert chunk.finish_reason is not None
+            final_chunk = self._chunk({} if self.chat else {"content": ""}, self._finish_reason(chunk.finish_reason))
+            final_chunk["native_mtp"] = chunk.stats.model_dump(mode="json") if chunk.stats else None
+            out += _sse(final_chunk)
             if self.include_usage and chunk.stats is not None:
                 usage_chunk = {**self._base("chat.completion.chunk" if self.chat else "text_completion"), "choices": []}
                 usage_chunk["usage"] = _usage(chunk.stats, started)
@@ -215,16 +311,28 @@ class _Writer:
         text = "".join(c.text for c in chunks)
         last = chunks[-1]
         assert last.finish_reason is not None and last.stats is not None
+        entries = [e for c in chunks for e in (c.logprobs or [])]
+        logprobs = self._logprobs(entries)
         if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.parser is not None:
+                events = self._events(text, final=True)
+                content = "".join(e.text for e in events if isinstance(e, Content))
+                message["content"] = content if content or not self.parser.calls else None
+                if self.parser.calls:
+                    message["tool_calls"] = [
+                        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                        for c in self.parser.calls
+                    ]
             choice = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": last.finish_reason,
+                "message": message,
+                "logprobs": logprobs,
+                "finish_reason": self._finish_reason(last.finish_reason),
             }
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason}
             obj = "text_completion"
         return {
             "id": self.id,

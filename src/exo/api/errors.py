@@ -95,7 +95,7 @@ def api_error_from(exc: BaseException) -> APIError:
     if isinstance(exc, NativeMTPUnavailableError):
         return APIError(400, msg, param="native_mtp", code="native_mtp_unavailable")
     if isinstance(exc, GenerationRequestError):
-        return APIError(400, msg, code="invalid_value")
+        return APIError(400, msg, param=getattr(exc, "param", None), code="invalid_value")
     if isinstance(exc, SamplingParamsError):
         # The engine's messages start with the parameter's name ("top_p must be in (0, 1], got 2").
         return APIError(400, msg, param=msg.split(" ", 1)[0], code="invalid_value")

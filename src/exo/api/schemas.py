@@ -2,13 +2,14 @@
 
 Requests are validated strictly (JSON types as documented, unknown fields rejected), so a typo or a
 feature exo does not have is a 400, never silently ignored. OpenAI fields exo does not implement
-(tools, logprobs, response_format, n > 1, ...) are accepted only with their "off" value and are
-otherwise rejected by ``reject_unsupported`` with ``code: "unsupported_parameter"``.
+(the deprecated functions / function_call, logit_bias, n > 1, ...) are accepted only with their "off" value
+and are otherwise rejected by ``reject_unsupported`` with ``code: "unsupported_parameter"``. Tools,
+response_format and logprobs are implemented (``api/tools.py``, ``engine/constraints.py``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,14 +23,8 @@ _STRICT = ConfigDict(extra="forbid", strict=True)
 
 # Known OpenAI fields exo does not implement, with the values that ask for nothing (accepted, dropped).
 _OFF: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None, True, False),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "logit_bias": (None, {}),
     "audio": (None,),
     "modalities": (None, ["text"]),
@@ -42,7 +37,6 @@ _OFF: dict[str, tuple[Any, ...]] = {
     "verbosity": (None,),
 }
 _COMPLETIONS_OFF: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, 0),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
@@ -82,9 +76,9 @@ def reject_unsupported(body: dict[str, Any], endpoint: Literal["chat", "completi
 
 def _reject_unsupported_message(message: dict[str, Any], where: str) -> None:
     role = message.get("role")
-    if role in ("tool", "function"):
-        raise _unsupported(f"{where}.role", f"{role!r} messages are not supported by exo (no tool calling)")
-    for key in ("tool_calls", "function_call", "audio"):
+    if role == "function":
+        raise _unsupported(f"{where}.role", "'function' messages (deprecated) are not supported by exo: use 'tool'")
+    for key in ("function_call", "audio"):
         if message.get(key) not in (None, []):
             raise _unsupported(f"{where}.{key}", f"{key!r} in messages is not supported by exo")
     content = message.get("content")
@@ -134,11 +128,96 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+
+    name: str = Field(min_length=1)
+    arguments: str = Field(description="the arguments as a JSON object, in a string")
+
+
+class ToolCall(BaseModel):
+    model_config = _STRICT
+
+    id: str = Field(min_length=1)
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(
+        default=None, description="required except on assistant messages that carry tool_calls"
+    )
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, description="assistant messages: the calls it made")
+    tool_call_id: str | None = Field(default=None, description="tool messages: the call this is the result of")
+
+
+TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _STRICT
+
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        default=None, description="a JSON schema (an object); absent: no parameters"
+    )
+    strict: bool | None = Field(default=None, description="accepted; forced calls always follow the schema")
+
+
+class Tool(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = _STRICT
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema", description="absent: any JSON object")
+    strict: bool | None = Field(default=None, description="accepted; the output always follows the schema")
+
+
+class TextFormat(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["text"]
+
+
+class JSONObjectFormat(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["json_object"]
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JSONObjectFormat | JSONSchemaFormat, Field(discriminator="type")]
 
 
 class GenerationFields(BaseModel):
@@ -196,6 +275,20 @@ class ChatCompletionRequest(GenerationFields):
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None, description="exo extension: extra variables for the chat template (e.g. enable_thinking)"
     )
+    tools: list[Tool] | None = Field(default=None, max_length=128, description="functions the model may call")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None,
+        description="auto (default with tools): the model decides; required: at least one call; a named function: "
+        "a call of it; required and named calls are constrained to the functions' schemas",
+    )
+    parallel_tool_calls: bool | None = Field(default=None, description="default true: several calls in one answer")
+    response_format: ResponseFormat | None = Field(
+        default=None, description="json_object / json_schema: the content is constrained to (schema-valid) JSON"
+    )
+    logprobs: bool | None = Field(default=None, description="log-probabilities of the output tokens")
+    top_logprobs: int | None = Field(
+        default=None, ge=0, le=20, description="with logprobs: this many most likely alternatives per token"
+    )
 
     def completion_budget(self) -> int | None:
         a, b = self.max_tokens, self.max_completion_tokens
@@ -212,6 +305,9 @@ class ChatCompletionRequest(GenerationFields):
 class CompletionRequest(GenerationFields):
     prompt: str | list[int] | list[str] = Field(
         description="text, a list of token ids, or a list holding one text"
+    )
+    logprobs: int | None = Field(
+        default=None, ge=0, le=20, description="log-probabilities of the output tokens, with this many alternatives"
     )
 
     def prompt_value(self) -> str | list[int]:
@@ -271,16 +367,35 @@ class Usage(BaseModel):
     queue_ms: float = Field(description="time spent waiting for the device")
 
 
+class TopLogprobView(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobView(BaseModel):
+    token: str = Field(description="the token's text (bytes that are not whole UTF-8 characters: replaced)")
+    logprob: float = Field(description="under the distribution the token was chosen from; -9999.0: excluded")
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprobView]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprobView] | None
+    refusal: None = None
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(default=None, description="present when the model called tools")
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
-    finish_reason: Literal["stop", "length"]
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletion(BaseModel):
@@ -293,16 +408,29 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = Field(default=None, description="on a call's first delta, with type and function.name")
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -318,10 +446,17 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = Field(default=None, description="on the last chunk (empty choices) with include_usage")
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
 
 

@@ -33,6 +33,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from .adaptive import DepthCosts, DepthPolicy
+from .constraints import ConstraintSpec, Grammar, Matcher, ToolFormat, compile_grammar
 from .costs import measure_costs
 from .forward import Forward, LocalForward
 from .loader import LoadedModel
@@ -56,7 +57,10 @@ TIE_MARGIN_HALF = 2.0**-5  # ~4 ulps of a bf16 logit
 TIE_MARGIN_FP32 = 2.0**-14
 FinishReason = Literal["stop", "length", "cancelled"]
 MAX_FORCED_K = 8
+MAX_TOP_LOGPROBS = 20
+LOGPROB_FLOOR = -9999.0  # what a token the distribution excludes (-inf) reports
 HEAD_FLUSH_ROWS = 256
+GRAMMAR_CACHE = 16  # compiled grammars an engine keeps
 
 
 class NativeMTPUnavailableError(RuntimeError):
@@ -65,6 +69,10 @@ class NativeMTPUnavailableError(RuntimeError):
 
 class GenerationRequestError(ValueError):
     """A generation request is invalid (too long for the context, bad max_tokens, bad K...)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ContextLengthError(GenerationRequestError):
@@ -106,6 +114,28 @@ class GenerationRequest:
     mtp_k: int | None = None  # force a depth (0..8); None: adaptive
     # Polled once per decode step or speculative round; True ends the generation ("cancelled").
     should_stop: Callable[[], bool] | None = None
+    # Tokens must follow this grammar (engine/constraints.py): every position's logits are masked.
+    constraint: Grammar | None = None
+    # Log-probabilities of the emitted tokens with this many alternatives (0..20); None: none.
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token: int
+    bytes: bytes
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the distribution it was chosen from (after penalties,
+    the grammar's mask, and for sampling the filters and temperature), with the most likely alternatives."""
+
+    token: int
+    bytes: bytes
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
 
 
 @dataclass
@@ -116,6 +146,8 @@ class GenerationChunk:
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     stats: NativeMTPStats | None = None
+    # With GenerationRequest.logprobs: one entry per token of token_ids, EOS excepted.
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -124,6 +156,7 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: FinishReason
     stats: NativeMTPStats
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Engine:
@@ -140,10 +173,59 @@ class Engine:
         self._costs: DepthCosts | None = None
         self._policy: DepthPolicy | None = None
         self._policy_key: tuple[int, int] | None = None
+        self._grammar_tokenizer: Any = None
+        self._closing_tokens: Any = None
+        self._token_bytes: dict[int, bytes] = {}
+        self._grammars: dict[tuple[str, str], Grammar] = {}  # insertion order: least recently used first
 
     @property
     def model(self) -> Any:
         return self.loaded.model
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the logits (the embedding table; at least the tokenizer's vocabulary)."""
+        return int(self.model.text_model.embed_tokens.weight.shape[0])
+
+    @property
+    def grammar_tokenizer(self) -> Any:
+        """The tokenizer as llguidance sees it (built once, on first need: constraints, token bytes)."""
+        if self._grammar_tokenizer is None:
+            import llguidance.hf
+
+            hf = getattr(self.loaded.tokenizer, "_tokenizer", self.loaded.tokenizer)
+            self._grammar_tokenizer = llguidance.hf.from_tokenizer(
+                hf, n_vocab=max(self.vocab_size, len(hf)), eos_token=sorted(self.loaded.eos_token_ids) or None
+            )
+        return self._grammar_tokenizer
+
+    @property
+    def closing_tokens(self) -> Any:
+        """The tokenizer's ``ClosingTokens`` (constrained JSON closes as the budget runs out); built once."""
+        if self._closing_tokens is None:
+            from .constraints import ClosingTokens
+
+            self._closing_tokens = ClosingTokens.of(self.grammar_tokenizer, self.vocab_size)
+        return self._closing_tokens
+
+    def grammar(self, spec: ConstraintSpec, fmt: ToolFormat) -> Grammar:
+        """``spec`` compiled for this model (ConstraintError if it cannot be); the last few are kept, since
+        an agent sends the same tools and schemas turn after turn."""
+        key = (spec.to_json(), fmt)
+        grammar = self._grammars.pop(key, None)
+        if grammar is None:
+            grammar = compile_grammar(spec, self.grammar_tokenizer, self.vocab_size, fmt, self.closing_tokens)
+        self._grammars[key] = grammar
+        while len(self._grammars) > GRAMMAR_CACHE:
+            self._grammars.pop(next(iter(self._grammars)))
+        return grammar
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token stands for (a special token: its text)."""
+        out = self._token_bytes.get(token)
+        if out is None:
+            out = self._token_bytes[token] = self.grammar_tokenizer.decode_bytes([token])
+        return out
 
     def set_native_mtp(self, enabled: bool, disabled_reason: str) -> None:
         """The node-wide switch; call between generations (it applies from the next one on)."""
@@ -211,12 +293,15 @@ class Engine:
 
     def complete(self, request: GenerationRequest) -> GenerationResult:
         text, tokens, finish, stats = [], [], None, None
+        logprobs: list[TokenLogprob] | None = [] if request.logprobs is not None else None
         for chunk in self.generate(request):
             text.append(chunk.text)
             tokens.extend(chunk.token_ids)
             finish, stats = chunk.finish_reason or finish, chunk.stats or stats
+            if logprobs is not None and chunk.logprobs:
+                logprobs.extend(chunk.logprobs)
         assert finish is not None and stats is not None
-        return GenerationResult("".join(text), tokens, finish, stats)
+        return GenerationResult("".join(text), tokens, finish, stats, logprobs)
 
     def _costs_or_unmeasured(self, k: int) -> DepthCosts:
         if self._costs is not None and self._costs.max_k >= k:
@@ -231,6 +316,8 @@ class Engine:
             raise GenerationRequestError(f"max_tokens must be >= 1, got {request.max_tokens}")
         if request.mtp_k is not None and not 0 <= request.mtp_k <= MAX_FORCED_K:
             raise GenerationRequestError(f"the MTP depth must be in 0..{MAX_FORCED_K}, got {request.mtp_k}")
+        if request.logprobs is not None and not 0 <= request.logprobs <= MAX_TOP_LOGPROBS:
+            raise GenerationRequestError(f"top logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {request.logprobs}")
         vocab = self.model.text_model.embed_tokens.weight.shape[0]
         if any(not 0 <= t < vocab for t in request.prompt_tokens):
             raise GenerationRequestError(f"prompt token ids must be in [0, {vocab})")
@@ -253,13 +340,17 @@ class _Output:
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.max_tokens = max_tokens
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
         self.text = ""
         self.sent_chars = 0
         self.sent_tokens = 0
+        self.sent_logprobs = 0
         self.finish: FinishReason | None = None
 
-    def add(self, token: int) -> None:
+    def add(self, token: int, logprob: TokenLogprob | None = None) -> None:
         self.tokens.append(token)
+        if logprob is not None and token not in self.eos:
+            self.logprobs.append(logprob)
         if token in self.eos:
             self.finish = "stop"
             self.detokenizer.finalize()
@@ -289,8 +380,25 @@ class _Output:
         if end == self.sent_chars and not new_tokens and self.finish is None:
             return None
         text = self.text[self.sent_chars : end]
-        self.sent_chars, self.sent_tokens = end, len(self.tokens)
-        return GenerationChunk(text=text, token_ids=new_tokens, finish_reason=self.finish)
+        logprobs = self.logprobs[self.sent_logprobs :]
+        self.sent_chars, self.sent_tokens, self.sent_logprobs = end, len(self.tokens), len(self.logprobs)
+        return GenerationChunk(text=text, token_ids=new_tokens, finish_reason=self.finish, logprobs=logprobs or None)
+
+
+class _LogprobRows:
+    """Lazy device arrays for the log-probabilities of some rows: the chosen tokens' and the top ones."""
+
+    def __init__(self, logprobs: mx.array, chosen: mx.array, top: int) -> None:
+        """logprobs [N, V] (the rows' distributions), chosen [N] (a token per row)."""
+        self.chosen = mx.take_along_axis(logprobs, chosen.reshape(-1, 1).astype(mx.int32), axis=-1)[:, 0]
+        self.top_ids: mx.array | None = None
+        self.top_values: mx.array | None = None
+        if top > 0:
+            self.top_ids = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
+            self.top_values = mx.take_along_axis(logprobs, self.top_ids, axis=-1)
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.chosen, self.top_ids, self.top_values) if a is not None]
 
 
 class _Run:
@@ -321,6 +429,13 @@ class _Run:
         self.output = _Output(
             engine.loaded.tokenizer, engine.loaded.eos_token_ids, request.stop, request.max_tokens
         )
+        # Constrained decoding: the grammar's state follows the emitted tokens (and, within a round, the
+        # drafts); ``_pending_consumed`` says whether it has consumed ``pending_token`` yet.
+        self.matcher: Matcher | None = None
+        if request.constraint is not None:
+            self.matcher = request.constraint.matcher(request.max_tokens)
+        self._pending_consumed = True
+        self.top_logprobs = request.logprobs
         max_k = policy.max_k if policy is not None else 0
         self.recorder = StatsRecorder(max(max_k, 1))
 
@@ -339,6 +454,47 @@ class _Run:
             logits = apply_processors(self.processors, history, logits)
         return logits
 
+    def _grammar_mask(self, logits: mx.array) -> mx.array | None:
+        """The grammar's allowed tokens [V] at its current state (None: no grammar). Computed on the host
+        while the device computes ``logits`` (queued first), so it stays off the token's critical path."""
+        if self.matcher is None:
+            return None
+        mx.async_eval(logits)
+        self._consume_pending()
+        return self.matcher.mask()
+
+    def _masked(self, logits: mx.array) -> mx.array:
+        mask = self._grammar_mask(logits)
+        return logits if mask is None else mx.where(mask, logits, -mx.inf)
+
+    def _consume_pending(self) -> None:
+        if self.matcher is not None and not self._pending_consumed:
+            assert self.pending_token is not None
+            self.matcher.consume(int(self.pending_token.item()))
+            self._pending_consumed = True
+
+    def _row_logprobs(self, logits: mx.array) -> mx.array:
+        """The distribution a greedy choice is reported under: the (penalised, masked) logits' softmax."""
+        x = logits.astype(mx.float32)
+        return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+    def _logprob_rows(self, logprobs: mx.array | None, logits: mx.array, chosen: mx.array) -> _LogprobRows | None:
+        if self.top_logprobs is None:
+            return None
+        return _LogprobRows(logprobs if logprobs is not None else self._row_logprobs(logits), chosen, self.top_logprobs)
+
+    def _logprob_entry(self, rows: _LogprobRows | None, row: int, token: int, chosen: list[float] | None = None) -> TokenLogprob | None:
+        """Host side: row ``row`` of evaluated ``rows`` as the entry of ``token``."""
+        if rows is None:
+            return None
+        engine = self.engine
+        value = (chosen if chosen is not None else rows.chosen.tolist())[row]
+        top: tuple[TopLogprob, ...] = ()
+        if rows.top_ids is not None and rows.top_values is not None:
+            pairs = sorted(zip(rows.top_ids[row].tolist(), rows.top_values[row].tolist(), strict=True), key=lambda p: -p[1])
+            top = tuple(TopLogprob(t, engine.token_bytes(t), max(v, LOGPROB_FLOOR)) for t, v in pairs)
+        return TokenLogprob(token, engine.token_bytes(token), max(value, LOGPROB_FLOOR), top)
+
     def _wait_for_head(self, hidden: mx.array, tokens: mx.array) -> None:
         if self.track_head:
             self._head_hidden.append(hidden)
@@ -354,7 +510,7 @@ class _Run:
         assert self.head is not None
         return self.head(self.model.embed(tokens), hidden, self.head_cache)
 
-    def _prefill(self) -> mx.array:
+    def _prefill(self) -> tuple[mx.array, _LogprobRows | None]:
         prompt = mx.array(list(self.request.prompt_tokens), dtype=mx.uint32)
         n = prompt.shape[0]
         chunk = max(1, self.engine.config.prefill_chunk)
@@ -368,23 +524,26 @@ class _Run:
                 self._flush_head()
             if end < n:
                 mx.eval([c.state for c in self.cache], self.head_cache.state)
-        token = self._sample(self._logits_for(hidden[:, -1:], self.history))
+        logits = self._masked(self._logits_for(hidden[:, -1:], self.history))
+        token, lp = self._sample(logits)
         self._wait_for_head(hidden[:, -1:], token)
-        return token
+        return token, self._logprob_rows(lp, logits, token)
 
-    def _sample(self, logits: mx.array) -> mx.array:
-        token, _ = select_token(logits, self.params, self.keys)
-        return token.astype(mx.uint32)
+    def _sample(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
+        token, logprobs = select_token(logits, self.params, self.keys)
+        return token.astype(mx.uint32), logprobs
 
-    def _plain_step(self) -> mx.array:
+    def _plain_step(self) -> tuple[mx.array, _LogprobRows | None]:
         assert self.pending_token is not None
         hidden = self.forward.hidden(self.pending_token.reshape(1, 1), self.cache)
-        token = self._sample(self._logits_for(hidden, self.history))
+        logits = self._masked(self._logits_for(hidden, self.history))
+        token, lp = self._sample(logits)
         self._wait_for_head(hidden, token)
         self.pending_token = token
+        self._pending_consumed = False
         if self.processors:
             self.history = mx.concatenate([self.history, token])
-        return token
+        return token, self._logprob_rows(lp, logits, token)
 
     # -- the loop ------------------------------------------------------------------------------------
     def stream(self) -> Iterator[GenerationChunk]:
@@ -396,13 +555,15 @@ class _Run:
 
     def _stream(self) -> Iterator[GenerationChunk]:
         started = time.perf_counter()
-        first = self._prefill()
+        first, lp = self._prefill()
         self.pending_token = first
+        self._pending_consumed = False
         if self.processors:
             self.history = mx.concatenate([self.history, first])
-        mx.eval(first)
+        mx.eval(first, *(lp.arrays() if lp is not None else ()))
         first_time = time.perf_counter()
-        self.output.add(first.item())
+        token = first.item()
+        self.output.add(token, self._logprob_entry(lp, 0, token))
         self.recorder.plain_steps(0)
         yield from self._drain()
         while self.output.finish is None:
@@ -447,15 +608,18 @@ class _Run:
         remaining = min(budget, self.output.max_tokens - len(self.output.tokens))
         start = time.perf_counter()
         emitted = 0
-        token = self._plain_step()
-        mx.async_eval(token)
+        token, lp = self._plain_step()
+        mx.async_eval(token, *(lp.arrays() if lp is not None else ()))
         while True:
             emitted += 1
-            following = None
+            following = following_lp = None
             if emitted < remaining:
-                following = self._plain_step()
-                mx.async_eval(following)
-            self.output.add(token.item())
+                # Built before this token is read back (the graph is pipelined); under a grammar the step
+                # needs the token's value for its mask, which it computes while the device runs the step.
+                following, following_lp = self._plain_step()
+                mx.async_eval(following, *(following_lp.arrays() if following_lp is not None else ()))
+            value = token.item()
+            self.output.add(value, self._logprob_entry(lp, 0, value))
             yield from self._drain()
             if len(self._head_hidden) >= HEAD_FLUSH_ROWS:
                 # Long plain stretches: keep the head cache current in batches, off the token path.
@@ -463,7 +627,7 @@ class _Run:
                 mx.async_eval(out, self.head_cache.state)
             if self.output.finish is not None or following is None or self._cancelled():
                 break
-            token = following
+            token, lp = following, following_lp
         self.recorder.plain_steps(emitted)
         if self.policy is not None:
             self.policy.observe_plain(emitted, time.perf_counter() - start)
@@ -480,7 +644,7 @@ class _Run:
         assert self.head is not None and self.pending_token is not None
         start = time.perf_counter()
         self._phase_start = start
-        model, params = self.model, self.params
+        model, params, matcher = self.model, self.params, self.matcher
         # 1. Draft. A round that first catches the head up on a plain stretch is not a typical round.
         catch_up = sum(h.shape[1] for h in self._head_hidden) > k + 1
         out = self._flush_head()
@@ -488,11 +652,16 @@ class _Run:
         out = out[:, -1:]
         drafts: list[mx.array] = []
         draft_logprobs: list[mx.array] = []
+        masks: list[mx.array] = []  # under a grammar: row i's allowed tokens (after pending, d1..di)
         history = self.history
         for i in range(k):
             if i > 0:
                 out = self.head(model.embed(drafts[-1][None]), out, self.head_cache)
             logits = self._logits_for(out, history)
+            mask = self._grammar_mask(logits)  # the grammar after the accepted prefix and drafts 1..i
+            if mask is not None:
+                masks.append(mask)
+                logits = mx.where(mask, logits, -mx.inf)
             if params.greedy:
                 draft = mx.argmax(logits, axis=-1)
             else:
@@ -501,6 +670,8 @@ class _Run:
                 draft_logprobs.append(logprobs)
             draft = draft.astype(mx.uint32)
             drafts.append(draft)
+            if matcher is not None:
+                matcher.consume(int(draft.item()))  # speculative: rolled back with the caches below
             if self.processors:
                 history = mx.concatenate([history, draft])
         draft_tokens = mx.concatenate(drafts)
@@ -522,15 +693,26 @@ class _Run:
                     for i in range(k + 1)
                 ]
             )
+        if matcher is not None:
+            # Row i sees the grammar after the drafts before it: the masks the drafts were chosen under,
+            # and for the last row the state after every draft (computed while the verify call runs).
+            mx.async_eval(logits)
+            logits = mx.where(mx.stack([*masks, matcher.mask()]), logits, -mx.inf)
         self._mark("verify_build")
         # 3. Decide (on device), one host sync.
+        target_logprobs = None
         if params.greedy:
             verdict = greedy_verdict(logits, draft_tokens, self.tie_margin(logits.dtype))
         else:
-            verdict = sampling_verdict(
-                filtered_logprobs(logits, params), mx.concatenate(draft_logprobs), draft_tokens, self.keys
-            )
+            target_logprobs = filtered_logprobs(logits, params)
+            verdict = sampling_verdict(target_logprobs, mx.concatenate(draft_logprobs), draft_tokens, self.keys)
         extra = [verdict.decided] if verdict.decided is not None else []
+        lp_drafts = lp_replacements = None
+        if self.top_logprobs is not None:
+            distribution = target_logprobs if target_logprobs is not None else self._row_logprobs(logits)
+            lp_replacements = _LogprobRows(distribution, verdict.replacement, self.top_logprobs)
+            lp_drafts = _LogprobRows(distribution[:k], draft_tokens, 0)
+            extra += lp_replacements.arrays() + lp_drafts.arrays()
         mx.eval(draft_tokens, verdict.accepted, verdict.replacement, hidden, *extra)
         self._mark("device_wait")
         proposed = draft_tokens.tolist()
@@ -546,13 +728,18 @@ class _Run:
             kept_rows = accepted
             self._plain_next = True
             self.recorder.near_tie_fallbacks += 1
-        # 4. Roll back to the kept rows.
+        # 4. Roll back to the kept rows (the grammar too: to the accepted drafts, then the emitted token).
         self.forward.rollback(self.cache, k + 1, kept_rows)
         self.head_cache.trim(k - 1)
+        if matcher is not None:
+            matcher.rollback(k - accepted)
+            if decided:
+                matcher.consume(emitted[-1])
         if emitted:
             emitted_array = mx.array(emitted, dtype=mx.uint32)
             self._wait_for_head(hidden[:, :kept_rows], emitted_array)  # row i is followed by emitted[i]
             self.pending_token = emitted_array[-1:]
+            self._pending_consumed = True
             if self.processors:
                 self.history = mx.concatenate([self.history, emitted_array])
         self.recorder.round(k, accepted)
@@ -560,8 +747,15 @@ class _Run:
         self.policy.observe_round(k, accepted, None if catch_up else time.perf_counter() - start)
         self._mark("rollback")
         # 5. Emit, stopping exactly where the request ends.
-        for token in emitted:
-            self.output.add(token)
+        draft_values = lp_drafts.chosen.tolist() if lp_drafts is not None else None
+        for i, token in enumerate(emitted):
+            entry = None
+            if lp_replacements is not None:
+                # Row i's distribution; an accepted draft's value from the draft gather, the last token's
+                # (correction or bonus) from the replacement gather.
+                chosen = draft_values if i < accepted else None
+                entry = self._logprob_entry(lp_replacements, i, token, chosen)
+            self.output.add(token, entry)
             if self.output.finish is not None:
                 break
         self._mark("emit")

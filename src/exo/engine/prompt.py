@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .generate import ContextLengthError, Engine, GenerationRequest, NativeMTPMode
+from .constraints import ConstraintError, ConstraintSpec, ToolFormat, tool_format
+from .generate import ContextLengthError, Engine, GenerationRequest, GenerationRequestError, NativeMTPMode
 from .sampling import SamplingParams
 
 # apply_chat_template arguments a request must not override through chat_template_kwargs.
@@ -22,18 +23,61 @@ RESERVED_TEMPLATE_ARGS = frozenset(
 )
 
 
+# For chat templates that render no tools (the bundled demo models' ChatML): tools, the calls an assistant
+# made and the tools' results in Qwen3's format (JSON calls in <tool_call> blocks, results in
+# <tool_response> blocks of a user turn), which is also the format exo parses and constrains.
+FALLBACK_TOOL_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for call in message.tool_calls %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' "
+    "+ (call.function.arguments | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
 class PromptError(ValueError):
     """The prompt cannot be turned into tokens (chat template or tokenizer failure)."""
 
 
 @dataclass(frozen=True)
 class Prompt:
-    """Exactly one of: chat messages (through the chat template), text, or token ids."""
+    """Exactly one of: chat messages (through the chat template), text, or token ids.
 
-    messages: list[dict[str, str]] | None = None
+    A message is ``{"role", "content"}``, plus ``tool_calls`` (assistant: ``[{"id", "type": "function",
+    "function": {"name", "arguments": dict}}]``) or ``tool_call_id`` and ``name`` (tool); ``tools`` are
+    OpenAI tool definitions (``{"type": "function", "function": {...}}``) for the chat template."""
+
+    messages: list[dict[str, Any]] | None = None
     text: str | None = None
     token_ids: list[int] | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -44,15 +88,33 @@ class GenerateParams:
     stop: tuple[str, ...] = ()
     native_mtp: NativeMTPMode = "auto"
     mtp_k: int | None = None
+    constraint: ConstraintSpec | None = None  # the output must follow it (constrained decoding)
+    logprobs: int | None = None  # report log-probabilities, with this many alternatives (0..20)
+
+
+def renders_tools(tokenizer: Any) -> bool:
+    """Whether the model's chat template renders tools (else exo's FALLBACK_TOOL_TEMPLATE does)."""
+    template = getattr(tokenizer, "chat_template", None)
+    return isinstance(template, str) and "tools" in template
+
+
+def uses_tools(messages: list[dict[str, Any]] | None, tools: list[dict[str, Any]] | None) -> bool:
+    return bool(tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages or [])
+
+
+def prompt_tool_format(tokenizer: Any) -> ToolFormat:
+    """The tool-call format this model is taught: its template's, or the fallback's (JSON)."""
+    return tool_format(getattr(tokenizer, "chat_template", None)) if renders_tools(tokenizer) else "json"
 
 
 def tokenize(
     tokenizer: Any,
     *,
-    messages: list[dict[str, str]] | None = None,
+    messages: list[dict[str, Any]] | None = None,
     text: str | None = None,
     token_ids: list[int] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """The prompt's token ids: chat messages through the model's chat template, text encoded as is."""
     if token_ids is not None:
@@ -65,7 +127,12 @@ def tokenize(
             reserved = sorted(RESERVED_TEMPLATE_ARGS & set(template_kwargs))
             if reserved:
                 raise PromptError(f"chat_template_kwargs cannot set {', '.join(reserved)}")
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+            extra: dict[str, Any] = {}
+            if tools:
+                extra["tools"] = tools
+            if uses_tools(messages, tools) and not renders_tools(tokenizer):
+                extra["chat_template"] = FALLBACK_TOOL_TEMPLATE
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra, **template_kwargs)
         else:
             assert text is not None
             ids = tokenizer.encode(text)
@@ -107,9 +174,16 @@ def generation_request(
         text=prompt.text,
         token_ids=prompt.token_ids,
         template_kwargs=prompt.template_kwargs,
+        tools=prompt.tools,
     )
     param = "messages" if prompt.messages is not None else "prompt"
     max_tokens = completion_budget(engine, len(tokens), params.max_tokens, params.default_max_tokens, param)
+    grammar = None
+    if params.constraint is not None:
+        try:
+            grammar = engine.grammar(params.constraint, prompt_tool_format(engine.loaded.tokenizer))
+        except ConstraintError as e:
+            raise GenerationRequestError(str(e), param=e.param) from None
     return GenerationRequest(
         prompt_tokens=tokens,
         max_tokens=max_tokens,
@@ -118,4 +192,6 @@ def generation_request(
         native_mtp=params.native_mtp,
         mtp_k=params.mtp_k,
         should_stop=should_stop,
+        constraint=grammar,
+        logprobs=params.logprobs,
     )

@@ -7,8 +7,10 @@ without the control plane around it.
     results = run_local_pipeline(model_dir, [(0, 4), (4, 8)], [{"prompt": [1, 2, 3], "max_tokens": 16}])
 
 Each request: {"prompt": [ids], "max_tokens": n, "mtp_k": k | None, "native_mtp": "auto" | "on" | "off",
-"sampling": {...}, "stop": str, "ignore_eos": bool}; each result: {"token_ids", "text", "finish_reason",
-"stats", "seconds", "bytes_sent", "bytes_received"} (bytes: the leader's stage, both ways). A single stage [(0, n)] runs the model whole in one process, for comparisons.
+"sampling": {...}, "stop": str, "ignore_eos": bool, "constraint": ConstraintSpec JSON, "logprobs": n}; each
+result: {"token_ids", "text", "finish_reason", "stats", "seconds", "bytes_sent", "bytes_received",
+"logprobs": [[token, logprob, [[token, logprob], ...]], ...]} (bytes: the leader's stage, both ways). A single
+stage [(0, n)] runs the model whole in one process, for comparisons.
 """
 
 from __future__ import annotations
@@ -62,7 +64,9 @@ def run_local_pipeline(
 def _stage_main(spec_file: str, rank: int) -> None:
     spec = json.loads(Path(spec_file).read_text())
     from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, load_checkpoint
+    from exo.engine.constraints import ConstraintSpec, compile_grammar
     from exo.engine.pipeline import PipelineForward, StageSpec, serve_stage
+    from exo.engine.prompt import prompt_tool_format
 
     from .group import join_group
 
@@ -89,15 +93,22 @@ def _stage_main(spec_file: str, rank: int) -> None:
             engine.loaded = dataclasses.replace(loaded, eos_token_ids=frozenset()) if req.get("ignore_eos") else loaded
             started = time.perf_counter()
             before = (forward.bytes_sent, forward.bytes_received) if forward is not None else (0, 0)
+            grammar = None
+            if req.get("constraint"):  # a ConstraintSpec as JSON, compiled here as a runner would
+                grammar = compile_grammar(ConstraintSpec.from_json(req["constraint"]), engine.grammar_tokenizer,
+                                          engine.vocab_size, prompt_tool_format(loaded.tokenizer),
+                                          engine.closing_tokens)
             result = engine.complete(GenerationRequest(
                 req["prompt"], max_tokens=req["max_tokens"], mtp_k=req.get("mtp_k"),
                 native_mtp=req.get("native_mtp", "auto"), sampling=SamplingParams(**req.get("sampling", {})),
-                stop=[req["stop"]] if req.get("stop") else (),
+                stop=[req["stop"]] if req.get("stop") else (), constraint=grammar, logprobs=req.get("logprobs"),
             ))
             after = (forward.bytes_sent, forward.bytes_received) if forward is not None else (0, 0)
+            logprobs = [[e.token, e.logprob, [[t.token, t.logprob] for t in e.top]] for e in result.logprobs or []]
             results.append({"token_ids": result.token_ids, "text": result.text, "finish_reason": result.finish_reason,
                             "stats": result.stats.model_dump(), "seconds": time.perf_counter() - started,
-                            "bytes_sent": after[0] - before[0], "bytes_received": after[1] - before[1]})
+                            "bytes_sent": after[0] - before[0], "bytes_received": after[1] - before[1],
+                            "logprobs": logprobs})
     finally:
         if forward is not None:
             forward.shutdown()

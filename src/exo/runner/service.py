@@ -188,6 +188,7 @@ class RunnerServicer(pb_grpc.RunnerServicer):
                     break
                 item.text += following.text
                 item.token_ids.extend(following.token_ids)
+                item.logprobs.extend(following.logprobs)
             if item is DONE:
                 return
             yield item

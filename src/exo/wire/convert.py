@@ -17,7 +17,8 @@ from exo.engine import (
     NativeMTPStats,
     SamplingParams,
 )
-from exo.engine.generate import NativeMTPUnavailableError
+from exo.engine.constraints import ConstraintSpec
+from exo.engine.generate import NativeMTPUnavailableError, TokenLogprob, TopLogprob
 from exo.engine.prompt import GenerateParams, Prompt, PromptError
 from exo.engine.sampling import SamplingParamsError
 
@@ -56,18 +57,34 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     )
 
 
+def _logprob_to_pb(entry: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token=entry.token,
+        bytes=entry.bytes,
+        logprob=entry.logprob,
+        top=[pb.TopLogprob(token=t.token, bytes=t.bytes, logprob=t.logprob) for t in entry.top],
+    )
+
+
+def _logprob_from_pb(msg: pb.TokenLogprob) -> TokenLogprob:
+    top = tuple(TopLogprob(t.token, t.bytes, t.logprob) for t in msg.top)
+    return TokenLogprob(msg.token, msg.bytes, msg.logprob, top)
+
+
 def chunk_to_pb(chunk: GenerationChunk) -> pb.GenerateChunk:
     return pb.GenerateChunk(
         text=chunk.text,
         token_ids=chunk.token_ids,
         finish_reason=chunk.finish_reason or "",
         native_mtp_json=chunk.stats.model_dump_json() if chunk.stats is not None else "",
+        logprobs=[_logprob_to_pb(e) for e in chunk.logprobs or ()],
     )
 
 
 def chunk_from_pb(msg: pb.GenerateChunk) -> GenerationChunk:
     stats = NativeMTPStats.model_validate_json(msg.native_mtp_json) if msg.native_mtp_json else None
-    return GenerationChunk(msg.text, list(msg.token_ids), msg.finish_reason or None, stats)  # type: ignore[arg-type]
+    logprobs = [_logprob_from_pb(e) for e in msg.logprobs] or None
+    return GenerationChunk(msg.text, list(msg.token_ids), msg.finish_reason or None, stats, logprobs)  # type: ignore[arg-type]
 
 
 def error_chunk(type: str, message: str, *, param: str = "", retry_after_s: float = 0.0) -> pb.GenerateChunk:
@@ -80,7 +97,7 @@ def error_to_pb(exc: BaseException) -> pb.GenerateChunk:
     """A generation's failure as the chunk the API node turns back into the same HTTP error."""
     message = str(exc.args[0]) if isinstance(exc, LookupError) and exc.args else str(exc)
     if isinstance(exc, ContextLengthError):
-        return error_chunk("context_length_exceeded", message, param=exc.param)
+        return error_chunk("context_length_exceeded", message, param=exc.param or "")
     if isinstance(exc, PromptError):
         return error_chunk("prompt", message)
     if isinstance(exc, NativeMTPUnavailableError):
@@ -110,7 +127,7 @@ def error_from_pb(err: pb.GenerateError) -> BaseException:
     if err.type == "native_mtp_unavailable":
         return NativeMTPUnavailableError(message)
     if err.type == "generation_request":
-        return GenerationRequestError(message)
+        return GenerationRequestError(message, param=err.param or None)
     if err.type == "queue_full":
         return QueueFullError(0, max(1, math.ceil(err.retry_after_s)), message)
     if err.type == "timeout":
@@ -134,8 +151,7 @@ def generate_request(
         timeout_s=timeout_s,
     )
     if prompt.messages is not None:
-        request.messages.CopyFrom(pb.Messages(messages=[pb.ChatMessage(role=m["role"], content=m["content"])
-                                                        for m in prompt.messages]))
+        request.messages.CopyFrom(pb.Messages(messages=[_message_to_pb(m) for m in prompt.messages]))
     elif prompt.token_ids is not None:
         # Ids that int64 cannot carry are invalid anyway: send -1 so the owner refuses them with its own
         # message ("prompt token ids must be in [0, vocab)"), as it would refuse them on its own API.
@@ -150,17 +166,46 @@ def generate_request(
         request.max_tokens = min(params.max_tokens, (1 << 63) - 1)
     if params.mtp_k is not None:
         request.mtp_k = params.mtp_k
+    if prompt.tools:
+        request.tools_json = json.dumps(prompt.tools)
+    if params.constraint is not None:
+        request.constraint_json = params.constraint.to_json()
+    if params.logprobs is not None:
+        request.logprobs = params.logprobs
     return request
+
+
+def _message_to_pb(message: dict) -> pb.ChatMessage:
+    out = pb.ChatMessage(role=message["role"], content=message.get("content") or "")
+    if message.get("tool_calls"):
+        out.tool_calls_json = json.dumps(message["tool_calls"])
+    if message.get("tool_call_id") is not None:
+        out.tool_call_id = message["tool_call_id"]
+    if message.get("name") is not None:
+        out.name = message["name"]
+    return out
+
+
+def _message_from_pb(msg: pb.ChatMessage) -> dict:
+    out: dict = {"role": msg.role, "content": msg.content}
+    if msg.tool_calls_json:
+        out["tool_calls"] = json.loads(msg.tool_calls_json)
+    if msg.tool_call_id:
+        out["tool_call_id"] = msg.tool_call_id
+    if msg.name:
+        out["name"] = msg.name
+    return out
 
 
 def request_from_pb(req: pb.GenerateRequest) -> tuple[Prompt, GenerateParams]:
     """What ``generate_request`` sent, back as the engine-level prompt and parameters."""
     kind = req.WhichOneof("prompt")
     prompt = Prompt(
-        messages=[{"role": m.role, "content": m.content} for m in req.messages.messages] if kind == "messages" else None,
+        messages=[_message_from_pb(m) for m in req.messages.messages] if kind == "messages" else None,
         text=req.text if kind == "text" else None,
         token_ids=list(req.token_ids.ids) if kind == "token_ids" else None,
         template_kwargs=json.loads(req.template_kwargs_json) if req.template_kwargs_json else {},
+        tools=json.loads(req.tools_json) if req.tools_json else None,
     )
     if prompt.messages is None and prompt.token_ids is None and prompt.text is None:
         prompt = Prompt(text="", template_kwargs=prompt.template_kwargs)
@@ -172,5 +217,7 @@ def request_from_pb(req: pb.GenerateRequest) -> tuple[Prompt, GenerateParams]:
         stop=tuple(req.stop),
         native_mtp=req.native_mtp or "auto",  # type: ignore[arg-type]
         mtp_k=req.mtp_k if req.HasField("mtp_k") else None,
+        constraint=ConstraintSpec.from_json(req.constraint_json) if req.constraint_json else None,
+        logprobs=req.logprobs if req.HasField("logprobs") else None,
     )
     return prompt, params
