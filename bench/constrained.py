@@ -92,7 +92,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     engine = load(args.model)
     tokenizer = engine.loaded.tokenizer
-    prompt = tokenize(tokenizer, messages=[{"role": "user", "content": PROMPT}])
+    # A checkpoint without a chat template (bench/make_random_model.py's) takes the prompt as plain text.
+    if getattr(tokenizer, "chat_template", None):
+        prompt = tokenize(tokenizer, messages=[{"role": "user", "content": PROMPT}])
+    else:
+        prompt = tokenize(tokenizer, text=PROMPT)
     grammar = compile_grammar(ConstraintSpec(json_schema=SCHEMA), engine.grammar_tokenizer, engine.vocab_size,
                               prompt_tool_format(tokenizer), engine.closing_tokens)
     free_loaded = dataclasses.replace(engine.loaded, eos_token_ids=frozenset())
