@@ -44,6 +44,10 @@ class Metrics:
         )
         self.queue_depth = Gauge("exo_queue_depth", "Requests waiting for the device", registry=r)
         self.running = Gauge("exo_generations_running", "Generations running on the device", registry=r)
+        self.batch_size = Histogram(
+            "exo_batch_size", "Generations in each batched decode step", registry=r,
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+        )
         self.models_loaded = Gauge("exo_models_loaded", "Models loaded in memory", registry=r)
         self.queue_wait = Histogram("exo_queue_wait_seconds", "Time from arrival to the device", registry=r, buckets=_SLOW)
         self.ttft = Histogram("exo_ttft_seconds", "Prefill to first token on the device", registry=r, buckets=_FAST)

@@ -71,7 +71,8 @@ def test_disconnect_cancels_the_generation_within_one_round(server, stream):
 
 
 def test_a_full_queue_answers_429_with_retry_after(make_server, model_dir):
-    srv = make_server(model_dir, env={"EXO_MAX_QUEUE": "1"})
+    # One at a time (no batching): the second request waits in the queue.
+    srv = make_server(model_dir, env={"EXO_MAX_QUEUE": "1", "EXO_MAX_BATCH": "1"})
     client = srv.openai()
     running = client.completions.create(model=srv.model, prompt=LONG, temperature=0, max_tokens=20000, stream=True)
     next(iter(running))  # on the device now
