@@ -92,8 +92,9 @@ class BatchDecoder:
         keep: list[int] = []
         for i, run in enumerate(runs):
             chunks: list[GenerationChunk] = []
-            run.batch_sizes[size] = run.batch_sizes.get(size, 0) + 1
             if not run.pending_emitted:
+                # Counted per token, by the size of the step that computed it.
+                run.batch_sizes[run.pending_batch] = run.batch_sizes.get(run.pending_batch, 0) + 1
                 run.output.add(values[i])
                 chunks.extend(run._drain())
             if run.output.finish is None:
@@ -104,6 +105,7 @@ class BatchDecoder:
                 keep.append(i)
                 run.pending_token = following[i]
                 run.pending_emitted = False
+                run.pending_batch = size
                 if run.processors:
                     run.history = mx.concatenate([run.history, following[i]])
             out.append((run, chunks))

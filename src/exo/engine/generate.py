@@ -447,11 +447,12 @@ class _Run:
         self.top_logprobs = request.logprobs
         max_k = policy.max_k if policy is not None else 0
         self.recorder = StatsRecorder(max(max_k, 1))
-        # Batching (exo.engine.batch): the run left its solo loop for a batch; decode steps it ran in a
+        # Batching (exo.engine.batch): the run left its solo loop for a batch; tokens it decoded in a
         # batch, per batch size; whether ``pending_token`` was added to the output yet.
         self.handed_over = False
         self.batch_sizes: dict[int, int] = {}
         self.pending_emitted = True
+        self.pending_batch = 0  # the size of the batch step that computed ``pending_token``
         self.started = self.first_time = 0.0
         self._first: tuple[mx.array, _LogprobRows | None] | None = None
 
