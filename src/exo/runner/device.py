@@ -379,7 +379,7 @@ class Device:
                     self.active.remove(job)
                     self.generations += 1
 
-        while len(batch) or prefilling:
+        while True:
             for job in self._admit(first.batch_key, self.max_batch - len(batch) - len(prefilling)):
                 new = job.begin()
                 if new is None:
@@ -415,7 +415,9 @@ class Device:
                     leave(job, e)
             prefilling = still
             if not len(batch):
-                continue
+                if prefilling:
+                    continue
+                return
             try:
                 results = batch.step()
             except Exception as e:
