@@ -210,8 +210,7 @@ class LocalModelService:
         self._mtp: tuple[bool, str] = (settings.native_mtp_enabled, "native MTP is disabled")
         self._started = time.monotonic()
         self.device = Device(
-            settings.max_queue, max_batch=settings.max_batch, on_depth=self.metrics.queue_depth.set,
-            on_batch=self.metrics.batch_size.observe,
+            settings.max_queue, max_batch=settings.max_batch, on_depth=self.metrics.queue_depth.set
         )
         self.device.start_thread()
 
