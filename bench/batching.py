@@ -8,7 +8,8 @@ and one with batching (EXO_MAX_BATCH, default 32). For each client count N, in t
 (alternating, so drift on a shared CPU hits both alike), N clients stream chat completions of
 --max-tokens tokens (temperature 0, distinct prompts) back to back for --seconds. Prints per row: completed
 requests, errors, TTFT p50/p99 (request sent -> first streamed text), streamed completion tokens/s of all
-clients together (tokens of the requests that completed in the window / window), the ratio to one client
+clients together (tokens streamed in the window / window: requests that completed in it, plus for
+those still streaming at its end the share streamed before it, prorated), the ratio to one client
 on the same server, and for batching the ratio to the one-at-a-time server at the same N.
 """
 
@@ -76,11 +77,16 @@ async def client(
             continue
         end = time.perf_counter()
         out["texts"].setdefault(topic, []).append("".join(text))
-        if end <= until and first is not None:
+        if first is None:
+            continue
+        out["ttft"].append(first - start)
+        if end <= until:
             out["completed"] += 1
             out["tokens"] += tokens
-            out["ttft"].append(first - start)
             out["request_s"].append(end - start)
+        elif first < until:
+            # Still streaming at the end of the window: the share it streamed inside (at its own rate).
+            out["tokens"] += tokens * (until - first) / (end - first)
 
 
 async def load(url: str, clients: int, seconds: float, max_tokens: int) -> dict[str, Any]:
