@@ -330,11 +330,12 @@ class Device:
     # -- batching ------------------------------------------------------------------------------------------
     def _batch_wanted(self, job: GenerationJob) -> bool:
         """Polled by a solo generation between steps: a generation that could share the device waits."""
-        if self.max_batch < 2:
+        jobs = self._jobs
+        if self.max_batch < 2 or not jobs:
             return False
         try:
-            head = self._jobs[0]
-        except IndexError:
+            head = jobs[0]
+        except IndexError:  # taken by another thread (a cancel) since the check
             return False
         return self._joins(head, job.batch_key)
 
