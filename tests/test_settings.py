@@ -84,6 +84,7 @@ def test_every_field_from_env(home: Path) -> None:
             EXO_CLUSTER_SECRET="cluster-secret-value",
             EXO_REQUEST_TIMEOUT_S="12.5",
             EXO_MAX_QUEUE="3",
+            EXO_MAX_BATCH="4",
             EXO_OFFLINE="1",
             EXO_MEMORY_BUDGET_BYTES=str(16 << 30),
         )
@@ -104,6 +105,7 @@ def test_every_field_from_env(home: Path) -> None:
     assert s.api_key.get_secret_value() == "sk-secret-value"
     assert s.cluster_secret.get_secret_value() == "cluster-secret-value"
     assert (s.request_timeout_s, s.max_queue, s.offline, s.memory_budget_bytes) == (12.5, 3, True, 16 << 30)
+    assert s.max_batch == 4
     assert all(s.source(f) == "env" for f in Settings.model_fields)
 
 

@@ -44,6 +44,10 @@ class Metrics:
         )
         self.queue_depth = Gauge("exo_queue_depth", "Requests waiting for the device", registry=r)
         self.running = Gauge("exo_generations_running", "Generations running on the device", registry=r)
+        self.batch_size = Histogram(
+            "exo_batch_size", "Generations decoding together at each completion token (1: alone)", registry=r,
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+        )
         self.models_loaded = Gauge("exo_models_loaded", "Models loaded in memory", registry=r)
         self.queue_wait = Histogram("exo_queue_wait_seconds", "Time from arrival to the device", registry=r, buckets=_SLOW)
         self.ttft = Histogram("exo_ttft_seconds", "Prefill to first token on the device", registry=r, buckets=_FAST)
@@ -64,6 +68,13 @@ class Metrics:
         self.prompt_tokens.labels(model).inc(stats.prompt_tokens)
         self.completion_tokens.labels(model).inc(stats.completion_tokens)
         self.ttft.observe(stats.ttft_ms / 1000.0)
+        batched = 0
+        for size, tokens in stats.batch_sizes.items():
+            batched += tokens
+            for _ in range(tokens):
+                self.batch_size.observe(size)
+        for _ in range(max(0, stats.completion_tokens - batched)):
+            self.batch_size.observe(1)
         if stats.drafted_tokens:
             self.drafted.labels(model).inc(stats.drafted_tokens)
             self.accepted.labels(model).inc(stats.accepted_tokens)

@@ -50,6 +50,8 @@ class Settings(BaseModel):
     cluster_secret: SecretStr | None = None
     request_timeout_s: float = Field(default=600.0, gt=0)
     max_queue: int = Field(default=64, ge=1)
+    # Generations of one model that decode together in a batch at most (1: strictly one at a time).
+    max_batch: int = Field(default=32, ge=1)
     # The most memory (bytes) this node offers to models, whatever the OS has free: keep room for other
     # applications, or make a small node of a big machine. None: what the OS says is available.
     memory_budget_bytes: int | None = Field(default=None, ge=1)

@@ -16,7 +16,7 @@ PROMPTS = ["0 0 0", "a b c d", "The", "1, 2, 3,", "Once upon a time", "def fibon
 
 
 def _running(server) -> bool:
-    return server.service.status()["running"] == 1
+    return server.service.status()["running"] >= 1
 
 
 def test_concurrent_streams_equal_their_solo_output(server, reference):
@@ -39,6 +39,52 @@ def test_concurrent_streams_equal_their_solo_output(server, reference):
     for t in threads:
         t.join(60)
     assert [results.get(i) for i in range(len(PROMPTS))] == solo
+
+
+def test_requests_waiting_together_decode_as_one_batch(make_server, model_dir, reference):
+    prompts = PROMPTS[:4]
+    solo = [reference(reference.tokenizer.encode(p), max_tokens=16).text for p in prompts]
+    released = threading.Event()
+    holder: dict[str, object] = {}
+
+    def hold_first(job) -> None:
+        # The first generation waits on the device until the other three are queued: then they all
+        # decode together (the first one hands over to the batch at its next step).
+        if not released.is_set():
+            srv = holder["server"]
+            deadline = time.monotonic() + 30
+            while srv.service.status()["queue_depth"] < len(prompts) - 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            released.set()
+
+    srv = make_server(model_dir, service_kwargs={"step_hook": hold_first})
+    holder["server"] = srv
+    results: dict[int, dict] = {}
+
+    def run(i: int) -> None:
+        with srv.http() as http:
+            body = {"prompt": prompts[i], "temperature": 0, "max_tokens": 16}
+            results[i] = http.post("/v1/completions", json=body).json()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+        if not holder.get("first"):
+            srv.wait_for(lambda: _running(srv))  # the first one is on the device before the others queue
+            holder["first"] = True
+    for t in threads:
+        t.join(60)
+    assert [results[i]["choices"][0]["text"] for i in range(len(prompts))] == solo
+    for i in range(len(prompts)):
+        mtp = results[i]["usage"]["native_mtp"]
+        assert max(int(size) for size in mtp["batch_sizes"]) == len(prompts), mtp
+        assert "batch" in mtp["reason"]
+    tokens = sum(r["usage"]["completion_tokens"] for r in results.values())
+    assert srv.metric("exo_batch_size_count") == tokens
+    assert srv.metric("exo_batch_size_bucket", le="1.0") < tokens
+    with srv.http() as http:
+        health = http.get("/health").json()
+    assert health["running"] == 0 and health["queue_depth"] == 0
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
@@ -71,7 +117,8 @@ def test_disconnect_cancels_the_generation_within_one_round(server, stream):
 
 
 def test_a_full_queue_answers_429_with_retry_after(make_server, model_dir):
-    srv = make_server(model_dir, env={"EXO_MAX_QUEUE": "1"})
+    # One at a time (no batching): the second request waits in the queue.
+    srv = make_server(model_dir, env={"EXO_MAX_QUEUE": "1", "EXO_MAX_BATCH": "1"})
     client = srv.openai()
     running = client.completions.create(model=srv.model, prompt=LONG, temperature=0, max_tokens=20000, stream=True)
     next(iter(running))  # on the device now

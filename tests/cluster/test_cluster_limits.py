@@ -19,7 +19,7 @@ LONG = {"model": "exo-demo", "prompt": "def f(x):", "max_tokens": 3000, "tempera
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
     d = Daemon(tmp_path_factory.mktemp("limits"), "limits", extra_args=["--model", "exo-demo"],
-               env={"EXO_MAX_QUEUE": "1", "EXO_REQUEST_TIMEOUT_S": "8"})
+               env={"EXO_MAX_QUEUE": "1", "EXO_MAX_BATCH": "2", "EXO_REQUEST_TIMEOUT_S": "8"})
     d.start().wait_up(180)
     try:
         yield d
@@ -46,15 +46,17 @@ def test_a_full_queue_is_a_429_with_retry_after(node):
     def long_request() -> None:
         results.append(node.post("/v1/completions", LONG, timeout=60).status_code)
 
-    threads = [threading.Thread(target=long_request) for _ in range(2)]
+    threads = [threading.Thread(target=long_request) for _ in range(3)]
     threads[0].start()
     wait_for(lambda: _instance(node)["running"] == 1, 5, "the first request to run")
     threads[1].start()
-    wait_for(lambda: _instance(node)["queue_depth"] == 1, 5, "the second request to queue")
-    third = node.post("/v1/completions", {**LONG, "max_tokens": 2}, timeout=30)
-    assert third.status_code == 429, third.text
-    assert third.json()["error"]["code"] == "queue_full" and int(third.headers["Retry-After"]) >= 1
+    wait_for(lambda: _instance(node)["running"] == 2, 5, "the second request to join the first in a batch")
+    threads[2].start()
+    wait_for(lambda: _instance(node)["queue_depth"] == 1, 5, "the third request to queue (the batch is full)")
+    fourth = node.post("/v1/completions", {**LONG, "max_tokens": 2}, timeout=30)
+    assert fourth.status_code == 429, fourth.text
+    assert fourth.json()["error"]["code"] == "queue_full" and int(fourth.headers["Retry-After"]) >= 1
     for t in threads:
         t.join(60)
-    assert sorted(results) == [408, 408]  # both ran out of time (8 s), one of them mostly waiting
+    assert sorted(results) == [408, 408, 408]  # all ran out of time (8 s), the third mostly waiting
     assert httpx.post(node.url + "/v1/completions", json={**LONG, "max_tokens": 2}, timeout=30).status_code == 200

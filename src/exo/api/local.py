@@ -209,7 +209,9 @@ class LocalModelService:
         # The node-wide switch and the reason given when it is off, replaced together (one assignment).
         self._mtp: tuple[bool, str] = (settings.native_mtp_enabled, "native MTP is disabled")
         self._started = time.monotonic()
-        self.device = Device(settings.max_queue, on_depth=self.metrics.queue_depth.set)
+        self.device = Device(
+            settings.max_queue, max_batch=settings.max_batch, on_depth=self.metrics.queue_depth.set
+        )
         self.device.start_thread()
 
     # -- models ------------------------------------------------------------------------------------------
@@ -324,12 +326,12 @@ class LocalModelService:
 
         def emit(item: Any) -> None:
             if isinstance(item, Started):
-                self.metrics.running.set(1)
+                self.metrics.running.set(len(self.device.active))
             channel.put(item)
 
         job = GenerationJob(
             self.device, lambda: self._engine(model_id), prompt, params, emit, timeout_s=timeout_s,
-            arrived=arrived, on_done=on_done, step_hook=self.step_hook,
+            arrived=arrived, on_done=on_done, step_hook=self.step_hook, batch_key=model_id,
         )
         self.device.submit(job)  # QueueFullError when full: nothing was queued
         return GenerationStream(job, channel)
@@ -337,7 +339,7 @@ class LocalModelService:
     def _record(
         self, model_id: str, job: GenerationJob, finish: str, stats: Any, queue_s: float, device_s: float
     ) -> None:
-        self.metrics.running.set(0)
+        self.metrics.running.set(max(0, len(self.device.active) - 1))  # this one is leaving
         self.metrics.queue_wait.observe(queue_s)
         cancel_latency = None
         if job.cancelled_at is not None and finish in ("cancelled", "timeout"):

@@ -118,6 +118,10 @@ class GenerationRequest:
     constraint: Grammar | None = None
     # Log-probabilities of the emitted tokens with this many alternatives (0..20); None: none.
     logprobs: int | None = None
+    # Polled between decode steps / speculative rounds of a solo generation that could join a batch
+    # (``_Run.batchable``); True ends the solo stream early, without a final chunk, and leaves the run
+    # at a step boundary for a ``BatchDecoder`` to take over (``_Run.handed_over``).
+    yield_to_batch: Callable[[], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -267,6 +271,11 @@ class Engine:
 
     # -- generation --------------------------------------------------------------------------------
     def generate(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
+        return self.start(request).stream()
+
+    def start(self, request: GenerationRequest) -> _Run:
+        """A validated run of ``request`` (nothing computed yet): ``stream()`` it alone, or hand it to a
+        ``BatchDecoder`` (exo.engine.batch) once ``begin()`` has emitted its first token."""
         self._validate(request)
         reason = self.mtp_unavailable_reason(request.native_mtp)
         if request.native_mtp == "on" and reason is not None:
@@ -280,7 +289,7 @@ class Engine:
         elif reason is None:
             policy = self._adaptive_policy()
             policy.new_request()
-        return _Run(self, request, policy, reason).stream()
+        return _Run(self, request, policy, reason)
 
     def _adaptive_policy(self) -> DepthPolicy:
         """One adaptive policy per engine: what it learns (acceptance, round costs) carries over."""
@@ -438,6 +447,25 @@ class _Run:
         self.top_logprobs = request.logprobs
         max_k = policy.max_k if policy is not None else 0
         self.recorder = StatsRecorder(max(max_k, 1))
+        # Batching (exo.engine.batch): the run left its solo loop for a batch; tokens it decoded in a
+        # batch, per batch size; whether ``pending_token`` was added to the output yet.
+        self.handed_over = False
+        self.batch_sizes: dict[int, int] = {}
+        self.pending_emitted = True
+        self.pending_batch = 0  # the size of the batch step that computed ``pending_token``
+        self.started = self.first_time = 0.0
+        self._first: tuple[mx.array, _LogprobRows | None] | None = None
+
+    @property
+    def batchable(self) -> bool:
+        """Whether plain batched decoding can carry this run (grammars and logprobs stay solo, and so do
+        pipelined models)."""
+        return self.matcher is None and self.top_logprobs is None and self.forward.stages == 1
+
+    def _handover(self) -> bool:
+        """Asked to leave the solo loop for a batch (``GenerationRequest.yield_to_batch``)."""
+        ask = self.request.yield_to_batch
+        return ask is not None and self.batchable and ask()
 
     def tie_margin(self, dtype: mx.Dtype) -> float:
         margin = self.engine.config.greedy_tie_margin
@@ -511,6 +539,14 @@ class _Run:
         return self.head(self.model.embed(tokens), hidden, self.head_cache)
 
     def _prefill(self) -> tuple[mx.array, _LogprobRows | None]:
+        for _ in self._prefill_chunks():
+            pass
+        assert self._first is not None
+        return self._first
+
+    def _prefill_chunks(self) -> Iterator[None]:
+        """The prompt through the backbone, yielding after each chunk but the last (a batch runs decode
+        steps in between); leaves the first token in ``self._first``."""
         prompt = mx.array(list(self.request.prompt_tokens), dtype=mx.uint32)
         n = prompt.shape[0]
         chunk = max(1, self.engine.config.prefill_chunk)
@@ -524,10 +560,11 @@ class _Run:
                 self._flush_head()
             if end < n:
                 mx.eval([c.state for c in self.cache], self.head_cache.state)
+                yield None
         logits = self._masked(self._logits_for(hidden[:, -1:], self.history))
         token, lp = self._sample(logits)
         self._wait_for_head(hidden[:, -1:], token)
-        return token, self._logprob_rows(lp, logits, token)
+        self._first = token, self._logprob_rows(lp, logits, token)
 
     def _sample(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
         token, logprobs = select_token(logits, self.params, self.keys)
@@ -553,22 +590,35 @@ class _Run:
             # Finished, cancelled, failed or abandoned: a pipeline's other stages drop the request too.
             self.forward.end(self.cache)
 
-    def _stream(self) -> Iterator[GenerationChunk]:
-        started = time.perf_counter()
-        first, lp = self._prefill()
+    def begin(self) -> Iterator[GenerationChunk | None]:
+        """Prefill and the first token: None after each prefill chunk but the last (a batch interleaves
+        decode steps there), then the first token's chunks. The run is then at a step boundary."""
+        self.started = time.perf_counter()
+        yield from self._prefill_chunks()
+        assert self._first is not None
+        first, lp = self._first
+        self._first = None
         self.pending_token = first
         self._pending_consumed = False
         if self.processors:
             self.history = mx.concatenate([self.history, first])
         mx.eval(first, *(lp.arrays() if lp is not None else ()))
-        first_time = time.perf_counter()
+        self.first_time = time.perf_counter()
         token = first.item()
         self.output.add(token, self._logprob_entry(lp, 0, token))
         self.recorder.plain_steps(0)
         yield from self._drain()
+
+    def _stream(self) -> Iterator[GenerationChunk]:
+        for chunk in self.begin():
+            if chunk is not None:
+                yield chunk
         while self.output.finish is None:
             if self._cancelled():
                 break
+            if self._handover():
+                self.handed_over = True
+                return
             if self._plain_next:
                 self._plain_next = False
                 yield from self._plain_burst(1)
@@ -583,12 +633,17 @@ class _Run:
                 yield from self._plain_burst(budget)
             else:
                 yield from self._speculative_round(k)
-        end = time.perf_counter()
-        stats = self._stats(first_time - started, end - first_time)
+        yield self.final_chunk()
+
+    def final_chunk(self) -> GenerationChunk:
+        """The last chunk (the run has finished): what is left of the output, the finish reason, stats."""
+        assert self.output.finish is not None
+        self.recorder.plain_steps(sum(self.batch_sizes.values()))
+        stats = self._stats(self.first_time - self.started, time.perf_counter() - self.first_time)
         final = self.output.chunk() or GenerationChunk("", [], self.output.finish)
         final.finish_reason = self.output.finish
         final.stats = stats
-        yield final
+        return final
 
     def _cancelled(self) -> bool:
         stop = self.request.should_stop
@@ -613,7 +668,7 @@ class _Run:
         while True:
             emitted += 1
             following = following_lp = None
-            if emitted < remaining:
+            if emitted < remaining and not self._handover():
                 # Built before this token is read back (the graph is pipelined); under a grammar the step
                 # needs the token's value for its mask, which it computes while the device runs the step.
                 following, following_lp = self._plain_step()
@@ -775,6 +830,11 @@ class _Run:
         reason = self.reason
         if self.policy is not None and self.policy.fixed_k == 0:
             reason = "the MTP depth was forced to 0 (plain decoding)"
+        elif self.batch_sizes and self.policy is not None:
+            reason = (
+                "native MTP paused while this request decoded in a batch with others (batched plain "
+                "decoding; see batch_sizes)"
+            )
         elif reason is None and self.policy is not None and not self.track_head:
             reason = (
                 "adaptive depth chose plain decoding: on this device a verify call costs too much for "
@@ -801,4 +861,5 @@ class _Run:
             prompt_tokens=len(self.request.prompt_tokens),
             completion_tokens=completion,
             costs=costs,
+            batch_sizes=dict(sorted(self.batch_sizes.items())),
         )

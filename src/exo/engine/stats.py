@@ -32,6 +32,8 @@ class NativeMTPStats(BaseModel):
     completion_tokens: int = 0
     costs: dict[str, list[float] | str] | None = None  # beta(K), delta(K) used by adaptive depth
     profile_ms: dict[str, float] | None = None  # time per round phase, with EXO_ENGINE_PROFILE=1
+    # Tokens this request decoded in a batch, per batch size (empty: it ran alone).
+    batch_sizes: dict[int, int] = Field(default_factory=dict)
 
 
 class StatsRecorder:

@@ -1,7 +1,12 @@
 """The device queue: ONE thread runs every MLX call (loads and generations), jobs in FIFO order.
 
-MLX work never runs on an event loop or a gRPC handler thread, and a device runs one generation at a
-time. A runner serves the queue on its MAIN thread (``Device.serve``); an in-process service
+MLX work never runs on an event loop or a gRPC handler thread. A generation runs alone (today's loop,
+native MTP included) until a generation that can share the device waits at the head of the queue; then
+the running one leaves its loop at the next step boundary and the two, and every such generation that
+arrives while they run (up to ``max_batch``), decode together in one batch (``exo.engine.batch``):
+each joins after its own prefill, interleaved chunk by chunk with the batch's steps, and leaves when it
+ends. Generations under a grammar or with logprobs, a load, or another model's generation at the head of
+the queue wait until the batch has drained (FIFO). A runner serves the queue on its MAIN thread (``Device.serve``); an in-process service
 (``exo.api.local``) on a parked daemon thread (``Device.start_thread``). Generation jobs count against
 a bounded queue (``max_queue`` waiting): submitting to a full queue raises ``QueueFullError`` at once, so
 the caller can answer 429 before anything starts. A job talks back through its ``emit`` callback:
@@ -25,6 +30,7 @@ from exo.wire.errors import QueueFullError, RequestTimeoutError
 
 if TYPE_CHECKING:  # the engine (mlx-lm, transformers: seconds) is imported by the load, not before Status serves
     from exo.engine import Engine, NativeMTPStats
+    from exo.engine.generate import GenerationChunk, _Run
     from exo.engine.prompt import GenerateParams, Prompt
 
 log = logging.getLogger(__name__)
@@ -79,6 +85,7 @@ class GenerationJob:
         on_done: Callable[[str, NativeMTPStats | None, float, float], None] | None = None,
         step_hook: Callable[[GenerationJob], None] | None = None,
         job_id: str | None = None,
+        batch_key: str = "",
     ) -> None:
         self.id = job_id or uuid.uuid4().hex
         self.device = device
@@ -98,6 +105,18 @@ class GenerationJob:
         self.cancelled_at: float | None = None  # perf_counter() of cancel()
         self.tokens_at_cancel: int | None = None
         self._cancel = threading.Event()
+        # Generations batch with others of the same key (the same model on this device).
+        self.batch_key = batch_key
+        self.handed_over: _Run | None = None  # the run, when it left its solo loop for a batch
+        self._queue_s = 0.0
+        self._start = 0.0
+        self._finish = "error"
+        self._stats: NativeMTPStats | None = None
+
+    @property
+    def batchable(self) -> bool:
+        """Whether this generation can decode in a batch (grammars and logprobs run alone)."""
+        return self.params.constraint is None and self.params.logprobs is None
 
     @property
     def cancelled(self) -> bool:
@@ -137,49 +156,84 @@ class GenerationJob:
             self.on_done(finish, stats, queue_s, device_s)
 
     def run(self) -> None:
+        """Alone on the device; when the device asks (a batch could form) and the run can, it stops at a
+        step boundary and ``handed_over`` holds the run for the device's batch."""
+        run = self.begin(lambda: self.device._batch_wanted(self))
+        if run is None:
+            return
+        try:
+            for chunk in run.stream():
+                self.consume(chunk)
+        except Exception as e:
+            self.fail(e)
+        if run.handed_over:
+            self.handed_over = run
+        else:
+            self.end()
+
+    def begin(self, yield_to_batch: Callable[[], bool] | None = None) -> _Run | None:
+        """Leave the queue for the device: the engine's validated run (``Started`` emitted), or None when
+        the job ended here (cancelled, timed out, rejected: reported)."""
         from exo.engine.prompt import generation_request
 
-        queue_s = time.monotonic() - self.arrived
+        self._queue_s = queue_s = time.monotonic() - self.arrived
         if self.cancelled:
             self._done("cancelled", None, queue_s, 0.0)
-            return
+            return None
         if time.monotonic() > self.deadline:
             self.timed_out = True
             self.emit(Failed(RequestTimeoutError(f"the request waited {queue_s:.1f} s for the device and timed out")))
             self._done("timeout", None, queue_s, 0.0)
-            return
-        start = time.perf_counter()
+            return None
+        self._start = time.perf_counter()
         try:
             engine = self._engine()
             request = generation_request(engine, self.prompt, self.params, self.should_stop)
-            chunks = engine.generate(request)
+            request.yield_to_batch = yield_to_batch
+            run = engine.start(request)
         except Exception as e:
             self.emit(Failed(e))
-            self._done("rejected", None, queue_s, time.perf_counter() - start)
-            return
+            self._done("rejected", None, queue_s, time.perf_counter() - self._start)
+            return None
         self.emit(Started(len(request.prompt_tokens), request.max_tokens, queue_s))
-        finish, stats = "error", None
-        try:
-            for chunk in chunks:
-                self.tokens += len(chunk.token_ids)
-                self.emit(chunk)
-                if chunk.finish_reason is not None:
-                    finish, stats = chunk.finish_reason, chunk.stats
-        except Exception as e:
-            log.exception("generation failed")
-            self.emit(Failed(e))
-        finally:
-            if finish == "cancelled" and self.timed_out:
-                finish = "timeout"
-            self._done(finish, stats, queue_s, time.perf_counter() - start)
+        return run
+
+    def consume(self, chunk: GenerationChunk) -> None:
+        self.tokens += len(chunk.token_ids)
+        self.emit(chunk)
+        if chunk.finish_reason is not None:
+            self._finish, self._stats = chunk.finish_reason, chunk.stats
+
+    def fail(self, error: BaseException) -> None:
+        log.error("generation failed", exc_info=error)
+        self.emit(Failed(error))
+        self._finish = "error"
+
+    def end(self) -> None:
+        finish = self._finish
+        if finish == "cancelled" and self.timed_out:
+            finish = "timeout"
+        self._done(finish, self._stats, self._queue_s, time.perf_counter() - self._start)
 
 
 class Device:
     """A FIFO of jobs, served by whichever thread calls ``serve``."""
 
-    def __init__(self, max_queue: int, *, on_depth: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        max_queue: int,
+        *,
+        max_batch: int = 1,
+        on_depth: Callable[[int], None] | None = None,
+        on_batch: Callable[[int], None] | None = None,
+    ) -> None:
+        """``max_batch``: generations decoding together at most (1: one at a time); ``on_batch``: called
+        with the batch size after every batched decode step."""
         self.max_queue = max_queue
+        self.max_batch = max(1, max_batch)
         self._on_depth = on_depth or (lambda depth: None)
+        self._on_batch = on_batch or (lambda size: None)
+        self.active: list[GenerationJob] = []  # generations on the device (device thread writes)
         self._jobs: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._closed = False
@@ -233,6 +287,8 @@ class Device:
             self._cv.notify_all()
         for job in dropped:
             job.drop("the device is shutting down")
+        for job in list(self.active):
+            job.cancel()
         if isinstance(running, GenerationJob):
             running.cancel()
         with self._cv:
@@ -253,18 +309,132 @@ class Device:
                     self._waiting_bounded -= 1
                 self._on_depth(self._waiting_bounded)
             start = time.perf_counter()
+            if isinstance(job, GenerationJob):
+                self.active.append(job)
             try:
                 job.run()
+                if isinstance(job, GenerationJob) and job.handed_over is not None:
+                    self._serve_batch(job, job.handed_over)
             except Exception:  # a job reports its own errors; this keeps the device alive
                 log.exception("device job failed")
             finally:
                 with self._cv:
                     self.running = None
-                    if job.bounded:
+                    if isinstance(job, GenerationJob) and job in self.active:
+                        self.active.remove(job)
                         self.generations += 1
                     self._cv.notify_all()
                 if job.bounded:
                     self._job_seconds = 0.8 * self._job_seconds + 0.2 * (time.perf_counter() - start)
+
+    # -- batching ------------------------------------------------------------------------------------------
+    def _batch_wanted(self, job: GenerationJob) -> bool:
+        """Polled by a solo generation between steps: a generation that could share the device waits."""
+        jobs = self._jobs
+        if self.max_batch < 2 or not jobs:
+            return False
+        try:
+            head = jobs[0]
+        except IndexError:  # taken by another thread (a cancel) since the check
+            return False
+        return self._joins(head, job.batch_key)
+
+    @staticmethod
+    def _joins(job: Job, key: str) -> bool:
+        return isinstance(job, GenerationJob) and job.batchable and job.batch_key == key and not job.cancelled
+
+    def _admit(self, key: str, room: int) -> list[GenerationJob]:
+        """Take from the head of the queue the generations that can join the batch (FIFO: stop at the
+        first that cannot)."""
+        admitted: list[GenerationJob] = []
+        with self._cv:
+            while self._jobs and len(admitted) < room and not self._closed:
+                head = self._jobs[0]
+                if not self._joins(head, key):
+                    break
+                self._jobs.popleft()
+                self._waiting_bounded -= 1
+                admitted.append(head)  # type: ignore[arg-type]
+            if admitted:
+                self.active.extend(admitted)
+                self._on_depth(self._waiting_bounded)
+        return admitted
+
+    def _serve_batch(self, first: GenerationJob, run: _Run) -> None:
+        """Decode ``first`` (handed over at a step boundary) with every generation that joins, until all
+        have ended. Newcomers prefill one chunk per step, between the batch's decode steps."""
+        from exo.engine.batch import BatchDecoder
+
+        first.handed_over = None
+        batch = BatchDecoder(run.engine)
+        members: dict[int, GenerationJob] = {id(run): first}
+        batch.add(run)
+        prefilling: list[tuple[GenerationJob, _Run, Any]] = []
+
+        def leave(job: GenerationJob, failed: BaseException | None = None) -> None:
+            if failed is not None:
+                job.fail(failed)
+            job.end()
+            with self._cv:
+                if job in self.active:
+                    self.active.remove(job)
+                    self.generations += 1
+
+        while True:
+            for job in self._admit(first.batch_key, self.max_batch - len(batch) - len(prefilling)):
+                new = job.begin()
+                if new is None:
+                    with self._cv:
+                        self.active.remove(job)
+                        self.generations += 1
+                elif new.engine is not batch.engine or not new.batchable:
+                    leave(job, RuntimeError("the model changed under a running batch; retry"))
+                else:
+                    prefilling.append((job, new, new.begin()))
+            still: list[tuple[GenerationJob, _Run, Any]] = []
+            for job, new, steps in prefilling:
+                try:
+                    prefilled = True
+                    for chunk in steps:
+                        if chunk is None:  # one prefill chunk done: decode steps go first
+                            prefilled = False
+                            break
+                        job.consume(chunk)
+                    if not prefilled:
+                        if new._cancelled():
+                            job.consume(new.final_chunk())
+                            leave(job)
+                        else:
+                            still.append((job, new, steps))
+                    elif new.output.finish is not None:
+                        job.consume(new.final_chunk())
+                        leave(job)
+                    else:
+                        batch.add(new)
+                        members[id(new)] = job
+                except Exception as e:
+                    leave(job, e)
+            prefilling = still
+            if not len(batch):
+                if prefilling:
+                    continue
+                return
+            try:
+                results = batch.step()
+            except Exception as e:
+                for member in members.values():
+                    leave(member, e)
+                for job, _, _ in prefilling:
+                    leave(job, e)
+                return
+            self._on_batch(len(results))
+            for ended, chunks in results:
+                job = members[id(ended)]
+                for chunk in chunks:
+                    job.consume(chunk)
+                if ended.output.finish is not None:
+                    del members[id(ended)]
+                    leave(job)
 
     def start_thread(self, name: str = "exo-device") -> threading.Thread:
         """Serve on a new daemon thread that is parked, never ended, once ``close()`` returns: a thread
@@ -281,5 +451,5 @@ class Device:
 
     def snapshot(self) -> dict[str, Any]:
         with self._cv:
-            running = 1 if isinstance(self.running, GenerationJob) else 0
+            running = len(self.active)
             return {"queue_depth": self._waiting_bounded, "running": running, "generations": self.generations}

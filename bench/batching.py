@@ -1,0 +1,178 @@
+"""Many clients at once: continuous batching vs one generation at a time, through `exo serve`.
+
+    python bench/batching.py [MODEL] [--clients 1 8 32] [--seconds 30] [--max-tokens 64]
+
+Starts two `exo serve --model MODEL` processes as users run them (the daemon relays to a runner
+subprocess over gRPC): one with EXO_MAX_BATCH=1 (requests strictly one at a time, as before batching)
+and one with batching (EXO_MAX_BATCH, default 32). For each client count N, in turn on each server
+(alternating, so drift on a shared CPU hits both alike), N clients stream chat completions of
+--max-tokens tokens (temperature 0, distinct prompts) back to back for --seconds. Prints per row: completed
+requests, errors, TTFT p50/p99 (request sent -> first streamed text), streamed completion tokens/s of all
+clients together (tokens streamed in the window / window: requests that completed in it, plus for
+those still streaming at its end the share streamed before it, prorated), the ratio to one client
+on the same server, and for batching the ratio to the one-at-a-time server at the same N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import time
+from typing import Any
+
+import aiohttp
+from api_overhead import _free_port, start_server
+
+TOPICS = (
+    "the sea", "a lighthouse", "autumn leaves", "a cat", "the moon", "a city at night", "rain", "mountains",
+    "a library", "coffee", "trains", "the desert", "snow", "a garden", "the stars", "an old clock",
+)
+
+
+async def client(
+    session: aiohttp.ClientSession, url: str, index: int, max_tokens: int, until: float, out: dict[str, Any]
+) -> None:
+    n = 0
+    while time.perf_counter() < until:
+        topic = TOPICS[(index + n) % len(TOPICS)]
+        n += 1
+        body = {
+            "messages": [{"role": "user", "content": f"Write a short poem about {topic}."}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        start = time.perf_counter()
+        first = None
+        tokens = 0
+        text: list[str] = []
+        try:
+            async with session.post(url + "/v1/chat/completions", json=body) as response:
+                if response.status != 200:
+                    out["errors"] += 1
+                    await asyncio.sleep(0.05)
+                    continue
+                async for raw in response.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise RuntimeError(event["error"]["message"])
+                    if event.get("choices"):
+                        first = first or time.perf_counter()
+                        text.append(event["choices"][0]["delta"].get("content") or "")
+                    if event.get("usage"):
+                        tokens = event["usage"]["completion_tokens"]
+                        batch = (event["usage"].get("native_mtp") or {}).get("batch_sizes") or {}
+                        if batch:
+                            out["batched"] += 1
+                            out["max_batch"] = max(out["max_batch"], max(int(b) for b in batch))
+        except (aiohttp.ClientError, RuntimeError):
+            out["errors"] += 1
+            continue
+        end = time.perf_counter()
+        out["texts"].setdefault(topic, []).append("".join(text))
+        if first is None:
+            continue
+        out["ttft"].append(first - start)
+        if end <= until:
+            out["completed"] += 1
+            out["tokens"] += tokens
+            out["request_s"].append(end - start)
+        elif first < until:
+            # Still streaming at the end of the window: the share it streamed inside (at its own rate).
+            out["tokens"] += tokens * (until - first) / (end - first)
+
+
+async def load(url: str, clients: int, seconds: float, max_tokens: int) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "completed": 0, "errors": 0, "tokens": 0, "ttft": [], "request_s": [], "batched": 0, "max_batch": 0, "texts": {}
+    }
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        until = time.perf_counter() + seconds
+        await asyncio.gather(*(client(session, url, i, max_tokens, until, out) for i in range(clients)))
+    out["tok_s"] = out["tokens"] / seconds
+    return out
+
+
+def quantile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+async def warm(url: str, max_tokens: int) -> None:
+    await load(url, 2, 3.0, max_tokens)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", default="exo-demo")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-batch", type=int, default=32)
+    args = parser.parse_args()
+    servers = {}
+    processes = []
+    homes = []
+    try:
+        for name, batch in (("one at a time", 1), ("batching", args.max_batch)):
+            os.environ["EXO_MAX_BATCH"] = str(batch)
+            os.environ["EXO_MAX_QUEUE"] = "256"
+            home = tempfile.TemporaryDirectory()
+            homes.append(home)
+            port = _free_port()
+            processes.append(start_server(args.model, port, _free_port(), home=home.name))
+            servers[name] = f"http://127.0.0.1:{port}"
+            asyncio.run(warm(servers[name], args.max_tokens))
+        rows: dict[tuple[str, int], dict[str, Any]] = {}
+        for n in args.clients:
+            for name, url in servers.items():
+                rows[name, n] = asyncio.run(load(url, n, args.seconds, args.max_tokens))
+                r = rows[name, n]
+                print(f"  ran {name:13s} clients={n:3d}: {r['completed']} completed, {r['tok_s']:.1f} tok/s", flush=True)
+        print(f"\nmodel {args.model}, {args.max_tokens}-token streamed chat completions, {args.seconds:.0f} s per row, "
+              f"temperature 0, {os.cpu_count()} CPUs")
+        print(f"{'server':14s} {'clients':>7s} {'completed':>9s} {'errors':>6s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
+              f"{'tok/s':>7s} {'vs 1 client':>11s} {'vs one-at-a-time':>16s} {'batched reqs':>12s} {'max batch':>9s} "
+              f"{'req s p50':>9s}")
+        for n in args.clients:
+            for name in servers:
+                r = rows[name, n]
+                one = rows[name, args.clients[0]]["tok_s"]
+                base = rows["one at a time", n]["tok_s"]
+                print(f"{name:14s} {n:7d} {r['completed']:9d} {r['errors']:6d} {quantile(r['ttft'], 0.5):8.2f}s "
+                      f"{quantile(r['ttft'], 0.99):8.2f}s {r['tok_s']:7.1f} {r['tok_s'] / one:10.2f}x "
+                      f"{r['tok_s'] / base:15.2f}x {r['batched']:12d} {r['max_batch']:9d} "
+                      f"{quantile(r['request_s'], 0.5):8.3f}s")
+        # Greedy output must not depend on what else runs: every response for a topic, on either server
+        # and in any batch, against the one-at-a-time server's first response for it.
+        reference: dict[str, str] = {}
+        for n in args.clients:
+            for topic, texts in rows["one at a time", n]["texts"].items():
+                reference.setdefault(topic, texts[0])
+        same = total = 0
+        for r in rows.values():
+            for topic, texts in r["texts"].items():
+                if topic in reference:
+                    total += len(texts)
+                    same += sum(t == reference[topic] for t in texts)
+        print(f"\nresponses identical to the one-at-a-time output of their prompt: {same}/{total}")
+    finally:
+        for process in processes:
+            process.terminate()
+            process.wait(30)
+        for home in homes:
+            home.cleanup()
+
+
+if __name__ == "__main__":
+    main()

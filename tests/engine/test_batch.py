@@ -1,0 +1,192 @@
+"""Batched plain decoding (engine/batch.py) on genuine tiny checkpoints: each sequence of a batch gets
+exactly its solo output (greedy, seeded sampling, penalties, stops), whatever else runs, joins or leaves."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+
+from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, load_checkpoint
+from exo.engine.batch import BatchDecoder
+
+CHUNK = 8  # small prefill chunks: prompts cross chunk boundaries
+TEXTS = (
+    "def fibonacci(n):\n    if n < 2:",
+    "The quick brown fox",
+    "import numpy as np\nx = np.",
+    "Once upon a time, in a land far away, there lived",
+    "1, 2, 3,",
+)
+
+
+@functools.cache
+def _engine(path, eos: bool = False) -> Engine:
+    loaded = load_checkpoint(path)
+    if not eos:  # every generation runs its whole budget: fixed-length comparisons
+        loaded = dataclasses.replace(loaded, eos_token_ids=frozenset())
+    return Engine(loaded, EngineConfig(prefill_chunk=CHUNK))
+
+
+def _request(engine: Engine, i: int, **fields) -> GenerationRequest:
+    prompt = engine.loaded.tokenizer.encode(TEXTS[i % len(TEXTS)])
+    return GenerationRequest(prompt, max_tokens=fields.pop("max_tokens", 16), **fields)
+
+
+def _solo(engine: Engine, request: GenerationRequest):
+    return engine.complete(dataclasses.replace(request, native_mtp="off"))
+
+
+def _run_batch(engine: Engine, requests, join_at=None, cancel=None):
+    """Decode ``requests`` in one batch: request i joins before step ``join_at[i]``; ``cancel``: {i: step}
+    ends request i from that step on. Returns per request (token ids, text, finish reason, stats)."""
+    join_at = join_at or [0] * len(requests)
+    cancel = cancel or {}
+    batch = BatchDecoder(engine)
+    out = {i: ([], [], None, None) for i in range(len(requests))}
+    index: dict[int, int] = {}
+    clock = [0]  # the current step (read by the cancellation polls)
+    pending = set(range(len(requests)))
+
+    def take(i, chunk):
+        tokens, text, _, _ = out[i]
+        tokens.extend(chunk.token_ids)
+        text.append(chunk.text)
+        if chunk.finish_reason is not None:
+            out[i] = (tokens, text, chunk.finish_reason, chunk.stats)
+
+    while pending or len(batch):
+        for i in sorted(pending):
+            if join_at[i] <= clock[0]:
+                pending.discard(i)
+                request = requests[i]
+                if i in cancel:
+                    at = cancel[i]
+                    request = dataclasses.replace(request, should_stop=lambda at=at: clock[0] >= at)
+                run = engine.start(request)
+                for chunk in run.begin():
+                    if chunk is not None:
+                        take(i, chunk)
+                index[id(run)] = i
+                if run.output.finish is not None:
+                    take(i, run.final_chunk())
+                else:
+                    batch.add(run)
+        for run, chunks in batch.step():
+            for chunk in chunks:
+                take(index[id(run)], chunk)
+        clock[0] += 1
+    return {i: (tokens, "".join(text), finish, stats) for i, (tokens, text, finish, stats) in out.items()}
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_batched_greedy_equals_solo_with_joins_and_leaves(checkpoint, arch):
+    engine = _engine(checkpoint(arch, dtype="float32"))
+    # Distinct prompts of different lengths (some cross prefill chunks), different budgets: sequences
+    # join mid-batch (left padding of the attention caches differs) and leave at different steps.
+    requests = [_request(engine, i, max_tokens=m) for i, m in enumerate((20, 7, 16, 12, 3))]
+    got = _run_batch(engine, requests, join_at=[0, 0, 3, 5, 9])
+    for i, request in enumerate(requests):
+        solo = _solo(engine, request)
+        tokens, text, finish, stats = got[i]
+        assert tokens == solo.token_ids, f"request {i}"
+        assert text == solo.text and finish == solo.finish_reason == "length"
+        assert stats.completion_tokens == len(tokens)
+    # The stats say it ran in a batch, and that MTP (available for this model) was paused for it.
+    stats = got[0][3]
+    assert stats.batch_sizes and max(stats.batch_sizes) == 4
+    assert sum(stats.batch_sizes.values()) == 19  # every token after the first came from a batch step
+    assert "batch" in stats.reason
+
+
+def test_bfloat16_batched_greedy_equals_solo(checkpoint):
+    engine = _engine(checkpoint("qwen3_5", dtype="bfloat16"))
+    requests = [_request(engine, i, max_tokens=24) for i in range(4)]
+    got = _run_batch(engine, requests, join_at=[0, 1, 2, 2])
+    for i, request in enumerate(requests):
+        assert got[i][0] == _solo(engine, request).token_ids, f"request {i}"
+
+
+def test_seeded_sampling_and_penalties_per_sequence(checkpoint):
+    engine = _engine(checkpoint("qwen3_5", dtype="float32"))
+    samplings = [
+        SamplingParams(temperature=0.9, seed=1),
+        SamplingParams(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.5),
+        SamplingParams(temperature=1.2, top_p=0.9, seed=2, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.9, top_k=20, seed=1),  # the same seed as the first: its own stream
+    ]
+    requests = [_request(engine, i, max_tokens=24, sampling=s) for i, s in enumerate(samplings)]
+    got = _run_batch(engine, requests, join_at=[0, 0, 1, 2, 4])
+    for i, request in enumerate(requests):
+        assert got[i][0] == _solo(engine, request).token_ids, f"request {i}"
+    # The penalties acted: the penalised greedy sequence is not the plain greedy one.
+    plain = _solo(engine, _request(engine, 1, max_tokens=24))
+    assert got[1][0] != plain.token_ids
+
+
+def test_stops_and_eos_inside_a_batch(checkpoint):
+    engine = _engine(checkpoint("qwen3_5", dtype="float32"), eos=True)
+    free = _engine(checkpoint("qwen3_5", dtype="float32"))
+    full = _solo(free, _request(free, 0, max_tokens=24)).text
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    requests = [
+        _request(engine, 0, max_tokens=24, stop=[stop]),
+        _request(engine, 1, max_tokens=40),  # the model's own EOS, if it ends before the budget
+        _request(engine, 2, max_tokens=1),  # done at its first token: never joins
+    ]
+    got = _run_batch(engine, requests)
+    for i, request in enumerate(requests):
+        solo = _solo(engine, request)
+        assert (got[i][0], got[i][1], got[i][2]) == (solo.token_ids, solo.text, solo.finish_reason), f"request {i}"
+    assert got[0][2] == "stop" and stop not in got[0][1]
+
+
+def test_cancelling_one_sequence_leaves_the_others_running(checkpoint):
+    engine = _engine(checkpoint("qwen3_5", dtype="float32"))
+    requests = [_request(engine, i, max_tokens=20) for i in range(3)]
+    got = _run_batch(engine, requests, cancel={1: 5})
+    assert got[1][2] == "cancelled"
+    assert 0 < len(got[1][0]) < 20
+    assert got[1][0] == _solo(engine, requests[1]).token_ids[: len(got[1][0])]
+    for i in (0, 2):
+        assert got[i][0] == _solo(engine, requests[i]).token_ids and got[i][2] == "length"
+
+
+def test_a_solo_run_hands_over_to_a_batch_at_a_step_boundary(checkpoint):
+    engine = _engine(checkpoint("qwen3_5", dtype="float32"))
+    calls = []
+    first = dataclasses.replace(
+        _request(engine, 0, max_tokens=30), yield_to_batch=lambda: calls.append(1) or len(calls) >= 6
+    )
+    run = engine.start(first)
+    streamed = [t for chunk in run.stream() for t in chunk.token_ids]
+    assert run.handed_over and run.output.finish is None and 1 <= len(streamed) < 30
+    batch = BatchDecoder(engine)
+    batch.add(run)
+    other = engine.start(_request(engine, 3, max_tokens=10))
+    other_tokens = [t for chunk in other.begin() if chunk is not None for t in chunk.token_ids]
+    batch.add(other)
+    finals = {}
+    while len(batch):
+        for r, chunks in batch.step():
+            for chunk in chunks:
+                (streamed if r is run else other_tokens).extend(chunk.token_ids)
+                if chunk.finish_reason:
+                    finals[id(r)] = chunk
+    assert streamed == _solo(engine, dataclasses.replace(first, yield_to_batch=None)).token_ids
+    assert other_tokens == _solo(engine, _request(engine, 3, max_tokens=10)).token_ids
+    assert finals[id(run)].stats.completion_tokens == 30
+
+
+def test_runs_that_cannot_batch_are_refused(checkpoint):
+    engine = _engine(checkpoint("qwen3_5", dtype="float32"))
+    run = engine.start(_request(engine, 0, logprobs=2))
+    list(run.begin())
+    assert not run.batchable
+    with pytest.raises(ValueError, match="cannot decode in a batch"):
+        BatchDecoder(engine).add(run)
+    unstarted = engine.start(_request(engine, 0))
+    with pytest.raises(ValueError, match="started, unfinished"):
+        BatchDecoder(engine).add(unstarted)

@@ -1,0 +1,170 @@
+"""The device queue with batching, on a genuine tiny checkpoint: generations waiting together decode as
+one batch (each gets its solo output), FIFO around generations that cannot batch, cancellation of one
+member, and the queue bound while a batch runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+
+from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, load_checkpoint
+from exo.engine.prompt import GenerateParams, Prompt
+from exo.runner.device import Device, Failed, GenerationJob, QueueFullError, Started
+
+TEXTS = ("def fibonacci(n):\n    if n < 2:", "The quick brown fox", "import numpy as np\nx = np.", "1, 2, 3,")
+
+
+@functools.cache
+def _engine(path) -> Engine:
+    loaded = dataclasses.replace(load_checkpoint(path), eos_token_ids=frozenset())  # fixed-length outputs
+    return Engine(loaded, EngineConfig(prefill_chunk=8))  # prompts cross prefill chunks
+
+
+@pytest.fixture
+def engine(checkpoint) -> Engine:
+    return _engine(checkpoint("qwen3_5", dtype="float32"))
+
+
+class Client:
+    """One generation job and what it received."""
+
+    def __init__(self, device: Device, engine: Engine, i: int, *, max_tokens: int = 12, hook=None, **params):
+        self.engine = engine
+        self.prompt = engine.loaded.tokenizer.encode(TEXTS[i % len(TEXTS)])
+        self.params = GenerateParams(max_tokens=max_tokens, default_max_tokens=max_tokens, **params)
+        self.items: list = []
+        self.finish: str | None = None
+        self.stats = None
+        self.job = GenerationJob(
+            device, lambda: engine, Prompt(token_ids=self.prompt), self.params, self.items.append,
+            timeout_s=600, on_done=self._done, step_hook=hook,
+        )
+
+    def _done(self, finish, stats, queue_s, device_s) -> None:
+        self.finish, self.stats = finish, stats
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for item in self.items if hasattr(item, "token_ids") for t in item.token_ids]
+
+    def solo(self) -> list[int]:
+        request = GenerationRequest(
+            self.prompt, max_tokens=self.params.max_tokens, sampling=self.params.sampling, native_mtp="off"
+        )
+        return self.engine.complete(request).token_ids
+
+
+def _serve(device: Device, clients: list[Client]) -> None:
+    """Serve on this thread until every client's job has ended."""
+    for client in clients:
+        done = client._done
+
+        def on_done(*args, done=done) -> None:
+            done(*args)
+            if all(c.finish is not None for c in clients):
+                device.close()
+
+        client.job.on_done = on_done
+    device.serve()
+
+
+def test_waiting_generations_decode_as_one_batch_with_their_solo_output(engine):
+    sizes: list[int] = []
+    device = Device(8, max_batch=4, on_batch=sizes.append)
+    samplings = [SamplingParams(), SamplingParams(temperature=0.8, seed=3), SamplingParams(presence_penalty=1.0),
+                 SamplingParams(), SamplingParams(temperature=0.7, seed=4)]
+    clients = [Client(device, engine, i, max_tokens=10 + i, sampling=s) for i, s in enumerate(samplings)]
+    for client in clients:
+        device.submit(client.job)
+    _serve(device, clients)
+    for i, client in enumerate(clients):
+        assert isinstance(client.items[0], Started)
+        assert client.finish == "length", client.items
+        assert client.tokens == client.solo(), f"client {i}"
+        assert client.stats.batch_sizes, f"client {i} never ran in a batch"
+    # The first one ran alone until the others waited, then handed over; the fifth joined when one left.
+    assert max(sizes) == 4 and device.generations == 5 and device.snapshot()["running"] == 0
+    assert max(clients[4].stats.batch_sizes) <= 4
+
+
+def test_generations_that_cannot_batch_keep_fifo_order(engine):
+    device = Device(8, max_batch=4)
+    order: list[int] = []
+    clients = [
+        Client(device, engine, 0, hook=lambda job: order.append(0)),
+        Client(device, engine, 1, logprobs=2, hook=lambda job: order.append(1)),  # logprobs: alone
+        Client(device, engine, 2, hook=lambda job: order.append(2)),
+    ]
+    for client in clients:
+        device.submit(client.job)
+    _serve(device, clients)
+    # Nothing batched: the one at the head of the queue could not join, so each ran alone, in order.
+    assert [c.stats.batch_sizes for c in clients] == [{}, {}, {}]
+    assert order == sorted(order)
+    assert [c.tokens for c in clients] == [c.solo() for c in clients]
+
+
+def test_cancelling_one_member_leaves_the_batch_running(engine):
+    device = Device(8, max_batch=4)
+
+    def cancel_at_step_5(job: GenerationJob) -> None:
+        if job.steps == 5:
+            job.cancel()
+
+    clients = [Client(device, engine, 0, max_tokens=16), Client(device, engine, 1, max_tokens=16, hook=cancel_at_step_5),
+               Client(device, engine, 2, max_tokens=16)]
+    for client in clients:
+        device.submit(client.job)
+    _serve(device, clients)
+    assert clients[1].finish == "cancelled"
+    cancelled = clients[1].tokens
+    assert 0 < len(cancelled) < 16 and cancelled == clients[1].solo()[: len(cancelled)]
+    for client in (clients[0], clients[2]):
+        assert client.finish == "length" and client.tokens == client.solo()
+
+
+def test_queue_bound_while_a_batch_runs(engine):
+    device = Device(2, max_batch=2)
+    clients: list[Client] = []
+    late: list[Client] = []
+    refused: list[BaseException] = []
+
+    def submit_more(job: GenerationJob) -> None:
+        # On the device thread, once two decode together: two more wait (the queue holds two), the
+        # next is refused at once.
+        if late or len(device.active) < 2:
+            return
+        late.extend([Client(device, engine, 2, max_tokens=6), Client(device, engine, 3, max_tokens=9)])
+        for client in late:
+            device.submit(client.job)
+            clients.append(client)
+            watch(client)
+        try:
+            device.submit(Client(device, engine, 0).job)
+        except QueueFullError as e:
+            refused.append(e)
+        assert device.snapshot() == {"queue_depth": 2, "running": 2, "generations": 0}
+
+    def watch(client: Client) -> None:
+        done = client.job.on_done
+
+        def on_done(*args) -> None:
+            done(*args)
+            if all(c.finish is not None for c in clients):
+                device.close()
+
+        client.job.on_done = on_done
+
+    clients += [Client(device, engine, 0, hook=submit_more), Client(device, engine, 1)]
+    for client in clients:
+        device.submit(client.job)
+    _serve(device, clients)
+    assert len(refused) == 1 and refused[0].retry_after_s >= 1
+    # The ones that waited ran when members left, in the batch, with their solo output.
+    assert len(clients) == 4
+    for client in clients:
+        assert client.finish == "length" and client.tokens == client.solo()
+        assert client.stats.batch_sizes and max(client.stats.batch_sizes) <= 2
+    assert not any(isinstance(item, Failed) for c in clients for item in c.items)
