@@ -68,3 +68,22 @@ def test_messages_arrive_in_order_both_ways_and_a_vanished_member_is_an_error_at
     assert first == "rank 0 done"
     assert second.startswith("rank 1 GroupError after") and "gone" in second, second
     assert float(second.split("after ")[1].split("s:")[0]) < 2.0, second
+
+
+def test_doorbells_probe_an_idle_connection() -> None:
+    """A member whose machine sleeps or whose network is cut closes nothing: the doorbell's TCP keepalive
+    makes the waiting member's receive fail within seconds instead of waiting for the daemons."""
+    import socket
+
+    from exo.runner.group import KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES, keep_alive
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        peer, _ = server.accept()
+        with client, peer:
+            keep_alive(client)
+            assert client.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert client.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE_IDLE_S
+            assert client.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == KEEPALIVE_INTERVAL_S
+            assert client.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == KEEPALIVE_PROBES
+            assert KEEPALIVE_IDLE_S + KEEPALIVE_INTERVAL_S * KEEPALIVE_PROBES <= 6  # well inside the 15 s bound
