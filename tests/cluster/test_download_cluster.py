@@ -241,7 +241,13 @@ def test_a_failed_download_fails_the_instance_with_the_reason(cluster, hub):
     error = response.json()["error"]
     assert error["code"] == "model_load_failed"
     assert "downloading dl-broken" in error["message"] and "HTTP 500" in error["message"], error
-    failed = instances_of(a, "dl-broken")
+    # The answer comes from the node that downloaded; A's view of that node's instances follows within a
+    # poll of the registry (1.5 s).
+    def settled() -> list[dict]:
+        found = instances_of(a, "dl-broken")
+        return found if found and all(i["state"] not in ("loading", "downloading") for i in found) else []
+
+    failed = wait_for(settled, 10, "A's view of the failed instance")
     assert [i["state"] for i in failed] == ["failed"] and "HTTP 500" in failed[0]["failure"]["message"]
     assert failed[0]["pid"] == 0  # no runner was started
 
