@@ -85,6 +85,7 @@ def test_every_field_from_env(home: Path) -> None:
             EXO_REQUEST_TIMEOUT_S="12.5",
             EXO_MAX_QUEUE="3",
             EXO_MAX_BATCH="4",
+            EXO_KV_BUDGET_TOKENS="2048",
             EXO_OFFLINE="1",
             EXO_MEMORY_BUDGET_BYTES=str(16 << 30),
         )
@@ -105,7 +106,7 @@ def test_every_field_from_env(home: Path) -> None:
     assert s.api_key.get_secret_value() == "sk-secret-value"
     assert s.cluster_secret.get_secret_value() == "cluster-secret-value"
     assert (s.request_timeout_s, s.max_queue, s.offline, s.memory_budget_bytes) == (12.5, 3, True, 16 << 30)
-    assert s.max_batch == 4
+    assert (s.max_batch, s.kv_budget_tokens) == (4, 2048)
     assert all(s.source(f) == "env" for f in Settings.model_fields)
 
 

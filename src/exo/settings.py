@@ -52,6 +52,10 @@ class Settings(BaseModel):
     max_queue: int = Field(default=64, ge=1)
     # Generations of one model that decode together in a batch at most (1: strictly one at a time).
     max_batch: int = Field(default=32, ge=1)
+    # Tokens of attention KV (prompt + max_tokens per generation; recurrent state counted as its bytes) the
+    # generations batching on one instance may hold together. None: CONTEXT_BUDGET_TOKENS, what placement
+    # reserves. A generation that does not fit waits in the queue; a lone generation always runs.
+    kv_budget_tokens: int | None = Field(default=None, ge=1)
     # The most memory (bytes) this node offers to models, whatever the OS has free: keep room for other
     # applications, or make a small node of a big machine. None: what the OS says is available.
     memory_budget_bytes: int | None = Field(default=None, ge=1)

@@ -10,6 +10,7 @@ import functools
 import pytest
 
 from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, load_checkpoint
+from exo.engine.batch import batch_bytes, sequence_bytes
 from exo.engine.prompt import GenerateParams, Prompt
 from exo.runner.device import Device, Failed, GenerationJob, QueueFullError, Started
 
@@ -168,3 +169,61 @@ def test_queue_bound_while_a_batch_runs(engine):
         assert client.finish == "length" and client.tokens == client.solo()
         assert client.stats.batch_sizes and max(client.stats.batch_sizes) <= 2
     assert not any(isinstance(item, Failed) for c in clients for item in c.items)
+
+
+def test_batch_bytes_pads_every_row_to_the_longest_and_counts_each_state():
+    assert batch_bytes([], 10, 100) == 0
+    assert batch_bytes([50], 10, 100) == 600
+    assert batch_bytes([50, 20, 30], 10, 100) == 3 * (50 * 10 + 100)
+
+
+def test_kv_budget_keeps_generations_that_do_not_fit_waiting_and_the_queue_bound_refuses(engine):
+    """A budget for two of these generations: two decode together while the others wait in the queue
+    (FIFO), the queue bound refuses one more at once, and every one still gets its solo output."""
+    per_token, per_sequence = sequence_bytes(engine)
+    assert per_token > 0 and per_sequence > 0  # the fixture has attention KV and GatedDeltaNet states
+    device = Device(2, max_batch=8, on_batch=(sizes := []).append)
+    late: list[Client] = []
+    waiting: list[int] = []
+    refused: list[BaseException] = []
+
+    def submit_more(job: GenerationJob) -> None:
+        # On the device thread, once two decode together: two more wait, the next one is refused.
+        if len(device.active) < 2:
+            return
+        if late:
+            waiting.append(device.snapshot()["queue_depth"])
+            return
+        late.extend(clients[2:])
+        for client in late:
+            device.submit(client.job)
+        try:
+            device.submit(Client(device, engine, 0).job)
+        except QueueFullError as e:
+            refused.append(e)
+
+    clients = [Client(device, engine, 0, hook=submit_more)] + [Client(device, engine, i) for i in (1, 2, 3)]
+    horizons = [len(c.prompt) + 12 for c in clients]
+    two = max(batch_bytes([a, b], per_token, per_sequence) for a in horizons for b in horizons)
+    three = batch_bytes(sorted(horizons)[:3], per_token, per_sequence)
+    device.kv_budget_tokens = -(-two // per_token)  # room for any two, never for three
+    assert device.kv_budget_tokens * per_token < three
+    for client in clients[:2]:
+        device.submit(client.job)
+    _serve(device, clients)
+    assert len(refused) == 1 and late
+    assert waiting and waiting[0] == 2  # with room in max_batch, the budget kept them in the queue
+    assert max(sizes) == 2
+    for i, client in enumerate(clients):
+        assert client.finish == "length" and client.tokens == client.solo(), f"client {i}"
+        assert client.stats.batch_sizes and max(client.stats.batch_sizes) <= 2, f"client {i}"
+
+
+def test_a_generation_larger_than_the_kv_budget_still_runs_alone(engine):
+    device = Device(8, max_batch=8, kv_budget_tokens=1)
+    clients = [Client(device, engine, i) for i in range(3)]
+    for client in clients:
+        device.submit(client.job)
+    _serve(device, clients)
+    assert [c.stats.batch_sizes for c in clients] == [{}, {}, {}]
+    assert [c.tokens for c in clients] == [c.solo() for c in clients]

@@ -210,7 +210,10 @@ class LocalModelService:
         self._mtp: tuple[bool, str] = (settings.native_mtp_enabled, "native MTP is disabled")
         self._started = time.monotonic()
         self.device = Device(
-            settings.max_queue, max_batch=settings.max_batch, on_depth=self.metrics.queue_depth.set
+            settings.max_queue,
+            max_batch=settings.max_batch,
+            kv_budget_tokens=settings.kv_budget_tokens,
+            on_depth=self.metrics.queue_depth.set,
         )
         self.device.start_thread()
 

@@ -8,6 +8,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import ErrorDetails
 
+# The tokens of attention KV an instance reserves room for (at most the model's context for placement):
+# one long sequence, or the sequences of a batch together (exo.runner.device admits by it).
+CONTEXT_BUDGET_TOKENS = 32768
+
 # mlx-lm `model_type`s this project runs.
 Arch = Literal["qwen3_5", "qwen3_5_moe", "qwen3_next"]
 

@@ -13,6 +13,11 @@ batch at the step's end; new runs join between steps.
 Steps are pipelined like a solo plain burst: a step's next tokens are computed while the host emits the
 tokens fed to it. A run that finishes has one wasted row computed after its last token.
 
+Memory: a batch's attention KV is left-padded to its longest row, so n runs hold about n x the longest
+horizon (prompt + max_tokens) of KV rows, plus each run's GatedDeltaNet state (fixed per sequence).
+``batch_bytes`` is that estimate, ``sequence_bytes`` measures its two rates on the model itself; the device
+queue admits a run into a batch only while the estimate stays within the instance's KV budget.
+
 Native MTP does not run inside a batch yet (a request's stats say so, with the batch sizes it ran in).
 On this CPU batched rows round exactly as solo decoding (bench/batching.py measures it; tests check it).
 """
@@ -27,6 +32,42 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 from .generate import Engine, GenerationChunk, _Run
 from .models.layers import RollbackArraysCache
 from .sampling import apply_processors
+
+
+def sequence_bytes(engine: Engine) -> tuple[int, int]:
+    """(bytes of attention KV per token, bytes of recurrent state per sequence) of ``engine``'s model,
+    measured once on a one-token forward (on the device thread) and kept on the engine."""
+    measured = getattr(engine, "_sequence_bytes", None)
+    if measured is None:
+        cache = engine.forward.new_cache()
+        mx.eval(engine.forward.hidden(mx.array([[0]], dtype=mx.uint32), cache))
+        per_token = per_sequence = 0
+        for c in cache:
+            if isinstance(c, KVCache):
+                per_token += (c.keys.nbytes + c.values.nbytes) // c.keys.shape[2]
+            else:
+                per_sequence += sum(a.nbytes for a in c.cache if a is not None)
+        measured = engine._sequence_bytes = (per_token, per_sequence)  # type: ignore[attr-defined]
+    return measured
+
+
+def batch_bytes(horizons: list[int], per_token: int, per_sequence: int) -> int:
+    """The memory a batch of runs with these horizons (prompt + max_tokens each) may reach: every row
+    padded to the longest, plus each run's recurrent state."""
+    if not horizons:
+        return 0
+    return len(horizons) * (max(horizons) * per_token + per_sequence)
+
+
+def batch_fits(engine: Engine, horizons: list[int], budget_tokens: int) -> bool:
+    """Whether runs with these horizons may decode together within ``budget_tokens`` tokens of the model's
+    KV (a lone run always may: its own context limit bounds it)."""
+    if len(horizons) < 2:
+        return True
+    per_token, per_sequence = sequence_bytes(engine)
+    if per_token == 0:  # no attention layer: only the fixed states, which max_batch bounds
+        return True
+    return batch_bytes(horizons, per_token, per_sequence) <= budget_tokens * per_token
 
 
 class BatchDecoder:

@@ -5,7 +5,9 @@ native MTP included) until a generation that can share the device waits at the h
 the running one leaves its loop at the next step boundary and the two, and every such generation that
 arrives while they run (up to ``max_batch``), decode together in one batch (``exo.engine.batch``):
 each joins after its own prefill, interleaved chunk by chunk with the batch's steps, and leaves when it
-ends. Generations under a grammar or with logprobs, a load, or another model's generation at the head of
+ends. A generation joins only while the batch stays within the instance's KV budget (``kv_budget_tokens``,
+estimated by ``exo.engine.batch.batch_fits`` from each member's prompt + max_tokens); one that does not fit
+waits at the head of the queue until members leave (FIFO: nothing behind it overtakes it). Generations under a grammar or with logprobs, a load, or another model's generation at the head of
 the queue wait until the batch has drained (FIFO). A runner serves the queue on its MAIN thread (``Device.serve``); an in-process service
 (``exo.api.local``) on a parked daemon thread (``Device.start_thread``). Generation jobs count against
 a bounded queue (``max_queue`` waiting): submitting to a full queue raises ``QueueFullError`` at once, so
@@ -26,12 +28,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from exo.cards.schema import CONTEXT_BUDGET_TOKENS
 from exo.wire.errors import QueueFullError, RequestTimeoutError
 
 if TYPE_CHECKING:  # the engine (mlx-lm, transformers: seconds) is imported by the load, not before Status serves
     from exo.engine import Engine, NativeMTPStats
     from exo.engine.generate import GenerationChunk, _Run
-    from exo.engine.prompt import GenerateParams, Prompt
+    from exo.engine.prompt import GenerateParams, GenerationRequest, Prompt
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +111,10 @@ class GenerationJob:
         # Generations batch with others of the same key (the same model on this device).
         self.batch_key = batch_key
         self.handed_over: _Run | None = None  # the run, when it left its solo loop for a batch
+        # The engine's request, tokenized ahead on the device thread to weigh the job for a batch.
+        self._prepared: tuple[Engine, GenerationRequest | Exception] | None = None
+        self.engine: Engine | None = None  # the engine it runs on, once begun
+        self.horizon = 0  # prompt + max_tokens: the KV rows it may hold (0 until known)
         self._queue_s = 0.0
         self._start = 0.0
         self._finish = "error"
@@ -117,6 +124,25 @@ class GenerationJob:
     def batchable(self) -> bool:
         """Whether this generation can decode in a batch (grammars and logprobs run alone)."""
         return self.params.constraint is None and self.params.logprobs is None
+
+    def prepare(self, engine: Engine) -> int:
+        """On the device thread, before it runs: tokenize against ``engine`` (once; ``begin`` reuses it) and
+        return the job's horizon (prompt + max_tokens), 0 for a request that ``begin`` will reject."""
+        from exo.engine.prompt import generation_request
+
+        if self._prepared is None or self._prepared[0] is not engine:
+            try:
+                request: GenerationRequest | Exception = generation_request(
+                    engine, self.prompt, self.params, self.should_stop
+                )
+            except Exception as e:
+                request = e
+            self._prepared = (engine, request)
+        request = self._prepared[1]
+        if isinstance(request, Exception):
+            return 0
+        self.horizon = len(request.prompt_tokens) + request.max_tokens
+        return self.horizon
 
     @property
     def cancelled(self) -> bool:
@@ -187,8 +213,15 @@ class GenerationJob:
             return None
         self._start = time.perf_counter()
         try:
-            engine = self._engine()
-            request = generation_request(engine, self.prompt, self.params, self.should_stop)
+            self.engine = engine = self._engine()
+            prepared, self._prepared = self._prepared, None
+            if prepared is not None and prepared[0] is engine:
+                if isinstance(prepared[1], Exception):
+                    raise prepared[1]
+                request = prepared[1]
+            else:
+                request = generation_request(engine, self.prompt, self.params, self.should_stop)
+            self.horizon = len(request.prompt_tokens) + request.max_tokens
             request.yield_to_batch = yield_to_batch
             run = engine.start(request)
         except Exception as e:
@@ -226,11 +259,14 @@ class Device:
         max_batch: int = 1,
         on_depth: Callable[[int], None] | None = None,
         on_batch: Callable[[int], None] | None = None,
+        kv_budget_tokens: int | None = None,
     ) -> None:
-        """``max_batch``: generations decoding together at most (1: one at a time); ``on_batch``: called
-        with the batch size after every batched decode step."""
+        """``max_batch``: generations decoding together at most (1: one at a time); ``kv_budget_tokens``:
+        the KV a batch may hold together (None: ``CONTEXT_BUDGET_TOKENS``); ``on_batch``: called with the
+        batch size after every batched decode step."""
         self.max_queue = max_queue
         self.max_batch = max(1, max_batch)
+        self.kv_budget_tokens = kv_budget_tokens or CONTEXT_BUDGET_TOKENS
         self._on_depth = on_depth or (lambda depth: None)
         self._on_batch = on_batch or (lambda size: None)
         self.active: list[GenerationJob] = []  # generations on the device (device thread writes)
@@ -337,21 +373,34 @@ class Device:
             head = jobs[0]
         except IndexError:  # taken by another thread (a cancel) since the check
             return False
-        return self._joins(head, job.batch_key)
+        if not self._joins(head, job.batch_key) or job.engine is None:
+            return False
+        return self._fits(job.engine, [job.horizon, head.prepare(job.engine)])  # type: ignore[attr-defined]
+
+    def _fits(self, engine: Engine, horizons: list[int]) -> bool:
+        from exo.engine.batch import batch_fits
+
+        return batch_fits(engine, [h for h in horizons if h], self.kv_budget_tokens)
 
     @staticmethod
     def _joins(job: Job, key: str) -> bool:
         return isinstance(job, GenerationJob) and job.batchable and job.batch_key == key and not job.cancelled
 
-    def _admit(self, key: str, room: int) -> list[GenerationJob]:
-        """Take from the head of the queue the generations that can join the batch (FIFO: stop at the
-        first that cannot)."""
+    def _admit(self, key: str, room: int, engine: Engine, horizons: list[int]) -> list[GenerationJob]:
+        """Take from the head of the queue the generations that can join a batch whose members have these
+        horizons, within the KV budget (FIFO: stop at the first that cannot)."""
         admitted: list[GenerationJob] = []
+        horizons = list(horizons)
         with self._cv:
             while self._jobs and len(admitted) < room and not self._closed:
                 head = self._jobs[0]
                 if not self._joins(head, key):
                     break
+                assert isinstance(head, GenerationJob)
+                horizon = head.prepare(engine)
+                if not self._fits(engine, [*horizons, horizon]):
+                    break
+                horizons.append(horizon)
                 self._jobs.popleft()
                 self._waiting_bounded -= 1
                 admitted.append(head)  # type: ignore[arg-type]
@@ -381,7 +430,9 @@ class Device:
                     self.generations += 1
 
         while True:
-            for job in self._admit(first.batch_key, self.max_batch - len(batch) - len(prefilling)):
+            horizons = [m.horizon for m in members.values()] + [job.horizon for job, _, _ in prefilling]
+            room = self.max_batch - len(batch) - len(prefilling)
+            for job in self._admit(first.batch_key, room, batch.engine, horizons):
                 new = job.begin()
                 if new is None:
                     with self._cv:
