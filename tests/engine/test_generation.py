@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import mlx.nn as nn
 import pytest
 
 from exo.engine import (
@@ -302,5 +303,42 @@ def test_the_verify_probe_finds_every_row_exact_on_this_cpu(checkpoint, arch):
     engine = _engine(checkpoint(arch, dtype="float32"))
     mode = engine.verify_mode
     assert mode.exact and not mode.per_row_attention and not mode.per_row_logits
-    assert engine.verify_probe == {"gated_delta_layer": True, "attention_layer_batched": True, "logits_batched": True}
+    probe = dict(engine.verify_probe)
+    linears = {name: probe.pop(name) for name in list(probe) if name.startswith("linear ")}
+    assert probe == {"gated_delta_layer": True, "attention_layer_batched": True, "logits_batched": True}
+    assert linears and all(linears.values()) and mode.per_row_linears == 0, linears  # every shape probed
     assert engine.forward.verify is mode
+
+
+class _RoundsBlocksDifferently(nn.Linear):
+    """Stands in for a backend whose matmul kernel for several rows rounds unlike its one-row kernel (MLX
+    CUDA's bf16 GEMM: bench/results/h100-mlx-cuda-row-count.txt), exaggerated so that it changes tokens."""
+
+    def __call__(self, x):
+        y = super().__call__(x)
+        return y if x.shape[-2] == 1 else y * 1.05
+
+
+@pytest.mark.parametrize("arch", ("qwen3_5", "qwen3_next"))
+def test_a_row_count_sensitive_linear_runs_per_row_in_verify_calls_and_mtp_stays_exact(checkpoint, arch):
+    """The probe finds the linear layers whose block of rows differs from one row, a verify call computes
+    just those row by row (every other matmul batched), and greedy MTP still equals plain decoding."""
+    loaded = dataclasses.replace(load_checkpoint(checkpoint(arch, dtype="float32")), eos_token_ids=frozenset())
+    ups = [layer.mlp.up_proj for layer in loaded.model.stage_layers if hasattr(layer.mlp, "up_proj")]
+    ups += [layer.mlp.shared_expert.up_proj for layer in loaded.model.stage_layers if hasattr(layer.mlp, "shared_expert")]
+    assert ups
+    for linear in ups:
+        linear.__class__ = _RoundsBlocksDifferently
+    engine = Engine(loaded, EngineConfig(prefill_chunk=CHUNK))
+    mode = engine.verify_mode
+    assert mode.exact and mode.per_row_linears >= len(ups)
+    assert not all(v for k, v in engine.verify_probe.items() if k.startswith("linear "))
+    assert all(type(linear).__name__ == "Rowwise_RoundsBlocksDifferently" for linear in ups)
+    prompt = _prompt(engine.loaded, 11)
+    plain = _greedy(engine, prompt, native_mtp="off")
+    for depth in (1, 2, 3):
+        mtp = _greedy(engine, prompt, mtp_k=depth)
+        assert mtp.token_ids == plain.token_ids, depth
+        assert mtp.stats.rounds > 0
+    # Outside verify calls (decode steps, prefill) the layer computes as before.
+    assert not any(linear.per_row for linear in ups)

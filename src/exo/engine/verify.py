@@ -13,10 +13,16 @@ computes per row exactly the operations that need it (attention, logits), the re
   state after every row for the rollback anyway: ``models.layers``);
 - MoE routing is locked to decode's routes (``moe``);
 - ``per_row_attention``: each row attends to the keys up to itself, a decode step's shape;
-- ``per_row_logits``: the lm_head runs per row.
+- ``per_row_logits``: the lm_head runs per row;
+- ``per_row_linears``: the linear layers of a shape whose matmul rounds a block of rows differently from
+  one row (MLX CUDA picks another bf16 GEMM kernel for one row than for several: for exo-demo only
+  ``mlp.up_proj`` and the lm_head, bench/results/h100-mlx-cuda-row-count.txt) run per row, every other
+  matmul of the call stays batched. Each distinct linear shape is probed once, on random rows; they run
+  per row only when that makes the layers' probes exact (on an H100 the exo-demo GatedDeltaNet layer
+  still differed with its one flagged shape per row, so there nothing runs per row).
 
-When even that leaves a difference (a layer's matmuls round differently by row count), ``exact`` is False
-and the engine re-decodes near ties plainly (``EngineConfig.greedy_tie_margin``).
+When even that leaves a difference, ``exact`` is False and the engine re-decodes near ties plainly
+(``EngineConfig.greedy_tie_margin``).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from .models.backbone import SpeculativeBackbone
@@ -41,6 +48,7 @@ class VerifyMode:
     per_row_attention: bool = False
     per_row_logits: bool = False
     exact: bool = True  # every verify row equals its decode step (measured by ``probe``)
+    per_row_linears: int = 0  # linear layers computed row by row in a verify call (``probe``)
 
     @classmethod
     def forced(cls, moe: MoEVerifyMode, rows: VerifyRows) -> VerifyMode:
@@ -62,9 +70,10 @@ def probe(model: SpeculativeBackbone, moe: MoEVerifyMode) -> tuple[VerifyMode, d
     layers = model.stage_layers
     dtype = layers[0].input_layernorm.weight.dtype
     key = mx.random.key(20261123)
+    sensitive, found = _row_count_sensitive_linears(layers, dtype, key)
+    model.set_rowwise_linears(sensitive)
     prefix = (mx.random.normal((1, PROBE_PREFIX, model.hidden_size), key=key) * 0.5).astype(dtype)
     rows = (mx.random.normal((1, PROBE_ROWS, model.hidden_size), key=mx.random.split(key)[0]) * 0.5).astype(dtype)
-    found: dict[str, bool] = {}
 
     def same_as_decode(layer: Any, per_row_attention: bool) -> bool:
         decode, verify = _layer_cache(layer), _layer_cache(layer)
@@ -104,7 +113,42 @@ def probe(model: SpeculativeBackbone, moe: MoEVerifyMode) -> tuple[VerifyMode, d
         mx.eval(block, single)
         found["logits_batched"] = bool(mx.array_equal(block, single).item())
         per_row_logits = not found["logits_batched"]
-    return VerifyMode(moe, per_row_attention, per_row_logits, exact), found
+    if sensitive and not exact:
+        # Rows of those linears computed one at a time did not make the layers exact (on MLX CUDA the
+        # differences also depend on the values: bench/results/h100-mlx-cuda-rowwise-linears.txt), so
+        # they would cost time and buy nothing: the near-tie fallback covers what is left.
+        model.set_rowwise_linears([])
+        sensitive = []
+    return VerifyMode(moe, per_row_attention, per_row_logits, exact, len(sensitive)), found
+
+
+def _row_count_sensitive_linears(layers: list[Any], dtype: mx.Dtype, key: mx.array) -> tuple[list[nn.Module], dict[str, bool]]:
+    """The linear layers (of ``layers``) of every shape whose block of rows differs from the same rows one
+    at a time, and per shape whether it was row-invariant (``"linear 256->1024 bfloat16": True``)."""
+    shapes: dict[tuple[Any, ...], list[nn.Module]] = {}
+    for layer in layers:
+        for _, module in layer.named_modules():
+            if isinstance(module, (nn.Linear, nn.QuantizedLinear)):
+                bits = getattr(module, "bits", None)
+                signature = (tuple(module.weight.shape), bits, getattr(module, "group_size", None), "bias" in module)
+                shapes.setdefault(signature, []).append(module)
+    sensitive: list[nn.Module] = []
+    found: dict[str, bool] = {}
+    for signature, modules in shapes.items():
+        module = modules[0]
+        out_dims, in_dims = module.weight.shape
+        if signature[1] is not None:
+            in_dims = in_dims * 32 // signature[1]
+        rows = (mx.random.normal((1, PROBE_ROWS, in_dims), key=key) * 0.5).astype(dtype)
+        block = module(rows)
+        single = mx.concatenate([module(rows[:, t : t + 1]) for t in range(PROBE_ROWS)], axis=1)
+        mx.eval(block, single)
+        same = bool(mx.array_equal(block, single).item())
+        quantized = f" {signature[1]}-bit" if signature[1] is not None else ""
+        found[f"linear {in_dims}->{out_dims} {dtype}{quantized}".replace("mlx.core.", "")] = same
+        if not same:
+            sensitive.extend(modules)
+    return sensitive, found
 
 
 def _layer_cache(layer: Any) -> Any:

@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import KVCache
 
-from .layers import Attention, GatedDeltaNet, MoEVerifyMode, RollbackArraysCache, SparseMoeBlock
+from .layers import Attention, GatedDeltaNet, MoEVerifyMode, RollbackArraysCache, SparseMoeBlock, make_rowwise
 
 
 class SpeculativeBackbone:
@@ -139,14 +139,24 @@ class SpeculativeBackbone:
             if isinstance(layer.mlp, SparseMoeBlock):
                 yield layer.mlp
 
+    def set_rowwise_linears(self, linears: list[nn.Module]) -> None:
+        """The linear layers whose verify rows are computed one at a time (``verify.probe``)."""
+        for linear in linears:
+            make_rowwise(linear)
+        object.__setattr__(self, "_rowwise_linears", tuple(linears))  # not a child module: no parameters
+
     @property
     def is_moe(self) -> bool:
         return any(True for _ in self.moe_blocks())
 
     def set_verify_mode(self, moe: MoEVerifyMode | None, per_row_attention: bool = False) -> None:
-        """Around a verify call: lock MoE routing (``moe``), attend row by row (``per_row_attention``)."""
+        """Around a verify call: lock MoE routing (``moe``), attend row by row (``per_row_attention``), and
+        run the linear layers that ``verify.probe`` found row-count-sensitive row by row (``moe`` set: a
+        verify call is on; None: it is over)."""
         for block in self.moe_blocks():
             block.verify_mode = moe
+        for linear in self.__dict__.get("_rowwise_linears", ()):
+            linear.per_row = moe is not None
         for layer in self.stage_layers:
             if isinstance(getattr(layer, "self_attn", None), Attention):
                 layer.self_attn.per_row = per_row_attention

@@ -28,6 +28,34 @@ from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextGatedDeltaNet,
 MoEVerifyMode = Literal["route_locked", "batched", "safe"]
 
 
+class _RowwiseLinear:
+    """A linear layer whose multi-row calls compute each row alone while ``per_row`` is set: during a
+    verify call, on a device whose kernel for this shape rounds a block of rows differently from one row
+    (``verify.probe`` finds them; ``make_rowwise`` applies it)."""
+
+    per_row = False
+
+    def __call__(self, x: mx.array) -> mx.array:
+        rows = x.shape[-2] if x.ndim >= 2 else 1
+        if not self.per_row or rows == 1:
+            return super().__call__(x)  # type: ignore[misc]
+        call = super().__call__  # type: ignore[misc]
+        return mx.concatenate([call(x[..., t : t + 1, :]) for t in range(rows)], axis=-2)
+
+
+_ROWWISE_CLASSES: dict[type, type] = {}
+
+
+def make_rowwise(module: nn.Module) -> None:
+    """Give a Linear / QuantizedLinear the per-row verify path (weights and behaviour otherwise unchanged)."""
+    cls = type(module)
+    if issubclass(cls, _RowwiseLinear):
+        return
+    if cls not in _ROWWISE_CLASSES:
+        _ROWWISE_CLASSES[cls] = type(f"Rowwise{cls.__name__}", (_RowwiseLinear, cls), {})
+    module.__class__ = _ROWWISE_CLASSES[cls]
+
+
 class RollbackArraysCache(ArraysCache):
     """GatedDeltaNet cache ([0] conv window, [1] recurrent state) that can keep a verified prefix."""
 
