@@ -59,7 +59,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def fixture_store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> FixtureStore:
     if os.environ.get("EXO_FIXTURE_DIR"):
         root = Path(os.environ["EXO_FIXTURE_DIR"])
-    elif request.config.cache is not None:
+    elif getattr(request.config, "cache", None) is not None:
         root = request.config.cache.mkdir("exo_fixtures")
     else:  # cacheprovider disabled (-p no:cacheprovider): build per session
         root = tmp_path_factory.mktemp("exo_fixtures")
