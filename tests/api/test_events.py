@@ -203,6 +203,35 @@ def test_unannounced_changes_are_found_by_the_interval_and_slow_sections_wait_th
     run(scenario)
 
 
+def test_a_notify_landing_as_the_interval_times_out_is_not_lost(monkeypatch):
+    """A notify() between the interval's timeout and the watcher's resumption (a loaded CPU widens that
+    window) still forces a full read: the catalog, read only when announced, must come."""
+    source = Source()
+    hub = EventHub(source.sections(), interval_s=0.05, heartbeat_s=3600.0)
+    real_wait_for = asyncio.wait_for
+    raced = []
+
+    async def wait_for_racing_notify(awaitable, timeout):
+        watcher = getattr(awaitable, "cr_frame", None) is not None and awaitable.cr_frame.f_locals.get("self") is hub._wake
+        if watcher and not raced and source.catalog[-1] != "exo-demo":  # changed, not yet announced
+            awaitable.close()
+            raced.append(True)
+            hub.notify()  # lands after the timeout fired, before the watcher looks
+            raise TimeoutError
+        return await real_wait_for(awaitable, timeout)
+
+    async def scenario() -> None:
+        async with serving(hub) as (url, client), client.get(url) as response:
+            stream = Stream(response)
+            await stream.event()
+            monkeypatch.setattr("exo.api.events.asyncio.wait_for", wait_for_racing_notify)
+            source.catalog.append("qwen3.5-27b-4bit")
+            event = await stream.event(timeout=3.0)
+            assert raced and (event["event"], event["data"]) == ("models", ["exo-demo", "qwen3.5-27b-4bit"])
+
+    run(scenario)
+
+
 def test_heartbeats_while_quiet_and_nothing_runs_without_clients():
     source = Source()
     hub = EventHub(source.sections(), interval_s=0.02, heartbeat_s=0.1)

@@ -216,11 +216,11 @@ class EventHub:
     # -- finding changes ----------------------------------------------------------------------------------
     async def _watch(self) -> None:
         while self._subscribers and not self._closed:
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.interval_s)
-                force = True
-            except TimeoutError:
-                force = False
+            # Read the flag, not how the wait ended: a notify() landing between the timeout and this
+            # task's resumption would otherwise be cleared unseen (a lost wake-up, seen on a loaded CPU).
+            force = self._wake.is_set()
             self._wake.clear()
             try:
                 async with self._lock:
