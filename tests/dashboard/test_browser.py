@@ -237,6 +237,11 @@ def test_stop_ends_the_generation_on_the_daemon(page, node):
     page.get_by_role("button", name="Stop").click()
     expect(reply).to_have_attribute("data-status", "stopped")
     expect(reply).to_contain_text("stopped")
+    # The daemon sends its figures only with a finished reply: a stopped one shows what the page measured.
+    stats = reply.get_by_test_id("message-stats")
+    expect(stats).to_contain_text(re.compile(r"≥\d+ tokens"))
+    expect(stats).to_contain_text(re.compile(r"≥\d+(\.\d+)? tok/s"))
+    expect(stats).to_contain_text(re.compile(r"TTFT \d+(\.\d+)? (ms|s)"))
     expect(page.get_by_role("button", name="Send")).to_be_visible()
     # The daemon ended it at once (the whole reply would take about a minute here), unfinished: counted,
     # but neither as a stop nor as running out of tokens.
@@ -256,6 +261,7 @@ def test_conversation_is_kept_across_a_reload(page):
     expect(replies).to_have_count(2)
     expect(replies.first.get_by_test_id("message-stats")).to_contain_text(re.compile(r"acceptance \d+%"))
     expect(replies.last).to_have_attribute("data-status", "stopped")
+    expect(replies.last.get_by_test_id("message-stats")).to_contain_text(re.compile(r"tok/s · TTFT \d+"))
     expect(replies.last.locator(".body")).not_to_be_empty()
     expect(page.get_by_role("article", name="user message").first).to_have_text("Hello")
     page.evaluate("window.__sameDocument = true")
