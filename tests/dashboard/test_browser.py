@@ -110,11 +110,13 @@ def test_the_page_asks_for_the_api_key_then_goes_live(page, node, artifacts):
     assert response.status == 200  # the page itself needs no key
     dialog = page.get_by_role("dialog", name="This node needs an API key")
     expect(dialog).to_be_visible()
+    expect(page.locator("main")).to_contain_text("Waiting for the API key…")  # not for the daemon: it answered
     screenshot(page, artifacts, "key-prompt")
     dialog.get_by_label("API key").fill(API_KEY)
     dialog.get_by_role("button", name="Connect").click()
     expect(dialog).to_be_hidden()
     expect(page.get_by_role("status")).to_have_text("Live")
+    expect(page.locator("main")).not_to_contain_text("Waiting for")
     page.evaluate("window.__sameDocument = true")  # later tests check nothing reloaded the page
 
 
@@ -122,7 +124,10 @@ def test_cluster_view_shows_the_node(page, node):
     card = page.get_by_role("article", name="node studio")
     expect(card).to_be_visible()
     expect(card).to_contain_text("this node")
-    expect(card).to_contain_text(node.cluster()["nodes"][0]["backend"])
+    [me] = node.cluster()["nodes"]
+    assert me["chip"], me
+    expect(card).to_contain_text(me["backend"])
+    expect(card).to_contain_text(me["chip"])
     expect(card.get_by_role("progressbar", name="Memory")).to_have_attribute("aria-valuetext", re.compile(r"GB / .*GB"))
     expect(card).to_contain_text("exo-demo")
 
@@ -137,6 +142,7 @@ def test_models_view_launches_a_model_after_a_placement_preview(page, node, arti
     expect(preview).to_contain_text("needs")
     expect(preview.locator("ol.stages")).to_contain_text("studio")
     expect(preview.locator("ol.stages")).to_contain_text("layers 0–")
+    expect(preview.locator("dl")).to_contain_text("free there")  # one node: what it has free
     screenshot(page, artifacts, "models-launch-preview")
     preview.get_by_role("button", name="Launch", exact=True).click()
     instance = page.locator('article[aria-label="instance of exo-demo"]')
@@ -150,6 +156,16 @@ def test_a_model_that_fails_to_load_shows_why(page, node, artifacts):
     model = page.get_by_role("listitem", name="broken demo")
     expect(model).to_contain_text("no MTP")  # and why: its weights cannot even be read
     expect(model).to_contain_text("the MTP head cannot be read")
+    # The reason names a file by its absolute path: two lines at most, the whole of it in the title and
+    # a click away.
+    reason = model.locator(".reason")
+    expect(reason).to_have_attribute("title", re.compile(r"^the MTP head cannot be read: /.*model\.safetensors"))
+    lines = "e => e.getBoundingClientRect().height / parseFloat(getComputedStyle(e).lineHeight)"
+    assert reason.evaluate(lines) <= 2.1
+    model.get_by_role("button", name="show all").click()
+    assert reason.evaluate(lines) > 2.1
+    model.get_by_role("button", name="show less").click()
+    assert reason.evaluate(lines) <= 2.1
     model.get_by_role("button", name="Launch…").click()
     model.get_by_role("region", name=f"launch {BROKEN_MODEL}").get_by_role("button", name="Launch", exact=True).click()
     instance = page.locator(f'article[aria-label="instance of {BROKEN_MODEL}"]')
@@ -336,6 +352,10 @@ def test_a_pipeline_over_two_nodes_shows_which_layers_run_where(page, node, lapt
     expect(stages.nth(0)).to_contain_text(re.compile(r"layers 0–\d"))
     expect(preview.locator("ol.stages")).to_contain_text("studio")
     expect(preview.locator("ol.stages")).to_contain_text("laptop")
+    summary = preview.locator("dl")
+    expect(summary).to_contain_text(re.compile(r"needs\s*[\d.]+ [KMG]?B over 2 nodes"))
+    expect(summary).to_contain_text(re.compile(r"least room\s*[\d.]+ [KMG]?B left on (studio|laptop) \(stage [01]\)"))
+    expect(summary).not_to_contain_text("free there")  # no single node's wording
     screenshot(page, artifacts, "models-pipeline-preview")
     preview.get_by_role("button", name="Launch", exact=True).click()
     instance = page.locator('article[aria-label="instance of exo-demo-moe"]')
