@@ -14,6 +14,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import pytest
 from cluster.daemons import Daemon, wait_for
@@ -102,6 +103,32 @@ def last_reply(page: Any) -> Any:
     return page.get_by_role("article", name="assistant message").last
 
 
+def background_brightness(page: Any) -> float:
+    """The page's background colour (body's computed one) as a mean of its RGB channels, 0 to 255."""
+    colour = page.evaluate("getComputedStyle(document.body).backgroundColor")
+    channels = [float(c) for c in re.findall(r"[\d.]+", colour)[:3]]
+    assert len(channels) == 3, colour
+    return sum(channels) / 3
+
+
+def horizontal_overflow(page: Any) -> dict[str, Any]:
+    """How far the page is wider than the window (the document, and <main>, which scrolls by itself),
+    with the elements that stick out past the window's right edge, outside any box that scrolls sideways
+    on purpose (code blocks, tables, the tab bar)."""
+    return page.evaluate("""() => {
+        const main = document.querySelector('main');
+        const scrolls = (e) => ['auto', 'scroll'].includes(getComputedStyle(e).overflowX) && e !== main;
+        const culprits = [...document.querySelectorAll('main *, header *')].filter((e) => {
+            if (e.getBoundingClientRect().right <= innerWidth + 0.5) return false;
+            for (let p = e.parentElement; p; p = p.parentElement) if (scrolls(p)) return false;
+            return true;
+        }).slice(0, 5).map((e) => `${e.tagName.toLowerCase()}.${[...e.classList].join('.')}: ${
+            e.textContent.trim().slice(0, 40)}`);
+        return {document: document.documentElement.scrollWidth - innerWidth,
+                main: main.scrollWidth - main.clientWidth, culprits};
+    }""")
+
+
 # -- the flow ---------------------------------------------------------------------------------------------
 
 
@@ -130,6 +157,31 @@ def test_cluster_view_shows_the_node(page, node):
     expect(card).to_contain_text(me["chip"])
     expect(card.get_by_role("progressbar", name="Memory")).to_have_attribute("aria-valuetext", re.compile(r"GB / .*GB"))
     expect(card).to_contain_text("exo-demo")
+
+
+def test_the_page_does_not_poll(page):
+    """The live state comes through one event stream: a load (the key remembered now) opens it, and
+    going through every view and then 5 s of idleness ask the daemon for nothing else (the page's own
+    files aside: Chromium fetches the favicon again at each change of view)."""
+    requests: list[tuple[str, str]] = []
+
+    def seen(request: Any) -> None:
+        requests.append((request.method, urlparse(request.url).path))
+
+    page.on("request", seen)
+    try:
+        page.reload()
+        expect(page.get_by_role("status")).to_have_text("Live")
+        expect(page.get_by_role("article", name="node studio")).to_be_visible()
+        for view in (*VIEWS, "cluster"):
+            go(page, view)
+        page.wait_for_timeout(5000)
+    finally:
+        page.remove_listener("request", seen)
+    static = re.compile(r"^/(|favicon\.svg|assets/.+)$")
+    api = [(method, path) for method, path in requests if not static.match(path)]
+    assert api == [("GET", "/v1/events")], f"the page asked for more than its event stream: {api}"
+    page.evaluate("window.__sameDocument = true")
 
 
 def test_models_view_launches_a_model_after_a_placement_preview(page, node, artifacts):
@@ -322,6 +374,27 @@ def test_the_native_mtp_switch_changes_the_node_setting(page, node):
     expect(switch).to_be_checked()
 
 
+def test_the_theme_choice_applies_and_is_kept(page):
+    html = page.locator("html")
+    assert page.evaluate("matchMedia('(prefers-color-scheme: dark)').matches") is False  # the system: light
+    expect(html).to_have_attribute("data-theme", "light")
+    assert background_brightness(page) > 200
+    themes = page.get_by_role("radiogroup", name="Theme")
+    themes.get_by_text("dark", exact=True).click()
+    expect(themes.get_by_role("radio", name="dark")).to_be_checked()
+    expect(html).to_have_attribute("data-theme", "dark")
+    page.wait_for_function("parseFloat(getComputedStyle(document.body).backgroundColor.match(/\\d+/)) < 60")
+    assert background_brightness(page) < 60
+    page.reload()
+    expect(page.get_by_role("status")).to_have_text("Live")
+    expect(html).to_have_attribute("data-theme", "dark")
+    assert background_brightness(page) < 60
+    expect(themes.get_by_role("radio", name="dark")).to_be_checked()
+    themes.get_by_text("system", exact=True).click()  # the later tests follow the emulated scheme
+    expect(html).to_have_attribute("data-theme", "light")
+    page.evaluate("window.__sameDocument = true")
+
+
 @pytest.fixture(scope="module")
 def laptop(node: KeyedDaemon, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """A second daemon (no API key; MTP forced off by its environment) that joins the studio node."""
@@ -390,6 +463,9 @@ def test_screenshots_of_every_view(page, artifacts):
             for view in VIEWS:
                 go(page, view)
                 screenshot(page, artifacts, f"{view}-{width}-{scheme}")
+                if width == "phone":  # nothing wider than the phone: no sideways scrolling
+                    overflow = horizontal_overflow(page)
+                    assert overflow["document"] <= 0 and overflow["main"] <= 0, (view, scheme, overflow)
     page.emulate_media(color_scheme="light")
     page.set_viewport_size(LAPTOP)
 
