@@ -14,6 +14,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import pytest
 from cluster.daemons import Daemon, wait_for
@@ -102,6 +103,32 @@ def last_reply(page: Any) -> Any:
     return page.get_by_role("article", name="assistant message").last
 
 
+def background_brightness(page: Any) -> float:
+    """The page's background colour (body's computed one) as a mean of its RGB channels, 0 to 255."""
+    colour = page.evaluate("getComputedStyle(document.body).backgroundColor")
+    channels = [float(c) for c in re.findall(r"[\d.]+", colour)[:3]]
+    assert len(channels) == 3, colour
+    return sum(channels) / 3
+
+
+def horizontal_overflow(page: Any) -> dict[str, Any]:
+    """How far the page is wider than the window (the document, and <main>, which scrolls by itself),
+    with the elements that stick out past the window's right edge, outside any box that scrolls sideways
+    on purpose (code blocks, tables, the tab bar)."""
+    return page.evaluate("""() => {
+        const main = document.querySelector('main');
+        const scrolls = (e) => ['auto', 'scroll'].includes(getComputedStyle(e).overflowX) && e !== main;
+        const culprits = [...document.querySelectorAll('main *, header *')].filter((e) => {
+            if (e.getBoundingClientRect().right <= innerWidth + 0.5) return false;
+            for (let p = e.parentElement; p; p = p.parentElement) if (scrolls(p)) return false;
+            return true;
+        }).slice(0, 5).map((e) => `${e.tagName.toLowerCase()}.${[...e.classList].join('.')}: ${
+            e.textContent.trim().slice(0, 40)}`);
+        return {document: document.documentElement.scrollWidth - innerWidth,
+                main: main.scrollWidth - main.clientWidth, culprits};
+    }""")
+
+
 # -- the flow ---------------------------------------------------------------------------------------------
 
 
@@ -110,11 +137,13 @@ def test_the_page_asks_for_the_api_key_then_goes_live(page, node, artifacts):
     assert response.status == 200  # the page itself needs no key
     dialog = page.get_by_role("dialog", name="This node needs an API key")
     expect(dialog).to_be_visible()
+    expect(page.locator("main")).to_contain_text("Waiting for the API key…")  # not for the daemon: it answered
     screenshot(page, artifacts, "key-prompt")
     dialog.get_by_label("API key").fill(API_KEY)
     dialog.get_by_role("button", name="Connect").click()
     expect(dialog).to_be_hidden()
     expect(page.get_by_role("status")).to_have_text("Live")
+    expect(page.locator("main")).not_to_contain_text("Waiting for")
     page.evaluate("window.__sameDocument = true")  # later tests check nothing reloaded the page
 
 
@@ -122,9 +151,37 @@ def test_cluster_view_shows_the_node(page, node):
     card = page.get_by_role("article", name="node studio")
     expect(card).to_be_visible()
     expect(card).to_contain_text("this node")
-    expect(card).to_contain_text(node.cluster()["nodes"][0]["backend"])
+    [me] = node.cluster()["nodes"]
+    assert me["chip"], me
+    expect(card).to_contain_text(me["backend"])
+    expect(card).to_contain_text(me["chip"])
     expect(card.get_by_role("progressbar", name="Memory")).to_have_attribute("aria-valuetext", re.compile(r"GB / .*GB"))
     expect(card).to_contain_text("exo-demo")
+
+
+def test_the_page_does_not_poll(page):
+    """The live state comes through one event stream: a load (the key remembered now) opens it, and
+    going through every view and then 5 s of idleness ask the daemon for nothing else (the page's own
+    files aside: Chromium fetches the favicon again at each change of view)."""
+    requests: list[tuple[str, str]] = []
+
+    def seen(request: Any) -> None:
+        requests.append((request.method, urlparse(request.url).path))
+
+    page.on("request", seen)
+    try:
+        page.reload()
+        expect(page.get_by_role("status")).to_have_text("Live")
+        expect(page.get_by_role("article", name="node studio")).to_be_visible()
+        for view in (*VIEWS, "cluster"):
+            go(page, view)
+        page.wait_for_timeout(5000)
+    finally:
+        page.remove_listener("request", seen)
+    static = re.compile(r"^/(|favicon\.svg|assets/.+)$")
+    api = [(method, path) for method, path in requests if not static.match(path)]
+    assert api == [("GET", "/v1/events")], f"the page asked for more than its event stream: {api}"
+    page.evaluate("window.__sameDocument = true")
 
 
 def test_models_view_launches_a_model_after_a_placement_preview(page, node, artifacts):
@@ -137,6 +194,7 @@ def test_models_view_launches_a_model_after_a_placement_preview(page, node, arti
     expect(preview).to_contain_text("needs")
     expect(preview.locator("ol.stages")).to_contain_text("studio")
     expect(preview.locator("ol.stages")).to_contain_text("layers 0–")
+    expect(preview.locator("dl")).to_contain_text("free there")  # one node: what it has free
     screenshot(page, artifacts, "models-launch-preview")
     preview.get_by_role("button", name="Launch", exact=True).click()
     instance = page.locator('article[aria-label="instance of exo-demo"]')
@@ -150,6 +208,16 @@ def test_a_model_that_fails_to_load_shows_why(page, node, artifacts):
     model = page.get_by_role("listitem", name="broken demo")
     expect(model).to_contain_text("no MTP")  # and why: its weights cannot even be read
     expect(model).to_contain_text("the MTP head cannot be read")
+    # The reason names a file by its absolute path: two lines at most, the whole of it in the title and
+    # a click away.
+    reason = model.locator(".reason")
+    expect(reason).to_have_attribute("title", re.compile(r"^the MTP head cannot be read: /.*model\.safetensors"))
+    lines = "e => e.getBoundingClientRect().height / parseFloat(getComputedStyle(e).lineHeight)"
+    assert reason.evaluate(lines) <= 2.1
+    model.get_by_role("button", name="show all").click()
+    assert reason.evaluate(lines) > 2.1
+    model.get_by_role("button", name="show less").click()
+    assert reason.evaluate(lines) <= 2.1
     model.get_by_role("button", name="Launch…").click()
     model.get_by_role("region", name=f"launch {BROKEN_MODEL}").get_by_role("button", name="Launch", exact=True).click()
     instance = page.locator(f'article[aria-label="instance of {BROKEN_MODEL}"]')
@@ -237,6 +305,11 @@ def test_stop_ends_the_generation_on_the_daemon(page, node):
     page.get_by_role("button", name="Stop").click()
     expect(reply).to_have_attribute("data-status", "stopped")
     expect(reply).to_contain_text("stopped")
+    # The daemon sends its figures only with a finished reply: a stopped one shows what the page measured.
+    stats = reply.get_by_test_id("message-stats")
+    expect(stats).to_contain_text(re.compile(r"≥\d+ tokens"))
+    expect(stats).to_contain_text(re.compile(r"≥\d+(\.\d+)? tok/s"))
+    expect(stats).to_contain_text(re.compile(r"TTFT \d+(\.\d+)? (ms|s)"))
     expect(page.get_by_role("button", name="Send")).to_be_visible()
     # The daemon ended it at once (the whole reply would take about a minute here), unfinished: counted,
     # but neither as a stop nor as running out of tokens.
@@ -256,6 +329,7 @@ def test_conversation_is_kept_across_a_reload(page):
     expect(replies).to_have_count(2)
     expect(replies.first.get_by_test_id("message-stats")).to_contain_text(re.compile(r"acceptance \d+%"))
     expect(replies.last).to_have_attribute("data-status", "stopped")
+    expect(replies.last.get_by_test_id("message-stats")).to_contain_text(re.compile(r"tok/s · TTFT \d+"))
     expect(replies.last.locator(".body")).not_to_be_empty()
     expect(page.get_by_role("article", name="user message").first).to_have_text("Hello")
     page.evaluate("window.__sameDocument = true")
@@ -300,6 +374,27 @@ def test_the_native_mtp_switch_changes_the_node_setting(page, node):
     expect(switch).to_be_checked()
 
 
+def test_the_theme_choice_applies_and_is_kept(page):
+    html = page.locator("html")
+    assert page.evaluate("matchMedia('(prefers-color-scheme: dark)').matches") is False  # the system: light
+    expect(html).to_have_attribute("data-theme", "light")
+    assert background_brightness(page) > 200
+    themes = page.get_by_role("radiogroup", name="Theme")
+    themes.get_by_text("dark", exact=True).click()
+    expect(themes.get_by_role("radio", name="dark")).to_be_checked()
+    expect(html).to_have_attribute("data-theme", "dark")
+    page.wait_for_function("parseFloat(getComputedStyle(document.body).backgroundColor.match(/\\d+/)) < 60")
+    assert background_brightness(page) < 60
+    page.reload()
+    expect(page.get_by_role("status")).to_have_text("Live")
+    expect(html).to_have_attribute("data-theme", "dark")
+    assert background_brightness(page) < 60
+    expect(themes.get_by_role("radio", name="dark")).to_be_checked()
+    themes.get_by_text("system", exact=True).click()  # the later tests follow the emulated scheme
+    expect(html).to_have_attribute("data-theme", "light")
+    page.evaluate("window.__sameDocument = true")
+
+
 @pytest.fixture(scope="module")
 def laptop(node: KeyedDaemon, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """A second daemon (no API key; MTP forced off by its environment) that joins the studio node."""
@@ -330,6 +425,10 @@ def test_a_pipeline_over_two_nodes_shows_which_layers_run_where(page, node, lapt
     expect(stages.nth(0)).to_contain_text(re.compile(r"layers 0–\d"))
     expect(preview.locator("ol.stages")).to_contain_text("studio")
     expect(preview.locator("ol.stages")).to_contain_text("laptop")
+    summary = preview.locator("dl")
+    expect(summary).to_contain_text(re.compile(r"needs\s*[\d.]+ [KMG]?B over 2 nodes"))
+    expect(summary).to_contain_text(re.compile(r"least room\s*[\d.]+ [KMG]?B left on (studio|laptop) \(stage [01]\)"))
+    expect(summary).not_to_contain_text("free there")  # no single node's wording
     screenshot(page, artifacts, "models-pipeline-preview")
     preview.get_by_role("button", name="Launch", exact=True).click()
     instance = page.locator('article[aria-label="instance of exo-demo-moe"]')
@@ -364,6 +463,9 @@ def test_screenshots_of_every_view(page, artifacts):
             for view in VIEWS:
                 go(page, view)
                 screenshot(page, artifacts, f"{view}-{width}-{scheme}")
+                if width == "phone":  # nothing wider than the phone: no sideways scrolling
+                    overflow = horizontal_overflow(page)
+                    assert overflow["document"] <= 0 and overflow["main"] <= 0, (view, scheme, overflow)
     page.emulate_media(color_scheme="light")
     page.set_viewport_size(LAPTOP)
 

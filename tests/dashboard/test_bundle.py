@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import filecmp
 import gzip
+import importlib.util
 import os
 import re
+import shutil
 import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
-from .conftest import BUNDLE, DASHBOARD, node_tool
+from .conftest import BUNDLE, DASHBOARD, ROOT, needs, node_tool
 
 FIRST_LOAD_BUDGET = 300 * 1024  # gzipped: index.html and what it loads
 FILE_BUDGET = 400 * 1024  # any one file, uncompressed
@@ -40,6 +44,40 @@ def test_first_load_is_small_and_every_file_it_names_is_there():
         assert not path.name.endswith(".map"), "source maps do not belong in the package"
         if path.is_file():
             assert path.stat().st_size < FILE_BUDGET, f"{path.name} is {path.stat().st_size // 1024} KB"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_wheel_ships_the_dashboard(tmp_path: Path):
+    """What `pip install` gets: a wheel built from this checkout (a copy of what the build reads, so no
+    stale build/ directory can add or hide a file) holds index.html and every file of the bundle,
+    byte for byte, among them every file index.html loads."""
+    needs(importlib.util.find_spec("setuptools") is not None, "setuptools is missing from this environment")
+    source = tmp_path / "source"
+    shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    wheels = tmp_path / "wheels"
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir", "-q",
+         "-w", str(wheels), str(source)],
+        capture_output=True, text=True, timeout=100,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    [wheel] = wheels.glob("exo-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        assert "exo/assets/dashboard/index.html" in names, f"the wheel has no dashboard: {sorted(names)[:20]}…"
+        index = archive.read("exo/assets/dashboard/index.html").decode()
+        loaded = re.findall(r'(?:src|href)="\./([^"]+)"', index)
+        assert any(p.endswith(".js") for p in loaded) and any(p.endswith(".css") for p in loaded), index
+        for path in loaded:
+            assert f"exo/assets/dashboard/{path}" in names, f"the wheel lacks {path}, which index.html loads"
+        for path in BUNDLE.rglob("*"):
+            if path.is_file():
+                name = f"exo/assets/dashboard/{path.relative_to(BUNDLE).as_posix()}"
+                assert name in names, f"the wheel lacks {name}"
+                assert archive.read(name) == path.read_bytes(), f"{name} differs in the wheel"
 
 
 def test_components_stay_small():

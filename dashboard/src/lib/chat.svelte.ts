@@ -1,7 +1,7 @@
 // The chat: conversations (kept in the browser), the reply being streamed, and stopping it.
 
 import type { Api } from "./api";
-import { streamChat, type ChatTurn, type MTPChoice } from "./chat";
+import { StreamClock, streamChat, type ChatTurn, type MTPChoice } from "./chat";
 import {
   loadChats,
   newConversation,
@@ -95,10 +95,12 @@ export class ChatStore {
     this.controllers.set(id, controller);
     this.streaming = [...this.streaming, id];
     const started = performance.now();
+    const clock = new StreamClock();
     let content = "";
     const finish = (change: Partial<ChatMessage>) => {
       const elapsedMs = Math.round(performance.now() - started);
-      this.commit(updateConversation(this.data, id, (c) => updateMessage(c, reply.id, { content, elapsedMs, ...change })));
+      const timing = clock.timing();
+      this.commit(updateConversation(this.data, id, (c) => updateMessage(c, reply.id, { content, elapsedMs, timing, ...change })));
     };
     try {
       const result = await streamChat(
@@ -111,6 +113,7 @@ export class ChatStore {
           maxTokens: conversation.maxTokens ?? undefined,
         },
         (piece) => {
+          clock.piece();
           content += piece;
           this.commit(updateConversation(this.data, id, (c) => updateMessage(c, reply.id, { content })), "throttled");
         },

@@ -2,7 +2,7 @@ import { afterEach, describe, expect, it } from "vitest";
 
 import { sse, TestServer, waitFor } from "../test/server";
 import { Api, ApiError } from "./api";
-import { requestBody, streamChat } from "./chat";
+import { requestBody, StreamClock, streamChat } from "./chat";
 
 let server: TestServer;
 afterEach(async () => server?.close());
@@ -115,5 +115,21 @@ describe("streamChat", () => {
     controller.abort();
     await expect(done).rejects.toMatchObject({ name: "AbortError" });
     await waitFor(() => server.clientClosed === 1, "the server to see the hang-up");
+  });
+});
+
+describe("StreamClock", () => {
+  it("times the first piece from the start, and the pieces after it", () => {
+    let now = 1000;
+    const clock = new StreamClock(() => now);
+    now = 1250;
+    expect(clock.timing()).toBeNull(); // nothing came yet
+    clock.piece();
+    now = 1300;
+    clock.piece();
+    now = 1750;
+    clock.piece();
+    now = 9000; // the reader stopping later changes nothing
+    expect(clock.timing()).toEqual({ ttftMs: 250, chunks: 3, streamMs: 500 });
   });
 });

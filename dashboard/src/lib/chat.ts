@@ -4,7 +4,7 @@
 import { createParser, type EventSourceMessage } from "eventsource-parser";
 
 import { ApiError, type Api } from "./api";
-import type { MTPStats } from "./types";
+import type { MTPStats, StreamTiming } from "./types";
 
 /** "auto": adaptive depth; "off": plain decoding; a number: that depth. */
 export type MTPChoice = "auto" | "off" | number;
@@ -96,4 +96,31 @@ export async function streamChat(
   if (failure) throw failure;
   if (!done && result.finishReason === null) throw new ApiError(502, "the stream ended before the reply did");
   return result;
+}
+
+/** Times a streamed reply as it arrives: call ``piece()`` for each piece of text. */
+export class StreamClock {
+  private readonly started: number;
+  private readonly now: () => number;
+  private firstAt: number | null = null;
+  private lastAt = 0;
+  private chunks = 0;
+
+  constructor(now: () => number = () => performance.now()) {
+    this.now = now;
+    this.started = now();
+  }
+
+  piece(): void {
+    const at = this.now();
+    this.firstAt ??= at;
+    this.lastAt = at;
+    this.chunks += 1;
+  }
+
+  /** Null until the first piece came. */
+  timing(): StreamTiming | null {
+    if (this.firstAt === null) return null;
+    return { ttftMs: Math.round(this.firstAt - this.started), chunks: this.chunks, streamMs: Math.round(this.lastAt - this.firstAt) };
+  }
 }

@@ -27,6 +27,15 @@ export function placementStages(placement: PlacementView): StageView[] {
   return placement.shards.map((s) => ({ node: s.node_id, start_layer: s.start_layer, end_layer: s.end_layer, rank: s.rank }));
 }
 
+/** A pipeline's stages together: what they need in all, and the stage whose node has the least room left
+ * after its share (null without a placement preview's per-stage figures). */
+export function pipelineRoom(stages: StageView[]): { neededBytes: number; tightest: StageView; leftBytes: number } | null {
+  if (stages.length === 0 || stages.some((s) => s.needed_bytes == null || s.free_bytes == null)) return null;
+  const left = (s: StageView) => s.free_bytes! - s.needed_bytes!;
+  const tightest = stages.reduce((a, b) => (left(b) < left(a) ? b : a));
+  return { neededBytes: stages.reduce((sum, s) => sum + s.needed_bytes!, 0), tightest, leftBytes: left(tightest) };
+}
+
 /** Newest first; gone instances last. */
 export function sortedInstances(state: DashboardState): InstanceView[] {
   return Object.values(state.instances).sort(

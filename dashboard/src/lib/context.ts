@@ -21,3 +21,8 @@ export function provideApp(context: AppContext): void {
 export function useApp(): AppContext {
   return getContext<AppContext>(KEY);
 }
+
+/** The context a component rendered on its own (svelte/server's `render`, in unit tests) gets. */
+export function appContext(context: AppContext): Map<symbol, AppContext> {
+  return new Map([[KEY, context]]);
+}

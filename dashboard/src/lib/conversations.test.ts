@@ -30,6 +30,7 @@ describe("conversations in the browser", () => {
           messages: [
             { id: "1", role: "user", content: "hi", status: "done" },
             { id: "2", role: "assistant", content: "hel", status: "streaming" },
+            { id: "3", role: "assistant", content: "x", status: "stopped", timing: { ttftMs: 80, chunks: 9, streamMs: 400 } },
           ],
         }),
         conversation("a", 1),
@@ -40,7 +41,8 @@ describe("conversations in the browser", () => {
     expect(loaded.activeId).toBe("b");
     expect(loaded.conversations.map((c) => c.id)).toEqual(["b", "a"]);
     expect(loaded.conversations[0].mtp).toBe(2);
-    expect(loaded.conversations[0].messages.map((m) => m.status)).toEqual(["done", "stopped"]);
+    expect(loaded.conversations[0].messages.map((m) => m.status)).toEqual(["done", "stopped", "stopped"]);
+    expect(loaded.conversations[0].messages[2].timing).toEqual({ ttftMs: 80, chunks: 9, streamMs: 400 });
   });
 
   it("survives garbage: bad JSON, wrong shapes, unknown active id", () => {
@@ -52,7 +54,16 @@ describe("conversations in the browser", () => {
       JSON.stringify({
         activeId: "gone",
         conversations: [
-          { id: "ok", title: "t", messages: [{ id: "m", role: "user", content: "x" }, { role: "robot" }], mtp: -1 },
+          {
+            id: "ok",
+            title: "t",
+            messages: [
+              { id: "m", role: "user", content: "x" },
+              { role: "robot" },
+              { id: "r", role: "assistant", content: "y", status: "stopped", timing: { ttftMs: "soon", chunks: 0 } },
+            ],
+            mtp: -1,
+          },
           { title: "no id" },
           null,
         ],
@@ -60,7 +71,8 @@ describe("conversations in the browser", () => {
     );
     const loaded = loadChats(storage);
     expect(loaded.conversations).toHaveLength(1);
-    expect(loaded.conversations[0].messages).toHaveLength(1);
+    expect(loaded.conversations[0].messages).toHaveLength(2);
+    expect(loaded.conversations[0].messages[1].timing).toBeNull(); // a malformed timing is not shown
     expect(loaded.conversations[0].mtp).toBe("auto");
     expect(loaded.activeId).toBe("ok");
   });

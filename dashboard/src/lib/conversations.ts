@@ -2,7 +2,7 @@
 // Svelte store (chat.svelte.ts) holds the current value and saves it.
 
 import type { MTPChoice } from "./chat";
-import type { MTPStats } from "./types";
+import type { MTPStats, StreamTiming } from "./types";
 
 export const STORAGE_KEY = "exo.dashboard.conversations";
 const MAX_CONVERSATIONS = 50;
@@ -20,6 +20,8 @@ export interface ChatMessage {
   stats?: MTPStats | null;
   /** Wall time from send to the end of the reply, measured here. */
   elapsedMs?: number;
+  /** Time to the first token and pieces per second, measured here (what a stopped reply shows). */
+  timing?: StreamTiming | null;
 }
 
 export interface Conversation {
@@ -68,6 +70,11 @@ function isMessage(value: unknown): value is ChatMessage {
   return !!m && typeof m.id === "string" && (m.role === "user" || m.role === "assistant") && typeof m.content === "string";
 }
 
+function isTiming(value: unknown): value is StreamTiming {
+  const t = value as StreamTiming;
+  return !!t && [t.ttftMs, t.chunks, t.streamMs].every((n) => finiteOrNull(n) !== null) && t.chunks >= 1;
+}
+
 function isConversation(value: unknown): value is Conversation {
   const c = value as Conversation;
   return !!c && typeof c.id === "string" && typeof c.title === "string" && Array.isArray(c.messages);
@@ -91,7 +98,9 @@ export function loadChats(storage: KeyValueStorage): ChatData {
       mtp: c.mtp === "off" || (typeof c.mtp === "number" && c.mtp >= 1) ? c.mtp : "auto",
       temperature: finiteOrNull(c.temperature),
       maxTokens: finiteOrNull(c.maxTokens),
-      messages: c.messages.filter(isMessage).map((m) => (m.status === "streaming" ? { ...m, status: "stopped" as const } : m)),
+      messages: c.messages
+        .filter(isMessage)
+        .map((m) => ({ ...m, status: m.status === "streaming" ? "stopped" : m.status, timing: isTiming(m.timing) ? m.timing : null })),
     }));
   const activeId = conversations.some((c) => c.id === data?.activeId) ? (data?.activeId ?? null) : (conversations[0]?.id ?? null);
   return { conversations, activeId };

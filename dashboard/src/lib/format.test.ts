@@ -9,6 +9,7 @@ import {
   formatPercent,
   formatRate,
   formatStats,
+  formatTiming,
 } from "./format";
 import type { MTPStats } from "./types";
 
@@ -88,5 +89,12 @@ describe("formatStats", () => {
     expect(off.at(-1)).toBe("MTP off: native MTP is disabled (PUT /v1/settings)");
     const plain = formatStats(stats({ k: 0, drafted_tokens: 0, accepted_tokens: 0, reason: "drafting cannot pay off here" }));
     expect(plain.at(-1)).toBe("MTP K=0, acceptance — (drafting cannot pay off here)");
+  });
+});
+
+describe("formatTiming", () => {
+  it("shows what the browser measured of a stopped reply: pieces, their rate, TTFT", () => {
+    expect(formatTiming({ ttftMs: 85, chunks: 41, streamMs: 2000 })).toEqual(["≥41 tokens", "≥20.0 tok/s", "TTFT 85 ms"]);
+    expect(formatTiming({ ttftMs: 1400, chunks: 1, streamMs: 0 })).toEqual(["≥1 token", "tok/s —", "TTFT 1.4 s"]);
   });
 });

@@ -1,6 +1,6 @@
 // Numbers as people read them. Every function takes what the API sends and returns display text.
 
-import type { InstanceDownload, MTPStats } from "./types";
+import type { InstanceDownload, MTPStats, StreamTiming } from "./types";
 
 const UNITS = ["B", "KB", "MB", "GB", "TB", "PB"];
 
@@ -68,6 +68,17 @@ export function formatStats(stats: MTPStats): string[] {
     parts.push(`${stats.accepted_tokens}/${stats.drafted_tokens} drafts accepted`);
   }
   return parts;
+}
+
+/** What a reply without the server's stats (stopped, failed) shows: what the browser measured of its
+ * stream. "≥": a piece of the stream carries one token or more. */
+export function formatTiming(timing: StreamTiming): string[] {
+  const rate = timing.chunks > 1 && timing.streamMs > 0 ? (timing.chunks - 1) / (timing.streamMs / 1000) : null;
+  return [
+    `≥${timing.chunks} ${timing.chunks === 1 ? "token" : "tokens"}`,
+    rate === null ? "tok/s —" : `≥${formatRate(rate)}`,
+    `TTFT ${formatDuration(timing.ttftMs)}`,
+  ];
 }
 
 /** "3 s ago", "5 min ago" from a unix time in seconds. */

@@ -1,6 +1,6 @@
 import { describe, expect, it } from "vitest";
 
-import { chatModels, instancesOn, liveInstancesOf, placementStages, sortedNodes, stagesOf } from "./cluster";
+import { chatModels, instancesOn, liveInstancesOf, pipelineRoom, placementStages, sortedNodes, stagesOf } from "./cluster";
 import { applyEvent, emptyState, type DashboardState } from "./reducer";
 import type { InstanceView, ModelView, NodeView, PlacementView } from "./types";
 
@@ -127,6 +127,15 @@ describe("cluster selectors", () => {
     ]);
     const staged = { ...placement, stages: [{ node: "c", start_layer: 0, end_layer: 24, rank: 0 }] };
     expect(placementStages(staged).map((s) => s.node)).toEqual(["c"]);
+  });
+
+  it("sums a pipeline's stages and finds the one with the least room left", () => {
+    const stages = [
+      { node: "a", start_layer: 0, end_layer: 10, rank: 0, needed_bytes: 500, free_bytes: 2000 },
+      { node: "b", start_layer: 10, end_layer: 24, rank: 1, needed_bytes: 700, free_bytes: 900 },
+    ];
+    expect(pipelineRoom(stages)).toEqual({ neededBytes: 1200, tightest: stages[1], leftBytes: 200 });
+    expect(pipelineRoom([{ node: "a", start_layer: 0, end_layer: 10, rank: 0 }])).toBeNull(); // no figures
   });
 
   it("offers ready models first for chat, then models on some disk; never ones nowhere", () => {

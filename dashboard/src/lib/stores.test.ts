@@ -75,9 +75,15 @@ describe("ChatStore", () => {
     const reply = chat.active!.messages[1];
     expect(reply.status).toBe("stopped");
     expect(reply.content).toMatch(/^(tok )+/);
+    // No stats from the server (it never finished): what this side measured of the stream instead.
+    expect(reply.stats).toBeUndefined();
+    expect(reply.timing!.chunks).toBe(reply.content.length / 4);
+    expect(reply.timing!.ttftMs).toBeGreaterThanOrEqual(0);
+    expect(reply.timing!.streamMs).toBeGreaterThan(0);
     expect(chat.busy).toBe(false);
     await waitFor(() => server.clientClosed === 1, "the server to see the hang-up");
-    expect(new ChatStore(new Api({ key: () => null }), storage).active?.messages[1].status).toBe("stopped");
+    const reloaded = new ChatStore(new Api({ key: () => null }), storage).active!.messages[1];
+    expect(reloaded).toMatchObject({ status: "stopped", timing: reply.timing });
   });
 
   it("shows a failure on the reply instead of throwing", async () => {

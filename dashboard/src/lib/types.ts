@@ -153,6 +153,17 @@ export interface PlacementView {
   stages?: StageView[];
 }
 
+/** What the browser measured of a streamed reply (the server's own figures come only with a finished one):
+ * the time from sending to the first piece of text, and how many pieces came over how long after it. A
+ * piece carries one token or more (several when native MTP's drafts are accepted in one step), so the
+ * counts are lower bounds of the tokens. */
+export interface StreamTiming {
+  ttftMs: number;
+  chunks: number;
+  /** From the first piece of text to the last. */
+  streamMs: number;
+}
+
 /** The engine's NativeMTPStats, as the last chunk of a chat stream carries them. */
 export interface MTPStats {
   enabled: boolean;
