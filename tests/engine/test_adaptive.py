@@ -95,6 +95,26 @@ def test_policy_probes_rarely_after_falling_back():
     assert policy.plain_budget() == 2 * PROBE_FIRST  # the next probe comes twice as late
 
 
+def test_probes_whose_drafts_land_but_cannot_pay_back_off():
+    """Drafts are accepted, but measured rounds cost more than the tokens they bring (a GPU where a verify
+    call costs ~2 plain steps): the probes come ever more rarely, not every PROBE_FIRST tokens."""
+    costs = DepthCosts(beta=(1.3,), delta=(0.1,), device="gpu", plain_s=0.010)
+    policy = DepthPolicy(costs, max_k=1, default_k=1)
+    assert policy.choose() == 1
+    for _ in range(8):
+        policy.observe_round(1, 1, seconds=0.025)  # 2 tokens per 2.5 plain steps
+    assert policy.choose() == 0
+    budgets = []
+    for _ in range(4):
+        budget = policy.plain_budget()
+        budgets.append(budget)
+        policy.observe_plain(budget, budget * 0.010)
+        assert policy.choose() == 1  # the probe
+        policy.observe_round(1, 1, seconds=0.025)  # accepted, still too slow
+        assert policy.choose() == 0
+    assert budgets == [PROBE_FIRST, 2 * PROBE_FIRST, 4 * PROBE_FIRST, 8 * PROBE_FIRST]
+
+
 def test_fixed_depth_is_kept():
     policy = DepthPolicy(CPU, max_k=3, fixed_k=2)
     assert policy.mtp_can_pay_off

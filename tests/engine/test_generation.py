@@ -17,6 +17,7 @@ from exo.engine import (
     SamplingParams,
     load_checkpoint,
 )
+from exo.engine.models import layers
 
 ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_6_moe", "qwen3_next")
 CHUNK = 8  # small prefill chunks, so prompts cross chunk boundaries
@@ -336,10 +337,17 @@ class _RoundsBlocksDifferently(nn.Linear):
         return y if x.shape[-2] == 1 else y * 1.05
 
 
-@pytest.mark.parametrize("arch", ("qwen3_5", "qwen3_next"))
-def test_a_row_count_sensitive_linear_runs_per_row_in_verify_calls_and_mtp_stays_exact(checkpoint, arch):
-    """The probe finds the linear layers whose block of rows differs from one row, a verify call computes
-    just those row by row (every other matmul batched), and greedy MTP still equals plain decoding."""
+@pytest.mark.parametrize(("arch", "vectors"), [("qwen3_5", "exact"), ("qwen3_next", "exact"), ("qwen3_5", "differ")])
+def test_a_row_count_sensitive_linear_runs_per_row_in_verify_calls_and_mtp_stays_exact(
+    checkpoint, monkeypatch, arch, vectors
+):
+    """The probe finds the linear layers whose block of rows differs from one row; a verify call then
+    computes every linear layer whose rows can go as one-row products in one call (``vector_matmul``)
+    that way, the ones found to differ otherwise one call per row, and greedy MTP still equals plain
+    decoding. ``differ`` stands for a backend whose batched one-row products do not round as one row."""
+    if vectors == "differ":
+        real = layers.vector_matmul
+        monkeypatch.setattr(layers, "vector_matmul", lambda x, w: real(x, w) * (1.05 if x.size > x.shape[-1] else 1.0))
     loaded = dataclasses.replace(load_checkpoint(checkpoint(arch, dtype="float32")), eos_token_ids=frozenset())
     ups = [layer.mlp.up_proj for layer in loaded.model.stage_layers if hasattr(layer.mlp, "up_proj")]
     ups += [layer.mlp.shared_expert.up_proj for layer in loaded.model.stage_layers if hasattr(layer.mlp, "shared_expert")]
@@ -349,8 +357,16 @@ def test_a_row_count_sensitive_linear_runs_per_row_in_verify_calls_and_mtp_stays
     engine = Engine(loaded, EngineConfig(prefill_chunk=CHUNK))
     mode = engine.verify_mode
     assert mode.exact and mode.per_row_linears >= len(ups)
-    assert not all(v for k, v in engine.verify_probe.items() if k.startswith("linear "))
+    assert not all(v for k, v in engine.verify_probe.items() if k.startswith("linear ") and "vectors" not in k)
     assert all(type(linear).__name__ == "Rowwise_RoundsBlocksDifferently" for linear in ups)
+    assert all(linear.as_vectors == (vectors == "exact") for linear in ups)
+    # Every other linear layer (a shape is probed once: the up projection's shape shares its verdict) goes
+    # as one-row products too when that is exact (random rows show only part of a device's rounding),
+    # and stays batched when it is not (one call per row only where a difference was seen).
+    up_shapes = {tuple(linear.weight.shape) for linear in ups}
+    others = [m for layer in loaded.model.stage_layers for _, m in layer.named_modules()
+              if isinstance(m, nn.Linear) and tuple(m.weight.shape) not in up_shapes]
+    assert others and all(getattr(m, "as_vectors", False) == (vectors == "exact") for m in others)
     prompt = _prompt(engine.loaded, 11)
     plain = _greedy(engine, prompt, native_mtp="off")
     for depth in (1, 2, 3):
@@ -359,3 +375,23 @@ def test_a_row_count_sensitive_linear_runs_per_row_in_verify_calls_and_mtp_stays
         assert mtp.stats.rounds > 0
     # Outside verify calls (decode steps, prefill) the layer computes as before.
     assert not any(linear.per_row for linear in ups)
+
+
+def test_an_lm_head_that_rounds_blocks_differently_puts_every_linear_on_one_row_products(checkpoint):
+    """Where the lm_head's block of rows rounds unlike one row (the probe's logits check), the device's
+    matmuls round by row count, on values a random probe may not hit: every linear layer and the logits
+    of a verify call go as one-row products (one call each), and greedy MTP equals plain decoding."""
+    loaded = dataclasses.replace(load_checkpoint(checkpoint("qwen3_5", dtype="float32")), eos_token_ids=frozenset())
+    model = loaded.model
+    real_logits = model.logits
+    object.__setattr__(model, "logits", lambda h: real_logits(h) * (1.05 if h.shape[-2] > 1 else 1.0))
+    engine = Engine(loaded, EngineConfig(prefill_chunk=CHUNK))
+    mode = engine.verify_mode
+    assert mode.per_row_logits and mode.logits_as_vectors and mode.exact
+    assert all(v for k, v in engine.verify_probe.items() if k.startswith("linear "))  # none seen to differ
+    linears = [m for layer in model.stage_layers for _, m in layer.named_modules() if isinstance(m, nn.Linear)]
+    assert linears and all(m.as_vectors for m in linears) and mode.per_row_linears == len(linears)
+    prompt = _prompt(loaded, 11)
+    plain = _greedy(engine, prompt, native_mtp="off")
+    for depth in (1, 3):
+        assert _greedy(engine, prompt, mtp_k=depth).token_ids == plain.token_ids, depth

@@ -170,3 +170,20 @@ def test_row_by_row_attention_equals_a_decode_step_per_row():
     assert mx.array_equal(verified, stepwise)
     assert mx.allclose(batched, stepwise, atol=1e-5)  # and on this CPU the batched call too
     assert mx.array_equal(verify_cache.keys[..., :10, :], decode_cache.keys[..., :10, :])
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 64), (2, 3, 128), (5, 32)])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_vector_matmul_is_the_one_row_products(shape, dtype):
+    """Every row of ``vector_matmul`` is what a one-row call computes (bit for bit here, where a one-row call
+    and a block of rows agree too), in one call, in the input's shape."""
+    from exo.engine.models.layers import vector_matmul
+
+    key = mx.random.key(3)
+    x = mx.random.normal(shape, key=key).astype(dtype)
+    weight = mx.random.normal((48, shape[-1]), key=mx.random.split(key)[0]).astype(dtype)
+    out = vector_matmul(x, weight)
+    rows = x.reshape(-1, shape[-1])
+    one_by_one = mx.concatenate([rows[i : i + 1] @ weight.T for i in range(rows.shape[0])]).reshape(*shape[:-1], 48)
+    assert out.shape == (*shape[:-1], 48) and out.dtype == dtype
+    assert mx.array_equal(out, one_by_one).item()

@@ -214,8 +214,9 @@ class DepthPolicy:
         round, e.g. one that first caught the head up on a long plain stretch)."""
         self._rounds_run += 1
         self.tracker.observe(k, accepted)
-        if accepted > 0 and k > 0:
-            self._probe_every = PROBE_FIRST  # drafts are landing again: probe eagerly next time
+        # A probe whose drafts land does not bring the next probe forward: what it measured already moves
+        # ``choose`` to a depth when one pays; when none does (the device, not the head, is the reason),
+        # eager probing would cost a round every few tokens for good.
         if seconds is not None and k > 0:
             self._sample(k, seconds)
 

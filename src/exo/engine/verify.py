@@ -34,8 +34,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
+from .models import layers as model_layers
 from .models.backbone import SpeculativeBackbone
-from .models.layers import MoEVerifyMode, RollbackArraysCache
+from .models.layers import MoEVerifyMode, RollbackArraysCache, make_rowwise
 
 VerifyRows = Literal["auto", "per_row", "batched"]
 PROBE_ROWS = 4
@@ -49,6 +50,7 @@ class VerifyMode:
     per_row_logits: bool = False
     exact: bool = True  # every verify row equals its decode step (measured by ``probe``)
     per_row_linears: int = 0  # linear layers computed row by row in a verify call (``probe``)
+    logits_as_vectors: bool = False  # per-row logits in one call (``models.layers.vector_matmul``), measured equal
 
     @classmethod
     def forced(cls, moe: MoEVerifyMode, rows: VerifyRows) -> VerifyMode:
@@ -60,6 +62,10 @@ def verify_logits(model: SpeculativeBackbone, hidden: mx.array, mode: VerifyMode
     """Logits [1, T, V] of a verify call's hiddens, per row when this device needs it."""
     if not mode.per_row_logits or hidden.shape[1] == 1:
         return model.logits(hidden)
+    if mode.logits_as_vectors:
+        weight = model.output_weight()
+        assert weight is not None
+        return model_layers.vector_matmul(hidden, weight)
     return mx.concatenate([model.logits(hidden[:, t : t + 1]) for t in range(hidden.shape[1])], axis=1)
 
 
@@ -70,10 +76,26 @@ def probe(model: SpeculativeBackbone, moe: MoEVerifyMode) -> tuple[VerifyMode, d
     layers = model.stage_layers
     dtype = layers[0].input_layernorm.weight.dtype
     key = mx.random.key(20261123)
-    sensitive, found = _row_count_sensitive_linears(layers, dtype, key)
-    model.set_rowwise_linears(sensitive)
     prefix = (mx.random.normal((1, PROBE_PREFIX, model.hidden_size), key=key) * 0.5).astype(dtype)
     rows = (mx.random.normal((1, PROBE_ROWS, model.hidden_size), key=mx.random.split(key)[0]) * 0.5).astype(dtype)
+    found: dict[str, bool] = {}
+    per_row_logits = logits_as_vectors = False
+    if model.last_stage:
+        block = model.logits(rows)
+        single = mx.concatenate([model.logits(rows[:, t : t + 1]) for t in range(PROBE_ROWS)], axis=1)
+        mx.eval(block, single)
+        found["logits_batched"] = bool(mx.array_equal(block, single).item())
+        per_row_logits = not found["logits_batched"]
+        weight = model.output_weight()
+        if per_row_logits and weight is not None:
+            vectors = model_layers.vector_matmul(rows, weight)
+            found["logits rows as vectors"] = logits_as_vectors = bool(mx.array_equal(vectors, single).item())
+    # A device whose lm_head rounds a block of rows unlike one row rounds other matmuls so too, on other
+    # values than the probe's (exo-demo-moe on an H100: every linear shape equal on random rows, one
+    # greedy run in twelve apart): then every linear layer goes as one-row products where it can.
+    sensitive, linears_found = _row_count_sensitive_linears(layers, dtype, key, matmul_rounds_by_rows=per_row_logits)
+    found.update(linears_found)
+    model.set_rowwise_linears(sensitive)
 
     def same_as_decode(layer: Any, per_row_attention: bool) -> bool:
         decode, verify = _layer_cache(layer), _layer_cache(layer)
@@ -106,25 +128,26 @@ def probe(model: SpeculativeBackbone, moe: MoEVerifyMode) -> tuple[VerifyMode, d
             per_row_attention = True
             found["attention_layer_per_row"] = same_as_decode(attention, True)
             exact &= found["attention_layer_per_row"]
-    per_row_logits = False
-    if model.last_stage:
-        block = model.logits(rows)
-        single = mx.concatenate([model.logits(rows[:, t : t + 1]) for t in range(PROBE_ROWS)], axis=1)
-        mx.eval(block, single)
-        found["logits_batched"] = bool(mx.array_equal(block, single).item())
-        per_row_logits = not found["logits_batched"]
     if sensitive and not exact:
-        # Rows of those linears computed one at a time did not make the layers exact (on MLX CUDA the
-        # differences also depend on the values: bench/results/h100-mlx-cuda-rowwise-linears.txt), so
-        # they would cost time and buy nothing: the near-tie fallback covers what is left.
-        model.set_rowwise_linears([])
-        sensitive = []
-    return VerifyMode(moe, per_row_attention, per_row_logits, exact, len(sensitive)), found
+        # Even so the layers differ from decode steps: linears computed one call per row would cost time
+        # and buy no guarantee (the near-tie fallback covers what is left), so only the one-call batches
+        # of one-row products stay (they cost about what the block of rows costs).
+        sensitive = [linear for linear in sensitive if linear.as_vectors]
+        model.set_rowwise_linears(sensitive)
+    return VerifyMode(moe, per_row_attention, per_row_logits, exact, len(sensitive), logits_as_vectors), found
 
 
-def _row_count_sensitive_linears(layers: list[Any], dtype: mx.Dtype, key: mx.array) -> tuple[list[nn.Module], dict[str, bool]]:
-    """The linear layers (of ``layers``) of every shape whose block of rows differs from the same rows one
-    at a time, and per shape whether it was row-invariant (``"linear 256->1024 bfloat16": True``)."""
+def _row_count_sensitive_linears(
+    layers: list[Any], dtype: mx.Dtype, key: mx.array, *, matmul_rounds_by_rows: bool = False
+) -> tuple[list[nn.Module], dict[str, bool]]:
+    """The linear layers (of ``layers``) a verify call computes row by row, and per shape what was found
+    (``"linear 256->1024 bfloat16": True`` when a block of rows equals the same rows one at a time).
+
+    When no shape differs (and ``matmul_rounds_by_rows`` does not say otherwise), none. When one does, the
+    device's matmul rounds by row count, and on random
+    rows a probe sees only part of it (on MLX CUDA other shapes differ on other values), so every shape
+    whose rows can go as one-row products in one call (``models.layers.vector_matmul``: checked equal to the
+    one-row calls here) goes that way, and the shapes found to differ that cannot, go one call per row."""
     shapes: dict[tuple[Any, ...], list[nn.Module]] = {}
     for layer in layers:
         for _, module in layer.named_modules():
@@ -132,8 +155,8 @@ def _row_count_sensitive_linears(layers: list[Any], dtype: mx.Dtype, key: mx.arr
                 bits = getattr(module, "bits", None)
                 signature = (tuple(module.weight.shape), bits, getattr(module, "group_size", None), "bias" in module)
                 shapes.setdefault(signature, []).append(module)
-    sensitive: list[nn.Module] = []
     found: dict[str, bool] = {}
+    probed: list[tuple[str, list[nn.Module], mx.array, mx.array, bool]] = []
     for signature, modules in shapes.items():
         module = modules[0]
         out_dims, in_dims = module.weight.shape
@@ -145,10 +168,24 @@ def _row_count_sensitive_linears(layers: list[Any], dtype: mx.Dtype, key: mx.arr
         mx.eval(block, single)
         same = bool(mx.array_equal(block, single).item())
         quantized = f" {signature[1]}-bit" if signature[1] is not None else ""
-        found[f"linear {in_dims}->{out_dims} {dtype}{quantized}".replace("mlx.core.", "")] = same
-        if not same:
-            sensitive.extend(modules)
-    return sensitive, found
+        name = f"linear {in_dims}->{out_dims} {dtype}{quantized}".replace("mlx.core.", "")
+        found[name] = same
+        probed.append((name, modules, rows, single, same))
+    if all(same for *_, same in probed) and not matmul_rounds_by_rows:
+        return [], found
+    chosen: list[nn.Module] = []
+    for name, modules, rows, single, same in probed:
+        if model_layers.vectors_apply(modules[0]):
+            vectors = model_layers.vector_matmul(rows, modules[0].weight)
+            found[f"{name} rows as vectors"] = bool(mx.array_equal(vectors, single).item())
+        if found.get(f"{name} rows as vectors"):
+            for module in modules:
+                make_rowwise(module)
+                module.as_vectors = True
+            chosen.extend(modules)
+        elif not same:
+            chosen.extend(modules)
+    return chosen, found
 
 
 def _layer_cache(layer: Any) -> Any:

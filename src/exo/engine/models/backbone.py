@@ -21,7 +21,15 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import KVCache
 
-from .layers import Attention, GatedDeltaNet, MoEVerifyMode, RollbackArraysCache, SparseMoeBlock, make_rowwise
+from .layers import (
+    Attention,
+    GatedDeltaNet,
+    MoEVerifyMode,
+    RollbackArraysCache,
+    SparseMoeBlock,
+    make_rowwise,
+    vectors_apply,
+)
 
 
 class SpeculativeBackbone:
@@ -128,6 +136,18 @@ class SpeculativeBackbone:
 
     def logits(self, hidden: mx.array) -> mx.array:
         raise NotImplementedError
+
+    def output_projection(self) -> nn.Module:
+        """What ``logits`` applies: the lm_head, or the tied embedding table."""
+        raise NotImplementedError
+
+    def output_weight(self) -> mx.array | None:
+        """The output projection's [V, H] matrix when it is a plain (unquantized, bias-free) one, for
+        ``layers.vector_matmul``; None otherwise."""
+        head = self.output_projection()
+        if isinstance(head, nn.Embedding):  # (a QuantizedEmbedding is not one)
+            return head.weight
+        return head.weight if vectors_apply(head) else None
 
     def make_cache(self) -> list[Any]:
         """Caches of this stage's layers (all layers of a whole model)."""

@@ -31,16 +31,44 @@ MoEVerifyMode = Literal["route_locked", "batched", "safe"]
 class _RowwiseLinear:
     """A linear layer whose multi-row calls compute each row alone while ``per_row`` is set: during a
     verify call, on a device whose kernel for this shape rounds a block of rows differently from one row
-    (``verify.probe`` finds them; ``make_rowwise`` applies it)."""
+    (``verify.probe`` finds them; ``make_rowwise`` applies it).
+
+    ``as_vectors``: all rows in ONE call of ``vector_matmul`` (a plain linear layer without bias only),
+    which the probe chose only where it measured it equal to the one-row calls; otherwise one call per row."""
 
     per_row = False
+    as_vectors = False
 
     def __call__(self, x: mx.array) -> mx.array:
         rows = x.shape[-2] if x.ndim >= 2 else 1
         if not self.per_row or rows == 1:
             return super().__call__(x)  # type: ignore[misc]
+        if self.as_vectors:
+            return vector_matmul(x, self.weight)  # type: ignore[attr-defined]
         call = super().__call__  # type: ignore[misc]
         return mx.concatenate([call(x[..., t : t + 1, :]) for t in range(rows)], axis=-2)
+
+
+def vector_matmul(x: mx.array, weight: mx.array) -> mx.array:
+    """``x @ weight.T`` for x [..., R, K], weight [N, K], with every row a matrix-vector product of its own,
+    all in one call: each row rounds as a one-row call (a decode step) rounds, where a block of rows may not.
+
+    MLX folds the rows of a batch of matrices times one shared weight into a single tall GEMM (in
+    ``matmul`` itself, and again in the CUDA backend for contiguous row blocks), so the rows go as n
+    one-row matrices laid out as transposed 1 x K blocks (strides (K, 1, 1)) against the weight broadcast
+    over n (no copy): nothing folds them, and MLX CUDA runs its batched matrix-vector kernel, the
+    arithmetic of a one-row call's ``gemv``, in one launch."""
+    k, n_out = x.shape[-1], weight.shape[0]
+    flat = mx.contiguous(x).reshape(-1, k)
+    n = flat.shape[0]
+    vectors = mx.as_strided(flat, (n, 1, k), (k, 1, 1))
+    out = vectors @ mx.broadcast_to(weight.T, (n, k, n_out))
+    return out.reshape(*x.shape[:-1], n_out)
+
+
+def vectors_apply(module: nn.Module) -> bool:
+    """Whether ``vector_matmul`` can stand in for this layer (a plain linear layer without bias)."""
+    return isinstance(module, nn.Linear) and "bias" not in module
 
 
 _ROWWISE_CLASSES: dict[type, type] = {}

@@ -30,6 +30,10 @@ class Qwen35Backbone(SpeculativeBackbone):
             return lm.model.embed_tokens.as_linear(hidden)
         return lm.lm_head(hidden)
 
+    def output_projection(self) -> nn.Module:
+        lm = self.language_model
+        return lm.model.embed_tokens if lm.args.tie_word_embeddings else lm.lm_head
+
     def _drop_output_head(self) -> None:
         if "lm_head" in self.language_model:
             del self.language_model["lm_head"]

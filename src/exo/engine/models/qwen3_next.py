@@ -48,6 +48,9 @@ class Model(SpeculativeBackbone, qwen3_next.Model):
             return self.model.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)
 
+    def output_projection(self) -> nn.Module:
+        return self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head
+
     def _drop_output_head(self) -> None:
         if "lm_head" in self:
             del self["lm_head"]
