@@ -11,10 +11,11 @@ import enum
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from exo.launch import module_argv
 
 from .errors import DaemonStartError
 
@@ -28,9 +29,10 @@ class StopOutcome(enum.StrEnum):
 
 
 def serve_argv(serve_args: Sequence[str], parent_pid: int | None = None) -> list[str]:
-    """The command line of a daemon tethered to ``parent_pid`` (default: this process)."""
+    """The command line of a daemon tethered to ``parent_pid`` (default: this process); inside exo.app, the
+    app's own executable runs it (``exo.launch.module_argv``)."""
     parent = os.getpid() if parent_pid is None else parent_pid
-    return [sys.executable, "-m", "exo.menubar.tethered", "--parent-pid", str(parent), "serve", *serve_args]
+    return [*module_argv("exo.menubar.tethered"), "--parent-pid", str(parent), "serve", *serve_args]
 
 
 class DaemonProcess:
