@@ -157,3 +157,4 @@ def test_frozen_app_starts_exo_and_its_runner_and_prints_its_menu(make_controlle
         lines = done.stdout.splitlines()
         assert lines[0] == "exo: running" and "exo-demo: ready on " in done.stdout, done.stdout
         assert "Start exo  (disabled)" in lines
+        assert "[x] Native MTP" in lines  # the app's default is no lock for another app

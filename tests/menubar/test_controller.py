@@ -79,8 +79,10 @@ def test_lifecycle_toggle_models_and_graceful_stop(make_controller, tmp_path):
     assert seen[0] is DaemonState.STARTING and seen[-1] is DaemonState.RUNNING, seen
     assert snapshot.started_here and snapshot.can_stop
     view = get_json(controller.api_url + "/v1/settings")
-    assert view["native_mtp_enabled"] is False and view["sources"]["native_mtp_enabled"] == "env"
-    # The app passed its own saved choice: that is no lock for the app that started it.
+    assert view["native_mtp_enabled"] is False and view["sources"]["native_mtp_enabled"] == "app"
+    # The app passed its own saved choice as a start-up default (EXO_NATIVE_MTP_ENABLED_FROM_APP=1): no
+    # override, so no lock, here or in the dashboard.
+    assert view["env_overrides"] == {}
     assert snapshot.native_mtp.enabled is False and snapshot.native_mtp.can_change
 
     # Running: the flip is a PUT, applied at once and persisted by the daemon.
@@ -89,12 +91,12 @@ def test_lifecycle_toggle_models_and_graceful_stop(make_controller, tmp_path):
     assert view["native_mtp_enabled"] is True and view["sources"]["native_mtp_enabled"] == "api"
     assert json.loads((home / "settings.json").read_text())["native_mtp_enabled"] is True
 
-    # Another app (or one with the variable in its environment) sees the lock and changes nothing.
+    # Another app sees no lock either and changes it; one with the variable in its environment is locked.
     other = MenubarController(url=controller.api_url, env=app_env(home))
-    locked = other.refresh().native_mtp
-    assert locked.locked_reason == "the running exo was started with EXO_NATIVE_MTP_ENABLED set"
-    with pytest.raises(NativeMTPLockedError):
-        other.set_native_mtp(False)
+    assert other.refresh().native_mtp.locked_reason is None
+    assert other.set_native_mtp(False).native_mtp.enabled is False
+    assert get_json(controller.api_url + "/v1/settings")["native_mtp_enabled"] is False
+    assert other.set_native_mtp(True).native_mtp.enabled is True
     forced = MenubarController(url=controller.api_url, env=app_env(home, EXO_NATIVE_MTP_ENABLED="0"))
     assert (
         forced.refresh().native_mtp.locked_reason
@@ -188,7 +190,15 @@ def test_a_daemon_started_elsewhere_is_shown_not_owned_and_its_death_noticed(mak
         snapshot = controller.refresh()
         assert snapshot.state is DaemonState.RUNNING and not snapshot.started_here and not snapshot.can_stop
         assert snapshot.native_mtp.enabled is False and snapshot.native_mtp.source == "env"
-        assert "EXO_NATIVE_MTP_ENABLED" in snapshot.native_mtp.locked_reason
+        # Set by whoever started that daemon (not an app's default): it locks the toggle.
+        assert get_json(daemon.url + "/v1/settings")["env_overrides"] == {
+            "native_mtp_enabled": "EXO_NATIVE_MTP_ENABLED"
+        }
+        assert (
+            snapshot.native_mtp.locked_reason == "the running exo was started with EXO_NATIVE_MTP_ENABLED set"
+        )
+        with pytest.raises(NativeMTPLockedError):
+            controller.set_native_mtp(True)
         with pytest.raises(DaemonAlreadyRunningError, match="already running"):
             controller.start_daemon()
         with pytest.raises(NotStartedHereError):
