@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -172,6 +173,27 @@ def test_hung_daemon_unreachable_then_a_daemon_that_dies(make_controller):
     assert 1.0 <= time.monotonic() - started < 10 and pid_gone(pid)
     snapshot = controller.refresh()
     assert snapshot.state is DaemonState.STOPPED and "was killed" in snapshot.error
+
+
+def test_a_slow_model_load_is_starting_not_unreachable(make_controller):
+    """exo serve --model opens its port only once the model is loaded: the whole load is the start."""
+    controller = make_controller(serve_args=[*serve_flags(), "--model", "exo-demo"], start_timeout_s=1.0)
+    controller.start_daemon()
+    runner_line = re.compile(r"runner pid (\d+) for exo-demo")
+    found = wait_for(lambda: runner_line.search(controller.log_path.read_text()), 60, "the runner", 0.05)
+    runner_pid = int(found.group(1))
+    os.kill(runner_pid, signal.SIGSTOP)  # a load that takes its time (a big model): nothing more is logged
+    try:
+        time.sleep(2 * controller.start_timeout_s + 0.5)
+        snapshot = controller.refresh()
+        assert snapshot.state is DaemonState.STARTING, snapshot.detail
+        assert "(loading exo-demo on this node, " in snapshot.detail and snapshot.can_stop
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(controller.api_url + "/health", timeout=5)  # still no port while it loads
+    finally:
+        os.kill(runner_pid, signal.SIGCONT)
+    snapshot, seen = wait_state(controller, DaemonState.RUNNING)
+    assert DaemonState.UNREACHABLE not in seen and [m.model for m in snapshot.cluster.models] == ["exo-demo"]
 
 
 def test_daemon_that_fails_to_start_says_why(make_controller):

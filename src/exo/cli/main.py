@@ -170,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     menubar.add_argument(
         "--start-timeout", type=float, default=120.0,
-        help="seconds a starting exo may stay silent before it counts as unreachable",
+        help="seconds a starting exo may stay silent (its log not growing) before it counts as unreachable; "
+        "one that loads its --model (before its port opens) stays starting",
     )
     menubar.add_argument("serve_args", nargs="*", metavar="SERVE_FLAG", help="flags for exo serve (after --)")
     return parser

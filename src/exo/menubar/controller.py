@@ -152,8 +152,11 @@ class MenubarController:
     ) -> tuple[DaemonState, str | None]:
         if process is not None and process.alive():
             waited = time.monotonic() - process.started_at
-            if not self._answered_since_start and waited < self.start_timeout_s:
-                return DaemonState.STARTING, f"exo (pid {process.pid}) is starting ({waited:.0f} s)"
+            silent, loading = process.progress()
+            # Starting while its log grows, and for as long as it loads a model (no port before that).
+            if not self._answered_since_start and (loading or silent < self.start_timeout_s):
+                doing = f"{loading}, " if loading else ""
+                return DaemonState.STARTING, f"exo (pid {process.pid}) is starting ({doing}{waited:.0f} s)"
             return DaemonState.UNREACHABLE, f"exo (pid {process.pid}) runs but does not answer: {error}"
         if error.refused:
             return DaemonState.STOPPED, None
