@@ -3,12 +3,14 @@ start and stop, a hung daemon, a daemon that dies, and an app that dies."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx2 as httpx
@@ -16,6 +18,7 @@ import pytest
 from cluster.daemons import Daemon, free_port, wait_for
 
 from exo.menubar import (
+    Action,
     DaemonAlreadyRunningError,
     DaemonBusyError,
     DaemonState,
@@ -24,7 +27,9 @@ from exo.menubar import (
     NativeMTPLockedError,
     NotStartedHereError,
     StopOutcome,
+    build_menu,
 )
+from exo.menubar.process import LOG_ROTATE_BYTES, DaemonProcess
 
 from .apps import app_env, get_json, pid_gone, serve_flags, wait_state
 
@@ -266,3 +271,87 @@ def test_an_app_that_is_killed_leaves_no_daemon(tmp_path):
             os.kill(daemon_pid, signal.SIGKILL)  # the test failed: leave nothing behind
     log = (tmp_path / "logs" / "exo-serve.log").read_text()
     assert "Traceback" not in log, log
+
+
+def test_stopping_a_hung_daemon_shows_stopping(make_controller):
+    controller = make_controller(stop_timeout_s=3.0)
+    controller.start_daemon()
+    wait_state(controller, DaemonState.RUNNING)
+    pid = controller.daemon_pid
+    os.kill(pid, signal.SIGSTOP)  # SIGTERM cannot end it: the stop waits the whole timeout, then forces
+    outcome: list[StopOutcome] = []
+    stopper = threading.Thread(target=lambda: outcome.append(controller.stop_daemon()))
+    stopper.start()
+    snapshot, seen = wait_state(controller, DaemonState.STOPPING, timeout=5)  # refreshed from this thread
+    assert f"exo (pid {pid}) got SIGTERM; SIGKILL after 3 s" == snapshot.detail
+    assert snapshot.started_here and not snapshot.can_stop and not snapshot.can_start
+    assert snapshot.native_mtp.unavailable_reason == "exo is stopping"
+    entries = build_menu(snapshot)
+    texts = [e.text for e in entries]
+    [stop] = [e for e in entries if e.action is Action.STOP]
+    assert stop.text == "Stop exo" and not stop.enabled and "Start exo" not in texts
+    assert texts[texts.index("Native MTP") + 1] == "    exo is stopping"
+    stopper.join(15)
+    assert outcome == [StopOutcome.FORCED] and pid_gone(pid)
+    assert controller.refresh().state is DaemonState.STOPPED
+
+
+class _NotExo(http.server.BaseHTTPRequestHandler):
+    status, body = 200, b"<html>a web server, not exo</html>"
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.send_response(self.status)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("status", [200, 404])
+def test_another_http_server_on_the_port_is_unreachable(make_controller, status):
+    handler = type("Handler", (_NotExo,), {"status": status})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        controller = make_controller(url=f"http://127.0.0.1:{server.server_address[1]}")
+        snapshot = controller.refresh()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert snapshot.state is DaemonState.UNREACHABLE and "is not an exo API" in snapshot.detail
+    assert not snapshot.can_start and snapshot.cluster is None
+    assert snapshot.native_mtp.unavailable_reason == "exo does not answer"
+
+
+def test_the_log_moves_aside_past_5_mib_at_a_start(tmp_path):
+    log = tmp_path / "logs" / "exo-serve.log"
+    log.parent.mkdir()
+    log.write_bytes(b"an old run\n" * (LOG_ROTATE_BYTES // 11 + 1))
+    old_size = log.stat().st_size
+    argv = [sys.executable, "-c", "print('a new run')"]
+    for run in (1, 2):  # the first start rotates; the second appends to a small log
+        DaemonProcess.start(argv, os.environ, log).process.wait(30)
+        assert (log.parent / "exo-serve.log.1").stat().st_size == old_size
+        text = log.read_text()
+        assert text.startswith("--- ") and text.count("a new run\n") == run and "an old run" not in text
+
+
+def test_the_api_key_goes_with_the_apps_calls(make_controller, tmp_path):
+    controller = make_controller(env={"EXO_API_KEY": "menubar-secret"})  # the daemon it starts inherits it
+    controller.start_daemon()
+    snapshot, _ = wait_state(controller, DaemonState.RUNNING)
+    assert httpx.get(controller.api_url + "/v1/settings", timeout=10).status_code == 401  # it is required
+    assert snapshot.detail is None and snapshot.cluster is not None and snapshot.native_mtp.can_change
+    assert controller.set_native_mtp(False).native_mtp.enabled is False
+    auth = {"Authorization": "Bearer menubar-secret"}
+    view = httpx.get(controller.api_url + "/v1/settings", headers=auth, timeout=10).json()
+    assert view["native_mtp_enabled"] is False
+
+    keyless = MenubarController(url=controller.api_url, env=app_env(tmp_path / "keyless"))
+    snapshot = keyless.refresh()
+    assert snapshot.state is DaemonState.RUNNING and snapshot.cluster is None
+    assert "GET /v1/cluster answered 401" in snapshot.detail
+    assert snapshot.native_mtp.unavailable_reason == "exo's settings cannot be read"
