@@ -16,7 +16,9 @@ from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, field_validator
 
-Source = Literal["default", "file", "env", "cli"]
+# "app": an EXO_* variable that the app which started exo (the menu-bar app) set from its own saved choice,
+# marked by EXO_<FIELD>_FROM_APP=1: a start-up default that PUT /v1/settings may change, no override.
+Source = Literal["default", "file", "env", "app", "cli"]
 MoEVerify = Literal["route_locked", "batched", "safe"]
 
 ENV_PREFIX = "EXO_"
@@ -79,7 +81,7 @@ class Settings(BaseModel):
         return value
 
     def source(self, field: str) -> Source:
-        """Which source set `field`: "default", "file", "env" or "cli"."""
+        """Which source set `field`: "default", "file", "env", "app" or "cli"."""
         if field not in type(self).model_fields:
             raise KeyError(f"unknown setting {field!r}")
         return self._sources.get(field, "default")
@@ -98,6 +100,11 @@ class Settings(BaseModel):
 
 def env_var(field: str) -> str:
     return ENV_PREFIX + field.upper()
+
+
+def app_default_var(field: str) -> str:
+    """``EXO_<FIELD>_FROM_APP``: set to 1 next to ``EXO_<FIELD>``, the value is the starting app's default."""
+    return env_var(field) + "_FROM_APP"
 
 
 def settings_path(home: Path | str) -> Path:
@@ -138,7 +145,8 @@ def load_settings(cli: dict[str, Any] | None = None, env: Mapping[str, str] | No
         raw = env.get(env_var(name))
         if raw:  # an empty variable counts as unset
             values[name] = _parse_text(name, raw, env_var(name))
-            sources[name], where[name] = "env", env_var(name)
+            from_app = name in PERSISTED_FIELDS and env.get(app_default_var(name)) == "1"
+            sources[name], where[name] = "app" if from_app else "env", env_var(name)
 
     for name, value in cli.items():
         flag = "--" + name.replace("_", "-")

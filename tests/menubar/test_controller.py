@@ -3,11 +3,14 @@ start and stop, a hung daemon, a daemon that dies, and an app that dies."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx2 as httpx
@@ -15,6 +18,7 @@ import pytest
 from cluster.daemons import Daemon, free_port, wait_for
 
 from exo.menubar import (
+    Action,
     DaemonAlreadyRunningError,
     DaemonBusyError,
     DaemonState,
@@ -23,7 +27,9 @@ from exo.menubar import (
     NativeMTPLockedError,
     NotStartedHereError,
     StopOutcome,
+    build_menu,
 )
+from exo.menubar.process import LOG_ROTATE_BYTES, DaemonProcess
 
 from .apps import app_env, get_json, pid_gone, serve_flags, wait_state
 
@@ -79,8 +85,10 @@ def test_lifecycle_toggle_models_and_graceful_stop(make_controller, tmp_path):
     assert seen[0] is DaemonState.STARTING and seen[-1] is DaemonState.RUNNING, seen
     assert snapshot.started_here and snapshot.can_stop
     view = get_json(controller.api_url + "/v1/settings")
-    assert view["native_mtp_enabled"] is False and view["sources"]["native_mtp_enabled"] == "env"
-    # The app passed its own saved choice: that is no lock for the app that started it.
+    assert view["native_mtp_enabled"] is False and view["sources"]["native_mtp_enabled"] == "app"
+    # The app passed its own saved choice as a start-up default (EXO_NATIVE_MTP_ENABLED_FROM_APP=1): no
+    # override, so no lock, here or in the dashboard.
+    assert view["env_overrides"] == {}
     assert snapshot.native_mtp.enabled is False and snapshot.native_mtp.can_change
 
     # Running: the flip is a PUT, applied at once and persisted by the daemon.
@@ -89,12 +97,12 @@ def test_lifecycle_toggle_models_and_graceful_stop(make_controller, tmp_path):
     assert view["native_mtp_enabled"] is True and view["sources"]["native_mtp_enabled"] == "api"
     assert json.loads((home / "settings.json").read_text())["native_mtp_enabled"] is True
 
-    # Another app (or one with the variable in its environment) sees the lock and changes nothing.
+    # Another app sees no lock either and changes it; one with the variable in its environment is locked.
     other = MenubarController(url=controller.api_url, env=app_env(home))
-    locked = other.refresh().native_mtp
-    assert locked.locked_reason == "the running exo was started with EXO_NATIVE_MTP_ENABLED set"
-    with pytest.raises(NativeMTPLockedError):
-        other.set_native_mtp(False)
+    assert other.refresh().native_mtp.locked_reason is None
+    assert other.set_native_mtp(False).native_mtp.enabled is False
+    assert get_json(controller.api_url + "/v1/settings")["native_mtp_enabled"] is False
+    assert other.set_native_mtp(True).native_mtp.enabled is True
     forced = MenubarController(url=controller.api_url, env=app_env(home, EXO_NATIVE_MTP_ENABLED="0"))
     assert (
         forced.refresh().native_mtp.locked_reason
@@ -172,6 +180,27 @@ def test_hung_daemon_unreachable_then_a_daemon_that_dies(make_controller):
     assert snapshot.state is DaemonState.STOPPED and "was killed" in snapshot.error
 
 
+def test_a_slow_model_load_is_starting_not_unreachable(make_controller):
+    """exo serve --model opens its port only once the model is loaded: the whole load is the start."""
+    controller = make_controller(serve_args=[*serve_flags(), "--model", "exo-demo"], start_timeout_s=1.0)
+    controller.start_daemon()
+    runner_line = re.compile(r"runner pid (\d+) for exo-demo")
+    found = wait_for(lambda: runner_line.search(controller.log_path.read_text()), 60, "the runner", 0.05)
+    runner_pid = int(found.group(1))
+    os.kill(runner_pid, signal.SIGSTOP)  # a load that takes its time (a big model): nothing more is logged
+    try:
+        time.sleep(2 * controller.start_timeout_s + 0.5)
+        snapshot = controller.refresh()
+        assert snapshot.state is DaemonState.STARTING, snapshot.detail
+        assert "(loading exo-demo on this node, " in snapshot.detail and snapshot.can_stop
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(controller.api_url + "/health", timeout=5)  # still no port while it loads
+    finally:
+        os.kill(runner_pid, signal.SIGCONT)
+    snapshot, seen = wait_state(controller, DaemonState.RUNNING)
+    assert DaemonState.UNREACHABLE not in seen and [m.model for m in snapshot.cluster.models] == ["exo-demo"]
+
+
 def test_daemon_that_fails_to_start_says_why(make_controller):
     controller = make_controller(serve_args=[*serve_flags(), "--namespace", "not a namespace"])
     controller.start_daemon()
@@ -188,7 +217,15 @@ def test_a_daemon_started_elsewhere_is_shown_not_owned_and_its_death_noticed(mak
         snapshot = controller.refresh()
         assert snapshot.state is DaemonState.RUNNING and not snapshot.started_here and not snapshot.can_stop
         assert snapshot.native_mtp.enabled is False and snapshot.native_mtp.source == "env"
-        assert "EXO_NATIVE_MTP_ENABLED" in snapshot.native_mtp.locked_reason
+        # Set by whoever started that daemon (not an app's default): it locks the toggle.
+        assert get_json(daemon.url + "/v1/settings")["env_overrides"] == {
+            "native_mtp_enabled": "EXO_NATIVE_MTP_ENABLED"
+        }
+        assert (
+            snapshot.native_mtp.locked_reason == "the running exo was started with EXO_NATIVE_MTP_ENABLED set"
+        )
+        with pytest.raises(NativeMTPLockedError):
+            controller.set_native_mtp(True)
         with pytest.raises(DaemonAlreadyRunningError, match="already running"):
             controller.start_daemon()
         with pytest.raises(NotStartedHereError):
@@ -234,3 +271,87 @@ def test_an_app_that_is_killed_leaves_no_daemon(tmp_path):
             os.kill(daemon_pid, signal.SIGKILL)  # the test failed: leave nothing behind
     log = (tmp_path / "logs" / "exo-serve.log").read_text()
     assert "Traceback" not in log, log
+
+
+def test_stopping_a_hung_daemon_shows_stopping(make_controller):
+    controller = make_controller(stop_timeout_s=3.0)
+    controller.start_daemon()
+    wait_state(controller, DaemonState.RUNNING)
+    pid = controller.daemon_pid
+    os.kill(pid, signal.SIGSTOP)  # SIGTERM cannot end it: the stop waits the whole timeout, then forces
+    outcome: list[StopOutcome] = []
+    stopper = threading.Thread(target=lambda: outcome.append(controller.stop_daemon()))
+    stopper.start()
+    snapshot, seen = wait_state(controller, DaemonState.STOPPING, timeout=5)  # refreshed from this thread
+    assert f"exo (pid {pid}) got SIGTERM; SIGKILL after 3 s" == snapshot.detail
+    assert snapshot.started_here and not snapshot.can_stop and not snapshot.can_start
+    assert snapshot.native_mtp.unavailable_reason == "exo is stopping"
+    entries = build_menu(snapshot)
+    texts = [e.text for e in entries]
+    [stop] = [e for e in entries if e.action is Action.STOP]
+    assert stop.text == "Stop exo" and not stop.enabled and "Start exo" not in texts
+    assert texts[texts.index("Native MTP") + 1] == "    exo is stopping"
+    stopper.join(15)
+    assert outcome == [StopOutcome.FORCED] and pid_gone(pid)
+    assert controller.refresh().state is DaemonState.STOPPED
+
+
+class _NotExo(http.server.BaseHTTPRequestHandler):
+    status, body = 200, b"<html>a web server, not exo</html>"
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.send_response(self.status)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("status", [200, 404])
+def test_another_http_server_on_the_port_is_unreachable(make_controller, status):
+    handler = type("Handler", (_NotExo,), {"status": status})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        controller = make_controller(url=f"http://127.0.0.1:{server.server_address[1]}")
+        snapshot = controller.refresh()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert snapshot.state is DaemonState.UNREACHABLE and "is not an exo API" in snapshot.detail
+    assert not snapshot.can_start and snapshot.cluster is None
+    assert snapshot.native_mtp.unavailable_reason == "exo does not answer"
+
+
+def test_the_log_moves_aside_past_5_mib_at_a_start(tmp_path):
+    log = tmp_path / "logs" / "exo-serve.log"
+    log.parent.mkdir()
+    log.write_bytes(b"an old run\n" * (LOG_ROTATE_BYTES // 11 + 1))
+    old_size = log.stat().st_size
+    argv = [sys.executable, "-c", "print('a new run')"]
+    for run in (1, 2):  # the first start rotates; the second appends to a small log
+        DaemonProcess.start(argv, os.environ, log).process.wait(30)
+        assert (log.parent / "exo-serve.log.1").stat().st_size == old_size
+        text = log.read_text()
+        assert text.startswith("--- ") and text.count("a new run\n") == run and "an old run" not in text
+
+
+def test_the_api_key_goes_with_the_apps_calls(make_controller, tmp_path):
+    controller = make_controller(env={"EXO_API_KEY": "menubar-secret"})  # the daemon it starts inherits it
+    controller.start_daemon()
+    snapshot, _ = wait_state(controller, DaemonState.RUNNING)
+    assert httpx.get(controller.api_url + "/v1/settings", timeout=10).status_code == 401  # it is required
+    assert snapshot.detail is None and snapshot.cluster is not None and snapshot.native_mtp.can_change
+    assert controller.set_native_mtp(False).native_mtp.enabled is False
+    auth = {"Authorization": "Bearer menubar-secret"}
+    view = httpx.get(controller.api_url + "/v1/settings", headers=auth, timeout=10).json()
+    assert view["native_mtp_enabled"] is False
+
+    keyless = MenubarController(url=controller.api_url, env=app_env(tmp_path / "keyless"))
+    snapshot = keyless.refresh()
+    assert snapshot.state is DaemonState.RUNNING and snapshot.cluster is None
+    assert "GET /v1/cluster answered 401" in snapshot.detail
+    assert snapshot.native_mtp.unavailable_reason == "exo's settings cannot be read"

@@ -3,7 +3,8 @@
 A change applies from the next request on and is written to the node's settings file
 (``exo.settings.persist_settings``). At start-up the usual precedence decides (defaults < file <
 ``EXO_*`` environment < CLI); an environment variable that won says so in ``env_overrides``, since it
-wins again at the next start whatever PUT wrote.
+wins again at the next start whatever PUT wrote. One that the app starting exo set from its own saved
+choice (``EXO_<FIELD>_FROM_APP=1``, source "app") is no override: the app passes PUT's value next time.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ _SOURCE_WORDS = {
     "default": "the default",
     "file": "the node's settings file",
     "env": "EXO_NATIVE_MTP_ENABLED=0",
+    "app": "the exo app's saved choice",
     "cli": "the command line",
     "api": "PUT /v1/settings",
 }

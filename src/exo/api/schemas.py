@@ -498,11 +498,13 @@ class ModelList(BaseModel):
 class SettingsView(BaseModel):
     object: Literal["settings"]
     native_mtp_enabled: bool
-    sources: dict[str, Literal["default", "file", "env", "cli", "api"]] = Field(
-        description="which source set each value: default < file < env < cli at start-up; api: PUT /v1/settings"
+    sources: dict[str, Literal["default", "file", "env", "app", "cli", "api"]] = Field(
+        description="which source set each value: default < file < env < cli at start-up (app: an EXO_* "
+        "variable the app that started exo set from its saved choice); api: PUT /v1/settings"
     )
     env_overrides: dict[str, str] = Field(
-        description="EXO_* variables set for these fields: they win over the settings file at the next start"
+        description="EXO_* variables set for these fields (not by the app that started exo): they win over the "
+        "settings file at the next start"
     )
     settings_file: str
 

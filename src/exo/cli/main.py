@@ -160,13 +160,18 @@ def build_parser() -> argparse.ArgumentParser:
     menubar.add_argument("--url", default=None, help="the daemon's API (default http://127.0.0.1:<settings api_port>)")
     menubar.add_argument("--start", action="store_true", help="start exo at launch unless one already answers")
     menubar.add_argument("--once", action="store_true", help="print the menu as text once and exit (no UI)")
+    menubar.add_argument(
+        "--text", action="store_true",
+        help="the menu on this terminal, numbered: type an entry's number to run it (no tray icon)",
+    )
     menubar.add_argument("--poll-interval", type=float, default=2.0, help="seconds between state refreshes")
     menubar.add_argument(
         "--stop-timeout", type=float, default=10.0, help="seconds Stop exo waits after SIGTERM before SIGKILL"
     )
     menubar.add_argument(
         "--start-timeout", type=float, default=120.0,
-        help="seconds a starting exo may stay silent before it counts as unreachable",
+        help="seconds a starting exo may stay silent (its log not growing) before it counts as unreachable; "
+        "one that loads its --model (before its port opens) stays starting",
     )
     menubar.add_argument("serve_args", nargs="*", metavar="SERVE_FLAG", help="flags for exo serve (after --)")
     return parser

@@ -1,5 +1,6 @@
-"""``exo menubar``: the menu-bar app (macOS menu bar; a Linux tray icon, e.g. under Xvfb), or ``--once``
-to print the menu as text. Flags after ``--`` go to ``exo serve`` when the app starts exo."""
+"""``exo menubar``: the menu-bar app (macOS menu bar; a Linux tray icon, e.g. under Xvfb), ``--once`` to
+print the menu as text, or ``--text`` for a numbered menu on the terminal that runs every action. Flags
+after ``--`` go to ``exo serve`` when the app starts exo."""
 
 from __future__ import annotations
 
@@ -27,16 +28,17 @@ def menubar_command(args: argparse.Namespace) -> int:
             print(render_text(build_menu(controller.refresh())))
             return 0
         from exo.menubar.app import MenubarApp
+        from exo.menubar.text import TextBackend
         from exo.menubar.tray import PystrayBackend
 
-        backend = PystrayBackend()
+        backend = TextBackend() if args.text else PystrayBackend()
     except MenubarError as e:
         raise CommandError(str(e)) from None
     echo = None if backend.has_menu else _echo
     if echo is not None:
         print(
             f"exo menubar: pystray's {backend.name} backend has no menus: a click on the icon opens the "
-            "dashboard; the menu is printed here when it changes",
+            "dashboard; the menu is printed here when it changes (`exo menubar --text` runs every entry)",
             file=sys.stderr,
         )
     app = MenubarApp(

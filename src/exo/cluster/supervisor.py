@@ -24,7 +24,6 @@ import logging
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -35,6 +34,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 import exo
+from exo.launch import module_argv
 from exo.wire.proto_gen import node_pb2 as pb
 from exo.wire.proto_gen import node_pb2_grpc as pb_grpc
 from exo.wire.runner import EXIT_GROUP_LOST, EXIT_LOAD_FAILED, MAX_MESSAGE_BYTES
@@ -120,7 +120,7 @@ class InstanceSupervisor:
         self.home = Path(home)
         self.node_id = node_id
         self.max_restarts = max_restarts
-        self.runner_cmd = list(runner_cmd) if runner_cmd is not None else [sys.executable, "-m", "exo.runner"]
+        self.runner_cmd = list(runner_cmd) if runner_cmd is not None else module_argv("exo.runner")
         self.env = dict(env or {})
         self.on_change = on_change
         self._entries: dict[str, _Entry] = {}

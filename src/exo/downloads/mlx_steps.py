@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from exo.launch import module_argv
+
 from .errors import CheckpointRejectedError, DownloadCancelledError, DownloadError
 
 CHILD_TIMEOUT_S = 3600.0
@@ -73,7 +75,7 @@ class SubprocessSteps:
     def __call__(self, path: Path, head: HeadJob | None, cancel: threading.Event) -> dict[str, Any]:
         request = json.dumps({"path": str(path), "head": head.to_json() if head else None})
         child = subprocess.Popen(
-            [sys.executable, "-m", "exo.downloads.mlx_steps"],
+            module_argv("exo.downloads.mlx_steps"),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         result: dict[str, str] = {}

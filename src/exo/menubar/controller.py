@@ -6,9 +6,11 @@ menu layer (``exo.menubar.app``) only renders ``Snapshot``s and calls these meth
 The Native MTP toggle is the node's own switch, kept in ``$EXO_HOME/settings.json`` (the file ``exo
 serve`` reads at start and ``PUT /v1/settings`` writes): while the daemon runs, a flip is a ``PUT``
 (it applies from the next request on); while it is stopped, the flip is written to that file, and the
-next Start exo passes it to the daemon as ``EXO_NATIVE_MTP_ENABLED``. It is locked (shown disabled,
-with the reason) when the environment forces it: ``EXO_NATIVE_MTP_ENABLED`` in the app's own
-environment, or a running daemon that this app did not start reports it among its ``env_overrides``.
+next Start exo passes it to the daemon as ``EXO_NATIVE_MTP_ENABLED``, marked as the app's default
+(``EXO_NATIVE_MTP_ENABLED_FROM_APP=1``: the daemon's source "app", no override that locks the toggle
+in the dashboard or another menu-bar app). It is locked (shown disabled, with the reason) when the
+environment forces it: ``EXO_NATIVE_MTP_ENABLED`` in the app's own environment, or a running daemon
+that reports it among its ``env_overrides`` (set where that daemon was started).
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ import time
 from collections.abc import Mapping, Sequence
 from urllib.parse import urlsplit
 
-from exo.settings import Settings, SettingsError, env_var, load_settings, persist_settings
+from exo.settings import (
+    Settings,
+    SettingsError,
+    app_default_var,
+    env_var,
+    load_settings,
+    persist_settings,
+)
 
 from .api import DaemonAPI
 from .errors import (
@@ -35,6 +44,7 @@ from .process import DaemonProcess, StopOutcome, serve_argv
 from .state import ClusterSummary, DaemonState, NativeMTPToggle, Snapshot, cluster_summary
 
 MTP_ENV = env_var("native_mtp_enabled")
+MTP_FROM_APP_ENV = app_default_var("native_mtp_enabled")
 LOG_NAME = "logs/exo-serve.log"
 
 
@@ -126,7 +136,7 @@ class MenubarController:
                 started_here=started_here,
                 can_start_here=self.local,
                 cluster=cluster,
-                native_mtp=self._mtp_toggle(state, daemon_settings, started_here),
+                native_mtp=self._mtp_toggle(state, daemon_settings),
                 log_path=self.log_path,
                 error=self._error,
                 seq=self._seq,
@@ -142,8 +152,11 @@ class MenubarController:
     ) -> tuple[DaemonState, str | None]:
         if process is not None and process.alive():
             waited = time.monotonic() - process.started_at
-            if not self._answered_since_start and waited < self.start_timeout_s:
-                return DaemonState.STARTING, f"exo (pid {process.pid}) is starting ({waited:.0f} s)"
+            silent, loading = process.progress()
+            # Starting while its log grows, and for as long as it loads a model (no port before that).
+            if not self._answered_since_start and (loading or silent < self.start_timeout_s):
+                doing = f"{loading}, " if loading else ""
+                return DaemonState.STARTING, f"exo (pid {process.pid}) is starting ({doing}{waited:.0f} s)"
             return DaemonState.UNREACHABLE, f"exo (pid {process.pid}) runs but does not answer: {error}"
         if error.refused:
             return DaemonState.STOPPED, None
@@ -172,9 +185,7 @@ class MenubarController:
     def _settings(self) -> Settings:
         return load_settings(env=self.env)
 
-    def _mtp_toggle(
-        self, state: DaemonState, daemon_settings: dict | None, started_here: bool
-    ) -> NativeMTPToggle:
+    def _mtp_toggle(self, state: DaemonState, daemon_settings: dict | None) -> NativeMTPToggle:
         unavailable = {
             DaemonState.STARTING: "exo is starting",
             DaemonState.STOPPING: "exo is stopping",
@@ -186,7 +197,7 @@ class MenubarController:
             local = self._settings()
         except SettingsError as e:  # the settings file was edited into something invalid
             local, unavailable = None, str(e)
-        locked = None if local is None else self._lock_reason(local, daemon_settings, started_here)
+        locked = None if local is None else self._lock_reason(local, daemon_settings)
         if daemon_settings is not None and "native_mtp_enabled" in daemon_settings:
             enabled = bool(daemon_settings["native_mtp_enabled"])
             source = str(daemon_settings.get("sources", {}).get("native_mtp_enabled", "unknown"))
@@ -198,12 +209,11 @@ class MenubarController:
             enabled=enabled, locked_reason=locked, unavailable_reason=unavailable, source=source
         )
 
-    def _lock_reason(self, local: Settings, daemon_settings: dict | None, started_here: bool) -> str | None:
+    def _lock_reason(self, local: Settings, daemon_settings: dict | None) -> str | None:
         if local.source("native_mtp_enabled") == "env":
             return f"{MTP_ENV}={self.env[MTP_ENV]} is set in this app's environment"
         overrides = (daemon_settings or {}).get("env_overrides") or {}
-        # A daemon this app started has the variable because the app passed its own saved choice.
-        if "native_mtp_enabled" in overrides and not started_here:
+        if "native_mtp_enabled" in overrides:
             return f"the running exo was started with {overrides['native_mtp_enabled']} set"
         return None
 
@@ -234,8 +244,9 @@ class MenubarController:
             if snapshot.state is not DaemonState.STOPPED:
                 raise DaemonAlreadyRunningError(f"exo is already {snapshot.state} at {self.api_url}")
             env = dict(self.env)
-            if MTP_ENV not in env or not env[MTP_ENV]:
+            if MTP_ENV not in env or not env[MTP_ENV]:  # the app's saved choice, as a default PUT may change
                 env[MTP_ENV] = "1" if self._settings().native_mtp_enabled else "0"
+                env[MTP_FROM_APP_ENV] = "1"
             argv = serve_argv(["--port", str(self.port), *self.serve_args])
             self._process = DaemonProcess.start(argv, env, self.log_path)
             self._answered_since_start = False

@@ -118,14 +118,24 @@ def build_menu(snapshot: Snapshot) -> list[MenuEntry]:
     return entries
 
 
-def render_text(entries: Sequence[MenuEntry]) -> str:
-    """The menu as text (``exo menubar --once``, and the log of a backend without menus)."""
+def actionable(entries: Sequence[MenuEntry]) -> list[MenuEntry]:
+    """The entries with an action, in order: number N of ``render_text(numbered=True)`` is the N-th."""
+    return [e for e in entries if e.action is not None]
+
+
+def render_text(entries: Sequence[MenuEntry], numbered: bool = False) -> str:
+    """The menu as text (``exo menubar --once``, the log of a backend without menus, ``--text`` numbered)."""
     lines = []
+    number = 0
     for e in entries:
         if e.separator:
             lines.append("-" * 40)
             continue
         mark = "" if e.checked is None else ("[x] " if e.checked else "[ ] ")
         suffix = "" if e.enabled or e.action is None else "  (disabled)"
-        lines.append(f"{mark}{e.text}{suffix}")
+        prefix = ""
+        if numbered and e.action is not None:
+            number += 1
+            prefix = f"{number:2d}. "
+        lines.append(f"{prefix}{mark}{e.text}{suffix}")
     return "\n".join(lines)

@@ -11,14 +11,17 @@ import enum
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from exo.launch import module_argv
+
 from .errors import DaemonStartError
 
 LOG_ROTATE_BYTES = 5 << 20  # at start, a log past this size moves to <name>.1 (one old log kept)
+# What exo serve prints while `--model` loads, before its HTTP port opens, and once it serves.
+LOADING_LINE, SERVING_LINE = "exo: loading ", "exo: serving on "
 
 
 class StopOutcome(enum.StrEnum):
@@ -28,17 +31,23 @@ class StopOutcome(enum.StrEnum):
 
 
 def serve_argv(serve_args: Sequence[str], parent_pid: int | None = None) -> list[str]:
-    """The command line of a daemon tethered to ``parent_pid`` (default: this process)."""
+    """The command line of a daemon tethered to ``parent_pid`` (default: this process); inside exo.app, the
+    app's own executable runs it (``exo.launch.module_argv``)."""
     parent = os.getpid() if parent_pid is None else parent_pid
-    return [sys.executable, "-m", "exo.menubar.tethered", "--parent-pid", str(parent), "serve", *serve_args]
+    return [*module_argv("exo.menubar.tethered"), "--parent-pid", str(parent), "serve", *serve_args]
 
 
 class DaemonProcess:
-    def __init__(self, process: subprocess.Popen[bytes], log_path: Path, argv: Sequence[str]) -> None:
+    def __init__(
+        self, process: subprocess.Popen[bytes], log_path: Path, argv: Sequence[str], log_start: int = 0
+    ) -> None:
         self.process = process
         self.log_path = log_path
         self.argv = list(argv)
         self.started_at = time.monotonic()
+        self._scanned = log_start  # how far progress() has read this daemon's log
+        self._loading: str | None = None
+        self._log_grew_at = time.monotonic()
 
     @classmethod
     def start(cls, argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> DaemonProcess:
@@ -49,6 +58,7 @@ class DaemonProcess:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             log.write(f"--- {stamp} started by the exo menu-bar app: {' '.join(argv)}\n".encode())
             log.flush()
+            log_start = log.tell()
             try:
                 process = subprocess.Popen(
                     list(argv),
@@ -60,7 +70,7 @@ class DaemonProcess:
                 )
             except OSError as e:
                 raise DaemonStartError(f"cannot start exo ({argv[0]}): {e}") from None
-        return cls(process, log_path, argv)
+        return cls(process, log_path, argv, log_start)
 
     @property
     def pid(self) -> int:
@@ -85,6 +95,27 @@ class DaemonProcess:
             self.process.kill()
             self.process.wait()
             return StopOutcome.FORCED
+
+    def progress(self) -> tuple[float, str | None]:
+        """Seconds since this daemon's log last grew, and what it loads (``loading exo-demo on this node``)
+        when its log says it loads a model and does not serve yet (``exo serve --model`` opens its port
+        only once the model is loaded). Reads only what the log gained since the last call."""
+        try:
+            with self.log_path.open("rb") as f:
+                f.seek(self._scanned)
+                gained = f.read()
+        except OSError:
+            gained = b""
+        complete = gained[: gained.rfind(b"\n") + 1]
+        if gained:
+            self._log_grew_at = time.monotonic()
+        self._scanned += len(complete)
+        for line in complete.decode(errors="replace").splitlines():
+            if line.startswith(LOADING_LINE):
+                self._loading = line.removeprefix("exo: ").strip()
+            elif line.startswith(SERVING_LINE):
+                self._loading = None
+        return time.monotonic() - self._log_grew_at, self._loading
 
     def exit_description(self) -> str:
         code = self.returncode
