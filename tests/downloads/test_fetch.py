@@ -232,9 +232,24 @@ def test_checkpoints_that_do_not_match_their_config_or_index_are_rejected(hub, c
         index["weight_map"]["lm_head.weight"] = SHARD1
         (path / "model.safetensors.index.json").write_text(json.dumps(index))
 
-    hub.add_repo("org/wider", _edited_copy(checkpoint("qwen3_5"), tmp_path / "wider", wider))
+    wider_dir = _edited_copy(checkpoint("qwen3_5"), tmp_path / "wider", wider)
+    hub.add_repo("org/wider", wider_dir)
     with pytest.raises(CheckpointRejectedError, match=r"rejected: .*shape"):
         pull_model("org/wider")
+    # Every file is in the cache, but a rejected checkpoint is no model on this disk.
+    assert cached_snapshot("org/wider") is None
+    with pytest.raises(UnknownModelError):
+        resolve_model("org/wider")
+    # A stage's download cannot check shapes (the rest of the model is not there) and records the ref; the
+    # whole model's rejection takes it back, and a stage whose files complete the model checks it whole.
+    hub.add_repo("org/wider-staged", wider_dir)
+    pull_model("org/wider-staged", stage=Stage.of(0, 2, 4))
+    with pytest.raises(CheckpointRejectedError, match=r"rejected: .*shape"):
+        pull_model("org/wider-staged")
+    assert cached_snapshot("org/wider-staged") is None
+    with pytest.raises(CheckpointRejectedError, match=r"rejected: .*shape"):
+        pull_model("org/wider-staged", stage=Stage.of(2, 4, 4))
+    assert cached_snapshot("org/wider-staged") is None
     hub.add_repo("org/misplaced", _edited_copy(checkpoint("qwen3_5"), tmp_path / "misplaced", misplaced))
     with pytest.raises(CheckpointRejectedError, match=rf"{SHARD1} does not match model.safetensors.index.json"):
         pull_model("org/misplaced")

@@ -13,7 +13,9 @@ planned commit, several at once. What huggingface_hub guarantees, and exo relies
 
 A last ``snapshot_download`` of the same files at the same commit (nothing left to fetch) records the
 repo's file listing in the cache, which lets an offline lookup tell a complete snapshot from a partial
-one (``exo.engine.hf_cache``); only then does the revision's ref point at the commit.
+one (``exo.engine.hf_cache``). ``fetch`` never moves the revision's ref: the caller points it at the
+commit (``record_ref``) once the files passed its checks, so a lookup by revision (``cached_snapshot``,
+``resolve_model``) never lands on a checkpoint that was rejected or is still being filled.
 """
 
 from __future__ import annotations
@@ -204,23 +206,35 @@ def fetch(
             plan.repo, revision=plan.commit, allow_patterns=patterns, tqdm_class=SilentBar, **hub.common()
         ),
     )
-    _write_ref(plan, hub)
     return Path(path)
 
 
-def _write_ref(plan: DownloadPlan, hub: HubConfig) -> None:
-    """Point ``refs/<revision>`` at the planned commit, once its files are all in place: a lookup by
-    revision never lands on a snapshot still being filled, and a branch that moved meanwhile does not
-    pull in files nobody planned (the cache layout huggingface_hub documents: the file holds the hash)."""
+def _ref_path(plan: DownloadPlan, hub: HubConfig) -> Path:
+    return hub.cache_dir / repo_folder_name(repo_id=plan.repo, repo_type="model") / "refs" / plan.revision
+
+
+def record_ref(plan: DownloadPlan, hub: HubConfig) -> None:
+    """Point ``refs/<revision>`` at the planned commit, once its files are in place and checked: a lookup
+    by revision never lands on a snapshot still being filled or rejected, and a branch that moved meanwhile
+    does not pull in files nobody planned (the cache layout huggingface_hub documents: the file holds the
+    hash)."""
     if plan.revision == plan.commit:
         return
-    ref = hub.cache_dir / repo_folder_name(repo_id=plan.repo, repo_type="model") / "refs" / plan.revision
+    ref = _ref_path(plan, hub)
     ref.parent.mkdir(parents=True, exist_ok=True)
     if ref.is_file() and ref.read_text().strip() == plan.commit:
         return
     tmp = ref.with_name(f".{ref.name}.{uuid.uuid4().hex[:8]}.tmp")
     tmp.write_text(plan.commit)
     os.replace(tmp, ref)
+
+
+def forget_ref(plan: DownloadPlan, hub: HubConfig) -> None:
+    """Drop ``refs/<revision>`` if it points at the planned commit (a rejected checkpoint, whose ref an
+    earlier stage's download recorded)."""
+    ref = _ref_path(plan, hub)
+    if plan.revision != plan.commit and ref.is_file() and ref.read_text().strip() == plan.commit:
+        ref.unlink(missing_ok=True)
 
 
 def _fetch_files(

@@ -16,25 +16,27 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from exo.cards import Catalog, ModelCard, UnknownModelError, bundled_model_dir, load_catalog
 from exo.cards.schema import REPO_PATTERN
-from exo.engine.hf_cache import INDEX_FILE, UNUSED_WEIGHT_PATTERNS
+from exo.engine.hf_cache import INDEX_FILE, UNUSED_WEIGHT_PATTERNS, missing_checkpoint_files
 from exo.engine.loader import MTPHeadError, declared_head_layers, inspect_head, read_config
 
 from .checks import check_index_consistency, read_index
-from .errors import DownloadCancelledError, DownloadError
+from .errors import CheckpointRejectedError, DownloadCancelledError, DownloadError
 from .fetch import (
     DEFAULT_RESERVE_BYTES,
     DEFAULT_WORKERS,
     DownloadPlan,
     check_free_disk,
     fetch,
+    forget_ref,
     human_bytes,
     plan_download,
+    record_ref,
 )
 from .heads import head_shards
 from .hub import HubConfig
@@ -174,8 +176,9 @@ def _stage_plan(repo: str, hub: HubConfig, options: PullOptions, tracker: Progre
     else:
         weights = ["model.safetensors"]  # one file: every stage needs it whole
     wanted = set(weights)
-    return plan_download(repo, hub, revision=meta.commit,
+    plan = plan_download(repo, hub, revision=meta.commit,
                          select=lambda names: [*_small_files(names), *(n for n in names if n in wanted)])
+    return replace(plan, revision=meta.revision)  # pinned to the commit; the ref to record is the revision
 
 
 def pull(
@@ -198,6 +201,21 @@ def pull(
         files_fetched=len(plan.to_fetch), bytes_fetched=plan.bytes_to_fetch,
         files_cached=len(plan.files) - len(plan.to_fetch),
     )
+    try:
+        _check(target, plan, path, hub, tracker, steps, options, result)
+    except CheckpointRejectedError:
+        forget_ref(plan, hub)  # recorded by an earlier stage's download of this commit
+        raise
+    record_ref(plan, hub)  # only now does a lookup by revision find it
+    tracker.set_status("complete")
+    return result
+
+
+def _check(
+    target: PullTarget, plan: DownloadPlan, path: Path, hub: HubConfig, tracker: ProgressTracker,
+    steps: MLXSteps, options: PullOptions, result: PullResult,
+) -> None:
+    """Check what was fetched (``CheckpointRejectedError``) and recover the head."""
     if options.stage is not None:
         # A stage cannot be loaded alone: its shards are checked against the index, and its head (the
         # last stage's) is whatever the weights hold; recovering a stripped one needs the whole model.
@@ -206,8 +224,9 @@ def pull(
                         "first": stage.first, "last": stage.last}
         tracker.set_status("validating")
         check_index_consistency(path, [f.path for f in plan.files if f.path.endswith(_WEIGHT_SUFFIX)])
-        tracker.set_status("complete")
-        return result
+        if not missing_checkpoint_files(path):  # with the stages fetched before, the model is whole here
+            steps(path, None, tracker.cancel_event)
+        return
     head_job = None
     if options.recover_head:
         result.head, head_job = _head_plan(target, path, hub, tracker, options)
@@ -223,8 +242,6 @@ def pull(
         result.head.quantized = recovered["quantized"]
         if options.quantize_head and result.head.status == "recovered" and not result.head.quantized:
             result.notes.append("the backbone is not affine-quantized: the head was kept in its own dtype")
-    tracker.set_status("complete")
-    return result
 
 
 def _head_plan(
@@ -257,6 +274,7 @@ def _head_plan(
         plan = plan_download(source, hub, revision=index_plan.commit, select=lambda names: shards)
         check_free_disk(plan, hub, options.reserve_bytes)
         source_path = fetch(plan, hub, tracker, max_workers=options.max_workers)
+        record_ref(index_plan, hub)  # a few files of the source, never a whole checkpoint here
     except DownloadCancelledError:
         raise
     except (DownloadError, MTPHeadError) as e:  # the hub's errors, offline and missing, no head in the source
