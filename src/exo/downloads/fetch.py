@@ -11,6 +11,11 @@ planned commit, several at once. What huggingface_hub guarantees, and exo relies
   times); a file interrupted for good (cancel, a killed process) is fetched again from its start next
   time, while every file that finished stays in the cache and is not fetched again.
 
+A killed process leaves its partial files behind. A writer holds ``.locks/<repo>/<etag>.lock`` (a
+``filelock``, huggingface_hub's) for as long as its ``blobs/<etag>.*.incomplete`` file exists, so when a
+fetch starts, the partial files of the repo whose lock nobody holds are orphans, and are deleted
+(``remove_orphaned_partials``); a download in flight, in this process or another, keeps its lock and its file.
+
 A last ``snapshot_download`` of the same files at the same commit (nothing left to fetch) records the
 repo's file listing in the cache, which lets an offline lookup tell a complete snapshot from a partial
 one (``exo.engine.hf_cache``). ``fetch`` never moves the revision's ref: the caller points it at the
@@ -31,6 +36,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import FileLock, Timeout
 from huggingface_hub import (
     HfApi,
     get_cached_repo_tree,
@@ -193,6 +199,7 @@ def fetch(
     """Fetch the plan's missing files (progress and cancellation through ``tracker``); the snapshot path."""
     if plan.offline:
         return snapshot_dir(plan.repo, plan.commit, hub)
+    remove_orphaned_partials(plan.repo, hub)
     todo = plan.to_fetch
     tracker.add_work(len(todo), sum(f.size for f in todo))
     if todo:
@@ -207,6 +214,25 @@ def fetch(
         ),
     )
     return Path(path)
+
+
+def remove_orphaned_partials(repo: str, hub: HubConfig) -> list[Path]:
+    """Delete the repo's ``.incomplete`` blobs that no live download is writing (a killed pull's); the
+    deleted paths. Each etag's lock is tried without waiting: held means in flight, and its files stay."""
+    folder = repo_folder_name(repo_id=repo, repo_type="model")
+    blobs = hub.cache_dir / folder / "blobs"
+    etags = {p.name.split(".", 1)[0] for p in blobs.glob("*.incomplete")} if blobs.is_dir() else set()
+    removed: list[Path] = []
+    for etag in sorted(etags):
+        lock = FileLock(hub.cache_dir / ".locks" / folder / f"{etag}.lock", timeout=0)
+        try:
+            with lock:  # while held, no download of this blob can start: every partial file of it is an orphan
+                for partial in blobs.glob(f"{glob.escape(etag)}.*incomplete"):
+                    partial.unlink(missing_ok=True)
+                    removed.append(partial)
+        except (Timeout, NotImplementedError):  # in flight; or a file system without flock: leave it
+            continue
+    return removed
 
 
 def _ref_path(plan: DownloadPlan, hub: HubConfig) -> Path:
