@@ -78,7 +78,7 @@ class DownloadProgressView(BaseModel):
 
 
 class DownloadHead(BaseModel):
-    status: Literal["present", "recovered", "refused", "unavailable", "not_declared", "no_source"]
+    status: Literal["present", "recovered", "pending", "refused", "unavailable", "not_declared", "no_source"]
     source_repo: str | None
     agreement: float | None = Field(description="share of the head's drafts the backbone confirms")
     threshold: float | None

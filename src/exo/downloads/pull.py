@@ -38,13 +38,13 @@ from .fetch import (
     plan_download,
     record_ref,
 )
-from .heads import head_shards
+from .heads import PENDING_REASON, PENDING_SIDECAR, head_shards
 from .hub import HubConfig
 from .mlx_steps import HeadJob, MLXSteps
 from .progress import ProgressTracker
 from .stages import Stage, stage_files
 
-HeadOutcome = Literal["present", "recovered", "refused", "unavailable", "not_declared", "no_source"]
+HeadOutcome = Literal["present", "recovered", "pending", "refused", "unavailable", "not_declared", "no_source"]
 _WEIGHT_SUFFIX = ".safetensors"
 
 
@@ -120,6 +120,11 @@ class PullResult:
                     f"  MTP head recovered from {head.source_repo} ({head.files_fetched} shard(s), "
                     f"{human_bytes(head.bytes_fetched)}{quant}): agreement {head.agreement:.0%} "
                     f"(needs {head.threshold:.0%})"
+                )
+            elif head.status == "pending":
+                lines.append(
+                    f"  MTP head converted from {head.source_repo} ({head.files_fetched} shard(s), "
+                    f"{human_bytes(head.bytes_fetched)}): {head.reason}"
                 )
             elif head.status == "present":
                 lines.append(f"  MTP head: present ({head.reason})")
@@ -215,24 +220,28 @@ def _check(
     target: PullTarget, plan: DownloadPlan, path: Path, hub: HubConfig, tracker: ProgressTracker,
     steps: MLXSteps, options: PullOptions, result: PullResult,
 ) -> None:
-    """Check what was fetched (``CheckpointRejectedError``) and recover the head."""
-    if options.stage is not None:
-        # A stage cannot be loaded alone: its shards are checked against the index, and its head (the
-        # last stage's) is whatever the weights hold; recovering a stripped one needs the whole model.
-        stage = options.stage
+    """Check what was fetched (``CheckpointRejectedError``) and recover the head.
+
+    A stage's shards are checked against the index; its shapes (lazily, with MLX) when it is the last
+    stage with a head to convert, and the whole checkpoint's when the stages fetched so far complete the
+    model here. The last stage converts a stripped head but cannot check its agreement (the backbone is
+    not all here): it is left pending for the pipeline to check (``heads.check_pending_head``)."""
+    stage = options.stage
+    names = None if stage is None else [f.path for f in plan.files if f.path.endswith(_WEIGHT_SUFFIX)]
+    weights = None if names is None else [path / name for name in names]
+    head_job = None
+    if options.recover_head and (stage is None or stage.last):
+        result.head, head_job = _head_plan(target, path, hub, tracker, options, weights)
+    tracker.set_status("validating")
+    if stage is not None:
         result.stage = {"start": stage.start, "end": stage.end, "n_layers": stage.n_layers,
                         "first": stage.first, "last": stage.last}
-        tracker.set_status("validating")
-        check_index_consistency(path, [f.path for f in plan.files if f.path.endswith(_WEIGHT_SUFFIX)])
-        if not missing_checkpoint_files(path):  # with the stages fetched before, the model is whole here
-            steps(path, None, tracker.cancel_event)
+    check_index_consistency(path, names)
+    whole = stage is None or not missing_checkpoint_files(path)
+    if not whole and head_job is None:
         return
-    head_job = None
-    if options.recover_head:
-        result.head, head_job = _head_plan(target, path, hub, tracker, options)
-    tracker.set_status("validating")
-    check_index_consistency(path)
-    answer = steps(path, head_job, tracker.cancel_event)
+    layers = None if whole or stage is None else (stage.start, stage.end)
+    answer = steps(path, head_job, tracker.cancel_event, layers)
     if head_job is not None and result.head is not None and answer.get("head"):
         recovered = answer["head"]
         result.head.status = recovered["status"]
@@ -245,12 +254,14 @@ def _check(
 
 
 def _head_plan(
-    target: PullTarget, path: Path, hub: HubConfig, tracker: ProgressTracker, options: PullOptions
+    target: PullTarget, path: Path, hub: HubConfig, tracker: ProgressTracker, options: PullOptions,
+    weights: list[Path] | None = None,
 ) -> tuple[HeadReport, HeadJob | None]:
-    """Whether the head must be recovered; if so, fetch the source shards holding it (progress counts)."""
+    """Whether the head must be recovered; if so, fetch the source shards holding it (progress counts).
+    ``weights``: a stage's shards (default: the whole checkpoint's)."""
     try:
         declared = declared_head_layers(read_config(path))
-        info = inspect_head(path)
+        info = inspect_head(path, weights)
     except Exception as e:  # noqa: BLE001 - the checkpoint check that follows reports a broken checkpoint
         return HeadReport("unavailable", reason=f"the head could not be inspected: {e}"), None
     if info.present:
@@ -263,6 +274,8 @@ def _head_plan(
         reason = ("the weights have no mtp.* tensors and no card names the official repo holding them"
                   if target.card is None else f"card {target.card.id} has no [native_mtp] source_repo")
         return HeadReport("no_source", reason=reason), None
+    if options.stage is not None and (path / PENDING_SIDECAR).is_file():
+        return HeadReport("pending", source_repo=source, reason=PENDING_REASON), None
     tracker.set_status("recovering_head")
     try:
         index_plan = plan_download(source, hub, select=lambda names: [n for n in names if n == INDEX_FILE])
@@ -283,4 +296,4 @@ def _head_plan(
     report = HeadReport("unavailable", source_repo=source, files_fetched=len(plan.to_fetch),
                         bytes_fetched=plan.bytes_to_fetch)
     files = tuple(str(source_path / name) for name in shards)
-    return report, HeadJob(source, plan.commit, files, options.quantize_head)
+    return report, HeadJob(source, plan.commit, files, options.quantize_head, pending=options.stage is not None)
