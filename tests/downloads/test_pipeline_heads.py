@@ -25,8 +25,9 @@ MLX_REPO, SOURCE_REPO, CARD = "mlx-community/tiny-4bit", "Qwen/Tiny", "tiny-4bit
 INDEX, SOURCE_HEAD_SHARD = "model.safetensors.index.json", "model-00002-of-00002.safetensors"
 STAGES = [(0, 2), (2, 4)]  # the fixtures have 4 layers
 # Pipeline and single node compute the same float32 hidden states on this CPU (tests/engine/test_pipeline.py),
-# and the recovered head holds the original's tensors: the same acceptance, give or take rounding.
-SAME_HEAD_TOLERANCE = 0.02
+# and the recovered head holds the original's tensors: the same acceptance. Measured: a difference of 0 on
+# fixtures of seeds 0-5 (scripts/fixture_sweep.py, pipeline_recovered_minus_original).
+SAME_HEAD_TOLERANCE = 0.0
 
 
 def pipeline_over_stage_downloads(hub, checkpoint, tmp_path, monkeypatch, head: str) -> tuple[list[Path], dict]:
@@ -63,7 +64,7 @@ def test_a_pipeline_checks_and_uses_the_head_its_last_stage_recovered(hub, check
     rate = sum(s["accepted_tokens"] for s in stats) / sum(s["drafted_tokens"] for s in stats)
     original = acceptance(Engine(load_checkpoint(checkpoint("qwen3_5", "mlx_sidecar", "trained", dtype="float32"))))
     record_property("pipeline_recovered_minus_original", rate - original)
-    assert rate > 0.5 and rate == pytest.approx(original, abs=SAME_HEAD_TOLERANCE)
+    assert rate > 0.5 and rate == pytest.approx(original, abs=SAME_HEAD_TOLERANCE + 1e-9)
     # It passed: it is the stage's sidecar now, which the next load takes as it is.
     assert (paths[1] / "mtp.safetensors").is_file() and not (paths[1] / PENDING_SIDECAR).exists()
     assert load_checkpoint(paths[1], layers=STAGES[1]).head_status.source.endswith("(sidecar)")

@@ -199,9 +199,9 @@ def fetch(
     """Fetch the plan's missing files (progress and cancellation through ``tracker``); the snapshot path."""
     if plan.offline:
         return snapshot_dir(plan.repo, plan.commit, hub)
-    remove_orphaned_partials(plan.repo, hub)
     todo = plan.to_fetch
     tracker.add_work(len(todo), sum(f.size for f in todo))
+    remove_orphaned_partials(plan.repo, hub)
     if todo:
         _fetch_files(plan, todo, hub, tracker, max_workers)
     tracker.check_cancelled()
