@@ -13,6 +13,7 @@ import httpx2 as httpx
 import pytest
 
 from exo.api import BackgroundServer, LocalModelService, build_app
+from exo.api.downloads import DOWNLOADS
 from exo.downloads import HubConfig
 from exo.settings import load_settings
 
@@ -57,6 +58,11 @@ def test_a_download_its_progress_events_and_its_recovered_head(api, hub, checkpo
     assert download["progress"]["bytes_total"] == weights
     again = api.post("/v1/downloads", json={"model": "tiny-4bit"})  # while it runs: the same download
     assert again.status_code == 200 and again.json()["id"] == download["id"]
+    other_head = api.post("/v1/downloads", json={"model": "tiny-4bit", "quantize_head": True})  # not that one
+    assert other_head.status_code == 409, other_head.text
+    error = other_head.json()["error"]
+    assert error["code"] == "download_conflict" and download["id"] in error["message"]
+    assert "quantize_head=false" in error["message"]
 
     seen = events(api, download["id"])
     assert seen[-1] == "[DONE]"
@@ -125,6 +131,22 @@ def test_bad_requests(api, hub, checkpoint):
     assert bundled.status_code == 201
     final = events(api, bundled.json()["id"])[-2]
     assert final["status"] == "complete" and final["result"]["bundled"] is True
+
+
+def test_not_enough_disk_is_a_507_and_fetches_nothing(hub, checkpoint):
+    hub.add_repo(REPO, checkpoint("qwen3_5"))
+    settings = load_settings(env={"EXO_HOME": os.environ["EXO_HOME"]})
+    app = build_app(settings, service=LocalModelService(settings))
+    app[DOWNLOADS].reserve_bytes = 1 << 60  # more than any disk has free
+    server = BackgroundServer(app).start()
+    try:
+        response = httpx.post(server.url + "/v1/downloads", json={"model": REPO}, timeout=30)
+    finally:
+        server.stop()
+    assert response.status_code == 507, response.text
+    error = response.json()["error"]
+    assert error["code"] == "insufficient_storage" and "not enough disk for org/tiny" in error["message"]
+    assert hub.gets(REPO) == []
 
 
 def test_offline_and_missing_is_a_404_naming_the_files(hub, checkpoint, tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from huggingface_hub import hf_hub_download
 
 from exo.cards import UnknownModelError
 from exo.downloads import (
@@ -102,7 +103,8 @@ def test_a_dropped_connection_resumes_where_it_stopped(hub):
 
 def test_a_killed_pull_leaves_no_partial_file_taken_for_whole_and_resumes(hub, checkpoint):
     source = checkpoint("qwen3_5")
-    hub.add_repo(REPO, source)
+    other = "consolidated.pth"  # a file `exo pull` skips: another tool downloads it meanwhile
+    hub.add_repo(REPO, {**{p.name: p.read_bytes() for p in source.iterdir()}, other: bytes(1 << 20)})
     gate = hub.gates[(REPO, SHARD2)] = threading.Event()
     child = exo_pull(REPO)
     try:
@@ -114,12 +116,27 @@ def test_a_killed_pull_leaves_no_partial_file_taken_for_whole_and_resumes(hub, c
         child.wait()
     gate.set()
     cache = HubConfig.from_env().cache_dir
-    assert list(cache.rglob("*.incomplete"))  # the killed download's partial file stays behind...
+    orphans = list(cache.rglob("*.incomplete"))
+    assert len(orphans) == 1  # the killed download's partial file stays behind...
     assert cached_snapshot(REPO) is None  # ...but never counts: the snapshot is not complete
     with pytest.raises(UnknownModelError):
         resolve_model(REPO)
 
-    result = pull_model(REPO)
+    # A download in flight (another client, this process) holds its file's lock while it writes.
+    other_gate = hub.gates[(REPO, other)] = threading.Event()
+    client = threading.Thread(target=hf_hub_download, args=(REPO, other), kwargs=HubConfig.from_env().common())
+    client.start()
+    try:
+        wait_until(lambda: any(p.endswith(other) for p in hub.started))
+        in_flight = set(cache.rglob("*.incomplete")) - set(orphans)
+        assert len(in_flight) == 1
+        result = pull_model(REPO)
+        assert not any(p.exists() for p in orphans)  # the new pull deleted the orphan...
+        assert all(p.exists() for p in in_flight)  # ...not the partial file of a download in flight
+    finally:
+        other_gate.set()
+        client.join(60)
+    assert not list(cache.rglob("*.incomplete"))
     assert (result.files_fetched, result.files_cached) == (1, 7)  # only the unfinished shard again
     assert all(len(hub.gets(REPO, f.name)) == 1 for f in source.iterdir() if f.name != SHARD2)
     assert cached_snapshot(REPO) == Path(result.path)
@@ -232,9 +249,24 @@ def test_checkpoints_that_do_not_match_their_config_or_index_are_rejected(hub, c
         index["weight_map"]["lm_head.weight"] = SHARD1
         (path / "model.safetensors.index.json").write_text(json.dumps(index))
 
-    hub.add_repo("org/wider", _edited_copy(checkpoint("qwen3_5"), tmp_path / "wider", wider))
+    wider_dir = _edited_copy(checkpoint("qwen3_5"), tmp_path / "wider", wider)
+    hub.add_repo("org/wider", wider_dir)
     with pytest.raises(CheckpointRejectedError, match=r"rejected: .*shape"):
         pull_model("org/wider")
+    # Every file is in the cache, but a rejected checkpoint is no model on this disk.
+    assert cached_snapshot("org/wider") is None
+    with pytest.raises(UnknownModelError):
+        resolve_model("org/wider")
+    # A stage's download cannot check shapes (the rest of the model is not there) and records the ref; the
+    # whole model's rejection takes it back, and a stage whose files complete the model checks it whole.
+    hub.add_repo("org/wider-staged", wider_dir)
+    pull_model("org/wider-staged", stage=Stage.of(0, 2, 4))
+    with pytest.raises(CheckpointRejectedError, match=r"rejected: .*shape"):
+        pull_model("org/wider-staged")
+    assert cached_snapshot("org/wider-staged") is None
+    with pytest.raises(CheckpointRejectedError, match=r"rejected: .*shape"):
+        pull_model("org/wider-staged", stage=Stage.of(2, 4, 4))
+    assert cached_snapshot("org/wider-staged") is None
     hub.add_repo("org/misplaced", _edited_copy(checkpoint("qwen3_5"), tmp_path / "misplaced", misplaced))
     with pytest.raises(CheckpointRejectedError, match=rf"{SHARD1} does not match model.safetensors.index.json"):
         pull_model("org/misplaced")

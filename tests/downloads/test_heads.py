@@ -27,8 +27,11 @@ INDEX, SHARD1, SHARD2 = ("model.safetensors.index.json", "model-00001-of-00002.s
 PROMPTS = ("Count from one to twenty.", "What is the capital of France?", "List the days of the week.")
 MAX_TOKENS = 40
 # The recovered head against the one the fixture was built with, acceptance at K = 1 over PROMPTS x
-# MAX_TOKENS: the same bf16 tensors give the same acceptance; a head quantized to 4 bits moved it by at most
-# 0.031 over fixtures of seeds 0-4 (scripts/fixture_sweep.py, recovered_minus_original).
+# MAX_TOKENS: the same bf16 tensors give the same acceptance (0 on every seed); a head quantized to 4 bits
+# (the original is the bf16 head) moved it by -0.031, -0.030, +0.027, -0.098, -0.049, +0.027 on fixtures
+# of seeds 0-5 (`scripts/fixture_sweep.py --seeds 0-5 -- tests/downloads/test_heads.py -k stripped`,
+# recovered_minus_original). The bound must hold for seed 3's -0.098, so 0.1 cannot be tightened: 4-bit
+# quantization of these tiny heads (hidden size 64) flips up to ~10% of their drafts.
 SAME_HEAD_TOLERANCE = {False: 0.0, True: 0.1}
 
 

@@ -1,7 +1,7 @@
 """``/v1/downloads``: download a model onto this node, follow its progress, cancel it.
 
     POST   /v1/downloads {"model", "revision"?, "recover_head"?, "quantize_head"?}  201 (started) or
-           200 (the same model is already downloading: that download)
+           200 (the same model is already downloading: that download; 409 if it has other head options)
     GET    /v1/downloads                  every download this node knows (running, then recent ones) and,
                                           on a cluster node, its peers' (each says its ``node``)
     GET    /v1/downloads/{id}             one, with progress: bytes, total, speed, ETA, files
@@ -32,7 +32,7 @@ from exo.downloads import (
     InsufficientDiskError,
     RepoNotFoundError,
 )
-from exo.downloads.errors import InvalidRevisionError
+from exo.downloads.errors import DownloadConflictError, InvalidRevisionError
 from exo.downloads.progress import Status
 
 from .config import OPENAPI
@@ -78,7 +78,7 @@ class DownloadProgressView(BaseModel):
 
 
 class DownloadHead(BaseModel):
-    status: Literal["present", "recovered", "refused", "unavailable", "not_declared", "no_source"]
+    status: Literal["present", "recovered", "pending", "refused", "unavailable", "not_declared", "no_source"]
     source_repo: str | None
     agreement: float | None = Field(description="share of the head's drafts the backbone confirms")
     threshold: float | None
@@ -174,6 +174,8 @@ def _error(exc: Exception) -> APIError:
         return APIError(400, message, param="revision", code="invalid_value")
     if isinstance(exc, InsufficientDiskError):
         return APIError(507, message, type="server_error", code="insufficient_storage")
+    if isinstance(exc, DownloadConflictError):
+        return APIError(409, message, param="quantize_head", code="download_conflict")
     if isinstance(exc, HubUnavailableError):
         return APIError(503, message, type="server_error", code="hub_unavailable", headers={"Retry-After": "30"})
     return APIError(502, message, type="server_error", code=getattr(exc, "code", "download_failed"))
@@ -277,7 +279,8 @@ _ERRORS = {
     "401": "missing or wrong API key (when the server has one)",
     "404": "unknown model (not a card, not a repo id), a repo the hub does not have, offline with files "
            "missing from the cache, or no such download",
-    "409": "the download runs on another node of the cluster (its `node`): cancel or follow it there",
+    "409": "the download runs on another node of the cluster (its `node`): cancel or follow it there; or "
+           "(POST) the model is already downloading with other head options (recover_head, quantize_head)",
     "413": "the request body is too large",
     "502": "the hub answered something a download cannot use",
     "503": "the hub cannot be reached (see Retry-After)",
@@ -321,7 +324,7 @@ def _document(document: dict[str, Any]) -> None:
                 "responses": {
                     "201": _json(DownloadObject, "started"),
                     "200": _json(DownloadObject, "this model is already downloading: that download"),
-                    **_error_responses("400", "401", "404", "413", "502", "503", "507"),
+                    **_error_responses("400", "401", "404", "409", "413", "502", "503", "507"),
                 },
             },
         },

@@ -79,6 +79,10 @@ class InstanceFetcher:
         return ResolvedModel(Path(task.result.path), card.id, card)
 
     def _start(self, card: ModelCard, stage: Stage | None) -> DownloadTask:
+        # A running download of the model serves the instance whatever head options it was asked with.
+        running = self.manager.running(card.id, stage=stage)
+        if running is not None:
+            return running
         if stage is not None:
             whole = self.manager.running(card.id)
             if whole is not None:

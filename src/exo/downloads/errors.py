@@ -57,6 +57,16 @@ class DownloadCancelledError(DownloadError):
     code = "cancelled"
 
 
+class DownloadConflictError(DownloadError):
+    """The model is already downloading with other head options (a download's options are fixed)."""
+
+    code = "download_conflict"
+
+    def __init__(self, message: str, download_id: str) -> None:
+        super().__init__(message)
+        self.download_id = download_id
+
+
 class CheckpointRejectedError(DownloadError, CheckpointError):
     """The downloaded files do not form the checkpoint their config and index describe."""
 

@@ -11,9 +11,16 @@ planned commit, several at once. What huggingface_hub guarantees, and exo relies
   times); a file interrupted for good (cancel, a killed process) is fetched again from its start next
   time, while every file that finished stays in the cache and is not fetched again.
 
+A killed process leaves its partial files behind. A writer holds ``.locks/<repo>/<etag>.lock`` (a
+``filelock``, huggingface_hub's) for as long as its ``blobs/<etag>.*.incomplete`` file exists, so when a
+fetch starts, the partial files of the repo whose lock nobody holds are orphans, and are deleted
+(``remove_orphaned_partials``); a download in flight, in this process or another, keeps its lock and its file.
+
 A last ``snapshot_download`` of the same files at the same commit (nothing left to fetch) records the
 repo's file listing in the cache, which lets an offline lookup tell a complete snapshot from a partial
-one (``exo.engine.hf_cache``); only then does the revision's ref point at the commit.
+one (``exo.engine.hf_cache``). ``fetch`` never moves the revision's ref: the caller points it at the
+commit (``record_ref``) once the files passed its checks, so a lookup by revision (``cached_snapshot``,
+``resolve_model``) never lands on a checkpoint that was rejected or is still being filled.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import FileLock, Timeout
 from huggingface_hub import (
     HfApi,
     get_cached_repo_tree,
@@ -193,6 +201,7 @@ def fetch(
         return snapshot_dir(plan.repo, plan.commit, hub)
     todo = plan.to_fetch
     tracker.add_work(len(todo), sum(f.size for f in todo))
+    remove_orphaned_partials(plan.repo, hub)
     if todo:
         _fetch_files(plan, todo, hub, tracker, max_workers)
     tracker.check_cancelled()
@@ -204,23 +213,54 @@ def fetch(
             plan.repo, revision=plan.commit, allow_patterns=patterns, tqdm_class=SilentBar, **hub.common()
         ),
     )
-    _write_ref(plan, hub)
     return Path(path)
 
 
-def _write_ref(plan: DownloadPlan, hub: HubConfig) -> None:
-    """Point ``refs/<revision>`` at the planned commit, once its files are all in place: a lookup by
-    revision never lands on a snapshot still being filled, and a branch that moved meanwhile does not
-    pull in files nobody planned (the cache layout huggingface_hub documents: the file holds the hash)."""
+def remove_orphaned_partials(repo: str, hub: HubConfig) -> list[Path]:
+    """Delete the repo's ``.incomplete`` blobs that no live download is writing (a killed pull's); the
+    deleted paths. Each etag's lock is tried without waiting: held means in flight, and its files stay."""
+    folder = repo_folder_name(repo_id=repo, repo_type="model")
+    blobs = hub.cache_dir / folder / "blobs"
+    etags = {p.name.split(".", 1)[0] for p in blobs.glob("*.incomplete")} if blobs.is_dir() else set()
+    removed: list[Path] = []
+    for etag in sorted(etags):
+        lock = FileLock(hub.cache_dir / ".locks" / folder / f"{etag}.lock", timeout=0)
+        try:
+            with lock:  # while held, no download of this blob can start: every partial file of it is an orphan
+                for partial in blobs.glob(f"{glob.escape(etag)}.*incomplete"):
+                    partial.unlink(missing_ok=True)
+                    removed.append(partial)
+        except (Timeout, NotImplementedError):  # in flight; or a file system without flock: leave it
+            continue
+    return removed
+
+
+def _ref_path(plan: DownloadPlan, hub: HubConfig) -> Path:
+    return hub.cache_dir / repo_folder_name(repo_id=plan.repo, repo_type="model") / "refs" / plan.revision
+
+
+def record_ref(plan: DownloadPlan, hub: HubConfig) -> None:
+    """Point ``refs/<revision>`` at the planned commit, once its files are in place and checked: a lookup
+    by revision never lands on a snapshot still being filled or rejected, and a branch that moved meanwhile
+    does not pull in files nobody planned (the cache layout huggingface_hub documents: the file holds the
+    hash)."""
     if plan.revision == plan.commit:
         return
-    ref = hub.cache_dir / repo_folder_name(repo_id=plan.repo, repo_type="model") / "refs" / plan.revision
+    ref = _ref_path(plan, hub)
     ref.parent.mkdir(parents=True, exist_ok=True)
     if ref.is_file() and ref.read_text().strip() == plan.commit:
         return
     tmp = ref.with_name(f".{ref.name}.{uuid.uuid4().hex[:8]}.tmp")
     tmp.write_text(plan.commit)
     os.replace(tmp, ref)
+
+
+def forget_ref(plan: DownloadPlan, hub: HubConfig) -> None:
+    """Drop ``refs/<revision>`` if it points at the planned commit (a rejected checkpoint, whose ref an
+    earlier stage's download recorded)."""
+    ref = _ref_path(plan, hub)
+    if plan.revision != plan.commit and ref.is_file() and ref.read_text().strip() == plan.commit:
+        ref.unlink(missing_ok=True)
 
 
 def _fetch_files(

@@ -14,6 +14,12 @@ those, see ``pull.py``), then here, with MLX:
 5. at or above ``AGREEMENT_THRESHOLD`` writes the sidecar ``mtp.safetensors`` the loader reads (MLX
    layout, metadata saying where it came from); below it writes ``mtp_recovery.json`` with the reason
    instead, which the loader then reports as ``head_status.reason`` while the model runs plain.
+
+A pipeline's last stage has the head's neighbours (embedding, final norm, lm_head) but not every backbone
+layer, so step 4 cannot run where it downloads: its node does steps 1-3 and writes the head as
+``mtp.pending.safetensors`` (``recover_head(pending=True)``), a name the loader does not read. The
+pipeline's leader, once every stage is up, runs step 4 through the pipeline and step 5 on its result
+(``check_pending_head``): the pending file becomes the sidecar, or is deleted and the note says why.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from exo.engine.convert import quantize_head
+from exo.engine.forward import Forward
 from exo.engine.generate import Engine, EngineConfig, GenerationRequest
 from exo.engine.loader import (
     HEAD_PREFIXES,
@@ -40,12 +47,16 @@ from exo.engine.loader import (
     MTPHeadError,
     NormConvention,
     build_head,
+    recovery_note_reason,
     sanitize_head_weights,
 )
 from exo.engine.loader import _sidecar_convention as metadata_norm_convention
 from exo.engine.models.mtp import MTPHead
 
 SIDECAR = SIDECAR_NAMES[0]
+PENDING_SIDECAR = "mtp.pending.safetensors"  # converted on a pipeline's last stage, not yet checked
+PENDING_REASON = ("not checked yet: this stage does not hold the whole backbone; the pipeline checks the head "
+                  "when it starts and uses it only if it agrees with the backbone often enough")
 
 # Agreement = acceptance at depth 1 on the backbone's own greedy continuations (VALIDATION_PROMPTS,
 # VALIDATION_TOKENS each, 64-124 drafts). Measured by scripts/measure_head_agreement.py (CPU, mlx 0.32.4)
@@ -78,7 +89,7 @@ VALIDATION_PROMPTS = (
 VALIDATION_TOKENS = 32
 MIN_DRAFTED = 16  # fewer drafts than this (every prompt ended at once) cannot tell a good head from a bad one
 
-HeadRecoveryStatus = Literal["recovered", "refused"]
+HeadRecoveryStatus = Literal["recovered", "refused", "pending"]
 
 
 @dataclass(frozen=True)
@@ -185,15 +196,17 @@ def measure_agreement(
     head: MTPHead,
     prompts: Sequence[str] = VALIDATION_PROMPTS,
     max_tokens: int = VALIDATION_TOKENS,
+    forward: Forward | None = None,
 ) -> Agreement:
     """How often the head's top-1 draft equals the backbone's next-next token: greedy decoding with MTP
-    forced at depth 1 on ``prompts``, accepted drafts over drafted ones."""
+    forced at depth 1 on ``prompts``, accepted drafts over drafted ones. ``forward``: the backbone runs
+    through a pipeline (``PipelineForward``, ``loaded`` being its last stage); by default here."""
     # EOS does not end a validation run: a small model that stops at once would leave too few drafts to
     # judge, and what follows EOS is still the backbone's own greedy continuation.
     candidate = replace(
         loaded, head=head, head_status=HeadStatus(available=True, source="candidate"), eos_token_ids=frozenset()
     )
-    engine = Engine(candidate, EngineConfig(native_mtp_enabled=True))
+    engine = Engine(candidate, EngineConfig(native_mtp_enabled=True), forward=forward)
     drafted = accepted = 0
     for text in prompts:
         request = GenerationRequest(
@@ -206,9 +219,11 @@ def measure_agreement(
 
 
 def recover_head(
-    loaded: LoadedModel, source: HeadSource, *, quantize: bool = False, threshold: float = AGREEMENT_THRESHOLD
+    loaded: LoadedModel, source: HeadSource, *, quantize: bool = False, threshold: float = AGREEMENT_THRESHOLD,
+    pending: bool = False,
 ) -> RecoveredHead:
-    """Convert, check and keep (or refuse, with the reason) the head of ``source`` for ``loaded``."""
+    """Convert, check and keep (or refuse, with the reason) the head of ``source`` for ``loaded``.
+    ``pending``: ``loaded`` is a pipeline's last stage: keep the converted head for the pipeline to check."""
     path = loaded.path
     quantized = layout = None
     try:
@@ -216,35 +231,84 @@ def recover_head(
         head, _ = build_head(loaded.model, weights, "mlx", f"{source.repo} (recovered)")
     except MTPHeadError as e:
         return _refuse(path, source, threshold, None, f"the head in {source.repo} cannot be used: {e}", quantized)
-    agreement = measure_agreement(loaded, head)
-    if agreement.drafted < MIN_DRAFTED:
-        reason = (
-            f"the head recovered from {source.repo} could not be checked: the validation prompts gave "
-            f"only {agreement.drafted} drafts"
-        )
-        return _refuse(path, source, threshold, agreement.rate, reason, quantized)
-    if agreement.rate < threshold:
-        reason = (
-            f"the head recovered from {source.repo} agrees with the backbone on {agreement.rate:.0%} of "
-            f"next-next tokens ({agreement.accepted}/{agreement.drafted}), below the {threshold:.0%} a working "
-            "head reaches: it does not belong to this model or its conversion is wrong"
-        )
-        return _refuse(path, source, threshold, agreement.rate, reason, quantized)
     metadata = {
         "format": "mlx",
         "exo.norm_convention": "mlx",
         "exo.source_repo": source.repo,
         "exo.source_commit": source.commit,
         "exo.source_files": ",".join(f.name for f in source.files),
-        "exo.head_agreement": f"{agreement.rate:.4f}",
         "exo.head_quantization": quantized or "none",
     }
+    if pending:
+        _atomic_write(path / PENDING_SIDECAR, lambda tmp: mx.save_safetensors(
+            str(tmp), {f"mtp.{k}": v for k, v in weights.items()}, metadata=metadata))
+        return RecoveredHead(
+            "pending", source.repo, None, threshold, PENDING_REASON, quantized, layout, str(path / PENDING_SIDECAR)
+        )
+    agreement = measure_agreement(loaded, head)
+    reason = _verdict(agreement, source.repo, threshold)
+    if reason is not None:
+        return _refuse(path, source, threshold, agreement.rate, reason, quantized)
+    metadata["exo.head_agreement"] = f"{agreement.rate:.4f}"
     _atomic_write(path / SIDECAR, lambda tmp: mx.save_safetensors(
         str(tmp), {f"mtp.{k}": v for k, v in weights.items()}, metadata=metadata))
     (path / HEAD_RECOVERY_NOTE).unlink(missing_ok=True)
+    (path / PENDING_SIDECAR).unlink(missing_ok=True)
     return RecoveredHead(
         "recovered", source.repo, agreement.rate, threshold, None, quantized, layout, str(path / SIDECAR)
     )
+
+
+def check_pending_head(
+    loaded: LoadedModel, forward: Forward | None = None, threshold: float = AGREEMENT_THRESHOLD
+) -> LoadedModel:
+    """On a pipeline's leader (``forward``: its ``PipelineForward``), or wherever the whole backbone runs:
+    measure the agreement of a head ``recover_head(pending=True)`` left, then keep it (it becomes the
+    sidecar) or refuse it (deleted; the note, and ``head_status.reason``, say why). ``loaded`` unchanged
+    when it has a head already or none is pending."""
+    path = loaded.path
+    pending = path / PENDING_SIDECAR
+    if loaded.head is not None or loaded.tokenizer is None or not pending.is_file():
+        return loaded
+    arrays, metadata = cast(tuple[dict[str, mx.array], dict[str, str]], mx.load(str(pending), return_metadata=True))
+    metadata = metadata or {}
+    repo = metadata.get("exo.source_repo", "its source repo")
+    files = tuple(Path(name) for name in metadata.get("exo.source_files", "").split(",") if name)
+    source = HeadSource(repo, metadata.get("exo.source_commit", ""), files)
+    weights = {k.removeprefix("mtp."): v for k, v in arrays.items()}
+    try:
+        head, status = build_head(loaded.model, weights, "mlx", f"{path.name} (sidecar)")
+    except MTPHeadError as e:
+        reason, rate = f"the head recovered from {repo} cannot be used: {e}", None
+    else:
+        agreement = measure_agreement(loaded, head, forward=forward)
+        reason, rate = _verdict(agreement, repo, threshold), agreement.rate
+    if reason is None:
+        try:
+            os.replace(pending, path / SIDECAR)
+        except FileNotFoundError:  # another leader of this model got there first, with the same head
+            pass
+        (path / HEAD_RECOVERY_NOTE).unlink(missing_ok=True)
+        return replace(loaded, head=head, head_status=status)
+    _refuse(path, source, threshold, rate, reason, metadata.get("exo.head_quantization"))
+    pending.unlink(missing_ok=True)
+    return replace(loaded, head=None, head_status=HeadStatus(available=False, reason=recovery_note_reason(path)))
+
+
+def _verdict(agreement: Agreement, repo: str, threshold: float) -> str | None:
+    """Why a head that agrees this often is refused; None: it is kept."""
+    if agreement.drafted < MIN_DRAFTED:
+        return (
+            f"the head recovered from {repo} could not be checked: the validation prompts gave "
+            f"only {agreement.drafted} drafts"
+        )
+    if agreement.rate < threshold:
+        return (
+            f"the head recovered from {repo} agrees with the backbone on {agreement.rate:.0%} of "
+            f"next-next tokens ({agreement.accepted}/{agreement.drafted}), below the {threshold:.0%} a working "
+            "head reaches: it does not belong to this model or its conversion is wrong"
+        )
+    return None
 
 
 def _refuse(

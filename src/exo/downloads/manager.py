@@ -2,7 +2,9 @@
 
 ``start`` plans synchronously (so an unknown repo, offline-and-missing or a full disk is an error the
 caller gets at once), then fetches in a background thread. A second request for the same model (same
-revision, same stage) while the first is running gets the first's task, not a second download; two
+revision, same stage) while the first is running gets the first's task, not a second download, or, when
+it asks for other head options (``recover_head``, ``quantize_head``), a ``DownloadConflictError``: one
+download cannot give two heads, and silently getting the other one would be wrong; two
 processes fetching the same repo are kept apart by huggingface_hub's per-file locks. The MLX part
 (checkpoint check, head recovery) runs in a child process (``SubprocessSteps``).
 """
@@ -20,7 +22,7 @@ from typing import Any
 from exo.cards import Catalog, load_catalog
 from exo.settings import Settings
 
-from .errors import DownloadCancelledError, DownloadError, message
+from .errors import DownloadCancelledError, DownloadConflictError, DownloadError, message
 from .fetch import DEFAULT_RESERVE_BYTES, DEFAULT_WORKERS
 from .hub import HubConfig
 from .mlx_steps import MLXSteps, SubprocessSteps
@@ -84,6 +86,20 @@ def download_key(target: PullTarget, options: PullOptions) -> tuple[Any, ...]:
     return (target.repo or target.model_id, options.revision, options.stage)
 
 
+def _same_head_options(running: DownloadTask, options: PullOptions) -> DownloadTask:
+    """``running``, when it was asked for the head ``options`` asks for."""
+    theirs, ours = running.options, options
+    if (theirs.recover_head, theirs.quantize_head) == (ours.recover_head, ours.quantize_head):
+        return running
+    raise DownloadConflictError(
+        f"{running.target.model_id} is already downloading (download {running.id}) with recover_head="
+        f"{str(theirs.recover_head).lower()}, quantize_head={str(theirs.quantize_head).lower()}; a download's "
+        f"head options cannot change while it runs: follow it, or cancel it (DELETE /v1/downloads/{running.id}) "
+        "and ask again",
+        running.id,
+    )
+
+
 class DownloadManager:
     def __init__(
         self,
@@ -123,7 +139,7 @@ class DownloadManager:
         options = PullOptions(revision, recover_head, quantize_head, stage, self.max_workers, self.reserve_bytes)
         running = self._running(download_key(target, options))
         if running is not None:
-            return running, False
+            return _same_head_options(running, options), False
         tracker = ProgressTracker()
         tracker.set_status("planning")
         hub = self._hub()
@@ -132,7 +148,7 @@ class DownloadManager:
         with self._lock:
             running = self._running_locked(task.key)
             if running is not None:
-                return running, False
+                return _same_head_options(running, options), False
             self._tasks[task.id] = task
             self._forget_old_locked()
         task.thread = threading.Thread(

@@ -28,14 +28,21 @@ class HeadJob:
     source_commit: str
     files: tuple[str, ...]  # absolute paths of the source shards holding mtp.*
     quantize: bool = False
+    pending: bool = False  # a pipeline's last stage: convert only; the pipeline checks it (heads.py)
 
     def to_json(self) -> dict[str, Any]:
         return {"source_repo": self.source_repo, "source_commit": self.source_commit,
-                "files": list(self.files), "quantize": self.quantize}
+                "files": list(self.files), "quantize": self.quantize, "pending": self.pending}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> HeadJob:
+        return cls(data["source_repo"], data["source_commit"], tuple(data["files"]), data["quantize"],
+                   data.get("pending", False))
 
 
-def finish_checkpoint(path: str, head: HeadJob | None) -> dict[str, Any]:
-    """Load ``path`` lazily (every tensor's shape checked against config.json), then recover the head.
+def finish_checkpoint(path: str, head: HeadJob | None, layers: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Load ``path`` lazily (every tensor's shape checked against config.json; ``layers``: only a pipeline
+    stage's, from a partial snapshot), then recover the head.
 
     Returns ``{"head": RecoveredHead.to_json() | None}``; a checkpoint that does not load raises
     ``CheckpointRejectedError``.
@@ -46,24 +53,28 @@ def finish_checkpoint(path: str, head: HeadJob | None) -> dict[str, Any]:
     from .heads import HeadSource, recover_head
 
     try:
-        loaded = load_checkpoint(path, lazy=True, load_head=False)
+        loaded = load_checkpoint(path, lazy=True, load_head=False, layers=layers)
     except (CheckpointError, UnsupportedModelError) as e:
         raise CheckpointRejectedError(f"the downloaded checkpoint is rejected: {e}") from None
     if head is None:
         return {"head": None}
     source = HeadSource(head.source_repo, head.source_commit, tuple(Path(f) for f in head.files))
-    return {"head": recover_head(loaded, source, quantize=head.quantize).to_json()}
+    return {"head": recover_head(loaded, source, quantize=head.quantize, pending=head.pending).to_json()}
 
 
 class MLXSteps(Protocol):
-    def __call__(self, path: Path, head: HeadJob | None, cancel: threading.Event) -> dict[str, Any]: ...
+    def __call__(
+        self, path: Path, head: HeadJob | None, cancel: threading.Event, layers: tuple[int, int] | None = None
+    ) -> dict[str, Any]: ...
 
 
 class InProcessSteps:
     """For a process whose main thread may run MLX (``exo pull``)."""
 
-    def __call__(self, path: Path, head: HeadJob | None, cancel: threading.Event) -> dict[str, Any]:
-        return finish_checkpoint(str(path), head)
+    def __call__(
+        self, path: Path, head: HeadJob | None, cancel: threading.Event, layers: tuple[int, int] | None = None
+    ) -> dict[str, Any]:
+        return finish_checkpoint(str(path), head, layers)
 
 
 class SubprocessSteps:
@@ -72,8 +83,10 @@ class SubprocessSteps:
     def __init__(self, timeout_s: float = CHILD_TIMEOUT_S) -> None:
         self.timeout_s = timeout_s
 
-    def __call__(self, path: Path, head: HeadJob | None, cancel: threading.Event) -> dict[str, Any]:
-        request = json.dumps({"path": str(path), "head": head.to_json() if head else None})
+    def __call__(
+        self, path: Path, head: HeadJob | None, cancel: threading.Event, layers: tuple[int, int] | None = None
+    ) -> dict[str, Any]:
+        request = json.dumps({"path": str(path), "head": head.to_json() if head else None, "layers": layers})
         child = subprocess.Popen(
             module_argv("exo.downloads.mlx_steps"),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -116,10 +129,10 @@ def _answer(returncode: int, out: str, err: str) -> dict[str, Any]:
 
 def main() -> int:
     request = json.loads(sys.stdin.read())
-    head = request.get("head")
-    job = HeadJob(head["source_repo"], head["source_commit"], tuple(head["files"]), head["quantize"]) if head else None
+    head, layers = request.get("head"), request.get("layers")
+    job = HeadJob.from_json(head) if head else None
     try:
-        answer = finish_checkpoint(request["path"], job)
+        answer = finish_checkpoint(request["path"], job, tuple(layers) if layers else None)
     except Exception as e:  # noqa: BLE001 - every failure goes back to the parent as JSON
         message = str(e.args[0]) if isinstance(e, LookupError) and e.args else str(e)
         kind = "CheckpointRejectedError" if isinstance(e, CheckpointRejectedError) else type(e).__name__

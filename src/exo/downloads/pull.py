@@ -16,33 +16,35 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from exo.cards import Catalog, ModelCard, UnknownModelError, bundled_model_dir, load_catalog
 from exo.cards.schema import REPO_PATTERN
-from exo.engine.hf_cache import INDEX_FILE, UNUSED_WEIGHT_PATTERNS
+from exo.engine.hf_cache import INDEX_FILE, UNUSED_WEIGHT_PATTERNS, missing_checkpoint_files
 from exo.engine.loader import MTPHeadError, declared_head_layers, inspect_head, read_config
 
 from .checks import check_index_consistency, read_index
-from .errors import DownloadCancelledError, DownloadError
+from .errors import CheckpointRejectedError, DownloadCancelledError, DownloadError
 from .fetch import (
     DEFAULT_RESERVE_BYTES,
     DEFAULT_WORKERS,
     DownloadPlan,
     check_free_disk,
     fetch,
+    forget_ref,
     human_bytes,
     plan_download,
+    record_ref,
 )
-from .heads import head_shards
+from .heads import PENDING_REASON, PENDING_SIDECAR, head_shards
 from .hub import HubConfig
 from .mlx_steps import HeadJob, MLXSteps
 from .progress import ProgressTracker
 from .stages import Stage, stage_files
 
-HeadOutcome = Literal["present", "recovered", "refused", "unavailable", "not_declared", "no_source"]
+HeadOutcome = Literal["present", "recovered", "pending", "refused", "unavailable", "not_declared", "no_source"]
 _WEIGHT_SUFFIX = ".safetensors"
 
 
@@ -119,6 +121,11 @@ class PullResult:
                     f"{human_bytes(head.bytes_fetched)}{quant}): agreement {head.agreement:.0%} "
                     f"(needs {head.threshold:.0%})"
                 )
+            elif head.status == "pending":
+                lines.append(
+                    f"  MTP head converted from {head.source_repo} ({head.files_fetched} shard(s), "
+                    f"{human_bytes(head.bytes_fetched)}): {head.reason}"
+                )
             elif head.status == "present":
                 lines.append(f"  MTP head: present ({head.reason})")
             elif head.status == "not_declared":
@@ -174,8 +181,9 @@ def _stage_plan(repo: str, hub: HubConfig, options: PullOptions, tracker: Progre
     else:
         weights = ["model.safetensors"]  # one file: every stage needs it whole
     wanted = set(weights)
-    return plan_download(repo, hub, revision=meta.commit,
+    plan = plan_download(repo, hub, revision=meta.commit,
                          select=lambda names: [*_small_files(names), *(n for n in names if n in wanted)])
+    return replace(plan, revision=meta.revision)  # pinned to the commit; the ref to record is the revision
 
 
 def pull(
@@ -198,22 +206,42 @@ def pull(
         files_fetched=len(plan.to_fetch), bytes_fetched=plan.bytes_to_fetch,
         files_cached=len(plan.files) - len(plan.to_fetch),
     )
-    if options.stage is not None:
-        # A stage cannot be loaded alone: its shards are checked against the index, and its head (the
-        # last stage's) is whatever the weights hold; recovering a stripped one needs the whole model.
-        stage = options.stage
+    try:
+        _check(target, plan, path, hub, tracker, steps, options, result)
+    except CheckpointRejectedError:
+        forget_ref(plan, hub)  # recorded by an earlier stage's download of this commit
+        raise
+    record_ref(plan, hub)  # only now does a lookup by revision find it
+    tracker.set_status("complete")
+    return result
+
+
+def _check(
+    target: PullTarget, plan: DownloadPlan, path: Path, hub: HubConfig, tracker: ProgressTracker,
+    steps: MLXSteps, options: PullOptions, result: PullResult,
+) -> None:
+    """Check what was fetched (``CheckpointRejectedError``) and recover the head.
+
+    A stage's shards are checked against the index; its shapes (lazily, with MLX) when it is the last
+    stage with a head to convert, and the whole checkpoint's when the stages fetched so far complete the
+    model here. The last stage converts a stripped head but cannot check its agreement (the backbone is
+    not all here): it is left pending for the pipeline to check (``heads.check_pending_head``)."""
+    stage = options.stage
+    names = None if stage is None else [f.path for f in plan.files if f.path.endswith(_WEIGHT_SUFFIX)]
+    weights = None if names is None else [path / name for name in names]
+    head_job = None
+    if options.recover_head and (stage is None or stage.last):
+        result.head, head_job = _head_plan(target, path, hub, tracker, options, weights)
+    tracker.set_status("validating")
+    if stage is not None:
         result.stage = {"start": stage.start, "end": stage.end, "n_layers": stage.n_layers,
                         "first": stage.first, "last": stage.last}
-        tracker.set_status("validating")
-        check_index_consistency(path, [f.path for f in plan.files if f.path.endswith(_WEIGHT_SUFFIX)])
-        tracker.set_status("complete")
-        return result
-    head_job = None
-    if options.recover_head:
-        result.head, head_job = _head_plan(target, path, hub, tracker, options)
-    tracker.set_status("validating")
-    check_index_consistency(path)
-    answer = steps(path, head_job, tracker.cancel_event)
+    check_index_consistency(path, names)
+    whole = stage is None or not missing_checkpoint_files(path)
+    if not whole and head_job is None:
+        return
+    layers = None if whole or stage is None else (stage.start, stage.end)
+    answer = steps(path, head_job, tracker.cancel_event, layers)
     if head_job is not None and result.head is not None and answer.get("head"):
         recovered = answer["head"]
         result.head.status = recovered["status"]
@@ -223,17 +251,17 @@ def pull(
         result.head.quantized = recovered["quantized"]
         if options.quantize_head and result.head.status == "recovered" and not result.head.quantized:
             result.notes.append("the backbone is not affine-quantized: the head was kept in its own dtype")
-    tracker.set_status("complete")
-    return result
 
 
 def _head_plan(
-    target: PullTarget, path: Path, hub: HubConfig, tracker: ProgressTracker, options: PullOptions
+    target: PullTarget, path: Path, hub: HubConfig, tracker: ProgressTracker, options: PullOptions,
+    weights: list[Path] | None = None,
 ) -> tuple[HeadReport, HeadJob | None]:
-    """Whether the head must be recovered; if so, fetch the source shards holding it (progress counts)."""
+    """Whether the head must be recovered; if so, fetch the source shards holding it (progress counts).
+    ``weights``: a stage's shards (default: the whole checkpoint's)."""
     try:
         declared = declared_head_layers(read_config(path))
-        info = inspect_head(path)
+        info = inspect_head(path, weights)
     except Exception as e:  # noqa: BLE001 - the checkpoint check that follows reports a broken checkpoint
         return HeadReport("unavailable", reason=f"the head could not be inspected: {e}"), None
     if info.present:
@@ -246,6 +274,8 @@ def _head_plan(
         reason = ("the weights have no mtp.* tensors and no card names the official repo holding them"
                   if target.card is None else f"card {target.card.id} has no [native_mtp] source_repo")
         return HeadReport("no_source", reason=reason), None
+    if options.stage is not None and (path / PENDING_SIDECAR).is_file():
+        return HeadReport("pending", source_repo=source, reason=PENDING_REASON), None
     tracker.set_status("recovering_head")
     try:
         index_plan = plan_download(source, hub, select=lambda names: [n for n in names if n == INDEX_FILE])
@@ -257,6 +287,7 @@ def _head_plan(
         plan = plan_download(source, hub, revision=index_plan.commit, select=lambda names: shards)
         check_free_disk(plan, hub, options.reserve_bytes)
         source_path = fetch(plan, hub, tracker, max_workers=options.max_workers)
+        record_ref(index_plan, hub)  # a few files of the source, never a whole checkpoint here
     except DownloadCancelledError:
         raise
     except (DownloadError, MTPHeadError) as e:  # the hub's errors, offline and missing, no head in the source
@@ -265,4 +296,4 @@ def _head_plan(
     report = HeadReport("unavailable", source_repo=source, files_fetched=len(plan.to_fetch),
                         bytes_fetched=plan.bytes_to_fetch)
     files = tuple(str(source_path / name) for name in shards)
-    return report, HeadJob(source, plan.commit, files, options.quantize_head)
+    return report, HeadJob(source, plan.commit, files, options.quantize_head, pending=options.stage is not None)

@@ -6,6 +6,8 @@ without the control plane around it.
 
     results = run_local_pipeline(model_dir, [(0, 4), (4, 8)], [{"prompt": [1, 2, 3], "max_tokens": 16}])
 
+``model``: one directory for every stage, or one per stage (each "node" with its own partial snapshot).
+
 Each request: {"prompt": [ids], "max_tokens": n, "mtp_k": k | None, "native_mtp": "auto" | "on" | "off",
 "sampling": {...}, "stop": str, "ignore_eos": bool, "constraint": ConstraintSpec JSON, "logprobs": n}; each
 result: {"token_ids", "text", "finish_reason", "stats", "seconds", "bytes_sent", "bytes_received",
@@ -33,14 +35,17 @@ class LocalPipelineError(RuntimeError):
 
 
 def run_local_pipeline(
-    model: str | Path, stages: Sequence[tuple[int, int]], requests: list[dict[str, Any]], *,
+    model: str | Path | Sequence[str | Path], stages: Sequence[tuple[int, int]], requests: list[dict[str, Any]], *,
     prefill_chunk: int = 2048, warmup: bool = False, timeout_s: float = 300.0,
 ) -> dict[str, Any]:
     """Run ``requests`` on a pipeline of ``stages`` (one process each); the leader's results and the bytes
     its stage sent and received."""
     with tempfile.TemporaryDirectory(prefix="exo-local-pipeline-") as tmp:
+        models = [str(model)] * len(stages) if isinstance(model, (str, Path)) else [str(m) for m in model]
+        if len(models) != len(stages):
+            raise ValueError(f"{len(models)} model directories for {len(stages)} stages")
         spec = {
-            "model": str(model), "stages": [list(s) for s in stages],
+            "models": models, "stages": [list(s) for s in stages],
             "hosts": [f"127.0.0.1:{free_port()}" for _ in stages], "prefill_chunk": prefill_chunk,
             "warmup": warmup, "requests": requests, "out": str(Path(tmp) / "out.json"),
         }
@@ -63,6 +68,7 @@ def run_local_pipeline(
 
 def _stage_main(spec_file: str, rank: int) -> None:
     spec = json.loads(Path(spec_file).read_text())
+    from exo.downloads.heads import check_pending_head
     from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, load_checkpoint
     from exo.engine.constraints import ConstraintSpec, compile_grammar
     from exo.engine.pipeline import PipelineForward, StageSpec, serve_stage
@@ -74,16 +80,18 @@ def _stage_main(spec_file: str, rank: int) -> None:
     start, end = stages[rank]
     config = EngineConfig(prefill_chunk=spec.get("prefill_chunk", 2048))
     forward = None
+    model = spec["models"][rank]
     if len(stages) == 1:
-        loaded = load_checkpoint(spec["model"])
+        loaded = load_checkpoint(model)
     else:
         stage = StageSpec(rank, len(stages), start, end)
-        loaded = load_checkpoint(spec["model"], layers=(start, end))
+        loaded = load_checkpoint(model, layers=(start, end))
         link = join_group(spec["hosts"], rank)
         if not stage.last:
             serve_stage(loaded.model, stage, link)
             return
         forward = PipelineForward(loaded.model, stage, link)
+        loaded = check_pending_head(loaded, forward)  # a head recovered for this stage, checked on the pipeline
     engine = Engine(loaded, config, forward=forward)
     results = []
     try:

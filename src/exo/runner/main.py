@@ -138,6 +138,7 @@ def _serve_stage(args: argparse.Namespace, state: RunnerState, device: object, l
                  summary: pb.ModelSummary) -> int:
     """A pipeline stage: join the group, then lead (the last stage: generations through the Runner service)
     or serve steps (the others). Returns the exit status."""
+    from exo.downloads.heads import PENDING_SIDECAR, check_pending_head
     from exo.engine import Engine
     from exo.engine.pipeline import PipelineForward, StageSpec, serve_stage
     from exo.wire.runner import EXIT_GROUP_LOST
@@ -159,6 +160,13 @@ def _serve_stage(args: argparse.Namespace, state: RunnerState, device: object, l
         log.info("the group was shut down")
         return 0
     forward = PipelineForward(loaded.model, stage, link)  # the engine sets its verify mode (its probe)
+    if (loaded.path / PENDING_SIDECAR).is_file():  # type: ignore[attr-defined]
+        # A head recovered for this stage: its agreement is measured here, through the pipeline.
+        state.update("checking the recovered MTP head", 0.73)
+        loaded = check_pending_head(loaded, forward)  # type: ignore[arg-type]
+        head_status = loaded.head_status
+        summary.mtp_available = head_status.available
+        summary.mtp_reason = "" if head_status.available else (head_status.reason or "no MTP head")
     engine = Engine(loaded, config, forward=forward)  # type: ignore[arg-type]
     state.update("warming up", 0.75)
     engine.warmup()
