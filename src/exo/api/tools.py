@@ -454,9 +454,16 @@ def _properties(tools: list[dict[str, Any]], name: str) -> dict[str, Any]:
 
 
 def _convert(raw: str, schema: Any) -> Any:
-    """An XML parameter's text as the JSON value its schema asks for (strings stay as written)."""
+    """An XML parameter's text as the JSON value its schema asks for (strings stay as written, except one
+    with a ``pattern`` or ``format`` written as a JSON string, as exo's constraint writes it)."""
     kind = schema.get("type") if isinstance(schema, dict) else None
     if kind == "string":
+        if ("pattern" in schema or "format" in schema) and raw.startswith('"') and raw.endswith('"'):
+            try:
+                value = json.loads(raw)
+            except ValueError:
+                return raw
+            return value if isinstance(value, str) else raw
         return raw
     try:
         return json.loads(raw)

@@ -207,7 +207,7 @@ class Engine:
     def closing_tokens(self) -> Any:
         """The tokenizer's ``ClosingTokens`` (constrained JSON closes as the budget runs out); built once."""
         if self._closing_tokens is None:
-            from .constraints import ClosingTokens
+            from .closing import ClosingTokens
 
             self._closing_tokens = ClosingTokens.of(self.grammar_tokenizer, self.vocab_size)
         return self._closing_tokens

@@ -184,6 +184,13 @@ def generation_request(
             grammar = engine.grammar(params.constraint, prompt_tool_format(engine.loaded.tokenizer))
         except ConstraintError as e:
             raise GenerationRequestError(str(e), param=e.param) from None
+        if grammar.min_tokens is not None and max_tokens < grammar.min_tokens:
+            raise GenerationRequestError(
+                f"max_tokens is {max_tokens}, but the shortest output this constraint allows takes "
+                f"{grammar.min_tokens} tokens (the end of sequence included): raise max_tokens to at least "
+                f"{grammar.min_tokens}",
+                param="max_tokens",
+            )
     return GenerationRequest(
         prompt_tokens=tokens,
         max_tokens=max_tokens,
