@@ -219,7 +219,9 @@ def test_reasoning_is_apart_from_content_and_calls():
             'Sure.')
     assert split_whole(text) == ('\nI could write <tool_call>\n{"name": "add", "arguments": {}}\n</tool_call> here.\n',
                                  "Sure.")
-    assert split_whole("reasoning from an opened block</think>\nanswer") == ("reasoning from an opened block", "answer")
+    assert split_whole("the prompt opened the block</think>\nanswer", opened=True) == ("the prompt opened the block",
+                                                                                         "answer")
+    assert split_whole("an answer that mentions </think>") == ("", "an answer that mentions </think>")
     assert split_whole("plain answer") == ("", "plain answer")
     for cuts in (range(len(text)), [3, 40, 90]):  # streamed in any pieces: the same split
         splitter, pieces, start = ReasoningSplitter(), [], 0
@@ -229,6 +231,26 @@ def test_reasoning_is_apart_from_content_and_calls():
         pieces.append(splitter.finish())
         assert ("".join(p[0] for p in pieces), "".join(p[1] for p in pieces)) == split_whole(text)
     assert Reasoning("x").text == "x"
+
+
+def test_a_template_that_opens_think_gives_reasoning_content(make_server, tmp_path):
+    """Unconstrained, the answer starts inside the template's think block (as Qwen3.5's does by default:
+    mlx-lm passes enable_thinking=True when <think> is in the vocabulary): it is reasoning_content, the same
+    streamed and whole. A template not asked to think (this vocabulary: enable_thinking=False) answers content."""
+    server = make_server(_model_with(ALWAYS_THINK, tmp_path / "always"))
+    client = server.openai()
+    request = dict(model=server.model, messages=ASK, tools=TOOLS, temperature=0, max_tokens=12)
+    whole = client.chat.completions.create(**request).choices[0].message
+    thought = whole.model_extra["reasoning_content"]
+    assert thought and not whole.content and not whole.tool_calls
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == thought
+    assert not "".join(d.content or "" for d in deltas)
+    other = make_server(_model_with(THINK_TEMPLATE, tmp_path / "think"))
+    plain = other.openai().chat.completions.create(**{**request, "model": other.model})
+    assert plain.choices[0].message.content and not (plain.choices[0].message.model_extra or {}).get(
+        "reasoning_content")
 
 
 # -- the README's example, as written ---------------------------------------------------------------------------

@@ -143,6 +143,7 @@ async def _generate(
     try:
         started = await stream.start()  # errors before any output (validation, context) are plain 4xx
         writer.model = model_id
+        writer.started(started)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return await _stream(request, stream, writer, started, include_usage)
@@ -222,6 +223,7 @@ class _Writer:
         self.logprobs = logprobs
         self.parser = ToolCallParser(tools) if tools is not None else None
         self.reasoning = ReasoningSplitter() if chat else None
+        self.thinking = False
         self.text_offset = 0  # completions: where the next token's text starts
 
     def _base(self, obj: str) -> dict[str, Any]:
@@ -236,6 +238,12 @@ class _Writer:
             return {**self._base("chat.completion.chunk"), "choices": [choice]}
         choice = {"index": 0, "text": delta.get("content") or "", "logprobs": logprobs, "finish_reason": finish}
         return {**self._base("text_completion"), "choices": [choice]}
+
+    def started(self, started: Started) -> None:
+        """The generation began: a prompt that opened a think block makes the output start with reasoning."""
+        self.thinking = started.thinking
+        if self.chat:
+            self.reasoning = ReasoningSplitter(opened=started.thinking)
 
     def opening(self) -> bytes:
         return _sse(self._chunk({"role": "assistant", "content": ""}, None)) if self.chat else b""
@@ -338,7 +346,7 @@ class _Writer:
         entries = [e for c in chunks for e in (c.logprobs or [])]
         logprobs = self._logprobs(entries)
         if self.chat:
-            thought, text = split_whole(text)
+            thought, text = split_whole(text, opened=self.thinking)
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if thought:
                 message["reasoning_content"] = thought

@@ -69,14 +69,9 @@ class ReasoningSplitter:
         return (rest, "") if self._state == "reasoning" else ("", rest)
 
 
-def split_whole(text: str) -> tuple[str, str]:
-    """A whole answer's (reasoning, content): before and after ``</think>`` (a leading ``<think>`` dropped);
-    no ``</think>``: an answer that opened ``<think>`` is all reasoning, any other all content."""
-    if CLOSE in text:
-        reasoning, _, content = text.partition(CLOSE)
-        reasoning = reasoning.lstrip()
-        return reasoning.removeprefix(OPEN), content.lstrip()
-    splitter = ReasoningSplitter()
+def split_whole(text: str, opened: bool = False) -> tuple[str, str]:
+    """A whole answer's (reasoning, content), as the same text streamed would give."""
+    splitter = ReasoningSplitter(opened=opened)
     reasoning, content = splitter.feed(text)
     more = splitter.finish()
     return reasoning + more[0], content + more[1]

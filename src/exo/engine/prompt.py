@@ -195,8 +195,10 @@ def generation_request(
         template_kwargs=kwargs,
         tools=prompt.tools,
     )
-    if constrained_chat and opens_think(engine.loaded.tokenizer, tokens):
+    thinking = prompt.messages is not None and opens_think(engine.loaded.tokenizer, tokens)
+    if constrained_chat and thinking:
         tokens += list(engine.loaded.tokenizer.encode(THINK_CLOSE, add_special_tokens=False))
+        thinking = False
     param = "messages" if prompt.messages is not None else "prompt"
     max_tokens = completion_budget(engine, len(tokens), params.max_tokens, params.default_max_tokens, param)
     grammar = None
@@ -222,4 +224,5 @@ def generation_request(
         should_stop=should_stop,
         constraint=grammar,
         logprobs=params.logprobs,
+        thinking=thinking,
     )
