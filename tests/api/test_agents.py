@@ -225,11 +225,16 @@ def xml_model(tmp_path_factory) -> Path:
     return target
 
 
-def test_xml_tool_calls_are_constrained_and_parsed(make_server, xml_model):
-    """Strings are raw text in this format, and a budget closes only JSON: the city gets a maxLength."""
-    server = make_server(xml_model)
+@pytest.fixture(scope="module")
+def xml_server(make_server, xml_model):
+    return make_server(xml_model)
+
+
+def test_xml_tool_calls_are_constrained_and_parsed(xml_server, xml_model):
+    """Strings are raw text in this format (unbounded here: the budget closes them too)."""
+    server = xml_server
     client = server.openai()
-    weather = {**WEATHER, "properties": {**WEATHER["properties"], "city": {"type": "string", "maxLength": 24}}}
+    weather = WEATHER
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}, TOOLS[1]]
     request = dict(model=server.model, messages=ASK, tools=tools, temperature=0, max_tokens=96,
                    tool_choice={"type": "function", "function": {"name": "get_weather"}})
@@ -251,6 +256,23 @@ def test_xml_tool_calls_are_constrained_and_parsed(make_server, xml_model):
     assert '"name": "get_weather"' in text.split("\n</tools>")[0]
     assert f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{args['city']}\n</parameter>\n" in text
     assert "<tool_response>\nsunny\n</tool_response>" in text
+
+
+@settings(max_examples=7, **BOUNDED)
+@given(schemas=st.lists(parameters(), min_size=1, max_size=2), prompt=_PROMPTS, parallel=st.booleans(),
+       temperature=st.sampled_from([0.0, 1.0]), budget=st.integers(0, 60))
+def test_forced_xml_tool_calls_always_follow_the_schema(xml_server, schemas, prompt, parallel, temperature, budget):
+    """The XML format, like the JSON one: raw strings, JSON strings for pattern/format, JSON values, within
+    tight budgets (the shortest call of these schemas is under 240 tokens here)."""
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": s}} for i, s in enumerate(schemas)]
+    response = xml_server.openai().chat.completions.create(
+        model=xml_server.model, messages=[{"role": "user", "content": prompt}], tools=tools, tool_choice="required",
+        parallel_tool_calls=parallel, temperature=temperature, seed=budget, max_tokens=240 + budget,
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    _check_calls(choice.message.tool_calls, {t["function"]["name"]: t["function"]["parameters"] for t in tools})
+    assert parallel or len(choice.message.tool_calls) == 1
 
 
 # -- logprobs ---------------------------------------------------------------------------------------------
