@@ -5,7 +5,8 @@ of listed tools); where the model lives it becomes a Lark grammar for llguidance
 tool-call format the model's chat template writes (``tool_format``), compiled against the model's
 tokenizer (``compile_grammar``). A ``Matcher`` follows one generation: ``mask()`` is the set of tokens
 allowed after everything consumed so far, ``consume`` / ``rollback`` move it, so native MTP's drafts can
-be consumed speculatively and rolled back with the caches when the verify call rejects them.
+be consumed speculatively and rolled back with the caches when the verify call rejects them. With the
+tokenizer's ``ClosingTokens`` the output also finishes within its budget (``closing.py``).
 
 Tool-call formats (Qwen families):
   json (Qwen3, Qwen3-Next; exo's own rendering for templates that render no tools):
@@ -296,7 +297,6 @@ class Matcher:
         self.max_tokens = max_tokens
         self.zone = grammar.zone
         self.consumed = 0  # tokens consumed so far (drafts included until rolled back)
-        self.closing_steps = 0  # positions whose mask closing forced or narrowed
         self._plan: tuple[int, tuple[int, ...]] | None = None  # (from position, tokens): the forced completion
         self._need_at: tuple[int, int] | None = None  # (position, tokens needed there): the last measured
         self.eos = frozenset(grammar.tokenizer.eos_tokens)
@@ -315,7 +315,6 @@ class Matcher:
             return self._only(self.eos)
         if self._plan is not None:
             start, tokens = self._plan
-            self.closing_steps += 1
             at = self.consumed - start
             return self._only([tokens[at]] if at < len(tokens) else self.eos)
         bits = np.empty(self._words, dtype=np.int32)
@@ -349,7 +348,6 @@ class Matcher:
         self._need_at = (self.consumed, need)
         if need >= left - MARGIN:
             self._plan = (self.consumed, tuple(tokens))
-            self.closing_steps += 1
             return self._only(tokens[:1] or self.eos)
         if left - need > self.zone:
             return allowed
@@ -363,8 +361,7 @@ class Matcher:
                 narrowed[token] = False
         if narrowed.any():
             if not np.array_equal(narrowed, allowed):
-                self.closing_steps += 1
-            return narrowed
+                return narrowed
         return allowed
 
     def mask(self) -> mx.array:
