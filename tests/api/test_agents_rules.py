@@ -10,10 +10,16 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx2 as httpx
 import jsonschema
 import pytest
 
@@ -22,6 +28,7 @@ from exo.api.reasoning import ReasoningSplitter, split_whole
 from exo.api.tools import END
 from exo.cards import bundled_model_dir
 from tests.api.test_agents import ADD, ASK, TOOLS, XML_TEMPLATE
+from tests.api.test_serve_cli import SRC, _free_port
 
 FIVE = {"type": "object", "properties": {k: {"type": "string"} for k in ("first", "second", "third", "fourth", "fifth")},
         "required": ["first", "second", "third", "fourth", "fifth"]}
@@ -256,17 +263,44 @@ def test_a_template_that_opens_think_gives_reasoning_content(make_server, tmp_pa
 # -- the README's example, as written ---------------------------------------------------------------------------
 
 
-def test_the_readme_agent_example_runs_as_written(demo):
+@pytest.fixture()
+def exo_serve(tmp_path):
+    """``exo serve`` as a user starts it (a real process, its default model exo-demo): its URL."""
+    port = _free_port()
+    env = {**os.environ, "EXO_HOME": str(tmp_path), "PYTHONPATH": str(SRC), "EXO_API_KEY": ""}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "exo.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port),
+         "--grpc-port", str(_free_port()), "--no-discovery"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "exo serve did not come up"
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.communicate(timeout=30)
+
+
+def test_the_readme_agent_example_runs_as_written(exo_serve):
     section = README.read_text().split("### Using exo from an agent", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     assert 'base_url="http://127.0.0.1:52415/v1"' in code
-    code = code.replace("http://127.0.0.1:52415/v1", demo.url + "/v1")
+    code = code.replace("http://127.0.0.1:52415/v1", exo_serve + "/v1")  # the only change: this server's port
     out = io.StringIO()
     scope: dict = {}
     with contextlib.redirect_stdout(out):
         exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the project's own README
     reply = scope["reply"].choices[0]
     assert reply.finish_reason == "tool_calls" and len(reply.message.tool_calls) == 1
-    jsonschema.validate(scope["args"], TOOLS[0]["function"]["parameters"] | {"properties": {
-        "city": {"type": "string"}, "days": {"type": "integer"}}})
+    jsonschema.validate(scope["args"], scope["tools"][0]["function"]["parameters"])
     assert scope["final"].choices[0].message.content is not None and out.getvalue().strip()
