@@ -113,3 +113,16 @@ def test_closing_is_the_same_with_mtp_on_and_off(demo):
             assert outputs[0].finish_reason == "stop"
             _check(spec, outputs[0].text)
             assert all(o.token_ids == outputs[0].token_ids for o in outputs), (fmt, budget)
+
+
+def test_json_object_closes_at_any_budget(demo):
+    """response_format json_object: any object, closed in time from its shortest ({}) up."""
+    spec = ConstraintSpec(json_schema={"type": "object"})
+    grammar = demo.grammar(spec, "json")
+    for budget in range(grammar.min_tokens, grammar.min_tokens + 12, 3):
+        for temperature in (0.0, 1.0):
+            result = demo.complete(GenerationRequest(
+                _prompt("Describe Rome as JSON."), max_tokens=budget, constraint=grammar,
+                sampling=SamplingParams(temperature=temperature, seed=budget)))
+            assert result.finish_reason == "stop" and len(result.token_ids) <= budget, result.text
+            assert isinstance(json.loads(result.text), dict)
