@@ -5,6 +5,7 @@ generated schemas and prompts), logprobs with native MTP on and off, and bad inp
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -12,10 +13,14 @@ from pathlib import Path
 import jsonschema
 import openai
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from exo.api.schemas import ChatCompletionRequest
+from exo.api.tools import chat_messages, tool_definitions
 from exo.cards import bundled_model_dir
+from exo.engine.prompt import tokenize
+from tests.fixtures.schemas import BOUNDED, parameters
 
 WEATHER = {
     "type": "object",
@@ -89,8 +94,26 @@ def test_full_tool_loop_streaming_and_not(client):
     chunks = client.chat.completions.create(model="exo-demo", messages=follow_up, tools=TOOLS, temperature=0,
                                             max_tokens=24, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer.choices[0].message.content
-    # The tool result reached the model: the prompt holds it (more prompt tokens than without it).
-    assert answer.usage.prompt_tokens > whole.usage.prompt_tokens
+    # The tool result reached the model: the rendered prompt lists the tools, the call and its result.
+    text = _rendered(bundled_model_dir("exo-demo"), {"messages": follow_up, "tools": TOOLS})
+    assert '"name": "get_weather"' in text.split("\n</tools>")[0]  # the tools, in the system turn
+    assert f'<tool_call>\n{{"name": "get_weather", "arguments": {call.function.arguments}}}\n</tool_call>' in text
+    assert '<tool_response>\n{"forecast": "sunny", "high": 21}\n</tool_response>' in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+@functools.cache
+def _tokenizer(path: Path):
+    from mlx_lm.utils import load_tokenizer
+
+    return load_tokenizer(path)
+
+
+def _rendered(path: Path, body: dict) -> str:
+    """The prompt exo renders for a chat request (the model's template, or exo's fallback for tools)."""
+    req = ChatCompletionRequest.model_validate({"model": "m", **body})
+    tokenizer = _tokenizer(path)
+    return tokenizer.decode(tokenize(tokenizer, messages=chat_messages(req), tools=tool_definitions(req)))
 
 
 def test_named_tool_choice_and_none(client):
@@ -109,63 +132,24 @@ def test_named_tool_choice_and_none(client):
 
 # -- forced calls and JSON always follow their schemas (property-based) --------------------------------------
 
-_NAMES = st.sampled_from(["city", "count", "name", "flag", "items", "when", "query", "limit"])
-
-
-def _leaf() -> st.SearchStrategy[dict]:
-    return st.one_of(
-        st.just({"type": "string"}),
-        st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(1, 16)),
-        st.lists(st.sampled_from(["red", "green", "blue", "a b", "42"]), min_size=1, max_size=4, unique=True).map(
-            lambda values: {"type": "string", "enum": values}
-        ),
-        st.just({"type": "integer"}),
-        st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
-                  st.integers(-50, 50), st.integers(0, 100)),
-        st.just({"type": "number"}),
-        st.just({"type": "boolean"}),
-    )
-
-
-def _objects(children: st.SearchStrategy[dict]) -> st.SearchStrategy[dict]:
-    return st.dictionaries(_NAMES, children, min_size=1, max_size=3).flatmap(
-        lambda props: st.lists(st.sampled_from(sorted(props)), unique=True, max_size=len(props)).map(
-            lambda required: {"type": "object", "properties": props, "required": required}
-        )
-    )
-
-
-_VALUES = st.recursive(
-    _leaf(),
-    lambda children: st.one_of(
-        st.builds(lambda items, n: {"type": "array", "items": items, **({"maxItems": n} if n else {})},
-                  children, st.integers(0, 3)),
-        _objects(children),
-    ),
-    max_leaves=4,
-)
 _PROMPTS = st.sampled_from(["Hello", "Call the tool.", "What is 2 + 2?", "def f(x):", "Plan a trip to Rome."])
 
 
-# Bounded in time: a fixed sample of examples (derandomized), no shrinking (each example is a generation).
-BOUNDED = dict(deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
-               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-
-
-@settings(max_examples=6, **BOUNDED)
+@settings(max_examples=14, **BOUNDED)
 @given(
-    schemas=st.lists(_objects(_VALUES), min_size=1, max_size=3),
+    schemas=st.lists(parameters(), min_size=1, max_size=3),
     prompt=_PROMPTS,
     choice=st.integers(0, 3),
     parallel=st.booleans(),
+    temperature=st.sampled_from([0.0, 0.7, 1.2]),
 )
-def test_forced_tool_calls_always_follow_the_schema(client, schemas, prompt, choice, parallel):
+def test_forced_tool_calls_always_follow_the_schema(client, schemas, prompt, choice, parallel, temperature):
     tools = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": s}} for i, s in enumerate(schemas)]
     named = choice < len(tools)
     tool_choice = {"type": "function", "function": {"name": f"tool_{choice}"}} if named else "required"
     response = client.chat.completions.create(
         model="exo-demo", messages=[{"role": "user", "content": prompt}], tools=tools, tool_choice=tool_choice,
-        parallel_tool_calls=parallel, temperature=0, max_tokens=160,
+        parallel_tool_calls=parallel, temperature=temperature, seed=choice, max_tokens=320,
     )
     choice_ = response.choices[0]
     assert choice_.finish_reason == "tool_calls", choice_
@@ -176,12 +160,13 @@ def test_forced_tool_calls_always_follow_the_schema(client, schemas, prompt, cho
         assert choice_.message.tool_calls[0].function.name == f"tool_{choice}"
 
 
-@settings(max_examples=6, **BOUNDED)
-@given(schema=_objects(_VALUES), prompt=_PROMPTS, temperature=st.sampled_from([0.0, 0.8]))
-def test_json_schema_output_always_validates(client, schema, prompt, temperature):
+@settings(max_examples=14, **BOUNDED)
+@given(schema=parameters(), prompt=_PROMPTS, temperature=st.sampled_from([0.0, 0.8]), budget=st.integers(0, 40))
+def test_json_schema_output_always_validates(client, schema, prompt, temperature, budget):
+    """Budgets from tight to roomy: the shortest document of these schemas is under 200 tokens here."""
     response = client.chat.completions.create(
         model="exo-demo", messages=[{"role": "user", "content": prompt}], temperature=temperature, seed=1,
-        max_tokens=96, response_format={"type": "json_schema", "json_schema": {"name": "out", "schema": schema,
+        max_tokens=200 + budget, response_format={"type": "json_schema", "json_schema": {"name": "out", "schema": schema,
                                                                                 "strict": True}},
     )
     assert response.choices[0].finish_reason == "stop"
@@ -240,11 +225,16 @@ def xml_model(tmp_path_factory) -> Path:
     return target
 
 
-def test_xml_tool_calls_are_constrained_and_parsed(make_server, xml_model):
-    """Strings are raw text in this format, and a budget closes only JSON: the city gets a maxLength."""
-    server = make_server(xml_model)
+@pytest.fixture(scope="module")
+def xml_server(make_server, xml_model):
+    return make_server(xml_model)
+
+
+def test_xml_tool_calls_are_constrained_and_parsed(xml_server, xml_model):
+    """Strings are raw text in this format (unbounded here: the budget closes them too)."""
+    server = xml_server
     client = server.openai()
-    weather = {**WEATHER, "properties": {**WEATHER["properties"], "city": {"type": "string", "maxLength": 24}}}
+    weather = WEATHER
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}, TOOLS[1]]
     request = dict(model=server.model, messages=ASK, tools=tools, temperature=0, max_tokens=96,
                    tool_choice={"type": "function", "function": {"name": "get_weather"}})
@@ -261,6 +251,28 @@ def test_xml_tool_calls_are_constrained_and_parsed(make_server, xml_model):
     follow_up = ASK + [{"role": "assistant", "tool_calls": [calls[0].model_dump(exclude_none=True)]},
                        {"role": "tool", "tool_call_id": calls[0].id, "content": "sunny"}]
     assert client.chat.completions.create(model=server.model, messages=follow_up, max_tokens=4).choices[0]
+    text = _rendered(xml_model, {"messages": follow_up, "tools": tools})
+    args = json.loads(calls[0].function.arguments)
+    assert '"name": "get_weather"' in text.split("\n</tools>")[0]
+    assert f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{args['city']}\n</parameter>\n" in text
+    assert "<tool_response>\nsunny\n</tool_response>" in text
+
+
+@settings(max_examples=7, **BOUNDED)
+@given(schemas=st.lists(parameters(), min_size=1, max_size=2), prompt=_PROMPTS, parallel=st.booleans(),
+       temperature=st.sampled_from([0.0, 1.0]), budget=st.integers(0, 60))
+def test_forced_xml_tool_calls_always_follow_the_schema(xml_server, schemas, prompt, parallel, temperature, budget):
+    """The XML format, like the JSON one: raw strings, JSON strings for pattern/format, JSON values, within
+    tight budgets (the shortest call of these schemas is under 240 tokens here)."""
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": s}} for i, s in enumerate(schemas)]
+    response = xml_server.openai().chat.completions.create(
+        model=xml_server.model, messages=[{"role": "user", "content": prompt}], tools=tools, tool_choice="required",
+        parallel_tool_calls=parallel, temperature=temperature, seed=budget, max_tokens=240 + budget,
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    _check_calls(choice.message.tool_calls, {t["function"]["name"]: t["function"]["parameters"] for t in tools})
+    assert parallel or len(choice.message.tool_calls) == 1
 
 
 # -- logprobs ---------------------------------------------------------------------------------------------

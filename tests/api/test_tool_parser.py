@@ -76,3 +76,15 @@ def test_char_by_char_streams_arguments_in_fragments():
 def test_an_unfinished_call_keeps_what_it_has():
     content, calls, _ = _run('Sure <tool_call>\n{"name": "f", "arguments": {"a": "unfini', [])
     assert content == "Sure" and calls == [("f", '{"a": "unfini')]
+
+
+def test_xml_string_with_pattern_or_format_is_read_back_from_its_json_string():
+    """exo constrains such a parameter as a JSON string (llguidance enforces pattern/format there)."""
+    tools = [{"type": "function", "function": {"name": "book", "parameters": {"type": "object", "properties": {
+        "when": {"type": "string", "format": "date"}, "code": {"type": "string", "pattern": "^[A-Z]{3}$"},
+        "note": {"type": "string"}}}}}]
+    parser = ToolCallParser(tools)
+    parser.feed('<tool_call>\n<function=book>\n<parameter=when>\n"2024-05-01"\n</parameter>\n<parameter=code>\n'
+                'ABC\n</parameter>\n<parameter=note>\n"quoted"\n</parameter>\n</function>\n</tool_call>')
+    parser.finish()
+    assert json.loads(parser.calls[0].arguments) == {"when": "2024-05-01", "code": "ABC", "note": '"quoted"'}

@@ -157,7 +157,8 @@ def test_tools_structured_output_and_logprobs_through_another_node(trio, placed)
                "required": ["city", "days"]}
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
     ask = [{"role": "user", "content": "Weather in Oslo?"}]
-    forced = {"model": MODEL, "messages": ask, "tools": tools, "tool_choice": "required", "temperature": 0,
+    forced = {"model": MODEL, "messages": ask, "tools": tools, "tool_choice": "required", "parallel_tool_calls": False,
+              "temperature": 0,
               "max_tokens": 64, "logprobs": True, "top_logprobs": 2, "native_mtp": {"k": 2}}
     through, direct = a.post("/v1/chat/completions", forced).json(), b.post("/v1/chat/completions", forced).json()
     for answer in (through, direct):

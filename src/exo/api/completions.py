@@ -11,6 +11,7 @@ its next decode step; an error after the headers went out is sent as an error ev
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -26,8 +27,10 @@ from exo.engine.generate import TokenLogprob
 from .config import CONFIG, METRICS, SERVICE
 from .errors import api_error_from
 from .parsing import read_json, validate
+from .reasoning import ReasoningSplitter, split_whole
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerationFields, reject_unsupported
 from .tools import (
+    END,
     Arguments,
     CallStart,
     Content,
@@ -37,6 +40,7 @@ from .tools import (
     constraint_for,
     logprobs_for,
     parses_tool_calls,
+    tool_choice,
     tool_definitions,
 )
 
@@ -91,6 +95,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params = _params(
         req, req.completion_budget(), DEFAULT_CHAT_MAX_TOKENS, constraint=constraint_for(req), logprobs=logprobs_for(req)
     )
+    if parses_tool_calls(req) and tool_choice(req) == "auto" and req.parallel_tool_calls is False:
+        # At most one call: the generation ends with the first call's closing tag (kept out of the text; the
+        # parser closes the call without it).
+        params = dataclasses.replace(params, stop=(*params.stop, END))
     writer = _Writer(chat=True, tools=tools if parses_tool_calls(req) else None, logprobs=params.logprobs is not None)
     return await _generate(request, req, prompt, params, arrived, writer)
 
@@ -135,6 +143,7 @@ async def _generate(
     try:
         started = await stream.start()  # errors before any output (validation, context) are plain 4xx
         writer.model = model_id
+        writer.started(started)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return await _stream(request, stream, writer, started, include_usage)
@@ -180,6 +189,11 @@ async def _stream(
     return response
 
 
+@dataclasses.dataclass(frozen=True)
+class Reasoning:
+    text: str
+
+
 def _sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
@@ -208,6 +222,8 @@ class _Writer:
         self.tools = tools
         self.logprobs = logprobs
         self.parser = ToolCallParser(tools) if tools is not None else None
+        self.reasoning = ReasoningSplitter() if chat else None
+        self.thinking = False
         self.text_offset = 0  # completions: where the next token's text starts
 
     def _base(self, obj: str) -> dict[str, Any]:
@@ -222,6 +238,12 @@ class _Writer:
             return {**self._base("chat.completion.chunk"), "choices": [choice]}
         choice = {"index": 0, "text": delta.get("content") or "", "logprobs": logprobs, "finish_reason": finish}
         return {**self._base("text_completion"), "choices": [choice]}
+
+    def started(self, started: Started) -> None:
+        """The generation began: a prompt that opened a think block makes the output start with reasoning."""
+        self.thinking = started.thinking
+        if self.chat:
+            self.reasoning = ReasoningSplitter(opened=started.thinking)
 
     def opening(self) -> bytes:
         return _sse(self._chunk({"role": "assistant", "content": ""}, None)) if self.chat else b""
@@ -264,14 +286,24 @@ class _Writer:
         return self._chat_logprobs(entries) if self.chat else self._completion_logprobs(entries)
 
     # -- tool calls --------------------------------------------------------------------------------------
-    def _events(self, text: str, final: bool) -> list[Event]:
+    def _events(self, text: str, final: bool) -> list[Event | Reasoning]:
+        out: list[Event | Reasoning] = []
+        if self.reasoning is not None:
+            thought, text = self.reasoning.feed(text) if text else ("", "")
+            if final:
+                more = self.reasoning.finish()
+                thought, text = thought + more[0], text + more[1]
+            if thought:
+                out.append(Reasoning(thought))
         if self.parser is None:
-            return [Content(text)] if text else []
-        events = self.parser.feed(text) if text else []
-        return events + self.parser.finish() if final else events
+            return out + ([Content(text)] if text else [])
+        out += self.parser.feed(text) if text else []
+        return out + self.parser.finish() if final else out
 
     @staticmethod
-    def _delta(event: Event) -> dict[str, Any]:
+    def _delta(event: Event | Reasoning) -> dict[str, Any]:
+        if isinstance(event, Reasoning):
+            return {"reasoning_content": event.text}
         if isinstance(event, Content):
             return {"content": event.text}
         if isinstance(event, CallStart):
@@ -314,9 +346,12 @@ class _Writer:
         entries = [e for c in chunks for e in (c.logprobs or [])]
         logprobs = self._logprobs(entries)
         if self.chat:
+            thought, text = split_whole(text, opened=self.thinking)
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if thought:
+                message["reasoning_content"] = thought
             if self.parser is not None:
-                events = self._events(text, final=True)
+                events = self.parser.feed(text) + self.parser.finish()
                 content = "".join(e.text for e in events if isinstance(e, Content))
                 message["content"] = content if content or not self.parser.calls else None
                 if self.parser.calls:

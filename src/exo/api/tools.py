@@ -48,8 +48,12 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The messages as chat templates read them (arguments as objects, tool results named after their call)."""
     out: list[dict[str, Any]] = []
     calls: dict[str, str] = {}  # call id -> function name, from earlier assistant messages
+    pending: tuple[int, list[str]] | None = None  # the last assistant message with calls, its unanswered ids
     for i, m in enumerate(req.messages):
         where = f"messages.{i}"
+        if m.role != "tool" and pending is not None:
+            _unanswered(pending, i)
+            pending = None
         content = _text(m.content)
         role = "system" if m.role == "developer" else m.role  # chat templates know "system"
         if m.tool_calls is not None and role != "assistant":
@@ -75,6 +79,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
                 )
             message["tool_calls"] = rendered
             message["content"] = content or ""
+            pending = (i, [call.id for call in m.tool_calls])
         elif role == "tool":
             if m.tool_call_id is None:
                 raise _invalid(f"{where}.tool_call_id", f"{where}.tool_call_id: required on tool messages",
@@ -86,17 +91,38 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
                 )
             message["tool_call_id"] = m.tool_call_id
             message["name"] = calls[m.tool_call_id]
+            if pending is not None and m.tool_call_id in pending[1]:
+                pending[1].remove(m.tool_call_id)
         if message["content"] is None:
             raise _invalid(f"{where}.content", f"{where}.content: required", "missing_required_parameter")
         if m.name is not None and role != "tool":
             message["name"] = m.name
         out.append(message)
+    if pending is not None:
+        _unanswered(pending, None)
     return out
+
+
+def _unanswered(pending: tuple[int, list[str]], before: int | None) -> None:
+    """OpenAI's rule: an assistant message's tool_calls are each answered by a tool message before the next
+    turn."""
+    index, ids = pending
+    if ids:
+        where = f"before messages.{before}" if before is not None else "at the end of the messages"
+        raise _invalid(
+            f"messages.{index}.tool_calls",
+            f"messages.{index} has tool_calls that no tool message answers {where}: "
+            f"{', '.join(repr(i) for i in ids)} (each call needs a tool message with its tool_call_id)",
+        )
 
 
 def tool_definitions(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     """The tools for the chat template (None: none), each parameters schema checked."""
     if not req.tools:
+        if req.tool_choice is not None:
+            raise _invalid("tool_choice", "tool_choice is only allowed when tools are given")
+        if req.parallel_tool_calls is not None:
+            raise _invalid("parallel_tool_calls", "parallel_tool_calls is only allowed when tools are given")
         return None
     seen: set[str] = set()
     out = []
@@ -454,9 +480,16 @@ def _properties(tools: list[dict[str, Any]], name: str) -> dict[str, Any]:
 
 
 def _convert(raw: str, schema: Any) -> Any:
-    """An XML parameter's text as the JSON value its schema asks for (strings stay as written)."""
+    """An XML parameter's text as the JSON value its schema asks for (strings stay as written, except one
+    with a ``pattern`` or ``format`` written as a JSON string, as exo's constraint writes it)."""
     kind = schema.get("type") if isinstance(schema, dict) else None
     if kind == "string":
+        if ("pattern" in schema or "format" in schema) and raw.startswith('"') and raw.endswith('"'):
+            try:
+                value = json.loads(raw)
+            except ValueError:
+                return raw
+            return value if isinstance(value, str) else raw
         return raw
     try:
         return json.loads(raw)

@@ -865,7 +865,7 @@ class RemoteGenerationStream(BatchedStream):
                     return
                 if msg.HasField("started"):
                     s = msg.started
-                    self._items.put_nowait(Started(s.prompt_tokens, s.max_tokens, s.queue_s))
+                    self._items.put_nowait(Started(s.prompt_tokens, s.max_tokens, s.queue_s, s.thinking))
                     continue
                 chunk = chunk_from_pb(msg)
                 self.tokens += len(chunk.token_ids)

@@ -5,7 +5,8 @@ of listed tools); where the model lives it becomes a Lark grammar for llguidance
 tool-call format the model's chat template writes (``tool_format``), compiled against the model's
 tokenizer (``compile_grammar``). A ``Matcher`` follows one generation: ``mask()`` is the set of tokens
 allowed after everything consumed so far, ``consume`` / ``rollback`` move it, so native MTP's drafts can
-be consumed speculatively and rolled back with the caches when the verify call rejects them.
+be consumed speculatively and rolled back with the caches when the verify call rejects them. With the
+tokenizer's ``ClosingTokens`` the output also finishes within its budget (``closing.py``).
 
 Tool-call formats (Qwen families):
   json (Qwen3, Qwen3-Next; exo's own rendering for templates that render no tools):
@@ -23,6 +24,8 @@ from typing import Any, Literal
 
 import mlx.core as mx
 import numpy as np
+
+from .closing import MARGIN, ClosingTokens, candidates, completion_tokens, subschemas
 
 ToolFormat = Literal["json", "xml"]
 
@@ -123,40 +126,60 @@ def _first_line(error: str) -> str:
     return error.strip().splitlines()[0] if error.strip() else error
 
 
-def closed(schema: Any, *, inside_all_of: bool = False) -> Any:
-    """``schema`` with ``additionalProperties: false`` on every object schema that lists properties and
-    says nothing about others (OpenAI's strict mode): what it accepts is a subset of what ``schema`` accepts,
-    and a model cannot wander off into made-up keys. allOf members are left open (closing each would
-    forbid the others' properties)."""
+def _declares_keys(schema: Any) -> bool:
+    """Whether a schema may say which keys an object has (so closing its neighbours could forbid them)."""
+    return isinstance(schema, dict) and any(
+        k in schema for k in ("properties", "patternProperties", "additionalProperties", "required", "$ref",
+                              "anyOf", "oneOf", "allOf")
+    )
+
+
+def closed(schema: Any, *, keep_open: bool = False) -> Any:
+    """``schema`` with ``additionalProperties: false`` on object schemas that list properties and say nothing
+    about others (OpenAI's strict mode): what it accepts is a subset of what ``schema`` accepts, and a model
+    cannot wander off into made-up keys. Only where that keeps the schema satisfiable: an object whose
+    anyOf / oneOf / allOf members (or a sibling ``$ref``) declare keys of their own stays open, and so do
+    those members (each side would forbid the other's keys); a required key that ``properties`` does not
+    list is added to them (any value)."""
     if isinstance(schema, list):
         return [closed(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
+    members = [m for c in ("anyOf", "oneOf", "allOf") if isinstance(schema.get(c), list) for m in schema[c]]
+    shared = isinstance(schema.get("properties"), dict) or "$ref" in schema or "required" in schema
     out = {}
     for key, value in schema.items():
         if key in ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas"):
             out[key] = {k: closed(v) for k, v in value.items()} if isinstance(value, dict) else value
-        elif key == "allOf":
-            out[key] = [closed(v, inside_all_of=True) for v in value] if isinstance(value, list) else value
+        elif key == "allOf" or (key in ("anyOf", "oneOf") and shared):
+            out[key] = [closed(v, keep_open=True) for v in value] if isinstance(value, list) else value
         elif key in ("items", "prefixItems", "anyOf", "oneOf", "additionalProperties", "not", "if", "then", "else",
                      "contains", "additionalItems"):
             out[key] = closed(value)
         else:
             out[key] = value
     if (
-        not inside_all_of
+        not keep_open
         and isinstance(out.get("properties"), dict)
-        and "additionalProperties" not in out
-        and "patternProperties" not in out
-        and "unevaluatedProperties" not in out
+        and not any(k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties", "$ref"))
+        and not any(_declares_keys(m) for m in members)
     ):
+        required = out.get("required")
+        listed = out["properties"]
+        missing = [k for k in required if isinstance(k, str) and k not in listed] if isinstance(required, list) else []
+        if missing:
+            out["properties"] = {**listed, **{k: {} for k in missing}}
         out["additionalProperties"] = False
     return out
 
 
 def _json_block(schema: dict[str, Any]) -> str:
-    schema = closed(schema)
-    return "%json " + json.dumps({**schema, "x-guidance": {**schema.get("x-guidance", {}), **_JSON_STYLE}})
+    """``schema`` as an inline JSON grammar, closed (``closed``) unless closing is what makes it unusable."""
+    strict = closed(schema)
+    if strict != schema and _schema_problem(json.dumps(strict, sort_keys=True), False) is not None:
+        if _schema_problem(json.dumps(schema, sort_keys=True), False) is None:
+            strict = schema
+    return "%json " + json.dumps({**strict, "x-guidance": {**strict.get("x-guidance", {}), **_JSON_STYLE}})
 
 
 def _lark_string(text: str) -> str:
@@ -223,6 +246,9 @@ def _raw_value(rules: list[str], low: int, high: int | None) -> str:
 
 
 def _xml_value(schema: dict[str, Any], defs: dict[str, Any], param: str, rules: list[str]) -> str:
+    """A parameter's value: raw text for a plain string (an enum: one of its values); a JSON string for a
+    string with a ``pattern`` or ``format`` (llguidance enforces them there; the parser reads it back); any
+    other schema as JSON."""
     end = _lark_string("\n</parameter>\n")
     if schema.get("type") == "string" and set(schema) <= _STRING_ONLY:
         choices = schema.get("enum") or ([schema["const"]] if "const" in schema else None)
@@ -231,8 +257,8 @@ def _xml_value(schema: dict[str, Any], defs: dict[str, Any], param: str, rules: 
                 raise ConstraintError(f"{param}: a string enum must list strings", param)
             return "(" + " | ".join(_lark_string(c) for c in choices) + f") {end}"
         return _raw_value(rules, schema.get("minLength", 0), schema.get("maxLength"))
-    if schema.get("type") == "string":
-        extra = sorted(set(schema) - _STRING_ONLY)
+    if schema.get("type") == "string" and not set(schema) <= _STRING_ONLY | {"pattern", "format"}:
+        extra = sorted(set(schema) - _STRING_ONLY - {"pattern", "format"})
         raise ConstraintError(
             f"{param}: this model writes string arguments as raw text, which exo cannot constrain with "
             f"{', '.join(extra)}",
@@ -246,90 +272,14 @@ def _unpack_table() -> np.ndarray:
     return np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(bool)
 
 
-_BLANKS = b" \t\r\n"
-_QUOTE = ord('"')
-_BRACKETS = frozenset(b"}]")
-_PUNCTUATION = frozenset(b"}],:")
-
-
-@dataclass(frozen=True)
-class ClosingTokens:
-    """Token classes for closing a JSON document when the budget runs out (blanks aside): ``end_string`` close a
-    string (a quote, then only closing brackets), ``quotes`` a quote then brackets or separators, ``brackets``
-    only close objects and arrays, ``separators`` only brackets, ``,`` and ``:``; ``eos`` end the output."""
-
-    end_string: np.ndarray  # bool [vocab]
-    quotes: np.ndarray
-    brackets: np.ndarray
-    separators: np.ndarray
-    eos: np.ndarray
-    texts: tuple[bytes, ...]  # every token's bytes (special tokens: empty), for following the JSON state
-
-    @classmethod
-    def of(cls, tokenizer: Any, vocab: int) -> ClosingTokens:
-        end_string, quotes, brackets, separators, eos = (np.zeros(vocab, dtype=bool) for _ in range(5))
-        texts = []
-        for token in range(vocab):
-            if token >= tokenizer.vocab_size or tokenizer.is_special_token(token):
-                eos[token] = token in tokenizer.eos_tokens
-                texts.append(b"")
-                continue
-            raw = tokenizer.decode_bytes([token])
-            texts.append(raw)
-            text = raw.strip(_BLANKS)
-            if not text:
-                continue
-            if text[0] == _QUOTE and all(b in _PUNCTUATION for b in text[1:]):
-                quotes[token] = True
-                end_string[token] = all(b in _BRACKETS for b in text[1:])
-            elif all(b in _BRACKETS for b in text):
-                brackets[token] = separators[token] = True
-            elif all(b in _PUNCTUATION for b in text):
-                separators[token] = True
-        return cls(end_string, quotes, brackets, separators, eos, tuple(texts))
-
-
-@dataclass(frozen=True)
-class JsonState:
-    """Where a JSON text stands after some bytes: inside a string (after a backslash), open brackets."""
-
-    in_string: bool = False
-    escaped: bool = False
-    open: tuple[int, ...] = ()
-
-    def after(self, data: bytes) -> JsonState:
-        in_string, escaped, stack = self.in_string, self.escaped, list(self.open)
-        for b in data:
-            if in_string:
-                if escaped:
-                    escaped = False
-                elif b == 0x5C:  # backslash
-                    escaped = True
-                elif b == _QUOTE:
-                    in_string = False
-            elif b == _QUOTE:
-                in_string = True
-            elif b in (0x7B, 0x5B):  # { [
-                stack.append(b)
-            elif b in (0x7D, 0x5D) and stack:
-                stack.pop()
-        return JsonState(in_string, escaped, tuple(stack))
-
-
-def closing_window(max_tokens: int) -> int:
-    """How many tokens before the end of the budget a JSON structure starts closing."""
-    return max(6, min(48, max_tokens // 4))
-
-
 class Matcher:
     """One generation's grammar state (an llguidance matcher) and the token masks it allows.
 
-    With ``closing`` (JSON outputs), the last ``closing_window(max_tokens)`` positions of the budget narrow
-    the grammar's mask to the tokens that close what is open, where it allows any: inside a string its
-    closing quote; else closing brackets, then separators, then a quote (a required key); at the top level
-    the end of the output. So an answer that would run out of tokens mid-value ends as a complete, valid
-    document instead. The mask of a position depends only on the tokens before it and its index, as the
-    grammar's does, so plain and speculative decoding see the same masks."""
+    With ``closing`` and a budget (``closing.py``), every output ends complete within ``max_tokens``: once
+    the shortest completion of the state (and the end of sequence) takes all but ``MARGIN`` of the positions
+    left, it is forced token by token; before that, near the end, a token after which the output would need
+    more than is left is masked out. A position's mask depends only on the tokens before it and its index,
+    as the grammar's does, so plain and speculative decoding see the same masks."""
 
     def __init__(self, grammar: Grammar, max_tokens: int | None = None) -> None:
         import llguidance
@@ -341,39 +291,77 @@ class Matcher:
         if self._matcher.is_error():
             raise ConstraintError(f"the constraint cannot be compiled: {_first_line(self._matcher.get_error())}")
         self.vocab = grammar.vocab
+        self._tokenizer = grammar.tokenizer
         self._words = (grammar.tokenizer.vocab_size + 31) // 32
-        self.closing = grammar.closing
-        window = closing_window(max_tokens) + grammar.frame_tokens if max_tokens is not None else 0
-        self.closing_from = None if max_tokens is None else max_tokens - window
+        self.closing = grammar.closing if grammar.min_tokens is not None else None
+        self.max_tokens = max_tokens
+        self.zone = grammar.zone
         self.consumed = 0  # tokens consumed so far (drafts included until rolled back)
-        self.closing_steps = 0  # positions whose mask the closing preference narrowed
-        self._json = [JsonState()]  # the JSON state after each consumed token (closing only)
+        self._plan: tuple[int, tuple[int, ...]] | None = None  # (from position, tokens): the forced completion
+        self._need_at: tuple[int, int] | None = None  # (position, tokens needed there): the last measured
         self.eos = frozenset(grammar.tokenizer.eos_tokens)
         # Tokens taken since an end-of-sequence token (a draft's; the output ends there). They are not given
         # to llguidance, whose rollback does not undo a consumed end of sequence (1.9: the next token fails).
         self._after_eos = 0
 
+    def _only(self, tokens: Any) -> np.ndarray:
+        out = np.zeros(self.vocab, dtype=bool)
+        out[[t for t in tokens if t < self.vocab]] = True
+        return out
+
     def allowed(self) -> np.ndarray:
         """Bool [vocab]: the tokens allowed next."""
         if self._after_eos:
-            only_eos = np.zeros(self.vocab, dtype=bool)
-            only_eos[[t for t in self.eos if t < self.vocab]] = True
-            return only_eos
+            return self._only(self.eos)
+        if self._plan is not None:
+            start, tokens = self._plan
+            at = self.consumed - start
+            return self._only([tokens[at]] if at < len(tokens) else self.eos)
         bits = np.empty(self._words, dtype=np.int32)
         self._matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
         allowed = _unpack_table()[bits.view(np.uint8)].reshape(-1)
         if allowed.shape[0] < self.vocab:
             allowed = np.concatenate([allowed, np.zeros(self.vocab - allowed.shape[0], dtype=bool)])
         allowed = allowed[: self.vocab]
-        if self.closing is not None and self.closing_from is not None and self.consumed >= self.closing_from:
-            state, c = self._json[-1], self.closing
-            tiers = ((c.end_string, c.quotes) if state.in_string else (c.brackets, c.separators, c.quotes)
-                     if state.open else (c.eos,))
-            for preferred in tiers:
-                narrowed = allowed & preferred
-                if narrowed.any():
-                    self.closing_steps += 1
-                    return narrowed
+        if self.closing is not None and self.max_tokens is not None:
+            allowed = self._within_budget(allowed, self.max_tokens - self.consumed)
+        return allowed
+
+    def _need(self) -> int | None:
+        """Tokens the output needs from here (its shortest completion and the end of sequence)."""
+        assert self.closing is not None
+        tokens = completion_tokens(self._matcher, self.closing, self._tokenizer)
+        return None if tokens is None else len(tokens) + 1
+
+    def _within_budget(self, allowed: np.ndarray, left: int) -> np.ndarray:
+        assert self.closing is not None
+        if self._need_at is not None:
+            # One token adds at most ``zone`` to what is needed: far from the end, no need to measure (the
+            # mask is what measuring would give, so it does not depend on where it was last measured).
+            at, before = self._need_at
+            if left - (before + (self.consumed - at) * self.zone) > self.zone + MARGIN:
+                return allowed
+        tokens = completion_tokens(self._matcher, self.closing, self._tokenizer)
+        if tokens is None:
+            return allowed
+        need = len(tokens) + 1
+        self._need_at = (self.consumed, need)
+        if need >= left - MARGIN:
+            self._plan = (self.consumed, tuple(tokens))
+            return self._only(tokens[:1] or self.eos)
+        if left - need > self.zone:
+            return allowed
+        narrowed = allowed.copy()
+        for token in np.flatnonzero(candidates(allowed, self._matcher, self.closing)):
+            if not self._matcher.consume_token(int(token)):
+                continue
+            after = self._need()
+            self._matcher.rollback(1)
+            if after is None or after > left - 1:
+                narrowed[token] = False
+        if narrowed.any():
+            if not np.array_equal(narrowed, allowed):
+                return narrowed
         return allowed
 
     def mask(self) -> mx.array:
@@ -391,9 +379,6 @@ class Matcher:
         elif not self._matcher.consume_token(token):
             raise RuntimeError(f"the grammar refused token {token}: {self._matcher.get_error()}")
         self.consumed += 1
-        if self.closing is not None:
-            text = self.closing.texts[token] if token < len(self.closing.texts) else b""
-            self._json.append(self._json[-1].after(text))
 
     def rollback(self, n: int) -> None:
         if n <= 0:
@@ -403,8 +388,10 @@ class Matcher:
         if n > virtual and not self._matcher.rollback(n - virtual):
             raise RuntimeError(f"the grammar could not roll back {n} tokens: {self._matcher.get_error()}")
         self.consumed -= n
-        if self.closing is not None:
-            del self._json[-n:]
+        if self._plan is not None and self.consumed < self._plan[0]:
+            self._plan = None
+        if self._need_at is not None and self.consumed < self._need_at[0]:
+            self._need_at = None
 
     def is_accepting(self) -> bool:
         return self._matcher.is_accepting()
@@ -417,10 +404,11 @@ class Grammar:
     tokenizer: Any  # llguidance.LLTokenizer
     grammar: str
     vocab: int
-    closing: ClosingTokens | None = None  # JSON output: how to close it when the budget runs out
-    # Tokens of the longest fixed text around a tool call's arguments: the closing window widens by it, so
-    # a call started late still fits (and between calls, the end of the output is preferred).
-    frame_tokens: int = 0
+    closing: ClosingTokens | None = None  # how to finish the output within its budget
+    # The shortest output (tokens, the end of sequence included): a smaller budget cannot hold one. None: not
+    # known (no closing guarantee).
+    min_tokens: int | None = None
+    zone: int = 0  # tokens: the most one token can add to what the output needs (closing.py)
     template: Any = None  # an llguidance.LLMatcher at the start, copied for each generation
 
     def matcher(self, max_tokens: int | None = None) -> Matcher:
@@ -432,8 +420,7 @@ def compile_grammar(
 ) -> Grammar:
     """``spec`` as a grammar for this tokenizer (an ``llguidance.LLTokenizer``); ConstraintError if it cannot.
 
-    ``closing``: the tokenizer's ``ClosingTokens``, used when the output is JSON (a schema, or tool calls in
-    the JSON format)."""
+    ``closing``: the tokenizer's ``ClosingTokens``: outputs then finish within their budget."""
     import llguidance
 
     for i, tool in enumerate(spec.tools):
@@ -446,13 +433,36 @@ def compile_grammar(
     if error:
         param = spec.params[0] if len(spec.params) == 1 else None
         raise ConstraintError(f"the constraint cannot be compiled: {_first_line(error)}", param)
-    json_output = spec.json_schema is not None or fmt == "json"
-    frame = max((len(tokenizer.tokenize_str(_json_frame(t))) for t in spec.tools), default=0)
     template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
     if template.is_error():
         raise ConstraintError(f"the constraint cannot be compiled: {_first_line(template.get_error())}")
-    return Grammar(tokenizer, grammar, vocab, closing if json_output else None, frame, template)
+    min_tokens, zone = None, 0
+    if closing is not None:
+        start = completion_tokens(template, closing, tokenizer)
+        if start is not None:
+            min_tokens = len(start) + 1
+            zone = _zone(spec, tokenizer, closing, min_tokens)
+    return Grammar(tokenizer, grammar, vocab, closing, min_tokens, zone, template)
 
 
-def _json_frame(tool: ToolSpec) -> str:
-    return '<tool_call>\n{"name": ' + json.dumps(tool.name) + ', "arguments": ' + TOOL_CALL_TAIL
+def _zone(spec: ConstraintSpec, tokenizer: Any, closing: ClosingTokens, min_tokens: int) -> int:
+    """How much one token can add to what an output needs, bounded by the shortest documents of the
+    schemas' objects and arrays (and of a whole output: a parallel call) and MARGIN."""
+    import llguidance
+
+    roots = [t.parameters for t in spec.tools] + ([spec.json_schema] if spec.json_schema is not None else [])
+    most = min_tokens
+    for root in roots:
+        parts = subschemas(root)
+        if parts is None:
+            return 1 << 30  # too many to measure: check near-end tokens all the way
+        for part in parts:
+            try:
+                grammar = llguidance.LLMatcher.grammar_from_lark("start: " + _json_block(part) + "\n")
+                matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+            except (ValueError, TypeError):
+                continue
+            tokens = None if matcher.is_error() else completion_tokens(matcher, closing, tokenizer)
+            if tokens is not None:
+                most = max(most, len(tokens) + 4)  # + the key or separator that opens it
+    return most + 2 * MARGIN

@@ -118,6 +118,8 @@ class GenerationRequest:
     constraint: Grammar | None = None
     # Log-probabilities of the emitted tokens with this many alternatives (0..20); None: none.
     logprobs: int | None = None
+    # The prompt ends inside a think block its chat template opened: the output starts with reasoning.
+    thinking: bool = False
     # Polled between decode steps / speculative rounds of a solo generation that could join a batch
     # (``_Run.batchable``); True ends the solo stream early, without a final chunk, and leaves the run
     # at a step boundary for a ``BatchDecoder`` to take over (``_Run.handed_over``).
@@ -207,7 +209,7 @@ class Engine:
     def closing_tokens(self) -> Any:
         """The tokenizer's ``ClosingTokens`` (constrained JSON closes as the budget runs out); built once."""
         if self._closing_tokens is None:
-            from .constraints import ClosingTokens
+            from .closing import ClosingTokens
 
             self._closing_tokens = ClosingTokens.of(self.grammar_tokenizer, self.vocab_size)
         return self._closing_tokens

@@ -107,6 +107,17 @@ def prompt_tool_format(tokenizer: Any) -> ToolFormat:
     return tool_format(getattr(tokenizer, "chat_template", None)) if renders_tools(tokenizer) else "json"
 
 
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>\n\n"
+
+
+def opens_think(tokenizer: Any, tokens: list[int]) -> bool:
+    """Whether the prompt ends inside a think block its template opened (``<think>`` with no ``</think>``
+    after it in the generation prompt)."""
+    tail = tokenizer.decode(tokens[-24:])
+    at = tail.rfind(THINK_OPEN)
+    return at >= 0 and "</think>" not in tail[at:]
+
+
 def tokenize(
     tokenizer: Any,
     *,
@@ -167,15 +178,27 @@ def completion_budget(
 def generation_request(
     engine: Engine, prompt: Prompt, params: GenerateParams, should_stop: Any = None
 ) -> GenerationRequest:
-    """The engine's request for a prompt and its parameters: tokenized, its budget checked."""
+    """The engine's request for a prompt and its parameters: tokenized, its budget checked.
+
+    A constrained chat answer starts after any thinking: the template is asked not to think
+    (``enable_thinking=False``, unless the request says otherwise) and a think block the generation prompt
+    still opens is closed, so the grammar applies to the answer itself."""
+    kwargs = prompt.template_kwargs
+    constrained_chat = params.constraint is not None and prompt.messages is not None
+    if constrained_chat:
+        kwargs = {"enable_thinking": False, **kwargs}
     tokens = tokenize(
         engine.loaded.tokenizer,
         messages=prompt.messages,
         text=prompt.text,
         token_ids=prompt.token_ids,
-        template_kwargs=prompt.template_kwargs,
+        template_kwargs=kwargs,
         tools=prompt.tools,
     )
+    thinking = prompt.messages is not None and opens_think(engine.loaded.tokenizer, tokens)
+    if constrained_chat and thinking:
+        tokens += list(engine.loaded.tokenizer.encode(THINK_CLOSE, add_special_tokens=False))
+        thinking = False
     param = "messages" if prompt.messages is not None else "prompt"
     max_tokens = completion_budget(engine, len(tokens), params.max_tokens, params.default_max_tokens, param)
     grammar = None
@@ -184,6 +207,13 @@ def generation_request(
             grammar = engine.grammar(params.constraint, prompt_tool_format(engine.loaded.tokenizer))
         except ConstraintError as e:
             raise GenerationRequestError(str(e), param=e.param) from None
+        if grammar.min_tokens is not None and max_tokens < grammar.min_tokens:
+            raise GenerationRequestError(
+                f"max_tokens is {max_tokens}, but the shortest output this constraint allows takes "
+                f"{grammar.min_tokens} tokens (the end of sequence included): raise max_tokens to at least "
+                f"{grammar.min_tokens}",
+                param="max_tokens",
+            )
     return GenerationRequest(
         prompt_tokens=tokens,
         max_tokens=max_tokens,
@@ -194,4 +224,5 @@ def generation_request(
         should_stop=should_stop,
         constraint=grammar,
         logprobs=params.logprobs,
+        thinking=thinking,
     )

@@ -48,6 +48,7 @@ class Started:
     prompt_tokens: int
     max_tokens: int
     queue_s: float
+    thinking: bool = False  # the prompt opened a think block: the output starts with reasoning
 
 
 @dataclass(frozen=True)
@@ -228,7 +229,7 @@ class GenerationJob:
             self.emit(Failed(e))
             self._done("rejected", None, queue_s, time.perf_counter() - self._start)
             return None
-        self.emit(Started(len(request.prompt_tokens), request.max_tokens, queue_s))
+        self.emit(Started(len(request.prompt_tokens), request.max_tokens, queue_s, request.thinking))
         return run
 
     def consume(self, chunk: GenerationChunk) -> None:

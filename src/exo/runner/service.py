@@ -129,7 +129,8 @@ class RunnerServicer(pb_grpc.RunnerServicer):
             if isinstance(item, Started):
                 started = True
                 out.put(pb.GenerateChunk(started=pb.Started(
-                    prompt_tokens=item.prompt_tokens, max_tokens=item.max_tokens, queue_s=item.queue_s)))
+                    prompt_tokens=item.prompt_tokens, max_tokens=item.max_tokens, queue_s=item.queue_s,
+                    thinking=item.thinking)))
             elif isinstance(item, Failed):
                 error = item.error
                 if self.state.pipelined and started:

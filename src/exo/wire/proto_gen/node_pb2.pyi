@@ -461,14 +461,16 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., instance_id: _Optional[str] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., template_kwargs_json: _Optional[str] = ..., max_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., native_mtp: _Optional[str] = ..., mtp_k: _Optional[int] = ..., timeout_s: _Optional[float] = ..., node_mtp: _Optional[_Union[NodeSwitch, _Mapping]] = ..., tools_json: _Optional[str] = ..., constraint_json: _Optional[str] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class Started(_message.Message):
-    __slots__ = ("prompt_tokens", "max_tokens", "queue_s")
+    __slots__ = ("prompt_tokens", "max_tokens", "queue_s", "thinking")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    THINKING_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     max_tokens: int
     queue_s: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ...) -> None: ...
+    thinking: bool
+    def __init__(self, prompt_tokens: _Optional[int] = ..., max_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., thinking: _Optional[bool] = ...) -> None: ...
 
 class GenerateError(_message.Message):
     __slots__ = ("type", "message", "param", "retry_after_s")
