@@ -257,6 +257,15 @@ def test_checkpoints_that_do_not_match_their_config_or_index_are_rejected(hub, c
     assert cached_snapshot("org/wider") is None
     with pytest.raises(UnknownModelError):
         resolve_model("org/wider")
+    # A snapshot another tool completed (its ref written, every file there) is found as broken by a pull
+    # that fetches nothing, which leaves its ref alone: not exo's to delete.
+    [snapshot] = (Path(os.environ["HF_HOME"]) / "hub" / "models--org--wider" / "snapshots").iterdir()
+    ref = snapshot.parents[1] / "refs" / "main"
+    ref.parent.mkdir(exist_ok=True)
+    ref.write_text(snapshot.name)
+    with pytest.raises(CheckpointRejectedError, match=r"rejected: .*shape"):
+        pull_model("org/wider")
+    assert ref.read_text() == snapshot.name and cached_snapshot("org/wider") == snapshot
     # A stage's download cannot check shapes (the rest of the model is not there) and records the ref; the
     # whole model's rejection takes it back, and a stage whose files complete the model checks it whole.
     hub.add_repo("org/wider-staged", wider_dir)

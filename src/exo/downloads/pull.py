@@ -209,7 +209,11 @@ def pull(
     try:
         _check(target, plan, path, hub, tracker, steps, options, result)
     except CheckpointRejectedError:
-        forget_ref(plan, hub)  # recorded by an earlier stage's download of this commit
+        if options.stage is not None or plan.to_fetch:
+            # Stage downloads record this commit's ref as each passes its own checks; this pull completed
+            # the files and found the whole broken: the ref goes. A pull that fetched nothing found a
+            # snapshot someone else made (another tool, the user): its ref is not exo's to delete.
+            forget_ref(plan, hub)
         raise
     record_ref(plan, hub)  # only now does a lookup by revision find it
     tracker.set_status("complete")
