@@ -140,3 +140,35 @@ def short_context_copy(source: Path, target: Path, context: int) -> Path:
     config.setdefault("text_config", config)["max_position_embeddings"] = context
     (target / "config.json").write_text(json.dumps(config))
     return target
+
+
+def demo_model_with_template(template: str, target: Path) -> Path:
+    """The bundled demo model with another chat template, in ``target`` (its weights linked, not copied)."""
+    from exo.cards import bundled_model_dir
+
+    target.mkdir()
+    for f in bundled_model_dir("exo-demo").iterdir():
+        if f.name == "tokenizer_config.json":
+            config = json.loads(f.read_text())
+            config["chat_template"] = template
+            (target / f.name).write_text(json.dumps(config))
+        elif f.suffix == ".safetensors":
+            (target / f.name).symlink_to(f)
+        else:
+            shutil.copy(f, target / f.name)
+    return target
+
+
+def wait_until_serving(url: str, process: Any, timeout_s: float) -> None:
+    """Until ``url``'s /health answers 200 (an ``exo serve`` process starting); fails if it exits first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "exo serve did not come up"
+        time.sleep(0.2)
+

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import json
-import shutil
 from pathlib import Path
 
 import jsonschema
@@ -20,6 +19,7 @@ from exo.api.schemas import ChatCompletionRequest
 from exo.api.tools import chat_messages, tool_definitions
 from exo.cards import bundled_model_dir
 from exo.engine.prompt import tokenize
+from tests.api.conftest import demo_model_with_template
 from tests.fixtures.schemas import BOUNDED, parameters
 
 WEATHER = {
@@ -210,19 +210,7 @@ XML_TEMPLATE = (
 @pytest.fixture(scope="module")
 def xml_model(tmp_path_factory) -> Path:
     """The demo model with a chat template that teaches the XML call format (its weights linked, not copied)."""
-    source = bundled_model_dir("exo-demo")
-    target = tmp_path_factory.mktemp("xml") / "exo-demo-xml"
-    target.mkdir()
-    for f in source.iterdir():
-        if f.name == "tokenizer_config.json":
-            config = json.loads(f.read_text())
-            config["chat_template"] = XML_TEMPLATE
-            (target / f.name).write_text(json.dumps(config))
-        elif f.suffix == ".safetensors":
-            (target / f.name).symlink_to(f)
-        else:
-            shutil.copy(f, target / f.name)
-    return target
+    return demo_model_with_template(XML_TEMPLATE, tmp_path_factory.mktemp("xml") / "exo-demo-xml")
 
 
 @pytest.fixture(scope="module")

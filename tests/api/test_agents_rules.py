@@ -12,21 +12,18 @@ import io
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx2 as httpx
 import jsonschema
 import pytest
 
 from exo.api.completions import Reasoning
 from exo.api.reasoning import ReasoningSplitter, split_whole
 from exo.api.tools import END
-from exo.cards import bundled_model_dir
+from tests.api.conftest import demo_model_with_template, wait_until_serving
 from tests.api.test_agents import ADD, ASK, TOOLS, XML_TEMPLATE
 from tests.api.test_serve_cli import SRC, _free_port
 
@@ -188,26 +185,11 @@ ALWAYS_THINK = XML_TEMPLATE.replace(
 )
 
 
-def _model_with(template: str, target: Path) -> Path:
-    source = bundled_model_dir("exo-demo")
-    target.mkdir()
-    for f in source.iterdir():
-        if f.name == "tokenizer_config.json":
-            config = json.loads(f.read_text())
-            config["chat_template"] = template
-            (target / f.name).write_text(json.dumps(config))
-        elif f.suffix == ".safetensors":
-            (target / f.name).symlink_to(f)
-        else:
-            shutil.copy(f, target / f.name)
-    return target
-
-
 @pytest.mark.parametrize("template", [THINK_TEMPLATE, ALWAYS_THINK], ids=["qwen3.5_style", "ignores_enable_thinking"])
 def test_constrained_answers_start_after_the_think_block(make_server, tmp_path, template):
     """A template that opens <think> in the generation prompt: constrained output is the answer itself
     (enable_thinking=False, and a block still open is closed), so calls parse and JSON validates."""
-    server = make_server(_model_with(template, tmp_path / "think"))
+    server = make_server(demo_model_with_template(template, tmp_path / "think"))
     client = server.openai()
     reply = client.chat.completions.create(model=server.model, messages=ASK, tools=TOOLS, tool_choice="required",
                                            parallel_tool_calls=False, temperature=0, max_tokens=200)
@@ -244,7 +226,7 @@ def test_a_template_that_opens_think_gives_reasoning_content(make_server, tmp_pa
     """Unconstrained, the answer starts inside the template's think block (as Qwen3.5's does by default:
     mlx-lm passes enable_thinking=True when <think> is in the vocabulary): it is reasoning_content, the same
     streamed and whole. A template not asked to think (this vocabulary: enable_thinking=False) answers content."""
-    server = make_server(_model_with(ALWAYS_THINK, tmp_path / "always"))
+    server = make_server(demo_model_with_template(ALWAYS_THINK, tmp_path / "always"))
     client = server.openai()
     request = dict(model=server.model, messages=ASK, tools=TOOLS, temperature=0, max_tokens=12)
     whole = client.chat.completions.create(**request).choices[0].message
@@ -254,7 +236,7 @@ def test_a_template_that_opens_think_gives_reasoning_content(make_server, tmp_pa
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == thought
     assert not "".join(d.content or "" for d in deltas)
-    other = make_server(_model_with(THINK_TEMPLATE, tmp_path / "think"))
+    other = make_server(demo_model_with_template(THINK_TEMPLATE, tmp_path / "think"))
     plain = other.openai().chat.completions.create(**{**request, "model": other.model})
     assert plain.choices[0].message.content and not (plain.choices[0].message.model_extra or {}).get(
         "reasoning_content")
@@ -275,16 +257,7 @@ def exo_serve(tmp_path):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None, process.communicate()
-            assert time.monotonic() < deadline, "exo serve did not come up"
-            time.sleep(0.2)
+        wait_until_serving(url, process, 90)
         yield url
     finally:
         process.send_signal(signal.SIGINT)

@@ -7,12 +7,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx2 as httpx
 
 from exo.cli.main import build_parser, main
+from tests.api.conftest import wait_until_serving
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -49,16 +49,7 @@ def test_exo_serve_process(model_dir, tmp_path):
     )
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None, process.communicate()
-            assert time.monotonic() < deadline, "exo serve did not come up"
-            time.sleep(0.2)
+        wait_until_serving(url, process, 60)
         body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
         response = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
         assert response.status_code == 200 and response.json()["model"] == model_dir.name
