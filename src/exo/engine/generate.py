@@ -32,7 +32,7 @@ from typing import Any, Literal
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from .adaptive import DepthCosts, DepthPolicy
+from .adaptive import BatchDepthPolicy, DepthCosts, DepthPolicy
 from .constraints import ConstraintSpec, Grammar, Matcher, ToolFormat, compile_grammar
 from .costs import measure_costs
 from .forward import Forward, LocalForward
@@ -180,6 +180,7 @@ class Engine:
         self._costs: DepthCosts | None = None
         self._policy: DepthPolicy | None = None
         self._policy_key: tuple[int, int] | None = None
+        self._batch_policy: BatchDepthPolicy | None = None
         self._grammar_tokenizer: Any = None
         self._closing_tokens: Any = None
         self._token_bytes: dict[int, bytes] = {}
@@ -302,6 +303,13 @@ class Engine:
             self._policy = DepthPolicy(costs=costs, max_k=self.config.max_k, default_k=self.config.default_k)
             self._policy_key = key
         return self._policy
+
+    def batch_policy(self) -> BatchDepthPolicy:
+        """The depth of batched rounds per batch size (exo.engine.batch), over the engine's adaptive policy."""
+        solo = self._adaptive_policy()
+        if self._batch_policy is None or self._batch_policy.solo is not solo:
+            self._batch_policy = BatchDepthPolicy(solo)
+        return self._batch_policy
 
     def complete(self, request: GenerationRequest) -> GenerationResult:
         text, tokens, finish, stats = [], [], None, None
@@ -485,9 +493,11 @@ class _Run:
         max_k = policy.max_k if policy is not None else 0
         self.recorder = StatsRecorder(max(max_k, 1))
         # Batching (exo.engine.batch): the run left its solo loop for a batch; tokens it decoded in a
-        # batch, per batch size; whether ``pending_token`` was added to the output yet.
+        # batch, per batch size; speculative rounds it ran in a batch; whether ``pending_token`` was added
+        # to the output yet.
         self.handed_over = False
         self.batch_sizes: dict[int, int] = {}
+        self.batch_rounds = 0
         self.pending_emitted = True
         self.pending_batch = 0  # the size of the batch step that computed ``pending_token``
         self.started = self.first_time = 0.0
@@ -495,8 +505,8 @@ class _Run:
 
     @property
     def batchable(self) -> bool:
-        """Whether plain batched decoding can carry this run (grammars and logprobs stay solo, and so do
-        pipelined models)."""
+        """Whether a batch (exo.engine.batch: batched plain steps and batched MTP rounds) can carry this run
+        (grammars and logprobs stay solo, and so do pipelined models)."""
         return self.matcher is None and self.top_logprobs is None and self.forward.stages == 1
 
     def _handover(self) -> bool:
@@ -675,7 +685,6 @@ class _Run:
     def final_chunk(self) -> GenerationChunk:
         """The last chunk (the run has finished): what is left of the output, the finish reason, stats."""
         assert self.output.finish is not None
-        self.recorder.plain_steps(sum(self.batch_sizes.values()))
         stats = self._stats(self.first_time - self.started, time.perf_counter() - self.first_time)
         final = self.output.chunk() or GenerationChunk("", [], self.output.finish)
         final.finish_reason = self.output.finish
@@ -905,15 +914,15 @@ class _Run:
         reason = self.reason
         if self.policy is not None and self.policy.fixed_k == 0:
             reason = "the MTP depth was forced to 0 (plain decoding)"
-        elif self.batch_sizes and self.policy is not None:
-            reason = (
-                "native MTP paused while this request decoded in a batch with others (batched plain "
-                "decoding; see batch_sizes)"
-            )
         elif reason is None and self.policy is not None and not self.track_head:
             reason = (
                 "adaptive depth chose plain decoding: on this device a verify call costs too much for "
                 "drafts to pay off even at full acceptance"
+            )
+        elif reason is None and self.batch_sizes and not self.batch_rounds:
+            reason = (
+                "adaptive depth chose plain decoding for the batch sizes this request decoded in (batched "
+                "plain steps were measured to cost less there; see batch_sizes)"
             )
         return NativeMTPStats(
             enabled=self.policy is not None,
