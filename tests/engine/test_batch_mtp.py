@@ -69,9 +69,10 @@ def test_batched_greedy_mtp_equals_solo_plain_with_joins_and_leaves(checkpoint, 
     assert any(len(set(counts)) > 1 for counts in kept)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 @pytest.mark.parametrize("depth", [1, 3])
-def test_batched_greedy_mtp_at_every_forced_depth(checkpoint, depth, rounds):
-    engine = _engine(checkpoint("qwen3_5", dtype="float32"))
+def test_batched_greedy_mtp_at_every_forced_depth(checkpoint, arch, depth, rounds):
+    engine = _engine(checkpoint(arch, dtype="float32"))
     kept, _ = rounds
     requests = [_request(engine, i, max_tokens=m, mtp_k=depth) for i, m in enumerate((18, 11, 15))]
     got = _run_batch(engine, requests, join_at=[0, 1, 1])
@@ -116,8 +117,9 @@ def test_members_with_different_depths_share_a_round(checkpoint):
     assert stats[3].rounds == 0 and "forced to 0" in stats[3].reason
 
 
-def test_bfloat16_batched_greedy_mtp_equals_solo_plain(checkpoint):
-    engine = _engine(checkpoint("qwen3_5", dtype="bfloat16"))
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_bfloat16_batched_greedy_mtp_equals_solo_plain(checkpoint, arch):
+    engine = _engine(checkpoint(arch, dtype="bfloat16"))
     requests = [_request(engine, i, max_tokens=20, mtp_k=2) for i in range(4)]
     got = _run_batch(engine, requests, join_at=[0, 1, 2, 2])
     _check_solo(engine, requests, got)
