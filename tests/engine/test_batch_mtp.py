@@ -269,3 +269,33 @@ def test_per_sequence_rollback_leaves_each_sequence_as_its_solo_rollback(checkpo
         else:
             for b, solo in enumerate(solos):
                 assert mx.array_equal(c[0][b : b + 1], solo[layer][0]) and mx.array_equal(c[1][b : b + 1], solo[layer][1])
+
+
+def test_heads_are_not_fed_while_a_batch_decodes_plainly(checkpoint):
+    """Where the batch's depth is 0 (here: every row costs a whole step, as on a compute-bound device), an
+    adaptive member's head gets nothing (a head row costs about a backbone layer): only its last few rows
+    wait, for a probe round to draft from."""
+    from exo.engine.batch import HEAD_WINDOW, BatchDecoder
+
+    engine = Engine(_engine(checkpoint("qwen3_5", dtype="float32")).loaded, EngineConfig(prefill_chunk=CHUNK))
+    # Drafting pays alone, but next to a solo step this short any batched step is all rows.
+    engine._costs = DepthCosts(beta=(1.2, 1.3), delta=(0.05, 0.1), device="test", plain_s=1e-9)
+    requests = [_request(engine, i, max_tokens=14) for i in range(3)]
+    batch = BatchDecoder(engine)
+    runs, heads = [], {}
+    for request in requests:
+        run = engine.start(request)
+        list(run.begin())
+        batch.add(run)
+        runs.append(run)
+        heads[id(run)] = run.head_cache.offset
+    assert all(run.track_head for run in runs)
+    tokens = {id(run): list(run.output.tokens) for run in runs}
+    while len(batch):
+        for run, chunks in batch.step():
+            tokens[id(run)].extend(t for chunk in chunks for t in chunk.token_ids)
+        for run in batch.runs:
+            assert len(run._head_hidden) <= HEAD_WINDOW and run.head_cache.offset == heads[id(run)]
+    for run, request in zip(runs, requests, strict=True):
+        assert run.recorder.rounds == 0
+        assert tokens[id(run)] == _solo(engine, request).token_ids

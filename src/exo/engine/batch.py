@@ -10,7 +10,10 @@ own. Each ``step`` is then, for every run at once, one of:
 - a plain step (K = 0): ONE backbone call over a row per run; each row penalised and sampled with its
   own run's parameters and PRNG key stream (a seed reproduces the solo samples). Plain steps are
   pipelined like a solo plain burst: a step's next tokens are computed while the host emits the tokens
-  fed to it (a run that finishes has one wasted row computed after its last token);
+  fed to it (a run that finishes has one wasted row computed after its last token). Meanwhile an
+  adaptive run's head is not fed (only its last ``HEAD_WINDOW`` rows wait): a head row costs about a
+  backbone layer per token, which a batch that decodes plainly would pay for nothing; a later round
+  drafts from a head with a gap in its context (exo-demo: acceptance 1.000 -> 0.984 after 60 tokens);
 - a speculative round: each run drafts with the head (``_Run._draft``, its own head cache), ONE verify
   call of [B, K+1] rows (GatedDeltaNet recording every row's state, MoE routing locked: the solo verify
   call's semantics), then per run its own verdict (``_Run._decide``: greedy argmax match, or its own
@@ -44,9 +47,11 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from .batch_cache import batch_cache, keep_rows_per_sequence
-from .generate import HEAD_FLUSH_ROWS, Engine, GenerationChunk, _Run
+from .generate import Engine, GenerationChunk, _Run
 from .sampling import apply_processors
 from .verify import verify_logits
+
+HEAD_WINDOW = 4  # head rows an adaptive member keeps waiting while its batch decodes plainly
 
 
 def sequence_bytes(engine: Engine) -> tuple[int, int]:
@@ -192,6 +197,11 @@ class BatchDecoder:
                 token, _ = run._sample(row)
                 following.append(token)
             run._wait_for_head(hidden[i : i + 1], following[i])
+            if self._adaptive(run):
+                # While the batch decodes plainly its members' heads are not fed (a head row costs about a
+                # layer of the backbone per token, for nothing until a round): only the last few rows wait,
+                # so a round drafts from recent context after a gap in the head's.
+                del run._head_hidden[:-HEAD_WINDOW], run._head_tokens[:-HEAD_WINDOW]
         mx.async_eval(following)
         values = inputs.tolist()  # the tokens fed to this step, read while it runs
         out: Results = []
@@ -211,10 +221,6 @@ class BatchDecoder:
                 run.pending_batch = size
                 if run.processors:
                     run.history = mx.concatenate([run.history, following[i]])
-                if len(run._head_hidden) >= HEAD_FLUSH_ROWS:
-                    # Long plain stretches: keep the head cache current in batches, off the token path.
-                    head_out = run._flush_head()
-                    mx.async_eval(head_out, run.head_cache.state)
             out.append((run, chunks))
         if any(self._adaptive(run) for run in runs):
             # A pipelined step's time is the previous step's compute: measured only after a plain step.
@@ -260,6 +266,8 @@ class BatchDecoder:
         size = len(runs)
         depths = [self._depth(run, batch_k) for run in runs]
         k = max(depths)
+        # A round that first feeds the heads more than a window of rows is not a typical round's time.
+        catch_up = any(sum(h.shape[1] for h in run._head_hidden) > max(k + 1, HEAD_WINDOW) for run in runs)
         drafts = []
         for run, depth in zip(runs, depths, strict=True):
             run._plain_next = False
@@ -283,7 +291,7 @@ class BatchDecoder:
                 assert run.policy is not None
                 run.policy.tracker.observe(decision.drafts.k, decision.accepted)
         if any(self._adaptive(run) for run in runs):
-            typical = timed and all(d == k for d in depths) and not any(d.catch_up for d in drafts)
+            typical = timed and all(d == k for d in depths) and not catch_up
             engine.batch_policy().observe_round(size, k, seconds if typical else None)
         self._after_plain = False
         chunks_of = {id(run): chunks for run, chunks in out}
