@@ -309,3 +309,28 @@ def test_a_batch_bucket_learns_acceptance_with_the_solo_policy():
     for _ in range(80):
         solo.observe_round(1, 0)
     assert policy.choose(2) == 0
+
+
+def test_a_batch_of_one_starts_at_the_solo_default_depth():
+    """Its costs are the solo ones; like a solo request it drafts at the default depth before acceptance is
+    known (a larger bucket follows its estimates: prior acceptance 0.6 does not pay here)."""
+    costs = DepthCosts(beta=(1.4, 1.8), delta=(0.2, 0.4), device="cpu", plain_s=0.010)
+    policy = BatchDepthPolicy(DepthPolicy(costs, max_k=2, default_k=1))
+    for size in (1, 2):
+        policy.observe_plain(size, 0.010 * size ** 0.5)
+    assert policy.choose(1) == 1
+    assert policy.choose(2) == 0
+
+
+def test_a_bucket_where_drafting_cannot_pay_off_does_not_probe():
+    """A batched plain step of 8 costs 3 solo steps here: a K = 1 round is estimated at 2.25 steps, more
+    than its 2 tokens at full acceptance. The bucket decodes plainly without probes; a small bucket whose
+    rows are nearly free still drafts."""
+    solo = DepthCosts(beta=(1.28, 1.57, 1.86), delta=(0.18, 0.34, 0.50), device="cpu", plain_s=0.009)
+    policy = _batch_policy(solo)
+    policy.observe_plain(8, 0.027)
+    policy.observe_plain(2, 0.0095)
+    for _ in range(4 * PROBE_FIRST):
+        assert policy.choose(8) == 0
+        policy.observe_plain(8, 0.027)
+    assert policy.choose(2) >= 1

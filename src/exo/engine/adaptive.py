@@ -286,7 +286,8 @@ class BatchDepthPolicy:
     plainly and nothing is timed or probed). A bucket decodes plainly until its plain step is timed (rounds
     are judged against it); then it follows ``DepthPolicy.choose``: estimates (``batch_costs``) until its
     rounds are timed, a K >= 1 only when it beats plain decoding by ``MIN_GAIN``, rarer and rarer probes
-    while at K = 0."""
+    while at K = 0, and none where even full acceptance could not pay off at that size (re-judged as its
+    timings come in)."""
 
     solo: DepthPolicy
     _buckets: dict[int, DepthPolicy] = field(default_factory=dict, init=False)
@@ -295,9 +296,11 @@ class BatchDepthPolicy:
         index = batch_bucket(size)
         policy = self._buckets.get(index)
         if policy is None:
+            # A batch of one starts at the solo default depth, as a solo request does; larger ones on their
+            # estimates.
             policy = DepthPolicy(
-                costs=batch_costs(self.solo.costs, size), max_k=self.solo.max_k, default_k=0,
-                can_draft=self.solo.mtp_can_pay_off,
+                costs=batch_costs(self.solo.costs, size), max_k=self.solo.max_k,
+                default_k=self.solo.default_k if index == 0 else 0, can_draft=self.solo.mtp_can_pay_off,
             )
             policy.tracker = self.solo.tracker  # acceptance is the head's on the text, whatever the batch
             self._buckets[index] = policy
@@ -316,6 +319,10 @@ class BatchDepthPolicy:
         if policy._median(0) is None:
             return 0  # time a plain step first: every round is judged against it
         policy.costs = batch_costs(self.solo.costs, size, self.rows_factor(size))
+        # Where even full acceptance could not pay off at this batch size by the estimate from its measured
+        # rows cost (a compute-bound device), the bucket does not probe either. Its plain steps keep timing
+        # that cost; a few slow rounds (a busy moment) must not end probing for good, so not those.
+        policy.can_draft = can_pay_off(policy.costs, policy.max_k)
         return policy.choose()
 
     def observe_plain(self, size: int, seconds: float | None = None) -> None:
