@@ -1,12 +1,17 @@
 """Batched vs solo greedy decoding on this device: identical tokens? and what a batch step costs.
 
-    python bench/batch_identity.py [MODEL] [--sizes 1 8 32] [--max-tokens 64]
+    python bench/batch_identity.py [MODEL] [--sizes 1 8 32] [--max-tokens 64] [--mtp [--ks 1 2 3]]
 
 For each batch size B, B distinct prompts decode together through the engine's BatchDecoder (greedy,
 EOS ignored so every sequence runs its whole budget); each sequence is compared token for token with
 its solo plain decoding (Engine.complete, native MTP off). Prints per B: sequences identical to solo,
 the first diverging position of the others, the mean decode step time, and the aggregate decode
 tokens/s (prefill excluded) against solo decoding's tokens/s.
+
+``--mtp``: each batch size also runs with native MTP in the batch, at each forced depth of ``--ks`` and
+adaptive: per run the same identity check, the mean round time and its cost in batched plain steps of the
+same B (what adaptive depth weighs: beta + delta of a batched round), the tokens a member gains per round,
+and the aggregate tokens/s against the batched plain run's.
 """
 
 from __future__ import annotations
@@ -30,53 +35,96 @@ def prompts(engine, n: int) -> list[list[int]]:
     return [engine.loaded.tokenizer.encode(texts[i % len(texts)] + " " * (i // len(texts))) for i in range(n)]
 
 
+@dataclasses.dataclass
+class BatchRun:
+    tokens: list[list[int]]
+    steps: int
+    seconds: float
+    rounds: int  # speculative rounds per member, summed
+    k_histogram: dict[int, int]
+
+
+def run_batch(engine, ids: list[list[int]], max_tokens: int, **request) -> BatchRun:
+    """Prefill each prompt alone, then decode them all in one batch until every one has ended."""
+    batch = BatchDecoder(engine)
+    tokens: dict[int, list[int]] = {}
+    runs = []
+    for p in ids:
+        run = engine.start(GenerationRequest(p, max_tokens=max_tokens, **request))
+        tokens[id(run)] = [t for chunk in run.begin() if chunk is not None for t in chunk.token_ids]
+        batch.add(run)
+        runs.append(run)
+    mx.eval([c.state for c in batch.cache])
+    start = time.perf_counter()
+    steps = 0
+    rounds = 0
+    histogram: dict[int, int] = {}
+    while len(batch):
+        for run, chunks in batch.step():
+            for chunk in chunks:
+                tokens[id(run)].extend(chunk.token_ids)
+                if chunk.stats is not None:
+                    rounds += chunk.stats.rounds
+                    for k, n in chunk.stats.k_histogram.items():
+                        histogram[k] = histogram.get(k, 0) + n
+        steps += 1
+    return BatchRun([tokens[id(r)] for r in runs], steps, time.perf_counter() - start, rounds, dict(sorted(histogram.items())))
+
+
+def identity(run: BatchRun, solo: list[list[int]]) -> str:
+    same, first = 0, []
+    for got, want in zip(run.tokens, solo, strict=False):
+        if got == want:
+            same += 1
+        else:
+            first.append(next((j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), len(got)))
+    return f"identical to solo {same}/{len(run.tokens)}" + (f" (first differences at {sorted(first)})" if first else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", default="exo-demo")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], nargs="+", default=[[1, 8, 32]])
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--mtp", action="store_true", help="also decode each batch with native MTP")
+    parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3], help="forced depths for --mtp")
     args = parser.parse_args()
+    sizes = sorted({s for group in args.sizes for s in group})
     engine = load(args.model)
     engine.loaded = dataclasses.replace(engine.loaded, eos_token_ids=frozenset())
-    n = max(args.sizes)
+    n = max(sizes)
     ids = prompts(engine, n)
     solo, solo_s = [], 0.0
     for p in ids:
         result = engine.complete(GenerationRequest(p, max_tokens=args.max_tokens, native_mtp="off"))
         solo.append(result.token_ids)
         solo_s += (args.max_tokens - 1) / max(result.stats.decode_tokens_per_s, 1e-9)
+    decoded = args.max_tokens - 1  # per sequence, after the first token (prefill)
     print(f"{args.model} on {device_name()}, {args.max_tokens} tokens per sequence, greedy")
-    print(f"solo plain decoding: {n * (args.max_tokens - 1) / solo_s:.1f} tok/s (mean over {n} prompts)")
-    for size in args.sizes:
-        batch = BatchDecoder(engine)
-        tokens: dict[int, list[int]] = {}
-        runs = []
-        for i in range(size):
-            run = engine.start(GenerationRequest(ids[i], max_tokens=args.max_tokens))
-            tokens[id(run)] = [t for chunk in run.begin() if chunk is not None for t in chunk.token_ids]
-            batch.add(run)
-            runs.append(run)
-        mx.eval([c.state for c in batch.cache])
-        start = time.perf_counter()
-        steps = 0
-        while len(batch):
-            for run, chunks in batch.step():
-                for chunk in chunks:
-                    tokens[id(run)].extend(chunk.token_ids)
-            steps += 1
-        elapsed = time.perf_counter() - start
-        same, first = 0, []
-        for i, run in enumerate(runs):
-            got = tokens[id(run)]
-            if got == solo[i]:
-                same += 1
+    print(f"solo plain decoding: {n * decoded / solo_s:.1f} tok/s (mean over {n} prompts)")
+    if args.mtp:
+        costs = engine.costs()
+        print("warm-up costs (solo, in plain steps): beta " + " ".join(f"{b:.2f}" for b in costs.beta)
+              + ", delta " + " ".join(f"{d:.2f}" for d in costs.delta))
+    for size in sizes:
+        plain = run_batch(engine, ids[:size], args.max_tokens, native_mtp="off")
+        step_ms = plain.seconds / plain.steps * 1000
+        plain_rate = size * decoded / plain.seconds
+        print(f"B={size:3d}: {identity(plain, solo)}; step {step_ms:.2f} ms; {plain_rate:.1f} tok/s aggregate")
+        if not args.mtp:
+            continue
+        for k in [*args.ks, None]:
+            run = run_batch(engine, ids[:size], args.max_tokens, mtp_k=k)
+            rate = size * decoded / run.seconds
+            label = f"K={k}" if k is not None else "adaptive"
+            line = f"       MTP {label:8s}: {identity(run, solo)}; "
+            if k is not None:
+                round_ms = run.seconds / run.steps * 1000
+                gained = size * decoded / run.rounds if run.rounds else 0.0  # tokens per member per round
+                line += f"round {round_ms:.2f} ms = {round_ms / step_ms:.2f} plain steps, {gained:.2f} tokens/round; "
             else:
-                first.append(next((j for j, (a, b) in enumerate(zip(got, solo[i], strict=False)) if a != b), len(got)))
-        print(
-            f"B={size:3d}: identical to solo {same}/{size}"
-            + (f" (first differences at {sorted(first)})" if first else "")
-            + f"; step {elapsed / steps * 1000:.2f} ms; {size * (args.max_tokens - 1) / elapsed:.1f} tok/s aggregate"
-        )
+                line += f"steps per depth {run.k_histogram}; "
+            print(line + f"{rate:.1f} tok/s aggregate ({rate / plain_rate:.2f}x batched plain)")
 
 
 if __name__ == "__main__":

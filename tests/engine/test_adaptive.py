@@ -4,8 +4,11 @@ import pytest
 
 from exo.engine.adaptive import (
     PROBE_FIRST,
+    BatchDepthPolicy,
     DepthCosts,
     DepthPolicy,
+    batch_bucket,
+    batch_costs,
     best_depth,
     can_pay_off,
     expected_speedup,
@@ -212,3 +215,122 @@ def test_learning_carries_over_to_the_next_request():
     policy.new_request()
     assert policy.choose() == 0
     assert policy.plain_budget() == PROBE_FIRST  # the probe schedule restarts with each request
+
+
+# -- batches: one depth per batch-size bucket ------------------------------------------------------------------
+SOLO_GPU = DepthCosts(beta=(1.25, 1.5, 1.75), delta=(0.05, 0.10, 0.15), device="cuda", plain_s=0.010)
+
+
+@pytest.mark.parametrize(
+    ("size", "bucket"),
+    [(1, 0), (2, 1), (3, 2), (4, 2), (5, 3), (8, 3), (9, 4), (16, 4), (17, 5), (64, 5)],
+)
+def test_batch_sizes_share_timings_by_bucket(size, bucket):
+    assert batch_bucket(size) == bucket
+
+
+@pytest.mark.parametrize(
+    ("size", "rows_factor", "beta1", "delta1"),
+    [
+        (1, None, 1.25, 0.05),  # a batch of one costs what a solo round costs
+        (8, 8.0, 2.0, 0.05),  # compute-bound: every row costs a step, a K = 1 round two steps
+        (8, 1.0, 1.25, 0.4),  # rows are free: the solo verify's extra once, 8 drafting chains
+        (8, 2.0, 1.0 + (8 / 7 + (0.25 - 1 / 7)) / 2, 0.2),
+        (8, None, 1.0 + 2.0 / 2.75, 0.4 / 2.75),  # extrapolated from the warm-up: m = beta(1) - 1
+        (4, 9.0, 2.0, 0.05),  # a measured factor beyond the rows is clamped to them
+    ],
+)
+def test_batch_costs_scale_the_solo_warmup_by_the_rows_cost(size, rows_factor, beta1, delta1):
+    costs = batch_costs(SOLO_GPU, size, rows_factor)
+    assert costs.beta[0] == pytest.approx(beta1) and costs.delta[0] == pytest.approx(delta1)
+    assert costs.max_k == SOLO_GPU.max_k
+
+
+def _batch_policy(solo_costs: DepthCosts, acceptance: int = 40) -> BatchDepthPolicy:
+    solo = DepthPolicy(solo_costs, max_k=3, default_k=1)
+    for _ in range(acceptance):
+        solo.observe_round(3, 3)  # a head that lands nearly every draft
+    return BatchDepthPolicy(solo)
+
+
+def test_a_batch_never_drafts_where_solo_drafting_cannot_pay_off():
+    policy = _batch_policy(CPU)
+    for size in (1, 2, 8, 32):
+        for _ in range(3 * PROBE_FIRST):
+            assert policy.choose(size) == 0  # not even a probe
+            policy.observe_plain(size, 0.02)
+
+
+def test_a_bucket_times_its_plain_step_before_it_drafts():
+    policy = _batch_policy(SOLO_GPU)
+    assert policy.choose(2) == 0
+    policy.observe_plain(2, None)  # the first plain step after a round is not timed
+    assert policy.choose(2) == 0
+    policy.observe_plain(2, 0.0105)
+    assert policy.choose(2) >= 1  # rows nearly free, drafts landing: the estimate drafts
+
+
+def test_batch_depth_follows_the_measured_rows_cost_per_bucket():
+    """Bandwidth-bound small batches keep drafting; a large batch whose plain step grows with its rows
+    (compute-bound there) decodes plainly: each bucket from its own timings."""
+    policy = _batch_policy(SOLO_GPU)
+    policy.observe_plain(2, 0.0105)  # 2 rows cost about 1
+    policy.observe_plain(32, 0.300)  # 32 rows cost 30 solo steps
+    assert policy.choose(2) >= 1
+    assert policy.choose(32) == 0
+    assert policy.choose(20) == 0  # the same bucket (17+)
+
+
+def test_measured_batch_rounds_replace_the_estimate():
+    policy = _batch_policy(SOLO_GPU)
+    policy.observe_plain(4, 0.011)
+    k = policy.choose(4)
+    assert k >= 1
+    for _ in range(8):
+        policy.observe_round(4, k, 0.050)  # measured: a round costs 4.5 plain steps, K+1 tokens at most
+    assert policy.choose(4) == 0
+    # ... and it probes back now and then (exponentially rarer), the plain step staying the reference.
+    probes = 0
+    for _ in range(PROBE_FIRST + 1):
+        if policy.choose(4):
+            probes += 1
+            policy.observe_round(4, 1, 0.050)
+        else:
+            policy.observe_plain(4, 0.011)
+    assert probes == 1
+
+
+def test_a_batch_bucket_learns_acceptance_with_the_solo_policy():
+    """One acceptance tracker: a head whose drafts stop landing sends batches to K = 0 as well."""
+    solo = DepthPolicy(SOLO_GPU, max_k=3, default_k=1)
+    policy = BatchDepthPolicy(solo)
+    policy.observe_plain(2, 0.0105)
+    assert policy.choose(2) >= 1
+    for _ in range(80):
+        solo.observe_round(1, 0)
+    assert policy.choose(2) == 0
+
+
+def test_a_batch_of_one_starts_at_the_solo_default_depth():
+    """Its costs are the solo ones; like a solo request it drafts at the default depth before acceptance is
+    known (a larger bucket follows its estimates: prior acceptance 0.6 does not pay here)."""
+    costs = DepthCosts(beta=(1.4, 1.8), delta=(0.2, 0.4), device="cpu", plain_s=0.010)
+    policy = BatchDepthPolicy(DepthPolicy(costs, max_k=2, default_k=1))
+    for size in (1, 2):
+        policy.observe_plain(size, 0.010 * size ** 0.5)
+    assert policy.choose(1) == 1
+    assert policy.choose(2) == 0
+
+
+def test_a_bucket_where_drafting_cannot_pay_off_does_not_probe():
+    """A batched plain step of 8 costs 3 solo steps here: a K = 1 round is estimated at 2.25 steps, more
+    than its 2 tokens at full acceptance. The bucket decodes plainly without probes; a small bucket whose
+    rows are nearly free still drafts."""
+    solo = DepthCosts(beta=(1.28, 1.57, 1.86), delta=(0.18, 0.34, 0.50), device="cpu", plain_s=0.009)
+    policy = _batch_policy(solo)
+    policy.observe_plain(8, 0.027)
+    policy.observe_plain(2, 0.0095)
+    for _ in range(4 * PROBE_FIRST):
+        assert policy.choose(8) == 0
+        policy.observe_plain(8, 0.027)
+    assert policy.choose(2) >= 1

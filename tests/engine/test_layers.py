@@ -187,3 +187,60 @@ def test_vector_matmul_is_the_one_row_products(shape, dtype):
     one_by_one = mx.concatenate([rows[i : i + 1] @ weight.T for i in range(rows.shape[0])]).reshape(*shape[:-1], 48)
     assert out.shape == (*shape[:-1], 48) and out.dtype == dtype
     assert mx.array_equal(out, one_by_one).item()
+
+
+@pytest.mark.parametrize("make", [lambda: GatedDeltaNet(_qwen35_args()), lambda: NextGatedDeltaNet(_next_args())])
+def test_a_batch_commits_each_sequence_at_its_own_row(make):
+    """A batched verify call records every row's state for every sequence; committing a count per sequence
+    leaves each one exactly as committing that count alone would (and as a one-count commit does)."""
+    mx.random.seed(4)
+    layer = make()
+    contexts = [mx.random.normal((1, 5, 64)) for _ in range(3)]
+    rows = mx.random.normal((3, 4, 64))
+    keep = [0, 2, 4]
+    batch = RollbackArraysCache()
+    singles = [_prefilled(layer, c) for c in contexts]
+    batch.cache = [mx.concatenate([s[i] for s in singles]) for i in range(2)]
+    batch.recording = True
+    layer(rows, cache=batch)
+    batch.recording = False
+    batch.commit(keep)
+    for b, (context, kept) in enumerate(zip(contexts, keep, strict=True)):
+        alone = _prefilled(layer, context)
+        alone.recording = True
+        layer(rows[b : b + 1], cache=alone)
+        alone.recording = False
+        alone.commit(kept)
+        assert mx.array_equal(batch[0][b : b + 1], alone[0]) and mx.array_equal(batch[1][b : b + 1], alone[1])
+    with pytest.raises(ValueError):
+        batch.recording = True
+        layer(rows, cache=batch)
+        batch.commit([1, 5, 0])
+
+
+def test_row_by_row_attention_in_a_batch_masks_the_left_padding():
+    """In a batch (mlx-lm's left-padded BatchKVCache), a verify call attending row by row keeps the batch's
+    mask: each sequence's rows equal its own decode steps, not attending the padding before it."""
+    from mlx_lm.models.base import create_attention_mask
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    from exo.engine.models.layers import Attention
+
+    mx.random.seed(6)
+    args = _qwen35_args()
+    layer = Attention(args)
+    mx.eval(layer.parameters())
+    prefixes = [mx.random.normal((1, n, args.hidden_size)) for n in (6, 2)]
+    rows = mx.random.normal((2, 3, args.hidden_size))
+    singles = []
+    for prefix in prefixes:
+        cache = KVCache()
+        layer(prefix, mask="causal", cache=cache)
+        singles.append(cache)
+    batch = BatchKVCache.merge(singles)
+    layer.per_row = True
+    verified = layer(rows, mask=create_attention_mask(rows, batch), cache=batch)
+    layer.per_row = False
+    for b, cache in enumerate(singles):
+        stepwise = mx.concatenate([layer(rows[b : b + 1, t : t + 1], cache=cache) for t in range(3)], axis=1)
+        assert mx.allclose(verified[b : b + 1], stepwise, atol=1e-5), b

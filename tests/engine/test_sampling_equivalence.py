@@ -40,6 +40,34 @@ def _sample_runs(engine: Engine, prompt, sampling: dict, **request) -> tuple[np.
     return np.array(rows), drafted, accepted
 
 
+def _batched_runs(engine: Engine, prompt, sampling: dict, mtp_k: int, size: int = 8) -> tuple[np.ndarray, int, int]:
+    """The same seeds as ``_sample_runs``, decoded ``size`` at a time in one batch with native MTP."""
+    from exo.engine.batch import BatchDecoder
+
+    rows, drafted, accepted = [], 0, 0
+    for first in range(0, RUNS, size):
+        batch = BatchDecoder(engine)
+        tokens: dict[int, list[int]] = {}
+        seeds: dict[int, int] = {}  # id(run) -> its seed
+        for seed in range(first, min(first + size, RUNS)):
+            run = engine.start(
+                GenerationRequest(prompt, max_tokens=LENGTH, sampling=SamplingParams(seed=seed, **sampling), mtp_k=mtp_k)
+            )
+            tokens[seed] = [t for chunk in run.begin() if chunk is not None for t in chunk.token_ids]
+            seeds[id(run)] = seed
+            if run.output.finish is None:
+                batch.add(run)
+        while len(batch):
+            for run, chunks in batch.step():
+                for chunk in chunks:
+                    tokens[seeds[id(run)]].extend(chunk.token_ids)
+                    if chunk.stats is not None:
+                        drafted += chunk.stats.drafted_tokens
+                        accepted += chunk.stats.accepted_tokens
+        rows.extend((tokens[seed] + [-1] * LENGTH)[:LENGTH] for seed in sorted(tokens))
+    return np.array(rows), drafted, accepted
+
+
 def _same_distribution_pvalue(a: np.ndarray, b: np.ndarray) -> float:
     """Two-sample chi-squared on the joint (token1, token2) outcomes, rare outcomes pooled."""
     keys_a = [tuple(r) for r in a]
@@ -78,6 +106,21 @@ def test_mtp_sampling_matches_plain_sampling(setup, sampling, record_property):
     record_property("pvalue", pvalue)
     record_property("acceptance", accepted / drafted)
     assert pvalue > 1e-3, pvalue
+
+
+def test_mtp_sampling_in_a_batch_matches_plain_sampling(setup, record_property):
+    """Members of a batch, each with its own seed, drafting and verifying together: each one's samples keep
+    plain sampling's distribution (and the batch's are the solo MTP samples, seed for seed)."""
+    engine, prompt = setup
+    sampling = {"temperature": 1.0}
+    plain, _, _ = _samples(engine, prompt, sampling, native_mtp="off")
+    batched, drafted, accepted = _batched_runs(engine, prompt, sampling, mtp_k=2)
+    assert 0 < accepted < drafted, "both the accept and the reject path must run"
+    pvalue = _same_distribution_pvalue(plain[:, 1:], batched[:, 1:])
+    record_property("pvalue", pvalue)
+    assert pvalue > 1e-3, pvalue
+    solo_mtp, _, _ = _samples(engine, prompt, sampling, mtp_k=2)
+    assert (batched == solo_mtp).all()
 
 
 def test_the_check_has_power(setup, record_property):

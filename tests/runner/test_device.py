@@ -76,7 +76,12 @@ def test_waiting_generations_decode_as_one_batch_with_their_solo_output(engine):
     device = Device(8, max_batch=4, on_batch=sizes.append)
     samplings = [SamplingParams(), SamplingParams(temperature=0.8, seed=3), SamplingParams(presence_penalty=1.0),
                  SamplingParams(), SamplingParams(temperature=0.7, seed=4)]
-    clients = [Client(device, engine, i, max_tokens=10 + i, sampling=s) for i, s in enumerate(samplings)]
+    # Seeded sampling reproduces plain sampling's samples where the batch decodes plainly (with drafts, the
+    # solo MTP samples at the same depths: the next test), so those two leave MTP off.
+    clients = [
+        Client(device, engine, i, max_tokens=10 + i, sampling=s, native_mtp="auto" if s.greedy else "off")
+        for i, s in enumerate(samplings)
+    ]
     for client in clients:
         device.submit(client.job)
     _serve(device, clients)
@@ -88,6 +93,31 @@ def test_waiting_generations_decode_as_one_batch_with_their_solo_output(engine):
     # The first one ran alone until the others waited, then handed over; the fifth joined when one left.
     assert max(sizes) == 4 and device.generations == 5 and device.snapshot()["running"] == 0
     assert max(clients[4].stats.batch_sizes) <= 4
+
+
+def test_waiting_generations_with_native_mtp_run_batched_rounds(engine):
+    """Generations that draft (a forced depth here; adaptive ones as their batch size pays) keep drafting in
+    the batch: one verify call for all, each member's own verdict. Greedy members get their solo plain
+    tokens, a seeded one its solo MTP samples."""
+    sizes: list[int] = []
+    device = Device(8, max_batch=4, on_batch=sizes.append)
+    samplings = [SamplingParams(), SamplingParams(temperature=0.8, seed=3), SamplingParams(presence_penalty=1.0),
+                 SamplingParams()]
+    clients = [Client(device, engine, i, max_tokens=14 + i, sampling=s, mtp_k=2) for i, s in enumerate(samplings)]
+    for client in clients:
+        device.submit(client.job)
+    _serve(device, clients)
+    for i, client in enumerate(clients):
+        assert client.finish == "length", client.items
+        if client.params.sampling.greedy:
+            assert client.tokens == client.solo(), f"client {i}"
+        else:
+            request = GenerationRequest(client.prompt, max_tokens=client.params.max_tokens,
+                                        sampling=client.params.sampling, mtp_k=2)
+            assert client.tokens == engine.complete(request).token_ids, f"client {i}"
+        stats = client.stats
+        assert stats.batch_sizes and stats.rounds > 0 and stats.reason is None, f"client {i}"
+    assert max(sizes) == 4
 
 
 def test_generations_that_cannot_batch_keep_fifo_order(engine):

@@ -9,6 +9,13 @@ still probes K = 1 now and then (exponentially rarer) in case acceptance improve
 acceptance could not pay off on this machine (e.g. a compute-bound CPU where beta(1) ~ 2), in which
 case it never probes and MTP costs nothing.
 
+In a batch (``BatchDepthPolicy``) one K serves every member of a round, chosen per batch-size bucket
+(1, 2, 3-4, 5-8, 9-16, 17+) from that bucket's own live timings of a batched plain step and of batched
+rounds, with the same acceptance tracker: a verify call of B x (K+1) rows costs what the device makes of
+B x (K+1) rows, so a compute-bound device goes to K = 0 as B grows while a bandwidth-bound one keeps
+drafting. A bucket first times its plain step; until its rounds are timed it estimates them from the solo
+warm-up costs scaled by its measured rows-cost factor (``batch_costs``).
+
 Everything here is pure Python over numbers: table-tested in tests/engine/test_adaptive.py.
 """
 
@@ -118,6 +125,9 @@ class DepthPolicy:
     max_k: int
     default_k: int = 1
     fixed_k: int | None = None
+    # Whether drafting can pay off at all, when another policy decided it (a batch-size bucket: the solo
+    # warm-up's verdict); None: from ``costs``.
+    can_draft: bool | None = None
     tracker: AcceptanceTracker = field(init=False)
     _seconds: dict[int, collections.deque[float]] = field(default_factory=dict, init=False)
     _current: int = field(default=0, init=False)
@@ -169,6 +179,8 @@ class DepthPolicy:
     def mtp_can_pay_off(self) -> bool:
         if self.fixed_k is not None:
             return self.fixed_k > 0
+        if self.can_draft is not None:
+            return self.can_draft
         return can_pay_off(self.costs, self.max_k)
 
     def new_request(self) -> None:
@@ -212,8 +224,12 @@ class DepthPolicy:
     def observe_round(self, k: int, accepted: int, seconds: float | None = None) -> None:
         """A round at depth k accepted ``accepted`` drafts in ``seconds`` (None: not a representative
         round, e.g. one that first caught the head up on a long plain stretch)."""
-        self._rounds_run += 1
         self.tracker.observe(k, accepted)
+        self.observe_round_time(k, seconds)
+
+    def observe_round_time(self, k: int, seconds: float | None) -> None:
+        """A round at depth k ran (in ``seconds``; None: not representative), its acceptance counted elsewhere."""
+        self._rounds_run += 1
         # A probe whose drafts land does not bring the next probe forward: what it measured already moves
         # ``choose`` to a depth when one pays; when none does (the device, not the head, is the reason),
         # eager probing would cost a round every few tokens for good.
@@ -224,3 +240,95 @@ class DepthPolicy:
         self._plain_since_probe += tokens
         if seconds is not None and tokens > 0:
             self._sample(0, seconds / tokens)
+
+
+# Batch-size buckets: sizes up to each bound share timings (1, 2, 3-4, 5-8, 9-16); larger ones the last.
+BATCH_BUCKETS = (1, 2, 4, 8, 16)
+
+
+def batch_bucket(size: int) -> int:
+    """The bucket of a batch of ``size`` sequences (0 .. len(BATCH_BUCKETS))."""
+    for i, top in enumerate(BATCH_BUCKETS):
+        if size <= top:
+            return i
+    return len(BATCH_BUCKETS)
+
+
+def batch_costs(solo: DepthCosts, size: int, rows_factor: float | None = None) -> DepthCosts:
+    """Estimated costs of a batched round of ``size`` sequences in batched plain steps, from the solo
+    warm-up costs (in solo plain steps).
+
+    A step costs ``m`` solo steps more per extra row: a batched plain step of ``size`` rows costs
+    ``rows_factor`` = 1 + (size - 1) m solo steps (measured live; without it, m = beta(1) - 1, the warm-up's
+    extra verify row). A batched verify call of size x (K+1) rows costs the rows, plus what a solo verify
+    call costs beyond its rows (its row-by-row recurrences and recording: per call, not per sequence);
+    drafting runs per sequence: size x delta(K). On a compute-bound device (m = 1) a round costs K+1
+    steps, as many as the rows; where rows are nearly free, about what a solo round costs."""
+    if size <= 1:
+        return solo
+    if rows_factor is None:
+        rows_factor = 1.0 + (size - 1) * min(max(solo.beta[0] - 1.0, 0.0), 1.0)
+    rows_factor = min(max(rows_factor, 1.0), float(size))
+    m = (rows_factor - 1.0) / (size - 1)
+    beta = tuple(
+        1.0 + (size * k * m + max(b - 1.0 - k * m, 0.0)) / rows_factor for k, b in enumerate(solo.beta, start=1)
+    )
+    delta = tuple(d * size / rows_factor for d in solo.delta)
+    plain_s = solo.plain_s * rows_factor if solo.plain_s else None
+    return DepthCosts(beta, delta, solo.device, plain_s)
+
+
+@dataclass
+class BatchDepthPolicy:
+    """The depth of a batch's rounds, per batch-size bucket: a ``DepthPolicy`` per bucket over that bucket's
+    timings (seconds of a whole batched step or round), sharing the solo policy's acceptance tracker and
+    its verdict on whether drafting can pay off on this device at all (when it cannot, every batch decodes
+    plainly and nothing is timed or probed). A bucket decodes plainly until its plain step is timed (rounds
+    are judged against it); then it follows ``DepthPolicy.choose``: estimates (``batch_costs``) until its
+    rounds are timed, a K >= 1 only when it beats plain decoding by ``MIN_GAIN``, rarer and rarer probes
+    while at K = 0, and none where even full acceptance could not pay off at that size (re-judged as its
+    timings come in)."""
+
+    solo: DepthPolicy
+    _buckets: dict[int, DepthPolicy] = field(default_factory=dict, init=False)
+
+    def bucket(self, size: int) -> DepthPolicy:
+        index = batch_bucket(size)
+        policy = self._buckets.get(index)
+        if policy is None:
+            # A batch of one starts at the solo default depth, as a solo request does; larger ones on their
+            # estimates.
+            policy = DepthPolicy(
+                costs=batch_costs(self.solo.costs, size), max_k=self.solo.max_k,
+                default_k=self.solo.default_k if index == 0 else 0, can_draft=self.solo.mtp_can_pay_off,
+            )
+            policy.tracker = self.solo.tracker  # acceptance is the head's on the text, whatever the batch
+            self._buckets[index] = policy
+        return policy
+
+    def rows_factor(self, size: int) -> float | None:
+        """A batched plain step's measured seconds over a solo plain step's (None until both are known)."""
+        solo = self.solo.plain_step_s()
+        plain = self.bucket(size)._median(0)
+        return plain / solo if plain and solo else None
+
+    def choose(self, size: int) -> int:
+        if not self.solo.mtp_can_pay_off:
+            return 0
+        policy = self.bucket(size)
+        if policy._median(0) is None:
+            return 0  # time a plain step first: every round is judged against it
+        policy.costs = batch_costs(self.solo.costs, size, self.rows_factor(size))
+        # Where even full acceptance could not pay off at this batch size by the estimate from its measured
+        # rows cost (a compute-bound device), the bucket does not probe either. Its plain steps keep timing
+        # that cost; a few slow rounds (a busy moment) must not end probing for good, so not those.
+        policy.can_draft = can_pay_off(policy.costs, policy.max_k)
+        return policy.choose()
+
+    def observe_plain(self, size: int, seconds: float | None = None) -> None:
+        """A batched plain step of ``size`` sequences ran (in ``seconds``; None: not a representative one)."""
+        self.bucket(size).observe_plain(1, seconds)
+
+    def observe_round(self, size: int, k: int, seconds: float | None = None) -> None:
+        """A batched round at depth k ran (its acceptance went to the tracker member by member)."""
+        self.bucket(size).observe_round_time(k, seconds)

@@ -1,37 +1,57 @@
-"""Continuous batching: plain decode steps for several generation runs of one model at once.
+"""Continuous batching: decode steps and native-MTP rounds for several generation runs of one model at once.
 
 A run (``_Run``) prefills and emits its first token alone (``_Run.begin``: the same computation as a solo
 request, so its first token is the solo one), or leaves a solo loop at a step boundary
-(``GenerationRequest.yield_to_batch``). ``BatchDecoder.add`` then moves its caches into the batch's: the
-attention KV into mlx-lm's left-padded ``BatchKVCache``, the GatedDeltaNet conv window and recurrent
-state (one row per sequence, no padding needed for one-token steps) into an ``ArraysCache``. Each
-``step`` runs ONE backbone call over a row per run; each row is then penalised and sampled with its own
-run's parameters and PRNG key stream (a seed reproduces the solo samples), and emitted through the
-run's own output (stop strings, EOS, max_tokens, cancellation). Finished and cancelled runs leave the
-batch at the step's end; new runs join between steps.
+(``GenerationRequest.yield_to_batch``). ``BatchDecoder.add`` then moves its caches into the batch's
+(``batch_cache``: attention KV into mlx-lm's left-padded ``BatchKVCache``, GatedDeltaNet state a row of a
+``RollbackArraysCache``); its MTP head cache and the (hidden, token) rows waiting for the head stay its
+own. Each ``step`` is then, for every run at once, one of:
 
-Steps are pipelined like a solo plain burst: a step's next tokens are computed while the host emits the
-tokens fed to it. A run that finishes has one wasted row computed after its last token.
+- a plain step (K = 0): ONE backbone call over a row per run; each row penalised and sampled with its
+  own run's parameters and PRNG key stream (a seed reproduces the solo samples). Plain steps are
+  pipelined like a solo plain burst: a step's next tokens are computed while the host emits the tokens
+  fed to it (a run that finishes has one wasted row computed after its last token). Meanwhile an
+  adaptive run's head is not fed (only its last ``HEAD_WINDOW`` rows wait): a head row costs about a
+  backbone layer per token, which a batch that decodes plainly would pay for nothing; a later round
+  drafts from a head with a gap in its context (exo-demo: acceptance 1.000 -> 0.984 after 60 tokens);
+- a speculative round: each run drafts with the head (``_Run._draft``, its own head cache), ONE verify
+  call of [B, K+1] rows (GatedDeltaNet recording every row's state, MoE routing locked: the solo verify
+  call's semantics), then per run its own verdict (``_Run._decide``: greedy argmax match, or its own
+  Leviathan/Chen test with its own parameters, penalties and keys), ``_Run._accept`` and ``_Run._emit``
+  (the solo loop's own acceptance and emission), and the caches rolled back per run
+  (``batch_cache.keep_rows_per_sequence``: runs accept different counts). A run whose depth is below the
+  round's (a forced smaller K, MTP off for it, a near tie to decode plainly) fills its rows past its
+  drafts with its pending token, and keeps none of them.
+
+Each run emits through its own output (stop strings, EOS, max_tokens inside an accepted run,
+cancellation). Finished and cancelled runs leave the batch at the step's end; new runs join between steps.
+
+The round's depth: a run with a forced ``mtp_k`` drafts that many, a run without MTP none, and the
+adaptive ones as many as the engine's ``BatchDepthPolicy`` picks for this batch size from measured costs
+(``exo.engine.adaptive``: on a compute-bound device, or where drafting never pays, always 0).
 
 Memory: a batch's attention KV is left-padded to its longest row, so n runs hold about n x the longest
 horizon (prompt + max_tokens) of KV rows, plus each run's GatedDeltaNet state (fixed per sequence).
 ``batch_bytes`` is that estimate, ``sequence_bytes`` measures its two rates on the model itself; the device
 queue admits a run into a batch only while the estimate stays within the instance's KV budget.
 
-Native MTP does not run inside a batch yet (a request's stats say so, with the batch sizes it ran in).
 On this CPU batched rows round exactly as solo decoding (bench/batching.py measures it; tests check it).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
+from mlx_lm.models.cache import KVCache
 
+from .batch_cache import batch_cache, keep_rows_per_sequence
 from .generate import Engine, GenerationChunk, _Run
-from .models.layers import RollbackArraysCache
 from .sampling import apply_processors
+from .verify import verify_logits
+
+HEAD_WINDOW = 4  # head rows an adaptive member keeps waiting while its batch decodes plainly
 
 
 def sequence_bytes(engine: Engine) -> tuple[int, int]:
@@ -70,6 +90,10 @@ def batch_fits(engine: Engine, horizons: list[int], budget_tokens: int) -> bool:
     return batch_bytes(horizons, per_token, per_sequence) <= budget_tokens * per_token
 
 
+
+Results = list[tuple[_Run, list[GenerationChunk]]]
+
+
 class BatchDecoder:
     """The runs decoding together on one engine (one device thread drives it)."""
 
@@ -79,6 +103,10 @@ class BatchDecoder:
         self.engine = engine
         self.runs: list[_Run] = []
         self.cache: list[Any] = []
+        # Timing of steps for the batch depth policy: the previous step was a plain one (a pipelined plain
+        # step's time is the previous step's compute), and nothing else ran on the device since.
+        self._after_plain = False
+        self._quiet = True
 
     def __len__(self) -> int:
         return len(self.runs)
@@ -91,32 +119,73 @@ class BatchDecoder:
             raise ValueError("this run cannot decode in a batch (grammar, logprobs or a pipelined model)")
         if run.output.finish is not None or run.pending_token is None:
             raise ValueError("only a started, unfinished run can join a batch")
-        cache = [_batch_cache(c) for c in run.cache]
+        cache = [batch_cache(c) for c in run.cache]
         if not self.runs:
             self.cache = cache
         else:
             for mine, theirs in zip(self.cache, cache, strict=True):
                 mine.extend(theirs)
-        run.cache = []  # the batch holds its state now
-        # The MTP head is not fed in a batch: what was waiting for it is dropped.
-        run.track_head = False
-        run._head_hidden, run._head_tokens = [], []
+        run.cache = []  # the batch holds its state now (its head cache and waiting head rows stay its own)
         run.pending_emitted = True
         self.runs.append(run)
+        self._quiet = False
 
-    def step(self) -> list[tuple[_Run, list[GenerationChunk]]]:
-        """One decode step of every run: the chunks each run emits (a finished run's last is its final
-        chunk, with stats; it has left the batch)."""
+    def interleaved(self) -> None:
+        """Other work ran on the device since the last step (a newcomer's prefill): the next step's time
+        is not a step's alone."""
+        self._quiet = False
+
+    def step(self) -> Results:
+        """One decode step or speculative round of every run: the chunks each run emits (a finished run's
+        last is its final chunk, with stats; it has left the batch)."""
+        if not self.runs:
+            return []
+        start = time.perf_counter()
+        timed, self._quiet = self._quiet, True
+        batch_k = self._batch_depth(len(self.runs))
+        if max(self._depth(run, batch_k) for run in self.runs) == 0:
+            return self._plain_step(start, timed)
+        out = self._settle()  # waits for a plain step still running: the round's time starts after it
+        if self.runs:
+            self._round(batch_k, out, time.perf_counter(), timed)
+        return out
+
+    def cancel_all(self) -> list[tuple[_Run, GenerationChunk]]:
+        """End every run now (the device shuts down): each one's final chunk, finish "cancelled"."""
+        out = []
+        for run in self.runs:
+            run.output.finish = run.output.finish or "cancelled"
+            out.append((run, run.final_chunk()))
+        self._keep([])
+        return out
+
+    # -- depth ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def _adaptive(run: _Run) -> bool:
+        return run.head is not None and run.policy is not None and run.policy.fixed_k is None
+
+    def _batch_depth(self, size: int) -> int:
+        """The depth the adaptive runs draft at in this step (0 when none is adaptive)."""
+        if not any(self._adaptive(run) for run in self.runs):
+            return 0
+        return self.engine.batch_policy().choose(size)
+
+    def _depth(self, run: _Run, batch_k: int) -> int:
+        if run.head is None or run.policy is None or run._plain_next:
+            return 0
+        return run.policy.fixed_k if run.policy.fixed_k is not None else batch_k
+
+    # -- plain steps ---------------------------------------------------------------------------------------
+    def _plain_step(self, start: float, timed: bool) -> Results:
         runs = self.runs
         size = len(runs)
-        if not size:
-            return []
         inputs = mx.concatenate([r.pending_token.reshape(1) for r in runs])  # type: ignore[union-attr]
         hidden = self.engine.forward.hidden(inputs[:, None], self.cache)
         logits = self.engine.model.logits(hidden)[:, -1]  # [B, V]
         greedy: mx.array | None = None
         following: list[mx.array] = []
         for i, run in enumerate(runs):
+            run._plain_next = False
             if run.params.greedy and not run.processors:
                 if greedy is None:
                     greedy = mx.argmax(logits, axis=-1).astype(mx.uint32)
@@ -127,17 +196,20 @@ class BatchDecoder:
                     row = apply_processors(run.processors, run.history, row)
                 token, _ = run._sample(row)
                 following.append(token)
+            run._wait_for_head(hidden[i : i + 1], following[i])
+            if self._adaptive(run):
+                # While the batch decodes plainly its members' heads are not fed (a head row costs about a
+                # layer of the backbone per token, for nothing until a round): only the last few rows wait,
+                # so a round drafts from recent context after a gap in the head's.
+                del run._head_hidden[:-HEAD_WINDOW], run._head_tokens[:-HEAD_WINDOW]
         mx.async_eval(following)
         values = inputs.tolist()  # the tokens fed to this step, read while it runs
-        out: list[tuple[_Run, list[GenerationChunk]]] = []
+        out: Results = []
         keep: list[int] = []
         for i, run in enumerate(runs):
             chunks: list[GenerationChunk] = []
             if not run.pending_emitted:
-                # Counted per token, by the size of the step that computed it.
-                run.batch_sizes[run.pending_batch] = run.batch_sizes.get(run.pending_batch, 0) + 1
-                run.output.add(values[i])
-                chunks.extend(run._drain())
+                self._emit_pending(run, values[i], chunks)
             if run.output.finish is None:
                 run._cancelled()
             if run.output.finish is not None:
@@ -150,18 +222,95 @@ class BatchDecoder:
                 if run.processors:
                     run.history = mx.concatenate([run.history, following[i]])
             out.append((run, chunks))
+        if any(self._adaptive(run) for run in runs):
+            # A pipelined step's time is the previous step's compute: measured only after a plain step.
+            seconds = time.perf_counter() - start if timed and self._after_plain else None
+            self.engine.batch_policy().observe_plain(size, seconds)
+        self._after_plain = True
         if len(keep) < size:
             self._keep(keep)
         return out
 
-    def cancel_all(self) -> list[tuple[_Run, GenerationChunk]]:
-        """End every run now (the device shuts down): each one's final chunk, finish "cancelled"."""
-        out = []
-        for run in self.runs:
-            run.output.finish = run.output.finish or "cancelled"
-            out.append((run, run.final_chunk()))
-        self._keep([])
+    @staticmethod
+    def _emit_pending(run: _Run, token: int, chunks: list[GenerationChunk]) -> None:
+        """Emit the token a plain step computed for ``run`` (counted by the size of that step)."""
+        run.batch_sizes[run.pending_batch] = run.batch_sizes.get(run.pending_batch, 0) + 1
+        run.recorder.plain_steps(1)
+        run.output.add(token)
+        run.pending_emitted = True
+        chunks.extend(run._drain())
+
+    def _settle(self) -> Results:
+        """Before a round: emit the tokens the last plain step computed (a round feeds on emitted tokens);
+        the runs they finish leave."""
+        runs = self.runs
+        out: Results = [(run, []) for run in runs]
+        waiting = [i for i, run in enumerate(runs) if not run.pending_emitted]
+        if not waiting:
+            return out
+        values = mx.concatenate([runs[i].pending_token.reshape(1) for i in waiting]).tolist()  # type: ignore[union-attr]
+        for i, value in zip(waiting, values, strict=True):
+            self._emit_pending(runs[i], value, out[i][1])
+        keep = [i for i, run in enumerate(runs) if run.output.finish is None]
+        for run, chunks in out:
+            if run.output.finish is not None:
+                chunks.append(run.final_chunk())
+        if len(keep) < len(runs):
+            self._keep(keep)
         return out
+
+    # -- speculative rounds --------------------------------------------------------------------------------
+    def _round(self, batch_k: int, out: Results, start: float, timed: bool) -> None:
+        """One speculative round of every run (``out``: each run's chunks so far, appended to)."""
+        engine, runs = self.engine, self.runs
+        size = len(runs)
+        depths = [self._depth(run, batch_k) for run in runs]
+        k = max(depths)
+        # A round that first feeds the heads more than a window of rows is not a typical round's time.
+        catch_up = any(sum(h.shape[1] for h in run._head_hidden) > max(k + 1, HEAD_WINDOW) for run in runs)
+        drafts = []
+        for run, depth in zip(runs, depths, strict=True):
+            run._plain_next = False
+            drafts.append(run._draft(depth))
+        rows = mx.stack(
+            [
+                mx.concatenate([run.pending_token.reshape(1), d.tokens, mx.repeat(run.pending_token.reshape(1), k - d.k)])  # type: ignore[union-attr]
+                for run, d in zip(runs, drafts, strict=True)
+            ]
+        )  # [B, K+1]: a run with fewer drafts fills its rows with its pending token (never kept)
+        hidden = engine.forward.hidden(rows, self.cache, verify=True)
+        logits = verify_logits(engine.model, hidden, engine.verify_mode)  # [B, K+1, V]
+        decisions = [run._decide(d, logits[b, : d.k + 1]) for b, (run, d) in enumerate(zip(runs, drafts, strict=True))]
+        mx.eval(hidden, *[a for decision in decisions for a in decision.arrays()])
+        kept = [run._accept(decision, hidden[b : b + 1]) for b, (run, decision) in enumerate(zip(runs, decisions, strict=True))]
+        keep_rows_per_sequence(self.cache, k + 1, kept)
+        seconds = time.perf_counter() - start
+        for run, decision in zip(runs, decisions, strict=True):
+            if decision.drafts.k:
+                run.batch_rounds += 1
+                assert run.policy is not None
+                run.policy.tracker.observe(decision.drafts.k, decision.accepted)
+        if any(self._adaptive(run) for run in runs):
+            typical = timed and all(d == k for d in depths) and not catch_up
+            engine.batch_policy().observe_round(size, k, seconds if typical else None)
+        self._after_plain = False
+        chunks_of = {id(run): chunks for run, chunks in out}
+        keep: list[int] = []
+        for i, (run, decision) in enumerate(zip(runs, decisions, strict=True)):
+            chunks = chunks_of[id(run)]
+            added = run._emit(decision)
+            run.batch_sizes[size] = run.batch_sizes.get(size, 0) + added
+            if decision.drafts.k == 0:
+                run.recorder.plain_steps(added)
+            chunks.extend(run._drain())
+            if run.output.finish is None:
+                run._cancelled()
+            if run.output.finish is not None:
+                chunks.append(run.final_chunk())
+            else:
+                keep.append(i)
+        if len(keep) < size:
+            self._keep(keep)
 
     def _keep(self, keep: list[int]) -> None:
         self.runs = [self.runs[i] for i in keep]
@@ -171,14 +320,3 @@ class BatchDecoder:
         index = mx.array(keep)
         for c in self.cache:
             c.filter(index)
-
-
-def _batch_cache(cache: Any) -> Any:
-    """One sequence's cache as a batch cache of one row."""
-    if isinstance(cache, RollbackArraysCache):
-        batched = ArraysCache(2)
-        batched.cache = [cache[0], cache[1]]
-        return batched
-    if isinstance(cache, KVCache):
-        return BatchKVCache.merge([cache])
-    raise TypeError(f"cannot batch a {type(cache).__name__}")

@@ -32,7 +32,7 @@ from typing import Any, Literal
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from .adaptive import DepthCosts, DepthPolicy
+from .adaptive import BatchDepthPolicy, DepthCosts, DepthPolicy
 from .constraints import ConstraintSpec, Grammar, Matcher, ToolFormat, compile_grammar
 from .costs import measure_costs
 from .forward import Forward, LocalForward
@@ -41,6 +41,7 @@ from .models.layers import MoEVerifyMode
 from .sampling import (
     KeyStream,
     SamplingParams,
+    Verdict,
     accepted_prefix,
     apply_processors,
     filtered_logprobs,
@@ -179,6 +180,7 @@ class Engine:
         self._costs: DepthCosts | None = None
         self._policy: DepthPolicy | None = None
         self._policy_key: tuple[int, int] | None = None
+        self._batch_policy: BatchDepthPolicy | None = None
         self._grammar_tokenizer: Any = None
         self._closing_tokens: Any = None
         self._token_bytes: dict[int, bytes] = {}
@@ -302,6 +304,13 @@ class Engine:
             self._policy_key = key
         return self._policy
 
+    def batch_policy(self) -> BatchDepthPolicy:
+        """The depth of batched rounds per batch size (exo.engine.batch), over the engine's adaptive policy."""
+        solo = self._adaptive_policy()
+        if self._batch_policy is None or self._batch_policy.solo is not solo:
+            self._batch_policy = BatchDepthPolicy(solo)
+        return self._batch_policy
+
     def complete(self, request: GenerationRequest) -> GenerationResult:
         text, tokens, finish, stats = [], [], None, None
         logprobs: list[TokenLogprob] | None = [] if request.logprobs is not None else None
@@ -412,6 +421,40 @@ class _LogprobRows:
         return [a for a in (self.chosen, self.top_ids, self.top_values) if a is not None]
 
 
+@dataclass
+class _Drafts:
+    """A run's drafts for one round (lazy device arrays)."""
+
+    k: int
+    tokens: mx.array  # [k] uint32
+    logprobs: list[mx.array]  # sampling: the distributions [1, V] the drafts were drawn from
+    masks: list[mx.array]  # under a grammar: the mask each draft was chosen under
+    catch_up: bool  # the round first fed the head a plain stretch (not a typical round's time)
+
+
+@dataclass
+class _Decision:
+    """A run's verdict on its verify rows; ``accepted`` and ``emitted`` are filled in after the sync."""
+
+    drafts: _Drafts
+    verdict: Verdict
+    lp_drafts: _LogprobRows | None = None
+    lp_replacements: _LogprobRows | None = None
+    accepted: int = 0
+    emitted: list[int] = field(default_factory=list)
+
+    def arrays(self) -> list[mx.array]:
+        """What the round's one host sync evaluates for this run."""
+        verdict = self.verdict
+        out = [self.drafts.tokens, verdict.accepted, verdict.replacement]
+        if verdict.decided is not None:
+            out.append(verdict.decided)
+        for rows in (self.lp_replacements, self.lp_drafts):
+            if rows is not None:
+                out += rows.arrays()
+        return out
+
+
 class _Run:
     """One generation request's decoding state."""
 
@@ -450,9 +493,11 @@ class _Run:
         max_k = policy.max_k if policy is not None else 0
         self.recorder = StatsRecorder(max(max_k, 1))
         # Batching (exo.engine.batch): the run left its solo loop for a batch; tokens it decoded in a
-        # batch, per batch size; whether ``pending_token`` was added to the output yet.
+        # batch, per batch size; speculative rounds it ran in a batch; whether ``pending_token`` was added
+        # to the output yet.
         self.handed_over = False
         self.batch_sizes: dict[int, int] = {}
+        self.batch_rounds = 0
         self.pending_emitted = True
         self.pending_batch = 0  # the size of the batch step that computed ``pending_token``
         self.started = self.first_time = 0.0
@@ -460,8 +505,8 @@ class _Run:
 
     @property
     def batchable(self) -> bool:
-        """Whether plain batched decoding can carry this run (grammars and logprobs stay solo, and so do
-        pipelined models)."""
+        """Whether a batch (exo.engine.batch: batched plain steps and batched MTP rounds) can carry this run
+        (grammars and logprobs stay solo, and so do pipelined models)."""
         return self.matcher is None and self.top_logprobs is None and self.forward.stages == 1
 
     def _handover(self) -> bool:
@@ -640,7 +685,6 @@ class _Run:
     def final_chunk(self) -> GenerationChunk:
         """The last chunk (the run has finished): what is left of the output, the finish reason, stats."""
         assert self.output.finish is not None
-        self.recorder.plain_steps(sum(self.batch_sizes.values()))
         stats = self._stats(self.first_time - self.started, time.perf_counter() - self.first_time)
         final = self.output.chunk() or GenerationChunk("", [], self.output.finish)
         final.finish_reason = self.output.finish
@@ -698,11 +742,39 @@ class _Run:
         self._phase_start = now
 
     def _speculative_round(self, k: int) -> Iterator[GenerationChunk]:
+        """One round alone: draft, verify [pending, d1..dK], decide, roll back, emit. A batch
+        (exo.engine.batch) runs the same pieces per member around ONE verify call of all of them."""
         assert self.head is not None and self.pending_token is not None
         start = time.perf_counter()
         self._phase_start = start
+        drafts = self._draft(k)
+        self._mark("draft_build")
+        rows = mx.concatenate([self.pending_token.reshape(1), drafts.tokens])[None]
+        hidden = self.forward.hidden(rows, self.cache, verify=True)
+        logits = verify_logits(self.model, hidden, self.engine.verify_mode)[0]  # [K+1, V]
+        decision = self._decide(drafts, logits)
+        self._mark("verify_build")
+        mx.eval(hidden, *decision.arrays())
+        self._mark("device_wait")
+        kept = self._accept(decision, hidden)
+        self.forward.rollback(self.cache, k + 1, kept)
+        assert self.policy is not None
+        self.policy.observe_round(k, decision.accepted, None if drafts.catch_up else time.perf_counter() - start)
+        self._mark("rollback")
+        self._emit(decision)
+        self._mark("emit")
+        yield from self._drain()
+
+    # -- the pieces of a speculative round (alone, or a member's share of a batched round) -------------
+    def _draft(self, k: int) -> _Drafts:
+        """1. Draft k tokens: commit the waiting rows to the head cache (its last row drafts d1), then chain
+        the head on its own output (speculative head entries, trimmed in ``_accept``). k = 0: nothing (a
+        batch member decoding plainly inside a batched round)."""
+        if k == 0:
+            return _Drafts(0, mx.zeros((0,), dtype=mx.uint32), [], [], False)
+        assert self.head is not None
         model, params, matcher = self.model, self.params, self.matcher
-        # 1. Draft. A round that first catches the head up on a plain stretch is not a typical round.
+        # A round that first catches the head up on a plain stretch is not a typical round.
         catch_up = sum(h.shape[1] for h in self._head_hidden) > k + 1
         out = self._flush_head()
         assert out is not None
@@ -736,11 +808,14 @@ class _Run:
             mx.async_eval(draft_tokens, *draft_logprobs)
         else:
             mx.eval(draft_tokens, *draft_logprobs)
-        self._mark("draft_build")
-        # 2. Verify.
-        rows = mx.concatenate([self.pending_token.reshape(1), draft_tokens])[None]
-        hidden = self.forward.hidden(rows, self.cache, verify=True)
-        logits = verify_logits(model, hidden, self.engine.verify_mode)[0]  # [K+1, V]
+        return _Drafts(k, draft_tokens, draft_logprobs, masks, catch_up)
+
+    def _decide(self, drafts: _Drafts, logits: mx.array) -> _Decision:
+        """2-3. The verdict on this run's verify rows ``logits`` [k+1, V] (lazy: read back with the caller's
+        one host sync): its penalties, grammar, acceptance test and PRNG keys. With no drafts, row 0 is
+        chosen as a plain decode step chooses (the same key use: a seed reproduces plain sampling)."""
+        k, params = drafts.k, self.params
+        draft_tokens = drafts.tokens
         if self.processors:
             logits = mx.concatenate(
                 [
@@ -750,48 +825,52 @@ class _Run:
                     for i in range(k + 1)
                 ]
             )
-        if matcher is not None:
+        if self.matcher is not None:
             # Row i sees the grammar after the drafts before it: the masks the drafts were chosen under,
             # and for the last row the state after every draft (computed while the verify call runs).
             mx.async_eval(logits)
-            logits = mx.where(mx.stack([*masks, matcher.mask()]), logits, -mx.inf)
-        self._mark("verify_build")
-        # 3. Decide (on device), one host sync.
+            self._consume_pending()
+            logits = mx.where(mx.stack([*drafts.masks, self.matcher.mask()]), logits, -mx.inf)
         target_logprobs = None
-        if params.greedy:
+        if k == 0:
+            token, target_logprobs = self._sample(logits)
+            verdict = Verdict(accepted=mx.zeros((0,), dtype=mx.bool_), replacement=token)
+        elif params.greedy:
             verdict = greedy_verdict(logits, draft_tokens, self.tie_margin(logits.dtype))
         else:
             target_logprobs = filtered_logprobs(logits, params)
-            verdict = sampling_verdict(target_logprobs, mx.concatenate(draft_logprobs), draft_tokens, self.keys)
-        extra = [verdict.decided] if verdict.decided is not None else []
+            verdict = sampling_verdict(target_logprobs, mx.concatenate(drafts.logprobs), draft_tokens, self.keys)
         lp_drafts = lp_replacements = None
         if self.top_logprobs is not None:
             distribution = target_logprobs if target_logprobs is not None else self._row_logprobs(logits)
             lp_replacements = _LogprobRows(distribution, verdict.replacement, self.top_logprobs)
             lp_drafts = _LogprobRows(distribution[:k], draft_tokens, 0)
-            extra += lp_replacements.arrays() + lp_drafts.arrays()
-        mx.eval(draft_tokens, verdict.accepted, verdict.replacement, hidden, *extra)
-        self._mark("device_wait")
-        proposed = draft_tokens.tolist()
+        return _Decision(drafts, verdict, lp_drafts, lp_replacements)
+
+    def _accept(self, decision: _Decision, hidden: mx.array) -> int:
+        """4. Host side, after the sync: the accepted drafts and the token after them, this run's state
+        rolled to them (head cache, grammar, pending token, penalty history, stats); ``hidden`` [1, k+1, H]
+        are its verify rows. Returns how many verify rows its backbone caches keep."""
+        k, verdict = decision.drafts.k, decision.verdict
+        proposed = decision.drafts.tokens.tolist()
         accepted, decided = accepted_prefix(
             verdict.accepted.tolist(), verdict.decided.tolist() if verdict.decided is not None else None
         )
         if decided:
             emitted = proposed[:accepted] + [verdict.replacement.tolist()[accepted]]
-            kept_rows = accepted + 1
         else:
             # The token after the accepted drafts hinges on a near tie: decode it plainly next.
             emitted = proposed[:accepted]
-            kept_rows = accepted
             self._plain_next = True
             self.recorder.near_tie_fallbacks += 1
-        # 4. Roll back to the kept rows (the grammar too: to the accepted drafts, then the emitted token).
-        self.forward.rollback(self.cache, k + 1, kept_rows)
-        self.head_cache.trim(k - 1)
-        if matcher is not None:
-            matcher.rollback(k - accepted)
+        kept_rows = len(emitted)
+        if k > 0:
+            self.head_cache.trim(k - 1)
+            self.recorder.round(k, accepted)
+        if self.matcher is not None:
+            self.matcher.rollback(k - accepted)
             if decided:
-                matcher.consume(emitted[-1])
+                self.matcher.consume(emitted[-1])
         if emitted:
             emitted_array = mx.array(emitted, dtype=mx.uint32)
             self._wait_for_head(hidden[:, :kept_rows], emitted_array)  # row i is followed by emitted[i]
@@ -799,24 +878,27 @@ class _Run:
             self._pending_consumed = True
             if self.processors:
                 self.history = mx.concatenate([self.history, emitted_array])
-        self.recorder.round(k, accepted)
-        assert self.policy is not None
-        self.policy.observe_round(k, accepted, None if catch_up else time.perf_counter() - start)
-        self._mark("rollback")
-        # 5. Emit, stopping exactly where the request ends.
+        decision.accepted, decision.emitted = accepted, emitted
+        return kept_rows
+
+    def _emit(self, decision: _Decision) -> int:
+        """5. Add the decided tokens to the output one by one, stopping exactly where the request ends
+        (EOS, a stop string, max_tokens inside an accepted run); returns how many were added."""
+        lp_drafts, lp_replacements = decision.lp_drafts, decision.lp_replacements
         draft_values = lp_drafts.chosen.tolist() if lp_drafts is not None else None
-        for i, token in enumerate(emitted):
+        added = 0
+        for i, token in enumerate(decision.emitted):
             entry = None
             if lp_replacements is not None:
                 # Row i's distribution; an accepted draft's value from the draft gather, the last token's
                 # (correction or bonus) from the replacement gather.
-                chosen = draft_values if i < accepted else None
+                chosen = draft_values if i < decision.accepted else None
                 entry = self._logprob_entry(lp_replacements, i, token, chosen)
             self.output.add(token, entry)
+            added += 1
             if self.output.finish is not None:
                 break
-        self._mark("emit")
-        yield from self._drain()
+        return added
 
     def _stats(self, ttft_s: float, decode_s: float) -> NativeMTPStats:
         rec = self.recorder
@@ -832,15 +914,15 @@ class _Run:
         reason = self.reason
         if self.policy is not None and self.policy.fixed_k == 0:
             reason = "the MTP depth was forced to 0 (plain decoding)"
-        elif self.batch_sizes and self.policy is not None:
-            reason = (
-                "native MTP paused while this request decoded in a batch with others (batched plain "
-                "decoding; see batch_sizes)"
-            )
         elif reason is None and self.policy is not None and not self.track_head:
             reason = (
                 "adaptive depth chose plain decoding: on this device a verify call costs too much for "
                 "drafts to pay off even at full acceptance"
+            )
+        elif reason is None and self.batch_sizes and not self.batch_rounds:
+            reason = (
+                "adaptive depth chose plain decoding for the batch sizes this request decoded in (batched "
+                "plain steps were measured to cost less there; see batch_sizes)"
             )
         return NativeMTPStats(
             enabled=self.policy is not None,

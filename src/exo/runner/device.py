@@ -3,7 +3,8 @@
 MLX work never runs on an event loop or a gRPC handler thread. A generation runs alone (today's loop,
 native MTP included) until a generation that can share the device waits at the head of the queue; then
 the running one leaves its loop at the next step boundary and the two, and every such generation that
-arrives while they run (up to ``max_batch``), decode together in one batch (``exo.engine.batch``):
+arrives while they run (up to ``max_batch``), decode together in one batch (``exo.engine.batch``: batched
+plain steps, or batched native-MTP rounds where drafting pays at that batch size or a request forces a depth):
 each joins after its own prefill, interleaved chunk by chunk with the batch's steps, and leaves when it
 ends. A generation joins only while the batch stays within the instance's KV budget (``kv_budget_tokens``,
 estimated by ``exo.engine.batch.batch_fits`` from each member's prompt + max_tokens); one that does not fit
@@ -466,6 +467,8 @@ class Device:
                         members[id(new)] = job
                 except Exception as e:
                     leave(job, e)
+            if prefilling:
+                batch.interleaved()  # prefill ran on the device: this round's time is not a round's alone
             prefilling = still
             if not len(batch):
                 if prefilling:

@@ -15,6 +15,7 @@ Parameter names are unchanged, so mlx-lm's ``sanitize`` and weight loading apply
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import mlx.core as mx
@@ -97,16 +98,25 @@ class RollbackArraysCache(ArraysCache):
         """``states[0]`` is the state before the call, ``states[t]`` the state after row t."""
         self._conv_input, self._states = conv_input, states
 
-    def commit(self, rows: int) -> None:
-        """Keep the state after the first ``rows`` rows (0: as before) of the last recorded call."""
+    def commit(self, rows: int | Sequence[int]) -> None:
+        """Keep the state after the first ``rows`` rows (0: as before) of the last recorded call; in a batch,
+        ``rows`` may give each sequence (batch row) its own count: its state is gathered from that row."""
         if self._states is None or self._conv_input is None:
             raise RuntimeError("commit() without a recorded verify call")
         recorded_rows = len(self._states) - 1
         n_keep = self._conv_input.shape[1] - recorded_rows
-        if not 0 <= rows <= recorded_rows:
+        counts = [rows] if isinstance(rows, int) else list(rows)
+        if any(not 0 <= r <= recorded_rows for r in counts):
             raise ValueError(f"commit({rows}) outside 0..{recorded_rows}")
-        self[0] = mx.contiguous(self._conv_input[:, rows : rows + n_keep])
-        self[1] = self._states[rows]
+        if isinstance(rows, int) or len(set(counts)) == 1:
+            r = counts[0]
+            self[0] = mx.contiguous(self._conv_input[:, r : r + n_keep])
+            self[1] = self._states[r]
+        else:
+            if len(counts) != self._conv_input.shape[0]:
+                raise ValueError(f"commit() of {len(counts)} sequences, the call had {self._conv_input.shape[0]}")
+            self[0] = mx.concatenate([self._conv_input[b : b + 1, r : r + n_keep] for b, r in enumerate(counts)])
+            self[1] = mx.concatenate([self._states[r][b : b + 1] for b, r in enumerate(counts)])
         self.discard()
 
     def discard(self) -> None:
@@ -278,10 +288,14 @@ class Attention(Qwen3NextAttention):
         keys = self.rope(keys, offset=cache.offset)
         keys, values = cache.update_and_fetch(keys, values)
         before = keys.shape[2] - L
+        # A batch's mask (left padding, mlx-lm's BatchKVCache) carries over row by row; alone, a row attends
+        # to every key up to itself, which needs none.
+        row_mask = mask if isinstance(mask, mx.array) else None
         rows = [
             scaled_dot_product_attention(
                 queries[:, :, t : t + 1], keys[:, :, : before + t + 1], values[:, :, : before + t + 1],
-                cache=cache, scale=self.scale, mask=None,
+                cache=cache, scale=self.scale,
+                mask=row_mask[..., t : t + 1, : before + t + 1] if row_mask is not None else None,
             )
             for t in range(L)
         ]

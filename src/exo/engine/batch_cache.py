@@ -1,0 +1,72 @@
+"""A batch's caches: one sequence's caches as rows of a batch, and the per-sequence rollback after a
+batched verify call.
+
+Attention KV lives in mlx-lm's left-padded ``BatchKVCache`` (every sequence's keys end at the same index;
+``left_padding`` masks what is before a sequence's first token), GatedDeltaNet conv window and recurrent
+state in a ``RollbackArraysCache`` with a row per sequence (no padding: every sequence feeds as many rows
+to every call).
+
+After a verify call of R rows per sequence, sequence b keeps its first ``kept[b]`` rows:
+- GatedDeltaNet: each sequence's state and conv window are gathered from the recorded state after its
+  own kept row (``RollbackArraysCache.commit`` with a count per row);
+- attention: the rows no sequence keeps are trimmed from all (``trim(R - max(kept))``); a sequence that
+  keeps fewer has ``max(kept) - kept[b]`` rejected rows at the end of its keys, which become left padding:
+  its keys roll right by that many (``prepare(right_padding=...)`` + ``finalize()``, mlx-lm's
+  ``dynamic_roll``), its ``left_padding`` grows and its ``offset`` (RoPE position) drops by as many. The
+  rolled-out rejected rows land past the end (overwritten by the next call) or in the padding (masked);
+- then the padding every sequence has is cut off the front (``compact``), so the keys stay as long as the
+  longest sequence's: a batch's KV never outgrows its members' horizons (``batch.batch_bytes``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from .models.layers import RollbackArraysCache
+
+
+def batch_cache(cache: Any) -> Any:
+    """One sequence's cache as a batch cache of one row."""
+    if isinstance(cache, RollbackArraysCache):
+        batched = RollbackArraysCache()
+        batched.cache = [cache[0], cache[1]]
+        return batched
+    if isinstance(cache, KVCache):
+        return BatchKVCache.merge([cache])
+    raise TypeError(f"cannot batch a {type(cache).__name__}")
+
+
+def keep_rows_per_sequence(cache: list[Any], rows: int, kept: Sequence[int]) -> None:
+    """After a batched verify call of ``rows`` rows per sequence, keep the first ``kept[b]`` rows of
+    sequence b (0..rows) in every layer's cache."""
+    top = max(kept)
+    extra = [top - k for k in kept]
+    for c in cache:
+        if isinstance(c, RollbackArraysCache):
+            c.commit(list(kept))
+        elif isinstance(c, BatchKVCache):
+            c.trim(rows - top)
+            if any(extra):
+                c.prepare(right_padding=extra)
+                c.finalize()
+        else:
+            raise TypeError(f"cannot roll back a {type(c).__name__} per sequence")
+    compact(cache)
+
+
+def compact(cache: list[Any]) -> None:
+    """Cut the left padding that every sequence has off the front of the attention caches."""
+    kv = [c for c in cache if isinstance(c, BatchKVCache) and c.keys is not None]
+    if not kv:
+        return
+    lead = min(kv[0].left_padding.tolist())  # every attention layer pads alike
+    if lead <= 0:
+        return
+    for c in kv:
+        c.keys = c.keys[..., lead:, :]
+        c.values = c.values[..., lead:, :]
+        c._idx -= lead
+        c.left_padding = c.left_padding - lead
