@@ -1,6 +1,6 @@
 """Many clients at once: continuous batching vs one generation at a time, through `exo serve`.
 
-    python bench/batching.py [MODEL] [--clients 1 8 32] [--seconds 30] [--max-tokens 64]
+    python bench/batching.py [MODEL] [--clients 1 8 32] [--seconds 30] [--max-tokens 64] [--mtp off,k1,adaptive]
 
 Starts two `exo serve --model MODEL` processes as users run them (the daemon relays to a runner
 subprocess over gRPC): one with EXO_MAX_BATCH=1 (requests strictly one at a time, as before batching)
@@ -10,7 +10,10 @@ and one with batching (EXO_MAX_BATCH, default 32). For each client count N, in t
 requests, errors, TTFT p50/p99 (request sent -> first streamed text), streamed completion tokens/s of all
 clients together (tokens streamed in the window / window: requests that completed in it, plus for
 those still streaming at its end the share streamed before it, prorated), the ratio to one client
-on the same server, and for batching the ratio to the one-at-a-time server at the same N.
+on the same server, and for batching the ratio to the one-at-a-time server at the same N. ``--mtp`` runs
+the whole table once per native-MTP mode of the requests (``off``: ``{"enabled": false}``; ``kN``: a forced
+depth, ``{"k": N}``; ``adaptive``: no field, the default), with the mean depth and acceptance the
+responses report; ratios compare rows of the same mode.
 """
 
 from __future__ import annotations
@@ -32,8 +35,13 @@ TOPICS = (
 )
 
 
+MTP_MODES: dict[str, dict[str, Any] | None] = {"off": {"enabled": False}, "adaptive": None,
+                                                **{f"k{k}": {"k": k} for k in range(1, 4)}}
+
+
 async def client(
-    session: aiohttp.ClientSession, url: str, index: int, max_tokens: int, until: float, out: dict[str, Any]
+    session: aiohttp.ClientSession, url: str, index: int, max_tokens: int, until: float, out: dict[str, Any],
+    mtp: dict[str, Any] | None = None,
 ) -> None:
     n = 0
     while time.perf_counter() < until:
@@ -45,6 +53,7 @@ async def client(
             "temperature": 0,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **({"native_mtp": mtp} if mtp is not None else {}),
         }
         start = time.perf_counter()
         first = None
@@ -68,7 +77,11 @@ async def client(
                         text.append(event["choices"][0]["delta"].get("content") or "")
                     if event.get("usage"):
                         tokens = event["usage"]["completion_tokens"]
-                        batch = (event["usage"].get("native_mtp") or {}).get("batch_sizes") or {}
+                        stats = event["usage"].get("native_mtp") or {}
+                        out["drafted"] += stats.get("drafted_tokens") or 0
+                        out["accepted"] += stats.get("accepted_tokens") or 0
+                        out["rounds"] += stats.get("rounds") or 0
+                        batch = stats.get("batch_sizes") or {}
                         if batch:
                             out["batched"] += 1
                             out["max_batch"] = max(out["max_batch"], max(int(b) for b in batch))
@@ -89,14 +102,15 @@ async def client(
             out["tokens"] += tokens * (until - first) / (end - first)
 
 
-async def load(url: str, clients: int, seconds: float, max_tokens: int) -> dict[str, Any]:
+async def load(url: str, clients: int, seconds: float, max_tokens: int, mtp: dict[str, Any] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "completed": 0, "errors": 0, "tokens": 0, "ttft": [], "request_s": [], "batched": 0, "max_batch": 0, "texts": {}
+        "completed": 0, "errors": 0, "tokens": 0, "ttft": [], "request_s": [], "batched": 0, "max_batch": 0, "texts": {},
+        "drafted": 0, "accepted": 0, "rounds": 0,
     }
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=3600)) as session:
         until = time.perf_counter() + seconds
-        await asyncio.gather(*(client(session, url, i, max_tokens, until, out) for i in range(clients)))
+        await asyncio.gather(*(client(session, url, i, max_tokens, until, out, mtp) for i in range(clients)))
     out["tok_s"] = out["tokens"] / seconds
     return out
 
@@ -119,7 +133,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--mtp", default="adaptive", help=f"comma-separated request modes: {', '.join(MTP_MODES)}")
     args = parser.parse_args()
+    modes = args.mtp.split(",")
+    unknown = [m for m in modes if m not in MTP_MODES]
+    if unknown:
+        parser.error(f"unknown --mtp mode(s) {unknown}: choose from {list(MTP_MODES)}")
     servers = {}
     processes = []
     homes = []
@@ -133,32 +152,37 @@ def main() -> None:
             processes.append(start_server(args.model, port, _free_port(), home=home.name))
             servers[name] = f"http://127.0.0.1:{port}"
             asyncio.run(warm(servers[name], args.max_tokens))
-        rows: dict[tuple[str, int], dict[str, Any]] = {}
-        for n in args.clients:
-            for name, url in servers.items():
-                rows[name, n] = asyncio.run(load(url, n, args.seconds, args.max_tokens))
-                r = rows[name, n]
-                print(f"  ran {name:13s} clients={n:3d}: {r['completed']} completed, {r['tok_s']:.1f} tok/s", flush=True)
+        rows: dict[tuple[str, str, int], dict[str, Any]] = {}
+        for mode in modes:
+            for n in args.clients:
+                for name, url in servers.items():
+                    rows[mode, name, n] = r = asyncio.run(load(url, n, args.seconds, args.max_tokens, MTP_MODES[mode]))
+                    print(f"  ran {mode:8s} {name:13s} clients={n:3d}: {r['completed']} completed, {r['tok_s']:.1f} tok/s",
+                          flush=True)
         print(f"\nmodel {args.model}, {args.max_tokens}-token streamed chat completions, {args.seconds:.0f} s per row, "
               f"temperature 0, {os.cpu_count()} CPUs")
-        print(f"{'server':14s} {'clients':>7s} {'completed':>9s} {'errors':>6s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
+        print(f"{'mtp':8s} {'server':14s} {'clients':>7s} {'completed':>9s} {'errors':>6s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
               f"{'tok/s':>7s} {'vs 1 client':>11s} {'vs one-at-a-time':>16s} {'batched reqs':>12s} {'max batch':>9s} "
-              f"{'req s p50':>9s}")
-        for n in args.clients:
-            for name in servers:
-                r = rows[name, n]
-                one = rows[name, args.clients[0]]["tok_s"]
-                base = rows["one at a time", n]["tok_s"]
-                print(f"{name:14s} {n:7d} {r['completed']:9d} {r['errors']:6d} {quantile(r['ttft'], 0.5):8.2f}s "
-                      f"{quantile(r['ttft'], 0.99):8.2f}s {r['tok_s']:7.1f} {r['tok_s'] / one:10.2f}x "
-                      f"{r['tok_s'] / base:15.2f}x {r['batched']:12d} {r['max_batch']:9d} "
-                      f"{quantile(r['request_s'], 0.5):8.3f}s")
+              f"{'req s p50':>9s} {'accept':>6s} {'tok/round':>9s}")
+        for mode in modes:
+            for n in args.clients:
+                for name in servers:
+                    r = rows[mode, name, n]
+                    one = rows[mode, name, args.clients[0]]["tok_s"]
+                    base = rows[mode, "one at a time", n]["tok_s"]
+                    accept = f"{r['accepted'] / r['drafted']:.2f}" if r["drafted"] else "-"
+                    per_round = f"{1 + r['accepted'] / r['rounds']:.2f}" if r["rounds"] else "-"
+                    print(f"{mode:8s} {name:14s} {n:7d} {r['completed']:9d} {r['errors']:6d} {quantile(r['ttft'], 0.5):8.2f}s "
+                          f"{quantile(r['ttft'], 0.99):8.2f}s {r['tok_s']:7.1f} {r['tok_s'] / one:10.2f}x "
+                          f"{r['tok_s'] / base:15.2f}x {r['batched']:12d} {r['max_batch']:9d} "
+                          f"{quantile(r['request_s'], 0.5):8.3f}s {accept:>6s} {per_round:>9s}")
         # Greedy output must not depend on what else runs: every response for a topic, on either server
         # and in any batch, against the one-at-a-time server's first response for it.
         reference: dict[str, str] = {}
-        for n in args.clients:
-            for topic, texts in rows["one at a time", n]["texts"].items():
-                reference.setdefault(topic, texts[0])
+        for mode in modes:
+            for n in args.clients:
+                for topic, texts in rows[mode, "one at a time", n]["texts"].items():
+                    reference.setdefault(topic, texts[0])
         same = total = 0
         for r in rows.values():
             for topic, texts in r["texts"].items():
