@@ -101,6 +101,46 @@ def test_pipeline_greedy_equals_single_node_plain(checkpoint, tmp_path, arch, st
     assert drafted > 0 and accepted > 0  # the head drafted through the pipeline and was right at times
 
 
+# The bundled demo model: 8 layers, full attention at layers 3 and 7. In these splits a stage that does
+# not lead holds an attention layer (layer 3 on stage 0), so its KV cache must be trimmed after every
+# round that rejected a draft (the fixtures' 4 layers put their one attention layer on the leader).
+DEMO_SPLITS = {"2-stages": [[0, 4], [4, 8]], "3-stages": [[0, 4], [4, 6], [6, 8]]}
+DEMO_TOKENS = 12
+
+
+@pytest.mark.parametrize("split", list(DEMO_SPLITS), ids=list(DEMO_SPLITS))
+def test_a_stage_that_does_not_lead_rolls_back_its_attention(tmp_path, split):
+    from exo.cards import bundled_model_dir
+
+    path = bundled_model_dir("exo-demo")
+    stages = DEMO_SPLITS[split]
+    engine = _single_node(path, True)
+    prompts = [_prompt(engine, n) for n in (CHUNK + 3, 2 * CHUNK)]  # across the prefill chunk edge
+    requests = [{"prompt": p, "max_tokens": DEMO_TOKENS, "ignore_eos": True, "mtp_k": k, "native_mtp": "on"}
+                for k in DEPTHS for p in prompts]
+    out = run_pipeline(tmp_path, path, stages, requests)["results"]
+    drafted = accepted = 0
+    for request, result in zip(requests, out, strict=True):
+        plain = engine.complete(GenerationRequest(request["prompt"], max_tokens=DEMO_TOKENS, native_mtp="off"))
+        where = (len(request["prompt"]), request["mtp_k"])
+        assert result["token_ids"] == plain.token_ids, where
+        stats = result["stats"]
+        assert stats["mode"] == "pipeline" and stats["stages"] == len(stages), stats
+        drafted += stats["drafted_tokens"]
+        accepted += stats["accepted_tokens"]
+        if request["mtp_k"] is None:  # adaptive: the depth policy ran on the pipeline's own measured costs
+            costs = stats["costs"]
+            assert costs is not None and costs["stages"] == len(stages), costs
+            assert len(costs["beta"]) == len(costs["delta"]) == 3 and min(costs["beta"]) >= 1.0, costs
+            assert costs["plain_ms"] > 0, costs
+            histogram = {int(k): v for k, v in stats["k_histogram"].items()}
+            assert histogram and set(histogram) <= {0, 1, 2, 3}, histogram
+            assert sum(v for k, v in histogram.items() if k > 0) == stats["rounds"], stats
+            assert stats["rounds"] + histogram.get(0, 0) < DEMO_TOKENS  # rounds emit one token or more
+    # Drafts were rejected (rows rolled back on every stage) and accepted (rows kept): both paths ran.
+    assert 0 < accepted < drafted, (accepted, drafted)
+
+
 def test_pipeline_penalties_stops_and_cancellation(checkpoint, tmp_path):
     """Penalties and a stop string inside accepted runs end exactly as on one node; a generation cut short
     (max_tokens inside a round) leaves no state behind for the next request on the same stages."""
@@ -198,3 +238,4 @@ def test_pipeline_sampling_keeps_plain_sampling_distribution(checkpoint, tmp_pat
     pvalue = _pvalue(piped, plain)
     record_property("pvalue", pvalue)
     assert pvalue > 1e-3, pvalue
+
