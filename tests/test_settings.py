@@ -86,6 +86,7 @@ def test_every_field_from_env(home: Path) -> None:
             EXO_MAX_QUEUE="3",
             EXO_MAX_BATCH="4",
             EXO_KV_BUDGET_TOKENS="2048",
+            EXO_PREFILL_CHUNK="8",
             EXO_OFFLINE="1",
             EXO_MEMORY_BUDGET_BYTES=str(16 << 30),
         )
@@ -106,7 +107,7 @@ def test_every_field_from_env(home: Path) -> None:
     assert s.api_key.get_secret_value() == "sk-secret-value"
     assert s.cluster_secret.get_secret_value() == "cluster-secret-value"
     assert (s.request_timeout_s, s.max_queue, s.offline, s.memory_budget_bytes) == (12.5, 3, True, 16 << 30)
-    assert (s.max_batch, s.kv_budget_tokens) == (4, 2048)
+    assert (s.max_batch, s.kv_budget_tokens, s.prefill_chunk) == (4, 2048, 8)
     assert all(s.source(f) == "env" for f in Settings.model_fields)
 
 
@@ -196,3 +197,13 @@ def test_settings_are_frozen(home: Path) -> None:
     s = load_settings(env=env_for(home))
     with pytest.raises(ValueError):
         s.api_port = 1
+
+
+def test_prefill_chunk_reaches_the_engine(home: Path) -> None:
+    """EXO_PREFILL_CHUNK sets the engine's prefill chunk (what a runner builds from its node's settings)."""
+    from exo.cards import bundled_model_dir
+    from exo.engine import engine_config, resolve_model
+
+    resolved = resolve_model(str(bundled_model_dir("exo-demo")))
+    assert engine_config(resolved, load_settings(env=env_for(home, EXO_PREFILL_CHUNK="8"))).prefill_chunk == 8
+    assert engine_config(resolved, load_settings(env=env_for(home))).prefill_chunk == 2048

@@ -58,6 +58,9 @@ class Settings(BaseModel):
     # generations batching on one instance may hold together. None: CONTEXT_BUDGET_TOKENS, what placement
     # reserves. A generation that does not fit waits in the queue; a lone generation always runs.
     kv_budget_tokens: int | None = Field(default=None, ge=1)
+    # Prompt tokens one prefill step feeds the model at most (EngineConfig.prefill_chunk). None: the engine's
+    # default (2048). Small values exercise the chunk edges (tests) or bound one step's activations.
+    prefill_chunk: int | None = Field(default=None, ge=1)
     # The most memory (bytes) this node offers to models, whatever the OS has free: keep room for other
     # applications, or make a small node of a big machine. None: what the OS says is available.
     memory_budget_bytes: int | None = Field(default=None, ge=1)

@@ -1,10 +1,13 @@
 """A pipeline across separate network stacks (Linux network namespaces on one bridge): the stages' ring
 runs over the namespaces' own addresses, a request through the node without a stage decodes like one
-node, and a stage whose network is cut mid-stream ends the request with an error within 15 s."""
+node, and a stage whose network is cut mid-stream ends the request with an error within 15 s; no runner
+of the broken pipeline stays (on either side of the cut) and the model is placed anew on the nodes that
+can still reach each other, so the next request succeeds."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -81,6 +84,9 @@ def test_a_pipeline_across_network_namespaces(lab_daemons: Any) -> None:
     b_id, c_id = _node_id(b), _node_id(c)
     status, created = _post(lab, a, "/v1/instances", {"model": MODEL, "nodes": [b_id, c_id], "wait": True})
     assert status == 201 and created["instance"]["state"] == "ready", created
+    instance_id = created["instance"]["id"]
+    pids = _wait(lambda: [s["pid"] for s in _instance(a, instance_id)["stages"]] if all(
+        s["pid"] for s in _instance(a, instance_id)["stages"]) else None, 15, "the stages' runner pids")
     engine = Engine(load_checkpoint(bundled_model_dir(MODEL)))
     prompt = "def fibonacci(n):"
     plain = engine.complete(GenerationRequest(engine.loaded.tokenizer.encode(prompt), max_tokens=24,
@@ -111,3 +117,41 @@ def test_a_pipeline_across_network_namespaces(lab_daemons: Any) -> None:
     data = [line.split(" ", 1)[1][6:] for line in rest if " data: " in line]
     assert data[-1] == "[DONE]" and "error" in json.loads(data[-2]), rest[-3:]
     assert ended - cut <= ERROR_WITHIN_S, (ended - cut, data[-2], c.output()[-1500:], a.output()[-1500:])
+
+    # No runner of the broken pipeline stays blocked in a receive: the leader's (on C, whose peer went
+    # silent) and the cut stage's own (on B, which can reach no one) both exit.
+    _wait(lambda: not any(_alive(pid) for pid in pids), 20, f"the runners {pids} to exit")
+    # Placed anew on the nodes that still reach each other (A and C; it fits on one): no manual step.
+    def answered() -> dict | None:
+        status, result = _post(lab, a, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 24,
+                                                           "temperature": 0}, timeout=60)
+        return result if status == 200 else None
+
+    result = _wait(answered, 90, "a request to succeed after the cut", interval=1.0)
+    assert result["choices"][0]["text"] == plain.text
+    placed = [i for i in a.cluster()["instances"] if i["model"] == MODEL and i["state"] == "ready"]
+    assert placed and all(b_id not in {s["node"] for s in i["stages"]} | {i["node"]} for i in placed), placed
+
+
+def _instance(node: Daemon, instance_id: str) -> dict:
+    return next(i for i in node.cluster()["instances"] if i["id"] == instance_id)
+
+
+def _alive(pid: int) -> bool:
+    """The process runs (a zombie, ended but not reaped yet, does not)."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (ProcessLookupError, OSError):
+        return False
+
+
+def _wait(condition: Any, timeout: float, what: str, interval: float = 0.25) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
+        time.sleep(interval)

@@ -1,19 +1,24 @@
 """One model across several `exo serve` daemons on 127.0.0.1: pipelined instances, with native MTP.
 
 Four daemons (A holds no stage; B, C, D hold stages) serve fixture checkpoints of the three families from
-a shared Hugging Face cache, described by user model cards. Requests go through A; at temperature 0 a
-pipeline's output is single-node plain decoding's, at every depth and adaptive.
+a shared Hugging Face cache, described by user model cards. Their runners prefill in chunks of 8 tokens
+(EXO_PREFILL_CHUNK), so the prompt crosses chunk edges. Requests go through A; at temperature 0 a
+pipeline's output is single-node plain decoding's, at every depth and adaptive, for every family at 2 and
+3 stages; with a seed it samples what one node samples; a client that goes away mid-stream ends the
+generation on the leader.
 """
 
 from __future__ import annotations
 
 import json
 import textwrap
+import time
 from pathlib import Path
 
+import httpx2 as httpx
 import pytest
 
-from exo.engine import Engine, GenerationRequest, SamplingParams, load_checkpoint
+from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, load_checkpoint
 
 from .daemons import Daemon, start_all, wait_for
 
@@ -44,6 +49,8 @@ max_k = 3
 """
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fib"
 MAX_TOKENS = 16
+CHUNK = 8  # the daemons' runners' prefill chunk (EXO_PREFILL_CHUNK); PROMPT is 49 tokens: 6 chunks and 1
+LONG = "0 0 0"  # the dense fixture repeats "22, " after this for thousands of tokens (no EOS)
 
 
 def hf_cache_entry(cache: Path, repo: str, source: Path) -> None:
@@ -76,7 +83,8 @@ def quartet(tmp_path_factory, sources):
             model_type = "qwen3_5_moe" if arch == "qwen3_5_moe" else arch
             (home / "model_cards" / f"{card}.toml").write_text(
                 textwrap.dedent(CARD.format(id=card, arch=arch, model_type=model_type, repo=repo)))
-        daemons.append(Daemon(home, f"node-{name}", env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}))
+        daemons.append(Daemon(home, f"node-{name}", env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
+                                                        "EXO_PREFILL_CHUNK": str(CHUNK)}))
     start_all(daemons, [d.address for d in daemons])
     try:
         wait_for(lambda: all(len(d.node_ids()) == 4 for d in daemons), 30, "four nodes to see each other")
@@ -97,7 +105,7 @@ _engines: dict[Path, Engine] = {}
 
 def single_node(path: Path) -> Engine:
     if path not in _engines:
-        _engines[path] = Engine(load_checkpoint(path))
+        _engines[path] = Engine(load_checkpoint(path), EngineConfig(prefill_chunk=CHUNK))
     return _engines[path]
 
 
@@ -136,12 +144,13 @@ def test_preview_and_placement_errors(quartet):
 
 @pytest.mark.parametrize(
     ("card", "stages"),
-    [("pipe-dense", 2), ("pipe-dense", 3), ("pipe-moe", 3), ("pipe-next", 2)],
-    ids=["dense-2", "dense-3", "moe-3", "next-2"],
+    [("pipe-dense", 2), ("pipe-dense", 3), ("pipe-moe", 2), ("pipe-moe", 3), ("pipe-next", 2), ("pipe-next", 3)],
+    ids=["dense-2", "dense-3", "moe-2", "moe-3", "next-2", "next-3"],
 )
 def test_a_pipeline_is_one_instance_and_decodes_like_one_node(quartet, sources, card, stages):
     a, b, c, d = quartet
     nodes = [b.node_id, c.node_id, d.node_id][:stages]
+    leader = quartet[stages]  # the last stage's daemon
     created = a.post("/v1/instances", {"model": card, "nodes": nodes, "wait": True})
     assert created.status_code == 201, created.text
     instance = created.json()["instance"]
@@ -155,6 +164,9 @@ def test_a_pipeline_is_one_instance_and_decodes_like_one_node(quartet, sources, 
                  10, "every stage to be reported ready")
         engine = single_node(sources[card])
         prompt = engine.loaded.tokenizer.encode(PROMPT)
+        assert len(prompt) > CHUNK and len(prompt) % CHUNK, len(prompt)  # across prefill chunk edges
+        if (card, stages) == ("pipe-dense", 2):
+            _a_client_that_goes_away_ends_the_generation_on_the_leader(a, leader, card)
         plain = engine.complete(GenerationRequest(prompt, max_tokens=MAX_TOKENS, native_mtp="off"))
         for mtp in ({"enabled": False}, {"k": 1}, {"k": 2}, {"k": 3}, None):
             fields = {} if mtp is None else {"native_mtp": mtp}
@@ -165,31 +177,67 @@ def test_a_pipeline_is_one_instance_and_decodes_like_one_node(quartet, sources, 
             stats = usage["native_mtp"]
             assert stats["mode"] == "pipeline" and stats["stages"] == stages, stats
             assert stats["enabled"] == (mtp != {"enabled": False}), stats
+            if mtp is None:  # adaptive: its depth policy measured the pipeline's own round costs
+                assert stats["costs"] is not None and stats["costs"]["stages"] == stages, stats
+                assert stats["k_histogram"], stats
         stream = a.post("/v1/completions", {"model": card, "prompt": PROMPT, "max_tokens": MAX_TOKENS,
                                              "temperature": 0, "stream": True, "native_mtp": {"k": 2}})
         events = [json.loads(line[6:]) for line in stream.text.splitlines()
                   if line.startswith("data: {")]
         assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == plain.text
         assert stream.text.rstrip().endswith("data: [DONE]")
+        if stages == 3 and card != "pipe-dense":
+            _samples_like_one_node(a, card, engine, prompt, seeds=8)
     finally:
         assert a.delete(f"/v1/instances/{instance['id']}").status_code == 200
     wait_for(lambda: not [i for i in a.get("/v1/instances").json()["instances"]
                           if i["model"] == card and i["state"] != "gone"], 30, "the pipeline to be deleted")
 
 
-def test_pipeline_sampling_is_single_node_mtp_sampling(quartet, sources):
+def _a_client_that_goes_away_ends_the_generation_on_the_leader(a: Daemon, leader: Daemon, card: str) -> None:
+    """Streamed through A (no stage), the client disconnects after a few tokens: the leader's running
+    generations drop to 0 within a round plus the leader daemon's status poll of its runner (1 s)."""
+    body = {"model": card, "prompt": LONG, "max_tokens": 4000, "temperature": 0, "stream": True,
+            "native_mtp": {"k": 2}}
+    with httpx.stream("POST", a.url + "/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        tokens = 0
+        lines = response.iter_lines()
+        for line in lines:
+            tokens += line.startswith("data: {")
+            if tokens >= 3:
+                break
+        try:
+            wait_for(lambda: leader.get("/health").json()["running"] == 1, 10, "the leader to report the generation",
+                     interval=0.1)
+        except AssertionError:
+            started = time.monotonic()
+            rest = list(lines)
+            raise AssertionError(f"the leader never reported the generation; the stream then ended after "
+                                 f"{time.monotonic() - started:.1f} s more with {len(rest)} lines: {rest[-3:]}") from None
+        closed = time.monotonic()
+    wait_for(lambda: leader.get("/health").json()["running"] == 0, 5, "the leader to end the generation",
+             interval=0.05)
+    assert time.monotonic() - closed < 2.5, time.monotonic() - closed
+
+
+def _samples_like_one_node(a: Daemon, card: str, engine: Engine, prompt: list[int], seeds: int) -> None:
     """With a seed, a pipeline samples exactly what one node samples with the same depth (whose
     distribution is plain sampling's: tests/engine/test_sampling_equivalence.py)."""
+    for seed in range(seeds):
+        result = complete(a, card, temperature=1.0, seed=seed, max_tokens=6, native_mtp={"k": 2})
+        alone = engine.complete(GenerationRequest(prompt, max_tokens=6, mtp_k=2,
+                                                  sampling=SamplingParams(temperature=1.0, seed=seed)))
+        assert result["choices"][0]["text"] == alone.text, (card, seed)
+
+
+def test_pipeline_sampling_is_single_node_mtp_sampling(quartet, sources):
+    """Dense over 2 stages here; MoE and Qwen3-Next over 3 in the identity test above."""
     a, b, c, _ = quartet
     created = a.post("/v1/instances", {"model": "pipe-dense", "nodes": [c.node_id, b.node_id], "wait": True})
     assert created.status_code == 201, created.text
     try:
         engine = single_node(sources["pipe-dense"])
-        prompt = engine.loaded.tokenizer.encode(PROMPT)
-        for seed in range(12):
-            result = complete(a, "pipe-dense", temperature=1.0, seed=seed, max_tokens=6, native_mtp={"k": 2})
-            alone = engine.complete(GenerationRequest(prompt, max_tokens=6, mtp_k=2,
-                                                      sampling=SamplingParams(temperature=1.0, seed=seed)))
-            assert result["choices"][0]["text"] == alone.text, seed
+        _samples_like_one_node(a, "pipe-dense", engine, engine.loaded.tokenizer.encode(PROMPT), seeds=12)
     finally:
         assert a.delete(f"/v1/instances/{created.json()['instance']['id']}").status_code == 200

@@ -1,7 +1,7 @@
 """A pipeline's node dies mid-generation: the request ends with a clear error within 15 s (503 before
-any output, an SSE error event after), no stage is left waiting in a collective, and the model is placed
-anew on the nodes that are left when it fits there (a clear 507 when it does not). A node that comes back
-takes stages again.
+any output, streamed or not; an SSE error event after), whether the node held a middle stage or the last
+(the leader), no stage is left waiting in a collective, and the model is placed anew on the nodes that
+are left when it fits there (a clear 507 when it does not). A node that comes back takes stages again.
 
 Each daemon offers a memory budget that holds half of the bundled demo model (with its headroom), so the
 model never fits on one node: placement must pipeline it, and re-place it as a pipeline.
@@ -27,6 +27,8 @@ from .daemons import Daemon, start_all, wait_for
 pytestmark = pytest.mark.timeout(300)
 MODEL = "exo-demo"
 ERROR_WITHIN_S = 15.0
+PREFILL_CHUNK = 16
+LONG_PROMPT = "story " * 600  # 1200 tokens: seconds of prefill in chunks of PREFILL_CHUNK
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +43,9 @@ def budget(tmp_path_factory) -> int:
     return budget
 
 
-def daemons(tmp_path, budget: int, names: str) -> list[Daemon]:
-    out = [Daemon(tmp_path / f"node-{n}", f"node-{n}", extra_args=["--memory-budget", str(budget)]) for n in names]
+def daemons(tmp_path, budget: int, names: str, env: dict[str, str] | None = None) -> list[Daemon]:
+    out = [Daemon(tmp_path / f"node-{n}", f"node-{n}", extra_args=["--memory-budget", str(budget)], env=env)
+           for n in names]
     start_all(out, [d.address for d in out])
     wait_for(lambda: all(len(d.node_ids()) == len(out) for d in out), 30, "the nodes to see each other")
     return out
@@ -127,13 +130,30 @@ def test_a_middle_stage_dies_mid_stream_and_the_model_is_placed_anew(tmp_path, b
                                                  "max_tokens": 8, "temperature": 0})
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["native_mtp"]["mode"] == "pipeline"
+        # Now the new pipeline's LAST stage (its leader) dies mid-stream; the stream goes through a node that
+        # survives: an SSE error event before [DONE], within the bound.
+        by_id = {x.node_id: x for x in (a, b, d)}
+        leader = by_id[new["stages"][-1]["node"]]
+        api = next(x for x in (a, b, d) if x is not leader)
+        stream = Stream(api)
+        assert stream.first_token.wait(60), stream.lines
+        killed = time.monotonic()
+        leader.kill()
+        assert stream.ended.wait(ERROR_WITHIN_S + 5), "the stream did not end"
+        assert stream.status == 200 and stream.ended_at - killed <= ERROR_WITHIN_S, stream.ended_at - killed
+        data = [line[6:] for line in stream.lines if line.startswith("data: ")]
+        assert data[-1] == "[DONE]" and "error" in json.loads(data[-2]), data[-3:]
+        assert json.loads(data[-2])["error"]["code"] == "node_unavailable", data[-2]
+        assert not any(json.loads(x)["choices"][0].get("finish_reason") for x in data[:-2] if '"choices"' in x)
     finally:
         for daemon in (a, b, c, d):
             daemon.stop()
 
 
 def test_the_leader_dies_then_the_model_no_longer_fits_then_its_node_comes_back(tmp_path, budget):
-    a, b = daemons(tmp_path, budget, "ab")
+    # Prefill in chunks of 16 tokens: a long prompt then takes seconds to prefill through the two stages,
+    # time to kill a stage before the first token (the last step).
+    a, b = daemons(tmp_path, budget, "ab", env={"EXO_PREFILL_CHUNK": str(PREFILL_CHUNK)})
     try:
         created = a.post("/v1/instances", {"model": MODEL, "nodes": [a.node_id, b.node_id], "wait": True})
         assert created.status_code == 201 and created.json()["instance"]["state"] == "ready", created.text
@@ -173,6 +193,30 @@ def test_the_leader_dies_then_the_model_no_longer_fits_then_its_node_comes_back(
         assert reply.status_code == 200, reply.text
         placed = ready_pipeline(a)
         assert placed is not None and {s["node"] for s in placed["stages"]} == {a.node_id, b.node_id}
+        # A stage dies while a long prompt prefills (streamed, through A): no token went out, so the answer
+        # is a plain 503, not a 200 whose stream holds only an error.
+        body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 4, "temperature": 0}
+        measured = a.post("/v1/completions", body)  # how long the prefill takes here
+        assert measured.status_code == 200, measured.text
+        ttft_s = measured.json()["usage"]["ttft_ms"] / 1000
+        assert ttft_s > 0.9, f"the prefill ({ttft_s:.2f} s) is too short to kill a stage during it"
+        result: dict = {}
+
+        def streamed() -> None:
+            import httpx2 as httpx
+
+            with httpx.stream("POST", a.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+                result.update(status=r.status_code, text=r.read().decode(), ended=time.monotonic())
+
+        thread = threading.Thread(target=streamed, daemon=True)
+        thread.start()
+        time.sleep(ttft_s / 3)
+        killed = time.monotonic()
+        b.kill()
+        thread.join(ERROR_WITHIN_S + 10)
+        assert result.get("status") == 503, result
+        assert result["ended"] - killed <= ERROR_WITHIN_S, result["ended"] - killed
+        assert json.loads(result["text"])["error"]["code"] == "node_unavailable", result["text"]
     finally:
         for daemon in (a, b):
             daemon.stop()

@@ -527,3 +527,77 @@ def test_stage_weight_bytes():
 def test_a_card_with_a_repo_is_downloadable_a_bundled_one_is_not(catalog):
     assert ModelRequirement.from_card(catalog.get("qwen3.5-27b-4bit")).downloadable
     assert not ModelRequirement.from_card(catalog.get("exo-demo")).downloadable
+
+
+# -- a model no node holds yet: the parts that are not layers, estimated from its card ------------------------
+
+
+def test_parts_of_a_checkpoint_no_node_has_read_are_estimated_from_the_card(catalog):
+    """Sizes come from safetensors headers on a node's disk; before any node has the checkpoint, the
+    embedding and lm_head are vocab x hidden weights at the card's quantization and the MTP head is its
+    layer(s) at the average layer size plus its 2H x H projection."""
+    card = catalog.get("qwen3.5-27b-4bit")  # 4-bit: half a byte per weight + a bf16 scale and bias per 64
+    assert card.vocab == 248320 and card.bytes_per_weight == 0.5 + 4 / 64
+    r = ModelRequirement.from_card(card)
+    table = 248320 * 5120 * 0.5625
+    assert r.embed_bytes == int(table) and r.output_bytes == int(table + 2 * 5120)
+    layer = (card.storage_bytes - r.embed_bytes - r.output_bytes) / 65  # 64 layers + the head's one
+    assert r.mtp_bytes == pytest.approx(layer + 2 * 5120 * 5120 * 0.5625, rel=1e-6)
+    # The layers share the rest: every stage's parts add up to the checkpoint.
+    assert sum(r.layer_cost(i) for i in range(64)) - r.kv_bytes == pytest.approx(
+        card.storage_bytes - r.embed_bytes - r.output_bytes - r.mtp_bytes, rel=1e-9)
+    assert r.stage_weight_bytes(0, 32) + r.stage_weight_bytes(32, 64) - r.embed_bytes == pytest.approx(
+        card.storage_bytes, rel=1e-9)
+    demo = ModelRequirement.from_card(catalog.get("exo-demo"))  # its card names its own 4096-token vocabulary
+    assert demo.embed_bytes == 4096 * 256 * 2
+    next_card = catalog.get("qwen3-next-80b-a3b-instruct-4bit")
+    assert next_card.vocab == 151936
+    assert ModelRequirement.from_card(next_card).embed_bytes == int(151936 * 2048 * 0.5625)
+
+
+@pytest.mark.parametrize(("quantization", "per_weight"), [
+    (None, 2.0), ("bf16", 2.0), ("fp32", 4.0), ("8bit", 1.0625), ("4bit", 0.5625), ("mxfp4", 0.53125),
+    ("nvfp4", 0.5625)])
+def test_bytes_per_weight_of_a_quantization(catalog, quantization, per_weight):
+    card = catalog.get("qwen3.5-27b-4bit").model_copy(update={"quantization": quantization})
+    assert card.bytes_per_weight == per_weight
+
+
+def test_an_inconsistent_card_leaves_half_its_weights_to_the_layers(catalog):
+    card = catalog.get("exo-demo").model_copy(update={"vocab_size": None})  # 248320 x 256 x 2 > its weights
+    r = ModelRequirement.from_card(card)
+    assert r.embed_bytes + r.output_bytes + r.mtp_bytes == pytest.approx(card.storage_bytes / 2, abs=3)
+
+
+def _downloader(node_id: str, free_gib: float) -> NodeCapacity:
+    return NodeCapacity(node_id, int(free_gib * GiB), 64 * GiB, models=frozenset(), can_download=True,
+                        download_room_bytes=100 * GiB)
+
+
+# (card, nodes, expected stages) for a model no node holds: every node downloads its stage. The last stage
+# carries lm_head, MTP head and the embedding, the first the embedding: with those counted, the first
+# stage of two equal nodes takes more layers (0-33 | 34-63, where counting nothing split 32 | 32); of three,
+# the middle one, which holds neither, takes the most.
+CARD_PIPELINE_CASES = [
+    pytest.param("qwen3.5-27b-4bit", [_downloader("a", 10), _downloader("b", 10)],
+                 [("a", 0, 34), ("b", 34, 64)], id="27b-over-two-equal-nodes"),
+    pytest.param("qwen3.5-27b-4bit", [_downloader("a", 7), _downloader("b", 7), _downloader("c", 7)],
+                 [("a", 0, 22), ("b", 22, 46), ("c", 46, 64)], id="27b-over-three-nodes"),
+]
+
+
+@pytest.mark.parametrize(("card_id", "nodes", "expected"), CARD_PIPELINE_CASES)
+def test_a_model_no_node_holds_is_split_with_its_estimated_parts(catalog, card_id, nodes, expected):
+    card = catalog.get(card_id)
+    p = placement(card, nodes)
+    assert stages(p) == expected
+    assert all(p.stage_downloads)
+    r = p.requirement
+    assert r.embed_bytes > 0 and r.output_bytes > 0 and r.mtp_bytes > 0
+    free = {n.node_id: n.memory_available_bytes for n in nodes}
+    for s, needed in zip(p.shards, p.stage_needed_bytes, strict=True):
+        assert needed <= free[s.node_id]
+    # The last stage holds the output, the MTP head and the embedding the head needs.
+    last = p.shards[-1]
+    assert p.stage_needed_bytes[-1] == r.stage_bytes(last.start_layer, last.end_layer)
+    assert r.fixed_bytes(False, True) == r.activation_bytes + r.embed_bytes + r.output_bytes + r.mtp_bytes

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import queue
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -99,6 +101,46 @@ def test_pipeline_greedy_equals_single_node_plain(checkpoint, tmp_path, arch, st
         accepted += stats["accepted_tokens"]
     record_property("acceptance", accepted / drafted)
     assert drafted > 0 and accepted > 0  # the head drafted through the pipeline and was right at times
+
+
+# The bundled demo model: 8 layers, full attention at layers 3 and 7. In these splits a stage that does
+# not lead holds an attention layer (layer 3 on stage 0), so its KV cache must be trimmed after every
+# round that rejected a draft (the fixtures' 4 layers put their one attention layer on the leader).
+DEMO_SPLITS = {"2-stages": [[0, 4], [4, 8]], "3-stages": [[0, 4], [4, 6], [6, 8]]}
+DEMO_TOKENS = 12
+
+
+@pytest.mark.parametrize("split", list(DEMO_SPLITS), ids=list(DEMO_SPLITS))
+def test_a_stage_that_does_not_lead_rolls_back_its_attention(tmp_path, split):
+    from exo.cards import bundled_model_dir
+
+    path = bundled_model_dir("exo-demo")
+    stages = DEMO_SPLITS[split]
+    engine = _single_node(path, True)
+    prompts = [_prompt(engine, n) for n in (CHUNK + 3, 2 * CHUNK)]  # across the prefill chunk edge
+    requests = [{"prompt": p, "max_tokens": DEMO_TOKENS, "ignore_eos": True, "mtp_k": k, "native_mtp": "on"}
+                for k in DEPTHS for p in prompts]
+    out = run_pipeline(tmp_path, path, stages, requests)["results"]
+    drafted = accepted = 0
+    for request, result in zip(requests, out, strict=True):
+        plain = engine.complete(GenerationRequest(request["prompt"], max_tokens=DEMO_TOKENS, native_mtp="off"))
+        where = (len(request["prompt"]), request["mtp_k"])
+        assert result["token_ids"] == plain.token_ids, where
+        stats = result["stats"]
+        assert stats["mode"] == "pipeline" and stats["stages"] == len(stages), stats
+        drafted += stats["drafted_tokens"]
+        accepted += stats["accepted_tokens"]
+        if request["mtp_k"] is None:  # adaptive: the depth policy ran on the pipeline's own measured costs
+            costs = stats["costs"]
+            assert costs is not None and costs["stages"] == len(stages), costs
+            assert len(costs["beta"]) == len(costs["delta"]) == 3 and min(costs["beta"]) >= 1.0, costs
+            assert costs["plain_ms"] > 0, costs
+            histogram = {int(k): v for k, v in stats["k_histogram"].items()}
+            assert histogram and set(histogram) <= {0, 1, 2, 3}, histogram
+            assert sum(v for k, v in histogram.items() if k > 0) == stats["rounds"], stats
+            assert stats["rounds"] + histogram.get(0, 0) < DEMO_TOKENS  # rounds emit one token or more
+    # Drafts were rejected (rows rolled back on every stage) and accepted (rows kept): both paths ran.
+    assert 0 < accepted < drafted, (accepted, drafted)
 
 
 def test_pipeline_penalties_stops_and_cancellation(checkpoint, tmp_path):
@@ -198,3 +240,103 @@ def test_pipeline_sampling_keeps_plain_sampling_distribution(checkpoint, tmp_pat
     pvalue = _pvalue(piped, plain)
     record_property("pvalue", pvalue)
     assert pvalue > 1e-3, pvalue
+
+
+# -- the stage loop over an in-process link -----------------------------------------------------------------
+
+
+class _QueueLink:
+    """``exo.engine.pipeline.Link`` between two threads of this process: one queue per direction, every
+    message's bytes counted (what a ring would carry). Messages cross as numpy copies: an MLX array's graph
+    belongs to the stream of the thread that built it."""
+
+    def __init__(self, rank: int, queues: dict[tuple[int, int], queue.Queue]) -> None:
+        self.rank, self.queues = rank, queues
+        self.sent: list[int] = []  # bytes of each message sent
+
+    def send(self, x, dst: int) -> None:
+        import mlx.core as mx
+
+        mx.eval(x)
+        self.sent.append(x.nbytes)
+        self.queues[(self.rank, dst)].put(np.array(x))
+
+    def recv(self, shape, dtype, src: int):
+        import mlx.core as mx
+
+        x = self.queues[(src, self.rank)].get(timeout=60)
+        if isinstance(x, BaseException):
+            raise RuntimeError("the other stage failed") from x
+        out = mx.array(x)
+        assert tuple(out.shape) == tuple(shape) and out.dtype == dtype, (out.shape, shape, out.dtype, dtype)
+        return out
+
+
+@pytest.mark.parametrize("moe", ["route_locked", "batched", "safe"])
+def test_serve_stage_applies_the_headers_verify_mode_and_a_round_moves_header_and_hiddens(checkpoint, moe):
+    """A stage that does not lead runs a verify step in the MoE mode its header carries (the leader's), plain
+    steps with none; per round the leader sends the 60-byte header (the rows' ids inline) and receives
+    (K+1) x H activations: 60 B + (K+1) x H x dtype bytes cross the boundary (bench/pipeline.py's figures)."""
+    import mlx.core as mx
+
+    from exo.engine.models.layers import SparseMoeBlock
+    from exo.engine.pipeline import HEADER_LEN, PipelineForward, StageSpec, serve_stage
+    from exo.engine.verify import VerifyMode
+
+    path = checkpoint("qwen3_5_moe", dtype="float32")
+    first = load_checkpoint(path, layers=(0, 2))
+    leader = load_checkpoint(path, layers=(2, 4))
+    seen: list[tuple[str | None, int]] = []  # (the MoE block's verify mode, rows) of every call on stage 0
+
+    class Recording(SparseMoeBlock):
+        def __call__(self, x):
+            seen.append((self.verify_mode, x.shape[1]))
+            return super().__call__(x)
+
+    blocks = list(first.model.moe_blocks())
+    assert blocks, "stage 0 of the MoE fixture holds MoE blocks"
+    for block in blocks:
+        block.__class__ = Recording
+    queues = {(0, 1): queue.Queue(), (1, 0): queue.Queue()}
+    links = [_QueueLink(0, queues), _QueueLink(1, queues)]
+    errors: list[BaseException] = []
+
+    done, park = threading.Event(), threading.Event()
+
+    def stage0() -> None:
+        try:
+            serve_stage(first.model, StageSpec(0, 2, 0, 2), links[0])
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+            queues[(0, 1)].put(e)
+        done.set()
+        park.wait()  # parked, never ended: a thread that ran MLX may abort the process as it exits
+
+    thread = threading.Thread(target=stage0, daemon=True)
+    thread.start()
+    forward = PipelineForward(leader.model, StageSpec(1, 2, 2, 4), links[1], verify=VerifyMode(moe))
+    hidden_bytes = leader.model.hidden_size * mx.float32.size
+    try:
+        cache = forward.new_cache()
+        prompt = mx.array([[5, 9, 13, 2, 7]], dtype=mx.uint32)
+        mx.eval(forward.hidden(prompt, cache))
+        seen.clear()
+        for k in (1, 2, 3):
+            sent, received = len(links[1].sent), forward.bytes_received
+            rows = mx.array([[3 + i for i in range(k + 1)]], dtype=mx.uint32)
+            mx.eval(forward.hidden(rows, cache, verify=True))
+            forward.rollback(cache, k + 1, 1)  # the next step carries the rollback to stage 0
+            assert links[1].sent[sent:] == [4 * HEADER_LEN] == [60]
+            assert forward.bytes_received - received == (k + 1) * hidden_bytes
+            assert links[0].sent[-1] == (k + 1) * hidden_bytes
+            assert sum(links[1].sent[sent:]) + links[0].sent[-1] == 60 + (k + 1) * hidden_bytes
+        mx.eval(forward.hidden(mx.array([[4]], dtype=mx.uint32), cache))  # a plain step
+        forward.end(cache)
+    finally:
+        forward.shutdown()
+        done.wait(30)
+    assert not errors, errors
+    assert done.is_set()  # serve_stage returned at the shutdown
+    per_call = [seen[i : i + len(blocks)] for i in range(0, len(seen), len(blocks))]
+    assert [{m for m, _ in call} for call in per_call] == [{moe}, {moe}, {moe}, {None}], seen
+    assert [call[0][1] for call in per_call] == [2, 3, 4, 1]

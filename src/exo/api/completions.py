@@ -1,12 +1,12 @@
 """``POST /v1/chat/completions`` and ``POST /v1/completions``: parse, generate, answer or stream.
 
 The handler validates on the event loop, then hands the prompt to the ``ModelService`` and waits for
-the generation's first event: errors found before any output (validation, context length, a full
-queue) are plain 4xx responses, also for ``stream: true``. Then it relays chunks: one JSON body, or
-server-sent events written as they arrive (all chunks already delivered go out in one write). A client
-that goes away cancels the handler (aiohttp ``handler_cancellation``), which cancels the generation at
-its next decode step; an error after the headers went out is sent as an error event before
-``data: [DONE]``.
+the generation's first output: errors found before any token (validation, context length, a full queue,
+a pipeline stage or node lost during prefill: 503) are plain HTTP errors, also for ``stream: true``,
+whose headers go out with the first token's chunk. Then it relays chunks: one JSON body, or server-sent
+events written as they arrive (all chunks already delivered go out in one write). A client that goes
+away cancels the handler (aiohttp ``handler_cancellation``), which cancels the generation at its next
+decode step; an error after the headers went out is sent as an error event before ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -159,13 +159,19 @@ async def _generate(
 async def _stream(
     request: web.Request, stream: BatchedStream, writer: _Writer, started: Started, include_usage: bool
 ) -> web.StreamResponse:
+    writer.include_usage = include_usage
+    # Headers wait for the first token: a failure before it (a stage lost during prefill, a timeout) is a
+    # plain HTTP error, raised from here to the error middleware, never a 200 with nothing in it.
+    first = await stream.next_batch()
+    while not stream.finished and not any(c.token_ids for c in first):
+        first += await stream.next_batch()  # a timeout before any token: its empty chunk, then the error
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     )
     await response.prepare(request)
-    writer.include_usage = include_usage
     try:
-        await response.write(writer.opening())
+        events = writer.opening() + b"".join(writer.events(chunk, started) for chunk in first)
+        await response.write(events)
         while not stream.finished:
             chunks = await stream.next_batch()
             events = b"".join(writer.events(chunk, started) for chunk in chunks)

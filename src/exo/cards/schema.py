@@ -23,6 +23,10 @@ QUANTIZATION_PATTERN = r"^([1-8]bit|bf16|fp16|fp32|mxfp[468]|nvfp4)$"
 
 MAX_DRAFT_DEPTH = 8
 
+# The vocabulary of each family (the official configs' vocab_size): Qwen3.5 / 3.6 dense and MoE 248320,
+# Qwen3-Next the Qwen3 tokenizer's 151936. A card's vocab_size overrides it.
+ARCH_VOCAB: dict[str, int] = {"qwen3_5": 248320, "qwen3_5_moe": 248320, "qwen3_next": 151936}
+
 
 class CardError(ValueError):
     """An invalid model card. Names the file (when there is one) and the offending field."""
@@ -94,6 +98,9 @@ class ModelCard(BaseModel):
     context_length: int = Field(ge=1)
     storage_bytes: int = Field(ge=1)
     quantization: str | None = Field(default=None, pattern=QUANTIZATION_PATTERN)
+    # The token vocabulary (config.json's vocab_size); None: the family's (ARCH_VOCAB). Placement estimates
+    # the embedding and lm_head from it while no node has the checkpoint's headers to read.
+    vocab_size: int | None = Field(default=None, ge=1)
     # TOML arrays arrive as lists; a tuple keeps the frozen card hashable.
     tags: tuple[str, ...] = Field(default=(), strict=False)
     native_mtp: NativeMTPCard | None = None
@@ -126,6 +133,25 @@ class ModelCard(BaseModel):
         # mlx-lm: layer i is full attention when (i + 1) % full_attention_interval == 0; the rest are
         # GatedDeltaNet layers with a fixed-size state that does not grow with the sequence.
         return self.n_layers // self.full_attention_interval
+
+    @property
+    def vocab(self) -> int:
+        return self.vocab_size if self.vocab_size is not None else ARCH_VOCAB[self.arch]
+
+    @property
+    def bytes_per_weight(self) -> float:
+        """Bytes one weight of a linear or embedding takes at the card's quantization: MLX affine N-bit with
+        a bf16 scale and bias per group of 64, mxfp with one byte of scale per 32, nvfp4 per 16."""
+        q = self.quantization
+        if q is None or q in ("bf16", "fp16"):
+            return 2.0
+        if q == "fp32":
+            return 4.0
+        if q.startswith("mxfp"):
+            return int(q[4:]) / 8 + 1 / 32
+        if q == "nvfp4":
+            return 0.5 + 1 / 16
+        return int(q[:-3]) / 8 + 4 / 64  # "Nbit"
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """KV-cache bytes one token of context costs (keys + values of the full-attention layers)."""

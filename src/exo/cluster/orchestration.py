@@ -80,6 +80,7 @@ POLL_READY_S = 0.2
 STREAM_IDLE_S = 10.0
 GONE_KEPT_S = 600.0
 WATCH_S = 0.5  # how often this node checks the pipelines it knows of
+PLACE_ATTEMPTS = 3  # looks for a placed instance that placement reports but the cluster view lacks
 
 
 class ClusterModelService:
@@ -366,17 +367,28 @@ class ClusterModelService:
 
     async def _place_and_wait(self, model_id: str, live: Located | None,
                               excluding: frozenset[str] = frozenset()) -> Located:
-        if live is None:
+        attempts = 0
+        while live is None:
             try:
                 plan = pl.placement(self.requirement(model_id), self.capacities(), self.existing(excluding),
                                     links=self.links())
             except pl.AlreadyPlacedError as e:
+                # Another placement of the model is live: wait for that one. The instance it names may have
+                # gone between the two looks (its node left, it was deleted): look again, then place anew.
                 live = self._find(e.existing.instance_id)
-            if live is None:
-                if not plan.pipelined:
-                    await self._evict_for(plan.node_id)
-                live = await self.place(plan, on_demand=True)
-                self._routes[model_id] = live
+                if live is None:
+                    attempts += 1
+                    if attempts >= PLACE_ATTEMPTS:
+                        raise NodeUnavailableError(
+                            f"{model_id}: instance {e.existing.instance_id} on node {e.existing.node_id[:8]} is "
+                            f"listed as {e.existing.state} but cannot be found; retry shortly"
+                        ) from None
+                    await asyncio.sleep(POLL_READY_S)
+                continue
+            if not plan.pipelined:
+                await self._evict_for(plan.node_id)
+            live = await self.place(plan, on_demand=True)
+            self._routes[model_id] = live
         return await self.wait_ready(live.node_id, live.instance.instance_id, timeout=None)
 
     async def _evict_for(self, node_id: str) -> None:

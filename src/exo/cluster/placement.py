@@ -71,14 +71,21 @@ class ModelRequirement:
         weights_bytes: int | None = None,
         context_budget: int = CONTEXT_BUDGET_TOKENS,
     ) -> ModelRequirement:
-        """``weights_bytes``: the checkpoint's size on disk when known, else the card's storage_bytes."""
+        """``weights_bytes``: the checkpoint's size on disk when known, else the card's storage_bytes. The parts
+        that are not layers are estimated from the card (``estimate_parts``) until a node's checkpoint
+        headers say what they are (``orchestration.model_requirement`` then replaces them)."""
         kv = card.kv_bytes_per_token() if card.head_dim is not None else 0
+        weights = weights_bytes if weights_bytes is not None else card.storage_bytes
+        embed, output, mtp = estimate_parts(card, weights)
         return cls(
             model_id=card.id,
-            weights_bytes=weights_bytes if weights_bytes is not None else card.storage_bytes,
+            weights_bytes=weights,
             kv_bytes_per_token=kv,
             context_tokens=min(card.context_length, context_budget),
             n_layers=card.n_layers,
+            embed_bytes=embed,
+            output_bytes=output,
+            mtp_bytes=mtp,
             full_attention_interval=card.full_attention_interval,
             downloadable=card.repo is not None,
         )
@@ -123,6 +130,27 @@ class ModelRequirement:
         if last:
             total += self.output_bytes + self.mtp_bytes
         return int(total)
+
+
+def estimate_parts(card: ModelCard, weights_bytes: int) -> tuple[int, int, int]:
+    """(embedding, final norm + lm_head, MTP head) bytes of a checkpoint no node has read yet, from its card:
+    the embedding and lm_head are vocab x hidden weights at the card's quantization (each counted: a tied
+    lm_head only over-reserves), the MTP head its layers at the size of an average layer plus its input
+    projection (2H x H). The layers share what is left of ``weights_bytes`` (the head counted among them);
+    a card whose parts would take more than half the weights (an inconsistent card) has them scaled down
+    to half."""
+    per_weight = card.bytes_per_weight
+    table = card.vocab * card.hidden_size * per_weight
+    embed = table
+    output = table + 2 * card.hidden_size
+    mtp_layers = card.native_mtp.num_layers if card.native_mtp is not None else 0
+    layer = max(0.0, weights_bytes - embed - output) / (card.n_layers + mtp_layers)
+    mtp = mtp_layers * layer + (2 * card.hidden_size * card.hidden_size * per_weight if mtp_layers else 0.0)
+    parts = embed + output + mtp
+    if parts > weights_bytes / 2:
+        scale = weights_bytes / 2 / parts
+        embed, output, mtp = embed * scale, output * scale, mtp * scale
+    return int(embed), int(output), int(mtp)
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,8 @@ def engine_config(resolved: ResolvedModel, settings: Settings, **overrides) -> E
         max_k=resolved.max_k,
         disabled_reason=f"native MTP is disabled ({where.get(source, 'settings')})",
     )
+    if settings.prefill_chunk is not None:
+        values["prefill_chunk"] = settings.prefill_chunk
     values.update(overrides)
     return EngineConfig(**values)
 

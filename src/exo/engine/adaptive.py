@@ -45,6 +45,7 @@ class DepthCosts:
     delta: tuple[float, ...]  # drafting K tokens with the head
     device: str = ""
     plain_s: float | None = None  # seconds of one plain decode step when measured
+    stages: int = 1  # measured through a pipeline of this many stages (its steps and transfers)
 
     @property
     def max_k(self) -> int:
@@ -173,7 +174,7 @@ class DepthPolicy:
             total = measured / plain if measured is not None else warm * glue
             share = beta[k - 1] / warm if warm else 1.0  # keep the warm-up split of verify and drafts
             beta[k - 1], delta[k - 1] = total * share, total * (1.0 - share)
-        return DepthCosts(tuple(beta), tuple(delta), self.costs.device, plain)
+        return DepthCosts(tuple(beta), tuple(delta), self.costs.device, plain, self.costs.stages)
 
     @property
     def mtp_can_pay_off(self) -> bool:

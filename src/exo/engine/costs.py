@@ -104,4 +104,4 @@ def measure_costs(
         delta = tuple(_fastest_seconds(draft(k), reps) / plain_s for k in range(1, max_k + 1))
     finally:
         forward.end(cache)
-    return DepthCosts(beta=beta, delta=delta, device=device_name(), plain_s=plain_s)
+    return DepthCosts(beta=beta, delta=delta, device=device_name(), plain_s=plain_s, stages=forward.stages)

@@ -910,6 +910,8 @@ class _Run:
                 "beta": [round(b, 3) for b in effective.beta],
                 "delta": [round(d, 3) for d in effective.delta],
                 "device": effective.device,
+                "stages": effective.stages,  # what they were measured through (a pipeline: its stages)
+                "plain_ms": round(effective.plain_s * 1000.0, 3) if effective.plain_s else None,
             }
         reason = self.reason
         if self.policy is not None and self.policy.fixed_k == 0:

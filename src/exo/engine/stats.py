@@ -30,7 +30,9 @@ class NativeMTPStats(BaseModel):
     decode_tokens_per_s: float = 0.0
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    costs: dict[str, list[float] | str] | None = None  # beta(K), delta(K) used by adaptive depth
+    # beta(K), delta(K) used by adaptive depth, the device, the stages they were measured through and one
+    # plain step's time (ms)
+    costs: dict[str, list[float] | str | int | float | None] | None = None
     profile_ms: dict[str, float] | None = None  # time per round phase, with EXO_ENGINE_PROFILE=1
     # Tokens this request decoded in a batch, per batch size (empty: it ran alone).
     batch_sizes: dict[int, int] = Field(default_factory=dict)
