@@ -334,3 +334,20 @@ def test_a_bucket_where_drafting_cannot_pay_off_does_not_probe():
         assert policy.choose(8) == 0
         policy.observe_plain(8, 0.027)
     assert policy.choose(2) >= 1
+
+
+def test_batches_do_not_draft_where_solo_rounds_measure_slower_than_plain():
+    """The solo policy's live timings say drafting loses here (rounds cost more than their tokens, as on a
+    small model on an H100): batches of several decode plainly even where their estimate from the solo
+    warm-up would draft; a batch of one still follows its own bucket, as a solo request does."""
+    policy = _batch_policy(SOLO_GPU)
+    policy.observe_plain(2, 0.0105)
+    assert policy.choose(2) >= 1  # by the warm-up estimate
+    solo = policy.solo
+    for _ in range(16):
+        solo.observe_plain(16, 16 * 0.010)
+        solo.observe_round(3, 3, seconds=0.045)  # 4 tokens per 4.5 plain steps
+    assert not solo.drafting_pays()
+    for size in (2, 8):
+        policy.observe_plain(size, 0.011)
+        assert policy.choose(size) == 0
