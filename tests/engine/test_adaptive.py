@@ -351,3 +351,24 @@ def test_batches_do_not_draft_where_solo_rounds_measure_slower_than_plain():
     for size in (2, 8):
         policy.observe_plain(size, 0.011)
         assert policy.choose(size) == 0
+
+
+def test_a_batch_starts_drafting_only_on_a_clear_margin():
+    """A batch of several drafts only where its estimate promises BATCH_ENTRY_GAIN over batched plain (its
+    members' acceptance runs below the solo acceptance the estimate uses); a solo request or a batch of one
+    starts at MIN_GAIN. Here a K = 1 round costs 1.75 plain steps for 1.9 tokens: 1.09x."""
+    from exo.engine.adaptive import BATCH_ENTRY_GAIN
+
+    costs = DepthCosts(beta=(1.55,), delta=(0.2,), device="cuda", plain_s=0.010)
+    solo = DepthPolicy(costs, max_k=1, default_k=1)
+    for _ in range(60):
+        solo.observe_round(1, 1 if _ % 10 else 0)  # 90% of drafts land
+    assert 1.03 < expected_speedup(costs, solo.tracker.rates(), 1) < BATCH_ENTRY_GAIN
+    assert solo.drafting_pays()
+    policy = BatchDepthPolicy(solo)
+    policy.observe_plain(2, 0.010)  # a second row is free: the bucket's estimate is the solo one
+    policy.observe_plain(1, 0.010)
+    assert policy.choose(1) == 1
+    for _ in range(3 * PROBE_FIRST):
+        assert policy.choose(2) == 0  # neither drafts nor probes
+        policy.observe_plain(2, 0.010)

@@ -28,6 +28,10 @@ from dataclasses import dataclass, field
 # A depth must beat plain decoding by this factor to be chosen: measurement noise must not make the
 # policy oscillate into slower configurations.
 MIN_GAIN = 1.03
+# A batch of several starts drafting only on a clear margin: its members' acceptance runs below the solo
+# acceptance its estimates use (heads fall behind while the batch decodes plainly: 0.50 against 0.77 serving
+# exo-demo to 8 clients on an H100), and every batch size explores on its own.
+BATCH_ENTRY_GAIN = 1.15
 PRIOR_ACCEPTANCE = 0.6  # before any observation (a typical trained head accepts 0.6-0.85)
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind the prior
 FORGET = 0.97  # per observation: recent rounds matter more (acceptance varies with the text)
@@ -129,6 +133,9 @@ class DepthPolicy:
     # Whether drafting can pay off at all, when another policy decided it (a batch-size bucket: the solo
     # warm-up's verdict); None: from ``costs``.
     can_draft: bool | None = None
+    # What a depth must promise over plain decoding before the policy starts drafting (leaving a depth for
+    # another always takes MIN_GAIN).
+    entry_gain: float = MIN_GAIN
     tracker: AcceptanceTracker = field(init=False)
     _seconds: dict[int, collections.deque[float]] = field(default_factory=dict, init=False)
     _current: int = field(default=0, init=False)
@@ -179,7 +186,7 @@ class DepthPolicy:
     def drafting_pays(self) -> bool:
         """Whether some depth beats plain decoding by ``MIN_GAIN`` at the costs and acceptance measured so far
         (no probe, no state change)."""
-        return best_depth(self.effective_costs(), self.tracker.rates(), self.max_k)[0] > 0
+        return best_depth(self.effective_costs(), self.tracker.rates(), self.max_k, self.entry_gain)[0] > 0
 
     @property
     def mtp_can_pay_off(self) -> bool:
@@ -187,7 +194,7 @@ class DepthPolicy:
             return self.fixed_k > 0
         if self.can_draft is not None:
             return self.can_draft
-        return can_pay_off(self.costs, self.max_k)
+        return can_pay_off(self.costs, self.max_k, self.entry_gain)
 
     def new_request(self) -> None:
         """A new generation: acceptance and costs learned so far stay, the probe schedule restarts."""
@@ -209,7 +216,7 @@ class DepthPolicy:
         best = max(speed, key=lambda k: (speed[k], -k))
         # Hysteresis: leave the current depth only for one that is clearly faster (timings are noisy).
         current = min(self._current, self.max_k)
-        k = best if speed[best] > speed[current] * MIN_GAIN else current
+        k = best if speed[best] > speed[current] * (self.entry_gain if current == 0 else MIN_GAIN) else current
         if k == 0 and self._plain_since_probe >= self._probe_every:
             self._plain_since_probe = 0
             self._probe_every = min(self._probe_every * 2, PROBE_MAX)
@@ -307,6 +314,7 @@ class BatchDepthPolicy:
             policy = DepthPolicy(
                 costs=batch_costs(self.solo.costs, size), max_k=self.solo.max_k,
                 default_k=self.solo.default_k if index == 0 else 0, can_draft=self.solo.mtp_can_pay_off,
+                entry_gain=MIN_GAIN if index == 0 else BATCH_ENTRY_GAIN,
             )
             policy.tracker = self.solo.tracker  # acceptance is the head's on the text, whatever the batch
             self._buckets[index] = policy
@@ -334,7 +342,7 @@ class BatchDepthPolicy:
         # Where even full acceptance could not pay off at this batch size by the estimate from its measured
         # rows cost (a compute-bound device), the bucket does not probe either. Its plain steps keep timing
         # that cost; a few slow rounds (a busy moment) must not end probing for good, so not those.
-        policy.can_draft = can_pay_off(policy.costs, policy.max_k)
+        policy.can_draft = can_pay_off(policy.costs, policy.max_k, policy.entry_gain)
         return policy.choose()
 
     def observe_plain(self, size: int, seconds: float | None = None) -> None:
