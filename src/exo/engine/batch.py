@@ -210,11 +210,7 @@ class BatchDecoder:
             chunks: list[GenerationChunk] = []
             if not run.pending_emitted:
                 self._emit_pending(run, values[i], chunks)
-            if run.output.finish is None:
-                run._cancelled()
-            if run.output.finish is not None:
-                chunks.append(run.final_chunk())
-            else:
+            if not _ended(run, chunks):
                 keep.append(i)
                 run.pending_token = following[i]
                 run.pending_emitted = False
@@ -303,11 +299,7 @@ class BatchDecoder:
             if decision.drafts.k == 0:
                 run.recorder.plain_steps(added)
             chunks.extend(run._drain())
-            if run.output.finish is None:
-                run._cancelled()
-            if run.output.finish is not None:
-                chunks.append(run.final_chunk())
-            else:
+            if not _ended(run, chunks):
                 keep.append(i)
         if len(keep) < size:
             self._keep(keep)
@@ -320,3 +312,14 @@ class BatchDecoder:
         index = mx.array(keep)
         for c in self.cache:
             c.filter(index)
+
+
+def _ended(run: _Run, chunks: list[GenerationChunk]) -> bool:
+    """Whether ``run`` ended at this step (finished, or cancelled now): then its final chunk is appended."""
+    if run.output.finish is None:
+        run._cancelled()
+    if run.output.finish is None:
+        return False
+    chunks.append(run.final_chunk())
+    return True
+
