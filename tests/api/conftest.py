@@ -70,8 +70,31 @@ class Server:
 
 
 @pytest.fixture(scope="session")
-def model_dir(checkpoint) -> Path:
-    return checkpoint("qwen3_5")  # raw Hugging Face layout with a trained MTP head
+def model_dir(checkpoint, tmp_path_factory) -> Path:
+    """The trained qwen3_5 fixture (raw Hugging Face layout, trained MTP head) with no end-of-sequence token:
+    every generation runs to its budget, whatever a fixture of another seed says first (some end after one
+    or two tokens, which left cancellation, timeouts, stop strings and penalties nothing to act on). How the
+    engine ends at an end-of-sequence token is tested in tests/engine."""
+    return without_eos(checkpoint("qwen3_5"), tmp_path_factory.mktemp("no-eos") / "qwen3_5")
+
+
+def without_eos(source: Path, target: Path) -> Path:
+    """A copy of a checkpoint (weights linked) whose config, generation config and tokenizer name no
+    end-of-sequence token."""
+    target.mkdir()
+    for f in source.iterdir():
+        if f.suffix == ".safetensors":
+            (target / f.name).symlink_to(f)
+        elif f.name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+            data = json.loads(f.read_text())
+            for section in (data, data.get("text_config") or {}):
+                for key in ("eos_token_id", "eos_token"):
+                    if key in section:
+                        section[key] = None
+            (target / f.name).write_text(json.dumps(data))
+        else:
+            shutil.copy(f, target / f.name)
+    return target
 
 
 @pytest.fixture(scope="session")

@@ -93,6 +93,7 @@ def test_wrong_types_and_unknown_fields(server, body, code, param):
         (_chat(stream_options={"include_usage": True}), "stream_options"),
         (_chat(stop=["x"] * 17), "stop"),
         (_chat(max_tokens=4, max_completion_tokens=5), "max_completion_tokens"),
+        (_chat(ignore_eos=True, response_format={"type": "json_object"}), "ignore_eos"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )

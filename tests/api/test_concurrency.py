@@ -19,26 +19,36 @@ def _running(server) -> bool:
     return server.service.status()["running"] >= 1
 
 
+EXTRA_PROMPTS = ("x = [", "import os", "Dear Sir,", "7 8 9", "The capital of", "while True:", "# TODO", "<html>")
+
+
 def test_concurrent_streams_equal_their_solo_output(server, reference):
-    solo = [reference(reference.tokenizer.encode(p), max_tokens=24).text for p in PROMPTS]
-    assert len(set(solo)) == len(PROMPTS)  # mixed-up streams would show
+    # Prompts whose solo outputs all differ, so that mixed-up streams would show (which prompts a fixture
+    # answers alike depends on the fixture: pick them from a pool).
+    solo_of: dict[str, str] = {}
+    for prompt in [*PROMPTS, *EXTRA_PROMPTS]:
+        text = reference(reference.tokenizer.encode(prompt), max_tokens=24).text
+        if text not in solo_of.values():
+            solo_of[prompt] = text
+    assert len(solo_of) >= 5, solo_of
+    prompts, solo = list(solo_of)[:6], list(solo_of.values())[:6]
     results: dict[int, str] = {}
-    barrier = threading.Barrier(len(PROMPTS))
+    barrier = threading.Barrier(len(prompts))
     client = server.openai()
 
     def run(i: int) -> None:
         barrier.wait()
         stream = client.completions.create(
-            model=server.model, prompt=PROMPTS[i], temperature=0, max_tokens=24, stream=True
+            model=server.model, prompt=prompts[i], temperature=0, max_tokens=24, stream=True
         )
         results[i] = "".join(c.choices[0].text for c in stream)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
-    assert [results.get(i) for i in range(len(PROMPTS))] == solo
+    assert [results.get(i) for i in range(len(prompts))] == solo
 
 
 def test_requests_waiting_together_decode_as_one_batch(make_server, model_dir, reference):
@@ -78,7 +88,8 @@ def test_requests_waiting_together_decode_as_one_batch(make_server, model_dir, r
     for i in range(len(prompts)):
         mtp = results[i]["usage"]["native_mtp"]
         assert max(int(size) for size in mtp["batch_sizes"]) == len(prompts), mtp
-        assert "batch" in mtp["reason"]
+        # Native MTP ran inside the batch (rounds counted), or the stats say why the batch decoded plainly.
+        assert mtp["rounds"] > 0 or "batch" in mtp["reason"], mtp
     tokens = sum(r["usage"]["completion_tokens"] for r in results.values())
     assert srv.metric("exo_batch_size_count") == tokens
     assert srv.metric("exo_batch_size_bucket", le="1.0") < tokens

@@ -197,8 +197,9 @@ def test_a_pipeline_is_one_instance_and_decodes_like_one_node(quartet, sources, 
 def _a_client_that_goes_away_ends_the_generation_on_the_leader(a: Daemon, leader: Daemon, card: str) -> None:
     """Streamed through A (no stage), the client disconnects after a few tokens: the leader's running
     generations drop to 0 within a round plus the leader daemon's status poll of its runner (1 s)."""
+    # ignore_eos: the generation must still run when the client leaves, whatever a fixture says first.
     body = {"model": card, "prompt": LONG, "max_tokens": 4000, "temperature": 0, "stream": True,
-            "native_mtp": {"k": 2}}
+            "native_mtp": {"k": 2}, "ignore_eos": True}
     with httpx.stream("POST", a.url + "/v1/completions", json=body, timeout=60) as response:
         assert response.status_code == 200
         tokens = 0

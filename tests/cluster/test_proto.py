@@ -1,9 +1,12 @@
-"""The committed gRPC stubs are exactly what scripts/gen_proto.py derives from proto/exo/v1/node.proto."""
+"""The committed gRPC stubs are exactly what scripts/gen_proto.py derives from proto/exo/v1/node.proto; a request
+crosses them whole."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = ROOT / "src" / "exo" / "wire" / "proto_gen"
@@ -52,3 +55,16 @@ def test_a_changed_proto_is_noticed(tmp_path):
     written = {p.name: p for p in gen.generate(tmp_path / "out")}
     assert written["node_pb2.py"].read_bytes() != (COMMITTED / "node_pb2.py").read_bytes()
     assert written["__init__.py"].read_bytes() == (COMMITTED / "__init__.py").read_bytes()
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_a_generate_request_carries_its_parameters_to_the_owner(ignore_eos):
+    """What the API node decided travels to the node that owns the model, ignore_eos included."""
+    from exo.engine.prompt import GenerateParams, Prompt
+    from exo.wire.convert import generate_request, request_from_pb
+
+    params = GenerateParams(max_tokens=40, default_max_tokens=256, stop=("\n\n",), native_mtp="auto", mtp_k=2,
+                            logprobs=3, ignore_eos=ignore_eos)
+    message = generate_request("m", "", Prompt(text="hello"), params, timeout_s=10.0)
+    prompt, back = request_from_pb(type(message).FromString(message.SerializeToString()))
+    assert prompt.text == "hello" and back == params

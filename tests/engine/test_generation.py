@@ -395,3 +395,19 @@ def test_an_lm_head_that_rounds_blocks_differently_puts_every_linear_on_one_row_
     plain = _greedy(engine, prompt, native_mtp="off")
     for depth in (1, 3):
         assert _greedy(engine, prompt, mtp_k=depth).token_ids == plain.token_ids, depth
+
+
+@pytest.mark.parametrize("depth", [None, 2], ids=["plain", "k2"])
+def test_ignore_eos_runs_past_end_of_sequence_tokens_to_the_budget(dense, depth):
+    """The first token a prompt gets, declared the end of sequence: a request ends there (finish "stop"),
+    and with ignore_eos the same request runs to max_tokens, its tokens those of a model without that end."""
+    engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK))
+    prompt = _prompt(dense, 10)
+    mode = {"native_mtp": "off"} if depth is None else {"mtp_k": depth}
+    free = _greedy(engine, prompt, max_tokens=24, **mode)
+    ending = Engine(dataclasses.replace(dense, eos_token_ids=frozenset({free.token_ids[0]})),
+                    EngineConfig(prefill_chunk=CHUNK))
+    stopped = _greedy(ending, prompt, max_tokens=24, **mode)
+    assert stopped.token_ids == free.token_ids[:1] and stopped.finish_reason == "stop"
+    ignored = _greedy(ending, prompt, max_tokens=24, ignore_eos=True, **mode)
+    assert ignored.token_ids == free.token_ids and ignored.finish_reason == "length"

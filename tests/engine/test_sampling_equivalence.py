@@ -57,6 +57,8 @@ def _batched_runs(engine: Engine, prompt, sampling: dict, mtp_k: int, size: int 
             seeds[id(run)] = seed
             if run.output.finish is None:
                 batch.add(run)
+            else:  # it ended at its first token (an end of sequence): that token is in its final chunk
+                tokens[seed].extend(run.final_chunk().token_ids)
         while len(batch):
             for run, chunks in batch.step():
                 for chunk in chunks:

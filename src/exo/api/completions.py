@@ -25,7 +25,7 @@ from exo.engine.constraints import ConstraintSpec
 from exo.engine.generate import TokenLogprob
 
 from .config import CONFIG, METRICS, SERVICE
-from .errors import api_error_from
+from .errors import APIError, api_error_from
 from .parsing import read_json, validate
 from .reasoning import ReasoningSplitter, split_whole
 from .schemas import ChatCompletionRequest, CompletionRequest, GenerationFields, reject_unsupported
@@ -73,6 +73,10 @@ def _params(
     logprobs: int | None = None,
 ) -> GenerateParams:
     req.check_combinations()
+    if req.ignore_eos and constraint is not None:
+        raise APIError(400, "ignore_eos cannot be combined with a constrained output (a required or named "
+                       "tool_choice, response_format): the constraint decides where the output ends",
+                       param="ignore_eos", code="invalid_value")
     mtp = req.native_mtp
     mode = "off" if mtp is not None and mtp.enabled is False else "auto"
     return GenerateParams(
@@ -84,6 +88,7 @@ def _params(
         mtp_k=mtp.k if mtp is not None else None,
         constraint=constraint,
         logprobs=logprobs,
+        ignore_eos=bool(req.ignore_eos),
     )
 
 

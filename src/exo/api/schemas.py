@@ -247,6 +247,11 @@ class GenerationFields(BaseModel):
     n: int | None = Field(default=None, ge=1, le=1, description="only 1 is supported")
     user: str | None = Field(default=None, description="accepted for compatibility; not used")
     native_mtp: NativeMTPOptions | None = None
+    ignore_eos: bool | None = Field(
+        default=None,
+        description="exo extension (as vLLM's): keep generating past end-of-sequence tokens, up to max_tokens "
+        "(benchmarks, tests); not with tools or response_format",
+    )
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -121,6 +121,8 @@ class GenerationRequest:
     logprobs: int | None = None
     # The prompt ends inside a think block its chat template opened: the output starts with reasoning.
     thinking: bool = False
+    # End-of-sequence tokens are ordinary tokens: the generation runs to max_tokens (or a stop string).
+    ignore_eos: bool = False
     # Polled between decode steps / speculative rounds of a solo generation that could join a batch
     # (``_Run.batchable``); True ends the solo stream early, without a final chunk, and leaves the run
     # at a step boundary for a ``BatchDecoder`` to take over (``_Run.handed_over``).
@@ -480,9 +482,8 @@ class _Run:
         self._phases: dict[str, float] | None = {} if os.environ.get("EXO_ENGINE_PROFILE") == "1" else None
         self._phase_start = 0.0
         self.history = mx.zeros((0,), dtype=mx.uint32)  # the completion so far, for penalties
-        self.output = _Output(
-            engine.loaded.tokenizer, engine.loaded.eos_token_ids, request.stop, request.max_tokens
-        )
+        eos = frozenset() if request.ignore_eos else engine.loaded.eos_token_ids
+        self.output = _Output(engine.loaded.tokenizer, eos, request.stop, request.max_tokens)
         # Constrained decoding: the grammar's state follows the emitted tokens (and, within a round, the
         # drafts); ``_pending_consumed`` says whether it has consumed ``pending_token`` yet.
         self.matcher: Matcher | None = None

@@ -90,6 +90,7 @@ class GenerateParams:
     mtp_k: int | None = None
     constraint: ConstraintSpec | None = None  # the output must follow it (constrained decoding)
     logprobs: int | None = None  # report log-probabilities, with this many alternatives (0..20)
+    ignore_eos: bool = False  # generate past end-of-sequence tokens, up to max_tokens
 
 
 def renders_tools(tokenizer: Any) -> bool:
@@ -225,4 +226,5 @@ def generation_request(
         constraint=grammar,
         logprobs=params.logprobs,
         thinking=thinking,
+        ignore_eos=params.ignore_eos,
     )

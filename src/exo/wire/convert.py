@@ -172,6 +172,7 @@ def generate_request(
         request.constraint_json = params.constraint.to_json()
     if params.logprobs is not None:
         request.logprobs = params.logprobs
+    request.ignore_eos = params.ignore_eos
     return request
 
 
@@ -219,5 +220,6 @@ def request_from_pb(req: pb.GenerateRequest) -> tuple[Prompt, GenerateParams]:
         mtp_k=req.mtp_k if req.HasField("mtp_k") else None,
         constraint=ConstraintSpec.from_json(req.constraint_json) if req.constraint_json else None,
         logprobs=req.logprobs if req.HasField("logprobs") else None,
+        ignore_eos=req.ignore_eos,
     )
     return prompt, params

@@ -421,7 +421,7 @@ class NodeSwitch(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., disabled_reason: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "instance_id", "messages", "text", "token_ids", "template_kwargs_json", "max_tokens", "default_max_tokens", "sampling", "stop", "native_mtp", "mtp_k", "timeout_s", "node_mtp", "tools_json", "constraint_json", "logprobs")
+    __slots__ = ("request_id", "model", "instance_id", "messages", "text", "token_ids", "template_kwargs_json", "max_tokens", "default_max_tokens", "sampling", "stop", "native_mtp", "mtp_k", "timeout_s", "node_mtp", "tools_json", "constraint_json", "logprobs", "ignore_eos")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -440,6 +440,7 @@ class GenerateRequest(_message.Message):
     TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_JSON_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     instance_id: str
@@ -458,7 +459,8 @@ class GenerateRequest(_message.Message):
     tools_json: str
     constraint_json: str
     logprobs: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., instance_id: _Optional[str] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., template_kwargs_json: _Optional[str] = ..., max_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., native_mtp: _Optional[str] = ..., mtp_k: _Optional[int] = ..., timeout_s: _Optional[float] = ..., node_mtp: _Optional[_Union[NodeSwitch, _Mapping]] = ..., tools_json: _Optional[str] = ..., constraint_json: _Optional[str] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    ignore_eos: bool
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., instance_id: _Optional[str] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., template_kwargs_json: _Optional[str] = ..., max_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., native_mtp: _Optional[str] = ..., mtp_k: _Optional[int] = ..., timeout_s: _Optional[float] = ..., node_mtp: _Optional[_Union[NodeSwitch, _Mapping]] = ..., tools_json: _Optional[str] = ..., constraint_json: _Optional[str] = ..., logprobs: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class Started(_message.Message):
     __slots__ = ("prompt_tokens", "max_tokens", "queue_s", "thinking")
