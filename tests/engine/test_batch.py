@@ -113,7 +113,7 @@ def test_seeded_sampling_and_penalties_per_sequence(checkpoint):
     engine = _engine(checkpoint("qwen3_5", dtype="float32"))
     samplings = [
         SamplingParams(temperature=0.9, seed=1),
-        SamplingParams(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.5),
+        SamplingParams(temperature=0.0, presence_penalty=2.0, frequency_penalty=2.0, repetition_penalty=5.0),
         SamplingParams(temperature=1.2, top_p=0.9, seed=2, repetition_penalty=1.3),
         SamplingParams(temperature=0.0),
         SamplingParams(temperature=0.9, top_k=20, seed=1),  # the same seed as the first: its own stream
