@@ -1,6 +1,6 @@
 """Batched vs solo greedy decoding on this device: identical tokens? and what a batch step costs.
 
-    python bench/batch_identity.py [MODEL] [--sizes 1 8 32] [--max-tokens 64] [--mtp [--ks 1 2 3]]
+    python bench/batch_identity.py [MODEL] [--sizes 1 8 32] [--max-tokens 64] [--mtp [--ks 1 2 3]] [--vectors]
 
 For each batch size B, B distinct prompts decode together through the engine's BatchDecoder (greedy,
 EOS ignored so every sequence runs its whole budget); each sequence is compared token for token with
@@ -12,6 +12,11 @@ tokens/s (prefill excluded) against solo decoding's tokens/s.
 adaptive: per run the same identity check, the mean round time and its cost in batched plain steps of the
 same B (what adaptive depth weighs: beta + delta of a batched round), the tokens a member gains per round,
 and the aggregate tokens/s against the batched plain run's.
+``--vectors``: each batch size also decodes plainly with a batch-invariant candidate path: every bias-free
+linear layer of the backbone and the lm_head compute each sequence's row as its own matrix-vector product
+(``models.layers.vector_matmul``, one call per layer: what a one-row decode step computes), the rest of the
+step as batched. Prints its identity to solo and its step time against the default batched step: the cost
+of that path (issue 17 asks whether a batch-invariant path costs under 10%).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import dataclasses
 import time
 
 import mlx.core as mx
+from batch_ops import _BatchVectors, batch_vectors  # bench/ is this script's folder
 
 from exo.engine import GenerationRequest, load
 from exo.engine.batch import BatchDecoder
@@ -88,6 +94,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--mtp", action="store_true", help="also decode each batch with native MTP")
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3], help="forced depths for --mtp")
+    parser.add_argument("--vectors", action="store_true", help="also decode each batch with the batch-invariant "
+                        "candidate (every linear layer's rows as one-row products)")
     args = parser.parse_args()
     sizes = sorted({s for group in args.sizes for s in group})
     engine = load(args.model)
@@ -106,11 +114,26 @@ def main() -> None:
         costs = engine.costs()
         print("warm-up costs (solo, in plain steps): beta " + " ".join(f"{b:.2f}" for b in costs.beta)
               + ", delta " + " ".join(f"{d:.2f}" for d in costs.delta))
+    if args.vectors:
+        print(f"--vectors: {batch_vectors(engine)} linear layers (with the lm_head) as one-row products in a batch")
     for size in sizes:
         plain = run_batch(engine, ids[:size], args.max_tokens, native_mtp="off")
         step_ms = plain.seconds / plain.steps * 1000
         plain_rate = size * decoded / plain.seconds
         print(f"B={size:3d}: {identity(plain, solo)}; step {step_ms:.2f} ms; {plain_rate:.1f} tok/s aggregate")
+        if args.vectors:
+            _BatchVectors.on = True
+            try:
+                vectors = run_batch(engine, ids[:size], args.max_tokens, native_mtp="off")
+                again = run_batch(engine, ids[:size], args.max_tokens, native_mtp="off") if size > 1 else None
+            finally:
+                _BatchVectors.on = False
+            plain2 = run_batch(engine, ids[:size], args.max_tokens, native_mtp="off")
+            base_ms = (plain.seconds + plain2.seconds) / (plain.steps + plain2.steps) * 1000
+            runs = [r for r in (vectors, again) if r is not None]
+            vec_ms = sum(r.seconds for r in runs) / sum(r.steps for r in runs) * 1000
+            print(f"       vectors : {identity(vectors, solo)}; step {vec_ms:.2f} ms = {vec_ms / base_ms:.3f}x the "
+                  f"batched step ({base_ms:.2f} ms, mean of two runs around it)")
         if not args.mtp:
             continue
         for k in [*args.ks, None]:

@@ -4,7 +4,15 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import qwen3_5, qwen3_next
 
-from exo.engine.models.layers import GatedDeltaNet, NextGatedDeltaNet, RollbackArraysCache, SparseMoeBlock
+from exo.engine.models.layers import (
+    SORT_MIN_PAIRS,
+    GatedDeltaNet,
+    NextGatedDeltaNet,
+    RollbackArraysCache,
+    SparseMoeBlock,
+    check_expert_sort,
+    experts_unsorted,
+)
 
 DIMS = dict(
     hidden_size=64,
@@ -142,6 +150,48 @@ def test_batched_routing_can_diverge_and_route_locking_restores_it():
     block.verify_mode = None
     assert not mx.allclose(batched, per_row, atol=1e-4), "the batched router should have flipped the tie"
     assert mx.allclose(locked, per_row, atol=1e-5)
+
+
+def test_unsorted_experts_compute_each_row_as_alone_and_what_the_sorted_path_computes():
+    """From SORT_MIN_PAIRS (row, expert) pairs on, mlx-lm sorts the rows by expert; the unsorted path (a device
+    whose sorted kernels are wrong takes it) gives every row exactly what the row alone gives."""
+    block = _near_tie_moe()
+    rows = SORT_MIN_PAIRS // block.top_k + 8
+    x = mx.random.normal((rows, 1, 64), key=mx.random.key(11))
+    inds, _ = block._route(x)
+    assert inds.size >= SORT_MIN_PAIRS  # the sorted path is the one mlx-lm takes here
+    unsorted = experts_unsorted(block.switch_mlp, x, inds)
+    alone = mx.concatenate([block.switch_mlp(x[i : i + 1], inds[i : i + 1]) for i in range(rows)], axis=0)
+    assert mx.array_equal(unsorted, alone)
+    assert mx.allclose(unsorted, block.switch_mlp(x, inds), atol=1e-5)
+    sorted_block = block(x)
+    block.sort_experts = False
+    assert mx.array_equal(block(x), mx.concatenate([block(x[i : i + 1]) for i in range(rows)], axis=0))
+    assert mx.allclose(block(x), sorted_block, atol=1e-5)
+
+
+def test_a_device_whose_sorted_expert_kernels_are_wrong_decodes_unsorted():
+    """MLX 0.32.4 CUDA returns wrong sorted gather_mm products (bench/results/h100-mlx-cuda-moe-sort.txt). The
+    check keeps this CPU's (right) sorted path, and on a device simulated to be wrong there (sorted calls
+    drop one expert's contribution, as a wrong kernel could) sends every block unsorted."""
+    blocks = [_near_tie_moe() for _ in range(2)]
+    assert check_expert_sort(blocks) < 1e-3 and all(block.sort_experts for block in blocks)
+
+    switch = blocks[0].switch_mlp
+    right = type(switch.down_proj).__call__
+
+    class WrongWhenSorted(type(switch.down_proj)):
+        def __call__(self, x, indices, sorted_indices=False):
+            out = right(self, x, indices, sorted_indices=sorted_indices)
+            return mx.where((indices == 0)[..., None, None], 0.0, out) if sorted_indices else out
+
+    for block in blocks:
+        block.switch_mlp.down_proj.__class__ = WrongWhenSorted
+    x = mx.random.normal((SORT_MIN_PAIRS, 1, 64), key=mx.random.key(12))
+    assert not mx.allclose(blocks[1](x), mx.concatenate([blocks[1](x[i : i + 1]) for i in range(SORT_MIN_PAIRS)]))
+    assert check_expert_sort(blocks) > 0.05
+    assert not any(block.sort_experts for block in blocks)
+    assert mx.array_equal(blocks[1](x), mx.concatenate([blocks[1](x[i : i + 1]) for i in range(SORT_MIN_PAIRS)]))
 
 
 def test_row_by_row_attention_equals_a_decode_step_per_row():

@@ -30,6 +30,7 @@ from safetensors import safe_open
 
 from .models import SUPPORTED_MODEL_TYPES, UnsupportedModelError, get_model_classes, stage_model_classes
 from .models.backbone import SpeculativeBackbone
+from .models.layers import SparseMoeBlock, check_expert_sort
 from .models.mtp import HEAD_NORM_SUFFIXES, MTPHead
 
 SIDECAR_NAMES = ("mtp.safetensors",)
@@ -559,6 +560,10 @@ def load_checkpoint(
         )
     else:
         status = HeadStatus(available=False, reason=f"{path.name} has no MTP head")
+    blocks = list(model.moe_blocks())
+    if head is not None:
+        blocks += [layer.mlp for layer in head.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    check_expert_sort(blocks)  # before any prefill: a device whose sorted expert kernels are wrong goes unsorted
     return LoadedModel(
         path=path,
         model_id=model_id or path.name,

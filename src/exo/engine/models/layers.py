@@ -234,6 +234,7 @@ class SparseMoeBlock(Qwen3NextSparseMoeBlock):
     """Qwen3.5-MoE / Qwen3-Next sparse MoE block whose multi-row routing can be locked to decode's."""
 
     verify_mode: MoEVerifyMode | None = None  # set by the engine around verify calls only
+    sort_experts: bool = True  # False where ``check_expert_sort`` found the sorted expert kernels wrong
 
     def _route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         if self.verify_mode == "route_locked" and x.shape[1] > 1:
@@ -250,7 +251,8 @@ class SparseMoeBlock(Qwen3NextSparseMoeBlock):
 
     def _block(self, x: mx.array) -> mx.array:
         inds, scores = self._route(x)
-        y = (self.switch_mlp(x, inds) * scores[..., None]).sum(axis=-2)
+        experts = self.switch_mlp(x, inds) if self.sort_experts else experts_unsorted(self.switch_mlp, x, inds)
+        y = (experts * scores[..., None]).sum(axis=-2)
         shared = mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y + shared
 
@@ -260,6 +262,51 @@ class SparseMoeBlock(Qwen3NextSparseMoeBlock):
         if self.verify_mode == "safe" and x.shape[1] > 1:
             return mx.concatenate([self._block(x[:, i : i + 1]) for i in range(x.shape[1])], axis=1)
         return self._block(x)
+
+
+SORT_MIN_PAIRS = 64  # mlx-lm's SwitchGLU sorts the rows by expert from this many (row, expert) pairs on
+SORTED_EXPERTS_TOLERANCE = 0.05  # relative: ~8x the bf16 rounding of the two paths (5.5e-3 to 6.6e-3 measured)
+
+
+def experts_unsorted(switch: nn.Module, x: mx.array, indices: mx.array) -> mx.array:
+    """mlx-lm's ``SwitchGLU`` forward without its sort of the rows by expert: each (row, expert) pair's
+    gathered products in row order, the path mlx-lm itself takes below ``SORT_MIN_PAIRS`` pairs (a decode
+    step). Every row computes what it computes alone (bit for bit on MLX CUDA, where a batch of decode steps
+    then rounds as solo steps do)."""
+    x = mx.expand_dims(x, (-2, -3))
+    up = switch.up_proj(x, indices)
+    gate = switch.gate_proj(x, indices)
+    return switch.down_proj(switch.activation(up, gate), indices).squeeze(-2)
+
+
+def check_expert_sort(blocks: list[SparseMoeBlock]) -> float:
+    """Whether mlx-lm's sorted expert path computes on this device what the unsorted one does, on the first
+    block's experts and enough random rows to take it; when it does not, every block of ``blocks`` goes
+    unsorted (``sort_experts``). Returns the measured relative difference.
+
+    Measured: MLX 0.32.4's CUDA backend returns wrong products from the sorted ``gather_mm`` (relative
+    difference ~1.2-1.3 at 64 and 128 pairs, against 0 between the unsorted path and rows computed alone;
+    bench/results/h100-mlx-cuda-moe-sort.txt): a prompt of 32 tokens or more at top-2 routing, or a batch
+    of 32 decode steps, then decodes garbage (stock mlx-lm too). On this project's CPU both paths agree."""
+    if not blocks:
+        return 0.0
+    block = blocks[0]
+    switch = block.switch_mlp
+    dtype = getattr(switch.down_proj, "scales", switch.down_proj.weight).dtype  # quantized: the scales' dtype
+    experts = switch.down_proj.num_experts
+    top_k = min(block.top_k, experts)
+    rows = max(2, -(-SORT_MIN_PAIRS // top_k))
+    key = mx.random.key(20261124)
+    x = (mx.random.normal((rows, 1, switch.up_proj.input_dims), key=key) * 0.5).astype(dtype)
+    order = mx.argsort(mx.random.uniform(shape=(rows, 1, experts), key=mx.random.split(key)[0]), axis=-1)
+    indices = order[..., :top_k].astype(mx.uint32)
+    sorted_out, unsorted = switch(x, indices), experts_unsorted(switch, x, indices)
+    scale = mx.maximum(mx.abs(unsorted.astype(mx.float32)).max(), 1e-6)
+    difference = float((mx.abs(sorted_out.astype(mx.float32) - unsorted.astype(mx.float32)).max() / scale).item())
+    if difference > SORTED_EXPERTS_TOLERANCE:
+        for each in blocks:
+            each.sort_experts = False
+    return difference
 
 
 class Attention(Qwen3NextAttention):
