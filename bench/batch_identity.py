@@ -1,6 +1,6 @@
 """Batched vs solo greedy decoding on this device: identical tokens? and what a batch step costs.
 
-    python bench/batch_identity.py [MODEL] [--sizes 1 8 32] [--max-tokens 64] [--mtp [--ks 1 2 3]] [--vectors]
+    python bench/batch_identity.py [MODEL] [--sizes 1 8 32] [--max-tokens 64] [--mtp [--ks 1 2 3]] [--vectors] [--invariant]
 
 For each batch size B, B distinct prompts decode together through the engine's BatchDecoder (greedy,
 EOS ignored so every sequence runs its whole budget); each sequence is compared token for token with
@@ -12,6 +12,11 @@ tokens/s (prefill excluded) against solo decoding's tokens/s.
 adaptive: per run the same identity check, the mean round time and its cost in batched plain steps of the
 same B (what adaptive depth weighs: beta + delta of a batched round), the tokens a member gains per round,
 and the aggregate tokens/s against the batched plain run's.
+``--invariant``: each batch size also decodes plainly with the engine's batch-invariant steps
+(``EngineConfig.batch_invariant``: linear rows as one-row products, rope and attention per sequence over its own
+keys, experts unsorted): identity to solo of two runs and the step time against the default batched step
+(with ``--mtp``, also the identity of each forced depth in that mode).
+
 ``--vectors``: each batch size also decodes plainly with a batch-invariant candidate path: every bias-free
 linear layer of the backbone and the lm_head compute each sequence's row as its own matrix-vector product
 (``models.layers.vector_matmul``, one call per layer: what a one-row decode step computes), the rest of the
@@ -94,6 +99,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--mtp", action="store_true", help="also decode each batch with native MTP")
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3], help="forced depths for --mtp")
+    parser.add_argument("--invariant", action="store_true", help="also decode each batch with the engine's "
+                        "batch-invariant steps (EngineConfig.batch_invariant)")
     parser.add_argument("--vectors", action="store_true", help="also decode each batch with the batch-invariant "
                         "candidate (every linear layer's rows as one-row products)")
     args = parser.parse_args()
@@ -121,6 +128,25 @@ def main() -> None:
         step_ms = plain.seconds / plain.steps * 1000
         plain_rate = size * decoded / plain.seconds
         print(f"B={size:3d}: {identity(plain, solo)}; step {step_ms:.2f} ms; {plain_rate:.1f} tok/s aggregate")
+        if args.invariant:
+            engine.config = dataclasses.replace(engine.config, batch_invariant=True)
+            try:
+                runs = [run_batch(engine, ids[:size], args.max_tokens, native_mtp="off") for _ in range(2)]
+            finally:
+                engine.config = dataclasses.replace(engine.config, batch_invariant=False)
+            plain2 = run_batch(engine, ids[:size], args.max_tokens, native_mtp="off")
+            base_ms = (plain.seconds + plain2.seconds) / (plain.steps + plain2.steps) * 1000
+            inv_ms = sum(r.seconds for r in runs) / sum(r.steps for r in runs) * 1000
+            print(f"       invariant: {identity(runs[0], solo)}, {identity(runs[1], solo)}; step {inv_ms:.2f} ms = "
+                  f"{inv_ms / base_ms:.3f}x the batched step ({base_ms:.2f} ms, mean of two runs around it)")
+            if args.mtp:
+                engine.config = dataclasses.replace(engine.config, batch_invariant=True)
+                try:
+                    for k in args.ks:
+                        run = run_batch(engine, ids[:size], args.max_tokens, mtp_k=k)
+                        print(f"       invariant MTP K={k}: {identity(run, solo)}")
+                finally:
+                    engine.config = dataclasses.replace(engine.config, batch_invariant=False)
         if args.vectors:
             _BatchVectors.on = True
             try:

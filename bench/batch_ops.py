@@ -103,6 +103,8 @@ def main() -> None:
     parser.add_argument("model", nargs="?", default="exo-demo")
     parser.add_argument("--size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--invariant", action="store_true", help="batched steps in the engine's batch-invariant "
+                        "mode (EngineConfig.batch_invariant)")
     parser.add_argument("--vectors", action="store_true", help="batched steps with every linear layer's rows as "
                         "one-row products (batch_identity.py --vectors)")
     args = parser.parse_args()
@@ -124,16 +126,21 @@ def main() -> None:
         batch.add(pair[1])
     if args.vectors:
         batch_vectors(engine)
+    engine.model.set_batch_invariant(False)  # the linear layers take their batch-invariant class before recording
     instrument(engine.model)
     tokens = mx.concatenate([run.pending_token.reshape(1) for run in solo])
     firsts: Counter[str] = Counter()
-    print(f"{args.model} on {device_name()}{' with --vectors' if args.vectors else ''}: B = {args.size} prompts of {sorted(len(p) for p in ids)} tokens, "
+    print(f"{args.model} on {device_name()}{' with --vectors' if args.vectors else ''}{' with --invariant' if args.invariant else ''}: B = {args.size} prompts of {sorted(len(p) for p in ids)} tokens, "
           f"{args.steps} decode steps")
     for step in range(args.steps):
         RECORD.clear()
         _BatchVectors.on = args.vectors
+        engine.model.set_batch_invariant(args.invariant)
         hidden = engine.forward.hidden(tokens[:, None], batch.cache)
-        batched_next = mx.argmax(engine.model.logits(hidden)[:, -1], axis=-1)
+        weight = engine.model.output_weight() if args.invariant else None
+        logits = vector_matmul(hidden, weight) if weight is not None else engine.model.logits(hidden)
+        batched_next = mx.argmax(logits[:, -1], axis=-1)
+        engine.model.set_batch_invariant(False)
         _BatchVectors.on = False
         mx.eval(batched_next, [out for _, out in RECORD])
         batched = list(RECORD)

@@ -87,6 +87,7 @@ def test_every_field_from_env(home: Path) -> None:
             EXO_MAX_BATCH="4",
             EXO_KV_BUDGET_TOKENS="2048",
             EXO_PREFILL_CHUNK="8",
+            EXO_BATCH_INVARIANT="1",
             EXO_OFFLINE="1",
             EXO_MEMORY_BUDGET_BYTES=str(16 << 30),
         )
@@ -107,7 +108,7 @@ def test_every_field_from_env(home: Path) -> None:
     assert s.api_key.get_secret_value() == "sk-secret-value"
     assert s.cluster_secret.get_secret_value() == "cluster-secret-value"
     assert (s.request_timeout_s, s.max_queue, s.offline, s.memory_budget_bytes) == (12.5, 3, True, 16 << 30)
-    assert (s.max_batch, s.kv_budget_tokens, s.prefill_chunk) == (4, 2048, 8)
+    assert (s.max_batch, s.kv_budget_tokens, s.prefill_chunk, s.batch_invariant) == (4, 2048, 8, True)
     assert all(s.source(f) == "env" for f in Settings.model_fields)
 
 
@@ -207,3 +208,13 @@ def test_prefill_chunk_reaches_the_engine(home: Path) -> None:
     resolved = resolve_model(str(bundled_model_dir("exo-demo")))
     assert engine_config(resolved, load_settings(env=env_for(home, EXO_PREFILL_CHUNK="8"))).prefill_chunk == 8
     assert engine_config(resolved, load_settings(env=env_for(home))).prefill_chunk == 2048
+
+
+def test_batch_invariant_reaches_the_engine(home: Path) -> None:
+    """EXO_BATCH_INVARIANT=1 turns on the engine's batch-invariant batched steps (off by default)."""
+    from exo.cards import bundled_model_dir
+    from exo.engine import engine_config, resolve_model
+
+    resolved = resolve_model(str(bundled_model_dir("exo-demo")))
+    assert engine_config(resolved, load_settings(env=env_for(home, EXO_BATCH_INVARIANT="1"))).batch_invariant is True
+    assert engine_config(resolved, load_settings(env=env_for(home))).batch_invariant is False

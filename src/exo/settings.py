@@ -61,6 +61,10 @@ class Settings(BaseModel):
     # Prompt tokens one prefill step feeds the model at most (EngineConfig.prefill_chunk). None: the engine's
     # default (2048). Small values exercise the chunk edges (tests) or bound one step's activations.
     prefill_chunk: int | None = Field(default=None, ge=1)
+    # EXO_BATCH_INVARIANT=1: a batched request's greedy output never depends on what else runs in its batch
+    # (EngineConfig.batch_invariant). Costs 1.2-1.9x per batched step on an H100, so off by default there; this
+    # CPU's batched steps already equal solo ones.
+    batch_invariant: bool = Field(default=False, strict=True)
     # The most memory (bytes) this node offers to models, whatever the OS has free: keep room for other
     # applications, or make a small node of a big machine. None: what the OS says is available.
     memory_budget_bytes: int | None = Field(default=None, ge=1)

@@ -109,6 +109,25 @@ def test_bfloat16_batched_greedy_equals_solo(checkpoint):
         assert got[i][0] == _solo(engine, request).token_ids, f"request {i}"
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_batch_invariant_steps_equal_solo_with_joins_plain_and_drafting(checkpoint, arch):
+    """EngineConfig.batch_invariant (EXO_BATCH_INVARIANT=1, for devices whose batched kernels round by batch
+    shape): one-row linear products, per-sequence rope and attention over unpadded keys, unsorted experts.
+    Members that join at different steps (different left padding), plainly and drafting at K = 2, each get
+    their solo output token for token, and the layers are back to their ordinary path after each step."""
+    loaded = dataclasses.replace(load_checkpoint(checkpoint(arch, dtype="bfloat16")), eos_token_ids=frozenset())
+    engine = Engine(loaded, EngineConfig(prefill_chunk=CHUNK, batch_invariant=True))
+    requests = [_request(engine, i, max_tokens=14, **({"mtp_k": 2} if i % 2 else {"native_mtp": "off"}))
+                for i in range(4)]
+    got = _run_batch(engine, requests, join_at=[0, 0, 2, 5])
+    for i, request in enumerate(requests):
+        assert got[i][0] == _solo(engine, request).token_ids, f"request {i}"
+    linears, attention, blocks = engine.model.__dict__["_batch_invariant_parts"]  # the mode ran
+    assert linears and attention and (blocks or arch == "qwen3_5")
+    assert not any(linear.batch_vectors for linear in linears) and not any(a.per_sequence for a in attention)
+    assert got[1][3].rounds > 0  # the drafting members ran speculative rounds in the batch
+
+
 def test_seeded_sampling_and_penalties_per_sequence(checkpoint):
     engine = _engine(checkpoint("qwen3_5", dtype="float32"))
     samplings = [

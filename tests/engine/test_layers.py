@@ -294,3 +294,38 @@ def test_row_by_row_attention_in_a_batch_masks_the_left_padding():
     for b, cache in enumerate(singles):
         stepwise = mx.concatenate([layer(rows[b : b + 1, t : t + 1], cache=cache) for t in range(3)], axis=1)
         assert mx.allclose(verified[b : b + 1], stepwise, atol=1e-5), b
+
+
+@pytest.mark.parametrize(("rows_per_sequence", "per_row"), [(1, False), (3, True), (3, False)])
+def test_per_sequence_attention_is_each_sequence_alone(rows_per_sequence, per_row):
+    """A batch-invariant step (``per_sequence``): each sequence of a left-padded batch gets bit for bit what its
+    solo call computes: a decode step, verify rows one at a time, or a causal block of rows."""
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    from exo.engine.models.layers import Attention
+
+    mx.random.seed(7)
+    args = _qwen35_args()
+    layer = Attention(args)
+    mx.eval(layer.parameters())
+    prefixes = [mx.random.normal((1, n, args.hidden_size)) for n in (6, 2, 4)]
+    rows = mx.random.normal((3, rows_per_sequence, args.hidden_size))
+    singles = []
+    for prefix in prefixes:
+        cache = KVCache()
+        layer(prefix, mask="causal", cache=cache)
+        singles.append(cache)
+    batch = BatchKVCache.merge(singles)
+    layer.per_sequence, layer.per_row = True, per_row
+    batched = layer(rows, cache=batch)
+    layer.per_sequence = False
+    for b, cache in enumerate(singles):
+        if per_row or rows_per_sequence == 1:
+            alone = mx.concatenate([layer(rows[b : b + 1, t : t + 1], cache=cache) for t in range(rows_per_sequence)],
+                                   axis=1)
+        else:
+            layer.per_row = False
+            alone = layer(rows[b : b + 1], mask="causal", cache=cache)
+        assert mx.array_equal(batched[b : b + 1], alone), b
+    layer.per_row = False
+    assert batch.offset.tolist() == [n + rows_per_sequence for n in (6, 2, 4)]

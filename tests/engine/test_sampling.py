@@ -12,8 +12,10 @@ from exo.engine.sampling import (
     SamplingParams,
     SamplingParamsError,
     accepted_prefix,
+    apply_processors,
     filtered_logprobs,
     greedy_verdict,
+    make_processors,
     sampling_verdict,
 )
 
@@ -133,3 +135,21 @@ def test_filtered_distribution_matches_definitions():
 def test_invalid_params_are_typed_errors(kwargs):
     with pytest.raises(SamplingParamsError):
         SamplingParams(**kwargs)
+
+
+def test_a_repetition_penalty_near_zero_keeps_the_distribution_finite():
+    """Any penalty in (0, 10] is valid; one that underflows (5e-324, found by the API fuzz test) divides the
+    repeated positive logits into infinity and 0 by 0 into NaN. The penalised logits stay bounded: the repeated
+    token with the positive logit becomes certain, and every log-probability (the API returns them) is finite."""
+    params = SamplingParams(temperature=1.0, repetition_penalty=5e-324)
+    logits = [[2.0, 0.0, -1.0, 3.0]]
+    penalised = apply_processors(make_processors(params), mx.array([0, 1, 2]), mx.array(logits))
+    assert mx.all(mx.isfinite(penalised)).item()
+    assert mx.argmax(penalised, axis=-1).item() == 0
+    logprobs = filtered_logprobs(penalised, params)
+    assert mx.all(mx.isfinite(logprobs)).item()
+    assert math.isclose(logprobs[0, 0].item(), 0.0, abs_tol=1e-6)
+    # an ordinary penalty is untouched
+    ordinary = apply_processors(make_processors(SamplingParams(repetition_penalty=1.3)), mx.array([0, 1, 2]),
+                                mx.array(logits))
+    assert np.allclose(np.array(ordinary), [[2.0 / 1.3, 0.0, -1.3, 3.0]])

@@ -48,6 +48,7 @@ from mlx_lm.models.cache import KVCache
 
 from .batch_cache import batch_cache, keep_rows_per_sequence
 from .generate import Engine, GenerationChunk, _Run
+from .models.layers import vector_matmul
 from .sampling import apply_processors
 from .verify import verify_logits
 
@@ -140,6 +141,15 @@ class BatchDecoder:
         last is its final chunk, with stats; it has left the batch)."""
         if not self.runs:
             return []
+        if not self.engine.config.batch_invariant:
+            return self._step()
+        self.engine.model.set_batch_invariant(True)
+        try:
+            return self._step()
+        finally:
+            self.engine.model.set_batch_invariant(False)
+
+    def _step(self) -> Results:
         start = time.perf_counter()
         timed, self._quiet = self._quiet, True
         batch_k = self._batch_depth(len(self.runs))
@@ -181,7 +191,7 @@ class BatchDecoder:
         size = len(runs)
         inputs = mx.concatenate([r.pending_token.reshape(1) for r in runs])  # type: ignore[union-attr]
         hidden = self.engine.forward.hidden(inputs[:, None], self.cache)
-        logits = self.engine.model.logits(hidden)[:, -1]  # [B, V]
+        logits = self._logits(hidden)[:, -1]  # [B, V]
         greedy: mx.array | None = None
         following: list[mx.array] = []
         for i, run in enumerate(runs):
@@ -226,6 +236,12 @@ class BatchDecoder:
         if len(keep) < size:
             self._keep(keep)
         return out
+
+    def _logits(self, hidden: mx.array, *, verify: bool = False) -> mx.array:
+        weight = self.engine.model.output_weight() if self.engine.config.batch_invariant else None
+        if weight is not None and hidden.shape[0] * hidden.shape[1] > 1:
+            return vector_matmul(hidden, weight)  # each row's logits as a solo step computes them
+        return verify_logits(self.engine.model, hidden, self.engine.verify_mode) if verify else self.engine.model.logits(hidden)
 
     @staticmethod
     def _emit_pending(run: _Run, token: int, chunks: list[GenerationChunk]) -> None:
@@ -275,7 +291,7 @@ class BatchDecoder:
             ]
         )  # [B, K+1]: a run with fewer drafts fills its rows with its pending token (never kept)
         hidden = engine.forward.hidden(rows, self.cache, verify=True)
-        logits = verify_logits(engine.model, hidden, engine.verify_mode)  # [B, K+1, V]
+        logits = self._logits(hidden, verify=True)  # [B, K+1, V]
         decisions = [run._decide(d, logits[b, : d.k + 1]) for b, (run, d) in enumerate(zip(runs, drafts, strict=True))]
         mx.eval(hidden, *[a for decision in decisions for a in decision.arrays()])
         kept = [run._accept(decision, hidden[b : b + 1]) for b, (run, decision) in enumerate(zip(runs, decisions, strict=True))]

@@ -72,11 +72,19 @@ def make_processors(params: SamplingParams) -> list[LogitsProcessor]:
     )
 
 
+PENALISED_LOGIT_BOUND = 1e30  # a penalty that sends a logit past this has made its token certain (or impossible)
+
+
 def apply_processors(processors: list[LogitsProcessor], history: mx.array, logits: mx.array) -> mx.array:
-    """Penalised logits [1, V] given the completion so far (``history``, 1-D)."""
+    """Penalised logits [1, V] given the completion so far (``history``, 1-D).
+
+    A repetition penalty near 0 (any value in (0, 10] is valid) divides a positive logit into infinity (and 0 by
+    0 into NaN): the result is bounded to +-``PENALISED_LOGIT_BOUND`` (NaN as 0), so the distribution stays a
+    distribution (the overflowing tokens share the mass) and log-probabilities stay finite."""
     for processor in processors:
         logits = processor(history, logits)
-    return logits
+    bound = PENALISED_LOGIT_BOUND
+    return mx.clip(mx.nan_to_num(logits, nan=0.0, posinf=bound, neginf=-bound), -bound, bound)
 
 
 def filtered_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:

@@ -165,6 +165,27 @@ class SpeculativeBackbone:
             make_rowwise(linear)
         object.__setattr__(self, "_rowwise_linears", tuple(linears))  # not a child module: no parameters
 
+    def set_batch_invariant(self, on: bool) -> None:
+        """Around a batch's step (``EngineConfig.batch_invariant``): every bias-free linear layer computes each
+        row as a one-row product, attention runs per sequence, MoE experts unsorted: each sequence's rows
+        round as its solo steps do, whatever else runs in the batch."""
+        parts = self.__dict__.get("_batch_invariant_parts")
+        if parts is None:
+            linears = [m for layer in self.stage_layers for _, m in layer.named_modules() if vectors_apply(m)]
+            for linear in linears:
+                make_rowwise(linear)
+            attention = [layer.self_attn for layer in self.stage_layers
+                         if isinstance(getattr(layer, "self_attn", None), Attention)]
+            parts = (linears, attention, list(self.moe_blocks()))
+            object.__setattr__(self, "_batch_invariant_parts", parts)  # not child modules: no parameters
+        linears, attention, blocks = parts
+        for linear in linears:
+            linear.batch_vectors = on
+        for layer in attention:
+            layer.per_sequence = on
+        for block in blocks:
+            block.unsorted_in_batch = on
+
     @property
     def is_moe(self) -> bool:
         return any(True for _ in self.moe_blocks())

@@ -21,7 +21,7 @@ from typing import Any, Literal
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
-from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 from mlx_lm.models.qwen3_5 import GatedDeltaNet as Qwen35GatedDeltaNet
 from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextGatedDeltaNet, Qwen3NextSparseMoeBlock
@@ -39,8 +39,11 @@ class _RowwiseLinear:
 
     per_row = False
     as_vectors = False
+    batch_vectors = False  # every row (of every sequence of a batch) as a one-row product: batch-invariant steps
 
     def __call__(self, x: mx.array) -> mx.array:
+        if self.batch_vectors and x.size > x.shape[-1]:
+            return vector_matmul(x, self.weight)  # type: ignore[attr-defined]
         rows = x.shape[-2] if x.ndim >= 2 else 1
         if not self.per_row or rows == 1:
             return super().__call__(x)  # type: ignore[misc]
@@ -235,6 +238,7 @@ class SparseMoeBlock(Qwen3NextSparseMoeBlock):
 
     verify_mode: MoEVerifyMode | None = None  # set by the engine around verify calls only
     sort_experts: bool = True  # False where ``check_expert_sort`` found the sorted expert kernels wrong
+    unsorted_in_batch: bool = False  # batch-invariant batch steps (each row as alone)
 
     def _route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         if self.verify_mode == "route_locked" and x.shape[1] > 1:
@@ -251,7 +255,10 @@ class SparseMoeBlock(Qwen3NextSparseMoeBlock):
 
     def _block(self, x: mx.array) -> mx.array:
         inds, scores = self._route(x)
-        experts = self.switch_mlp(x, inds) if self.sort_experts else experts_unsorted(self.switch_mlp, x, inds)
+        if self.sort_experts and not self.unsorted_in_batch:
+            experts = self.switch_mlp(x, inds)
+        else:
+            experts = experts_unsorted(self.switch_mlp, x, inds)
         y = (experts * scores[..., None]).sum(axis=-2)
         shared = mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y + shared
@@ -320,9 +327,12 @@ class Attention(Qwen3NextAttention):
     """
 
     per_row: bool = False  # set by the engine around verify calls only
+    per_sequence: bool = False  # batch-invariant batch steps: each sequence alone, as its solo step
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         B, L, _ = x.shape
+        if self.per_sequence and B > 1 and isinstance(cache, BatchKVCache):
+            return self._per_sequence(x, cache)
         if not self.per_row or L == 1 or cache is None:
             return super().__call__(x, mask, cache)
         queries, gate = mx.split(self.q_proj(x).reshape(B, L, self.num_attention_heads, -1), 2, axis=-1)
@@ -347,4 +357,37 @@ class Attention(Qwen3NextAttention):
             for t in range(L)
         ]
         output = mx.concatenate(rows, axis=2).transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(output * mx.sigmoid(gate))
+
+    def _per_sequence(self, x: mx.array, cache: BatchKVCache) -> mx.array:
+        """A batch's call where each sequence's rope and attention run as its solo call would: its own integer
+        offset, its own keys without the left padding, no mask (rows one at a time when ``per_row``); the
+        projections as the linear layers are set (one-row products in a batch-invariant step)."""
+        B, L, _ = x.shape
+        queries, gate = mx.split(self.q_proj(x).reshape(B, L, self.num_attention_heads, -1), 2, axis=-1)
+        gate = gate.reshape(B, L, -1)
+        keys, values = self.k_proj(x), self.v_proj(x)
+        queries = self.q_norm(queries).transpose(0, 2, 1, 3)
+        keys = self.k_norm(keys.reshape(B, L, self.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
+        values = values.reshape(B, L, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+        offsets, pads = cache.offset.tolist(), cache.left_padding.tolist()  # small, already computed
+        queries = mx.concatenate([self.rope(queries[b : b + 1], offset=offsets[b]) for b in range(B)])
+        keys = mx.concatenate([self.rope(keys[b : b + 1], offset=offsets[b]) for b in range(B)])
+        keys, values = cache.update_and_fetch(keys, values)
+        end = keys.shape[2]
+        outputs = []
+        for b in range(B):
+            q, k, v = queries[b : b + 1], keys[b : b + 1, :, pads[b] :], values[b : b + 1, :, pads[b] :]
+            if L == 1:
+                outputs.append(scaled_dot_product_attention(q, k, v, cache=None, scale=self.scale, mask=None))
+            elif self.per_row:
+                before = end - pads[b] - L
+                outputs.append(mx.concatenate([
+                    scaled_dot_product_attention(q[:, :, t : t + 1], k[:, :, : before + t + 1], v[:, :, : before + t + 1],
+                                                 cache=None, scale=self.scale, mask=None)
+                    for t in range(L)
+                ], axis=2))
+            else:
+                outputs.append(scaled_dot_product_attention(q, k, v, cache=None, scale=self.scale, mask="causal"))
+        output = mx.concatenate(outputs).transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(output * mx.sigmoid(gate))
