@@ -13,8 +13,8 @@ adaptive: per run the same identity check, the mean round time and its cost in b
 same B (what adaptive depth weighs: beta + delta of a batched round), the tokens a member gains per round,
 and the aggregate tokens/s against the batched plain run's.
 ``--invariant``: each batch size also decodes plainly with the engine's batch-invariant steps
-(``EngineConfig.batch_invariant``: linear rows as one-row products, rope and attention per sequence over its own
-keys, experts unsorted): identity to solo of two runs and the step time against the default batched step
+(``EngineConfig.batch_invariant``: linear rows as one-row products, attention per sequence over its own
+unpadded keys, experts unsorted): identity to solo of two runs and the step time against the default batched step
 (with ``--mtp``, also the identity of each forced depth in that mode).
 
 ``--vectors``: each batch size also decodes plainly with a batch-invariant candidate path: every bias-free

@@ -62,8 +62,8 @@ class Settings(BaseModel):
     # default (2048). Small values exercise the chunk edges (tests) or bound one step's activations.
     prefill_chunk: int | None = Field(default=None, ge=1)
     # EXO_BATCH_INVARIANT=1: a batched request's greedy output never depends on what else runs in its batch
-    # (EngineConfig.batch_invariant). Costs 1.2-1.9x per batched step on an H100, so off by default there; this
-    # CPU's batched steps already equal solo ones.
+    # (EngineConfig.batch_invariant). Costs up to 1.5x per batched step on an H100 (B = 32), so off by default;
+    # on MLX's CPU backend batched steps already equal solo ones.
     batch_invariant: bool = Field(default=False, strict=True)
     # The most memory (bytes) this node offers to models, whatever the OS has free: keep room for other
     # applications, or make a small node of a big machine. None: what the OS says is available.

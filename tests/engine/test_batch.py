@@ -112,7 +112,7 @@ def test_bfloat16_batched_greedy_equals_solo(checkpoint):
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
 def test_batch_invariant_steps_equal_solo_with_joins_plain_and_drafting(checkpoint, arch):
     """EngineConfig.batch_invariant (EXO_BATCH_INVARIANT=1, for devices whose batched kernels round by batch
-    shape): one-row linear products, per-sequence rope and attention over unpadded keys, unsorted experts.
+    shape): one-row linear products, per-sequence attention over unpadded keys, unsorted experts.
     Members that join at different steps (different left padding), plainly and drafting at K = 2, each get
     their solo output token for token, and the layers are back to their ordinary path after each step."""
     loaded = dataclasses.replace(load_checkpoint(checkpoint(arch, dtype="bfloat16")), eos_token_ids=frozenset())

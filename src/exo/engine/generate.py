@@ -97,7 +97,7 @@ class EngineConfig:
     async_draft_eval: bool = True
     prefill_chunk: int = 2048
     # Batched steps compute each sequence as its solo step would (models.backbone.set_batch_invariant): every
-    # linear row a one-row product, rope and attention per sequence over its own keys, experts unsorted.
+    # linear row a one-row product, attention per sequence over its own unpadded keys, experts unsorted.
     batch_invariant: bool = False
     # Relative top-2 logit gap under which a greedy verify row is re-decoded plainly (sampling.greedy_verdict).
     # None: 0 where the verify probe found every row equal to its decode step (greedy output is then plain

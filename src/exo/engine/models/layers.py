@@ -360,9 +360,9 @@ class Attention(Qwen3NextAttention):
         return self.o_proj(output * mx.sigmoid(gate))
 
     def _per_sequence(self, x: mx.array, cache: BatchKVCache) -> mx.array:
-        """A batch's call where each sequence's rope and attention run as its solo call would: its own integer
-        offset, its own keys without the left padding, no mask (rows one at a time when ``per_row``); the
-        projections as the linear layers are set (one-row products in a batch-invariant step)."""
+        """A batch's call where each sequence's attention runs as its solo call would: its own keys without the
+        left padding, no mask (rows one at a time when ``per_row``); the projections as the linear layers are
+        set (one-row products in a batch-invariant step)."""
         B, L, _ = x.shape
         queries, gate = mx.split(self.q_proj(x).reshape(B, L, self.num_attention_heads, -1), 2, axis=-1)
         gate = gate.reshape(B, L, -1)
@@ -370,9 +370,10 @@ class Attention(Qwen3NextAttention):
         queries = self.q_norm(queries).transpose(0, 2, 1, 3)
         keys = self.k_norm(keys.reshape(B, L, self.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
         values = values.reshape(B, L, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
-        offsets, pads = cache.offset.tolist(), cache.left_padding.tolist()  # small, already computed
-        queries = mx.concatenate([self.rope(queries[b : b + 1], offset=offsets[b]) for b in range(B)])
-        keys = mx.concatenate([self.rope(keys[b : b + 1], offset=offsets[b]) for b in range(B)])
+        pads = cache.left_padding.tolist()  # small, already computed
+        # Rope in one call with the batch's offsets: measured equal to each sequence's own call (an H100: rope per
+        # sequence gave the same tokens at more cost, bench/results/h100-mlx-cuda-batch-identity.txt).
+        queries, keys = self.rope(queries, offset=cache.offset), self.rope(keys, offset=cache.offset)
         keys, values = cache.update_and_fetch(keys, values)
         end = keys.shape[2]
         outputs = []
