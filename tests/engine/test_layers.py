@@ -268,26 +268,32 @@ def test_a_batch_commits_each_sequence_at_its_own_row(make):
         batch.commit([1, 5, 0])
 
 
-def test_row_by_row_attention_in_a_batch_masks_the_left_padding():
-    """In a batch (mlx-lm's left-padded BatchKVCache), a verify call attending row by row keeps the batch's
-    mask: each sequence's rows equal its own decode steps, not attending the padding before it."""
-    from mlx_lm.models.base import create_attention_mask
+def _attention_over_a_padded_batch(seed, prefix_lengths, rows_per_sequence):
+    """An attention layer, new rows [B, rows, H], each sequence's prefilled solo KVCache and the left-padded
+    BatchKVCache merged from them (mlx-lm's)."""
     from mlx_lm.models.cache import BatchKVCache, KVCache
 
     from exo.engine.models.layers import Attention
 
-    mx.random.seed(6)
+    mx.random.seed(seed)
     args = _qwen35_args()
     layer = Attention(args)
     mx.eval(layer.parameters())
-    prefixes = [mx.random.normal((1, n, args.hidden_size)) for n in (6, 2)]
-    rows = mx.random.normal((2, 3, args.hidden_size))
     singles = []
-    for prefix in prefixes:
+    for n in prefix_lengths:
         cache = KVCache()
-        layer(prefix, mask="causal", cache=cache)
+        layer(mx.random.normal((1, n, args.hidden_size)), mask="causal", cache=cache)
         singles.append(cache)
-    batch = BatchKVCache.merge(singles)
+    rows = mx.random.normal((len(prefix_lengths), rows_per_sequence, args.hidden_size))
+    return layer, rows, singles, BatchKVCache.merge(singles)
+
+
+def test_row_by_row_attention_in_a_batch_masks_the_left_padding():
+    """In a batch (mlx-lm's left-padded BatchKVCache), a verify call attending row by row keeps the batch's
+    mask: each sequence's rows equal its own decode steps, not attending the padding before it."""
+    from mlx_lm.models.base import create_attention_mask
+
+    layer, rows, singles, batch = _attention_over_a_padded_batch(6, (6, 2), 3)
     layer.per_row = True
     verified = layer(rows, mask=create_attention_mask(rows, batch), cache=batch)
     layer.per_row = False
@@ -300,22 +306,7 @@ def test_row_by_row_attention_in_a_batch_masks_the_left_padding():
 def test_per_sequence_attention_is_each_sequence_alone(rows_per_sequence, per_row):
     """A batch-invariant step (``per_sequence``): each sequence of a left-padded batch gets bit for bit what its
     solo call computes: a decode step, verify rows one at a time, or a causal block of rows."""
-    from mlx_lm.models.cache import BatchKVCache, KVCache
-
-    from exo.engine.models.layers import Attention
-
-    mx.random.seed(7)
-    args = _qwen35_args()
-    layer = Attention(args)
-    mx.eval(layer.parameters())
-    prefixes = [mx.random.normal((1, n, args.hidden_size)) for n in (6, 2, 4)]
-    rows = mx.random.normal((3, rows_per_sequence, args.hidden_size))
-    singles = []
-    for prefix in prefixes:
-        cache = KVCache()
-        layer(prefix, mask="causal", cache=cache)
-        singles.append(cache)
-    batch = BatchKVCache.merge(singles)
+    layer, rows, singles, batch = _attention_over_a_padded_batch(7, (6, 2, 4), rows_per_sequence)
     layer.per_sequence, layer.per_row = True, per_row
     batched = layer(rows, cache=batch)
     layer.per_sequence = False

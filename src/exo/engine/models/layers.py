@@ -335,15 +335,7 @@ class Attention(Qwen3NextAttention):
             return self._per_sequence(x, cache)
         if not self.per_row or L == 1 or cache is None:
             return super().__call__(x, mask, cache)
-        queries, gate = mx.split(self.q_proj(x).reshape(B, L, self.num_attention_heads, -1), 2, axis=-1)
-        gate = gate.reshape(B, L, -1)
-        keys, values = self.k_proj(x), self.v_proj(x)
-        queries = self.q_norm(queries).transpose(0, 2, 1, 3)
-        keys = self.k_norm(keys.reshape(B, L, self.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
-        values = values.reshape(B, L, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
-        queries = self.rope(queries, offset=cache.offset)
-        keys = self.rope(keys, offset=cache.offset)
-        keys, values = cache.update_and_fetch(keys, values)
+        queries, keys, values, gate = self._project(x, cache)
         before = keys.shape[2] - L
         # A batch's mask (left padding, mlx-lm's BatchKVCache) carries over row by row; alone, a row attends
         # to every key up to itself, which needs none.
@@ -359,10 +351,9 @@ class Attention(Qwen3NextAttention):
         output = mx.concatenate(rows, axis=2).transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(output * mx.sigmoid(gate))
 
-    def _per_sequence(self, x: mx.array, cache: BatchKVCache) -> mx.array:
-        """A batch's call where each sequence's attention runs as its solo call would: its own keys without the
-        left padding, no mask (rows one at a time when ``per_row``); the projections as the linear layers are
-        set (one-row products in a batch-invariant step)."""
+    def _project(self, x: mx.array, cache: Any) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """Queries, keys and values [B, heads, T, D] of ``x`` (rope applied at the cache's offsets, the keys and
+        values stored and fetched: every key of the cache) and the output gate, as the stock call computes them."""
         B, L, _ = x.shape
         queries, gate = mx.split(self.q_proj(x).reshape(B, L, self.num_attention_heads, -1), 2, axis=-1)
         gate = gate.reshape(B, L, -1)
@@ -370,11 +361,20 @@ class Attention(Qwen3NextAttention):
         queries = self.q_norm(queries).transpose(0, 2, 1, 3)
         keys = self.k_norm(keys.reshape(B, L, self.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
         values = values.reshape(B, L, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+        queries = self.rope(queries, offset=cache.offset)
+        keys = self.rope(keys, offset=cache.offset)
+        keys, values = cache.update_and_fetch(keys, values)
+        return queries, keys, values, gate
+
+    def _per_sequence(self, x: mx.array, cache: BatchKVCache) -> mx.array:
+        """A batch's call where each sequence's attention runs as its solo call would: its own keys without the
+        left padding, no mask (rows one at a time when ``per_row``); the projections as the linear layers are
+        set (one-row products in a batch-invariant step)."""
+        B, L, _ = x.shape
         pads = cache.left_padding.tolist()  # small, already computed
         # Rope in one call with the batch's offsets: measured equal to each sequence's own call (an H100: rope per
         # sequence gave the same tokens at more cost, bench/results/h100-mlx-cuda-batch-identity.txt).
-        queries, keys = self.rope(queries, offset=cache.offset), self.rope(keys, offset=cache.offset)
-        keys, values = cache.update_and_fetch(keys, values)
+        queries, keys, values, gate = self._project(x, cache)
         end = keys.shape[2]
         outputs = []
         for b in range(B):
