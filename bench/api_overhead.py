@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,15 +33,13 @@ from typing import Any
 import aiohttp
 
 from exo.engine import GenerationRequest, load
+from exo.runner.group import free_port
 from exo.settings import load_settings
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = free_port  # never the same port twice in this process (two calls in a row could be)
 
 
 def _cpu_seconds(pid: int) -> float | None:

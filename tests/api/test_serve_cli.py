@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,15 +11,13 @@ from pathlib import Path
 import httpx2 as httpx
 
 from exo.cli.main import build_parser, main
+from exo.runner.group import free_port
 from tests.api.conftest import wait_until_serving
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = free_port  # never the same port twice in this process (two calls in a row could be)
 
 
 def test_serve_flags_and_defaults():

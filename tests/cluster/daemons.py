@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,13 +13,9 @@ from typing import Any
 
 import httpx2 as httpx
 
+from exo.runner.group import free_port  # never the same port twice in this process
+
 SRC = Path(__file__).resolve().parents[2] / "src"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Daemon:

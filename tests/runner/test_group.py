@@ -87,3 +87,25 @@ def test_doorbells_probe_an_idle_connection() -> None:
             assert client.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == KEEPALIVE_INTERVAL_S
             assert client.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == KEEPALIVE_PROBES
             assert KEEPALIVE_IDLE_S + KEEPALIVE_INTERVAL_S * KEEPALIVE_PROBES <= 6  # well inside the 15 s bound
+
+
+def test_free_port_never_names_a_port_twice(monkeypatch) -> None:
+    """The kernel may hand a port freed a moment ago straight back (a fresh machine's run met a daemon whose API
+    and gRPC ports were the same): free_port skips every port this process handed out before. The kernel's
+    choice is the outer edge simulated here."""
+    import socket
+
+    from exo.runner import group
+
+    choices = iter([50_001, 50_001, 50_001, 50_002])
+
+    class Kernel(socket.socket):
+        def bind(self, address) -> None:
+            self._port = next(choices)
+
+        def getsockname(self):
+            return ("127.0.0.1", self._port)
+
+    monkeypatch.setattr(group, "_HANDED_OUT", set())
+    monkeypatch.setattr(group.socket, "socket", Kernel)
+    assert [group.free_port(), group.free_port()] == [50_001, 50_002]

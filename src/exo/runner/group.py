@@ -43,12 +43,24 @@ class GroupError(RuntimeError):
     """The group could not be formed, or a member of it was lost."""
 
 
+_HANDED_OUT: set[int] = set()
+_HANDED_OUT_LOCK = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (for the ring's listener)."""
+    """A TCP port free on ``host`` right now (for the ring's listener), never one this process handed out
+    before: the kernel may give a port freed a moment ago straight back, so two calls in a row (a daemon's
+    API and gRPC ports, a pipeline's ring hosts) could otherwise name the same port twice."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    with _HANDED_OUT_LOCK:
+        for _ in range(256):
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+                port = int(s.getsockname()[1])
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
+    raise OSError(f"no TCP port on {host} that this process has not handed out already")
 
 
 class RingLink:
