@@ -175,6 +175,50 @@ def test_rounds_that_catch_the_head_up_are_not_timed():
     assert policy.effective_costs() == costs
 
 
+def test_a_probe_tries_the_most_promising_depth():
+    """At K = 0 a probe runs the depth with the best expected speed, not always K = 1: where K = 2 is the
+    one that could pay, its cost and its second position are what the probe must renew."""
+    costs = DepthCosts(beta=(1.7, 1.8), delta=(0.1, 0.2), device="gpu", plain_s=0.010)
+    policy = DepthPolicy(costs, max_k=2, default_k=2)
+    assert policy.choose() == 2
+    for _ in range(6):
+        policy.observe_round(2, 2, seconds=0.030)  # every draft lands, but a round costs 3 plain steps
+    policy.observe_plain(4, 4 * 0.010)
+    assert policy.choose() == 0
+    rates = policy.tracker.rates()
+    assert expected_speedup(policy.effective_costs(), rates, 2) > expected_speedup(policy.effective_costs(), rates, 1)
+    policy.observe_plain(policy.plain_budget(), 0.010 * policy.plain_budget())
+    assert policy.choose() == 2
+
+
+def test_new_timings_of_a_depth_outvote_its_old_ones_after_a_stretch_elsewhere():
+    """Rounds timed in a slow moment sent the policy to K = 0; the machine is quiet again and the probes
+    measure rounds at 1.7 plain steps. The old timings stood for the machine as it was: after a stretch at
+    other depths a depth keeps only its two newest ones, so fresh probes decide within a few (with a plain
+    window of 16 old timings, the probes of ~2000 tokens would have been needed)."""
+    costs = DepthCosts(beta=(1.3, 1.5), delta=(0.1, 0.2), device="gpu", plain_s=0.010)
+    policy = DepthPolicy(costs, max_k=2, default_k=2)
+    policy.choose()
+    for _ in range(16):
+        policy.observe_round(2, 2, seconds=0.035)  # a busy moment: 3.5 plain steps a round
+    policy.observe_plain(8, 8 * 0.010)
+    assert policy.choose() == 0
+    plain_tokens = 0
+    while policy.choose() == 0:
+        budget = policy.plain_budget()
+        plain_tokens += budget
+        policy.observe_plain(budget, budget * 0.010)
+        k = policy.choose()
+        if k:
+            policy.observe_round(k, k, seconds=0.017)
+        assert plain_tokens < 300
+    assert policy.choose() == 2
+    assert policy.effective_costs().round_cost(2) == pytest.approx(1.7)
+    # While it runs K = 2, one odd round among its fresh ones moves nothing.
+    policy.observe_round(2, 2, seconds=0.060)
+    assert policy.choose() == 2
+
+
 def test_unmeasured_depths_carry_the_measured_overhead():
     """A depth not run yet is estimated from its warm-up cost times how much slower the measured depths
     ran than theirs."""

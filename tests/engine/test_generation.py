@@ -17,6 +17,7 @@ from exo.engine import (
     SamplingParams,
     load_checkpoint,
 )
+from exo.engine.adaptive import DepthCosts
 from exo.engine.models import layers
 
 ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_6_moe", "qwen3_next")
@@ -116,6 +117,26 @@ def test_bfloat16_checkpoints_are_exact_too(checkpoint, arch):
     plain = _greedy(engine, prompt, native_mtp="off")
     for depth in (1, 3):
         assert _greedy(engine, prompt, mtp_k=depth).token_ids == plain.token_ids
+
+
+def test_probes_after_plain_stretches_are_timed(dense):
+    """At K = 0 the adaptive policy probes a depth now and then; each probe first feeds the head the plain
+    stretch before it. The round is timed from after that catch-up, so probes renew the depth's cost
+    (untimed, a depth stayed judged by its last rounds however long ago: on an H100 adaptive then stayed at
+    K = 0 where a fixed K = 2 ran 1.14x faster). The output stays plain decoding's."""
+    engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK))
+    engine._costs = DepthCosts(beta=(1.2, 1.3, 1.4), delta=(0.01, 0.02, 0.03), device="test", plain_s=1.0)
+    policy = engine._adaptive_policy()
+    for _ in range(80):
+        policy.observe_round(1, 0)  # no draft landed so far (untimed): the policy sits at K = 0 and probes
+    assert policy.choose() == 0
+    prompt = _prompt(dense, 10)
+    result = _greedy(engine, prompt, native_mtp="on", max_tokens=80)
+    assert result.token_ids == _greedy(engine, prompt, native_mtp="off", max_tokens=80).token_ids
+    probed = [k for k in result.stats.k_histogram if k > 0]
+    assert probed and result.stats.k_histogram.get(0, 0) >= 16  # probes between plain stretches
+    for k in probed:
+        assert policy._seconds.get(k), f"the probe at K = {k} was not timed"
 
 
 def test_sync_and_async_draft_evaluation_agree(checkpoint):

@@ -3,11 +3,12 @@
 A round at depth K costs beta(K) + delta(K) plain decode steps (beta: the (K+1)-row verify, delta: K
 draft steps of the head) and yields 1 + a1 + a1*a2 + ... + a1*...*aK tokens on average, a_i being the
 acceptance rate at draft position i given that position i-1 was accepted. K = 0 is plain decoding
-(cost 1, one token). Costs come from a warm-up measurement and are refined by the rounds actually run;
-acceptance is tracked per position with exponential forgetting. When the best K is 0 the policy
-still probes K = 1 now and then (exponentially rarer) in case acceptance improved, unless even perfect
-acceptance could not pay off on this machine (e.g. a compute-bound CPU where beta(1) ~ 2), in which
-case it never probes and MTP costs nothing.
+(cost 1, one token). Costs come from a warm-up measurement and are refined by the rounds actually run
+(a depth timed again after a stretch elsewhere lets its new timings outvote its old ones); acceptance is
+tracked per position with exponential forgetting. When the best K is 0 the policy still probes its most
+promising depth now and then (exponentially rarer) in case acceptance or costs changed, unless even
+perfect acceptance could not pay off on this machine (e.g. a compute-bound CPU where beta(1) ~ 2), in
+which case it never probes and MTP costs nothing.
 
 In a batch (``BatchDepthPolicy``) one K serves every member of a round, chosen per batch-size bucket
 (1, 2, 3-4, 5-8, 9-16, 17+) from that bucket's own live timings of a batched plain step and of batched
@@ -41,6 +42,12 @@ DEEPER_PROBE_FIRST = 8  # rounds at K before a round at K + 1, doubling up to DE
 DEEPER_PROBE_MAX = 256
 COST_WINDOW = 16  # live timings kept per depth (their median is the depth's cost)
 MIN_ROUND_SAMPLES = 3  # round timings before they replace a depth's warm-up estimate
+# A depth timed again after this many tokens run at other depths keeps only its STALE_KEEP newest timings
+# besides the new one: they stood for the machine as it was then. On an H100 (exo-demo-moe) a first request's
+# slow rounds (2.2 plain steps at K = 1 where later requests measured 1.8) sent the policy to K = 0, and 16
+# old timings outvoted every later probe: adaptive ran at 0.86x a fixed K = 2 over 8 requests.
+STALE_TOKENS = 64
+STALE_KEEP = 2  # with the new timing, a median of three: one odd timing moves nothing, two fresh ones agree
 
 
 @dataclass(frozen=True)
@@ -154,6 +161,8 @@ class DepthPolicy:
     _deeper_every: int = field(default=DEEPER_PROBE_FIRST, init=False)
     _probe_every: int = field(default=PROBE_FIRST, init=False)
     _rounds_run: int = field(default=0, init=False)
+    _tokens: int = field(default=0, init=False)  # tokens run under this policy (a batch bucket: steps)
+    _timed_at: dict[int, int] = field(default_factory=dict, init=False)  # ``_tokens`` at a depth's last timing
 
     def __post_init__(self) -> None:
         self.max_k = min(self.max_k, self.costs.max_k)
@@ -233,7 +242,10 @@ class DepthPolicy:
         if k == 0 and self._plain_since_probe >= self._probe_every:
             self._plain_since_probe = 0
             self._probe_every = min(self._probe_every * 2, PROBE_MAX)
-            return 1  # a probe: the current depth stays 0 unless it shows otherwise
+            # A probe at the most promising depth (the current one stays 0 unless it shows otherwise): it
+            # times that depth and measures its positions, so stale figures for a deeper depth get renewed
+            # (probing only K = 1 left an H100's K = 2 judged by its first request's rounds for good).
+            return max(range(1, self.max_k + 1), key=lambda d: (speed[d], -d))
         self._current = k
         if 1 <= k < self.max_k and self._rounds_since_deeper >= self._deeper_every:
             # A probe one deeper: rounds at K measure positions 1..K only, so without it one unlucky round
@@ -252,28 +264,41 @@ class DepthPolicy:
 
     # -- observations ------------------------------------------------------------------------------
     def _sample(self, k: int, seconds: float) -> None:
-        self._seconds.setdefault(k, collections.deque(maxlen=COST_WINDOW)).append(seconds)
+        window = self._seconds.setdefault(k, collections.deque(maxlen=COST_WINDOW))
+        last = self._timed_at.get(k)
+        if last is not None and self._tokens - last >= STALE_TOKENS:
+            while len(window) > STALE_KEEP:
+                window.popleft()
+        window.append(seconds)
+
+    def _ran(self, k: int, tokens: int, seconds: float | None) -> None:
+        """Depth k ran ``tokens`` tokens (timed: ``seconds`` per plain token or per round)."""
+        if seconds is not None:
+            self._sample(k, seconds)
+        self._tokens += tokens
+        self._timed_at[k] = self._tokens
 
     def observe_round(self, k: int, accepted: int, seconds: float | None = None) -> None:
         """A round at depth k accepted ``accepted`` drafts in ``seconds`` (None: not a representative
-        round, e.g. one that first caught the head up on a long plain stretch)."""
+        round)."""
         self.tracker.observe(k, accepted)
-        self.observe_round_time(k, seconds)
+        self.observe_round_time(k, seconds, accepted + 1)
 
-    def observe_round_time(self, k: int, seconds: float | None) -> None:
-        """A round at depth k ran (in ``seconds``; None: not representative), its acceptance counted elsewhere."""
+    def observe_round_time(self, k: int, seconds: float | None, tokens: int = 1) -> None:
+        """A round at depth k ran (in ``seconds``; None: not representative), its acceptance counted elsewhere;
+        ``tokens``: what it emitted (a batch bucket counts its steps)."""
         self._rounds_run += 1
         self._rounds_since_deeper += 1
         # A probe whose drafts land does not bring the next probe forward: what it measured already moves
         # ``choose`` to a depth when one pays; when none does (the device, not the head, is the reason),
         # eager probing would cost a round every few tokens for good.
-        if seconds is not None and k > 0:
-            self._sample(k, seconds)
+        if k > 0:
+            self._ran(k, tokens, seconds)
 
     def observe_plain(self, tokens: int, seconds: float | None = None) -> None:
         self._plain_since_probe += tokens
-        if seconds is not None and tokens > 0:
-            self._sample(0, seconds / tokens)
+        if tokens > 0:
+            self._ran(0, tokens, None if seconds is None else seconds / tokens)
 
 
 # Batch-size buckets: sizes up to each bound share timings (1, 2, 3-4, 5-8, 9-16); larger ones the last.

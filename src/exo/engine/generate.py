@@ -435,6 +435,7 @@ class _Drafts:
     logprobs: list[mx.array]  # sampling: the distributions [1, V] the drafts were drawn from
     masks: list[mx.array]  # under a grammar: the mask each draft was chosen under
     catch_up: bool  # the round first fed the head a plain stretch (not a typical round's time)
+    timed_from: float | None = None  # a solo catch-up round: when the catch-up was done (its typical part)
 
 
 @dataclass
@@ -751,7 +752,7 @@ class _Run:
         assert self.head is not None and self.pending_token is not None
         start = time.perf_counter()
         self._phase_start = start
-        drafts = self._draft(k)
+        drafts = self._draft(k, time_after_catch_up=True)
         self._mark("draft_build")
         rows = mx.concatenate([self.pending_token.reshape(1), drafts.tokens])[None]
         hidden = self.forward.hidden(rows, self.cache, verify=True)
@@ -763,17 +764,22 @@ class _Run:
         kept = self._accept(decision, hidden)
         self.forward.rollback(self.cache, k + 1, kept)
         assert self.policy is not None
-        self.policy.observe_round(k, decision.accepted, None if drafts.catch_up else time.perf_counter() - start)
+        self.policy.observe_round(k, decision.accepted, time.perf_counter() - (drafts.timed_from or start))
         self._mark("rollback")
         self._emit(decision)
         self._mark("emit")
         yield from self._drain()
 
     # -- the pieces of a speculative round (alone, or a member's share of a batched round) -------------
-    def _draft(self, k: int) -> _Drafts:
+    def _draft(self, k: int, time_after_catch_up: bool = False) -> _Drafts:
         """1. Draft k tokens: commit the waiting rows to the head cache (its last row drafts d1), then chain
         the head on its own output (speculative head entries, trimmed in ``_accept``). k = 0: nothing (a
-        batch member decoding plainly inside a batched round)."""
+        batch member decoding plainly inside a batched round).
+
+        ``time_after_catch_up``: when the head first takes in a plain stretch, that is computed before the
+        drafts (one extra sync) and ``timed_from`` marks the end of it, so the round is timed like any other.
+        Such rounds are the probes that follow plain stretches: untimed, a depth's cost stayed whatever its
+        last rounds had measured, however long ago."""
         if k == 0:
             return _Drafts(0, mx.zeros((0,), dtype=mx.uint32), [], [], False)
         assert self.head is not None
@@ -782,6 +788,10 @@ class _Run:
         catch_up = sum(h.shape[1] for h in self._head_hidden) > k + 1
         out = self._flush_head()
         assert out is not None
+        timed_from = None
+        if catch_up and time_after_catch_up:
+            mx.eval(out, self.head_cache.state)
+            timed_from = time.perf_counter()
         out = out[:, -1:]
         drafts: list[mx.array] = []
         draft_logprobs: list[mx.array] = []
@@ -812,7 +822,7 @@ class _Run:
             mx.async_eval(draft_tokens, *draft_logprobs)
         else:
             mx.eval(draft_tokens, *draft_logprobs)
-        return _Drafts(k, draft_tokens, draft_logprobs, masks, catch_up)
+        return _Drafts(k, draft_tokens, draft_logprobs, masks, catch_up, timed_from)
 
     def _decide(self, drafts: _Drafts, logits: mx.array) -> _Decision:
         """2-3. The verdict on this run's verify rows ``logits`` [k+1, V] (lazy: read back with the caller's
