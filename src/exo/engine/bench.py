@@ -34,9 +34,14 @@ class BenchRow(BaseModel):
     tokens_per_s: float
     speedup: float  # vs plain, same run
     vs_stock: float | None = None  # median over prompts and repeats of (this / stock mlx-lm plain), same round
-    # Fixed K: a round's measured cost in plain steps, and that over beta(K) + delta(K) (the verify call and
-    # the K draft steps timed alone): what the loop adds around them (host work not hidden, syncs).
+    # Fixed K: a round's measured cost in this run's plain steps (what adaptive depth weighs against plain
+    # decoding); its measured time, and the time of its verify call and K draft steps timed alone at warm-up
+    # ((beta(K) + delta(K)) x the plain step timed alone); ``glue``: the first over the second, what the loop
+    # adds around them (host work not hidden, syncs). Seconds against seconds: a live plain step is pipelined
+    # (its graph built while the previous step computes), the plain step beta and delta are counted in is not.
     round_cost: float | None = None
+    round_ms: float | None = None
+    alone_ms: float | None = None
     glue: float | None = None
     acceptance_rate: float
     per_position_acceptance: list[float]
@@ -53,8 +58,9 @@ class BenchReport(BaseModel):
     temperature: float
     native_mtp_available: bool
     reason: str | None = None
-    beta: list[float] = Field(default_factory=list)  # index K-1
+    beta: list[float] = Field(default_factory=list)  # index K-1, in plain steps timed alone (plain_step_alone_ms)
     delta: list[float] = Field(default_factory=list)
+    plain_step_alone_ms: float | None = None  # one plain step built, computed and read back (warm-up)
     projected_speedup_at_0_8: list[float] = Field(default_factory=list)  # (1+.8+...)/(beta+delta)
     plain_identical_to_stock: bool | None = None  # --baseline, greedy: exo's plain tokens == stock mlx-lm's
     rows: list[BenchRow] = Field(default_factory=list)
@@ -104,6 +110,7 @@ def run_bench(
         costs = engine.costs()
         report.beta = [round(b, 3) for b in costs.beta]
         report.delta = [round(d, 3) for d in costs.delta]
+        report.plain_step_alone_ms = round(costs.plain_s * 1e3, 3) if costs.plain_s else None
         report.projected_speedup_at_0_8 = [
             round(expected_speedup(costs, [PROJECTED_ACCEPTANCE] * costs.max_k, k), 3)
             for k in range(1, costs.max_k + 1)
@@ -210,9 +217,12 @@ def run_bench(
 def _round_cost(total: dict, k: int | None, plain_step_s: float, report: BenchReport) -> dict:
     if not k or not total["rounds"] or k > len(report.beta):
         return {}
-    cost = total["seconds"] / total["rounds"] / plain_step_s
-    alone = report.beta[k - 1] + report.delta[k - 1]
-    return {"round_cost": round(cost, 3), "glue": round(cost / alone, 3) if alone else None}
+    round_s = total["seconds"] / total["rounds"]
+    out: dict = {"round_cost": round(round_s / plain_step_s, 3), "round_ms": round(round_s * 1e3, 3)}
+    if report.plain_step_alone_ms:
+        alone_ms = (report.beta[k - 1] + report.delta[k - 1]) * report.plain_step_alone_ms
+        out.update(alone_ms=round(alone_ms, 3), glue=round(round_s * 1e3 / alone_ms, 3))
+    return out
 
 
 class StockMLXLM:
