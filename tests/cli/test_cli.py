@@ -91,14 +91,12 @@ def test_bench_json(checkpoint, capsys):
     assert all(row["identical_to_plain"] for row in report["rows"][1:])
     assert report["rows"][0]["speedup"] == 1.0
     # A fixed depth's glue is seconds over seconds: its round's measured time over its verify call and drafts
-    # timed alone ((beta + delta) plain steps timed alone), not over this run's pipelined plain steps.
-    step = report["plain_step_alone_ms"]
-    for row in report["rows"]:
-        if row["k"] and row["glue"] is not None:
-            k = row["k"]
-            assert row["alone_ms"] == pytest.approx((report["beta"][k - 1] + report["delta"][k - 1]) * step, rel=1e-2)
-            assert row["glue"] == pytest.approx(row["round_ms"] / row["alone_ms"], rel=1e-2)
-    assert any(row["glue"] is not None for row in report["rows"])
+    # timed alone beside it (one request here: that one ratio), not over this run's pipelined plain steps.
+    fixed = [row for row in report["rows"] if row["k"]]
+    assert fixed and all(row["glue"] is not None and row["alone_ms"] > 0 for row in fixed)
+    for row in fixed:
+        assert row["glue"] == pytest.approx(row["round_ms"] / row["alone_ms"], rel=1e-2)
+    assert report["plain_step_alone_ms"] > 0
 
 
 def test_models_lists_the_catalog(capsys):

@@ -51,9 +51,9 @@ def bench_command(args: argparse.Namespace) -> int:
         )
     glue = [row for row in report.rows if row.glue is not None]
     if glue:
-        print(f"\nround time, measured / its verify call and drafts timed alone (plain step alone "
-              f"{report.plain_step_alone_ms:.2f} ms): "
-              + "  ".join(f"{row.config} {row.round_ms:.2f} / {row.alone_ms:.2f} ms = {row.glue:.3f}x" for row in glue))
+        print("\nround time, measured / its verify call and drafts timed alone before each request (median "
+              "of the ratios): " + "  ".join(f"{row.config} {row.round_ms:.2f} / {row.alone_ms:.2f} ms = {row.glue:.3f}x"
+                                              for row in glue))
         print("round cost in this run's plain steps: " + "  ".join(f"{row.config} {row.round_cost:.3f}" for row in glue))
     if stock:
         if report.plain_identical_to_stock is not None:

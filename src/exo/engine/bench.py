@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pydantic import BaseModel, Field
 
 from .adaptive import expected_speedup
+from .costs import measure_costs
 from .generate import Engine, GenerationRequest, GenerationResult
 from .sampling import SamplingParams
 
@@ -35,10 +36,11 @@ class BenchRow(BaseModel):
     speedup: float  # vs plain, same run
     vs_stock: float | None = None  # median over prompts and repeats of (this / stock mlx-lm plain), same round
     # Fixed K: a round's measured cost in this run's plain steps (what adaptive depth weighs against plain
-    # decoding); its measured time, and the time of its verify call and K draft steps timed alone at warm-up
-    # ((beta(K) + delta(K)) x the plain step timed alone); ``glue``: the first over the second, what the loop
-    # adds around them (host work not hidden, syncs). Seconds against seconds: a live plain step is pipelined
-    # (its graph built while the previous step computes), the plain step beta and delta are counted in is not.
+    # decoding); its mean time, and the median time of its verify call and K draft steps timed alone just
+    # before each of its requests; ``glue``: the median over its requests of the first over the second,
+    # what the loop adds around them (host work not hidden, syncs). Seconds against seconds, measured side
+    # by side: a live plain step is pipelined (its graph built while the previous step computes), the plain
+    # step beta and delta are counted in is not; and a shared machine's speed drifts between minutes.
     round_cost: float | None = None
     round_ms: float | None = None
     alone_ms: float | None = None
@@ -140,18 +142,25 @@ def run_bench(
     position_tests: dict[str, list[int]] = {name: [] for name, _, _ in configs}
     position_hits: dict[str, list[float]] = {name: [] for name, _, _ in configs}
     histograms: dict[str, dict[int, int]] = {name: {} for name, _, _ in configs}
+    alone: dict[str, list[float]] = {name: [] for name, _, _ in configs}  # seconds of a round's parts alone
+    glue: dict[str, list[float]] = {name: [] for name, _, _ in configs}
     for repeat in range(repeats):
         for index, tokens in enumerate(encoded):
             baseline: list[int] | None = None
             stock_tps, stock_tokens = stock.decode(tokens, max_tokens, temperature) if stock is not None else (None, None)
             for name, k, mode in configs:
+                parts_s = _parts_alone(engine, k) if k and mode == "on" else None
                 start = time.perf_counter()
                 result = run(tokens, k, mode, max_tokens, 1000 * repeat + index)
                 elapsed = time.perf_counter() - start
                 stats = result.stats
                 total = totals[name]
                 total["tokens"] += max(stats.completion_tokens - 1, 0)
-                total["seconds"] += max(elapsed - stats.ttft_ms / 1000.0, 1e-9)
+                decode_s = max(elapsed - stats.ttft_ms / 1000.0, 1e-9)
+                total["seconds"] += decode_s
+                if parts_s and stats.rounds:
+                    alone[name].append(parts_s)
+                    glue[name].append(decode_s / stats.rounds / parts_s)
                 total["drafted"] += stats.drafted_tokens
                 total["accepted"] += stats.accepted_tokens
                 total["rounds"] += stats.rounds
@@ -208,20 +217,30 @@ def run_bench(
                 k_histogram=dict(sorted(histograms[name].items())),
                 identical_to_plain=None if (name == "plain" or temperature > 0) else bool(total["same"]),
                 vs_stock=round(statistics.median(ratios[name]), 3) if ratios[name] else None,
-                **_round_cost(total, k if name != "adaptive" else None, plain_step_s, report),
+                **_round_cost(total, k if name != "adaptive" else None, plain_step_s, alone[name], glue[name]),
             )
         )
     return report
 
 
-def _round_cost(total: dict, k: int | None, plain_step_s: float, report: BenchReport) -> dict:
-    if not k or not total["rounds"] or k > len(report.beta):
+def _parts_alone(engine: Engine, k: int) -> float | None:
+    """Seconds of a depth-k round's parts timed alone now: its (k+1)-row verify call and k draft steps
+    (medians of a few repetitions)."""
+    head = engine.loaded.head
+    if head is None:
+        return None
+    costs = measure_costs(engine.model, engine.forward, head, k, statistic=statistics.median)
+    assert costs.plain_s is not None
+    return costs.round_cost(k) * costs.plain_s
+
+
+def _round_cost(total: dict, k: int | None, plain_step_s: float, alone: list[float], glue: list[float]) -> dict:
+    if not k or not total["rounds"]:
         return {}
     round_s = total["seconds"] / total["rounds"]
     out: dict = {"round_cost": round(round_s / plain_step_s, 3), "round_ms": round(round_s * 1e3, 3)}
-    if report.plain_step_alone_ms:
-        alone_ms = (report.beta[k - 1] + report.delta[k - 1]) * report.plain_step_alone_ms
-        out.update(alone_ms=round(alone_ms, 3), glue=round(round_s * 1e3 / alone_ms, 3))
+    if glue:
+        out.update(alone_ms=round(statistics.median(alone) * 1e3, 3), glue=round(statistics.median(glue), 3))
     return out
 
 

@@ -36,8 +36,12 @@ def device_name() -> str:
     return f"cpu ({platform.machine()})"
 
 
-def _fastest_seconds(fn: Callable[[], None], reps: int, warmup: int = 2) -> float:
-    """The fastest of a few timed calls: interference from other work only ever adds time."""
+Statistic = Callable[[list[float]], float]
+
+
+def _seconds(fn: Callable[[], None], reps: int, statistic: Statistic, warmup: int = 2) -> float:
+    """``statistic`` (the warm-up's: ``min``, interference from other work only ever adds time) of a few
+    timed calls."""
     for _ in range(warmup):
         fn()
     times = []
@@ -45,7 +49,7 @@ def _fastest_seconds(fn: Callable[[], None], reps: int, warmup: int = 2) -> floa
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return statistic(times)
 
 
 def measure_costs(
@@ -56,9 +60,11 @@ def measure_costs(
     *,
     context: int = 64,
     reps: int = 5,
+    statistic: Statistic = min,
 ) -> DepthCosts:
     """beta(K) and delta(K) relative to one plain step, through ``forward`` (a pipeline's costs include
-    its stages and the transfers between them: that is what a round costs there)."""
+    its stages and the transfers between them: that is what a round costs there). ``statistic`` of the
+    timed repetitions: the fastest for the warm-up; ``exo bench`` compares live rounds with medians."""
     vocab = model.text_model.embed_tokens.weight.shape[0]
     tokens = mx.random.randint(0, vocab, (1, context), key=mx.random.key(0))
     cache = forward.new_cache()
@@ -98,10 +104,10 @@ def measure_costs(
 
             return run
 
-        plain_s = _fastest_seconds(plain, reps)
+        plain_s = _seconds(plain, reps, statistic)
         # A verify of K+1 rows never really costs less than one row; timer noise on tiny models can say so.
-        beta = tuple(max(1.0, _fastest_seconds(verify(k), reps) / plain_s) for k in range(1, max_k + 1))
-        delta = tuple(_fastest_seconds(draft(k), reps) / plain_s for k in range(1, max_k + 1))
+        beta = tuple(max(1.0, _seconds(verify(k), reps, statistic) / plain_s) for k in range(1, max_k + 1))
+        delta = tuple(_seconds(draft(k), reps, statistic) / plain_s for k in range(1, max_k + 1))
     finally:
         forward.end(cache)
     return DepthCosts(beta=beta, delta=delta, device=device_name(), plain_s=plain_s, stages=forward.stages)
