@@ -119,6 +119,16 @@ def test_bfloat16_checkpoints_are_exact_too(checkpoint, arch):
         assert _greedy(engine, prompt, mtp_k=depth).token_ids == plain.token_ids
 
 
+def test_warmup_times_plain_steps_as_the_decode_loop_runs_them(dense):
+    """Besides beta and delta (in plain steps built, computed and read back alone), the warm-up times plain
+    steps pipelined like the decode loop's; the adaptive policy compares rounds with those until it has
+    timed plain tokens live."""
+    engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK))
+    costs = engine.costs()
+    assert costs.plain_s and costs.plain_pipelined_s and costs.plain_pipelined_s > 0
+    assert engine._adaptive_policy().plain_step_s() == costs.plain_pipelined_s
+
+
 def test_probes_after_plain_stretches_are_timed(dense):
     """At K = 0 the adaptive policy probes a depth now and then; each probe first feeds the head the plain
     stretch before it. The round is timed from after that catch-up, so probes renew the depth's cost

@@ -57,8 +57,9 @@ class DepthCosts:
     beta: tuple[float, ...]  # verify of K+1 rows
     delta: tuple[float, ...]  # drafting K tokens with the head
     device: str = ""
-    plain_s: float | None = None  # seconds of one plain decode step when measured
+    plain_s: float | None = None  # seconds of one plain decode step when measured (the unit of beta, delta)
     stages: int = 1  # measured through a pipeline of this many stages (its steps and transfers)
+    plain_pipelined_s: float | None = None  # seconds per token of plain steps pipelined as the decode loop runs them
 
     @property
     def max_k(self) -> int:
@@ -66,6 +67,14 @@ class DepthCosts:
 
     def round_cost(self, k: int) -> float:
         return 1.0 if k == 0 else self.beta[k - 1] + self.delta[k - 1]
+
+    def in_pipelined_steps(self) -> DepthCosts:
+        """The same costs counted in plain tokens of the pipelined decode loop (where the warm-up timed both)."""
+        if not self.plain_s or not self.plain_pipelined_s:
+            return self
+        scale = self.plain_s / self.plain_pipelined_s
+        return DepthCosts(tuple(b * scale for b in self.beta), tuple(d * scale for d in self.delta), self.device,
+                          self.plain_pipelined_s, self.stages, self.plain_pipelined_s)
 
 
 def expected_tokens(acceptance: list[float] | tuple[float, ...], k: int) -> float:
@@ -177,29 +186,35 @@ class DepthPolicy:
         return statistics.median(samples) if samples and len(samples) >= enough else None
 
     def plain_step_s(self) -> float | None:
-        return self._median(0) or self.costs.plain_s
+        """Seconds per plain token: live, else the warm-up's pipelined steps, else its step alone."""
+        return self._median(0) or self.costs.plain_pipelined_s or self.costs.plain_s
+
+    def _warm_step_s(self) -> float | None:
+        """Seconds of the warm-up's unit (one plain step alone: beta and delta count those)."""
+        return self.costs.plain_s or self.plain_step_s()
 
     def _glue(self) -> float:
-        """Measured round time over warm-up cost x live plain step, over the depths measured (1 if none)."""
-        plain = self.plain_step_s()
+        """Measured round time over the warm-up time of its parts, over the depths measured (1 if none)."""
+        unit = self._warm_step_s()
         ratios = [
-            measured / (self.costs.round_cost(k) * plain)
+            measured / (self.costs.round_cost(k) * unit)
             for k in range(1, self.costs.max_k + 1)
-            if plain and (measured := self._median(k)) is not None and self.costs.round_cost(k) > 0
+            if unit and (measured := self._median(k)) is not None and self.costs.round_cost(k) > 0
         ]
         return statistics.median(ratios) if ratios else 1.0
 
     def effective_costs(self) -> DepthCosts:
-        """Costs in plain steps as measured live (warm-up costs where a depth was not measured yet)."""
-        plain = self.plain_step_s()
-        if plain is None or not self._seconds:
+        """Costs in plain tokens as the decode loop runs them (pipelined), measured live; a depth not measured
+        yet: its warm-up time, times how much slower than theirs the measured depths ran."""
+        plain, unit = self.plain_step_s(), self._warm_step_s()
+        if plain is None or unit is None or (not self._seconds and unit == plain):
             return self.costs
         glue = self._glue()
         beta, delta = list(self.costs.beta), list(self.costs.delta)
         for k in range(1, len(beta) + 1):
             warm = beta[k - 1] + delta[k - 1]
             measured = self._median(k)
-            total = measured / plain if measured is not None else warm * glue
+            total = measured / plain if measured is not None else warm * unit * glue / plain
             share = beta[k - 1] / warm if warm else 1.0  # keep the warm-up split of verify and drafts
             beta[k - 1], delta[k - 1] = total * share, total * (1.0 - share)
         return DepthCosts(tuple(beta), tuple(delta), self.costs.device, plain, self.costs.stages)
@@ -215,7 +230,7 @@ class DepthPolicy:
             return self.fixed_k > 0
         if self.can_draft is not None:
             return self.can_draft
-        return can_pay_off(self.costs, self.max_k, self.entry_gain)
+        return can_pay_off(self.costs.in_pipelined_steps(), self.max_k, self.entry_gain)
 
     def new_request(self) -> None:
         """A new generation: acceptance and costs learned so far stay, the probe schedule restarts."""
