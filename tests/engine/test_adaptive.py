@@ -4,6 +4,8 @@ import pytest
 
 from exo.engine.adaptive import (
     PROBE_FIRST,
+    PROBE_MAX,
+    PROBE_RESTART,
     BatchDepthPolicy,
     DepthCosts,
     DepthPolicy,
@@ -295,7 +297,34 @@ def test_learning_carries_over_to_the_next_request():
         policy.observe_round(3, 0)
     policy.new_request()
     assert policy.choose() == 0
-    assert policy.plain_budget() == PROBE_FIRST  # the probe schedule restarts with each request
+    assert policy.plain_budget() == PROBE_FIRST  # no probe ran yet: the first one comes early
+
+
+def test_a_new_request_probes_within_a_few_dozen_tokens_not_three_times():
+    """At K = 0 after many probes (backoff at its maximum), a new request's first probe comes after
+    PROBE_RESTART plain tokens, then the backoff doubles again: one probe in a 128-token request, not three
+    (16, 48, 112) as when every request restarted at PROBE_FIRST."""
+    costs = DepthCosts(beta=(1.3,), delta=(0.1,), device="gpu", plain_s=0.010)
+    policy = DepthPolicy(costs, max_k=1, default_k=1)
+    policy.choose()
+    for _ in range(80):
+        policy.observe_round(1, 0)
+    while policy.plain_budget() < PROBE_MAX:  # probes whose drafts never land: the backoff grows
+        policy.observe_plain(policy.plain_budget())
+        assert policy.choose() == 1
+        policy.observe_round(1, 0)
+        assert policy.choose() == 0
+    policy.new_request()
+    probes, tokens = 0, 0
+    while tokens < 128:
+        budget = min(policy.plain_budget(), 128 - tokens)
+        policy.observe_plain(budget)
+        tokens += budget
+        if policy.choose() == 1:
+            probes += 1
+            policy.observe_round(1, 0)
+            tokens += 1
+    assert probes == 1 and PROBE_RESTART < 128 < 3 * PROBE_RESTART
 
 
 # -- batches: one depth per batch-size bucket ------------------------------------------------------------------
