@@ -18,6 +18,7 @@ from exo.engine import (
     load_checkpoint,
 )
 from exo.engine.adaptive import DepthCosts
+from exo.engine.generate import PLAIN_TIMED_MIN
 from exo.engine.models import layers
 
 ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_6_moe", "qwen3_next")
@@ -127,6 +128,19 @@ def test_warmup_times_plain_steps_as_the_decode_loop_runs_them(dense):
     costs = engine.costs()
     assert costs.plain_s and costs.plain_pipelined_s and costs.plain_pipelined_s > 0
     assert engine._adaptive_policy().plain_step_s() == costs.plain_pipelined_s
+
+
+def test_only_plain_bursts_long_enough_to_pipeline_are_timed(dense):
+    """A plain burst's first step is built before anything overlaps it: a burst of a few tokens times mostly
+    that, and would stand for a plain token in the depth policy's median (on this CPU 1.2x one)."""
+    engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK))
+    engine._costs = DepthCosts(beta=(3.0,), delta=(0.5,), device="test", plain_s=1.0)  # drafting cannot pay
+    policy = engine._adaptive_policy()
+    prompt = _prompt(dense, 10)
+    short = _greedy(engine, prompt, native_mtp="on", max_tokens=PLAIN_TIMED_MIN)
+    assert short.stats.k_histogram == {0: PLAIN_TIMED_MIN - 1} and not policy._seconds.get(0)
+    _greedy(engine, prompt, native_mtp="on", max_tokens=PLAIN_TIMED_MIN + 1)
+    assert len(policy._seconds.get(0, ())) == 1
 
 
 def test_probes_after_plain_stretches_are_timed(dense):
