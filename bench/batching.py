@@ -1,6 +1,7 @@
 """Many clients at once: continuous batching vs one generation at a time, through `exo serve`.
 
     python bench/batching.py [MODEL] [--clients 1 8 32] [--seconds 30] [--max-tokens 64] [--mtp off,k1,adaptive]
+                             [--lanes 1 2]
 
 Starts two `exo serve --model MODEL` processes as users run them (the daemon relays to a runner
 subprocess over gRPC): one with EXO_MAX_BATCH=1 (requests strictly one at a time, as before batching)
@@ -13,7 +14,9 @@ those still streaming at its end the share streamed before it, prorated), the ra
 on the same server, and for batching the ratio to the one-at-a-time server at the same N. ``--mtp`` runs
 the whole table once per native-MTP mode of the requests (``off``: ``{"enabled": false}``; ``kN``: a forced
 depth, ``{"k": N}``; ``adaptive``: no field, the default), with the mean depth and acceptance the
-responses report; ratios compare rows of the same mode.
+responses report; ratios compare rows of the same mode. ``--lanes`` starts a batching server per lane count
+(EXO_BATCH_LANES: ``engine.batch.BatchLanes``, a batch's plain steps split over streams that MLX's CPU
+backend runs on cores of their own) instead of one with the node's default.
 """
 
 from __future__ import annotations
@@ -134,6 +137,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--mtp", default="adaptive", help=f"comma-separated request modes: {', '.join(MTP_MODES)}")
+    parser.add_argument("--lanes", type=int, nargs="+", default=None,
+                        help="a batching server per lane count (EXO_BATCH_LANES); default: one, with the node's default")
     args = parser.parse_args()
     modes = args.mtp.split(",")
     unknown = [m for m in modes if m not in MTP_MODES]
@@ -143,9 +148,16 @@ def main() -> None:
     processes = []
     homes = []
     try:
-        for name, batch in (("one at a time", 1), ("batching", args.max_batch)):
+        configs = [("one at a time", 1, None)] + (
+            [("batching", args.max_batch, None)] if args.lanes is None
+            else [(f"batching L={lanes}", args.max_batch, lanes) for lanes in args.lanes]
+        )
+        for name, batch, lanes in configs:
             os.environ["EXO_MAX_BATCH"] = str(batch)
             os.environ["EXO_MAX_QUEUE"] = "256"
+            os.environ.pop("EXO_BATCH_LANES", None)
+            if lanes is not None:
+                os.environ["EXO_BATCH_LANES"] = str(lanes)
             home = tempfile.TemporaryDirectory()
             homes.append(home)
             port = _free_port()

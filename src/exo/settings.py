@@ -65,6 +65,9 @@ class Settings(BaseModel):
     # (EngineConfig.batch_invariant). Costs up to 1.5x per batched step on an H100 (B = 32), so off by default;
     # on MLX's CPU backend batched steps already equal solo ones.
     batch_invariant: bool = Field(default=False, strict=True)
+    # Lanes a batch decodes in (EngineConfig.batch_lanes): on MLX's CPU backend each lane's steps run on a
+    # core of its own. None: one per CPU (at most 4) on the CPU backend, 1 on a GPU.
+    batch_lanes: int | None = Field(default=None, ge=1)
     # The most memory (bytes) this node offers to models, whatever the OS has free: keep room for other
     # applications, or make a small node of a big machine. None: what the OS says is available.
     memory_budget_bytes: int | None = Field(default=None, ge=1)

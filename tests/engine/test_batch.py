@@ -9,7 +9,7 @@ import functools
 import pytest
 
 from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, load_checkpoint
-from exo.engine.batch import BatchDecoder
+from exo.engine.batch import BatchDecoder, BatchLanes, default_lanes
 
 CHUNK = 8  # small prefill chunks: prompts cross chunk boundaries
 TEXTS = (
@@ -38,12 +38,13 @@ def _solo(engine: Engine, request: GenerationRequest):
     return engine.complete(dataclasses.replace(request, native_mtp="off"))
 
 
-def _run_batch(engine: Engine, requests, join_at=None, cancel=None):
+def _run_batch(engine: Engine, requests, join_at=None, cancel=None, lanes=None):
     """Decode ``requests`` in one batch: request i joins before step ``join_at[i]``; ``cancel``: {i: step}
-    ends request i from that step on. Returns per request (token ids, text, finish reason, stats)."""
+    ends request i from that step on. Returns per request (token ids, text, finish reason, stats).
+    ``lanes``: a ``BatchLanes`` of that many lanes, as the device queue decodes a batch."""
     join_at = join_at or [0] * len(requests)
     cancel = cancel or {}
-    batch = BatchDecoder(engine)
+    batch = BatchDecoder(engine) if lanes is None else BatchLanes(engine, lanes)
     out = {i: ([], [], None, None) for i in range(len(requests))}
     index: dict[int, int] = {}
     clock = [0]  # the current step (read by the cancellation polls)
@@ -212,3 +213,54 @@ def test_runs_that_cannot_batch_are_refused(checkpoint):
     unstarted = engine.start(_request(engine, 0))
     with pytest.raises(ValueError, match="started, unfinished"):
         BatchDecoder(engine).add(unstarted)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("lanes", [2, 3])
+def test_lanes_decode_every_sequence_as_solo(checkpoint, arch, lanes):
+    """BatchLanes (a batch's plain steps split over streams of their own, evaluated at once: on MLX's CPU
+    backend, a core each): greedy, seeded and penalised members joining at different steps, one cancelled;
+    each gets its solo output token for token, and its stats count the size of the whole batch, not of its
+    lane."""
+    engine = _engine(checkpoint(arch, dtype="float32"))
+    samplings = [SamplingParams(), SamplingParams(temperature=0.9, seed=1), SamplingParams(presence_penalty=2.0),
+                 SamplingParams(), SamplingParams(temperature=1.1, top_p=0.9, seed=2)]
+    requests = [_request(engine, i, max_tokens=m, sampling=s, native_mtp="off")
+                for i, (m, s) in enumerate(zip((18, 9, 14, 12, 1), samplings, strict=True))]
+    got = _run_batch(engine, requests, join_at=[0, 0, 1, 4, 6], cancel={3: 9}, lanes=lanes)
+    for i, request in enumerate(requests):
+        solo = _solo(engine, request).token_ids
+        tokens, _, finish, _ = got[i]
+        if i == 3:
+            assert finish == "cancelled" and 0 < len(tokens) < 12 and tokens == solo[: len(tokens)]
+        else:
+            assert tokens == solo and finish == "length", f"request {i}"
+    assert max(got[0][3].batch_sizes) == 4  # four ran together, over lanes of two or fewer each
+
+
+def test_lanes_spread_runs_over_streams_of_their_own(checkpoint):
+    engine = _engine(checkpoint("qwen3_5", dtype="float32"))
+    batch = BatchLanes(engine, 2)
+    assert len(batch.lanes) == 2 and batch.lanes[0].stream is None and batch.lanes[1].stream is not None
+    for i in range(5):
+        run = engine.start(_request(engine, i, max_tokens=4, native_mtp="off"))
+        list(run.begin())
+        batch.add(run)
+    assert [len(lane) for lane in batch.lanes] == [3, 2] and len(batch) == 5
+    while len(batch):
+        batch.step()
+    assert [lane.stream for lane in BatchLanes(engine, 1).lanes] == [None]  # one lane: the default stream
+
+
+def test_default_lanes_one_per_cpu_on_the_cpu_backend(checkpoint, monkeypatch):
+    import os
+
+    import mlx.core as mx
+
+    path = checkpoint("qwen3_5", dtype="float32")
+    engine = Engine(load_checkpoint(path), EngineConfig())
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    assert mx.default_device() == mx.cpu and default_lanes(engine) == 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert default_lanes(engine) == 4  # MAX_LANES
+    assert default_lanes(Engine(load_checkpoint(path), EngineConfig(batch_lanes=1))) == 1

@@ -40,7 +40,12 @@ On this CPU batched rows round exactly as solo decoding (bench/batching.py measu
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -53,6 +58,7 @@ from .sampling import apply_processors
 from .verify import verify_logits
 
 HEAD_WINDOW = 4  # head rows an adaptive member keeps waiting while its batch decodes plainly
+MAX_LANES = 4  # lanes of a batch on MLX's CPU backend at most (BatchLanes)
 
 
 def sequence_bytes(engine: Engine) -> tuple[int, int]:
@@ -95,13 +101,26 @@ def batch_fits(engine: Engine, horizons: list[int], budget_tokens: int) -> bool:
 Results = list[tuple[_Run, list[GenerationChunk]]]
 
 
-class BatchDecoder:
-    """The runs decoding together on one engine (one device thread drives it)."""
+@dataclass
+class _Prepared:
+    """A step whose graph is built: evaluate ``arrays`` (none: it has run), then ``finish()`` emits."""
 
-    def __init__(self, engine: Engine) -> None:
+    arrays: list[mx.array]
+    finish: Callable[[], Results]
+
+
+class BatchDecoder:
+    """The runs decoding together on one engine (one device thread drives it); ``stream``: the stream its
+    steps run on (None: the default one)."""
+
+    def __init__(self, engine: Engine, stream: mx.Stream | None = None) -> None:
         if engine.forward.stages != 1:
             raise ValueError("pipelined models do not batch yet")
         self.engine = engine
+        self.stream = stream
+        # Runs decoding together with this one's (its lanes' too: BatchLanes), what a run's stats count;
+        # None: this batch's own.
+        self.together: int | None = None
         self.runs: list[_Run] = []
         self.cache: list[Any] = []
         # Timing of steps for the batch depth policy: the previous step was a plain one (a pipelined plain
@@ -139,17 +158,36 @@ class BatchDecoder:
     def step(self) -> Results:
         """One decode step or speculative round of every run: the chunks each run emits (a finished run's
         last is its final chunk, with stats; it has left the batch)."""
-        if not self.runs:
-            return []
-        if not self.engine.config.batch_invariant:
-            return self._step()
-        self.engine.model.set_batch_invariant(True)
-        try:
-            return self._step()
-        finally:
-            self.engine.model.set_batch_invariant(False)
+        prepared = self.prepare()
+        if prepared.arrays:
+            mx.async_eval(prepared.arrays)
+        return prepared.finish()
 
-    def _step(self) -> Results:
+    def prepare(self) -> _Prepared:
+        """``step()`` up to its evaluation: a plain step's graph built (its ``arrays`` not evaluated yet), or
+        a speculative round run whole (no arrays). ``BatchLanes`` evaluates several lanes' steps at once."""
+        if not self.runs:
+            return _Prepared([], list)
+        with self._on_stream():
+            if not self.engine.config.batch_invariant:
+                prepared = self._prepare()
+            else:
+                self.engine.model.set_batch_invariant(True)
+                try:
+                    prepared = self._prepare()
+                finally:
+                    self.engine.model.set_batch_invariant(False)
+
+        def finish() -> Results:
+            with self._on_stream():
+                return prepared.finish()
+
+        return _Prepared(prepared.arrays, finish)
+
+    def _on_stream(self) -> contextlib.AbstractContextManager[Any]:
+        return mx.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def _prepare(self) -> _Prepared:
         start = time.perf_counter()
         timed, self._quiet = self._quiet, True
         batch_k = self._batch_depth(len(self.runs))
@@ -158,7 +196,7 @@ class BatchDecoder:
         out = self._settle()  # waits for a plain step still running: the round's time starts after it
         if self.runs:
             self._round(batch_k, out, time.perf_counter(), timed)
-        return out
+        return _Prepared([], lambda: out)
 
     def cancel_all(self) -> list[tuple[_Run, GenerationChunk]]:
         """End every run now (the device shuts down): each one's final chunk, finish "cancelled"."""
@@ -186,9 +224,10 @@ class BatchDecoder:
         return run.policy.fixed_k if run.policy.fixed_k is not None else batch_k
 
     # -- plain steps ---------------------------------------------------------------------------------------
-    def _plain_step(self, start: float, timed: bool) -> Results:
+    def _plain_step(self, start: float, timed: bool) -> _Prepared:
+        """The graph of a plain step (``following``: each run's next token); its ``finish`` emits the tokens
+        fed to it while the step computes."""
         runs = self.runs
-        size = len(runs)
         inputs = mx.concatenate([r.pending_token.reshape(1) for r in runs])  # type: ignore[union-attr]
         hidden = self.engine.forward.hidden(inputs[:, None], self.cache)
         logits = self._logits(hidden)[:, -1]  # [B, V]
@@ -212,7 +251,11 @@ class BatchDecoder:
                 # layer of the backbone per token, for nothing until a round): only the last few rows wait,
                 # so a round drafts from recent context after a gap in the head's.
                 del run._head_hidden[:-HEAD_WINDOW], run._head_tokens[:-HEAD_WINDOW]
-        mx.async_eval(following)
+        return _Prepared(following, lambda: self._plain_emit(inputs, following, start, timed))
+
+    def _plain_emit(self, inputs: mx.array, following: list[mx.array], start: float, timed: bool) -> Results:
+        runs = self.runs
+        size = len(runs)
         values = inputs.tolist()  # the tokens fed to this step, read while it runs
         out: Results = []
         keep: list[int] = []
@@ -224,7 +267,7 @@ class BatchDecoder:
                 keep.append(i)
                 run.pending_token = following[i]
                 run.pending_emitted = False
-                run.pending_batch = size
+                run.pending_batch = self.together or size
                 if run.processors:
                     run.history = mx.concatenate([run.history, following[i]])
             out.append((run, chunks))
@@ -311,7 +354,8 @@ class BatchDecoder:
         for i, (run, decision) in enumerate(zip(runs, decisions, strict=True)):
             chunks = chunks_of[id(run)]
             added = run._emit(decision)
-            run.batch_sizes[size] = run.batch_sizes.get(size, 0) + added
+            together = self.together or size
+            run.batch_sizes[together] = run.batch_sizes.get(together, 0) + added
             if decision.drafts.k == 0:
                 run.recorder.plain_steps(added)
             chunks.extend(run._drain())
@@ -328,6 +372,77 @@ class BatchDecoder:
         index = mx.array(keep)
         for c in self.cache:
             c.filter(index)
+
+
+_LANES = threading.local()  # each thread's lane streams past the first (MLX streams belong to their thread)
+
+
+def lane_streams(lanes: int) -> list[mx.Stream | None]:
+    """The streams of ``lanes`` lanes on this thread: the default stream, then CPU streams of their own
+    (made once per thread: a stream is never freed)."""
+    streams: list[mx.Stream] = _LANES.__dict__.setdefault("streams", [])
+    while len(streams) < lanes - 1:
+        streams.append(mx.new_stream(mx.cpu))
+    return [None, *streams[: lanes - 1]]
+
+
+def default_lanes(engine: Engine) -> int:
+    """How many lanes a batch of ``engine``'s runs decodes in: ``EngineConfig.batch_lanes``, else on MLX's
+    CPU backend one per CPU this process may run on (at most ``MAX_LANES``), on a GPU one."""
+    if engine.config.batch_lanes is not None:
+        return max(1, engine.config.batch_lanes)
+    if mx.default_device() != mx.cpu:
+        return 1
+    return max(1, min(MAX_LANES, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+class BatchLanes:
+    """A batch split into lanes: ``BatchDecoder`` s on streams of their own, whose plain steps are built one
+    after another and evaluated at once, so that MLX's CPU backend (a thread per stream) computes them on as
+    many cores. A newcomer joins the lane with the fewest runs. Every lane's rows round as solo steps on that
+    backend (the batch's own guarantee), so lanes change no token; a run's stats count the size of the whole
+    batch it decoded in.
+
+    A speculative round runs whole inside its lane's ``prepare`` (its verdicts need its logits), so lanes
+    overlap plain steps only. While two or more lanes step together no step is timed for the batch depth
+    policy (a lane's time is not its own): batches then decode plainly, as they do anyway on a CPU, where a
+    verify row costs a plain row (``BatchDepthPolicy``). On a GPU a batch has one lane."""
+
+    def __init__(self, engine: Engine, lanes: int | None = None) -> None:
+        count = default_lanes(engine) if lanes is None else max(1, lanes)
+        self.engine = engine
+        self.lanes = [BatchDecoder(engine, stream) for stream in lane_streams(count)]
+
+    def __len__(self) -> int:
+        return sum(len(lane) for lane in self.lanes)
+
+    @property
+    def runs(self) -> list[_Run]:
+        return [run for lane in self.lanes for run in lane.runs]
+
+    def add(self, run: _Run) -> None:
+        min(self.lanes, key=len).add(run)
+
+    def interleaved(self) -> None:
+        for lane in self.lanes:
+            lane.interleaved()
+
+    def step(self) -> Results:
+        """Every lane's step (``BatchDecoder.step``), their plain steps evaluated at once."""
+        busy = [lane for lane in self.lanes if len(lane)]
+        if len(busy) > 1:
+            self.interleaved()
+        together = len(self)
+        for lane in busy:
+            lane.together = together
+        prepared = [lane.prepare() for lane in busy]
+        arrays = [a for p in prepared for a in p.arrays]
+        if arrays:
+            mx.async_eval(arrays)
+        return [result for p in prepared for result in p.finish()]
+
+    def cancel_all(self) -> list[tuple[_Run, GenerationChunk]]:
+        return [ended for lane in self.lanes for ended in lane.cancel_all()]
 
 
 def _ended(run: _Run, chunks: list[GenerationChunk]) -> bool:

@@ -414,10 +414,10 @@ class Device:
     def _serve_batch(self, first: GenerationJob, run: _Run) -> None:
         """Decode ``first`` (handed over at a step boundary) with every generation that joins, until all
         have ended. Newcomers prefill one chunk per step, between the batch's decode steps."""
-        from exo.engine.batch import BatchDecoder
+        from exo.engine.batch import BatchLanes
 
         first.handed_over = None
-        batch = BatchDecoder(run.engine)
+        batch = BatchLanes(run.engine)
         members: dict[int, GenerationJob] = {id(run): first}
         batch.add(run)
         prefilling: list[tuple[GenerationJob, _Run, Any]] = []
