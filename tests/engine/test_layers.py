@@ -320,3 +320,54 @@ def test_per_sequence_attention_is_each_sequence_alone(rows_per_sequence, per_ro
         assert mx.array_equal(batched[b : b + 1], alone), b
     layer.per_row = False
     assert batch.offset.tolist() == [n + rows_per_sequence for n in (6, 2, 4)]
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 256), (8, 1, 256), (1, 37, 128), (3, 4, 64)])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_norms_fused_on_the_cpu_equal_mlx_fast_bit_for_bit(shape, dtype):
+    """MLX's CPU backend has no RMSNorm kernel; exo runs its norms through mx.compile there (fewer ops a
+    step). The fused norm, gated norm and GatedDeltaNet q/k norms are mlx's and mlx-lm's values exactly, at
+    decode, verify, batch and prefill shapes."""
+    from mlx_lm.models.activations import precise_swiglu
+    from mlx_lm.models.gated_delta import normalize_qk
+
+    from exo.engine.models.layers import _gated_rms_norm, fused_normalize_qk, rms_norm
+
+    assert mx.default_device() == mx.cpu
+    keys = mx.random.split(mx.random.key(7), 4)
+    x = (3 * mx.random.normal(shape, key=keys[0])).astype(dtype)
+    gate = mx.random.normal(shape, key=keys[1]).astype(dtype)
+    weight = (1 + 0.1 * mx.random.normal(shape[-1:], key=keys[2])).astype(dtype)
+    assert mx.array_equal(rms_norm(x, weight, 1e-6), mx.fast.rms_norm(x, weight, 1e-6)).item()
+    gated = precise_swiglu(x, gate, mx.fast.rms_norm(x, weight, 1e-6))
+    assert mx.array_equal(_gated_rms_norm(x, gate, weight, 1e-6), gated).item()
+    heads = x.reshape(*shape[:-1], 2, shape[-1] // 2)
+    q, k = fused_normalize_qk(heads, heads * 0.5, 0.125, 1e-6)
+    q_ref, k_ref = normalize_qk(heads, heads * 0.5, inv_scale=0.125, eps=1e-6)
+    assert mx.array_equal(q, q_ref).item() and mx.array_equal(k, k_ref).item()
+
+
+def test_a_model_loaded_on_the_cpu_runs_fused_norms_with_the_same_logits(checkpoint):
+    """``cpu_compatible`` gives the backbone's and the head's RMSNorms (plain and gated) their fused class;
+    the model's logits are those of the unfused model, bit for bit."""
+    import mlx.nn as nn
+
+    from exo.engine import load_checkpoint
+    from exo.engine.models.layers import FusedRMSNorm, FusedRMSNormGated
+
+    loaded = load_checkpoint(checkpoint("qwen3_5", head="trained", dtype="bfloat16"))
+    model, head = loaded.model, loaded.head
+    norms = [m for _, m in model.named_modules() if isinstance(m, nn.RMSNorm | qwen3_next.Qwen3NextRMSNormGated)]
+    assert norms and all(type(m) in (FusedRMSNorm, FusedRMSNormGated) for m in norms)
+    assert any(type(m) is FusedRMSNormGated for m in norms)
+    assert head is not None and any(type(m) is FusedRMSNorm for _, m in head.named_modules())
+    tokens = mx.array([[5, 9, 2, 7, 1, 3]])
+    fused = model.logits(model.hidden(tokens, model.make_cache()))
+    for m in norms:
+        m.__class__ = nn.RMSNorm if type(m) is FusedRMSNorm else qwen3_next.Qwen3NextRMSNormGated
+    try:
+        plain = model.logits(model.hidden(tokens, model.make_cache()))
+    finally:
+        for m in norms:
+            m.__class__ = FusedRMSNorm if type(m) is nn.RMSNorm else FusedRMSNormGated
+    assert mx.array_equal(fused, plain).item()

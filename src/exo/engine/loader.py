@@ -316,10 +316,15 @@ def _sidecar_convention(metadata: dict[str, str]) -> NormConvention:
 
 
 def cpu_compatible(module: nn.Module) -> None:
-    """MLX's CPU backend multiplies gathered experts (unquantized ``gather_mm``) in float32 only."""
+    """MLX's CPU backend multiplies gathered experts (unquantized ``gather_mm``) in float32 only; it has no
+    RMSNorm kernel, so norms run fused (``models.layers.fuse_norms``)."""
     if mx.default_device() != mx.cpu:
         return
     from mlx_lm.models.switch_layers import SwitchLinear
+
+    from .models.layers import fuse_norms
+
+    fuse_norms(module)
 
     for _, leaf in module.named_modules():
         if isinstance(leaf, SwitchLinear) and leaf.weight.dtype in (mx.bfloat16, mx.float16):
