@@ -416,10 +416,6 @@ class BatchLanes:
     def __len__(self) -> int:
         return sum(len(lane) for lane in self.lanes)
 
-    @property
-    def runs(self) -> list[_Run]:
-        return [run for lane in self.lanes for run in lane.runs]
-
     def add(self, run: _Run) -> None:
         min(self.lanes, key=len).add(run)
 
@@ -440,9 +436,6 @@ class BatchLanes:
         if arrays:
             mx.async_eval(arrays)
         return [result for p in prepared for result in p.finish()]
-
-    def cancel_all(self) -> list[tuple[_Run, GenerationChunk]]:
-        return [ended for lane in self.lanes for ended in lane.cancel_all()]
 
 
 def _ended(run: _Run, chunks: list[GenerationChunk]) -> bool:
