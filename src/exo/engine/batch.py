@@ -404,9 +404,10 @@ class BatchLanes:
     batch it decoded in.
 
     A speculative round runs whole inside its lane's ``prepare`` (its verdicts need its logits), so lanes
-    overlap plain steps only. While two or more lanes step together no step is timed for the batch depth
-    policy (a lane's time is not its own): batches then decode plainly, as they do anyway on a CPU, where a
-    verify row costs a plain row (``BatchDepthPolicy``). On a GPU a batch has one lane."""
+    overlap plain steps only (the other lanes wait for a round). While two or more lanes step together no
+    step is timed for the batch depth policy (a lane's time is not its own), and a batch-size bucket never
+    timed decodes plainly, as batches of more than one do on a CPU anyway (``BatchDepthPolicy``). On a GPU a
+    batch has one lane."""
 
     def __init__(self, engine: Engine, lanes: int | None = None) -> None:
         count = default_lanes(engine) if lanes is None else max(1, lanes)
