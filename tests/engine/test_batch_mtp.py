@@ -78,7 +78,12 @@ def test_batched_greedy_mtp_at_every_forced_depth(checkpoint, arch, depth, round
     got = _run_batch(engine, requests, join_at=[0, 1, 1])
     _check_solo(engine, requests, got)
     assert all(stats.rounds > 0 and stats.k == depth for _, _, _, stats in got.values())
-    assert any(min(counts) < max(counts) == depth + 1 for counts in kept)  # one took every row, one fewer
+    # Some member's drafts all landed in a batched round (it kept every row), and none kept more. Which
+    # rounds mix counts depends on where the fixture's head misses, which moves with the CPU's rounding
+    # (the qwen3_5_moe fixture at K = 1 missed no draft in a batch on an AMD EPYC): the joins-and-leaves test
+    # above checks mixed counts at K = 2, over five members.
+    assert any(max(counts) == depth + 1 for counts in kept)
+    assert all(max(counts) <= depth + 1 for counts in kept)
 
 
 def test_adaptive_depth_in_a_batch_switches_between_plain_steps_and_rounds(checkpoint):
@@ -275,7 +280,7 @@ def test_heads_are_not_fed_while_a_batch_decodes_plainly(checkpoint):
     """Where the batch's depth is 0 (here: every row costs a whole step, as on a compute-bound device), an
     adaptive member's head gets nothing (a head row costs about a backbone layer): only its last few rows
     wait, for a probe round to draft from."""
-    from exo.engine.batch import HEAD_WINDOW, BatchDecoder
+    from exo.engine.batch import BATCH_HEAD_WINDOW, BatchDecoder
 
     engine = Engine(_engine(checkpoint("qwen3_5", dtype="float32")).loaded, EngineConfig(prefill_chunk=CHUNK))
     # Drafting pays alone, but next to a solo step this short any batched step is all rows.
@@ -295,7 +300,7 @@ def test_heads_are_not_fed_while_a_batch_decodes_plainly(checkpoint):
         for run, chunks in batch.step():
             tokens[id(run)].extend(t for chunk in chunks for t in chunk.token_ids)
         for run in batch.runs:
-            assert len(run._head_hidden) <= HEAD_WINDOW and run.head_cache.offset == heads[id(run)]
+            assert len(run._head_hidden) <= BATCH_HEAD_WINDOW and run.head_cache.offset == heads[id(run)]
     for run, request in zip(runs, requests, strict=True):
         assert run.recorder.rounds == 0
         assert tokens[id(run)] == _solo(engine, request).token_ids
