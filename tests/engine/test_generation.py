@@ -163,6 +163,30 @@ def test_probes_after_plain_stretches_are_timed(dense):
         assert policy._seconds.get(k), f"the probe at K = {k} was not timed"
 
 
+def test_probes_catch_the_head_up_on_a_window_of_the_plain_stretch(dense):
+    """Where the adaptive policy decodes plainly (K = 0) only the last HEAD_WINDOW rows wait for the head:
+    a probe runs the head over those, not over the whole stretch since the last probe (on a compute-bound
+    CPU that catch-up cost as much as the probe round). The output stays plain decoding's."""
+    from exo.engine.generate import HEAD_WINDOW
+
+    engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK))
+    engine._costs = DepthCosts(beta=(1.2, 1.3, 1.4), delta=(0.01, 0.02, 0.03), device="test", plain_s=1.0)
+    policy = engine._adaptive_policy()
+    for _ in range(80):
+        policy.observe_round(1, 0)  # no draft landed so far: the policy sits at K = 0 and probes now and then
+    prompt = _prompt(dense, 10)
+    run = engine.start(GenerationRequest(prompt, max_tokens=120, native_mtp="on"))
+    waiting, tokens, final = [], [], None
+    for chunk in run.stream():
+        tokens.extend(chunk.token_ids)
+        waiting.append(len(run._head_hidden))
+        final = chunk
+    assert run.track_head and final.stats.k_histogram.get(0, 0) >= 2 * HEAD_WINDOW
+    assert [k for k in final.stats.k_histogram if k > 0]  # probes ran, after stretches longer than the window
+    assert max(waiting) <= HEAD_WINDOW + 1  # (+1: the next step's row, built before a token is emitted)
+    assert tokens == _greedy(engine, prompt, native_mtp="off", max_tokens=120).token_ids
+
+
 def test_sync_and_async_draft_evaluation_agree(checkpoint):
     path = checkpoint("qwen3_5", dtype="float32")
     prompt = _prompt(_loaded(path), 10)

@@ -11,7 +11,7 @@ own. Each ``step`` is then, for every run at once, one of:
   own run's parameters and PRNG key stream (a seed reproduces the solo samples). Plain steps are
   pipelined like a solo plain burst: a step's next tokens are computed while the host emits the tokens
   fed to it (a run that finishes has one wasted row computed after its last token). Meanwhile an
-  adaptive run's head is not fed (only its last ``HEAD_WINDOW`` rows wait): a head row costs about a
+  adaptive run's head is not fed (only its last ``BATCH_HEAD_WINDOW`` rows wait): a head row costs about a
   backbone layer per token, which a batch that decodes plainly would pay for nothing; a later round
   drafts from a head with a gap in its context (exo-demo: acceptance 1.000 -> 0.984 after 60 tokens);
 - a speculative round: each run drafts with the head (``_Run._draft``, its own head cache), ONE verify
@@ -57,7 +57,7 @@ from .models.layers import vector_matmul
 from .sampling import apply_processors
 from .verify import verify_logits
 
-HEAD_WINDOW = 4  # head rows an adaptive member keeps waiting while its batch decodes plainly
+BATCH_HEAD_WINDOW = 4  # head rows an adaptive member keeps waiting while its batch decodes plainly
 MAX_LANES = 4  # lanes of a batch on MLX's CPU backend at most (BatchLanes)
 
 
@@ -250,7 +250,7 @@ class BatchDecoder:
                 # While the batch decodes plainly its members' heads are not fed (a head row costs about a
                 # layer of the backbone per token, for nothing until a round): only the last few rows wait,
                 # so a round drafts from recent context after a gap in the head's.
-                del run._head_hidden[:-HEAD_WINDOW], run._head_tokens[:-HEAD_WINDOW]
+                del run._head_hidden[:-BATCH_HEAD_WINDOW], run._head_tokens[:-BATCH_HEAD_WINDOW]
         return _Prepared(following, lambda: self._plain_emit(inputs, following, start, timed))
 
     def _plain_emit(self, inputs: mx.array, following: list[mx.array], start: float, timed: bool) -> Results:
@@ -322,7 +322,7 @@ class BatchDecoder:
         depths = [self._depth(run, batch_k) for run in runs]
         k = max(depths)
         # A round that first feeds the heads more than a window of rows is not a typical round's time.
-        catch_up = any(sum(h.shape[1] for h in run._head_hidden) > max(k + 1, HEAD_WINDOW) for run in runs)
+        catch_up = any(sum(h.shape[1] for h in run._head_hidden) > max(k + 1, BATCH_HEAD_WINDOW) for run in runs)
         drafts = []
         for run, depth in zip(runs, depths, strict=True):
             run._plain_next = False

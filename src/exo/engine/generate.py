@@ -61,6 +61,13 @@ MAX_FORCED_K = 8
 MAX_TOP_LOGPROBS = 20
 LOGPROB_FLOOR = -9999.0  # what a token the distribution excludes (-inf) reports
 HEAD_FLUSH_ROWS = 256
+# Head rows an adaptive run keeps waiting while its policy decodes plainly (K = 0); the rows before them never
+# reach the head. A probe first runs the head over the rows waiting since the last one: on a compute-bound
+# CPU, 64 rows of exo-demo's head cost ~18 ms, as much as the probe round itself (adaptive at K = 0: 0.954x
+# plain decoding). The head's context then has a gap before its last HEAD_WINDOW rows: at 32 its probes
+# accepted as many drafts as with the whole stretch (60 of 66 on exo-demo), at 8 fewer (48 of 66), which
+# biases the policy against drafting. A batch keeps fewer (batch.BATCH_HEAD_WINDOW).
+HEAD_WINDOW = 32
 # Plain bursts shorter than this are not timed for the depth policy: their first step is built before any
 # compute overlaps it (on this CPU a 5-token burst measured 11.8 ms a token against 9.7 in long ones).
 PLAIN_TIMED_MIN = 8
@@ -688,7 +695,7 @@ class _Run:
                 self._head_hidden, self._head_tokens = [], []
             if k == 0:
                 budget = self.policy.plain_budget() if self.policy is not None else 1 << 30
-                yield from self._plain_burst(budget)
+                yield from self._plain_burst(budget, stretch=True)
             else:
                 yield from self._speculative_round(k)
         yield self.final_chunk()
@@ -716,7 +723,10 @@ class _Run:
             if chunk is not None:
                 yield chunk
 
-    def _plain_burst(self, budget: int) -> Iterator[GenerationChunk]:
+    def _plain_burst(self, budget: int, stretch: bool = False) -> Iterator[GenerationChunk]:
+        """Up to ``budget`` plain tokens, pipelined. ``stretch``: the adaptive policy chose K = 0 (not one
+        plain token after a near tie): the head keeps only its last ``HEAD_WINDOW`` rows waiting."""
+        window = stretch and self.policy is not None and self.policy.fixed_k is None
         remaining = min(budget, self.output.max_tokens - len(self.output.tokens))
         start = time.perf_counter()
         emitted = 0
@@ -733,7 +743,9 @@ class _Run:
             value = token.item()
             self.output.add(value, self._logprob_entry(lp, 0, value))
             yield from self._drain()
-            if len(self._head_hidden) >= HEAD_FLUSH_ROWS:
+            if window and len(self._head_hidden) > HEAD_WINDOW:
+                del self._head_hidden[:-HEAD_WINDOW], self._head_tokens[:-HEAD_WINDOW]
+            elif len(self._head_hidden) >= HEAD_FLUSH_ROWS:
                 # Long plain stretches: keep the head cache current in batches, off the token path.
                 out = self._flush_head()
                 mx.async_eval(out, self.head_cache.state)
