@@ -517,3 +517,32 @@ def test_a_depth_one_deeper_is_probed_rarer_and_rarer():
     assert len(probes) >= 3 and all(settled[i] == 2 for i in probes)
     gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
     assert all(b > a for a, b in zip(gaps, gaps[1:], strict=False)) and probes[0] < 20
+
+
+# -- the warm-up's verdict ------------------------------------------------------------------------------------
+def test_a_warmup_that_says_drafting_cannot_pay_is_confirmed_before_it_turns_mtp_off(monkeypatch):
+    """"Cannot pay off even with every draft accepted" turns adaptive MTP off for the engine's life, so a
+    warm-up that says it is measured again and each part's fastest time kept (interference only adds time): a
+    moment of noise (an H100 once timed exo-demo-moe's 2-row verify at 2.9 plain steps, its rounds then ran at
+    1.9) no longer disables drafting. A warm-up that says drafting can pay is taken as it is; a device where
+    drafting really cannot pay (every warm-up says so) stays off."""
+    from exo.engine import costs as costs_module
+
+    slow = DepthCosts(beta=(2.9, 2.7), delta=(0.2, 0.3), device="cuda", plain_s=0.004, plain_pipelined_s=0.004)
+    fast = DepthCosts(beta=(1.6, 1.8), delta=(0.1, 0.2), device="cuda", plain_s=0.005, plain_pipelined_s=0.0045)
+    assert not can_pay_off(slow.in_pipelined_steps(), 2) and can_pay_off(fast.in_pipelined_steps(), 2)
+
+    def warm(*measured):
+        calls = list(measured)
+        monkeypatch.setattr(costs_module, "measure_costs", lambda *args, **kwargs: calls.pop(0))
+        result = costs_module.warmup_costs(None, None, None, 2)
+        return result, len(measured) - len(calls)
+
+    confirmed, runs = warm(slow, fast, slow)
+    assert runs == 2 and can_pay_off(confirmed.in_pipelined_steps(), 2)
+    # Each part's fastest time, in the fastest plain step: the verify of 2 rows 1.6 x 5 ms = 8 ms / 4 ms.
+    assert confirmed.plain_s == 0.004 and confirmed.plain_pipelined_s == 0.004
+    assert confirmed.beta == pytest.approx((2.0, 2.25)) and confirmed.delta == pytest.approx((0.125, 0.25))
+    assert warm(fast, slow) == (fast, 1)
+    off, runs = warm(slow, slow, slow)
+    assert runs == 3 and not can_pay_off(off.in_pipelined_steps(), 2)

@@ -34,7 +34,7 @@ from mlx_lm.models.cache import KVCache
 
 from .adaptive import BatchDepthPolicy, DepthCosts, DepthPolicy
 from .constraints import ConstraintSpec, Grammar, Matcher, ToolFormat, compile_grammar
-from .costs import measure_costs
+from .costs import warmup_costs
 from .forward import Forward, LocalForward
 from .loader import LoadedModel
 from .models.layers import MoEVerifyMode
@@ -284,7 +284,7 @@ class Engine:
         if self._costs is None:
             self.verify_mode  # noqa: B018 - the measured verify calls compute their rows as real ones do
             assert self.loaded.head is not None
-            self._costs = measure_costs(self.model, self.forward, self.loaded.head, self.config.max_k)
+            self._costs = warmup_costs(self.model, self.forward, self.loaded.head, self.config.max_k)
         return self._costs
 
     def warmup(self) -> None:
