@@ -187,6 +187,32 @@ def test_probes_catch_the_head_up_on_a_window_of_the_plain_stretch(dense):
     assert tokens == _greedy(engine, prompt, native_mtp="off", max_tokens=120).token_ids
 
 
+def test_verify_calls_start_evaluating_while_built_on_the_cpu(dense, monkeypatch):
+    """On MLX's CPU backend a verify call is evaluated VERIFY_EVAL_EVERY layers at a time as it is built (its
+    stream thread computes while the host builds the rest; a round's verify cannot overlap the previous
+    round). Same graph, same values: greedy MTP stays plain decoding's, token for token."""
+    import mlx.core as mx
+
+    from exo.engine import forward as forward_module
+    from exo.engine.models import backbone
+
+    engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK))
+    layers = len(engine.model.stage_layers)
+    assert forward_module.verify_eval_every() == forward_module.VERIFY_EVAL_EVERY == 2 and layers > 2
+    calls = []
+    real = mx.async_eval
+    monkeypatch.setattr(backbone.mx, "async_eval", lambda *a: calls.append(a) or real(*a))
+    prompt = _prompt(dense, 10)
+    cache = engine.forward.new_cache()
+    mx.eval(engine.forward.hidden(mx.array([prompt], dtype=mx.uint32), cache))
+    assert not calls  # a prefill is one evaluation
+    engine.forward.hidden(mx.array([prompt[:3]], dtype=mx.uint32), cache, verify=True)
+    assert len(calls) == (layers - 1) // 2
+    result = _greedy(engine, prompt, mtp_k=3, max_tokens=48)
+    assert result.stats.rounds > 0
+    assert result.token_ids == _greedy(engine, prompt, native_mtp="off", max_tokens=48).token_ids
+
+
 def test_sync_and_async_draft_evaluation_agree(checkpoint):
     path = checkpoint("qwen3_5", dtype="float32")
     prompt = _prompt(_loaded(path), 10)

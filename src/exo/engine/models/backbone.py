@@ -106,12 +106,14 @@ class SpeculativeBackbone:
     def hidden_size(self) -> int:
         return int(self.text_args.hidden_size)
 
-    def stage_hidden(self, inputs: mx.array, cache: list[Any]) -> mx.array:
+    def stage_hidden(self, inputs: mx.array, cache: list[Any], *, eval_every: int = 0) -> mx.array:
         """This stage's forward: token ids [B, T] (first stage) or the previous stage's hidden [B, T, H]
         in; hidden states out, post-final-norm on the last stage (what lm_head and the MTP head see).
 
         The computation of mlx-lm's text model ``__call__`` (embedding; attention and SSM masks from the
         first cache of each kind; the layers; the final norm), restricted to this stage's layers.
+        ``eval_every``: start evaluating the hidden states after every that many layers while the rest is
+        built (the same graph, so the same values; see ``forward.VERIFY_EVAL_EVERY``).
         """
         text = self.text_model
         h = text.embed_tokens(inputs) if self.first_stage else inputs
@@ -120,8 +122,10 @@ class SpeculativeBackbone:
         ssm = next((i for i, layer in enumerate(layers) if layer.is_linear), None)
         fa_mask = create_attention_mask(h, cache[fa]) if fa is not None else None
         ssm_mask = create_ssm_mask(h, cache[ssm]) if ssm is not None else None
-        for layer, c in zip(layers, cache, strict=True):
+        for i, (layer, c) in enumerate(zip(layers, cache, strict=True)):
             h = layer(h, mask=ssm_mask if layer.is_linear else fa_mask, cache=c)
+            if eval_every and (i + 1) % eval_every == 0 and i + 1 < len(layers):
+                mx.async_eval(h)
         return text.norm(h) if self.last_stage else h
 
     # -- forward pieces (the last stage, or the whole model) -----------------------------------------
