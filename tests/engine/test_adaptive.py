@@ -546,3 +546,16 @@ def test_a_warmup_that_says_drafting_cannot_pay_is_confirmed_before_it_turns_mtp
     assert warm(fast, slow) == (fast, 1)
     off, runs = warm(slow, slow, slow)
     assert runs == 3 and not can_pay_off(off.in_pipelined_steps(), 2)
+
+
+def test_live_costs_never_put_a_verify_call_below_one_plain_step():
+    """Live costs are a round's measured time over live plain tokens, split as the warm-up split them: a round
+    timed in a fast moment against plain tokens timed in a slow one once gave a pipeline's verify 0.991 plain
+    steps. A verify of K+1 rows never costs less than one row, as the warm-up already holds."""
+    costs = DepthCosts(beta=(1.2,), delta=(0.1,), device="cpu", plain_s=0.010, plain_pipelined_s=0.010)
+    policy = DepthPolicy(costs, max_k=1, default_k=1)
+    policy.observe_plain(16, 16 * 0.010)
+    for _ in range(3):
+        policy.observe_round(1, 1, 0.0105)  # 1.05 plain tokens: 0.97 of them the verify at the warm-up's split
+    live = policy.effective_costs()
+    assert live.beta[0] == 1.0 and live.delta[0] == pytest.approx(0.0105 / 0.010 * 0.1 / 1.3)

@@ -220,7 +220,9 @@ class DepthPolicy:
             measured = self._median(k)
             total = measured / plain if measured is not None else warm * unit * glue / plain
             share = beta[k - 1] / warm if warm else 1.0  # keep the warm-up split of verify and drafts
-            beta[k - 1], delta[k - 1] = total * share, total * (1.0 - share)
+            # A verify of K+1 rows never costs less than one row (as at warm-up): a round timed in a fast
+            # moment against plain tokens timed in a slow one can say so (a pipeline's beta(1) read 0.991).
+            beta[k - 1], delta[k - 1] = max(1.0, total * share), total * (1.0 - share)
         return DepthCosts(tuple(beta), tuple(delta), self.costs.device, plain, self.costs.stages)
 
     def drafting_pays(self) -> bool:
