@@ -130,6 +130,18 @@ def test_warmup_times_plain_steps_as_the_decode_loop_runs_them(dense):
     assert engine._adaptive_policy().plain_step_s() == costs.plain_pipelined_s
 
 
+def test_warmup_times_a_verify_call_with_its_logits_as_rounds_compute_them(dense, monkeypatch):
+    """Where a device needs the lm_head run per row in verify calls (``verify.probe``), a round pays for that:
+    the warm-up's beta(K) times the same logits, not one block of K+1 rows that no round computes."""
+    engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK, verify_rows="per_row"))
+    assert engine.verify_mode.per_row_logits and not engine.verify_mode.logits_as_vectors
+    rows: list[int] = []
+    real_logits = dense.model.logits
+    monkeypatch.setattr(dense.model, "logits", lambda h: rows.append(h.shape[-2]) or real_logits(h))
+    engine.costs()
+    assert rows and set(rows) == {1}, sorted(set(rows))
+
+
 def test_only_plain_bursts_long_enough_to_pipeline_are_timed(dense):
     """A plain burst's first step is built before anything overlaps it: a burst of a few tokens times mostly
     that, and would stand for a plain token in the depth policy's median (on this CPU 1.2x one)."""

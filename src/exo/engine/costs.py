@@ -23,6 +23,7 @@ from mlx_lm.models.cache import KVCache
 from .adaptive import DepthCosts, can_pay_off
 from .forward import Forward
 from .models.mtp import MTPHead
+from .verify import verify_logits
 
 
 def device_name() -> str:
@@ -133,7 +134,8 @@ def measure_costs(
 
             def run() -> None:
                 out = forward.hidden(rows, cache, verify=True)
-                mx.eval(mx.argmax(model.logits(out), axis=-1))
+                # Its logits as a round computes them (per row where this device needs it: ``verify.probe``).
+                mx.eval(mx.argmax(verify_logits(model, out, forward.verify), axis=-1))
                 forward.rollback(cache, k + 1, 0)
 
             return run
