@@ -17,6 +17,7 @@ from exo.engine.sampling import (
     greedy_verdict,
     make_processors,
     sampling_verdict,
+    top_two,
 )
 
 TRIALS = 40_000
@@ -153,3 +154,19 @@ def test_a_repetition_penalty_near_zero_keeps_the_distribution_finite():
     ordinary = apply_processors(make_processors(SamplingParams(repetition_penalty=1.3)), mx.array([0, 1, 2]),
                                 mx.array(logits))
     assert np.allclose(np.array(ordinary), [[2.0 / 1.3, 0.0, -1.3, 3.0]])
+
+
+def test_the_top_two_logits_of_each_row_are_those_topk_finds():
+    """The near-tie test's two largest logits per row, without a partition of the vocabulary: equal to
+    ``mx.topk``'s on random rows, on rows whose maximum occurs twice, and in bfloat16."""
+    key = mx.random.key(7)
+    rows = mx.random.normal((64, 300), key=key)
+    rows[5, 17] = rows[5, 250] = 9.0  # a maximum that occurs twice: the second-largest is that maximum
+    rows[6] = 0.0  # every logit equal
+    for dtype in (mx.float32, mx.bfloat16):
+        logits = rows.astype(dtype)
+        first, second = top_two(logits, mx.argmax(logits, axis=-1))
+        top = mx.topk(logits.astype(mx.float32), 2, axis=-1)
+        assert mx.array_equal(first, mx.max(top, axis=-1)).item()
+        assert mx.array_equal(second, mx.min(top, axis=-1)).item()
+    assert second[5].item() == first[5].item() == 9.0

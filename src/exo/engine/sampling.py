@@ -148,10 +148,18 @@ def greedy_verdict(target_logits: mx.array, drafts: mx.array, tie_margin: float 
     targets = mx.argmax(target_logits, axis=-1)  # [K+1]
     decided = None
     if tie_margin > 0.0:
-        top = mx.topk(target_logits.astype(mx.float32), 2, axis=-1)
-        first, second = mx.max(top, axis=-1), mx.min(top, axis=-1)
+        first, second = top_two(target_logits, targets)
         decided = (first - second) > tie_margin * mx.maximum(mx.abs(first), 1.0)
     return Verdict(accepted=targets[:-1] == drafts, replacement=targets, decided=decided)
+
+
+def top_two(logits: mx.array, argmax: mx.array) -> tuple[mx.array, mx.array]:
+    """The largest and second-largest logit of each row (float32; equal where the maximum occurs twice), given
+    the rows' argmax: two reductions, where ``mx.topk`` partitions the vocabulary (a sort on MLX CUDA)."""
+    values = logits.astype(mx.float32)
+    first = mx.max(values, axis=-1)
+    others = mx.where(mx.arange(values.shape[-1]) == argmax[..., None], -mx.inf, values)
+    return first, mx.max(others, axis=-1)
 
 
 def sampling_verdict(
