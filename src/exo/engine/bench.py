@@ -89,7 +89,8 @@ def run_bench(
 ) -> BenchReport:
     """Every configuration on every prompt, ``repeats`` times, EOS ignored (every generation is
     ``max_tokens`` long). ``baseline``: stock mlx-lm (its own model classes, ``stream_generate``) decodes
-    the same prompt ids in the same round, so each configuration gets a ratio to it per round."""
+    the same prompt ids in the same round, so each configuration gets a ratio to it per round. Each round
+    runs its configurations (stock included) in an order rotated by one from the round before."""
     import dataclasses
 
     from .costs import device_name
@@ -145,14 +146,25 @@ def run_bench(
     histograms: dict[str, dict[int, int]] = {name: {} for name, _, _ in configs}
     alone: dict[str, list[float]] = {name: [] for name, _, _ in configs}  # seconds of a round's parts alone
     glue: dict[str, list[float]] = {name: [] for name, _, _ in configs}
+    slots: list[tuple[str, int | None, str]] = ([("stock", None, "")] if stock is not None else []) + configs
     for repeat in range(repeats):
         for index, tokens in enumerate(encoded):
-            baseline: list[int] | None = None
-            stock_tps, stock_tokens = stock.decode(tokens, max_tokens, temperature) if stock is not None else (None, None)
-            for name, k, mode in configs:
+            # Each round runs its configurations in a rotated order: on a host whose speed drifts within a
+            # run (an H100 host's plain decoding went from 119 to 66 tokens/s in one), no configuration always
+            # runs last, furthest from the stock run it is compared with.
+            turn = repeat * len(encoded) + index
+            order = slots[turn % len(slots):] + slots[: turn % len(slots)]
+            stock_tps: float | None = None
+            stock_tokens: list[int] | None = None
+            results: dict[str, GenerationResult] = {}
+            for name, k, mode in order:
+                if name == "stock":
+                    assert stock is not None
+                    stock_tps, stock_tokens = stock.decode(tokens, max_tokens, temperature)
+                    continue
                 parts_s = _parts_alone(engine, k) if k and mode == "on" else None
                 start = time.perf_counter()
-                result = run(tokens, k, mode, max_tokens, 1000 * repeat + index)
+                result = results[name] = run(tokens, k, mode, max_tokens, 1000 * repeat + index)
                 elapsed = time.perf_counter() - start
                 stats = result.stats
                 total = totals[name]
@@ -165,15 +177,6 @@ def run_bench(
                 total["drafted"] += stats.drafted_tokens
                 total["accepted"] += stats.accepted_tokens
                 total["rounds"] += stats.rounds
-                if stock_tps:
-                    ratios[name].append(stats.decode_tokens_per_s / stock_tps)
-                if name == "plain":
-                    baseline = result.token_ids
-                    if stock_tokens is not None and temperature == 0.0:
-                        report.plain_identical_to_stock = (
-                            report.plain_identical_to_stock is not False and stock_tokens == result.token_ids)
-                elif temperature == 0.0:
-                    total["same"] = bool(total["same"]) and result.token_ids == baseline
                 for depth, count in stats.k_histogram.items():
                     histograms[name][depth] = histograms[name].get(depth, 0) + count
                 for i, (tests, rate) in enumerate(
@@ -186,6 +189,18 @@ def run_bench(
                     position_hits[name][i] += rate * tests
                 if progress:
                     progress(f"{name:>9}  prompt {index + 1}/{len(encoded)}  {stats.decode_tokens_per_s:8.1f} tok/s")
+            baseline = results["plain"].token_ids
+            for name, result in results.items():
+                if stock_tps:
+                    ratios[name].append(result.stats.decode_tokens_per_s / stock_tps)
+                if temperature > 0.0:
+                    continue
+                if name == "plain":
+                    if stock_tokens is not None:
+                        report.plain_identical_to_stock = (
+                            report.plain_identical_to_stock is not False and stock_tokens == baseline)
+                else:
+                    totals[name]["same"] = bool(totals[name]["same"]) and result.token_ids == baseline
             if stock_tps and progress:
                 progress(f"{'stock':>9}  prompt {index + 1}/{len(encoded)}  {stock_tps:8.1f} tok/s")
             if stock is not None:

@@ -1,0 +1,38 @@
+"""``exo bench`` (exo.engine.bench): how its rounds are run."""
+
+from __future__ import annotations
+
+from exo.engine import Engine, EngineConfig, load_checkpoint
+from exo.engine import bench as bench_module
+from exo.engine.bench import run_bench
+
+
+def test_each_round_runs_its_configurations_in_a_rotated_order(checkpoint, monkeypatch):
+    """On a host whose speed drifts within a run, a configuration that always ran last in its round, furthest
+    from the stock run it is compared with, would carry the drift in its ratios: every configuration, stock
+    mlx-lm included, takes each place in turn."""
+    loaded = load_checkpoint(checkpoint("qwen3_5"))
+    engine = Engine(loaded, EngineConfig(max_k=1, default_k=1))
+    order: list[str] = []
+    stock_decode = bench_module.StockMLXLM.decode
+    complete = engine.complete
+
+    def logged_stock(self, *args):
+        order.append("stock")
+        return stock_decode(self, *args)
+
+    def logged_complete(request):
+        order.append("plain" if request.native_mtp == "off" else f"k={request.mtp_k}" if request.mtp_k else "adaptive")
+        return complete(request)
+
+    monkeypatch.setattr(bench_module.StockMLXLM, "decode", logged_stock)
+    monkeypatch.setattr(engine, "complete", logged_complete)
+    report = run_bench(engine, ["Hello", "def f(x):"], max_tokens=4, repeats=2, baseline=True)
+    slots = ["stock", "plain", "k=1", "adaptive"]
+    warmup = len(slots)  # every path once before the timed rounds
+    rounds = [order[warmup + i * len(slots): warmup + (i + 1) * len(slots)] for i in range(4)]
+    assert all(sorted(r) == sorted(slots) for r in rounds), rounds
+    assert {r[-1] for r in rounds} == set(slots) and {r[0] for r in rounds} == set(slots), rounds
+    rows = {row.config: row for row in report.rows}
+    assert rows["plain"].speedup == 1.0 and rows["k=1"].identical_to_plain and rows["adaptive"].identical_to_plain
+    assert rows["stock mlx-lm"].vs_stock == 1.0
