@@ -96,6 +96,10 @@ def test_bench_json(checkpoint, capsys):
     assert fixed and all(row["glue"] is not None and row["alone_ms"] > 0 for row in fixed)
     for row in fixed:
         assert row["glue"] == pytest.approx(row["round_ms"] / row["alone_ms"], rel=1e-2)
+        # The same with the head's catch-up on the rows the round before kept, timed alone after the request.
+        assert row["catch_up_ms"] >= 0
+        assert row["glue_with_catch_up"] == pytest.approx(
+            row["round_ms"] / (row["alone_ms"] + row["catch_up_ms"]), rel=1e-2)
     assert report["plain_step_alone_ms"] > 0
 
 

@@ -36,3 +36,32 @@ def test_each_round_runs_its_configurations_in_a_rotated_order(checkpoint, monke
     rows = {row.config: row for row in report.rows}
     assert rows["plain"].speedup == 1.0 and rows["k=1"].identical_to_plain and rows["adaptive"].identical_to_plain
     assert rows["stock mlx-lm"].vs_stock == 1.0
+
+
+def test_the_catch_up_is_timed_with_the_rows_a_round_kept(checkpoint):
+    """A round's head first takes in the verify rows the round before kept: the catch-up timing feeds it that
+    many rows (one head call of r rows), then chains K - 1 steps on one row each."""
+    from exo.engine.costs import catch_up_seconds
+
+    loaded = load_checkpoint(checkpoint("qwen3_5"))
+    engine = Engine(loaded, EngineConfig(max_k=3))
+    head = loaded.head
+    calls: list[int] = []
+    real_call = type(head).__call__
+
+    class Counted(type(head)):
+        def __call__(self, embeddings, hidden, cache):
+            calls.append(hidden.shape[1])
+            return real_call(self, embeddings, hidden, cache)
+
+    head.__class__ = Counted
+    try:
+        seconds = catch_up_seconds(engine.model, engine.forward, head, 3, [1, 4], reps=1)
+    finally:
+        head.__class__ = Counted.__bases__[0]
+    assert set(seconds) == {1, 4} and all(s > 0 for s in seconds.values())
+    timed = calls[1:]  # after priming the head on the context
+    assert [r for r in timed if r > 1] and set(timed) == {1, 4}
+    # Each timed call of 4 rows is followed by 2 chained one-row steps, as a depth-3 round drafts.
+    fours = [i for i, r in enumerate(timed) if r == 4]
+    assert all(timed[i + 1 : i + 3] == [1, 1] for i in fours)

@@ -54,6 +54,9 @@ def bench_command(args: argparse.Namespace) -> int:
         print("\nround time, measured / its verify call and drafts timed alone before each request (median "
               "of the ratios): " + "  ".join(f"{row.config} {row.round_ms:.2f} / {row.alone_ms:.2f} ms = {row.glue:.3f}x"
                                               for row in glue))
+        print("the same with the head taking in the rows the round before kept (its parts timed alone start it "
+              "from one row): " + "  ".join(
+                  f"{row.config} +{row.catch_up_ms:.2f} ms = {row.glue_with_catch_up:.3f}x" for row in glue))
         print("round cost in this run's plain steps: " + "  ".join(f"{row.config} {row.round_cost:.3f}" for row in glue))
     if stock:
         if report.plain_identical_to_stock is not None:

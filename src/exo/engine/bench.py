@@ -7,6 +7,7 @@ beta(K) / delta(K) adaptive depth works with, and whether greedy MTP reproduced 
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -14,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pydantic import BaseModel, Field
 
 from .adaptive import expected_speedup
-from .costs import measure_costs
+from .costs import catch_up_seconds, measure_costs
 from .generate import Engine, GenerationRequest, GenerationResult
 from .sampling import SamplingParams
 
@@ -45,6 +46,12 @@ class BenchRow(BaseModel):
     round_ms: float | None = None
     alone_ms: float | None = None
     glue: float | None = None
+    # A round's head first takes in the verify rows the round before kept (its accepted drafts and the token
+    # after them: 1 + accepted drafts per round on average), where the K draft steps timed alone start from
+    # one row: ``catch_up_ms`` is what those extra rows cost (timed alone just after each request, at its mean
+    # rows), ``glue_with_catch_up`` the round's time over its parts with them (median over requests).
+    catch_up_ms: float | None = None
+    glue_with_catch_up: float | None = None
     acceptance_rate: float
     per_position_acceptance: list[float]
     k_histogram: dict[int, int]
@@ -146,6 +153,8 @@ def run_bench(
     histograms: dict[str, dict[int, int]] = {name: {} for name, _, _ in configs}
     alone: dict[str, list[float]] = {name: [] for name, _, _ in configs}  # seconds of a round's parts alone
     glue: dict[str, list[float]] = {name: [] for name, _, _ in configs}
+    catch_up: dict[str, list[float]] = {name: [] for name, _, _ in configs}  # seconds of the head's extra rows
+    glue_caught_up: dict[str, list[float]] = {name: [] for name, _, _ in configs}
     slots: list[tuple[str, int | None, str]] = ([("stock", None, "")] if stock is not None else []) + configs
     for repeat in range(repeats):
         for index, tokens in enumerate(encoded):
@@ -174,6 +183,10 @@ def run_bench(
                 if parts_s and stats.rounds:
                     alone[name].append(parts_s)
                     glue[name].append(decode_s / stats.rounds / parts_s)
+                    assert k is not None
+                    extra = _catch_up_alone(engine, k, 1 + stats.accepted_tokens / stats.rounds)
+                    catch_up[name].append(extra)
+                    glue_caught_up[name].append(decode_s / stats.rounds / (parts_s + extra))
                 total["drafted"] += stats.drafted_tokens
                 total["accepted"] += stats.accepted_tokens
                 total["rounds"] += stats.rounds
@@ -233,7 +246,8 @@ def run_bench(
                 k_histogram=dict(sorted(histograms[name].items())),
                 identical_to_plain=None if (name == "plain" or temperature > 0) else bool(total["same"]),
                 vs_stock=round(statistics.median(ratios[name]), 3) if ratios[name] else None,
-                **_round_cost(total, k if name != "adaptive" else None, plain_step_s, alone[name], glue[name]),
+                **_round_cost(total, k if name != "adaptive" else None, plain_step_s, alone[name], glue[name],
+                              catch_up[name], glue_caught_up[name]),
             )
         )
     return report
@@ -250,13 +264,29 @@ def _parts_alone(engine: Engine, k: int) -> float | None:
     return costs.round_cost(k) * costs.plain_s
 
 
-def _round_cost(total: dict, k: int | None, plain_step_s: float, alone: list[float], glue: list[float]) -> dict:
+def _catch_up_alone(engine: Engine, k: int, rows: float) -> float:
+    """Seconds that k draft steps whose head first takes in ``rows`` rows (a request's mean: interpolated
+    between the whole row counts around it) cost beyond those starting from one row, timed alone now."""
+    head = engine.loaded.head
+    assert head is not None
+    rows = min(max(rows, 1.0), k + 1.0)
+    low, high = math.floor(rows), math.ceil(rows)
+    seconds = catch_up_seconds(engine.model, engine.forward, head, k, sorted({1, low, high}),
+                               statistic=statistics.median)
+    at_rows = seconds[low] + (seconds[high] - seconds[low]) * (rows - low)
+    return max(0.0, at_rows - seconds[1])
+
+
+def _round_cost(total: dict, k: int | None, plain_step_s: float, alone: list[float], glue: list[float],
+                catch_up: list[float], glue_caught_up: list[float]) -> dict:
     if not k or not total["rounds"]:
         return {}
     round_s = total["seconds"] / total["rounds"]
     out: dict = {"round_cost": round(round_s / plain_step_s, 3), "round_ms": round(round_s * 1e3, 3)}
     if glue:
-        out.update(alone_ms=round(statistics.median(alone) * 1e3, 3), glue=round(statistics.median(glue), 3))
+        out.update(alone_ms=round(statistics.median(alone) * 1e3, 3), glue=round(statistics.median(glue), 3),
+                   catch_up_ms=round(statistics.median(catch_up) * 1e3, 3),
+                   glue_with_catch_up=round(statistics.median(glue_caught_up), 3))
     return out
 
 

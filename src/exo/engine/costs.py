@@ -14,7 +14,7 @@ adds time).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -88,6 +88,56 @@ def warmup_costs(model: Any, forward: Forward, head: MTPHead, max_k: int) -> Dep
     return costs
 
 
+def _primed(model: Any, forward: Forward, head: MTPHead, context: int) -> tuple[mx.array, list[Any], KVCache, mx.array]:
+    """A random context of ``context`` tokens through the backbone and the head: (tokens, backbone caches,
+    head cache, hiddens). The caller ends the caches (``forward.end``)."""
+    vocab = model.text_model.embed_tokens.weight.shape[0]
+    tokens = mx.random.randint(0, vocab, (1, context), key=mx.random.key(0))
+    cache = forward.new_cache()
+    head_cache = KVCache()
+    try:
+        hidden = forward.hidden(tokens, cache)
+        head(model.embed(tokens[:, 1:]), hidden[:, :-1], head_cache)
+        mx.eval(hidden, head_cache.state)
+    except BaseException:
+        forward.end(cache)
+        raise
+    return tokens, cache, head_cache, hidden
+
+
+def _drafts(model: Any, head: MTPHead, head_cache: KVCache, tokens: mx.array, hidden: mx.array, k: int) -> Callable[[], None]:
+    """k draft steps as a round runs them: the head first takes in the rows ``hidden`` [1, r, H] (followed by
+    ``tokens`` [1, r]), its last row drafts the first token, then it chains on its own output; its cache is
+    rewound after each call."""
+    offset = head_cache.offset
+
+    def run() -> None:
+        out = head(model.embed(tokens), hidden, head_cache)[:, -1:]
+        drafts = [mx.argmax(model.logits(out)[:, -1], axis=-1)]
+        for _ in range(k - 1):
+            out = head(model.embed(drafts[-1][None]), out, head_cache)
+            drafts.append(mx.argmax(model.logits(out)[:, -1], axis=-1))
+        mx.eval(drafts)
+        head_cache.trim(head_cache.offset - offset)
+
+    return run
+
+
+def catch_up_seconds(
+    model: Any, forward: Forward, head: MTPHead, k: int, rows: Sequence[int], *, context: int = 64, reps: int = 5,
+    statistic: Statistic = min,
+) -> dict[int, float]:
+    """Seconds of k draft steps whose first head call takes in r rows, for each r of ``rows``: a round's head
+    first takes in the verify rows the round before kept (1 to K+1: its accepted drafts and the token after
+    them), which ``measure_costs``' delta(K) (one row) leaves out."""
+    tokens, cache, head_cache, hidden = _primed(model, forward, head, context)
+    try:
+        return {r: _seconds(_drafts(model, head, head_cache, tokens[:, -r:], hidden[:, -r:], k), reps, statistic)
+                for r in rows}
+    finally:
+        forward.end(cache)
+
+
 def measure_costs(
     model: Any,
     forward: Forward,
@@ -101,16 +151,9 @@ def measure_costs(
     """beta(K) and delta(K) relative to one plain step, through ``forward`` (a pipeline's costs include
     its stages and the transfers between them: that is what a round costs there). ``statistic`` of the
     timed repetitions: the fastest for the warm-up; ``exo bench`` compares live rounds with medians."""
-    vocab = model.text_model.embed_tokens.weight.shape[0]
-    tokens = mx.random.randint(0, vocab, (1, context), key=mx.random.key(0))
-    cache = forward.new_cache()
-    head_cache = KVCache()
+    tokens, cache, head_cache, hidden = _primed(model, forward, head, context)
     try:
-        hidden = forward.hidden(tokens, cache)
-        head(model.embed(tokens[:, 1:]), hidden[:, :-1], head_cache)
         last_hidden = hidden[:, -1:]
-        mx.eval(last_hidden, head_cache.state)
-        head_offset = head_cache.offset
         one = tokens[:, :1]
 
         def plain() -> None:
@@ -141,16 +184,7 @@ def measure_costs(
             return run
 
         def draft(k: int) -> Callable[[], None]:
-            def run() -> None:
-                out = head(model.embed(one), last_hidden, head_cache)
-                drafts = [mx.argmax(model.logits(out)[:, -1], axis=-1)]
-                for _ in range(k - 1):
-                    out = head(model.embed(drafts[-1][None]), out, head_cache)
-                    drafts.append(mx.argmax(model.logits(out)[:, -1], axis=-1))
-                mx.eval(drafts)
-                head_cache.trim(head_cache.offset - head_offset)
-
-            return run
+            return _drafts(model, head, head_cache, one, last_hidden, k)
 
         plain_s = _seconds(plain, reps, statistic)
         pipelined_s = _seconds(plain_burst, reps, statistic) / PIPELINED_STEPS
