@@ -3,9 +3,12 @@
 import pytest
 
 from exo.engine.adaptive import (
+    MIN_ROUND_SAMPLES,
     PROBE_FIRST,
     PROBE_MAX,
     PROBE_RESTART,
+    REFRESH_FIRST,
+    REFRESH_SAMPLES,
     BatchDepthPolicy,
     DepthCosts,
     DepthPolicy,
@@ -559,3 +562,69 @@ def test_live_costs_never_put_a_verify_call_below_one_plain_step():
         policy.observe_round(1, 1, 0.0105)  # 1.05 plain tokens: 0.97 of them the verify at the warm-up's split
     live = policy.effective_costs()
     assert live.beta[0] == 1.0 and live.delta[0] == pytest.approx(0.0105 / 0.010 * 0.1 / 1.3)
+
+
+def _drafting_costs() -> DepthCosts:
+    return DepthCosts(beta=(1.2, 1.4, 1.6), delta=(0.1, 0.2, 0.3), device="cpu", plain_s=0.010,
+                      plain_pipelined_s=0.010)
+
+
+def _refresh(policy: DepthPolicy, at: int, plain_s: float, round_s: float) -> list[int]:
+    """Run what ``choose`` asks until it returns to depth ``at``; plain bursts as long as ``plain_budget`` says."""
+    ran: list[int] = []
+    while (k := policy.choose()) < at:
+        assert len(ran) < 2 * REFRESH_SAMPLES, ran
+        ran.append(k)
+        if k == 0:
+            tokens = policy.plain_budget()
+            policy.observe_plain(tokens, tokens * plain_s)
+        else:
+            policy.observe_round(k, k, round_s)
+    return ran
+
+
+def test_a_shallower_depth_timed_in_another_moment_is_timed_again_while_drafting():
+    """Plain tokens timed in a slow minute (11 ms) stand for plain decoding while the policy drafts: every depth
+    looks faster than plain than it is. After REFRESH_FIRST rounds against live timings, plain decoding runs
+    REFRESH_SAMPLES timed bursts, enough to outvote the STALE_KEEP old timings; then rarer and rarer."""
+    policy = DepthPolicy(_drafting_costs(), max_k=3, default_k=3)
+    policy.observe_plain(16, 16 * 0.011)
+    rounds = 0
+    while policy._rounds_since_refresh < REFRESH_FIRST:
+        assert policy.choose() == 3
+        policy.observe_round(3, 3, 0.030)
+        rounds += 1
+    ran = _refresh(policy, 3, 0.0095, 0.030)
+    assert ran == [0] * REFRESH_SAMPLES
+    assert policy._median(0) == pytest.approx(0.0095)  # the fresh bursts' time, not the slow minute's
+    for _ in range(REFRESH_FIRST):  # the next refresh only after twice as many rounds
+        assert policy.choose() == 3
+        policy.observe_round(3, 3, 0.030)
+    assert policy.choose() == 3
+    policy.observe_round(3, 3, 0.030)
+
+
+def test_the_warmup_plain_step_is_timed_live_once_drafting_runs_on_live_timings():
+    """No plain token timed live: the warm-up's plain step (another moment) stands for plain decoding, so it is
+    refreshed like a stale timing once the current depth runs on live ones (and not before: figures that all
+    come from the warm-up are of one moment)."""
+    policy = DepthPolicy(_drafting_costs(), max_k=2, default_k=2)
+    for _ in range(2 * REFRESH_FIRST):
+        assert policy.choose() == 2
+        policy.observe_round(2, 2)  # untimed rounds: nothing live to compare
+    assert policy.choose() == 2
+    policy.observe_round(2, 2, 0.020)
+    assert _refresh(policy, 2, 0.0095, 0.020) == [0] * REFRESH_SAMPLES
+    assert policy._median(0) == pytest.approx(0.0095)
+
+
+def test_a_refresh_times_the_stalest_shallower_depth():
+    """Drafting at K = 3 with plain decoding timed just now and K = 1 timed long ago: K = 1 is run again."""
+    policy = DepthPolicy(_drafting_costs(), max_k=3, default_k=3)
+    for _ in range(MIN_ROUND_SAMPLES):
+        policy.observe_round(1, 1, 0.025)  # a slow minute
+    for _ in range(REFRESH_FIRST):
+        policy.observe_round(3, 3, 0.030)
+    policy.observe_plain(8, 8 * 0.0095)  # plain decoding timed just now
+    assert _refresh(policy, 3, 0.0095, 0.015) == [1] * REFRESH_SAMPLES
+    assert policy._median(1) == pytest.approx(0.015)

@@ -52,6 +52,17 @@ MIN_ROUND_SAMPLES = 3  # round timings before they replace a depth's warm-up est
 # old timings outvoted every later probe: adaptive ran at 0.86x a fixed K = 2 over 8 requests.
 STALE_TOKENS = 64
 STALE_KEEP = 2  # with the new timing, a median of three: one odd timing moves nothing, two fresh ones agree
+# While drafting, a shallower depth is timed again now and then, when its timings are stale: nothing else
+# runs it, and on a shared machine its old timings stand for another moment. On this CPU (exo-demo) the
+# policy timed plain tokens at 11.3 ms and K = 1 rounds at 21.1 ms in a slow minute, then drafted at K = 3
+# for the rest of the run against those figures (1.36-1.47x plain by its estimate; K = 3 ran at 1.02x,
+# K = 1 at 1.12x): 0.93x the best fixed depth. After REFRESH_FIRST rounds at K >= 1 (doubling up to
+# REFRESH_MAX), the stalest shallower depth runs REFRESH_SAMPLES times in a row (plain: bursts of
+# REFRESH_PLAIN_TOKENS), enough to outvote the STALE_KEEP old timings.
+REFRESH_FIRST = 16
+REFRESH_MAX = 256
+REFRESH_SAMPLES = 3
+REFRESH_PLAIN_TOKENS = 8  # a timed plain burst (generate.PLAIN_TIMED_MIN)
 
 
 @dataclass(frozen=True)
@@ -172,10 +183,15 @@ class DepthPolicy:
     _plain_since_probe: int = field(default=0, init=False)
     _rounds_since_deeper: int = field(default=0, init=False)
     _deeper_every: int = field(default=DEEPER_PROBE_FIRST, init=False)
+    _rounds_since_refresh: int = field(default=0, init=False)
+    _refresh_every: int = field(default=REFRESH_FIRST, init=False)
+    _refresh: list[int] = field(default_factory=list, init=False)  # depths still to run for a refresh
+    _plain_refresh: bool = field(default=False, init=False)  # the plain burst just chosen is a refresh
     _probe_every: int = field(default=PROBE_FIRST, init=False)
     _rounds_run: int = field(default=0, init=False)
     _tokens: int = field(default=0, init=False)  # tokens run under this policy (a batch bucket: steps)
     _timed_at: dict[int, int] = field(default_factory=dict, init=False)  # ``_tokens`` at a depth's last timing
+    _sampled_at: dict[int, int] = field(default_factory=dict, init=False)  # ``_tokens`` at its last kept timing
 
     def __post_init__(self) -> None:
         self.max_k = min(self.max_k, self.costs.max_k)
@@ -251,6 +267,10 @@ class DepthPolicy:
             return self.fixed_k
         if not self.mtp_can_pay_off:
             return 0
+        if self._refresh:
+            depth = self._refresh.pop()
+            self._plain_refresh = depth == 0
+            return depth
         if self._rounds_run == 0 and self.default_k > 0:
             self._current = self.default_k
             return self.default_k
@@ -269,6 +289,16 @@ class DepthPolicy:
             # (probing only K = 1 left an H100's K = 2 judged by its first request's rounds for good).
             return max(range(1, self.max_k + 1), key=lambda d: (speed[d], -d))
         self._current = k
+        # Only against live timings of the current depth: figures all from the warm-up are of one moment.
+        if k >= 1 and k in self._sampled_at and self._rounds_since_refresh >= self._refresh_every:
+            self._rounds_since_refresh = 0
+            self._refresh_every = min(self._refresh_every * 2, REFRESH_MAX)
+            stale = [d for d in range(k) if self._is_stale(d)]
+            if stale:
+                oldest = min(stale, key=lambda d: self._sampled_at.get(d, -1))
+                self._refresh = [oldest] * (REFRESH_SAMPLES - 1)
+                self._plain_refresh = oldest == 0
+                return oldest
         if 1 <= k < self.max_k and self._rounds_since_deeper >= self._deeper_every:
             # A probe one deeper: rounds at K measure positions 1..K only, so without it one unlucky round
             # at K + 1 (or the prior) would stand for that position for good (exo-demo on this CPU stayed at
@@ -282,6 +312,9 @@ class DepthPolicy:
         """Plain tokens to run before asking ``choose`` again (pipelined without host decisions)."""
         if self.fixed_k is not None or not self.mtp_can_pay_off:
             return 1 << 30
+        if self._plain_refresh:
+            self._plain_refresh = False
+            return REFRESH_PLAIN_TOKENS
         return max(1, self._probe_every - self._plain_since_probe)
 
     # -- observations ------------------------------------------------------------------------------
@@ -292,6 +325,16 @@ class DepthPolicy:
             while len(window) > STALE_KEEP:
                 window.popleft()
         window.append(seconds)
+        self._sampled_at[k] = self._tokens
+
+    def _is_stale(self, k: int) -> bool:
+        """Whether depth k's live timings are STALE_TOKENS or more tokens old; plain decoding's too when it has
+        none (every depth is judged against it: the warm-up's plain steps then stand for it, timed in another
+        moment: on this CPU once at 12.2 ms where live plain tokens took ~9.5)."""
+        last = self._sampled_at.get(k)
+        if last is None:
+            return k == 0 and self._tokens >= STALE_TOKENS
+        return self._tokens - last >= STALE_TOKENS
 
     def _ran(self, k: int, tokens: int, seconds: float | None) -> None:
         """Depth k ran ``tokens`` tokens (timed: ``seconds`` per plain token or per round)."""
@@ -311,6 +354,7 @@ class DepthPolicy:
         ``tokens``: what it emitted (a batch bucket counts its steps)."""
         self._rounds_run += 1
         self._rounds_since_deeper += 1
+        self._rounds_since_refresh += 1
         # A probe whose drafts land does not bring the next probe forward: what it measured already moves
         # ``choose`` to a depth when one pays; when none does (the device, not the head, is the reason),
         # eager probing would cost a round every few tokens for good.
