@@ -32,7 +32,7 @@ from typing import Any, Literal
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from .adaptive import BatchDepthPolicy, DepthCosts, DepthPolicy
+from .adaptive import PLAIN_TIMED_MIN, BatchDepthPolicy, DepthCosts, DepthPolicy
 from .constraints import ConstraintSpec, Grammar, Matcher, ToolFormat, compile_grammar
 from .costs import warmup_costs
 from .forward import Forward, LocalForward
@@ -68,9 +68,6 @@ HEAD_FLUSH_ROWS = 256
 # accepted as many drafts as with the whole stretch (60 of 66 on exo-demo), at 8 fewer (48 of 66), which
 # biases the policy against drafting. A batch keeps fewer (batch.BATCH_HEAD_WINDOW).
 HEAD_WINDOW = 32
-# Plain bursts shorter than this are not timed for the depth policy: their first step is built before any
-# compute overlaps it (on this CPU a 5-token burst measured 11.8 ms a token against 9.7 in long ones).
-PLAIN_TIMED_MIN = 8
 GRAMMAR_CACHE = 16  # compiled grammars an engine keeps
 
 
