@@ -9,6 +9,8 @@ from exo.engine.adaptive import (
     PROBE_RESTART,
     REFRESH_FIRST,
     REFRESH_SAMPLES,
+    SETTLE_SAMPLES,
+    STALE_TOKENS,
     BatchDepthPolicy,
     DepthCosts,
     DepthPolicy,
@@ -628,3 +630,38 @@ def test_a_refresh_times_the_stalest_shallower_depth():
     policy.observe_plain(8, 8 * 0.0095)  # plain decoding timed just now
     assert _refresh(policy, 3, 0.0095, 0.015) == [1] * REFRESH_SAMPLES
     assert policy._median(1) == pytest.approx(0.015)
+
+
+def test_depths_timed_in_different_minutes_are_compared_at_one_speed():
+    """K = 1 runs 16 ms rounds, then the machine slows down by half for a minute (24 ms), then runs fast again
+    and plain decoding is timed again (10 ms a token, 1.6 plain steps a K = 1 round as before). K = 1's recent
+    timings come mostly from the slow minute: compared with them, a round looked like 2.4 plain steps and the
+    policy left K = 1 (1.95 tokens a round) for plain decoding. Timings of the depth it runs measure the
+    machine instead, and the plain bursts are taken at the speed of the rounds just before them."""
+    costs = DepthCosts(beta=(1.5,), delta=(0.1,), device="cpu", plain_s=0.010, plain_pipelined_s=0.010)
+    policy = DepthPolicy(costs, max_k=1, default_k=1)
+    policy.observe_plain(16, 16 * 0.010)
+    rounds = 0
+
+    def run(n: int, seconds: float) -> None:
+        nonlocal rounds
+        for _ in range(n):
+            assert policy.choose() == 1
+            policy.observe_round(1, 1, seconds)
+            rounds += 1
+
+    run(SETTLE_SAMPLES, 0.016)
+    # The check after REFRESH_FIRST rounds finds plain decoding fresh (2 tokens a round: it is stale after
+    # STALE_TOKENS); the next comes twice as many rounds later.
+    refresh_at = 3 * REFRESH_FIRST
+    assert REFRESH_FIRST < STALE_TOKENS // 2 <= refresh_at
+    run(refresh_at - 3 - rounds, 0.024)
+    run(3, 0.016)  # fast again
+    assert _refresh(policy, 1, 0.010, 0.016) == [0] * REFRESH_SAMPLES
+    assert policy.effective_costs().round_cost(1) == pytest.approx(1.6)
+    assert policy.choose() == 1
+    # The slow minute as the machine runs it now: a level on the timings, not the depth's cost.
+    run(8, 0.024)
+    assert policy.level() == pytest.approx(1.5)
+    assert policy.effective_costs().round_cost(1) == pytest.approx(1.6)
+    assert policy.effective_costs().plain_s == pytest.approx(0.015)

@@ -66,6 +66,17 @@ REFRESH_SAMPLES = 3
 # compute overlaps it (on this CPU a 5-token burst measured 11.8 ms a token against 9.7 in long ones).
 PLAIN_TIMED_MIN = 8
 REFRESH_PLAIN_TOKENS = PLAIN_TIMED_MIN  # a refresh's plain bursts: timed ones
+# A shared machine's speed drifts (this CPU: K = 1 rounds at 15.7 ms in one minute, 21.6 in another), and a
+# depth timed in a slow minute compared with one timed in a fast minute is a comparison of minutes: the policy
+# drafted at K = 3 (1.03x plain) for a whole run while K = 2 ran at 1.11x. So the policy tracks the machine's
+# speed: once the depth it runs has SETTLE_SAMPLES timings, its further timings measure the machine (each one
+# over that depth's cost: a level) instead of the depth; every other timing (a probe, a refresh, a deeper
+# probe, the first ones of a depth) is divided by the level of the timings just before it (the median of the
+# last LEVEL_SAMPLES within LEVEL_TOKENS tokens), so that what a depth's window keeps are its costs relative to
+# the depth it ran beside, whatever minute each was timed in.
+SETTLE_SAMPLES = 10
+LEVEL_SAMPLES = 5
+LEVEL_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -180,6 +191,9 @@ class DepthPolicy:
     # What a depth must promise over plain decoding before the policy starts drafting (leaving a depth for
     # another always takes MIN_GAIN).
     entry_gain: float = MIN_GAIN
+    # Whether timings are taken relative to the machine's speed of the moment (see SETTLE_SAMPLES); a batch
+    # bucket keeps raw timings (its rows cost is a ratio of seconds to the solo policy's).
+    track_drift: bool = True
     tracker: AcceptanceTracker = field(init=False)
     _seconds: dict[int, collections.deque[float]] = field(default_factory=dict, init=False)
     _current: int = field(default=0, init=False)
@@ -195,6 +209,10 @@ class DepthPolicy:
     _tokens: int = field(default=0, init=False)  # tokens run under this policy (a batch bucket: steps)
     _timed_at: dict[int, int] = field(default_factory=dict, init=False)  # ``_tokens`` at a depth's last timing
     _sampled_at: dict[int, int] = field(default_factory=dict, init=False)  # ``_tokens`` at its last kept timing
+    # (``_tokens``, seconds over the running depth's cost): the machine's speed, from the depth it runs
+    _levels: collections.deque[tuple[int, float]] = field(
+        default_factory=lambda: collections.deque(maxlen=LEVEL_SAMPLES), init=False
+    )
 
     def __post_init__(self) -> None:
         self.max_k = min(self.max_k, self.costs.max_k)
@@ -209,8 +227,22 @@ class DepthPolicy:
         return statistics.median(samples) if samples and len(samples) >= enough else None
 
     def plain_step_s(self) -> float | None:
-        """Seconds per plain token: live, else the warm-up's pipelined steps, else its step alone."""
+        """Seconds per plain token: live (in the units of the depths' windows: see ``level``), else the
+        warm-up's pipelined steps, else its step alone."""
         return self._median(0) or self.costs.plain_pipelined_s or self.costs.plain_s
+
+    def level(self) -> float:
+        """The machine's speed now, as a factor on the windows' timings (1: as when the running depth's
+        cost was settled): the median of the newest levels, those within LEVEL_TOKENS tokens of the last."""
+        if not self._levels:
+            return 1.0
+        newest = self._levels[-1][0]
+        return statistics.median(v for at, v in self._levels if newest - at <= LEVEL_TOKENS)
+
+    def plain_step_now_s(self) -> float | None:
+        """Seconds a plain token takes at the machine's speed now."""
+        plain = self.plain_step_s()
+        return plain * self.level() if plain is not None else None
 
     def _warm_step_s(self) -> float | None:
         """Seconds of the warm-up's unit (one plain step alone: beta and delta count those)."""
@@ -242,7 +274,7 @@ class DepthPolicy:
             # A verify of K+1 rows never costs less than one row (as at warm-up): a round timed in a fast
             # moment against plain tokens timed in a slow one can say so (a pipeline's beta(1) read 0.991).
             beta[k - 1], delta[k - 1] = max(1.0, total * share), total * (1.0 - share)
-        return DepthCosts(tuple(beta), tuple(delta), self.costs.device, plain, self.costs.stages)
+        return DepthCosts(tuple(beta), tuple(delta), self.costs.device, plain * self.level(), self.costs.stages)
 
     def drafting_pays(self) -> bool:
         """Whether some depth beats plain decoding by ``MIN_GAIN`` at the costs and acceptance measured so far
@@ -284,6 +316,7 @@ class DepthPolicy:
         # Hysteresis: leave the current depth only for one that is clearly faster (timings are noisy).
         current = min(self._current, self.max_k)
         k = best if speed[best] > speed[current] * (self.entry_gain if current == 0 else MIN_GAIN) else current
+        self._current = k
         if k == 0 and self._plain_since_probe >= self._probe_every:
             self._plain_since_probe = 0
             self._probe_every = min(self._probe_every * 2, PROBE_MAX)
@@ -291,7 +324,6 @@ class DepthPolicy:
             # times that depth and measures its positions, so stale figures for a deeper depth get renewed
             # (probing only K = 1 left an H100's K = 2 judged by its first request's rounds for good).
             return max(range(1, self.max_k + 1), key=lambda d: (speed[d], -d))
-        self._current = k
         # Only against live timings of the current depth: figures all from the warm-up are of one moment.
         if k >= 1 and k in self._sampled_at and self._rounds_since_refresh >= self._refresh_every:
             self._rounds_since_refresh = 0
@@ -323,6 +355,13 @@ class DepthPolicy:
     # -- observations ------------------------------------------------------------------------------
     def _sample(self, k: int, seconds: float) -> None:
         window = self._seconds.setdefault(k, collections.deque(maxlen=COST_WINDOW))
+        if self.track_drift:
+            if k == self._current and len(window) >= SETTLE_SAMPLES:
+                # The running depth, settled: its timing says how fast the machine runs now.
+                self._levels.append((self._tokens, seconds / statistics.median(window)))
+                self._sampled_at[k] = self._tokens
+                return
+            seconds /= self.level()
         last = self._timed_at.get(k)
         if last is not None and self._tokens - last >= STALE_TOKENS:
             while len(window) > STALE_KEEP:
@@ -429,7 +468,7 @@ class BatchDepthPolicy:
             policy = DepthPolicy(
                 costs=batch_costs(self.solo.costs, size), max_k=self.solo.max_k,
                 default_k=self.solo.default_k if index == 0 else 0, can_draft=self.solo.mtp_can_pay_off,
-                entry_gain=MIN_GAIN if index == 0 else BATCH_ENTRY_GAIN,
+                entry_gain=MIN_GAIN if index == 0 else BATCH_ENTRY_GAIN, track_drift=False,
             )
             policy.tracker = self.solo.tracker  # acceptance is the head's on the text, whatever the batch
             self._buckets[index] = policy
@@ -437,7 +476,7 @@ class BatchDepthPolicy:
 
     def rows_factor(self, size: int) -> float | None:
         """A batched plain step's measured seconds over a solo plain step's (None until both are known)."""
-        solo = self.solo.plain_step_s()
+        solo = self.solo.plain_step_now_s()
         plain = self.bucket(size)._median(0)
         return plain / solo if plain and solo else None
 

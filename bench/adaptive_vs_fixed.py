@@ -1,0 +1,90 @@
+"""Adaptive depth against fixed depths, strictly alternating: the pairs ``exo bench`` cannot isolate.
+
+    python bench/adaptive_vs_fixed.py [MODEL] [--max-tokens 160] [--repeats 6] [--depths 0 1 2 3] [--raw-timings]
+
+For each repeat and each of ``exo bench``'s prompts, greedy, EOS ignored: adaptive depth, then every fixed
+depth in ``--depths`` (0: plain decoding), the order of the whole group rotated by one each time. Adaptive
+keeps the engine's one policy across requests, as a server does. Prints the median tokens/s of each (first
+to last token), adaptive's depth histogram, and the median and quartiles of the ratios adaptive / fixed K
+over requests of the same prompt run seconds apart: on a shared machine whose speed drifts, a bench that
+runs five configurations a prompt compares moments a minute apart, these compare neighbours.
+
+``--raw-timings`` adds "adaptive raw": a second engine on the same checkpoint whose adaptive policy keeps raw
+seconds per depth (``DepthPolicy.track_drift`` off, as before the policy tracked the machine's speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import statistics
+
+from exo.engine import GenerationRequest, SamplingParams, load
+from exo.engine.bench import DEFAULT_PROMPTS, encode_prompt
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", default="exo-demo")
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--depths", type=int, nargs="+", default=[0, 1, 2, 3])
+    parser.add_argument("--raw-timings", action="store_true")
+    args = parser.parse_args()
+    engine = load(args.model)
+    if (reason := engine.mtp_unavailable_reason()) is not None:
+        raise SystemExit(f"{args.model}: native MTP unavailable: {reason}")
+    engine.loaded = dataclasses.replace(engine.loaded, eos_token_ids=frozenset())
+    prompts = [encode_prompt(engine, p, True) for p in DEFAULT_PROMPTS]
+    configs: list[tuple[str, int | None]] = [("adaptive", None)] + [
+        ("plain" if k == 0 else f"k={k}", k) for k in args.depths
+    ]
+    engines = {name: engine for name, _ in configs}
+    if args.raw_timings:
+        raw = load(args.model)
+        raw.loaded = dataclasses.replace(raw.loaded, eos_token_ids=frozenset())
+        raw._adaptive_policy().track_drift = False
+        engines["adaptive raw"] = raw
+        configs.insert(1, ("adaptive raw", None))
+    histogram: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)
+
+    def run(name: str, prompt: list[int], k: int | None, max_tokens: int) -> float:
+        request = GenerationRequest(
+            prompt, max_tokens=max_tokens, sampling=SamplingParams(temperature=0),
+            native_mtp="off" if k == 0 else "on", mtp_k=None if k in (None, 0) else k,
+        )
+        stats = engines[name].complete(request).stats
+        if k is None and max_tokens == args.max_tokens:
+            histogram[name].update(stats.k_histogram)  # rounds per depth (K = 0: plain tokens)
+        return stats.decode_tokens_per_s
+
+    for name, k in configs:  # warm-up: every path compiled once (the warm-up's costs measured)
+        run(name, prompts[0], k, 16)
+    tps: dict[str, list[float]] = {name: [] for name, _ in configs}
+    turn = 0
+    for _ in range(args.repeats):
+        for prompt in prompts:
+            order = configs[turn % len(configs):] + configs[: turn % len(configs)]
+            turn += 1
+            for name, k in order:
+                tps[name].append(run(name, prompt, k, args.max_tokens))
+    print(f"{args.model} on {engine.costs().device}: {len(tps['adaptive'])} groups of {args.max_tokens} tokens; "
+          "median tokens/s " + ", ".join(f"{name} {statistics.median(v):.1f}" for name, v in tps.items()))
+    for name, counts in histogram.items():
+        print(f"  {name}: rounds per depth (K = 0: plain tokens) {dict(sorted(counts.items()))}")
+    adaptive = [name for name, k in configs if k is None]
+    for name, k in configs:
+        if k is None:
+            continue
+        if "plain" in tps:
+            ratios = [f / p for f, p in zip(tps[name], tps["plain"], strict=True)]
+            print(f"  {name} / plain: median {statistics.median(ratios):.3f}")
+        for a in adaptive:
+            ratios = [x / f for x, f in zip(tps[a], tps[name], strict=True)]
+            q1, _, q3 = statistics.quantiles(ratios)
+            print(f"    {a} / {name}: median {statistics.median(ratios):.3f} (quartiles {q1:.3f} / {q3:.3f})")
+
+
+if __name__ == "__main__":
+    main()
