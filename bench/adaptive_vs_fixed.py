@@ -10,7 +10,8 @@ over requests of the same prompt run seconds apart: on a shared machine whose sp
 runs five configurations a prompt compares moments a minute apart, these compare neighbours.
 
 ``--raw-timings`` adds "adaptive raw": a second engine on the same checkpoint whose adaptive policy keeps raw
-seconds per depth (``DepthPolicy.track_drift`` off, as before the policy tracked the machine's speed).
+seconds per depth and probes single rounds from K = 0 (``DepthPolicy.track_drift`` and ``explore_deeper``
+off: the policy as it was before either).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def main() -> None:
     if args.raw_timings:
         raw = load(args.model)
         raw.loaded = dataclasses.replace(raw.loaded, eos_token_ids=frozenset())
-        raw._adaptive_policy().track_drift = False
+        policy = raw._adaptive_policy()
+        policy.track_drift = policy.explore_deeper = False
         engines["adaptive raw"] = raw
         configs.insert(1, ("adaptive raw", None))
     histogram: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)

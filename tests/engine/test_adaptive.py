@@ -665,3 +665,25 @@ def test_depths_timed_in_different_minutes_are_compared_at_one_speed():
     assert policy.level() == pytest.approx(1.5)
     assert policy.effective_costs().round_cost(1) == pytest.approx(1.6)
     assert policy.effective_costs().plain_s == pytest.approx(0.015)
+
+
+def test_a_deeper_depth_that_never_ran_is_timed_before_plain_decoding_settles_in():
+    """An H100 (exo-demo): K = 1 rounds cost 2 plain steps live (0.94x plain), K = 2 rounds 2.4 (1.13x at 90%
+    acceptance), but K = 2 was only ever estimated, from K = 1's glue on its warm-up cost (3.7 steps), so the
+    probes from K = 0 all went to K = 1 and adaptive stayed at plain decoding. A depth deeper than every depth
+    that ran, which could pay off at the acceptance measured if it cost what the depth below it costs, is run
+    MIN_ROUND_SAMPLES times by the first probe."""
+    costs = DepthCosts(beta=(1.3, 2.4), delta=(0.1, 0.2), device="gpu", plain_s=0.010, plain_pipelined_s=0.010)
+    seconds = {1: 0.020, 2: 0.024}
+    policy = DepthPolicy(costs, max_k=2, default_k=1)
+    ran: list[int] = []
+    for i in range(400):
+        k = policy.choose()
+        ran.append(k)
+        if k == 0:
+            tokens = min(policy.plain_budget(), 64)
+            policy.observe_plain(tokens, tokens * 0.010)
+        else:
+            policy.observe_round(k, 0 if i % 10 == 0 else k, seconds[k])
+    assert 0 in ran[:40]  # K = 1 does not pay: plain decoding first
+    assert ran[-100:].count(2) >= 90, ran[-100:]
