@@ -3,9 +3,11 @@
 A round at depth K costs beta(K) + delta(K) plain decode steps (beta: the (K+1)-row verify, delta: K
 draft steps of the head) and yields 1 + a1 + a1*a2 + ... + a1*...*aK tokens on average, a_i being the
 acceptance rate at draft position i given that position i-1 was accepted. K = 0 is plain decoding
-(cost 1, one token). Costs come from a warm-up measurement and are refined by the rounds actually run
-(a depth timed again after a stretch elsewhere lets its new timings outvote its old ones); acceptance is
-tracked per position with exponential forgetting. When the best K is 0 the policy still probes its most
+(cost 1, one token). Costs come from a warm-up measurement and are refined by the rounds actually run,
+relative to the machine's speed of the moment (the depth the policy runs measures that speed, and what
+runs beside it is timed against it), and a depth timed again after a stretch elsewhere lets its new
+timings outvote its old ones; acceptance is tracked per position with exponential forgetting. When the
+best K is 0 the policy still probes its most
 promising depth now and then (exponentially rarer) in case acceptance or costs changed, unless even
 perfect acceptance could not pay off on this machine (e.g. a compute-bound CPU where beta(1) ~ 2), in
 which case it never probes and MTP costs nothing.
@@ -326,12 +328,11 @@ class DepthPolicy:
             # A probe at the most promising depth (the current one stays 0 unless it shows otherwise): it
             # times that depth and measures its positions, so stale figures for a deeper depth get renewed
             # (probing only K = 1 left an H100's K = 2 judged by its first request's rounds for good).
-            # A depth that never ran goes first, for MIN_ROUND_SAMPLES rounds in a row (enough to be judged
-            # on its own timings): its estimate is the measured depths' glue on its warm-up cost, and glue
-            # differs by depth (an H100, exo-demo: K = 1 ran 0.94x plain, K = 2 1.04x, yet only K = 1 was
-            # ever probed from K = 0, 22 times in 3000 tokens).
-            # Only deeper than every depth that ran, and only one that could pay off at the acceptance
-            # measured if it cost what the depth below it costs (a deeper round costs at least as much).
+            # A depth deeper than every depth that ran goes first, for MIN_ROUND_SAMPLES rounds in a row
+            # (enough to be judged on its own timings), if it could pay off at the acceptance measured when it
+            # cost what the depth below it costs (a deeper round costs at least that): its estimate is the
+            # measured depths' glue on its warm-up cost, and glue differs by depth (an H100, exo-demo: K = 1
+            # ran 0.94x plain, K = 2 1.04x, yet only K = 1 was ever probed from K = 0, 22 times in 3000 tokens).
             ran = max((d for d in self._timed_at if d > 0), default=0)
             never_ran = [
                 d for d in range(ran + 1, self.max_k + 1)
