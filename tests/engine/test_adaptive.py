@@ -107,22 +107,28 @@ def test_policy_probes_rarely_after_falling_back():
 
 def test_probes_whose_drafts_land_but_cannot_pay_back_off():
     """Drafts are accepted, but measured rounds cost more than the tokens they bring (a GPU where a verify
-    call costs ~2 plain steps): the probes come ever more rarely, not every PROBE_FIRST tokens."""
+    call costs ~2 plain steps): the probes come ever more rarely, not every PROBE_FIRST tokens. A probe of a
+    depth whose timings are stale runs MIN_ROUND_SAMPLES rounds (enough to outvote them), no more."""
     costs = DepthCosts(beta=(1.3,), delta=(0.1,), device="gpu", plain_s=0.010)
     policy = DepthPolicy(costs, max_k=1, default_k=1)
     assert policy.choose() == 1
     for _ in range(8):
         policy.observe_round(1, 1, seconds=0.025)  # 2 tokens per 2.5 plain steps
     assert policy.choose() == 0
-    budgets = []
+    budgets, probe_rounds = [], []
     for _ in range(4):
         budget = policy.plain_budget()
         budgets.append(budget)
         policy.observe_plain(budget, budget * 0.010)
-        assert policy.choose() == 1  # the probe
-        policy.observe_round(1, 1, seconds=0.025)  # accepted, still too slow
-        assert policy.choose() == 0
+        rounds = 0
+        while policy.choose() == 1:  # the probe
+            policy.observe_round(1, 1, seconds=0.025)  # accepted, still too slow
+            rounds += 1
+        probe_rounds.append(rounds)
     assert budgets == [PROBE_FIRST, 2 * PROBE_FIRST, 4 * PROBE_FIRST, 8 * PROBE_FIRST]
+    # After a plain stretch shorter than STALE_TOKENS, K = 1's timings are fresh: one round.
+    assert probe_rounds == [MIN_ROUND_SAMPLES if b >= STALE_TOKENS else 1 for b in budgets]
+    assert probe_rounds[-1] == MIN_ROUND_SAMPLES
 
 
 def test_fixed_depth_is_kept():
@@ -211,12 +217,12 @@ def test_new_timings_of_a_depth_outvote_its_old_ones_after_a_stretch_elsewhere()
     policy.observe_plain(8, 8 * 0.010)
     assert policy.choose() == 0
     plain_tokens = 0
-    while policy.choose() == 0:
-        budget = policy.plain_budget()
-        plain_tokens += budget
-        policy.observe_plain(budget, budget * 0.010)
-        k = policy.choose()
-        if k:
+    while policy._current != 2:  # plain stretches and probes (a probe of stale timings: several rounds)
+        if (k := policy.choose()) == 0:
+            budget = policy.plain_budget()
+            plain_tokens += budget
+            policy.observe_plain(budget, budget * 0.010)
+        else:
             policy.observe_round(k, k, seconds=0.017)
         assert plain_tokens < 300
     assert policy.choose() == 2
@@ -687,3 +693,26 @@ def test_a_deeper_depth_that_never_ran_is_timed_before_plain_decoding_settles_in
             policy.observe_round(k, 0 if i % 10 == 0 else k, seconds[k])
     assert 0 in ran[:40]  # K = 1 does not pay: plain decoding first
     assert ran[-100:].count(2) >= 90, ran[-100:]
+
+
+def test_a_probe_of_a_depth_with_stale_timings_outvotes_them():
+    """K = 2 was timed in a slow minute (30 ms a round, plain tokens 7.5 ms) and the policy decodes plainly,
+    probing rarer and rarer. The machine is fast again (K = 2 10 ms, plain 5 ms): the next probe finds K = 2's
+    timings stale and runs MIN_ROUND_SAMPLES rounds, so K = 2 is back at once. One round among STALE_KEEP slow
+    ones moved nothing, and the next probe came twice as many plain tokens later."""
+    costs = DepthCosts(beta=(1.6, 1.9), delta=(0.13, 0.23), device="cuda", plain_s=0.005, plain_pipelined_s=0.005)
+    policy = DepthPolicy(costs, max_k=2, default_k=2)
+    while policy.choose() == 2:
+        policy.observe_round(2, 2, 0.030)
+    while policy.plain_budget() < STALE_TOKENS:  # slow: plain stretches and probes, all at K = 2
+        policy.observe_plain(policy.plain_budget(), policy.plain_budget() * 0.0075)
+        while policy.choose() == 2:
+            policy.observe_round(2, 2, 0.030)
+    budget = policy.plain_budget()
+    policy.observe_plain(budget, budget * 0.005)  # fast again
+    probe = 0
+    while policy.choose() == 2 and probe < MIN_ROUND_SAMPLES:
+        policy.observe_round(2, 2, 0.010)
+        probe += 1
+    assert probe == MIN_ROUND_SAMPLES and policy._current == 2
+    assert policy.choose() == 2

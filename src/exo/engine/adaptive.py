@@ -213,7 +213,7 @@ class DepthPolicy:
     _rounds_run: int = field(default=0, init=False)
     _tokens: int = field(default=0, init=False)  # tokens run under this policy (a batch bucket: steps)
     _timed_at: dict[int, int] = field(default_factory=dict, init=False)  # ``_tokens`` at a depth's last timing
-    _sampled_at: dict[int, int] = field(default_factory=dict, init=False)  # ``_tokens`` at its last kept timing
+    _sampled_at: dict[int, int] = field(default_factory=dict, init=False)  # ``_tokens`` at the end of its last timed run
     # (``_tokens``, seconds over the running depth's cost): the machine's speed, from the depth it runs
     _levels: collections.deque[tuple[int, float]] = field(
         default_factory=lambda: collections.deque(maxlen=LEVEL_SAMPLES), init=False
@@ -333,16 +333,28 @@ class DepthPolicy:
             # cost what the depth below it costs (a deeper round costs at least that): its estimate is the
             # measured depths' glue on its warm-up cost, and glue differs by depth (an H100, exo-demo: K = 1
             # ran 0.94x plain, K = 2 1.04x, yet only K = 1 was ever probed from K = 0, 22 times in 3000 tokens).
+            # The same goes for a depth whose timings are stale (STALE_TOKENS old, as a probe's usually are):
+            # one new timing among the STALE_KEEP old ones moves nothing, and timings from a slow minute
+            # (an H100: a first request's, before plain decoding was timed live) kept adaptive decoding
+            # plainly for three requests of one probe each where K = 2 ran 1.2x plain.
+            warm = self.costs.in_pipelined_steps()
+
+            def could_pay(d: int) -> bool:
+                """At the acceptance measured, if it cost its warm-up cost or what the shallower depths
+                measured live cost (a deeper round costs at least that), whichever is less."""
+                below = [costs.round_cost(j) for j in range(1, d) if self._median(j) is not None]
+                optimistic = min(warm.round_cost(d), max([1.0 + warm.delta[d - 1], *below]))
+                return expected_tokens(rates, d) > optimistic * self.entry_gain
+
             ran = max((d for d in self._timed_at if d > 0), default=0)
-            never_ran = [
-                d for d in range(ran + 1, self.max_k + 1)
-                if expected_tokens(rates, d) > costs.round_cost(d - 1) * self.entry_gain
-            ]
+            never_ran = [d for d in range(ran + 1, self.max_k + 1) if could_pay(d)]
             if never_ran and self.explore_deeper:
                 depth = max(never_ran, key=lambda d: (speed[d], -d))
+            else:
+                depth = max(range(1, self.max_k + 1), key=lambda d: (speed[d], -d))
+            if self.explore_deeper and could_pay(depth) and (depth not in self._timed_at or self._is_stale(depth)):
                 self._refresh = [depth] * (MIN_ROUND_SAMPLES - 1)
-                return depth
-            return max(range(1, self.max_k + 1), key=lambda d: (speed[d], -d))
+            return depth
         # Only against live timings of the current depth: figures all from the warm-up are of one moment.
         if k >= 1 and k in self._sampled_at and self._rounds_since_refresh >= self._refresh_every:
             self._rounds_since_refresh = 0
@@ -378,7 +390,6 @@ class DepthPolicy:
             if k == self._current and len(window) >= SETTLE_SAMPLES:
                 # The running depth, settled: its timing says how fast the machine runs now.
                 self._levels.append((self._tokens, seconds / statistics.median(window)))
-                self._sampled_at[k] = self._tokens
                 return
             seconds /= self.level()
         last = self._timed_at.get(k)
@@ -386,7 +397,6 @@ class DepthPolicy:
             while len(window) > STALE_KEEP:
                 window.popleft()
         window.append(seconds)
-        self._sampled_at[k] = self._tokens
 
     def _is_stale(self, k: int) -> bool:
         """Whether depth k's live timings are STALE_TOKENS or more tokens old; plain decoding's too when it has
@@ -402,6 +412,8 @@ class DepthPolicy:
         if seconds is not None:
             self._sample(k, seconds)
         self._tokens += tokens
+        if seconds is not None:
+            self._sampled_at[k] = self._tokens  # as of the end of the run timed (a plain burst: its last token)
         self._timed_at[k] = self._tokens
 
     def observe_round(self, k: int, accepted: int, seconds: float | None = None) -> None:
