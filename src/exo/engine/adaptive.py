@@ -196,8 +196,8 @@ class DepthPolicy:
     # Whether timings are taken relative to the machine's speed of the moment (see SETTLE_SAMPLES); a batch
     # bucket keeps raw timings (its rows cost is a ratio of seconds to the solo policy's).
     track_drift: bool = True
-    # Whether a probe from K = 0 first runs a deeper depth that never ran (see ``choose``); a batch bucket
-    # probes single rounds.
+    # Whether a probe from K = 0 may run several rounds: a deeper depth that never ran, or a depth whose
+    # timings are stale (see ``choose``); a batch bucket probes single rounds.
     explore_deeper: bool = True
     tracker: AcceptanceTracker = field(init=False)
     _seconds: dict[int, collections.deque[float]] = field(default_factory=dict, init=False)
