@@ -207,7 +207,7 @@ class DepthPolicy:
     _deeper_every: int = field(default=DEEPER_PROBE_FIRST, init=False)
     _rounds_since_refresh: int = field(default=0, init=False)
     _refresh_every: int = field(default=REFRESH_FIRST, init=False)
-    _refresh: list[int] = field(default_factory=list, init=False)  # depths still to run for a refresh
+    _refresh: list[int] = field(default_factory=list, init=False)  # depths still to run (a refresh, a probe of rounds)
     _plain_refresh: bool = field(default=False, init=False)  # the plain burst just chosen is a refresh
     _probe_every: int = field(default=PROBE_FIRST, init=False)
     _rounds_run: int = field(default=0, init=False)
