@@ -43,6 +43,23 @@ if _SRC.is_dir() and str(_SRC) not in sys.path:
 
 from fixtures import FixtureStore  # noqa: E402
 
+# The suite runs its files on several workers (pyproject's addopts: -n auto --dist loadfile; each file's
+# tests stay on one worker, in order, sharing their module fixtures). Most of a test's time is one busy
+# core (MLX on small models, daemons starting): two workers take the suite on this 2-core machine from 20
+# to 11 minutes. More than four would mostly multiply the daemons and models each test starts.
+# Tests of one file run in this process (a worker would only add its start-up). -n 0 runs serially;
+# PYTEST_XDIST_AUTO_NUM_WORKERS=N picks N.
+MAX_AUTO_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist reads it
+    files = {arg.split("::")[0] for arg in config.args}
+    if len(files) == 1 and Path(next(iter(files))).is_file():
+        return 0
+    return max(1, min(MAX_AUTO_WORKERS, os.cpu_count() or 1))
+
 FIXTURE_FIXTURES = frozenset({"fixture_store", "tokenizer_dir", "checkpoint", "malformed_checkpoint"})
 
 

@@ -89,7 +89,7 @@ def test_doorbells_probe_an_idle_connection() -> None:
             assert KEEPALIVE_IDLE_S + KEEPALIVE_INTERVAL_S * KEEPALIVE_PROBES <= 6  # well inside the 15 s bound
 
 
-def test_free_port_never_names_a_port_twice(monkeypatch) -> None:
+def test_free_port_never_names_a_port_twice(monkeypatch, tmp_path) -> None:
     """The kernel may hand a port freed a moment ago straight back (a fresh machine's run met a daemon whose API
     and gRPC ports were the same): free_port skips every port this process handed out before. The kernel's
     choice is the outer edge simulated here."""
@@ -107,5 +107,60 @@ def test_free_port_never_names_a_port_twice(monkeypatch) -> None:
             return ("127.0.0.1", self._port)
 
     monkeypatch.setattr(group, "_HANDED_OUT", set())
+    monkeypatch.setattr(group, "_claims_dir", lambda: tmp_path)
     monkeypatch.setattr(group.socket, "socket", Kernel)
     assert [group.free_port(), group.free_port()] == [50_001, 50_002]
+
+
+def test_free_port_skips_a_port_another_process_took_until_its_claim_is_old(monkeypatch, tmp_path) -> None:
+    """Between free_port and its taker's bind the port is free, and the kernel would hand it to anyone: a
+    port another process took less than PORT_CLAIM_S ago is skipped, an older claim is stale."""
+    import os
+    import socket
+
+    from exo.runner import group
+
+    choices = iter([50_011, 50_012, 50_013])
+
+    class Kernel(socket.socket):
+        def bind(self, address) -> None:
+            self._port = next(choices)
+
+        def getsockname(self):
+            return ("127.0.0.1", self._port)
+
+    (tmp_path / "50011").write_text("1")  # another process, a moment ago
+    (tmp_path / "50012").write_text("1")  # another process, long ago
+    old = time.time() - group.PORT_CLAIM_S - 1
+    os.utime(tmp_path / "50012", (old, old))
+    monkeypatch.setattr(group, "_HANDED_OUT", set())
+    monkeypatch.setattr(group, "_claims_dir", lambda: tmp_path)
+    monkeypatch.setattr(group.socket, "socket", Kernel)
+    assert group.free_port() == 50_012
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["50011", "50012"]
+    assert (tmp_path / "50012").read_text() == str(os.getpid())
+
+
+HAND_OUT = textwrap.dedent(
+    """
+    import sys, time
+    from exo.runner.group import free_port
+    time.sleep(float(sys.argv[1]) - time.time())  # both start at once
+    print(",".join(str(free_port()) for _ in range(300)))
+    """
+)
+
+
+def test_processes_side_by_side_never_hand_out_the_same_port(tmp_path) -> None:
+    """Two processes asking the real kernel at once (two daemons starting, test workers side by side): without
+    the host-wide claims, 300 ports each out of the ~28k ephemeral range share a few on average."""
+    import os
+
+    start = str(time.time() + 1.5)
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", HAND_OUT, start], stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    ports = [set(map(int, p.communicate(timeout=60)[0].split(","))) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert len(ports[0]) == len(ports[1]) == 300
+    assert not ports[0] & ports[1]

@@ -18,13 +18,16 @@ is a ``GroupError`` within about 5 s as well.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from exo.wire.runner import EXIT_GROUP_LOST
@@ -45,22 +48,58 @@ class GroupError(RuntimeError):
 
 _HANDED_OUT: set[int] = set()
 _HANDED_OUT_LOCK = threading.Lock()
+# A port handed out is claimed host-wide for this long: other processes of this user (several runners or
+# daemons starting at once, test workers side by side) skip it until its taker has had time to bind it.
+PORT_CLAIM_S = 120.0
+
+
+def _claims_dir() -> Path:
+    path = Path(tempfile.gettempdir()) / f"exo-ports-{os.getuid()}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path
+
+
+def _claim(port: int, now: float) -> bool:
+    """Claim ``port`` among this host's processes (one file per port; the caller holds the claims lock).
+    False while another process's claim of it is younger than ``PORT_CLAIM_S``."""
+    path = _claims_dir() / str(port)
+    try:
+        if now - path.stat().st_mtime < PORT_CLAIM_S:
+            return False
+    except FileNotFoundError:
+        pass
+    path.write_text(str(os.getpid()))
+    return True
+
+
+def _prune_claims(now: float) -> None:
+    for entry in _claims_dir().iterdir():
+        try:
+            if entry.name.isdigit() and now - entry.stat().st_mtime >= PORT_CLAIM_S:
+                entry.unlink()
+        except FileNotFoundError:
+            pass
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (for the ring's listener), never one this process handed out
-    before: the kernel may give a port freed a moment ago straight back, so two calls in a row (a daemon's
-    API and gRPC ports, a pipeline's ring hosts) could otherwise name the same port twice."""
+    """A TCP port free on ``host`` right now (for the ring's listener, a daemon's API), never one this
+    process handed out before: the kernel may give a port freed a moment ago straight back, so two calls in
+    a row (a daemon's API and gRPC ports, a pipeline's ring hosts) could otherwise name the same port twice.
+    Nor one another process of this user took in the last ``PORT_CLAIM_S``: between this call and the
+    taker's bind, the kernel would hand the same free port to anyone asking."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with _HANDED_OUT_LOCK:
+    with _HANDED_OUT_LOCK, open(_claims_dir() / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        now = time.time()
+        _prune_claims(now)
         for _ in range(256):
             with socket.socket(family, socket.SOCK_STREAM) as s:
                 s.bind((host, 0))
                 port = int(s.getsockname()[1])
-            if port not in _HANDED_OUT:
+            if port not in _HANDED_OUT and _claim(port, now):
                 _HANDED_OUT.add(port)
                 return port
-    raise OSError(f"no TCP port on {host} that this process has not handed out already")
+    raise OSError(f"no TCP port on {host} that this process or another has not handed out already")
 
 
 class RingLink:
