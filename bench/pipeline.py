@@ -1,6 +1,6 @@
 """Pipeline benchmark: tokens/s of one node vs 2- and 3-stage pipelines over loopback, MTP off and on.
 
-    python bench/pipeline.py [MODEL] [--stages 1,2,3] [--max-tokens 128] [--repeats 3] [--json]
+    python bench/pipeline.py [MODEL] [--stages 1,2,3] [--max-tokens 128] [--repeats 3] [--json] [--gpu-per-stage]
 
 Every configuration runs in fresh processes (one per stage, a ring over 127.0.0.1, exactly what a
 cluster's runners run: exo.runner.local_pipeline), the same prompts, greedy, EOS ignored so every
@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--gpu-per-stage", action="store_true",
+                   help="on a host with several CUDA GPUs: stage i on GPU i (CUDA_VISIBLE_DEVICES), as separate nodes")
     args = p.parse_args(argv)
     resolved = resolve_model(args.model)
     loaded = load_checkpoint(resolved.path)
@@ -59,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[tuple[int, str], list[dict]] = {}
     for repeat in range(args.repeats):
         for stages in stage_counts:
-            out = run_local_pipeline(resolved.path, split(n_layers, stages), requests, warmup=True)
+            env = [{"CUDA_VISIBLE_DEVICES": str(rank)} for rank in range(stages)] if args.gpu_per_stage else None
+            out = run_local_pipeline(resolved.path, split(n_layers, stages), requests, warmup=True, stage_env=env)
             for mode, result in zip(keys, out["results"], strict=True):
                 rows.setdefault((stages, mode), []).append(result)
             print(f"repeat {repeat + 1}/{args.repeats}: {stages} stage(s) done", file=sys.stderr, flush=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import queue
 import threading
 from pathlib import Path
@@ -203,6 +204,21 @@ def test_pipeline_without_a_head_runs_plain_and_says_why(checkpoint, tmp_path):
     assert result["token_ids"] == plain.token_ids
     assert not result["stats"]["enabled"] and "mtp" in result["stats"]["reason"].lower()
     assert result["stats"]["mode"] == "pipeline"
+
+
+def test_each_stage_gets_its_own_environment(checkpoint):
+    """``stage_env`` (bench/pipeline.py --gpu-per-stage: CUDA_VISIBLE_DEVICES per stage) reaches the stage
+    processes: EXO_ENGINE_PROFILE=1 there puts round phases in the leader's stats, absent from this process."""
+    path = checkpoint("qwen3_5")
+    request = {"prompt": [1, 2, 3, 4], "max_tokens": 6, "ignore_eos": True, "mtp_k": 1, "native_mtp": "on"}
+    with pytest.raises(ValueError, match="2 stage environments for 3 stages"):
+        run_local_pipeline(path, [(0, 1), (1, 2), (2, 4)], [request], stage_env=[{}, {}])
+    assert "EXO_ENGINE_PROFILE" not in os.environ
+    out = run_local_pipeline(path, [(0, 2), (2, 4)], [request, request], timeout_s=240,
+                             stage_env=[{"EXO_ENGINE_PROFILE": "1"}, {"EXO_ENGINE_PROFILE": "1"}])
+    assert all(result["stats"]["profile_ms"] for result in out["results"])
+    out = run_local_pipeline(path, [(0, 2), (2, 4)], [request], timeout_s=240)
+    assert not out["results"][0]["stats"].get("profile_ms")
 
 
 RUNS = 300

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -37,9 +38,13 @@ class LocalPipelineError(RuntimeError):
 def run_local_pipeline(
     model: str | Path | Sequence[str | Path], stages: Sequence[tuple[int, int]], requests: list[dict[str, Any]], *,
     prefill_chunk: int = 2048, warmup: bool = False, timeout_s: float = 300.0,
+    stage_env: Sequence[dict[str, str]] | None = None,
 ) -> dict[str, Any]:
     """Run ``requests`` on a pipeline of ``stages`` (one process each); the leader's results and the bytes
-    its stage sent and received."""
+    its stage sent and received. ``stage_env``: environment variables per stage, over this process's (on a
+    host with several GPUs, ``CUDA_VISIBLE_DEVICES`` puts each stage on its own, as separate nodes would be)."""
+    if stage_env is not None and len(stage_env) != len(stages):
+        raise ValueError(f"{len(stage_env)} stage environments for {len(stages)} stages")
     with tempfile.TemporaryDirectory(prefix="exo-local-pipeline-") as tmp:
         models = [str(model)] * len(stages) if isinstance(model, (str, Path)) else [str(m) for m in model]
         if len(models) != len(stages):
@@ -53,7 +58,8 @@ def run_local_pipeline(
         spec_file.write_text(json.dumps(spec))
         procs = [
             subprocess.Popen([sys.executable, "-m", "exo.runner.local_pipeline", str(spec_file), str(rank)],
-                             stderr=subprocess.PIPE, text=True)
+                             stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, **stage_env[rank]} if stage_env is not None else None)
             for rank in range(len(stages))
         ]
         try:
