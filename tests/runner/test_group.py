@@ -145,7 +145,7 @@ HAND_OUT = textwrap.dedent(
     """
     import sys, time
     from exo.runner.group import free_port
-    time.sleep(float(sys.argv[1]) - time.time())  # both start at once
+    time.sleep(max(0.0, float(sys.argv[1]) - time.time()))  # both start at once
     print(",".join(str(free_port()) for _ in range(300)))
     """
 )
