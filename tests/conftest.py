@@ -58,7 +58,8 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     files = {arg.split("::")[0] for arg in config.args}
     if len(files) == 1 and Path(next(iter(files))).is_file():
         return 0
-    return max(1, min(MAX_AUTO_WORKERS, os.cpu_count() or 1))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_AUTO_WORKERS, cpus))
 
 FIXTURE_FIXTURES = frozenset({"fixture_store", "tokenizer_dir", "checkpoint", "malformed_checkpoint"})
 
