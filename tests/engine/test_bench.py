@@ -21,9 +21,14 @@ def test_each_round_runs_its_configurations_in_a_rotated_order(checkpoint, monke
         order.append("stock")
         return stock_decode(self, *args)
 
+    speeds: list[tuple[str, float]] = []
+
     def logged_complete(request):
-        order.append("plain" if request.native_mtp == "off" else f"k={request.mtp_k}" if request.mtp_k else "adaptive")
-        return complete(request)
+        name = "plain" if request.native_mtp == "off" else f"k={request.mtp_k}" if request.mtp_k else "adaptive"
+        order.append(name)
+        result = complete(request)
+        speeds.append((name, result.stats.decode_tokens_per_s))
+        return result
 
     monkeypatch.setattr(bench_module.StockMLXLM, "decode", logged_stock)
     monkeypatch.setattr(engine, "complete", logged_complete)
@@ -36,6 +41,18 @@ def test_each_round_runs_its_configurations_in_a_rotated_order(checkpoint, monke
     rows = {row.config: row for row in report.rows}
     assert rows["plain"].speedup == 1.0 and rows["k=1"].identical_to_plain and rows["adaptive"].identical_to_plain
     assert rows["stock mlx-lm"].vs_stock == 1.0
+    # The spread of the ratios, and adaptive against the fastest fixed configuration round by round.
+    for name in ("plain", "k=1", "adaptive"):
+        q1, q3 = rows[name].vs_stock_quartiles
+        assert q1 <= rows[name].vs_stock <= q3
+    best = max(("plain", "k=1"), key=lambda name: rows[name].tokens_per_s)
+    timed = speeds[len(slots) - 1:]  # after the warm-up (stock's is not an engine call)
+    per_round = {name: [tps for n, tps in timed if n == name] for name in ("plain", "k=1", "adaptive")}
+    paired = sorted(a / b for a, b in zip(per_round["adaptive"], per_round[best], strict=True))
+    assert report.best_fixed == best and len(paired) == 4
+    assert report.adaptive_vs_best_fixed == round((paired[1] + paired[2]) / 2, 3)
+    q1, q3 = report.adaptive_vs_best_fixed_quartiles
+    assert q1 <= report.adaptive_vs_best_fixed <= q3 and paired[0] <= q1 and q3 <= paired[-1]
 
 
 def test_the_catch_up_is_timed_with_the_rows_a_round_kept(checkpoint):

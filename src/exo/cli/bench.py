@@ -39,12 +39,13 @@ def bench_command(args: argparse.Namespace) -> int:
         print("proj. @0.8   " + "".join(f"{s:>8.3f}x" for s in report.projected_speedup_at_0_8))
     print()
     stock = any(row.vs_stock is not None for row in report.rows)
-    print(f"{'config':>12} {'tok/s':>9} {'speedup':>8}" + (f" {'vs stock':>9}" if stock else "")
+    print(f"{'config':>12} {'tok/s':>9} {'speedup':>8}" + (f" {'vs stock':>9} {'(q1-q3)':>13}" if stock else "")
           + f" {'accept':>7}  per-position        k-histogram   same-as-plain")
     for row in report.rows:
         positions = "/".join(f"{a:.2f}" for a in row.per_position_acceptance) or "-"
         same = "" if row.identical_to_plain is None else ("yes" if row.identical_to_plain else "NO")
-        versus = f" {row.vs_stock:>8.3f}x" if stock and row.vs_stock is not None else (" " * 10 if stock else "")
+        spread = f"({row.vs_stock_quartiles[0]:.3f}-{row.vs_stock_quartiles[1]:.3f})" if row.vs_stock_quartiles else ""
+        versus = f" {row.vs_stock:>8.3f}x {spread:>13}" if stock and row.vs_stock is not None else (" " * 24 if stock else "")
         print(
             f"{row.config:>12} {row.tokens_per_s:>9.1f} {row.speedup:>7.3f}x{versus} {row.acceptance_rate:>6.1%}  "
             f"{positions:<19} {str(row.k_histogram):<13} {same}"
@@ -58,9 +59,15 @@ def bench_command(args: argparse.Namespace) -> int:
               "from one row): " + "  ".join(
                   f"{row.config} +{row.catch_up_ms:.2f} ms = {row.glue_with_catch_up:.3f}x" for row in glue))
         print("round cost in this run's plain steps: " + "  ".join(f"{row.config} {row.round_cost:.3f}" for row in glue))
+    if report.adaptive_vs_best_fixed is not None:
+        q = report.adaptive_vs_best_fixed_quartiles
+        print(f"\nadaptive vs the fastest fixed configuration ({report.best_fixed}): {report.adaptive_vs_best_fixed:.3f}x"
+              + (f" (quartiles {q[0]:.3f}-{q[1]:.3f})" if q else "")
+              + ", median over prompts and repeats of tokens/s in the same round")
     if stock:
         if report.plain_identical_to_stock is not None:
             print(f"\nplain decoding identical to stock mlx-lm's, token for token: "
                   f"{'yes' if report.plain_identical_to_stock else 'NO'}")
-        print("vs stock: median over prompts and repeats of tokens/s / stock mlx-lm's plain tokens/s in the same round")
+        print("vs stock: median over prompts and repeats of tokens/s / stock mlx-lm's plain tokens/s in the same round"
+              " (q1-q3: its quartiles)")
     return 0

@@ -36,6 +36,7 @@ class BenchRow(BaseModel):
     tokens_per_s: float
     speedup: float  # vs plain, same run
     vs_stock: float | None = None  # median over prompts and repeats of (this / stock mlx-lm plain), same round
+    vs_stock_quartiles: list[float] | None = None  # [q1, q3] of those ratios: how far one round is from the next
     # Fixed K: a round's measured cost in this run's plain steps (what adaptive depth weighs against plain
     # decoding); its mean time, and the median time of its verify call and K draft steps timed alone just
     # before each of its requests; ``glue``: the median over its requests of the first over the second,
@@ -74,6 +75,11 @@ class BenchReport(BaseModel):
     projected_speedup_at_0_8: list[float] = Field(default_factory=list)
     plain_identical_to_stock: bool | None = None  # --baseline, greedy: exo's plain tokens == stock mlx-lm's
     rows: list[BenchRow] = Field(default_factory=list)
+    # Adaptive against the fixed configuration (plain or k=K) with the most tokens/s in this run: the median
+    # over rounds of adaptive's tokens/s / that configuration's in the same round, and its [q1, q3].
+    best_fixed: str | None = None
+    adaptive_vs_best_fixed: float | None = None
+    adaptive_vs_best_fixed_quartiles: list[float] | None = None
 
 
 def encode_prompt(engine: Engine, text: str, raw: bool) -> list[int]:
@@ -145,6 +151,7 @@ def run_bench(
     if stock is not None:
         stock.decode(encoded[0], 8, temperature)
     ratios: dict[str, list[float]] = {name: [] for name, _, _ in configs}
+    per_round: dict[str, list[float]] = {name: [] for name, _, _ in configs}  # tokens/s, one per round
 
     totals = {name: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "same": True, "rounds": 0}
               for name, _, _ in configs}
@@ -204,6 +211,7 @@ def run_bench(
                     progress(f"{name:>9}  prompt {index + 1}/{len(encoded)}  {stats.decode_tokens_per_s:8.1f} tok/s")
             baseline = results["plain"].token_ids
             for name, result in results.items():
+                per_round[name].append(result.stats.decode_tokens_per_s)
                 if stock_tps:
                     ratios[name].append(result.stats.decode_tokens_per_s / stock_tps)
                 if temperature > 0.0:
@@ -246,11 +254,27 @@ def run_bench(
                 k_histogram=dict(sorted(histograms[name].items())),
                 identical_to_plain=None if (name == "plain" or temperature > 0) else bool(total["same"]),
                 vs_stock=round(statistics.median(ratios[name]), 3) if ratios[name] else None,
+                vs_stock_quartiles=_quartiles(ratios[name]),
                 **_round_cost(total, k if name != "adaptive" else None, plain_step_s, alone[name], glue[name],
                               catch_up[name], glue_caught_up[name]),
             )
         )
+    fixed = [row for row in report.rows if row.config in per_round and row.config != "adaptive"]
+    if "adaptive" in per_round and fixed:
+        best = max(fixed, key=lambda row: row.tokens_per_s).config
+        paired = [a / b for a, b in zip(per_round["adaptive"], per_round[best], strict=True) if b > 0]
+        report.best_fixed = best
+        report.adaptive_vs_best_fixed = round(statistics.median(paired), 3) if paired else None
+        report.adaptive_vs_best_fixed_quartiles = _quartiles(paired)
     return report
+
+
+def _quartiles(values: list[float]) -> list[float] | None:
+    """[q1, q3] of ``values`` (None for fewer than two)."""
+    if len(values) < 2:
+        return None
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return [round(q1, 3), round(q3, 3)]
 
 
 def _parts_alone(engine: Engine, k: int) -> float | None:
