@@ -65,9 +65,10 @@ def main(argv: list[str] | None = None) -> int:
             out = run_local_pipeline(resolved.path, split(n_layers, stages), requests, warmup=True, stage_env=env)
             for mode, result in zip(keys, out["results"], strict=True):
                 rows.setdefault((stages, mode), []).append(result)
-            done = ", ".join(f"{mode} {statistics.median(r['stats']['decode_tokens_per_s'] for r in rows[(stages, mode)][-len(PROMPTS):]):.1f}"
-                             for mode in modes)
-            print(f"repeat {repeat + 1}/{args.repeats}: {stages} stage(s) done (tok/s: {done})", file=sys.stderr, flush=True)
+            done = {mode: statistics.median(r["stats"]["decode_tokens_per_s"] for r in rows[(stages, mode)][-len(PROMPTS):])
+                    for mode in modes}
+            print(f"repeat {repeat + 1}/{args.repeats}: {stages} stage(s) done (tok/s: "
+                  + ", ".join(f"{mode} {tps:.1f}" for mode, tps in done.items()) + ")", file=sys.stderr, flush=True)
     report = []
     for stages in stage_counts:
         for mode in modes:

@@ -150,7 +150,6 @@ def run_bench(
         run(encoded[0], k, mode, 8, 0)
     if stock is not None:
         stock.decode(encoded[0], 8, temperature)
-    ratios: dict[str, list[float]] = {name: [] for name, _, _ in configs}
     per_round: dict[str, list[float]] = {name: [] for name, _, _ in configs}  # tokens/s, one per round
 
     totals = {name: {"tokens": 0, "seconds": 0.0, "drafted": 0, "accepted": 0, "same": True, "rounds": 0}
@@ -212,8 +211,6 @@ def run_bench(
             baseline = results["plain"].token_ids
             for name, result in results.items():
                 per_round[name].append(result.stats.decode_tokens_per_s)
-                if stock_tps:
-                    ratios[name].append(result.stats.decode_tokens_per_s / stock_tps)
                 if temperature > 0.0:
                     continue
                 if name == "plain":
@@ -238,6 +235,8 @@ def run_bench(
         ))
     for name, k, _ in configs:
         total = totals[name]
+        # this / stock mlx-lm's plain tokens/s, round by round (every configuration runs in every round)
+        ratios = [tps / s for tps, s in zip(per_round[name], stock.rounds, strict=True) if s] if stock is not None else []
         tps = total["tokens"] / total["seconds"]
         report.rows.append(
             BenchRow(
@@ -253,8 +252,8 @@ def run_bench(
                 ],
                 k_histogram=dict(sorted(histograms[name].items())),
                 identical_to_plain=None if (name == "plain" or temperature > 0) else bool(total["same"]),
-                vs_stock=round(statistics.median(ratios[name]), 3) if ratios[name] else None,
-                vs_stock_quartiles=_quartiles(ratios[name]),
+                vs_stock=round(statistics.median(ratios), 3) if ratios else None,
+                vs_stock_quartiles=_quartiles(ratios),
                 **_round_cost(total, k if name != "adaptive" else None, plain_step_s, alone[name], glue[name],
                               catch_up[name], glue_caught_up[name]),
             )
