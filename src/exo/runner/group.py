@@ -59,10 +59,10 @@ def _claims_dir() -> Path:
     return path
 
 
-def _claim(port: int, now: float) -> bool:
-    """Claim ``port`` among this host's processes (one file per port; the caller holds the claims lock).
-    False while another process's claim of it is younger than ``PORT_CLAIM_S``."""
-    path = _claims_dir() / str(port)
+def _claim(claims: Path, port: int, now: float) -> bool:
+    """Claim ``port`` among this host's processes (one file per port in ``claims``; the caller holds the
+    claims lock). False while another process's claim of it is younger than ``PORT_CLAIM_S``."""
+    path = claims / str(port)
     try:
         if now - path.stat().st_mtime < PORT_CLAIM_S:
             return False
@@ -72,8 +72,8 @@ def _claim(port: int, now: float) -> bool:
     return True
 
 
-def _prune_claims(now: float) -> None:
-    for entry in _claims_dir().iterdir():
+def _prune_claims(claims: Path, now: float) -> None:
+    for entry in claims.iterdir():
         try:
             if entry.name.isdigit() and now - entry.stat().st_mtime >= PORT_CLAIM_S:
                 entry.unlink()
@@ -88,15 +88,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     Nor one another process of this user took in the last ``PORT_CLAIM_S``: between this call and the
     taker's bind, the kernel would hand the same free port to anyone asking."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with _HANDED_OUT_LOCK, open(_claims_dir() / ".lock", "a") as lock:
+    claims = _claims_dir()
+    with _HANDED_OUT_LOCK, open(claims / ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         now = time.time()
-        _prune_claims(now)
+        _prune_claims(claims, now)
         for _ in range(256):
             with socket.socket(family, socket.SOCK_STREAM) as s:
                 s.bind((host, 0))
                 port = int(s.getsockname()[1])
-            if port not in _HANDED_OUT and _claim(port, now):
+            if port not in _HANDED_OUT and _claim(claims, port, now):
                 _HANDED_OUT.add(port)
                 return port
     raise OSError(f"no TCP port on {host} that this process or another has not handed out already")
