@@ -317,14 +317,16 @@ def _sidecar_convention(metadata: dict[str, str]) -> NormConvention:
 
 def cpu_compatible(module: nn.Module) -> None:
     """MLX's CPU backend multiplies gathered experts (unquantized ``gather_mm``) in float32 only; it has no
-    RMSNorm kernel, so norms run fused (``models.layers.fuse_norms``)."""
+    RMSNorm kernel, so norms run fused (``models.layers.fuse_norms``); its bfloat16 matmul is a scalar loop on
+    x86-64, so linear layers run on exo's kernel where it is built (``models.layers.use_cpu_kernels``)."""
     if mx.default_device() != mx.cpu:
         return
     from mlx_lm.models.switch_layers import SwitchLinear
 
-    from .models.layers import fuse_norms
+    from .models.layers import fuse_norms, use_cpu_kernels
 
     fuse_norms(module)
+    use_cpu_kernels(module)
 
     for _, leaf in module.named_modules():
         if isinstance(leaf, SwitchLinear) and leaf.weight.dtype in (mx.bfloat16, mx.float16):

@@ -97,6 +97,56 @@ def fuse_norms(module: nn.Module) -> None:
             leaf.__class__ = FusedRMSNormGated
 
 
+# -- linear layers through exo's CPU kernel --------------------------------------------------------------
+# On MLX's CPU backend on x86-64, a bfloat16 matmul is simd_gemm, a scalar loop there: most of a small
+# model's decode step, and 8 rows of a batch cost 2.6x one row. ``kernels.cpu_linear`` computes the same
+# sums in the same order with AVX2 (bit-identical). ``cpu_compatible`` (loader) gives a model's bias-free
+# linear layers and embedding tables (``as_linear``: a tied lm_head) these classes where the kernel is built.
+
+
+def _kernel_applies(x: mx.array, weight: mx.array) -> bool:
+    return x.dtype == mx.bfloat16 and weight.dtype == mx.bfloat16 and mx.default_device() == mx.cpu
+
+
+class CpuLinear(nn.Linear):
+    """``nn.Linear`` without bias whose product runs on exo's CPU kernel (same parameters, same values)."""
+
+    kernel: Any = None
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if _kernel_applies(x, self["weight"]):
+            return self.kernel(x, self["weight"])
+        return super().__call__(x)
+
+
+class CpuEmbedding(nn.Embedding):
+    """``nn.Embedding`` whose ``as_linear`` (a tied lm_head) runs on exo's CPU kernel."""
+
+    kernel: Any = None
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if _kernel_applies(x, self.weight):
+            return self.kernel(x, self.weight)
+        return super().as_linear(x)
+
+
+def use_cpu_kernels(module: nn.Module) -> bool:
+    """Give ``module``'s bias-free linear layers and embedding tables their CPU-kernel class; False (nothing
+    changed) where the kernel does not apply or is not built (``kernels.status()`` says why)."""
+    from ..kernels import cpu_linear
+
+    linear = cpu_linear()
+    if linear is None:
+        return False
+    CpuLinear.kernel = CpuEmbedding.kernel = staticmethod(linear)
+    for _, leaf in module.named_modules():
+        if type(leaf) is nn.Linear and "bias" not in leaf:
+            leaf.__class__ = CpuLinear
+        elif type(leaf) is nn.Embedding:
+            leaf.__class__ = CpuEmbedding
+    return True
+
+
 class _RowwiseLinear:
     """A linear layer whose multi-row calls compute each row alone while ``per_row`` is set: during a
     verify call, on a device whose kernel for this shape rounds a block of rows differently from one row
