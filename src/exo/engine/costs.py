@@ -38,7 +38,10 @@ def device_name() -> str:
             return "cuda"
     import platform
 
-    return f"cpu ({platform.machine()})"
+    from .kernels import status
+
+    kernel = status()  # exo's CPU matmul, or why MLX's runs (costs and bench figures differ by far)
+    return f"cpu ({platform.machine()}, matmul: {'exo kernel' if kernel == 'built' else 'MLX (' + kernel + ')'})"
 
 
 Statistic = Callable[[list[float]], float]

@@ -38,6 +38,8 @@ inline __m256 load8_bf16(const uint16_t* p) {
 // Every output is the sum over k, in order, of float(x[m,k]) * float(w[n,k]), started at +0 and rounded
 // to bfloat16 once: what MLX's simd_gemm<bfloat16_t, float> computes on a build without SIMD types
 // (x86-64), so the results are bit-identical; here 8 outputs (8 rows of w) go per AVX register.
+constexpr int MB_ROWS = 4;  // rows of x per pass over w (4 accumulators + 8 columns in 16 registers)
+
 template <int MB>
 inline void block(const float* xr, const uint16_t* w, uint16_t* out, int mb, int n0, int N, int K) {
   __m256 acc[MB];
@@ -81,19 +83,21 @@ inline void block(const float* xr, const uint16_t* w, uint16_t* out, int mb, int
 void linear_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int M, int N, int K) {
   std::vector<float> xf(size_t(M) * K);
   for (size_t i = 0; i < size_t(M) * K; ++i) xf[i] = bf16_to_float(x[i]);
-  constexpr int MB = 4;
-  for (int m0 = 0; m0 < M; m0 += MB) {
-    int mb = std::min(MB, M - m0);
+  // The last N % 8 rows of w go as a block of 8 padded with zero rows (each output's sum is its own, so the
+  // padding changes no value): a layer with fewer than 8 outputs (GatedDeltaNet's a/b projections) too.
+  int whole = N - N % 8, tail = N % 8;
+  std::vector<uint16_t> wpad(tail ? size_t(8) * K : 0, 0), opad(tail ? size_t(MB_ROWS) * 8 : 0);
+  if (tail) std::memcpy(wpad.data(), w + size_t(whole) * K, size_t(tail) * K * sizeof(uint16_t));
+  for (int m0 = 0; m0 < M; m0 += MB_ROWS) {
+    int mb = std::min(MB_ROWS, M - m0);
     const float* xr = xf.data() + size_t(m0) * K;
     uint16_t* o = out + size_t(m0) * N;
-    int n0 = 0;
-    for (; n0 + 8 <= N; n0 += 8) block<MB>(xr, w, o, mb, n0, N, K);
-    for (; n0 < N; ++n0)  // the last N % 8 outputs, one at a time in the same order
-      for (int r = 0; r < mb; ++r) {
-        float acc = 0.0f;
-        for (int k = 0; k < K; ++k) acc = acc + xr[size_t(r) * K + k] * bf16_to_float(w[size_t(n0) * K + k]);
-        o[size_t(r) * N + n0] = float_to_bf16(acc);
-      }
+    for (int n0 = 0; n0 < whole; n0 += 8) block<MB_ROWS>(xr, w, o, mb, n0, N, K);
+    if (tail) {
+      block<MB_ROWS>(xr, wpad.data(), opad.data(), mb, 0, 8, K);
+      for (int r = 0; r < mb; ++r)
+        std::memcpy(o + size_t(r) * N + whole, opad.data() + size_t(r) * 8, size_t(tail) * sizeof(uint16_t));
+    }
   }
 }
 
