@@ -135,17 +135,17 @@ def test_no_compiler_leaves_mlx_matmul_in_place(monkeypatch, tmp_path):
 def test_a_failed_build_is_reported_once_and_not_retried(monkeypatch, tmp_path):
     monkeypatch.setenv("EXO_KERNEL_DIR", str(tmp_path))
     compiler = tmp_path / "failing-c++"
-    compiler.write_text("#!/bin/sh\necho 'this compiler always fails' >&2\nexit 1\n")
+    compiler.write_text("#!/bin/sh\necho 'fatal error: Python.h: No such file or directory' >&2\nexit 1\n")
     compiler.chmod(0o755)
     calls = tmp_path / "calls"
     monkeypatch.setenv("CXX", str(compiler))
     linear, reason = kernels._load()
-    assert linear is None and reason.startswith("the build failed")
+    assert linear is None and reason.startswith("the build failed: fatal error: Python.h") and "delete it" in reason
     (failed,) = tmp_path.glob("*/build-failed.txt")
-    assert "this compiler always fails" in failed.read_text()
+    assert "Python.h" in failed.read_text()
     compiler.write_text(f"#!/bin/sh\ntouch {calls}\nexit 1\n")
     linear, reason = kernels._load()
-    assert linear is None and reason.startswith("an earlier build failed")
+    assert linear is None and reason.startswith("an earlier build failed: fatal error: Python.h")
     assert not calls.exists()
 
 

@@ -107,12 +107,12 @@ def _load() -> tuple[Linear | None, str]:
         with open(directory / ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one build per machine: other processes wait, then load it
             if failed.exists():
-                return None, f"an earlier build failed ({failed})"
+                return None, f"an earlier build failed: {_first_error(failed.read_text())} ({failed}: delete it to retry)"
             if not target.exists():
                 error = _build(compiler, nanobind, mlx_dir, target)
                 if error:
                     failed.write_text(error)
-                    return None, f"the build failed ({failed})"
+                    return None, f"the build failed: {_first_error(error)} ({failed}: delete it to retry)"
     except OSError as e:
         return None, f"{directory}: {e}"
     try:
@@ -146,6 +146,12 @@ def _build(compiler: str, nanobind, mlx_dir: Path, target: Path) -> str | None:
         return f"{' '.join(command)}\n{done.stderr[-4000:]}"
     os.replace(tmp, target)
     return None
+
+
+def _first_error(log: str) -> str:
+    """The compiler's first error line (a missing Python.h: install python3-dev), else the log's last line."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    return next((line for line in lines if "error" in line.lower()), lines[-1] if lines else "no output")[:300]
 
 
 def _check(linear: Linear) -> str | None:
