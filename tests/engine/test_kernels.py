@@ -79,6 +79,16 @@ def test_any_layout_of_the_input(linear):
 
 
 @needs_kernel
+def test_empty_products_are_mlx_s(linear):
+    for x, w in ((mx.zeros((0, 8)), mx.ones((5, 8))), (mx.ones((3, 0)), mx.ones((5, 0))),
+                 (mx.ones((3, 8)), mx.ones((0, 8)))):
+        x, w = x.astype(mx.bfloat16), w.astype(mx.bfloat16)
+        with mx.stream(mx.cpu):
+            got, want = linear(x, w), x @ w.T
+            assert got.shape == want.shape and _bits(got) == _bits(want)
+
+
+@needs_kernel
 def test_bad_arguments_are_typed_errors(linear):
     with pytest.raises(ValueError, match="bfloat16"):
         linear(mx.ones((2, 4)), mx.ones((3, 4)))
