@@ -1,5 +1,6 @@
-"""exo's CPU kernel (``exo.engine.kernels``): bit-identical to MLX's bfloat16 matmul, used by the engine's
-linear layers on the CPU backend where it builds, and MLX's own product wherever it cannot."""
+"""exo's CPU kernels (``exo.engine.kernels``): bit-identical to MLX's bfloat16 matmul and to mlx-lm's gated
+delta rule, used by the engine's linear and GatedDeltaNet layers on the CPU backend where they build, and
+MLX's own ops wherever they cannot."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import mlx.nn as nn
 import pytest
 
 from exo.engine import GenerationRequest, kernels, load
-from exo.engine.models.layers import CpuEmbedding, CpuLinear
+from exo.engine.kernels import bits_equal, gated_delta_inputs
+from exo.engine.models.layers import CpuEmbedding, CpuLinear, GatedDeltaNet
 
 on_x86_linux = sys.platform == "linux" and platform.machine() == "x86_64"
 needs_kernel = pytest.mark.skipif(not on_x86_linux, reason="exo's CPU kernel is for x86-64 Linux")
@@ -26,6 +28,11 @@ def linear():
     if fn is None:
         pytest.skip(kernels.status())
     return fn
+
+
+@pytest.fixture(scope="module")
+def gated_delta(linear):
+    return kernels.cpu_gated_delta()
 
 
 def _bits(a: mx.array) -> list[int]:
@@ -99,14 +106,17 @@ def test_bad_arguments_are_typed_errors(linear):
 
 
 @needs_kernel
-def test_the_engine_runs_its_linear_layers_on_the_kernel_with_plain_mlx_outputs(linear):
-    """exo-demo (bfloat16) on the CPU: every bias-free linear layer and the tied lm_head take the kernel,
-    and the logits and the greedy tokens equal those of the same model on MLX's own matmul."""
+def test_the_engine_runs_its_layers_on_the_kernels_with_plain_mlx_outputs(linear):
+    """exo-demo (bfloat16) on the CPU: every bias-free linear layer and the tied lm_head take the linear
+    kernel, every GatedDeltaNet the recurrence kernel, and the logits over a prompt and the greedy tokens
+    equal those of the same model on MLX's matmul and mlx-lm's gated delta ops."""
     engine = load("exo-demo")
     model = engine.loaded.model
     classes = [type(m) for _, m in model.named_modules()]
     assert classes.count(CpuLinear) >= 8 * 4 and CpuEmbedding in classes
     assert nn.Linear not in classes and nn.Embedding not in classes
+    deltas = [m for _, m in model.named_modules() if isinstance(m, GatedDeltaNet)]
+    assert deltas and all(m.cpu_gated_delta is not None for m in deltas)
     ids = engine.loaded.tokenizer.encode("def fibonacci(n):")
     request = GenerationRequest(ids, max_tokens=24, native_mtp="off")
     with_kernel = engine.complete(request).token_ids
@@ -121,9 +131,52 @@ def test_the_engine_runs_its_linear_layers_on_the_kernel_with_plain_mlx_outputs(
     for _, module in engine.loaded.head.named_modules() if engine.loaded.head is not None else ():
         if type(module) is CpuLinear:
             module.__class__ = nn.Linear
+    for module in deltas:  # and mlx-lm's gated delta ops
+        del module.cpu_gated_delta
     plain_logits = model(mx.array([ids]))
     assert _bits(logits) == _bits(plain_logits)
     assert engine.complete(request).token_ids == with_kernel
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "b,t,hk,hv,dk,dv,dtype,masked",
+    # exo-demo's decode step, a batch's, a prompt; Qwen3.5-9B's heads; no GQA; float32 inputs; Dk and Dv not
+    # multiples of 8 (the kernel's scalar tails); masked rows (a batch's left padding)
+    [(1, 1, 2, 4, 64, 64, mx.bfloat16, False), (8, 1, 2, 4, 64, 64, mx.bfloat16, False),
+     (1, 22, 2, 4, 64, 64, mx.bfloat16, False), (2, 3, 16, 32, 128, 128, mx.bfloat16, False),
+     (2, 5, 4, 4, 32, 16, mx.bfloat16, False), (2, 5, 2, 4, 64, 64, mx.float32, False),
+     (1, 9, 1, 3, 40, 24, mx.float32, True), (3, 17, 2, 4, 64, 64, mx.bfloat16, True), (1, 4, 1, 1, 5, 3, mx.bfloat16, True)],
+)
+def test_gated_delta_is_bit_identical_to_mlx_lm(gated_delta, b, t, hk, hv, dk, dv, dtype, masked):
+    """y and the new state, every bit, as mlx-lm's ``gated_delta_ops`` (its compiled step, row by row)."""
+    from mlx_lm.models.gated_delta import gated_delta_ops
+
+    key = mx.random.key(b * 1000 + t * 10 + dk)
+    args = gated_delta_inputs(key, b, t, hk, hv, dk, dv, dtype)
+    mask = mx.random.uniform(shape=(b, t), key=mx.random.split(key)[0]) > 0.3 if masked else None
+    with mx.stream(mx.cpu):
+        want, got = gated_delta_ops(*args, mask), gated_delta(*args, mask)
+        assert got[0].shape == (b, t, hv, dv) and got[0].dtype == dtype and got[1].dtype == mx.float32
+        assert bits_equal(got[0], want[0]) and bits_equal(got[1], want[1])
+        if masked:  # a fully masked call keeps the state
+            none = mx.zeros((b, t), dtype=mx.bool_)
+            assert bits_equal(gated_delta(*args, none)[1], args[-1])
+
+
+@needs_kernel
+def test_gated_delta_bad_arguments_are_typed_errors(gated_delta):
+    q, k, v, g, beta, state = gated_delta_inputs(mx.random.key(0), 1, 2, 2, 4, 8, 8)
+    with pytest.raises(ValueError, match="multiple of Hk"):
+        gated_delta(q, k, v[:, :, :3], g[..., :3], beta[..., :3], state[:, :3], None)
+    with pytest.raises(ValueError, match="g \\[B, T, Hv\\] float32"):
+        gated_delta(q, k, v, g.astype(mx.bfloat16), beta, state, None)
+    with pytest.raises(ValueError, match="state"):
+        gated_delta(q, k, v, g, beta, state.astype(mx.bfloat16), None)
+    with pytest.raises(ValueError, match="mask"):
+        gated_delta(q, k, v, g, beta, state, mx.ones((1, 3), dtype=mx.bool_))
+    with pytest.raises(TypeError, match="7 arguments"):
+        gated_delta(q, k, v)
 
 
 def test_off_switch(monkeypatch):
@@ -164,14 +217,14 @@ def test_the_build_lands_where_exo_kernel_dir_says_and_is_reused(monkeypatch, tm
     """A fresh directory builds (the real compiler), a second load reuses the module without building."""
     monkeypatch.setenv("EXO_KERNEL_DIR", str(tmp_path))
     built, reason = kernels._load()
-    assert reason == "built" and built is not None
+    assert reason == "built" and built is not None and built.gated_delta is not None
     (module,) = tmp_path.glob("*/_exo_cpu_kernels*")
     stamp = module.stat().st_mtime_ns
     again, reason = kernels._load()
     assert reason == "built" and module.stat().st_mtime_ns == stamp
     x = mx.ones((2, 16), dtype=mx.bfloat16)
     with mx.stream(mx.cpu):
-        assert _bits(again(x, x)) == _bits(x @ x.T)
+        assert _bits(again.linear(x, x)) == _bits(x @ x.T)
 
 
 def test_kernel_dir_default_is_the_user_cache(monkeypatch, tmp_path):

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <vector>
 #include <nanobind/nanobind.h>
 #include "mlx/mlx.h"
@@ -137,6 +138,220 @@ mx::array linear(const mx::array& x, const mx::array& w) {
                    {mx::contiguous(x, false, s), mx::contiguous(w, false, s)});
 }
 
+// gated_delta(q, k, v, g, beta, state, mask) = mlx-lm's gated_delta_ops (the gated delta rule, one row after
+// another) for the GatedDeltaNet layers of Qwen3.5 / Qwen3-Next: q, k [B, T, Hk, Dk], v [B, T, Hv, Dv] (bfloat16 or
+// float32, one dtype), g [B, T, Hv] float32 (the decay), beta [B, T, Hv] (bfloat16 or float32), state [B, Hv, Dv, Dk]
+// float32, mask [B, T] bool or None -> (y [B, T, Hv, Dv] in q's dtype, the new state). On MLX's CPU backend
+// mlx-lm runs the rule as ~10 dispatched ops per row and layer (its compiled step: a prompt of T tokens is T
+// steps); here one call runs every row, each value computed as that step computes it: products and sums in
+// float32, each sum over Dk in order from +0 (MLX's contiguous reduction on x86-64), mul then add (MLX builds its
+// compiled CPU kernels without FMA), 8 rows of the state per AVX register through the transposes of ``block``.
+template <typename T>
+inline float to_float(T x);
+template <>
+inline float to_float<uint16_t>(uint16_t x) { return bf16_to_float(x); }
+template <>
+inline float to_float<float>(float x) { return x; }
+template <typename T>
+inline T from_float(float x);
+template <>
+inline uint16_t from_float<uint16_t>(float x) { return float_to_bf16(x); }
+template <>
+inline float from_float<float>(float x) { return x; }
+
+inline void transpose8(const float* rows, int stride, __m256 c[8]) {
+  __m256 r0 = _mm256_loadu_ps(rows), r1 = _mm256_loadu_ps(rows + stride);
+  __m256 r2 = _mm256_loadu_ps(rows + 2 * stride), r3 = _mm256_loadu_ps(rows + 3 * stride);
+  __m256 r4 = _mm256_loadu_ps(rows + 4 * stride), r5 = _mm256_loadu_ps(rows + 5 * stride);
+  __m256 r6 = _mm256_loadu_ps(rows + 6 * stride), r7 = _mm256_loadu_ps(rows + 7 * stride);
+  __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+  __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+  __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+  __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+  __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  c[0] = _mm256_permute2f128_ps(s0, s4, 0x20), c[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  c[2] = _mm256_permute2f128_ps(s2, s6, 0x20), c[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  c[4] = _mm256_permute2f128_ps(s0, s4, 0x31), c[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  c[6] = _mm256_permute2f128_ps(s2, s6, 0x31), c[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+// The in-order sums over j < Dk of rows[r][j] * x[j] for the 8 rows r of a block (row stride Dk).
+inline __m256 row_dots8(const float* rows, const float* x, int Dk) {
+  __m256 acc = _mm256_setzero_ps();
+  int j = 0;
+  for (; j + 8 <= Dk; j += 8) {
+    __m256 c[8];
+    transpose8(rows + j, Dk, c);
+    for (int jj = 0; jj < 8; ++jj) acc = _mm256_add_ps(acc, _mm256_mul_ps(c[jj], _mm256_set1_ps(x[j + jj])));
+  }
+  if (j < Dk) {
+    alignas(32) float v[8];
+    _mm256_store_ps(v, acc);
+    for (int r = 0; r < 8; ++r)
+      for (int jj = j; jj < Dk; ++jj) v[r] = v[r] + rows[size_t(r) * Dk + jj] * x[jj];
+    acc = _mm256_load_ps(v);
+  }
+  return acc;
+}
+
+inline float row_dot(const float* row, const float* x, int Dk) {
+  float acc = 0.0f;
+  for (int j = 0; j < Dk; ++j) acc = acc + row[j] * x[j];
+  return acc;
+}
+
+inline void scale_row(float* row, float a, int Dk) {
+  int j = 0;
+  __m256 av = _mm256_set1_ps(a);
+  for (; j + 8 <= Dk; j += 8) _mm256_storeu_ps(row + j, _mm256_mul_ps(_mm256_loadu_ps(row + j), av));
+  for (; j < Dk; ++j) row[j] = row[j] * a;
+}
+
+inline void update_row(float* row, const float* k, float d, int Dk) {  // row += k * d
+  int j = 0;
+  __m256 dv = _mm256_set1_ps(d);
+  for (; j + 8 <= Dk; j += 8)
+    _mm256_storeu_ps(row + j, _mm256_add_ps(_mm256_loadu_ps(row + j), _mm256_mul_ps(_mm256_loadu_ps(k + j), dv)));
+  for (; j < Dk; ++j) row[j] = row[j] + k[j] * d;
+}
+
+template <typename T, typename TB>
+void gated_delta_rows(const T* q, const T* k, const T* v, const float* g, const TB* beta, const float* state_in,
+                      const bool* mask, T* y, float* state, int B, int Tn, int Hk, int Hv, int Dk, int Dv) {
+  const int rep = Hv / Hk;
+  std::vector<float> qf(Dk), kf(Dk), scratch(size_t(Dv) * Dk);
+  std::memcpy(state, state_in, sizeof(float) * size_t(B) * Hv * Dv * Dk);
+  for (int b = 0; b < B; ++b) {
+    for (int h = 0; h < Hv; ++h) {
+      float* st = state + (size_t(b) * Hv + h) * Dv * Dk;
+      for (int t = 0; t < Tn; ++t) {
+        size_t bt = size_t(b) * Tn + t;
+        const T* qr = q + (bt * Hk + h / rep) * Dk;
+        const T* kr = k + (bt * Hk + h / rep) * Dk;
+        const T* vr = v + (bt * Hv + h) * Dv;
+        for (int j = 0; j < Dk; ++j) qf[j] = to_float(qr[j]), kf[j] = to_float(kr[j]);
+        const float decay = g[bt * Hv + h];
+        const float be = to_float(beta[bt * Hv + h]);
+        float* s = st;
+        if (mask != nullptr && !mask[bt]) {  // a masked row: its y from the updated state, the state kept as it was
+          std::memcpy(scratch.data(), st, sizeof(float) * size_t(Dv) * Dk);
+          s = scratch.data();
+        }
+        T* yr = y + (bt * Hv + h) * Dv;
+        int i = 0;
+        for (; i + 8 <= Dv; i += 8) {
+          float* rows = s + size_t(i) * Dk;
+          for (int r = 0; r < 8; ++r) scale_row(rows + size_t(r) * Dk, decay, Dk);
+          alignas(32) float kv[8], delta[8], out[8];
+          _mm256_store_ps(kv, row_dots8(rows, kf.data(), Dk));
+          for (int r = 0; r < 8; ++r) delta[r] = (to_float(vr[i + r]) - kv[r]) * be;
+          for (int r = 0; r < 8; ++r) update_row(rows + size_t(r) * Dk, kf.data(), delta[r], Dk);
+          _mm256_store_ps(out, row_dots8(rows, qf.data(), Dk));
+          for (int r = 0; r < 8; ++r) yr[i + r] = from_float<T>(out[r]);
+        }
+        for (; i < Dv; ++i) {
+          float* row = s + size_t(i) * Dk;
+          scale_row(row, decay, Dk);
+          float delta = (to_float(vr[i]) - row_dot(row, kf.data(), Dk)) * be;
+          update_row(row, kf.data(), delta, Dk);
+          yr[i] = from_float<T>(row_dot(row, qf.data(), Dk));
+        }
+      }
+    }
+  }
+}
+
+class GatedDelta : public mx::Primitive {
+ public:
+  explicit GatedDelta(mx::Stream stream) : mx::Primitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const mx::array &q = inputs[0], &k = inputs[1], &v = inputs[2], &g = inputs[3], &beta = inputs[4], &st = inputs[5];
+    const bool* mask = inputs.size() > 6 ? inputs[6].data<bool>() : nullptr;
+    mx::array &y = outputs[0], &state = outputs[1];
+    y.set_data(mx::allocator::malloc(y.nbytes()));
+    state.set_data(mx::allocator::malloc(state.nbytes()));
+    int B = q.shape(0), Tn = q.shape(1), Hk = q.shape(2), Dk = q.shape(3), Hv = v.shape(2), Dv = v.shape(3);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(y);
+    encoder.set_output_array(state);
+    bool bf16 = q.dtype() == mx::bfloat16, beta_bf16 = beta.dtype() == mx::bfloat16;
+    const void *qp = q.data<void>(), *kp = k.data<void>(), *vp = v.data<void>(), *bp = beta.data<void>();
+    const float *gp = g.data<float>(), *sp = st.data<float>();
+    void* yp = y.data<void>();
+    float* op = state.data<float>();
+    encoder.dispatch([=]() {
+      if (bf16 && beta_bf16)
+        gated_delta_rows(static_cast<const uint16_t*>(qp), static_cast<const uint16_t*>(kp), static_cast<const uint16_t*>(vp), gp,
+                         static_cast<const uint16_t*>(bp), sp, mask, static_cast<uint16_t*>(yp), op, B, Tn, Hk, Hv, Dk, Dv);
+      else if (bf16)
+        gated_delta_rows(static_cast<const uint16_t*>(qp), static_cast<const uint16_t*>(kp), static_cast<const uint16_t*>(vp), gp,
+                         static_cast<const float*>(bp), sp, mask, static_cast<uint16_t*>(yp), op, B, Tn, Hk, Hv, Dk, Dv);
+      else if (beta_bf16)
+        gated_delta_rows(static_cast<const float*>(qp), static_cast<const float*>(kp), static_cast<const float*>(vp), gp,
+                         static_cast<const uint16_t*>(bp), sp, mask, static_cast<float*>(yp), op, B, Tn, Hk, Hv, Dk, Dv);
+      else
+        gated_delta_rows(static_cast<const float*>(qp), static_cast<const float*>(kp), static_cast<const float*>(vp), gp,
+                         static_cast<const float*>(bp), sp, mask, static_cast<float*>(yp), op, B, Tn, Hk, Hv, Dk, Dv);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("exo's GatedDelta runs on the CPU only");
+  }
+  const char* name() const override { return "ExoGatedDelta"; }
+  bool is_equivalent(const mx::Primitive& other) const override { return true; }
+};
+
+std::vector<mx::array> gated_delta(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& g,
+                                   const mx::array& beta, const mx::array& state, const mx::array* mask) {
+  auto io = [](mx::Dtype d) { return d == mx::bfloat16 || d == mx::float32; };
+  if (q.ndim() != 4 || k.shape() != q.shape() || v.ndim() != 4 || v.shape(0) != q.shape(0) || v.shape(1) != q.shape(1))
+    throw std::invalid_argument("gated_delta: q, k [B, T, Hk, Dk] and v [B, T, Hv, Dv]");
+  int B = q.shape(0), Tn = q.shape(1), Hk = q.shape(2), Dk = q.shape(3), Hv = v.shape(2), Dv = v.shape(3);
+  if (Hk == 0 || Hv % Hk != 0) throw std::invalid_argument("gated_delta: Hv must be a multiple of Hk");
+  if (!io(q.dtype()) || k.dtype() != q.dtype() || v.dtype() != q.dtype() || !io(beta.dtype()))
+    throw std::invalid_argument("gated_delta: q, k, v of one dtype (bfloat16 or float32), beta bfloat16 or float32");
+  mx::Shape heads{B, Tn, Hv};
+  if (g.dtype() != mx::float32 || g.shape() != heads || beta.shape() != heads)
+    throw std::invalid_argument("gated_delta: g [B, T, Hv] float32 and beta [B, T, Hv]");
+  if (state.dtype() != mx::float32 || state.shape() != mx::Shape{B, Hv, Dv, Dk})
+    throw std::invalid_argument("gated_delta: state [B, Hv, Dv, Dk] float32");
+  if (mask != nullptr && (mask->dtype() != mx::bool_ || mask->shape() != mx::Shape{B, Tn}))
+    throw std::invalid_argument("gated_delta: mask [B, T] bool");
+  auto s = mx::to_stream({});
+  if (s.device.type != mx::Device::DeviceType::cpu) throw std::invalid_argument("gated_delta: the CPU only");
+  std::vector<mx::array> inputs{mx::contiguous(q, false, s), mx::contiguous(k, false, s), mx::contiguous(v, false, s),
+                                mx::contiguous(g, false, s), mx::contiguous(beta, false, s), mx::contiguous(state, false, s)};
+  if (mask != nullptr) inputs.push_back(mx::contiguous(*mask, false, s));
+  return mx::array::make_arrays({v.shape(), state.shape()}, {q.dtype(), mx::float32}, std::make_shared<GatedDelta>(s),
+                                inputs);
+}
+
+PyObject* gated_delta_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 7) {
+    PyErr_SetString(PyExc_TypeError, "gated_delta(q, k, v, g, beta, state, mask) takes 7 arguments");
+    return nullptr;
+  }
+  try {
+    mx::array a[6] = {mx::array(0), mx::array(0), mx::array(0), mx::array(0), mx::array(0), mx::array(0)};
+    for (int i = 0; i < 6; ++i) a[i] = nb::cast<mx::array>(nb::handle(args[i]));
+    std::optional<mx::array> mask;
+    if (args[6] != Py_None) mask = nb::cast<mx::array>(nb::handle(args[6]));
+    auto out = gated_delta(a[0], a[1], a[2], a[3], a[4], a[5], mask ? &*mask : nullptr);
+    return nb::make_tuple(out[0], out[1]).release().ptr();
+  } catch (const nb::cast_error&) {
+    PyErr_SetString(PyExc_TypeError, "gated_delta: the arrays must be mlx.core.array (mask: one, or None)");
+  } catch (const std::invalid_argument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
 // A plain CPython function rather than nanobind's m.def: mlx.core's own nanobind (whose domain this module
 // joins, so mx.array passes through) may lay out its function objects unlike the nanobind release this
 // builds with, and reading a foreign one's attributes (__qualname__) crashes. Arguments and results still
@@ -163,6 +378,8 @@ PyObject* linear_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 PyMethodDef methods[] = {
     {"linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(linear_py)), METH_FASTCALL,
      "linear(x, w): x @ w.T for bfloat16 on the CPU, bit-identical to MLX's"},
+    {"gated_delta", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(gated_delta_py)), METH_FASTCALL,
+     "gated_delta(q, k, v, g, beta, state, mask): mlx-lm's gated_delta_ops on the CPU in one call, bit-identical"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace
