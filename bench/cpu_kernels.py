@@ -1,11 +1,16 @@
-"""exo's CPU linear kernel against MLX's bfloat16 matmul, on the shapes of a decode step (this machine).
+"""exo's CPU kernels against MLX's bfloat16 matmul and mlx-lm's gated delta ops, on a model's shapes (this machine).
 
-    python bench/cpu_kernels.py [MODEL] [--rows 1 2 4 8 32] [--iters 200]
+    python bench/cpu_kernels.py [MODEL] [--rows 1 2 4 8 32] [--iters 200] [--delta 1x1 8x1 1x22 1x512]
 
 For every distinct (out, in) shape of MODEL's linear layers and its lm_head (exo-demo by default), and each
 row count, times ``x @ w.T`` (MLX) and ``kernels.cpu_linear()(x, w)`` (exo), alternating, each call evaluated
 alone, and checks that both give the same bits. Prints the median time of each and their ratio, then the
 whole step's worth of linear layers (every layer's shape, as often as the model has it) per row count.
+Then, for MODEL's GatedDeltaNet heads, the recurrence of one layer over B sequences of T rows (``--delta BxT``:
+a decode step, a batch's step, prompts) by mlx-lm's ``gated_delta_ops`` and by ``kernels.cpu_gated_delta()``,
+with the same check of y and the state; and a prompt's prefill through MODEL's whole forward (``--prefill``
+lengths) with its GatedDeltaNet layers on the kernel and on mlx-lm's ops, alternating, with the same check
+of the hidden states.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from exo.engine import kernels, load
+from exo.engine.kernels import bits_equal, gated_delta_inputs
 
 
 def timed(fn, iters: int) -> list[float]:
@@ -36,6 +42,9 @@ def main() -> None:
     parser.add_argument("model", nargs="?", default="exo-demo")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 32])
     parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--delta", nargs="*", default=["1x1", "2x1", "8x1", "1x22", "1x512"],
+                        help="BxT shapes of the gated delta comparison (none: skip it)")
+    parser.add_argument("--prefill", type=int, nargs="*", default=[22, 512], help="prompt lengths (none: skip)")
     args = parser.parse_args()
     linear = kernels.cpu_linear()
     if linear is None:
@@ -64,6 +73,72 @@ def main() -> None:
             print(f"{rows:>4} {f'{n} x {k}':>18} {count:>5} {m:8.3f} {e:8.3f} {m / e:8.2f}x  {same}")
         print(f"{rows:>4} {'a step':>18} {sum(shapes.values()):>5} {step_mlx:8.3f} {step_exo:8.3f} "
               f"{step_mlx / step_exo:8.2f}x")
+    if args.delta:
+        gated_delta(engine, args.delta, args.iters)
+    if args.prefill:
+        prefill(engine, args.prefill)
+
+
+def prefill(engine, lengths: list[int]) -> None:
+    layers = [m for _, m in engine.loaded.model.named_modules() if getattr(m, "cpu_gated_delta", None) is not None]
+    if not layers:
+        return
+    kernel = layers[0].cpu_gated_delta
+    vocab = engine.loaded.model.text_model.embed_tokens.weight.shape[0]
+    print(f"\na prompt's prefill through {len(layers)} GatedDeltaNet layers' recurrence on mlx-lm's ops vs exo's kernel "
+          f"(the rest of the forward the same), alternating")
+    print(f"{'tokens':>6} {'mlx-lm ms':>10} {'exo ms':>8} {'ratio':>7}  same bits")
+
+    def run(prompt, on: bool) -> tuple[float, mx.array]:
+        for layer in layers:
+            layer.cpu_gated_delta = kernel if on else None
+        cache = engine.forward.new_cache()
+        start = time.perf_counter()
+        hidden = engine.forward.hidden(prompt, cache)
+        mx.eval(hidden, [c.state for c in cache])
+        return time.perf_counter() - start, hidden
+
+    for n in lengths:
+        prompt = mx.random.randint(0, vocab, (1, n), key=mx.random.key(n)).astype(mx.uint32)
+        t_ops, t_exo, same = [], [], True
+        for _ in range(max(3, 60 // max(1, n // 22))):
+            t, a = run(prompt, False)
+            t_ops.append(t)
+            t, b = run(prompt, True)
+            t_exo.append(t)
+            same = same and bits_equal(a, b)
+        m, e = statistics.median(t_ops) * 1e3, statistics.median(t_exo) * 1e3
+        print(f"{n:>6} {m:10.1f} {e:8.1f} {m / e:6.2f}x  {same}")
+    for layer in layers:
+        layer.cpu_gated_delta = kernel
+
+
+def gated_delta(engine, shapes: list[str], iters: int) -> None:
+    from mlx_lm.models.gated_delta import gated_delta_ops
+
+    kernel = kernels.cpu_gated_delta()
+    layer = next((m for _, m in engine.loaded.model.named_modules() if hasattr(m, "head_k_dim") and hasattr(m, "A_log")), None)
+    if kernel is None or layer is None:
+        print("no GatedDeltaNet layer in this model" if layer is None else f"no kernel: {kernels.status()}")
+        return
+    hk, hv, dk, dv = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
+    count = sum(1 for _, m in engine.loaded.model.named_modules() if type(m) is type(layer))
+    print(f"\nthe gated delta rule of one layer (Hk {hk}, Hv {hv}, Dk {dk}, Dv {dv}; {count} such layers), "
+          f"mlx-lm's gated_delta_ops vs exo's kernel, alternating")
+    print(f"{'B x T':>8} {'mlx-lm ms':>10} {'exo ms':>8} {'mlx-lm/exo':>10}  same bits")
+    for shape in shapes:
+        b, t = (int(v) for v in shape.lower().split("x"))
+        args = gated_delta_inputs(mx.random.key(b * 100 + t), b, t, hk, hv, dk, dv)
+        mx.eval(args)
+        want, got = gated_delta_ops(*args), kernel(*args, None)
+        same = bits_equal(want[0], got[0]) and bits_equal(want[1], got[1])
+        reps = max(2, min(iters, 4000 // t) // 10)
+        t_ops, t_exo = [], []
+        for _ in range(reps):
+            t_ops += timed(lambda: gated_delta_ops(*args), 5)  # noqa: B023
+            t_exo += timed(lambda: kernel(*args, None), 5)  # noqa: B023
+        m, e = statistics.median(t_ops) * 1e3, statistics.median(t_exo) * 1e3
+        print(f"{shape:>8} {m:10.3f} {e:8.3f} {m / e:9.2f}x  {same}")
 
 
 if __name__ == "__main__":
