@@ -318,7 +318,8 @@ def _sidecar_convention(metadata: dict[str, str]) -> NormConvention:
 def cpu_compatible(module: nn.Module) -> None:
     """MLX's CPU backend multiplies gathered experts (unquantized ``gather_mm``) in float32 only; it has no
     RMSNorm kernel, so norms run fused (``models.layers.fuse_norms``); its bfloat16 matmul is a scalar loop on
-    x86-64, so linear layers run on exo's kernel where it is built (``models.layers.use_cpu_kernels``)."""
+    x86-64, so linear layers run on exo's kernel where it is built, and GatedDeltaNet layers their recurrence
+    (mlx-lm's runs ~10 small ops per row there) on another (``models.layers.use_cpu_kernels``)."""
     if mx.default_device() != mx.cpu:
         return
     from mlx_lm.models.switch_layers import SwitchLinear
