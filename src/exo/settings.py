@@ -61,6 +61,9 @@ class Settings(BaseModel):
     # Prompt tokens one prefill step feeds the model at most (EngineConfig.prefill_chunk). None: the engine's
     # default (2048). Small values exercise the chunk edges (tests) or bound one step's activations.
     prefill_chunk: int | None = Field(default=None, ge=1)
+    # Prompt tokens per prefill chunk of a generation joining a running batch, which decodes a step between
+    # its chunks (EngineConfig.batch_prefill_chunk). None: the engine's default (256).
+    batch_prefill_chunk: int | None = Field(default=None, ge=1)
     # EXO_BATCH_INVARIANT=1: a batched request's greedy output never depends on what else runs in its batch
     # (EngineConfig.batch_invariant). Costs up to 1.5x per batched step on an H100 (B = 32), so off by default;
     # on MLX's CPU backend batched steps already equal solo ones.

@@ -20,7 +20,8 @@ TEXTS = ("def fibonacci(n):\n    if n < 2:", "The quick brown fox", "import nump
 @functools.cache
 def _engine(path) -> Engine:
     loaded = dataclasses.replace(load_checkpoint(path), eos_token_ids=frozenset())  # fixed-length outputs
-    return Engine(loaded, EngineConfig(prefill_chunk=8))  # prompts cross prefill chunks
+    # prompts cross prefill chunks, solo and (smaller) joining a batch
+    return Engine(loaded, EngineConfig(prefill_chunk=8, batch_prefill_chunk=4))
 
 
 @pytest.fixture
@@ -257,3 +258,40 @@ def test_a_generation_larger_than_the_kv_budget_still_runs_alone(engine):
     _serve(device, clients)
     assert [c.stats.batch_sizes for c in clients] == [{}, {}, {}]
     assert [c.tokens for c in clients] == [c.solo() for c in clients]
+
+
+def test_a_newcomer_prefills_in_batch_chunks_with_a_batch_step_between_them(engine, monkeypatch):
+    """A generation joining a running batch prefills in chunks of ``batch_prefill_chunk`` tokens (smaller than
+    a solo prefill's), and the batch decodes a step between two chunks: a long prompt holds the running
+    streams for a chunk at a time. Every output is still its solo one."""
+    from exo.engine.generate import _Run
+
+    device = Device(8, max_batch=4)
+    clients = [Client(device, engine, 0, max_tokens=40), Client(device, engine, 1, max_tokens=6)]
+    clients[1].prompt = engine.loaded.tokenizer.encode(TEXTS[2] * 3)  # 4 x 4 tokens at least
+    clients[1].job.prompt = Prompt(token_ids=clients[1].prompt)
+    chunks: list[int | None] = []
+    steps_between: list[int] = []  # the running member's step count at each of the newcomer's chunk ends
+    original = _Run.begin
+
+    def begin(self, chunk=None):
+        if self.request.prompt_tokens == clients[1].prompt and not serving_done:
+            chunks.append(chunk)
+            for item in original(self, chunk):
+                if item is None:
+                    steps_between.append(clients[0].job.steps)
+                yield item
+        else:
+            yield from original(self, chunk)
+
+    monkeypatch.setattr(_Run, "begin", begin)
+    serving_done = False
+    for client in clients:
+        device.submit(client.job)
+    _serve(device, clients)
+    serving_done = True
+    for client in clients:
+        assert client.finish == "length" and client.tokens == client.solo()
+    assert chunks == [engine.config.batch_prefill_chunk]
+    assert len(steps_between) >= len(clients[1].prompt) // 4 - 1 >= 3
+    assert all(b > a for a, b in zip(steps_between, steps_between[1:], strict=False)), steps_between

@@ -72,6 +72,8 @@ def engine_config(resolved: ResolvedModel, settings: Settings, **overrides) -> E
     )
     if settings.prefill_chunk is not None:
         values["prefill_chunk"] = settings.prefill_chunk
+    if settings.batch_prefill_chunk is not None:
+        values["batch_prefill_chunk"] = settings.batch_prefill_chunk
     if settings.batch_lanes is not None:
         values["batch_lanes"] = settings.batch_lanes
     values.update(overrides)

@@ -103,6 +103,11 @@ class EngineConfig:
     verify_rows: VerifyRows = "auto"
     async_draft_eval: bool = True
     prefill_chunk: int = 2048
+    # Tokens per prefill chunk of a run joining a running batch (runner.device): the batch decodes a step
+    # between chunks, so a long prompt holds its streams for a chunk, not for the whole prompt (exo-demo on a
+    # 2-core CPU, a 1657-token prompt in one 2048 chunk: 3.8 s without a token for 4 running streams; in
+    # chunks of 256: 0.8-1.1 s at most, bench/prefill_stall.py).
+    batch_prefill_chunk: int = 256
     # Batched steps compute each sequence as its solo step would (models.backbone.set_batch_invariant): every
     # linear row a one-row product, attention per sequence over its own unpadded keys, experts unsorted.
     batch_invariant: bool = False
@@ -606,12 +611,12 @@ class _Run:
         assert self._first is not None
         return self._first
 
-    def _prefill_chunks(self) -> Iterator[None]:
+    def _prefill_chunks(self, chunk: int | None = None) -> Iterator[None]:
         """The prompt through the backbone, yielding after each chunk but the last (a batch runs decode
         steps in between); leaves the first token in ``self._first``."""
         prompt = mx.array(list(self.request.prompt_tokens), dtype=mx.uint32)
         n = prompt.shape[0]
-        chunk = max(1, self.engine.config.prefill_chunk)
+        chunk = max(1, chunk or self.engine.config.prefill_chunk)
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
             hidden = self.forward.hidden(prompt[None, start:end], self.cache)
@@ -652,11 +657,12 @@ class _Run:
             # Finished, cancelled, failed or abandoned: a pipeline's other stages drop the request too.
             self.forward.end(self.cache)
 
-    def begin(self) -> Iterator[GenerationChunk | None]:
+    def begin(self, chunk: int | None = None) -> Iterator[GenerationChunk | None]:
         """Prefill and the first token: None after each prefill chunk but the last (a batch interleaves
-        decode steps there), then the first token's chunks. The run is then at a step boundary."""
+        decode steps there), then the first token's chunks. The run is then at a step boundary. ``chunk``:
+        tokens per prefill chunk (None: ``EngineConfig.prefill_chunk``)."""
         self.started = time.perf_counter()
-        yield from self._prefill_chunks()
+        yield from self._prefill_chunks(chunk)
         assert self._first is not None
         first, lp = self._first
         self._first = None

@@ -5,8 +5,9 @@ native MTP included) until a generation that can share the device waits at the h
 the running one leaves its loop at the next step boundary and the two, and every such generation that
 arrives while they run (up to ``max_batch``), decode together in one batch (``exo.engine.batch``: batched
 plain steps, or batched native-MTP rounds where drafting pays at that batch size or a request forces a depth):
-each joins after its own prefill, interleaved chunk by chunk with the batch's steps, and leaves when it
-ends. A generation joins only while the batch stays within the instance's KV budget (``kv_budget_tokens``,
+each joins after its own prefill, interleaved chunk by chunk with the batch's steps (chunks of
+``EngineConfig.batch_prefill_chunk`` tokens: a long prompt holds the running streams for a chunk at a time),
+and leaves when it ends. A generation joins only while the batch stays within the instance's KV budget (``kv_budget_tokens``,
 estimated by ``exo.engine.batch.batch_fits`` from each member's prompt + max_tokens); one that does not fit
 waits at the head of the queue until members leave (FIFO: nothing behind it overtakes it). Generations under a grammar or with logprobs, a load, or another model's generation at the head of
 the queue wait until the batch has drained (FIFO). A runner serves the queue on its MAIN thread (``Device.serve``); an in-process service
@@ -443,7 +444,7 @@ class Device:
                 elif new.engine is not batch.engine or not new.batchable:
                     leave(job, RuntimeError("the model changed under a running batch; retry"))
                 else:
-                    prefilling.append((job, new, new.begin()))
+                    prefilling.append((job, new, new.begin(new.engine.config.batch_prefill_chunk)))
             still: list[tuple[GenerationJob, _Run, Any]] = []
             for job, new, steps in prefilling:
                 try:
