@@ -69,7 +69,7 @@ class Settings(BaseModel):
     # on MLX's CPU backend batched steps already equal solo ones.
     batch_invariant: bool = Field(default=False, strict=True)
     # Lanes a batch decodes in (EngineConfig.batch_lanes): on MLX's CPU backend each lane's steps run on a
-    # core of its own. None: one per CPU (at most 4) on the CPU backend, 1 on a GPU.
+    # stream thread of its own. None: 1 (two measured slower on a 2-core CPU: exo.engine.batch.default_lanes).
     batch_lanes: int | None = Field(default=None, ge=1)
     # The most memory (bytes) this node offers to models, whatever the OS has free: keep room for other
     # applications, or make a small node of a big machine. None: what the OS says is available.

@@ -41,7 +41,6 @@ On this CPU batched rows round exactly as solo decoding (bench/batching.py measu
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -58,7 +57,6 @@ from .sampling import apply_processors
 from .verify import verify_logits
 
 BATCH_HEAD_WINDOW = 4  # head rows an adaptive member keeps waiting while its batch decodes plainly
-MAX_LANES = 4  # lanes of a batch on MLX's CPU backend at most (BatchLanes)
 
 
 def sequence_bytes(engine: Engine) -> tuple[int, int]:
@@ -393,13 +391,17 @@ def lane_streams(lanes: int) -> list[mx.Stream | None]:
 
 
 def default_lanes(engine: Engine) -> int:
-    """How many lanes a batch of ``engine``'s runs decodes in: ``EngineConfig.batch_lanes``, else on MLX's
-    CPU backend one per CPU this process may run on (at most ``MAX_LANES``), on a GPU one."""
+    """How many lanes a batch of ``engine``'s runs decodes in: ``EngineConfig.batch_lanes``, else one.
+
+    Two lanes paid on MLX's CPU backend while a plain step waited for its whole evaluation before the next
+    was built (8 sequences: 446 tok/s against one lane's 357); since a step emits from
+    the last step's outputs (``_plain_emit``), one lane is as fast or faster at every size measured on a
+    2-core x86-64 CPU (exo-demo, ms a step, one lane vs two: 10.3 vs 14.5 at 4 sequences, 12.6 vs 14.4 at 8,
+    21.8 vs 21.1 at 16, 43.0 vs 56.7 at 32; bench/batch_steps.py): MLX's ``async_eval`` feeds the lanes'
+    streams one after the other, and building two graphs costs the host twice."""
     if engine.config.batch_lanes is not None:
         return max(1, engine.config.batch_lanes)
-    if mx.default_device() != mx.cpu:
-        return 1
-    return max(1, min(MAX_LANES, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    return 1
 
 
 class BatchLanes:

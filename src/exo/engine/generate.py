@@ -112,7 +112,7 @@ class EngineConfig:
     # linear row a one-row product, attention per sequence over its own unpadded keys, experts unsorted.
     batch_invariant: bool = False
     # Lanes a batch decodes in (engine.batch.BatchLanes: BatchDecoders on streams of their own, evaluated at
-    # once: on MLX's CPU backend, one core each). None: one per CPU on the CPU backend (at most 4), 1 on a GPU.
+    # once: on MLX's CPU backend, a stream thread each). None: 1 (batch.default_lanes says why).
     batch_lanes: int | None = None
     # Relative top-2 logit gap under which a greedy verify row is re-decoded plainly (sampling.greedy_verdict).
     # None: 0 where the verify probe found every row equal to its decode step (greedy output is then plain
