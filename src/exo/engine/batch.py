@@ -228,7 +228,12 @@ class BatchDecoder:
         fed to it while the step computes."""
         runs = self.runs
         fed = [r.pending_token for r in runs]
-        inputs = mx.concatenate([t.reshape(1) for t in fed])  # type: ignore[union-attr]
+        # The last plain step's tokens, when this one feeds on all of them (no member joined, left or ran a
+        # round since): its input row, and what ``_plain_emit`` reads back in one transfer.
+        last = self._step_tokens
+        fed_last = last[0] if last is not None and len(last[1]) == len(fed) and all(
+            a is b for a, b in zip(last[1], fed, strict=True)) else None
+        inputs = fed_last if fed_last is not None else mx.concatenate([t.reshape(1) for t in fed])  # type: ignore[union-attr]
         hidden = self.engine.forward.hidden(inputs[:, None], self.cache)
         logits = self._logits(hidden)[:, -1]  # [B, V]
         greedy: mx.array | None = None
@@ -251,15 +256,14 @@ class BatchDecoder:
                 # layer of the backbone per token, for nothing until a round): only the last few rows wait,
                 # so a round drafts from recent context after a gap in the head's.
                 del run._head_hidden[:-BATCH_HEAD_WINDOW], run._head_tokens[:-BATCH_HEAD_WINDOW]
-        # The step's tokens in one array too, an output of the same evaluation: the next step reads them back
-        # with one transfer when it feeds on all of them (``_plain_emit``).
-        tokens = mx.concatenate([t.reshape(1) for t in following])
-        previous, self._step_tokens = self._step_tokens, (tokens, following)
-        return _Prepared([*following, tokens], lambda: self._plain_emit(fed, following, start, timed, previous))
+        # The step's tokens in one array too, an output of the same evaluation (the next step's input row).
+        all_greedy = greedy is not None and all(run.params.greedy and not run.processors for run in runs)
+        tokens = greedy if all_greedy else mx.concatenate([t.reshape(1) for t in following])
+        self._step_tokens = (tokens, following)
+        return _Prepared([*following, tokens], lambda: self._plain_emit(fed, following, start, timed, fed_last))
 
     def _plain_emit(
-        self, fed: list[mx.array], following: list[mx.array], start: float, timed: bool,
-        previous: tuple[mx.array, list[mx.array]] | None = None,
+        self, fed: list[mx.array], following: list[mx.array], start: float, timed: bool, fed_last: mx.array | None
     ) -> Results:
         runs = self.runs
         size = len(runs)
@@ -268,9 +272,9 @@ class BatchDecoder:
         # arrays of one ``async_eval`` together, at its end, so reading an array of this step waited for all
         # of it, and the host built the next step only then (exo-demo, 8 sequences on this CPU: 2.9 ms a step
         # waiting, then 1.8 ms building while the CPU idled).
-        if previous is not None and len(previous[1]) == len(fed) and all(a is b for a, b in zip(previous[1], fed, strict=True)):
-            values = previous[0].tolist()  # the last step's tokens, all of them: one read
-        else:  # members joined or left since: each its own
+        if fed_last is not None:
+            values = fed_last.tolist()  # the last step's tokens, all of them: one read
+        else:  # members joined, left or ran a round since: each its own
             values = [int(t.item()) for t in fed]  # type: ignore[union-attr]
         out: Results = []
         keep: list[int] = []
