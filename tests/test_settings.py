@@ -87,6 +87,7 @@ def test_every_field_from_env(home: Path) -> None:
             EXO_MAX_BATCH="4",
             EXO_KV_BUDGET_TOKENS="2048",
             EXO_PREFILL_CHUNK="8",
+            EXO_BATCH_PREFILL_CHUNK="16",
             EXO_BATCH_INVARIANT="1",
             EXO_BATCH_LANES="3",
             EXO_OFFLINE="1",
@@ -110,7 +111,7 @@ def test_every_field_from_env(home: Path) -> None:
     assert s.cluster_secret.get_secret_value() == "cluster-secret-value"
     assert (s.request_timeout_s, s.max_queue, s.offline, s.memory_budget_bytes) == (12.5, 3, True, 16 << 30)
     assert (s.max_batch, s.kv_budget_tokens, s.prefill_chunk, s.batch_invariant) == (4, 2048, 8, True)
-    assert s.batch_lanes == 3
+    assert s.batch_lanes == 3 and s.batch_prefill_chunk == 16
     assert all(s.source(f) == "env" for f in Settings.model_fields)
 
 
@@ -232,3 +233,16 @@ def test_batch_lanes_reach_the_engine(home: Path) -> None:
     assert engine_config(resolved, load_settings(env=env_for(home))).batch_lanes is None
     with pytest.raises(SettingsError):
         load_settings(env=env_for(home, EXO_BATCH_LANES="0"))
+
+
+def test_batch_prefill_chunk_reaches_the_engine(home: Path) -> None:
+    """EXO_BATCH_PREFILL_CHUNK sets the prefill chunk of a generation joining a running batch (unset: the
+    engine's 256)."""
+    from exo.cards import bundled_model_dir
+    from exo.engine import engine_config, resolve_model
+
+    resolved = resolve_model(str(bundled_model_dir("exo-demo")))
+    assert engine_config(resolved, load_settings(env=env_for(home, EXO_BATCH_PREFILL_CHUNK="64"))).batch_prefill_chunk == 64
+    assert engine_config(resolved, load_settings(env=env_for(home))).batch_prefill_chunk == 256
+    with pytest.raises(SettingsError):
+        load_settings(env=env_for(home, EXO_BATCH_PREFILL_CHUNK="0"))
