@@ -36,6 +36,23 @@ inline __m256 load8_bf16(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+// c[j] = column j of the 8 x 8 block whose rows are r0..r7.
+inline void transpose8(__m256 r0, __m256 r1, __m256 r2, __m256 r3, __m256 r4, __m256 r5, __m256 r6, __m256 r7,
+                       __m256 c[8]) {
+  __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+  __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+  __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+  __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+  __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  c[0] = _mm256_permute2f128_ps(s0, s4, 0x20), c[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  c[2] = _mm256_permute2f128_ps(s2, s6, 0x20), c[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  c[4] = _mm256_permute2f128_ps(s0, s4, 0x31), c[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  c[6] = _mm256_permute2f128_ps(s2, s6, 0x31), c[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
 // Every output is the sum over k, in order, of float(x[m,k]) * float(w[n,k]), started at +0 and rounded
 // to bfloat16 once: what MLX's simd_gemm<bfloat16_t, float> computes on a build without SIMD types
 // (x86-64), so the results are bit-identical; here 8 outputs (8 rows of w) go per AVX register.
@@ -51,18 +68,8 @@ inline void block(const float* xr, const uint16_t* w, uint16_t* out, int mb, int
     __m256 r2 = load8_bf16(w + size_t(n0 + 2) * K + k), r3 = load8_bf16(w + size_t(n0 + 3) * K + k);
     __m256 r4 = load8_bf16(w + size_t(n0 + 4) * K + k), r5 = load8_bf16(w + size_t(n0 + 5) * K + k);
     __m256 r6 = load8_bf16(w + size_t(n0 + 6) * K + k), r7 = load8_bf16(w + size_t(n0 + 7) * K + k);
-    __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
-    __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
-    __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
-    __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
-    __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-    __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-    __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-    __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-    __m256 c[8] = {_mm256_permute2f128_ps(s0, s4, 0x20), _mm256_permute2f128_ps(s1, s5, 0x20),
-                   _mm256_permute2f128_ps(s2, s6, 0x20), _mm256_permute2f128_ps(s3, s7, 0x20),
-                   _mm256_permute2f128_ps(s0, s4, 0x31), _mm256_permute2f128_ps(s1, s5, 0x31),
-                   _mm256_permute2f128_ps(s2, s6, 0x31), _mm256_permute2f128_ps(s3, s7, 0x31)};
+    __m256 c[8];
+    transpose8(r0, r1, r2, r3, r4, r5, r6, r7, c);
     for (int r = 0; r < mb; ++r) {
       const float* xk = xr + size_t(r) * K + k;
       __m256 a = acc[r];
@@ -159,23 +166,10 @@ inline uint16_t from_float<uint16_t>(float x) { return float_to_bf16(x); }
 template <>
 inline float from_float<float>(float x) { return x; }
 
-inline void transpose8(const float* rows, int stride, __m256 c[8]) {
-  __m256 r0 = _mm256_loadu_ps(rows), r1 = _mm256_loadu_ps(rows + stride);
-  __m256 r2 = _mm256_loadu_ps(rows + 2 * stride), r3 = _mm256_loadu_ps(rows + 3 * stride);
-  __m256 r4 = _mm256_loadu_ps(rows + 4 * stride), r5 = _mm256_loadu_ps(rows + 5 * stride);
-  __m256 r6 = _mm256_loadu_ps(rows + 6 * stride), r7 = _mm256_loadu_ps(rows + 7 * stride);
-  __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
-  __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
-  __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
-  __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
-  __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-  __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-  __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-  __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-  c[0] = _mm256_permute2f128_ps(s0, s4, 0x20), c[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
-  c[2] = _mm256_permute2f128_ps(s2, s6, 0x20), c[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
-  c[4] = _mm256_permute2f128_ps(s0, s4, 0x31), c[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
-  c[6] = _mm256_permute2f128_ps(s2, s6, 0x31), c[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+inline void transpose8(const float* rows, int stride, __m256 c[8]) {  // 8 rows of floats, row stride ``stride``
+  transpose8(_mm256_loadu_ps(rows), _mm256_loadu_ps(rows + stride), _mm256_loadu_ps(rows + 2 * stride),
+             _mm256_loadu_ps(rows + 3 * stride), _mm256_loadu_ps(rows + 4 * stride), _mm256_loadu_ps(rows + 5 * stride),
+             _mm256_loadu_ps(rows + 6 * stride), _mm256_loadu_ps(rows + 7 * stride), c);
 }
 
 // The in-order sums over j < Dk of rows[r][j] * x[j] for the 8 rows r of a block (row stride Dk).
