@@ -267,7 +267,8 @@ def test_a_newcomer_prefills_in_batch_chunks_with_a_batch_step_between_them(engi
     from exo.engine.generate import _Run
 
     device = Device(8, max_batch=4)
-    clients = [Client(device, engine, 0, max_tokens=40), Client(device, engine, 1, max_tokens=6)]
+    # The running member decodes plainly (a token a step) and long enough to outlast the newcomer's prefill.
+    clients = [Client(device, engine, 0, max_tokens=120, native_mtp="off"), Client(device, engine, 1, max_tokens=6)]
     clients[1].prompt = engine.loaded.tokenizer.encode(TEXTS[2] * 3)  # 4 x 4 tokens at least
     clients[1].job.prompt = Prompt(token_ids=clients[1].prompt)
     chunks: list[int | None] = []
