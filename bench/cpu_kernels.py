@@ -3,8 +3,9 @@
     python bench/cpu_kernels.py [MODEL] [--rows 1 2 4 8 32] [--iters 200] [--delta 1x1 8x1 1x22 1x512]
 
 For every distinct (out, in) shape of MODEL's linear layers and its lm_head (exo-demo by default), and each
-row count, times ``x @ w.T`` (MLX) and ``kernels.cpu_linear()(x, w)`` (exo), alternating, each call evaluated
-alone, and checks that both give the same bits. Prints the median time of each and their ratio, then the
+row count, times ``x @ w.T`` (MLX), ``kernels.cpu_linear()(x, w)`` (exo) and ``kernels.cpu_linear_packed()`` on
+``pack_linear(w)`` (exo, what the layers run), alternating, each call evaluated alone, and checks that all
+give the same bits. Prints the median time of each and their ratio, then the
 whole step's worth of linear layers (every layer's shape, as often as the model has it) per row count.
 Then, for MODEL's GatedDeltaNet heads, the recurrence of one layer over B sequences of T rows (``--delta BxT``:
 a decode step, a batch's step, prompts) by mlx-lm's ``gated_delta_ops`` and by ``kernels.cpu_gated_delta()``,
@@ -56,23 +57,31 @@ def main() -> None:
             shapes[tuple(module.weight.shape)] += 1
     print(f"{args.model}: {sum(shapes.values())} linear layers / tables, {len(shapes)} shapes; "
           f"median of {args.iters} calls each, MLX vs exo alternating")
-    print(f"{'rows':>4} {'shape (out x in)':>18} {'count':>5} {'MLX ms':>8} {'exo ms':>8} {'MLX/exo':>8}  same bits")
+    print(f"exo: ``linear`` (w transposed in every call) and ``linear_packed`` (w packed once, what the layers use), "
+          f"built for {kernels.isa()}")
+    print(f"{'rows':>4} {'shape (out x in)':>18} {'count':>5} {'MLX ms':>8} {'exo ms':>8} {'packed':>8} {'MLX/exo':>8} "
+          f"{'MLX/packed':>10}  same bits")
+    packed = kernels.cpu_linear_packed()
     for rows in args.rows:
-        step_mlx = step_exo = 0.0
+        step_mlx = step_exo = step_packed = 0.0
         for (n, k), count in sorted(shapes.items()):
             x = mx.random.normal((rows, k), key=mx.random.key(rows * 7 + k)).astype(mx.bfloat16)
             w = (mx.random.normal((n, k), key=mx.random.key(n)) * 0.05).astype(mx.bfloat16)
-            same = mx.array_equal((x @ w.T).view(mx.uint16), linear(x, w).view(mx.uint16)).item()
-            t_mlx, t_exo = [], []
+            wp = kernels.pack_linear(w)
+            want = x @ w.T
+            same = bits_equal(want, linear(x, w)) and bits_equal(want, packed(x, wp, n))
+            t_mlx, t_exo, t_packed = [], [], []
             for _ in range(args.iters // 20):
                 t_mlx += timed(lambda: x @ w.T, 10)  # noqa: B023
                 t_exo += timed(lambda: linear(x, w), 10)  # noqa: B023
-            m, e = statistics.median(t_mlx) * 1e3, statistics.median(t_exo) * 1e3
+                t_packed += timed(lambda: packed(x, wp, n), 10)  # noqa: B023
+            m, e, p = (statistics.median(t) * 1e3 for t in (t_mlx, t_exo, t_packed))
             step_mlx += m * count
             step_exo += e * count
-            print(f"{rows:>4} {f'{n} x {k}':>18} {count:>5} {m:8.3f} {e:8.3f} {m / e:8.2f}x  {same}")
-        print(f"{rows:>4} {'a step':>18} {sum(shapes.values()):>5} {step_mlx:8.3f} {step_exo:8.3f} "
-              f"{step_mlx / step_exo:8.2f}x")
+            step_packed += p * count
+            print(f"{rows:>4} {f'{n} x {k}':>18} {count:>5} {m:8.3f} {e:8.3f} {p:8.3f} {m / e:8.2f}x {m / p:9.2f}x  {same}")
+        print(f"{rows:>4} {'a step':>18} {sum(shapes.values()):>5} {step_mlx:8.3f} {step_exo:8.3f} {step_packed:8.3f} "
+              f"{step_mlx / step_exo:8.2f}x {step_mlx / step_packed:9.2f}x")
     if args.delta:
         gated_delta(engine, args.delta, args.iters)
     if args.prefill:

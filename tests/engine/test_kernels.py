@@ -30,6 +30,15 @@ def linear():
     return fn
 
 
+@pytest.fixture(scope="module", params=["linear", "packed"])
+def product(request, linear):
+    """x @ w.T by the kernel as called with w, or with w packed (``pack_linear``, what the layers use)."""
+    if request.param == "linear":
+        return linear
+    packed = kernels.cpu_linear_packed()
+    return lambda x, w: packed(x, kernels.pack_linear(w), w.shape[0])
+
+
 @pytest.fixture(scope="module")
 def gated_delta(linear):
     return kernels.cpu_gated_delta()
@@ -43,21 +52,22 @@ def _bits(a: mx.array) -> list[int]:
 @pytest.mark.parametrize(
     "m,n,k",
     # every path: whole 8-column blocks and the N % 8 tail, K's 8-blocks and its tail, row blocks of 4 and
-    # their remainder, one row (decode), a verify's few rows, a batch's many
+    # their remainder, one row (decode), a verify's few rows, a batch's many; packed: N % 16 tails, odd K,
+    # tiles of 8, 4, 2 and 1 rows and their mixes (15 = 8 + 4 + 2 + 1), more blocks than a tile's
     [(1, 8, 8), (1, 768, 256), (2, 13, 37), (3, 5, 3), (4, 64, 1024), (5, 4096, 256), (7, 9, 17),
-     (8, 768, 256), (17, 100, 300), (32, 256, 1024), (1, 1, 1)],
+     (8, 768, 256), (17, 100, 300), (32, 256, 1024), (1, 1, 1), (15, 200, 33), (22, 4, 256), (9, 17, 2)],
 )
-def test_products_are_bit_identical_to_mlx(linear, m, n, k):
+def test_products_are_bit_identical_to_mlx(product, m, n, k):
     key = mx.random.key(m * 10_000 + n * 100 + k)
     kx, kw = mx.random.split(key)
     x = (mx.random.normal((m, k), key=kx) * 4).astype(mx.bfloat16)
     w = (mx.random.normal((n, k), key=kw) * 0.05).astype(mx.bfloat16)
     with mx.stream(mx.cpu):
-        assert _bits(linear(x, w)) == _bits(x @ w.T)
+        assert _bits(product(x, w)) == _bits(x @ w.T)
 
 
 @needs_kernel
-def test_special_values_round_as_mlx_rounds_them(linear):
+def test_special_values_round_as_mlx_rounds_them(product):
     """Overflow to inf, NaN (MLX's 0x7FC0), signed zeros, values that round to even at bfloat16's last bit."""
     x = mx.array([[1e38, 1e38, 0.0, -0.0, 1.0, 3.0, 1.0, 1.0, 2.0],
                   [float("nan"), 1.0, -0.0, -0.0, 1.0, 1.0, 1.0, 1.0, 1.0],
@@ -68,11 +78,11 @@ def test_special_values_round_as_mlx_rounds_them(linear):
                   [float("inf")] + [1.0] * 8, [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
                   [2 ** -9] * 9], dtype=mx.bfloat16)
     with mx.stream(mx.cpu):
-        assert _bits(linear(x, w)) == _bits(x @ w.T)
+        assert _bits(product(x, w)) == _bits(x @ w.T)
 
 
 @needs_kernel
-def test_any_layout_of_the_input(linear):
+def test_any_layout_of_the_input(product):
     """Leading batch dimensions, a transposed (non-contiguous) input and a sliced one: as ``x @ w.T``."""
     w = mx.random.normal((48, 64), key=mx.random.key(1)).astype(mx.bfloat16)
     batched = mx.random.normal((2, 3, 64), key=mx.random.key(2)).astype(mx.bfloat16)
@@ -80,18 +90,18 @@ def test_any_layout_of_the_input(linear):
     sliced = mx.random.normal((4, 5, 64), key=mx.random.key(4)).astype(mx.bfloat16)[:, -1:, :]
     with mx.stream(mx.cpu):
         for x in (batched, transposed, sliced):
-            got = linear(x, w)
+            got = product(x, w)
             assert got.shape == (*x.shape[:-1], 48)
             assert _bits(got) == _bits(x @ w.T)
 
 
 @needs_kernel
-def test_empty_products_are_mlx_s(linear):
+def test_empty_products_are_mlx_s(product):
     for x, w in ((mx.zeros((0, 8)), mx.ones((5, 8))), (mx.ones((3, 0)), mx.ones((5, 0))),
                  (mx.ones((3, 8)), mx.ones((0, 8)))):
         x, w = x.astype(mx.bfloat16), w.astype(mx.bfloat16)
         with mx.stream(mx.cpu):
-            got, want = linear(x, w), x @ w.T
+            got, want = product(x, w), x @ w.T
             assert got.shape == want.shape and _bits(got) == _bits(want)
 
 
@@ -103,6 +113,89 @@ def test_bad_arguments_are_typed_errors(linear):
         linear(mx.ones((2, 4), dtype=mx.bfloat16), mx.ones((3, 5), dtype=mx.bfloat16))
     with pytest.raises(TypeError, match="mlx.core.array"):
         linear(1, 2)
+
+
+def test_pack_linear_lays_two_k_steps_of_16_outputs_in_a_word():
+    n, k = 18, 5
+    values = mx.arange(1, n * k + 1).reshape(n, k).astype(mx.bfloat16)
+    packed = kernels.pack_linear(values)
+    assert packed.shape == (2, 3, 16) and packed.dtype == mx.uint32
+    bits = values.view(mx.uint16).tolist()
+    words = packed.tolist()
+    for b in range(2):
+        for j in range(3):
+            for i in range(16):
+                row = 16 * b + i
+                lo = bits[row][2 * j] if row < n else 0
+                hi = bits[row][2 * j + 1] if row < n and 2 * j + 1 < k else 0
+                assert words[b][j][i] == lo | hi << 16
+    with pytest.raises(ValueError, match="bfloat16"):
+        kernels.pack_linear(mx.ones((4, 4)))
+
+
+@needs_kernel
+def test_packed_bad_arguments_are_typed_errors(linear):
+    packed = kernels.cpu_linear_packed()
+    x = mx.ones((2, 6), dtype=mx.bfloat16)
+    wp = kernels.pack_linear(mx.ones((20, 6), dtype=mx.bfloat16))
+    with pytest.raises(ValueError, match="not w \\[N, K\\] packed"):
+        packed(x, wp, 40)  # N
+    with pytest.raises(ValueError, match="not w \\[N, K\\] packed"):
+        packed(mx.ones((2, 8), dtype=mx.bfloat16), wp, 20)  # K
+    with pytest.raises(ValueError, match="uint32"):
+        packed(x, mx.ones((2, 3, 16)), 20)
+    with pytest.raises(TypeError, match="3 arguments"):
+        packed(x, wp)
+
+
+@needs_kernel
+def test_a_layer_packs_its_weight_once_and_again_when_it_is_replaced(linear):
+    layer = nn.Linear(40, 24, bias=False)
+    layer.weight = layer.weight.astype(mx.bfloat16)
+    x = mx.random.normal((3, 40), key=mx.random.key(5)).astype(mx.bfloat16)
+    from exo.engine.models.layers import use_cpu_kernels
+
+    assert use_cpu_kernels(layer) and type(layer) is CpuLinear
+    packed = layer.__dict__["_exo_packed"]
+    assert "_exo_packed" not in layer.parameters()  # outside the module's tree (weights, saving, loading)
+    with mx.stream(mx.cpu):
+        assert _bits(layer(x)) == _bits(x @ layer.weight.T)
+        assert layer.__dict__["_exo_packed"] is packed  # not packed again
+        layer.weight = (layer.weight * 3).astype(mx.bfloat16)  # load_weights does this
+        assert _bits(layer(x)) == _bits(x @ layer.weight.T)
+    assert layer.__dict__["_exo_packed"] is not packed
+
+
+@needs_kernel
+def test_the_isa_follows_the_cpu_and_exo_cpu_kernels_isa(monkeypatch):
+    monkeypatch.delenv("EXO_CPU_KERNELS_ISA", raising=False)
+    flags = kernels._cpu_flags()
+    assert kernels.isa() == ("avx512" if " avx512f " in flags else "avx2")
+    monkeypatch.setenv("EXO_CPU_KERNELS_ISA", "avx2")
+    assert kernels.isa() == "avx2"
+    monkeypatch.setenv("EXO_CPU_KERNELS_ISA", "sse9")
+    module, reason = kernels._load()
+    assert module is None and "EXO_CPU_KERNELS_ISA='sse9'" in reason
+
+
+@needs_kernel
+def test_the_avx2_build_gives_mlx_s_bits_too(monkeypatch, tmp_path, linear):
+    """A machine without AVX-512 builds the AVX2 code (two registers per 16 outputs): built here on demand,
+    checked at load, and its packed products equal MLX's on every tile."""
+    monkeypatch.setenv("EXO_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setenv("EXO_CPU_KERNELS_ISA", "avx2")
+    built, reason = kernels._load()
+    assert reason == "built" and built is not None
+    (module,) = tmp_path.glob("*/_exo_cpu_kernels*")
+    assert "-mavx512f" not in kernels._flags("avx2")
+    key = mx.random.key(9)
+    for m, n, k in ((1, 70, 33), (4, 16, 64), (2, 40, 12), (9, 100, 300), (5, 4, 256)):
+        kx, kw, key = mx.random.split(key, 3)
+        x = (mx.random.normal((m, k), key=kx) * 4).astype(mx.bfloat16)
+        w = (mx.random.normal((n, k), key=kw) * 0.05).astype(mx.bfloat16)
+        with mx.stream(mx.cpu):
+            assert _bits(built.linear_packed(x, kernels.pack_linear(w), n)) == _bits(x @ w.T)
+            assert _bits(built.linear(x, w)) == _bits(x @ w.T)
 
 
 @needs_kernel
@@ -117,6 +210,8 @@ def test_the_engine_runs_its_layers_on_the_kernels_with_plain_mlx_outputs(linear
     assert nn.Linear not in classes and nn.Embedding not in classes
     deltas = [m for _, m in model.named_modules() if isinstance(m, GatedDeltaNet)]
     assert deltas and all(m.cpu_gated_delta is not None for m in deltas)
+    kernel_layers = [m for _, m in model.named_modules() if type(m) in (CpuLinear, CpuEmbedding)]
+    assert all("_exo_packed" in m.__dict__ for m in kernel_layers)  # packed at load, not in a step
     ids = engine.loaded.tokenizer.encode("def fibonacci(n):")
     request = GenerationRequest(ids, max_tokens=24, native_mtp="off")
     with_kernel = engine.complete(request).token_ids

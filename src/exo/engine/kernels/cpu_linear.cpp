@@ -145,6 +145,183 @@ mx::array linear(const mx::array& x, const mx::array& w) {
                    {mx::contiguous(x, false, s), mx::contiguous(w, false, s)});
 }
 
+// linear_packed(x, wp, n) = linear(x, w) with w packed once (``pack``: kernels.pack_linear): wp [ceil(N/16),
+// ceil(K/2), 16] uint32, word j of lane i of block b holding w[16b + i, 2j] in its low half and w[16b + i, 2j + 1]
+// in its high half (zero past N and K). One load then gives two k-steps of 16 outputs as floats (a shift and a
+// mask: a bfloat16 is a float's high half), so no transposes: the sums are the same, in the same order, from
+// +0, a product then a sum each rounded (``block``'s), for 16 outputs per AVX-512 register (two AVX2 ones),
+// several rows of x and several blocks of outputs at once (independent sums: no wait on an add's latency).
+#ifdef __AVX512F__
+template <int MB, int NB>
+inline void packed_tile(const float* xr, const uint32_t* wp, uint16_t* out, int mb, int nb, int b0, int N, int K) {
+  const int Kh = (K + 1) / 2;
+  __m512 acc[MB][NB];
+  for (int r = 0; r < MB; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(int(0xFFFF0000u));
+  const uint32_t* base[NB];
+  for (int b = 0; b < NB; ++b) base[b] = wp + size_t(b0 + std::min(b, nb - 1)) * Kh * 16;
+  const int whole = K / 2;
+  for (int j = 0; j < whole; ++j) {
+    __m512i v[NB];
+    for (int b = 0; b < NB; ++b) v[b] = _mm512_loadu_si512(base[b] + size_t(j) * 16);
+    __m512 w[NB];
+    for (int b = 0; b < NB; ++b) w[b] = _mm512_castsi512_ps(_mm512_slli_epi32(v[b], 16));
+    for (int r = 0; r < MB; ++r) {
+      if (r >= mb) break;
+      __m512 xa = _mm512_set1_ps(xr[size_t(r) * K + 2 * j]);
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_add_ps(acc[r][b], _mm512_mul_ps(xa, w[b]));
+    }
+    for (int b = 0; b < NB; ++b) w[b] = _mm512_castsi512_ps(_mm512_and_si512(v[b], high));
+    for (int r = 0; r < MB; ++r) {
+      if (r >= mb) break;
+      __m512 xb = _mm512_set1_ps(xr[size_t(r) * K + 2 * j + 1]);
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_add_ps(acc[r][b], _mm512_mul_ps(xb, w[b]));
+    }
+  }
+  if (K % 2) {  // the last k alone (the packed high halves there are zero padding, not a k-step)
+    __m512 w[NB];
+    for (int b = 0; b < NB; ++b)
+      w[b] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(base[b] + size_t(whole) * 16), 16));
+    for (int r = 0; r < MB; ++r) {
+      if (r >= mb) break;
+      __m512 xa = _mm512_set1_ps(xr[size_t(r) * K + K - 1]);
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_add_ps(acc[r][b], _mm512_mul_ps(xa, w[b]));
+    }
+  }
+  for (int r = 0; r < mb; ++r)
+    for (int b = 0; b < nb; ++b) {
+      alignas(64) float v[16];
+      _mm512_store_ps(v, acc[r][b]);
+      int n0 = (b0 + b) * 16, count = std::min(16, N - n0);
+      for (int i = 0; i < count; ++i) out[size_t(r) * N + n0 + i] = float_to_bf16(v[i]);
+    }
+}
+#else
+template <int MB, int NB>
+inline void packed_tile(const float* xr, const uint32_t* wp, uint16_t* out, int mb, int nb, int b0, int N, int K) {
+  // AVX2: a block of 16 outputs is two registers of 8.
+  const int Kh = (K + 1) / 2;
+  __m256 acc[MB][2 * NB];
+  for (int r = 0; r < MB; ++r)
+    for (int b = 0; b < 2 * NB; ++b) acc[r][b] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(int(0xFFFF0000u));
+  const uint32_t* base[NB];
+  for (int b = 0; b < NB; ++b) base[b] = wp + size_t(b0 + std::min(b, nb - 1)) * Kh * 16;
+  const int whole = K / 2;
+  auto step = [&](int j, bool pair) {
+    __m256i v[2 * NB];
+    for (int b = 0; b < NB; ++b) {
+      v[2 * b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base[b] + size_t(j) * 16));
+      v[2 * b + 1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base[b] + size_t(j) * 16 + 8));
+    }
+    for (int r = 0; r < MB; ++r) {
+      if (r >= mb) break;
+      __m256 xa = _mm256_set1_ps(xr[size_t(r) * K + 2 * j]);
+      for (int b = 0; b < 2 * NB; ++b)
+        acc[r][b] = _mm256_add_ps(acc[r][b], _mm256_mul_ps(xa, _mm256_castsi256_ps(_mm256_slli_epi32(v[b], 16))));
+    }
+    if (!pair) return;
+    for (int r = 0; r < MB; ++r) {
+      if (r >= mb) break;
+      __m256 xb = _mm256_set1_ps(xr[size_t(r) * K + 2 * j + 1]);
+      for (int b = 0; b < 2 * NB; ++b)
+        acc[r][b] = _mm256_add_ps(acc[r][b], _mm256_mul_ps(xb, _mm256_castsi256_ps(_mm256_and_si256(v[b], high))));
+    }
+  };
+  for (int j = 0; j < whole; ++j) step(j, true);
+  if (K % 2) step(whole, false);
+  for (int r = 0; r < mb; ++r)
+    for (int b = 0; b < nb; ++b) {
+      alignas(32) float v[16];
+      _mm256_store_ps(v, acc[r][2 * b]);
+      _mm256_store_ps(v + 8, acc[r][2 * b + 1]);
+      int n0 = (b0 + b) * 16, count = std::min(16, N - n0);
+      for (int i = 0; i < count; ++i) out[size_t(r) * N + n0 + i] = float_to_bf16(v[i]);
+    }
+}
+#endif
+
+#ifdef __AVX512F__
+constexpr int PACKED_TILES[4][2] = {{8, 2}, {4, 4}, {2, 6}, {1, 8}};  // (rows, blocks of 16 outputs) per tile
+#else
+constexpr int PACKED_TILES[4][2] = {{4, 1}, {4, 1}, {2, 2}, {1, 3}};
+#endif
+
+template <int T>
+void packed_rows(const float* xr, const uint32_t* wp, uint16_t* out, int mb, int N, int K) {
+  constexpr int MB = PACKED_TILES[T][0], NB = PACKED_TILES[T][1];
+  int blocks = (N + 15) / 16;
+  for (int b0 = 0; b0 < blocks; b0 += NB)
+    packed_tile<MB, NB>(xr, wp, out, mb, std::min(NB, blocks - b0), b0, N, K);
+}
+
+void linear_packed(const uint16_t* x, const uint32_t* wp, uint16_t* out, int M, int N, int K) {
+  std::vector<float> xf(size_t(M) * K);
+  for (size_t i = 0; i < size_t(M) * K; ++i) xf[i] = bf16_to_float(x[i]);
+  for (int m0 = 0; m0 < M;) {
+    int left = M - m0;
+    const float* xr = xf.data() + size_t(m0) * K;
+    uint16_t* o = out + size_t(m0) * N;
+    if (left >= PACKED_TILES[0][0]) {
+      packed_rows<0>(xr, wp, o, PACKED_TILES[0][0], N, K);
+      m0 += PACKED_TILES[0][0];
+    } else if (left >= PACKED_TILES[1][0]) {
+      packed_rows<1>(xr, wp, o, PACKED_TILES[1][0], N, K);
+      m0 += PACKED_TILES[1][0];
+    } else if (left >= PACKED_TILES[2][0]) {
+      packed_rows<2>(xr, wp, o, PACKED_TILES[2][0], N, K);
+      m0 += PACKED_TILES[2][0];
+    } else {
+      packed_rows<3>(xr, wp, o, 1, N, K);
+      m0 += 1;
+    }
+  }
+}
+
+class LinearPacked : public mx::UnaryPrimitive {
+ public:
+  LinearPacked(mx::Stream stream, int n) : mx::UnaryPrimitive(stream), n_(n) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const mx::array& x = inputs[0];
+    const mx::array& wp = inputs[1];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    int K = x.shape(-1), N = n_, M = int(x.size() / K);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(wp);
+    encoder.set_output_array(out);
+    encoder.dispatch([xp = x.data<uint16_t>(), wq = wp.data<uint32_t>(), op = out.data<uint16_t>(), M, N, K]() {
+      linear_packed(xp, wq, op, M, N, K);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("exo's LinearPacked runs on the CPU only");
+  }
+  const char* name() const override { return "ExoLinearPacked"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return n_ == static_cast<const LinearPacked&>(other).n_;
+  }
+
+ private:
+  int n_;
+};
+
+mx::array linear_packed(const mx::array& x, const mx::array& wp, int n) {
+  if (x.dtype() != mx::bfloat16 || x.ndim() < 1 || wp.dtype() != mx::uint32 || wp.ndim() != 3 || wp.shape(2) != 16)
+    throw std::invalid_argument("linear_packed: x [..., K] bfloat16 and wp [ceil(N/16), ceil(K/2), 16] uint32");
+  int K = x.shape(-1);
+  if (n < 0 || wp.shape(0) != (n + 15) / 16 || wp.shape(1) != (K + 1) / 2)
+    throw std::invalid_argument("linear_packed: wp is not w [N, K] packed for this x (kernels.pack_linear)");
+  auto s = mx::to_stream({});
+  if (s.device.type != mx::Device::DeviceType::cpu) throw std::invalid_argument("linear_packed: the CPU only");
+  auto shape = x.shape();
+  shape.back() = n;
+  if (x.size() == 0 || n == 0) return mx::zeros(shape, mx::bfloat16, s);  // empty: nothing to sum
+  return mx::array(shape, mx::bfloat16, std::make_shared<LinearPacked>(s, n),
+                   {mx::contiguous(x, false, s), mx::contiguous(wp, false, s)});
+}
+
 // gated_delta(q, k, v, g, beta, state, mask) = mlx-lm's gated_delta_ops (the gated delta rule, one row after
 // another) for the GatedDeltaNet layers of Qwen3.5 / Qwen3-Next: q, k [B, T, Hk, Dk], v [B, T, Hv, Dv] (bfloat16 or
 // float32, one dtype), g [B, T, Hv] float32 (the decay), beta [B, T, Hv] (bfloat16 or float32), state [B, Hv, Dv, Dk]
@@ -369,9 +546,31 @@ PyObject* linear_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return nullptr;
 }
 
+PyObject* linear_packed_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "linear_packed(x, wp, n) takes 3 arguments");
+    return nullptr;
+  }
+  try {
+    mx::array x = nb::cast<mx::array>(nb::handle(args[0]));
+    mx::array wp = nb::cast<mx::array>(nb::handle(args[1]));
+    int n = nb::cast<int>(nb::handle(args[2]));
+    return nb::cast(linear_packed(x, wp, n)).release().ptr();
+  } catch (const nb::cast_error&) {
+    PyErr_SetString(PyExc_TypeError, "linear_packed(x, wp, n): x and wp must be mlx.core.array, n an int");
+  } catch (const std::invalid_argument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
 PyMethodDef methods[] = {
     {"linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(linear_py)), METH_FASTCALL,
      "linear(x, w): x @ w.T for bfloat16 on the CPU, bit-identical to MLX's"},
+    {"linear_packed", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(linear_packed_py)), METH_FASTCALL,
+     "linear_packed(x, wp, n): linear(x, w) with w packed by kernels.pack_linear (no transposes), bit-identical"},
     {"gated_delta", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(gated_delta_py)), METH_FASTCALL,
      "gated_delta(q, k, v, g, beta, state, mask): mlx-lm's gated_delta_ops on the CPU in one call, bit-identical"},
     {nullptr, nullptr, 0, nullptr}};

@@ -108,14 +108,37 @@ def _kernel_applies(x: mx.array, weight: mx.array) -> bool:
     return x.dtype == mx.bfloat16 and weight.dtype == mx.bfloat16 and mx.default_device() == mx.cpu
 
 
+class _Packed:
+    """A weight packed for ``kernels.linear_packed`` and the weight it was packed from (a layer whose weight
+    is replaced, e.g. by ``load_weights``, packs the new one at its next call)."""
+
+    __slots__ = ("array", "weight")
+
+    def __init__(self, weight: mx.array) -> None:
+        from ..kernels import pack_linear
+
+        self.weight = weight
+        self.array = pack_linear(weight)
+        mx.eval(self.array)
+
+
+def _packed_product(module: nn.Module, x: mx.array, weight: mx.array) -> mx.array:
+    packed = module.__dict__.get("_exo_packed")
+    if packed is None or packed.weight is not weight:
+        packed = _Packed(weight)
+        object.__setattr__(module, "_exo_packed", packed)  # not a parameter: outside the module's tree
+    return module.kernel(x, packed.array, weight.shape[0])
+
+
 class CpuLinear(nn.Linear):
-    """``nn.Linear`` without bias whose product runs on exo's CPU kernel (same parameters, same values)."""
+    """``nn.Linear`` without bias whose product runs on exo's CPU kernel (same parameters, same values; the
+    kernel's packed copy of the weight is kept next to it)."""
 
     kernel: Any = None
 
     def __call__(self, x: mx.array) -> mx.array:
         if _kernel_applies(x, self["weight"]):
-            return self.kernel(x, self["weight"])
+            return _packed_product(self, x, self["weight"])
         return super().__call__(x)
 
 
@@ -126,7 +149,7 @@ class CpuEmbedding(nn.Embedding):
 
     def as_linear(self, x: mx.array) -> mx.array:
         if _kernel_applies(x, self.weight):
-            return self.kernel(x, self.weight)
+            return _packed_product(self, x, self.weight)
         return super().as_linear(x)
 
 
@@ -134,9 +157,9 @@ def use_cpu_kernels(module: nn.Module) -> bool:
     """Give ``module``'s bias-free linear layers and embedding tables their CPU-kernel class, and its
     GatedDeltaNet layers the CPU recurrence; False (nothing changed) where the kernels do not apply or are
     not built (``kernels.status()`` says why)."""
-    from ..kernels import cpu_gated_delta, cpu_linear
+    from ..kernels import cpu_gated_delta, cpu_linear_packed
 
-    linear = cpu_linear()
+    linear = cpu_linear_packed()
     if linear is None:
         return False
     CpuLinear.kernel = CpuEmbedding.kernel = staticmethod(linear)
@@ -145,6 +168,8 @@ def use_cpu_kernels(module: nn.Module) -> bool:
             leaf.__class__ = CpuLinear
         elif type(leaf) is nn.Embedding:
             leaf.__class__ = CpuEmbedding
+        if type(leaf) in (CpuLinear, CpuEmbedding) and leaf.weight.dtype == mx.bfloat16 and leaf.weight.ndim == 2:
+            object.__setattr__(leaf, "_exo_packed", _Packed(leaf.weight))  # packed now, not in a step
         elif isinstance(leaf, (GatedDeltaNet, NextGatedDeltaNet)):
             leaf.cpu_gated_delta = cpu_gated_delta()  # its recurrence (``_recurrence``)
     return True
