@@ -11,10 +11,12 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx_lm.models.activations import swiglu
+from mlx_lm.models.qwen3_next import Qwen3NextMLP
 
 from exo.engine import GenerationRequest, kernels, load
 from exo.engine.kernels import bits_equal, gated_delta_inputs
-from exo.engine.models.layers import CpuEmbedding, CpuLinear, GatedDeltaNet
+from exo.engine.models.layers import CpuEmbedding, CpuLinear, CpuMLP, GatedDeltaNet
 
 on_x86_linux = sys.platform == "linux" and platform.machine() == "x86_64"
 needs_kernel = pytest.mark.skipif(not on_x86_linux, reason="exo's CPU kernel is for x86-64 Linux")
@@ -115,6 +117,35 @@ def test_bad_arguments_are_typed_errors(linear):
         linear(1, 2)
 
 
+@needs_kernel
+def test_silu_and_swiglu_are_mlx_s_on_every_bfloat16_input(linear):
+    """Every one of the 65536 bfloat16 values (NaNs, infinities, zeros of both signs, subnormals) as ``a``, times
+    several ``b`` (of every magnitude, and the special values), in odd shapes (the tail of 8)."""
+    silu = kernels.cpu_silu()
+    a = kernels.every_bfloat16()
+    with mx.stream(mx.cpu):
+        assert _bits(silu(a)) == _bits(nn.silu(a))
+        for i, scale in enumerate((1e-3, 1.0, 30.0, 1e30)):
+            b = (mx.random.normal(a.shape, key=mx.random.key(i)) * scale).astype(mx.bfloat16)
+            assert _bits(silu(a, b)) == _bits(swiglu(a, b))
+        assert _bits(silu(a, a[::-1])) == _bits(swiglu(a, a[::-1]))  # b non-contiguous, and special values
+        odd = a[:1000].reshape(8, 125)[:, :13]  # [8, 13], strided
+        assert _bits(silu(odd, odd)) == _bits(swiglu(odd, odd)) and _bits(silu(odd)) == _bits(nn.silu(odd))
+        empty = mx.zeros((0, 4), dtype=mx.bfloat16)
+        assert silu(empty).shape == (0, 4)
+
+
+@needs_kernel
+def test_silu_bad_arguments_are_typed_errors(linear):
+    silu = kernels.cpu_silu()
+    with pytest.raises(ValueError, match="bfloat16"):
+        silu(mx.ones((2, 4)))
+    with pytest.raises(ValueError, match="one shape"):
+        silu(mx.ones((2, 4), dtype=mx.bfloat16), mx.ones((2, 5), dtype=mx.bfloat16))
+    with pytest.raises(TypeError, match="1 or 2 arguments"):
+        silu()
+
+
 def test_pack_linear_lays_two_k_steps_of_16_outputs_in_a_word():
     n, k = 18, 5
     values = mx.arange(1, n * k + 1).reshape(n, k).astype(mx.bfloat16)
@@ -196,6 +227,9 @@ def test_the_avx2_build_gives_mlx_s_bits_too(monkeypatch, tmp_path, linear):
         with mx.stream(mx.cpu):
             assert _bits(built.linear_packed(x, kernels.pack_linear(w), n)) == _bits(x @ w.T)
             assert _bits(built.linear(x, w)) == _bits(x @ w.T)
+    a = kernels.every_bfloat16()
+    with mx.stream(mx.cpu):
+        assert _bits(built.silu(a, a[::-1])) == _bits(swiglu(a, a[::-1]))
 
 
 @needs_kernel
@@ -210,6 +244,7 @@ def test_the_engine_runs_its_layers_on_the_kernels_with_plain_mlx_outputs(linear
     assert nn.Linear not in classes and nn.Embedding not in classes
     deltas = [m for _, m in model.named_modules() if isinstance(m, GatedDeltaNet)]
     assert deltas and all(m.cpu_gated_delta is not None for m in deltas)
+    assert CpuMLP in classes and all(m.cpu_silu is not None for m in deltas)
     kernel_layers = [m for _, m in model.named_modules() if type(m) in (CpuLinear, CpuEmbedding)]
     assert all("_exo_packed" in m.__dict__ for m in kernel_layers)  # packed at load, not in a step
     ids = engine.loaded.tokenizer.encode("def fibonacci(n):")
@@ -223,11 +258,13 @@ def test_the_engine_runs_its_layers_on_the_kernels_with_plain_mlx_outputs(linear
             module.__class__ = nn.Linear
         elif type(module) is CpuEmbedding:
             module.__class__ = nn.Embedding
+        elif type(module) is CpuMLP:  # mlx-lm's compiled swiglu
+            module.__class__ = Qwen3NextMLP
     for _, module in engine.loaded.head.named_modules() if engine.loaded.head is not None else ():
         if type(module) is CpuLinear:
             module.__class__ = nn.Linear
-    for module in deltas:  # and mlx-lm's gated delta ops
-        del module.cpu_gated_delta
+    for module in deltas:  # and mlx-lm's gated delta ops, MLX's silu
+        del module.cpu_gated_delta, module.cpu_silu
     plain_logits = model(mx.array([ids]))
     assert _bits(logits) == _bits(plain_logits)
     assert engine.complete(request).token_ids == with_kernel

@@ -1,11 +1,13 @@
 """Kernels exo builds for the machine it runs on, where MLX's own are slow.
 
-Two, for MLX's CPU backend on x86-64 with AVX2 (``cpu_linear.cpp``; AVX-512 where the CPU has it), where
+Three, for MLX's CPU backend on x86-64 with AVX2 (``cpu_linear.cpp``; AVX-512 where the CPU has it), where
 MLX has no SIMD code:
 
 - ``linear``: a bfloat16 ``x @ w.T``, bit-identical to MLX's product and 2.8-4.8x faster on a decode step's
   linear layers at 1-32 rows (bench/cpu_kernels.py); ``linear_packed`` the same product from w packed once
   (``pack_linear``) so that a call transposes nothing, what the engine's layers use;
+- ``silu``: ``nn.silu`` and mlx-lm's ``swiglu`` for bfloat16 as MLX's compiled kernels compute them (the same
+  bits for every input), vectorised with FMA where MLX's call libm's ``fmaf`` per coefficient of its exp;
 - ``gated_delta``: the GatedDeltaNet recurrence of mlx-lm's ``gated_delta_ops`` (its compiled step, row after
   row: ~10 dispatched ops per row and layer, so a prompt of T tokens costs T steps per layer) in one call,
   bit-identical.
@@ -48,6 +50,7 @@ FLAGS = ("-std=c++20", "-O3", "-fPIC", "-shared", "-fvisibility=hidden",
 
 Linear = Callable[[mx.array, mx.array], mx.array]
 LinearPacked = Callable[[mx.array, mx.array, int], mx.array]
+Silu = Callable[..., mx.array]
 GatedDelta = Callable[..., tuple[mx.array, mx.array]]
 
 _lock = threading.Lock()
@@ -83,6 +86,13 @@ def cpu_linear_packed() -> LinearPacked | None:
     (no transposes of w per call: 1.3-2.7x ``linear`` on exo-demo's shapes at 1-22 rows, the same bits)."""
     module = _module()
     return None if module is None else module.linear_packed
+
+
+def cpu_silu() -> Silu | None:
+    """The CPU ``silu(a)`` / ``silu(a, b)`` kernel: ``nn.silu(a)`` / mlx-lm's ``swiglu(a, b)`` for bfloat16 as MLX's
+    compiled kernels compute them (the same bits on every input), 8 values per AVX register with FMA."""
+    module = _module()
+    return None if module is None else module.silu
 
 
 def pack_linear(w: mx.array) -> mx.array:
@@ -135,7 +145,8 @@ def _cpu_flags() -> str:
 
 
 def _flags(chosen: str) -> tuple[str, ...]:
-    return (*FLAGS, "-mavx2", *(("-mavx512f",) if chosen == "avx512" else ()))
+    # FMA: silu's exp computes as MLX's with fused multiply-adds (libm's fmaf there)
+    return (*FLAGS, "-mavx2", "-mfma", *(("-mavx512f",) if chosen == "avx512" else ()))
 
 
 def _applies() -> str | None:
@@ -143,8 +154,8 @@ def _applies() -> str | None:
         return "off (EXO_CPU_KERNELS=0)"
     if sys.platform != "linux" or platform.machine() != "x86_64":
         return "not an x86-64 Linux machine (MLX's own CPU kernels apply)"
-    if " avx2 " not in _cpu_flags():
-        return "not a CPU with AVX2"
+    if " avx2 " not in _cpu_flags() or " fma " not in _cpu_flags():
+        return "not a CPU with AVX2 and FMA"
     try:
         isa()
     except ValueError as e:
@@ -191,7 +202,7 @@ def _load() -> tuple[Any, str]:
         module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
         spec.loader.exec_module(module)  # type: ignore[union-attr]
         mismatch = (_check(module.linear) or _check(lambda x, w: module.linear_packed(x, pack_linear(w), w.shape[0]))
-                    or _check_gated_delta(module.gated_delta))
+                    or _check_gated_delta(module.gated_delta) or _check_silu(module.silu))
     except Exception as e:  # a module built against another MLX/nanobind ABI fails here, not later
         return None, f"{target} does not load: {e}"
     if mismatch:
@@ -237,6 +248,26 @@ def _check(linear: Linear) -> str | None:
             same = mx.array_equal(want.view(mx.uint16), got.view(mx.uint16)).item()
         if not same:
             return f"its products differ from MLX's at [{m}, {k}] x [{n}, {k}]"
+    return None
+
+
+def every_bfloat16() -> mx.array:
+    """The 65536 bfloat16 values, by bits (NaNs, infinities, signed zeros, subnormals included)."""
+    return mx.arange(0, 65536, dtype=mx.uint32).astype(mx.uint16).view(mx.bfloat16)
+
+
+def _check_silu(silu: Silu) -> str | None:
+    """Bit-for-bit against ``nn.silu`` and mlx-lm's ``swiglu`` on every bfloat16 input."""
+    import mlx.nn as nn
+    from mlx_lm.models.activations import swiglu
+
+    a = every_bfloat16()
+    b = mx.random.normal(a.shape, key=mx.random.key(13)).astype(mx.bfloat16)
+    with mx.stream(mx.cpu):
+        if not bits_equal(silu(a), nn.silu(a)):
+            return "its silu differs from MLX's"
+        if not bits_equal(silu(a, b), swiglu(a, b)):
+            return "its swiglu differs from mlx-lm's"
     return None
 
 

@@ -322,6 +322,108 @@ mx::array linear_packed(const mx::array& x, const mx::array& wp, int n) {
                    {mx::contiguous(x, false, s), mx::contiguous(wp, false, s)});
 }
 
+// silu(a) = a * sigmoid(a) and silu_mul(a, b) = silu(a) * b (mlx-lm's ``swiglu``) for bfloat16, as MLX's compiled
+// CPU kernels compute them (its JIT fuses them into one loop of its scalar functors, each op's result rounded to
+// bfloat16; on x86-64 its exp calls libm's fmaf once per coefficient): here 8 values per AVX register, each
+// step as MLX's ``simd::exp`` and ``Sigmoid`` take it (asserted on every bfloat16 input in tests/engine/test_kernels.py):
+//   e = bf16(exp(|a|)): x = |a| * log2(e); i = floor(x + 0.5) (in double there: exact, so floor(x) + (x - floor(x)
+//       >= 0.5)); f = x - i; p = the degree-6 polynomial in f by fused multiply-adds; 2^i * p; NaN stays,
+//       |a| > 88 -> inf;
+//   s = bf16(a < 0 ? y : 1 - y) for y = 1 / (1 + e) in float;
+//   silu = bf16(a * s); silu_mul = bf16(silu * b).
+inline __m256 round_bf16(__m256 f) {  // float -> bfloat16 (MLX's: to nearest even, NaN -> 0x7FC0), as a float
+  __m256i u = _mm256_castps_si256(f);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  r = _mm256_and_si256(r, _mm256_set1_epi32(int(0xFFFF0000u)));
+  __m256 nan = _mm256_cmp_ps(f, f, _CMP_UNORD_Q);
+  return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan);
+}
+
+inline __m128i pack_bf16(__m256 f) {  // a float holding a bfloat16 value -> its 16 bits
+  __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(f), 16);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(hi, hi), 0x08));
+}
+
+inline __m256 sigmoid_bf16(__m256 a) {
+  const __m256 x_init = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a);  // |a|
+  __m256 x = _mm256_mul_ps(x_init, _mm256_set1_ps(1.442695f));
+  __m256 fl = _mm256_floor_ps(x);
+  __m256 up = _mm256_and_ps(_mm256_cmp_ps(_mm256_sub_ps(x, fl), _mm256_set1_ps(0.5f), _CMP_GE_OQ), _mm256_set1_ps(1.0f));
+  __m256 ipart = _mm256_add_ps(fl, up);
+  __m256 fpart = _mm256_sub_ps(x, ipart);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(1.000000000000000f));
+  __m256i epart = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(ipart), _mm256_set1_epi32(127)), 23);
+  __m256 e = _mm256_mul_ps(_mm256_castsi256_ps(epart), p);
+  e = _mm256_blendv_ps(e, x_init, _mm256_cmp_ps(x_init, x_init, _CMP_UNORD_Q));
+  e = _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x_init, _mm256_set1_ps(88.0f), _CMP_GT_OQ));
+  e = round_bf16(e);
+  __m256 y = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+  __m256 negative = _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_LT_OQ);
+  return round_bf16(_mm256_blendv_ps(_mm256_sub_ps(_mm256_set1_ps(1.0f), y), y, negative));
+}
+
+inline float bf16_value(float f) {  // float -> bfloat16 -> float
+  uint32_t u = uint32_t(float_to_bf16(f)) << 16;
+  float r;
+  std::memcpy(&r, &u, 4);
+  return r;
+}
+
+void silu_rows(const uint16_t* a, const uint16_t* b, uint16_t* out, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 av = load8_bf16(a + i);
+    __m256 r = round_bf16(_mm256_mul_ps(av, sigmoid_bf16(av)));
+    if (b != nullptr) r = round_bf16(_mm256_mul_ps(r, load8_bf16(b + i)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), pack_bf16(r));
+  }
+  if (i < n) {  // the tail through the same vector code, padded
+    alignas(32) uint16_t ta[8] = {0}, tb[8] = {0}, to[8];
+    std::memcpy(ta, a + i, (n - i) * sizeof(uint16_t));
+    if (b != nullptr) std::memcpy(tb, b + i, (n - i) * sizeof(uint16_t));
+    silu_rows(ta, b != nullptr ? tb : nullptr, to, 8);
+    std::memcpy(out + i, to, (n - i) * sizeof(uint16_t));
+  }
+}
+
+class Silu : public mx::UnaryPrimitive {
+ public:
+  explicit Silu(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& x : inputs) encoder.set_input_array(x);
+    encoder.set_output_array(out);
+    const uint16_t* bp = inputs.size() > 1 ? inputs[1].data<uint16_t>() : nullptr;
+    encoder.dispatch([ap = inputs[0].data<uint16_t>(), bp, op = out.data<uint16_t>(), n = out.size()]() {
+      silu_rows(ap, bp, op, n);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("exo's Silu runs on the CPU only");
+  }
+  const char* name() const override { return "ExoSilu"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
+
+mx::array silu(const mx::array& a, const mx::array* b) {
+  if (a.dtype() != mx::bfloat16 || (b != nullptr && (b->dtype() != mx::bfloat16 || b->shape() != a.shape())))
+    throw std::invalid_argument("silu: a (and b) bfloat16, of one shape");
+  auto s = mx::to_stream({});
+  if (s.device.type != mx::Device::DeviceType::cpu) throw std::invalid_argument("silu: the CPU only");
+  std::vector<mx::array> inputs{mx::contiguous(a, false, s)};
+  if (b != nullptr) inputs.push_back(mx::contiguous(*b, false, s));
+  if (a.size() == 0) return mx::zeros(a.shape(), mx::bfloat16, s);
+  return mx::array(a.shape(), mx::bfloat16, std::make_shared<Silu>(s), inputs);
+}
+
 // gated_delta(q, k, v, g, beta, state, mask) = mlx-lm's gated_delta_ops (the gated delta rule, one row after
 // another) for the GatedDeltaNet layers of Qwen3.5 / Qwen3-Next: q, k [B, T, Hk, Dk], v [B, T, Hv, Dv] (bfloat16 or
 // float32, one dtype), g [B, T, Hv] float32 (the decay), beta [B, T, Hv] (bfloat16 or float32), state [B, Hv, Dv, Dk]
@@ -566,11 +668,33 @@ PyObject* linear_packed_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return nullptr;
 }
 
+PyObject* silu_py(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 1 && nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "silu(a) or silu(a, b) takes 1 or 2 arguments");
+    return nullptr;
+  }
+  try {
+    mx::array a = nb::cast<mx::array>(nb::handle(args[0]));
+    if (nargs == 1) return nb::cast(silu(a, nullptr)).release().ptr();
+    mx::array b = nb::cast<mx::array>(nb::handle(args[1]));
+    return nb::cast(silu(a, &b)).release().ptr();
+  } catch (const nb::cast_error&) {
+    PyErr_SetString(PyExc_TypeError, "silu: the arguments must be mlx.core.array");
+  } catch (const std::invalid_argument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
 PyMethodDef methods[] = {
     {"linear", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(linear_py)), METH_FASTCALL,
      "linear(x, w): x @ w.T for bfloat16 on the CPU, bit-identical to MLX's"},
     {"linear_packed", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(linear_packed_py)), METH_FASTCALL,
      "linear_packed(x, wp, n): linear(x, w) with w packed by kernels.pack_linear (no transposes), bit-identical"},
+    {"silu", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(silu_py)), METH_FASTCALL,
+     "silu(a) = a * sigmoid(a), silu(a, b) = silu(a) * b (mlx-lm's swiglu) for bfloat16 on the CPU, bit-identical"},
     {"gated_delta", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(gated_delta_py)), METH_FASTCALL,
      "gated_delta(q, k, v, g, beta, state, mask): mlx-lm's gated_delta_ops on the CPU in one call, bit-identical"},
     {nullptr, nullptr, 0, nullptr}};
