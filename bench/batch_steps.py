@@ -1,7 +1,7 @@
 """Where a batched plain step's time goes on the host: building its graph, evaluating it, emitting its tokens.
 
     python bench/batch_steps.py [MODEL] [--sizes 1 8] [--lanes 1 2] [--steps 150] [--linear packed unpacked]
-                                [--repeats 3]
+                                [--silu exo mlx] [--repeats 3]
 
 For each batch size B and lane count L: B generations (distinct prompts, EOS ignored, native MTP off) decode
 together in a ``BatchLanes`` of L lanes; after 20 warm-up steps, each step is timed in its three phases as
@@ -18,11 +18,12 @@ import time
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
 
 from exo.engine import GenerationRequest, kernels, load
 from exo.engine.batch import BatchLanes
 from exo.engine.costs import device_name
-from exo.engine.models.layers import CpuLinear
+from exo.engine.models.layers import CpuLinear, CpuMLP
 
 TEXTS = ("Once upon a time", "The capital of France", "def fibonacci(n):", "In the beginning", "A quick brown fox",
          "Explain gravity", "List three colors", "Write a poem about the sea")
@@ -37,12 +38,15 @@ def main() -> None:
     parser.add_argument("--linear", nargs="+", choices=["packed", "unpacked"], default=["packed"],
                         help="CPU: the layers' kernel per row (unpacked: ``kernels.linear``, w transposed per call, as "
                              "before ``linear_packed``); several: alternated per size")
+    parser.add_argument("--silu", nargs="+", choices=["exo", "mlx"], default=["exo"],
+                        help="CPU: the MLPs' swiglu and the convs' silu on ``kernels.silu`` (exo) or MLX's compiled ops; "
+                             "several: alternated")
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
     engine = load(args.model)
     tokenizer = engine.loaded.tokenizer
     print(f"{args.model} on {device_name()}: median ms per batched plain step, {args.steps} steps")
-    print(f"{'B':>3} {'L':>2} {'linear':>8} {'build':>7} {'eval':>7} {'emit':>7} {'step':>7} {'tok/s':>7}")
+    print(f"{'B':>3} {'L':>2} {'linear':>8} {'silu':>4} {'build':>7} {'eval':>7} {'emit':>7} {'step':>7} {'tok/s':>7}")
     packed_call = CpuLinear.__call__
     unpacked = kernels.cpu_linear()
 
@@ -50,10 +54,16 @@ def main() -> None:
         return unpacked(x, self["weight"]) if x.dtype == mx.bfloat16 and self["weight"].dtype == mx.bfloat16 \
             else nn.Linear.__call__(self, x)
 
-    runs = [(size, lanes, linear) for size in args.sizes for lanes in args.lanes
-            for _ in range(args.repeats) for linear in args.linear]
-    for size, lanes, linear in runs:
+    silu = kernels.cpu_silu()
+    deltas = [m for _, m in engine.loaded.model.named_modules() if getattr(m, "cpu_silu", None) is not None]
+
+    runs = [(size, lanes, linear, act) for size in args.sizes for lanes in args.lanes
+            for _ in range(args.repeats) for linear in args.linear for act in args.silu]
+    for size, lanes, linear, act in runs:
         CpuLinear.__call__ = packed_call if linear == "packed" else unpacked_call
+        CpuMLP.kernel = staticmethod(silu if act == "exo" else swiglu)
+        for layer in deltas:
+            layer.cpu_silu = silu if act == "exo" else None
         if True:
             batch = BatchLanes(engine, lanes)
             for i in range(size):
@@ -80,7 +90,7 @@ def main() -> None:
                 phases.append((built - start, evaluated - built, time.perf_counter() - evaluated))
             build, run_s, emit = (statistics.median(p[i] for p in phases) for i in range(3))
             step = sum(statistics.median(p) for p in [[sum(x) for x in phases]])
-            print(f"{size:>3} {lanes:>2} {linear:>8} {build * 1e3:7.2f} {run_s * 1e3:7.2f} {emit * 1e3:7.2f} {step * 1e3:7.2f} "
+            print(f"{size:>3} {lanes:>2} {linear:>8} {act:>4} {build * 1e3:7.2f} {run_s * 1e3:7.2f} {emit * 1e3:7.2f} {step * 1e3:7.2f} "
                   f"{size / step:7.1f}")
             for lane in batch.lanes:  # end the runs (their caches go)
                 lane.cancel_all()
