@@ -296,10 +296,24 @@ class DepthPolicy:
 
     def new_request(self) -> None:
         """A new generation: acceptance and costs learned so far stay; the probe backoff restarts at no more
-        than ``PROBE_RESTART`` plain tokens."""
+        than ``PROBE_RESTART`` plain tokens if the acceptance measured so far could pay at some depth (a new
+        text may suit the head better). Where it could not (a head whose drafts are rejected: random weights,
+        a head for another model), the backoff goes on doubling across requests: a probe per request then cost
+        a round of rejected drafts in every short request (a random Qwen3.5-9B on an H200, 64-token requests:
+        adaptive 0.85x plain)."""
         self._plain_since_probe = 0
-        self._probe_every = min(self._probe_every, PROBE_RESTART)
+        if any(self._could_pay(d, self.effective_costs()) for d in range(1, self.max_k + 1)):
+            self._probe_every = min(self._probe_every, PROBE_RESTART)
         self._deeper_every = DEEPER_PROBE_FIRST
+
+    def _could_pay(self, d: int, costs: DepthCosts) -> bool:
+        """Whether depth d could beat plain decoding by the entry gain at the acceptance measured, if it cost its
+        warm-up cost or what the shallower depths measured live cost (a deeper round costs at least that),
+        whichever is less."""
+        warm = self.costs.in_pipelined_steps()
+        below = [costs.round_cost(j) for j in range(1, d) if self._median(j) is not None]
+        optimistic = min(warm.round_cost(d), max([1.0 + warm.delta[d - 1], *below]))
+        return expected_tokens(self.tracker.rates(), d) > optimistic * self.entry_gain
 
     # -- decisions ---------------------------------------------------------------------------------
     def choose(self) -> int:
@@ -337,14 +351,8 @@ class DepthPolicy:
             # one new timing among the STALE_KEEP old ones moves nothing, and timings from a slow minute
             # (an H100: a first request's, before plain decoding was timed live) kept adaptive decoding
             # plainly for three requests of one probe each where K = 2 ran 1.2x plain.
-            warm = self.costs.in_pipelined_steps()
-
             def could_pay(d: int) -> bool:
-                """At the acceptance measured, if it cost its warm-up cost or what the shallower depths
-                measured live cost (a deeper round costs at least that), whichever is less."""
-                below = [costs.round_cost(j) for j in range(1, d) if self._median(j) is not None]
-                optimistic = min(warm.round_cost(d), max([1.0 + warm.delta[d - 1], *below]))
-                return expected_tokens(rates, d) > optimistic * self.entry_gain
+                return self._could_pay(d, costs)
 
             ran = max((d for d in self._timed_at if d > 0), default=0)
             never_ran = [d for d in range(ran + 1, self.max_k + 1) if could_pay(d)]
