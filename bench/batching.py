@@ -1,7 +1,7 @@
 """Many clients at once: continuous batching vs one generation at a time, through `exo serve`.
 
     python bench/batching.py [MODEL] [--clients 1 8 32] [--seconds 30] [--max-tokens 64] [--mtp off,k1,adaptive]
-                             [--lanes 1 2]
+                             [--lanes 1 2] [--repeats 3]
 
 Starts two `exo serve --model MODEL` processes as users run them (the daemon relays to a runner
 subprocess over gRPC): one with EXO_MAX_BATCH=1 (requests strictly one at a time, as before batching)
@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import tempfile
 import time
 from typing import Any
@@ -136,6 +137,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the whole table this many times (drift on a shared machine): medians and ratios per repeat")
     parser.add_argument("--mtp", default="adaptive", help=f"comma-separated request modes: {', '.join(MTP_MODES)}")
     parser.add_argument("--lanes", type=int, nargs="+", default=None,
                         help="a batching server per lane count (EXO_BATCH_LANES); default: one, with the node's default")
@@ -165,12 +168,20 @@ def main() -> None:
             servers[name] = f"http://127.0.0.1:{port}"
             asyncio.run(warm(servers[name], args.max_tokens))
         rows: dict[tuple[str, str, int], dict[str, Any]] = {}
-        for mode in modes:
-            for n in args.clients:
-                for name, url in servers.items():
-                    rows[mode, name, n] = r = asyncio.run(load(url, n, args.seconds, args.max_tokens, MTP_MODES[mode]))
-                    print(f"  ran {mode:8s} {name:13s} clients={n:3d}: {r['completed']} completed, {r['tok_s']:.1f} tok/s",
-                          flush=True)
+        repeats: dict[tuple[str, str, int], list[float]] = {}  # tok/s of every repeat
+        for repeat in range(args.repeats):
+            for mode in modes:
+                for n in args.clients:
+                    for name, url in servers.items():
+                        r = asyncio.run(load(url, n, args.seconds, args.max_tokens, MTP_MODES[mode]))
+                        repeats.setdefault((mode, name, n), []).append(r["tok_s"])
+                        if repeat == 0:
+                            rows[mode, name, n] = r
+                        else:  # the table's row is the first repeat's; every response counts for identity
+                            for topic, texts in r["texts"].items():
+                                rows[mode, name, n]["texts"].setdefault(topic, []).extend(texts)
+                        print(f"  ran {mode:8s} {name:13s} clients={n:3d}: {r['completed']} completed, "
+                              f"{r['tok_s']:.1f} tok/s", flush=True)
         print(f"\nmodel {args.model}, {args.max_tokens}-token streamed chat completions, {args.seconds:.0f} s per row, "
               f"temperature 0, {os.cpu_count()} CPUs")
         print(f"{'mtp':8s} {'server':14s} {'clients':>7s} {'completed':>9s} {'errors':>6s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
@@ -202,6 +213,16 @@ def main() -> None:
                     total += len(texts)
                     same += sum(t == reference[topic] for t in texts)
         print(f"\nresponses identical to the one-at-a-time output of their prompt: {same}/{total}")
+        if args.repeats > 1:
+            print(f"\n{args.repeats} repeats (each: every row once, in the order above): tok/s median (min-max) and the "
+                  f"median of each repeat's ratio to one client on the same server in the same repeat")
+            for mode in modes:
+                for n in args.clients:
+                    for name in servers:
+                        values = repeats[mode, name, n]
+                        ratios = [v / o for v, o in zip(values, repeats[mode, name, args.clients[0]], strict=True)]
+                        print(f"{mode:8s} {name:14s} {n:7d} {statistics.median(values):7.1f} ({min(values):.1f}-{max(values):.1f})"
+                              f"  vs 1 client {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
     finally:
         for process in processes:
             process.terminate()
