@@ -302,7 +302,8 @@ class DepthPolicy:
         a round of rejected drafts in every short request (a random Qwen3.5-9B on an H200, 64-token requests:
         adaptive 0.85x plain)."""
         self._plain_since_probe = 0
-        if any(self._could_pay(d, self.effective_costs()) for d in range(1, self.max_k + 1)):
+        costs = self.effective_costs()
+        if any(self._could_pay(d, costs) for d in range(1, self.max_k + 1)):
             self._probe_every = min(self._probe_every, PROBE_RESTART)
         self._deeper_every = DEEPER_PROBE_FIRST
 
@@ -351,16 +352,13 @@ class DepthPolicy:
             # one new timing among the STALE_KEEP old ones moves nothing, and timings from a slow minute
             # (an H100: a first request's, before plain decoding was timed live) kept adaptive decoding
             # plainly for three requests of one probe each where K = 2 ran 1.2x plain.
-            def could_pay(d: int) -> bool:
-                return self._could_pay(d, costs)
-
             ran = max((d for d in self._timed_at if d > 0), default=0)
-            never_ran = [d for d in range(ran + 1, self.max_k + 1) if could_pay(d)]
+            never_ran = [d for d in range(ran + 1, self.max_k + 1) if self._could_pay(d, costs)]
             if never_ran and self.explore_deeper:
                 depth = max(never_ran, key=lambda d: (speed[d], -d))
             else:
                 depth = max(range(1, self.max_k + 1), key=lambda d: (speed[d], -d))
-            if self.explore_deeper and could_pay(depth) and (depth not in self._timed_at or self._is_stale(depth)):
+            if self.explore_deeper and self._could_pay(depth, costs) and (depth not in self._timed_at or self._is_stale(depth)):
                 self._refresh = [depth] * (MIN_ROUND_SAMPLES - 1)
             return depth
         # Only against live timings of the current depth: figures all from the warm-up are of one moment.
