@@ -2,6 +2,7 @@
 
 import pytest
 
+from exo.engine import adaptive
 from exo.engine.adaptive import (
     MIN_ROUND_SAMPLES,
     PROBE_FIRST,
@@ -202,6 +203,29 @@ def test_a_probe_tries_the_most_promising_depth():
     assert expected_speedup(policy.effective_costs(), rates, 2) > expected_speedup(policy.effective_costs(), rates, 1)
     policy.observe_plain(policy.plain_budget(), 0.010 * policy.plain_budget())
     assert policy.choose() == 2
+
+
+def test_a_probe_gives_a_position_seen_once_the_benefit_of_the_doubt(monkeypatch):
+    """A deeper position judged on one rejected draft is uncertain, not bad: a probe from K = 0 picks the
+    depth by optimistic acceptance (each position's rate plus a standard error of its evidence), so K = 2
+    gets the rounds that measure its second position. On point estimates the probe went to K = 1, which
+    cannot pay, and position 2 stayed at its one observation (simulated H200 exo-demo: the first requests
+    ran plainly for half their tokens where K = 3 ran 1.13x)."""
+
+    def probed_depth() -> int:
+        costs = DepthCosts(beta=(1.8, 2.1), delta=(0.1, 0.2), device="gpu")
+        policy = DepthPolicy(costs, max_k=2, default_k=1)
+        assert policy.choose() == 1
+        for i in range(20):
+            policy.observe_round(1, 0 if i % 5 == 0 else 1)  # position 1 lands 80%
+        policy.observe_round(2, 1)  # position 2 tried once: rejected
+        assert policy.choose() == 0  # K = 1 runs ~0.95x plain, K = 2 looks no better
+        policy.observe_plain(policy.plain_budget())
+        return policy.choose()
+
+    assert probed_depth() == 2
+    monkeypatch.setattr(adaptive, "OPTIMISM", 0.0)
+    assert probed_depth() == 1
 
 
 def test_new_timings_of_a_depth_outvote_its_old_ones_after_a_stretch_elsewhere():
@@ -747,3 +771,25 @@ def test_a_probe_of_a_depth_with_stale_timings_outvotes_them():
         probe += 1
     assert probe == MIN_ROUND_SAMPLES and policy._current == 2
     assert policy.choose() == 2
+
+
+def test_a_trace_records_what_the_policy_saw_and_chose(tmp_path, monkeypatch):
+    """EXO_ADAPTIVE_TRACE: the warm-up costs, then every request, decision and observation as JSON lines (a
+    real run's view, for bench/adaptive_sim.py); nothing is written without it."""
+    import json
+
+    monkeypatch.delenv(adaptive.TRACE_ENV, raising=False)
+    assert adaptive.trace_from_env(FLAT, 3) is None
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setenv(adaptive.TRACE_ENV, str(path))
+    policy = DepthPolicy(FLAT, max_k=3, default_k=2, trace=adaptive.trace_from_env(FLAT, 3))
+    policy.new_request()
+    k = policy.choose()
+    policy.observe_round(k, 1, 0.02)
+    policy.observe_plain(8, 0.05)
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e["event"] for e in events] == ["policy", "request", "choose", "round", "plain"]
+    assert events[0]["beta"] == list(FLAT.beta) and events[0]["max_k"] == 3
+    assert events[2]["k"] == k == 2 and len(events[2]["rates"]) == 3
+    assert events[3] | {"t": 0} == {"t": 0, "event": "round", "k": 2, "accepted": 1, "seconds": 0.02}
+    assert events[4]["tokens"] == 8

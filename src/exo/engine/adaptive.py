@@ -25,8 +25,14 @@ Everything here is pure Python over numbers: table-tested in tests/engine/test_a
 from __future__ import annotations
 
 import collections
+import json
+import math
+import os
 import statistics
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 # A depth must beat plain decoding by this factor to be chosen: measurement noise must not make the
 # policy oscillate into slower configurations.
@@ -36,7 +42,12 @@ MIN_GAIN = 1.03
 # exo-demo to 8 clients on an H100), and every batch size explores on its own.
 BATCH_ENTRY_GAIN = 1.15
 PRIOR_ACCEPTANCE = 0.6  # before any observation (a typical trained head accepts 0.6-0.85)
-PRIOR_WEIGHT = 2.0  # pseudo-observations behind the prior
+PRIOR_WEIGHT = 1.0  # pseudo-observations behind the prior (2 held a good head's first rates near 0.6 longer)
+# A probe from K = 0 (and whether a depth that never ran is worth one) goes by each position's rate plus this
+# many standard errors of its evidence: a position judged on one or two drafts is uncertain, not bad. Only
+# probes: choosing the running depth on optimistic rates kept drafting where every depth ran 0.9x plain
+# (bench/adaptive_sim.py, h100-marginal: 0.97 -> 0.92x the fastest fixed depth).
+OPTIMISM = 1.0
 FORGET = 0.97  # per observation: recent rounds matter more (acceptance varies with the text)
 PROBE_FIRST = 16  # plain tokens before the first probe when K = 0 was chosen on acceptance
 PROBE_MAX = 512
@@ -169,6 +180,16 @@ class AcceptanceTracker:
             out.append(prior)
         return out
 
+    def optimistic_rates(self) -> list[float]:
+        """Each position's rate plus OPTIMISM standard errors of its evidence (observations and prior), a
+        deeper position's prior being the optimistic rate of the one before it."""
+        out, prior = [], PRIOR_ACCEPTANCE
+        for a, r in zip(self.accepted, self.reached, strict=True):
+            rate = (a + prior * PRIOR_WEIGHT) / (r + PRIOR_WEIGHT)
+            prior = min(1.0, rate + OPTIMISM * math.sqrt(rate * (1.0 - rate) / (r + PRIOR_WEIGHT)))
+            out.append(prior)
+        return out
+
 
 @dataclass
 class DepthPolicy:
@@ -199,6 +220,8 @@ class DepthPolicy:
     # Whether a probe from K = 0 may run several rounds: a deeper depth that never ran, or a depth whose
     # timings are stale (see ``choose``); a batch bucket probes single rounds.
     explore_deeper: bool = True
+    # Called with every decision and observation (``EXO_ADAPTIVE_TRACE``: JSON lines for bench/adaptive_sim.py)
+    trace: Callable[[dict[str, Any]], None] | None = field(default=None, repr=False, compare=False)
     tracker: AcceptanceTracker = field(init=False)
     _seconds: dict[int, collections.deque[float]] = field(default_factory=dict, init=False)
     _current: int = field(default=0, init=False)
@@ -301,23 +324,34 @@ class DepthPolicy:
         a head for another model), the backoff goes on doubling across requests: a probe per request then cost
         a round of rejected drafts in every short request (a random Qwen3.5-9B on an H200, 64-token requests:
         adaptive 0.85x plain)."""
+        if self.trace is not None:
+            self.trace({"event": "request"})
         self._plain_since_probe = 0
         costs = self.effective_costs()
         if any(self._could_pay(d, costs) for d in range(1, self.max_k + 1)):
             self._probe_every = min(self._probe_every, PROBE_RESTART)
         self._deeper_every = DEEPER_PROBE_FIRST
 
-    def _could_pay(self, d: int, costs: DepthCosts) -> bool:
+    def _could_pay(self, d: int, costs: DepthCosts, rates: list[float] | None = None) -> bool:
         """Whether depth d could beat plain decoding by the entry gain at the acceptance measured, if it cost its
         warm-up cost or what the shallower depths measured live cost (a deeper round costs at least that),
         whichever is less."""
         warm = self.costs.in_pipelined_steps()
         below = [costs.round_cost(j) for j in range(1, d) if self._median(j) is not None]
         optimistic = min(warm.round_cost(d), max([1.0 + warm.delta[d - 1], *below]))
-        return expected_tokens(self.tracker.rates(), d) > optimistic * self.entry_gain
+        return expected_tokens(rates or self.tracker.rates(), d) > optimistic * self.entry_gain
 
     # -- decisions ---------------------------------------------------------------------------------
     def choose(self) -> int:
+        k = self._choose()
+        if self.trace is not None:
+            costs, rates = self.effective_costs(), self.tracker.rates()
+            self.trace({"event": "choose", "k": k, "rates": rates, "round_costs": [
+                costs.round_cost(d) for d in range(1, self.max_k + 1)], "plain_s": self.plain_step_s(),
+                "level": self.level()})
+        return k
+
+    def _choose(self) -> int:
         if self.fixed_k is not None:
             return self.fixed_k
         if not self.mtp_can_pay_off:
@@ -352,13 +386,15 @@ class DepthPolicy:
             # one new timing among the STALE_KEEP old ones moves nothing, and timings from a slow minute
             # (an H100: a first request's, before plain decoding was timed live) kept adaptive decoding
             # plainly for three requests of one probe each where K = 2 ran 1.2x plain.
+            hopes = self.tracker.optimistic_rates()
+            hoped = {d: expected_speedup(costs, hopes, d) for d in range(1, self.max_k + 1)}
             ran = max((d for d in self._timed_at if d > 0), default=0)
-            never_ran = [d for d in range(ran + 1, self.max_k + 1) if self._could_pay(d, costs)]
+            never_ran = [d for d in range(ran + 1, self.max_k + 1) if self._could_pay(d, costs, hopes)]
             if never_ran and self.explore_deeper:
-                depth = max(never_ran, key=lambda d: (speed[d], -d))
+                depth = max(never_ran, key=lambda d: (hoped[d], -d))
             else:
-                depth = max(range(1, self.max_k + 1), key=lambda d: (speed[d], -d))
-            if self.explore_deeper and self._could_pay(depth, costs) and (depth not in self._timed_at or self._is_stale(depth)):
+                depth = max(range(1, self.max_k + 1), key=lambda d: (hoped[d], -d))
+            if self.explore_deeper and self._could_pay(depth, costs, hopes) and (depth not in self._timed_at or self._is_stale(depth)):
                 self._refresh = [depth] * (MIN_ROUND_SAMPLES - 1)
             return depth
         # Only against live timings of the current depth: figures all from the warm-up are of one moment.
@@ -425,6 +461,8 @@ class DepthPolicy:
     def observe_round(self, k: int, accepted: int, seconds: float | None = None) -> None:
         """A round at depth k accepted ``accepted`` drafts in ``seconds`` (None: not a representative
         round)."""
+        if self.trace is not None:
+            self.trace({"event": "round", "k": k, "accepted": accepted, "seconds": seconds})
         self.tracker.observe(k, accepted)
         self.observe_round_time(k, seconds, accepted + 1)
 
@@ -441,9 +479,32 @@ class DepthPolicy:
             self._ran(k, tokens, seconds)
 
     def observe_plain(self, tokens: int, seconds: float | None = None) -> None:
+        if self.trace is not None:
+            self.trace({"event": "plain", "tokens": tokens, "seconds": seconds})
         self._plain_since_probe += tokens
         if tokens > 0:
             self._ran(0, tokens, None if seconds is None else seconds / tokens)
+
+
+TRACE_ENV = "EXO_ADAPTIVE_TRACE"
+
+
+def trace_from_env(costs: DepthCosts, max_k: int) -> Callable[[dict[str, Any]], None] | None:
+    """Where ``EXO_ADAPTIVE_TRACE`` names a file: a tracer appending each event as a JSON line (with its
+    time), the policy's warm-up costs first. A trace replays the policy's view of a real run (what it saw,
+    what it chose) for bench/adaptive_sim.py."""
+    path = os.environ.get(TRACE_ENV)
+    if not path:
+        return None
+    start = time.perf_counter()
+
+    def write(event: dict[str, Any]) -> None:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"t": round(time.perf_counter() - start, 6), **event}) + "\n")
+
+    write({"event": "policy", "max_k": max_k, "beta": costs.beta, "delta": costs.delta, "plain_s": costs.plain_s,
+           "plain_pipelined_s": costs.plain_pipelined_s, "device": costs.device})
+    return write
 
 
 # Batch-size buckets: sizes up to each bound share timings (1, 2, 3-4, 5-8, 9-16); larger ones the last.

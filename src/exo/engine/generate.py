@@ -32,7 +32,7 @@ from typing import Any, Literal
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from .adaptive import PLAIN_TIMED_MIN, BatchDepthPolicy, DepthCosts, DepthPolicy
+from .adaptive import PLAIN_TIMED_MIN, BatchDepthPolicy, DepthCosts, DepthPolicy, trace_from_env
 from .constraints import ConstraintSpec, Grammar, Matcher, ToolFormat, compile_grammar
 from .costs import warmup_costs
 from .forward import Forward, LocalForward
@@ -320,7 +320,8 @@ class Engine:
         costs = self.costs()
         key = (self.config.max_k, self.config.default_k)
         if self._policy is None or self._policy_key != key:
-            self._policy = DepthPolicy(costs=costs, max_k=self.config.max_k, default_k=self.config.default_k)
+            self._policy = DepthPolicy(costs=costs, max_k=self.config.max_k, default_k=self.config.default_k,
+                                       trace=trace_from_env(costs, self.config.max_k))
             self._policy_key = key
         return self._policy
 

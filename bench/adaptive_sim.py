@@ -1,0 +1,181 @@
+"""The adaptive depth policy replayed against synthetic machines, modelled on runs measured on real devices.
+
+    python bench/adaptive_sim.py [--seeds 200] [--drift-every 3000] [--set NAME=VALUE ...]
+
+A real `exo bench` run of adaptive against fixed depths takes minutes of device time and its per-request
+ratios spread by +-10% (host noise); this replays ``exo.engine.adaptive.DepthPolicy`` itself, the way the
+decode loop drives it (``choose``, plain bursts of ``plain_budget`` tokens timed when at least
+PLAIN_TIMED_MIN long, rounds timed, ``new_request`` per request), against machines whose round costs,
+acceptance per draft position and warm-up estimates are those measured, with per-step jitter and a machine
+speed that jumps now and then. Like ``exo bench``, every repeat runs each prompt at plain, K = 1..max and
+adaptive in turn (4 prompts x 3 repeats x 128 tokens; the adaptive policy carries over between requests)
+and the figure is the median over requests of adaptive / the fastest fixed configuration, next to the
+same figure for an oracle that always runs the fastest one (the noise floor of that metric).
+
+``--trace FILE`` instead reads what a real run's policy saw and chose (``EXO_ADAPTIVE_TRACE=FILE exo bench
+...``): per request, the tokens at each depth and, at every change of depth, its acceptance and cost estimates.
+
+``--set`` overrides a module constant of exo.engine.adaptive (e.g. ``--set OPTIMISM=0``) to compare
+policies; what is printed per scenario: the median over seeds and its 10th percentile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+from dataclasses import dataclass
+
+from exo.engine import adaptive
+from exo.engine.adaptive import DepthCosts, DepthPolicy
+
+
+@dataclass(frozen=True)
+class Scenario:
+    source: str
+    warm_beta: tuple[float, ...]  # the warm-up's costs (plain steps alone)
+    warm_delta: tuple[float, ...]
+    warm_over_pipelined: float  # a plain step timed alone over one pipelined plain token
+    rounds: tuple[float, ...]  # what a round at K really costs, in pipelined plain tokens
+    acceptance: tuple[float, ...]  # conditional acceptance per draft position
+
+
+SCENARIOS = {
+    "h200-exo-demo": Scenario("bench/results/h200-mlx-cuda-engine-2026-11-26.txt", (1.733, 2.068, 2.300),
+                              (0.126, 0.238, 0.367), 1.08, (2.04, 2.44, 2.88), (0.88, 0.90, 0.73)),
+    "h200-exo-demo-moe": Scenario("same file", (1.594, 1.907), (0.129, 0.230), 1.08, (2.011, 2.303), (0.89, 0.80)),
+    "h200-random-9b": Scenario("same file (random head: nothing lands)", (1.706, 2.305, 2.954),
+                               (0.119, 0.219, 0.318), 1.0, (1.863, 2.308, 2.981), (0.0, 0.0, 0.0)),
+    "cpu-exo-demo": Scenario("bench/results/cpu-2core-bench-exo-demo-baseline.txt", (1.35, 1.70, 2.05),
+                             (0.116, 0.20, 0.28), 1.0, (1.70, 2.29, 2.82), (0.91, 0.90, 0.75)),
+    "h100-marginal": Scenario("bench/results/h100-mlx-cuda-engine-speed.txt (every K ~0.9x plain)",
+                              (1.61, 1.97, 2.27), (0.12, 0.28, 0.38), 1.0, (2.10, 2.85, 3.55), (0.90, 0.86, 0.70)),
+    "cpu-compute-bound": Scenario("a 2-row verify costs ~2 decode steps (shared/reference)", (1.95, 2.9, 3.85),
+                                  (0.05, 0.08, 0.11), 1.0, (2.05, 3.0, 3.95), (0.8, 0.75, 0.7)),
+}
+PROMPT_ACCEPTANCE = (1.0, 0.97, 1.02, 0.95)  # the prompts suit the head differently
+UNIT = 2.78e-3  # seconds of a pipelined plain token (any unit: only ratios are printed)
+BURST_START = 0.3  # a plain burst's first step is not overlapped by the one before
+CATCH_UP = 0.4  # a round after a plain stretch first feeds the head the stretch (not timed, but paid)
+JITTER = 0.12  # lognormal sigma of every timing
+
+
+class Machine:
+    def __init__(self, rng: random.Random, drift_every: int, drift: float = 0.3) -> None:
+        self.rng, self.drift_every, self.drift, self.level = rng, drift_every, drift, 1.0
+
+    def ran(self, tokens: int) -> None:
+        if self.drift_every and self.rng.random() < tokens / self.drift_every:
+            self.level = math.exp(self.rng.uniform(-self.drift, self.drift))
+
+    def seconds(self, plain_tokens: float) -> float:
+        return plain_tokens * UNIT * self.level * math.exp(self.rng.gauss(0.0, JITTER))
+
+
+def request(s: Scenario, policy: DepthPolicy | None, fixed: int, m: Machine, rng: random.Random,
+            max_tokens: int, suits: float) -> float:
+    """Tokens/s of one request (first token to last, as ``decode_tokens_per_s``)."""
+    produced, elapsed, stretch = 1, 0.0, 0
+    if policy is not None:
+        policy.new_request()
+    while produced < max_tokens:
+        k = policy.choose() if policy is not None else fixed
+        if k == 0:
+            budget = policy.plain_budget() if policy is not None else max_tokens
+            n = min(budget, max_tokens - produced)
+            took = sum(m.seconds(1.0) for _ in range(n)) + m.seconds(BURST_START)
+            if policy is not None:
+                policy.observe_plain(n, took if n >= adaptive.PLAIN_TIMED_MIN else None)
+            produced, elapsed, stretch = produced + n, elapsed + took, stretch + n
+            m.ran(n)
+        else:
+            took = m.seconds(s.rounds[k - 1])
+            extra = m.seconds(CATCH_UP) if stretch > k + 1 else 0.0
+            accepted = 0
+            while accepted < k and rng.random() < s.acceptance[accepted] * suits:
+                accepted += 1
+            if policy is not None:
+                policy.observe_round(k, accepted, took)
+            produced, elapsed, stretch = produced + accepted + 1, elapsed + took + extra, 0
+            m.ran(accepted + 1)
+    return (max_tokens - 1) / elapsed
+
+
+def trial(s: Scenario, seed: int, drift_every: int, prompts: int = 4, repeats: int = 3,
+          max_tokens: int = 128) -> tuple[float, float, float]:
+    """(adaptive / fastest fixed, oracle / fastest fixed, adaptive / plain): medians over the requests."""
+    rng = random.Random(seed)
+    m = Machine(rng, drift_every)
+    max_k = len(s.warm_beta)
+    warm = DepthCosts(s.warm_beta, s.warm_delta, "sim", UNIT * s.warm_over_pipelined, 1, UNIT)
+    policy = DepthPolicy(costs=warm, max_k=max_k, default_k=1)
+    fixed = list(range(max_k + 1))
+    rows = []
+    for _ in range(repeats):
+        for p in range(prompts):
+            suits = PROMPT_ACCEPTANCE[p % len(PROMPT_ACCEPTANCE)]
+            row = {k: request(s, None, k, m, rng, max_tokens, suits) for k in fixed}
+            row["adaptive"] = request(s, policy, 0, m, rng, max_tokens, suits)
+            # Each depth once more, where the adaptive run was: an oracle that runs the fastest one is the
+            # metric's own noise floor.
+            row.update({("again", k): request(s, None, k, m, rng, max_tokens, suits) for k in fixed})
+            rows.append(row)
+    best = max(fixed, key=lambda k: statistics.median(r[k] for r in rows))
+    return (statistics.median(r["adaptive"] / r[best] for r in rows),
+            statistics.median(r[("again", best)] / r[best] for r in rows),
+            statistics.median(r["adaptive"] / r[0] for r in rows))
+
+
+def show_trace(path: str) -> None:
+    """Per request of a real run: tokens per depth, and the policy's estimates wherever its depth changed."""
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        events = [json.loads(line) for line in f]
+    print(f"warm-up: beta {events[0]['beta']} delta {events[0]['delta']} on {events[0]['device']}")
+    tokens: dict[int, int] = {}
+    last, n = None, 0
+    for e in [*events[1:], {"event": "request"}]:
+        if e["event"] == "request":
+            if tokens:
+                print(f"request {n}: tokens per depth {dict(sorted(tokens.items()))}")
+            tokens, last, n = {}, None, n + 1
+        elif e["event"] == "round":
+            tokens[e["k"]] = tokens.get(e["k"], 0) + e["accepted"] + 1
+        elif e["event"] == "plain":
+            tokens[0] = tokens.get(0, 0) + e["tokens"]
+        elif e["event"] == "choose" and e["k"] != last:
+            last = e["k"]
+            rates = "/".join(f"{r:.2f}" for r in e["rates"])
+            costs = "/".join(f"{c:.2f}" for c in e["round_costs"])
+            print(f"  -> K = {e['k']}  acceptance {rates}  round costs {costs} plain steps  "
+                  f"plain {1000 * (e['plain_s'] or 0):.2f} ms  level {e['level']:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=200)
+    parser.add_argument("--drift-every", type=int, default=3000, help="tokens between jumps of machine speed (0: none)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--trace", help="summarise an EXO_ADAPTIVE_TRACE file of a real run instead")
+    args = parser.parse_args()
+    if args.trace:
+        show_trace(args.trace)
+        return
+    for item in args.set:
+        name, value = item.split("=")
+        setattr(adaptive, name, type(getattr(adaptive, name))(value))
+    print(f"{args.seeds} seeds, machine speed jumps every ~{args.drift_every} tokens; overrides: {args.set or 'none'}")
+    print(f"{'scenario':18s} {'adaptive/fastest':>17s} {'(p10)':>6s} {'oracle/fastest':>15s} {'(p10)':>6s} "
+          f"{'adaptive/plain':>15s}")
+    for name, s in SCENARIOS.items():
+        results = [trial(s, seed, args.drift_every) for seed in range(args.seeds)]
+        ours, oracle, plain = (sorted(x) for x in zip(*results, strict=True))
+        p10 = len(ours) // 10
+        print(f"{name:18s} {statistics.median(ours):17.3f} {ours[p10]:6.3f} {statistics.median(oracle):15.3f} "
+              f"{oracle[p10]:6.3f} {statistics.median(plain):15.3f}")
+
+
+if __name__ == "__main__":
+    main()
