@@ -174,20 +174,21 @@ class AcceptanceTracker:
             self.accepted[i] = self.accepted[i] * FORGET + (1.0 if i < accepted else 0.0)
 
     def rates(self) -> list[float]:
-        out, prior = [], PRIOR_ACCEPTANCE
-        for a, r in zip(self.accepted, self.reached, strict=True):
-            prior = (a + prior * PRIOR_WEIGHT) / (r + PRIOR_WEIGHT)
-            out.append(prior)
-        return out
+        return self._rates(0.0)
 
     def optimistic_rates(self) -> list[float]:
         """Each position's rate plus OPTIMISM standard errors of its evidence (observations and prior), a
         deeper position's prior being the optimistic rate of the one before it."""
+        return self._rates(OPTIMISM)
+
+    def _rates(self, errors: float) -> list[float]:
         out, prior = [], PRIOR_ACCEPTANCE
         for a, r in zip(self.accepted, self.reached, strict=True):
             rate = (a + prior * PRIOR_WEIGHT) / (r + PRIOR_WEIGHT)
-            prior = min(1.0, rate + OPTIMISM * math.sqrt(rate * (1.0 - rate) / (r + PRIOR_WEIGHT)))
-            out.append(prior)
+            if errors:
+                rate = min(1.0, rate + errors * math.sqrt(rate * (1.0 - rate) / (r + PRIOR_WEIGHT)))
+            prior = rate
+            out.append(rate)
         return out
 
 
