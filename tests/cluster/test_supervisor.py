@@ -236,6 +236,11 @@ def test_stop_removes_process_socket_and_instance(shared: Any, loop: LoopThread,
     pid = sup.get(SHARED).pid
     entry_socket = sup._entries[SHARED].socket_path  # the socket is not part of the Instance message
     assert os.path.exists(entry_socket)
+    if sys.platform.startswith("linux"):
+        # No thread takes SIGTERM but the one that waits for it: a Python handler would run only on the main
+        # thread, and a signal the kernel handed to another thread left an idle runner deaf to it.
+        threads = _sigterm_blocked(pid)
+        assert len(threads) > 2 and sum(not blocked for blocked in threads.values()) == 1, threads
     started = time.monotonic()
     assert loop.run(sup.stop(SHARED))
     assert time.monotonic() - started < 4.0  # it ended on SIGTERM, not on the SIGKILL after the 5 s grace
@@ -246,6 +251,15 @@ def test_stop_removes_process_socket_and_instance(shared: Any, loop: LoopThread,
         loop.run(sup.wait_ready(SHARED, 1))
     with pytest.raises(UnknownInstanceError):
         sup.generate(SHARED, _request(2))
+
+
+def _sigterm_blocked(pid: int) -> dict[str, bool]:
+    """Each thread of a process: whether it blocks SIGTERM (Linux's /proc)."""
+    blocked = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        status = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines() if ":\t" in line)
+        blocked[f"{task.name} {status['Name']}"] = bool(int(status["SigBlk"], 16) & (1 << (signal.SIGTERM - 1)))
+    return blocked
 
 
 # -- failures -----------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
     from .service import RunnerState
 
+
+GRACEFUL_EXIT_S = 4.0  # after SIGTERM, a serving runner finishes within this (the daemon's grace is 5 s)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -70,8 +72,32 @@ def _die_with_parent(parent_pid: int | None) -> None:
     threading.Thread(target=watch, name="exo-runner-parent-watch", daemon=True).start()
 
 
+def _take_sigterm(on_term: Callable[[], bool]) -> None:
+    """SIGTERM on a thread of its own. A Python handler runs on the main thread only when that thread runs
+    bytecode, and the kernel may hand a process's signal to any thread that does not block it: the main
+    thread idle in a wait on a lock (the device's queue) is then never woken, and the runner sits out the
+    daemon's grace. So every thread blocks SIGTERM (call this before any thread starts: they inherit the
+    mask) and this one takes it with ``sigwait``. ``on_term()`` returns True when it began a graceful stop;
+    False, or a second SIGTERM, ends the process as SIGTERM's default action does."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def take() -> None:
+        graceful = False
+        while True:
+            signal.sigwait({signal.SIGTERM})
+            if not graceful and on_term():
+                graceful = True
+                continue
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+            signal.pthread_kill(threading.get_ident(), signal.SIGTERM)  # the default action: the process ends
+
+    threading.Thread(target=take, name="exo-runner-sigterm", daemon=True).start()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    stopping: list[Callable[[], bool]] = [lambda: False]  # until the device serves: SIGTERM ends us at once
+    _take_sigterm(lambda: stopping[0]())
     _die_with_parent(args.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C goes to the daemon; it stops us
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s runner {args.instance_id[:8]} %(levelname)s: %(message)s")
@@ -92,12 +118,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     device = Device(settings.max_queue, max_batch=settings.max_batch, kv_budget_tokens=settings.kv_budget_tokens)
     server = start_server(args.socket, state, device, max_workers=settings.max_queue + 8)
 
-    def on_term(signum: int, frame: object) -> None:
-        if state.state != pb.INSTANCE_STATE_READY:
-            os._exit(128 + signum)  # mid-load: nothing to finish
-        device.close()
-
-    signal.signal(signal.SIGTERM, on_term)
     try:
         loaded, config, summary = _load(args, settings, state)
     except BaseException as e:  # noqa: BLE001 - reported to the daemon through stderr and the exit code
@@ -116,16 +136,31 @@ def main(argv: Sequence[str] | None = None) -> None:
         engine.warmup()  # adaptive depth's cost measurement, once, here rather than in the first request
         state.ready(summary, engine)
         log.info("ready: %s", args.model_id)
+        stopping[0] = _close_on_term(device)
         device.serve()  # until SIGTERM
         _exit(server, 0)
     try:
-        code = _serve_stage(args, state, device, loaded, config, summary)
+        code = _serve_stage(args, state, device, loaded, config, summary, stopping)
     except Exception as e:  # noqa: BLE001 - a lost member (or a bug) ends this member of the group
         state.fail(f"{type(e).__name__}: {e}")
         print(f"exo runner: pipeline stage {args.rank} of {args.model_id} left its group: {type(e).__name__}: {e}",
               file=sys.stderr, flush=True)
         code = EXIT_GROUP_LOST
     _exit(server, code)
+
+
+def _close_on_term(device: Any) -> Callable[[], bool]:
+    """SIGTERM while the device serves: finish gracefully (the running generation is cancelled between
+    steps, the queued ones are told why), and end the process anyway if that takes too long."""
+
+    def close() -> bool:
+        device.close()
+        deadline = threading.Timer(GRACEFUL_EXIT_S, os._exit, args=(128 + signal.SIGTERM,))
+        deadline.daemon = True
+        deadline.start()
+        return True
+
+    return close
 
 
 def _exit(server: object, code: int) -> None:
@@ -135,7 +170,7 @@ def _exit(server: object, code: int) -> None:
 
 
 def _serve_stage(args: argparse.Namespace, state: RunnerState, device: object, loaded: object, config: object,
-                 summary: pb.ModelSummary) -> int:
+                 summary: pb.ModelSummary, stopping: list[Callable[[], bool]]) -> int:
     """A pipeline stage: join the group, then lead (the last stage: generations through the Runner service)
     or serve steps (the others). Returns the exit status."""
     from exo.downloads.heads import PENDING_SIDECAR, check_pending_head
@@ -154,8 +189,7 @@ def _serve_stage(args: argparse.Namespace, state: RunnerState, device: object, l
     log.info("stage %d of %d (layers %d-%d) joined %s", stage.rank, stage.world_size, stage.start_layer,
              stage.end_layer - 1, ",".join(hosts))
     if not stage.last:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # blocked in a receive, a handler would never run
-        state.ready(summary, None)
+        state.ready(summary, None)  # blocked in a receive until the leader shuts down: SIGTERM ends us at once
         serve_stage(loaded.model, stage, link)  # type: ignore[attr-defined]
         log.info("the group was shut down")
         return 0
@@ -172,6 +206,7 @@ def _serve_stage(args: argparse.Namespace, state: RunnerState, device: object, l
     engine.warmup()
     state.ready(summary, engine)
     log.info("ready: %s, leading a pipeline of %d stages", args.model_id, stage.world_size)
+    stopping[0] = _close_on_term(device)
     device.serve()  # type: ignore[attr-defined]  # until SIGTERM, or a generation that broke the group
     if state.group_broken:
         return EXIT_GROUP_LOST
