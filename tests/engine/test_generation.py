@@ -83,6 +83,29 @@ def test_greedy_mtp_equals_plain_decoding(checkpoint, arch, depth, record_proper
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_compiled_gated_delta_rows_decode_as_before_and_mtp_stays_exact(checkpoint, arch, monkeypatch):
+    """On CUDA a GatedDeltaNet row (decode step, and each row of a verify call) runs as one compiled graph
+    (layers._row_step); forced here on the CPU: plain decoding gives the tokens the uncompiled layers give,
+    and MTP at every depth gives plain decoding's tokens through it."""
+    path = checkpoint(arch, dtype="float32")
+    engine = _engine(path)
+    prompts = [_prompt(engine.loaded, n) for n in (CHUNK - 1, 2 * CHUNK + 3)]
+    before = [_greedy(engine, p, native_mtp="off").token_ids for p in prompts]
+    rows = []
+    compiled = layers._compiled_rows
+    monkeypatch.setattr(layers, "_compiled_rows", lambda *a: rows.append(a[1].shape[1]) or compiled(*a))
+    monkeypatch.setattr(layers, "COMPILED_ROWS", "always")
+    plain = [_greedy(engine, p, native_mtp="off").token_ids for p in prompts]
+    assert plain == before
+    assert rows and set(rows) == {1}  # every decode step of every GatedDeltaNet layer went through it
+    for depth in (1, 3, None):
+        rows.clear()
+        for prompt, expected in zip(prompts, plain, strict=True):
+            assert _greedy(engine, prompt, native_mtp="on", mtp_k=depth).token_ids == expected, depth
+        assert max(rows) > 1, depth  # verify calls' rows went through it too
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_verify_rows_per_row_is_exact_too(checkpoint, arch):
     """A GPU's verify call attends (and computes logits) row by row where its kernels round a block of
     rows differently from one row (engine/verify.py); forced here, that path gives plain decoding's output

@@ -15,7 +15,9 @@ Parameter names are unchanged, so mlx-lm's ``sanitize`` and weight loading apply
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
+from functools import lru_cache
 from typing import Any, Literal
 
 import mlx.core as mx
@@ -346,6 +348,75 @@ def _conv(layer: Any, conv_input: mx.array, verify: bool) -> mx.array:
     return mx.concatenate([layer.conv1d(conv_input[:, t : t + taps]) for t in range(rows)], axis=1)
 
 
+# -- one GatedDeltaNet row as one compiled graph, on CUDA ------------------------------------------------
+# A decode step of a GatedDeltaNet layer after its input projections is ~25 small ops (window concat, conv,
+# silu, split, q/k norms, gate and beta, the recurrence step, the gated norm), each its own kernel launch;
+# MLX CUDA on a fast GPU is bound by the host launching them (exo-demo: ~1100 kernels a step, 6 of its 8
+# layers GatedDeltaNets). Every shape in that step is fixed (conv window, recurrent state), so
+# ``mx.compile`` takes it as one graph and fuses its elementwise ops. A verify call (a recorded call) runs
+# each of its rows through the same compiled graph, so each row rounds as a decode step does and greedy
+# MTP stays token-identical to plain decoding. Metal keeps mlx-lm's path (its fused recurrence kernel;
+# unmeasured here); the CPU has exo's kernels. ``EXO_GDN_COMPILED=0`` turns it off (A/B measurement);
+# "always" runs it on any device (tests run it on the CPU).
+COMPILED_ROWS = {"0": "off", "always": "always"}.get(os.environ.get("EXO_GDN_COMPILED", ""), "cuda")
+
+
+def _compiled_rows_apply(layer: Any, mask: Any, cache: Any) -> bool:
+    if COMPILED_ROWS == "off" or cache is None or cache[0] is None:
+        return False
+    on_device = COMPILED_ROWS == "always" or (mx.default_device() == mx.gpu and mx.cuda.is_available())
+    return on_device and mask is None and cache.lengths is None and not layer.training and "bias" not in layer.conv1d
+
+
+@lru_cache(maxsize=None)
+def _row_step(taps: int, key_dim: int, hk: int, hv: int, dk: int, dv: int, norm_eps: float) -> Callable[..., Any]:
+    """The compiled row step for one layer shape: (conv window, qkv row, z, a, b, state, conv weight, A_log,
+    dt_bias, norm weight) -> (gated-norm output, next conv window, next state). The same ops as ``_mix``
+    with mlx-lm's ``conv1d``, ``normalize_qk``, ``gated_delta_update`` and ``Qwen3NextRMSNormGated``."""
+
+    def step(window, qkv, z, a, b, state, conv_w, A_log, dt_bias, norm_w):  # noqa: ANN001, ANN202
+        B = qkv.shape[0]
+        conv_input = mx.concatenate([window, qkv], axis=1)
+        conv_out = nn.silu(mx.conv1d(conv_input, conv_w, groups=conv_input.shape[-1]))
+        q, k, v = mx.split(conv_out, [key_dim, 2 * key_dim], -1)
+        q, k = normalize_qk(q.reshape(B, 1, hk, dk), k.reshape(B, 1, hk, dk), inv_scale=dk**-0.5, eps=1e-6)
+        y, state = gated_delta_update(q, k, v.reshape(B, 1, hv, dv), a, b, A_log, dt_bias, state, None)
+        out = precise_swiglu(y, z, mx.fast.rms_norm(y, norm_w, norm_eps))
+        return out, mx.contiguous(conv_input[:, 1:]), state
+
+    return mx.compile(step)
+
+
+def _compiled_rows(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, cache: Any) -> mx.array:
+    """``_mix`` through the compiled row step (``_compiled_rows_apply``): one row, or a recorded call's rows
+    one by one."""
+    B, S, _ = mixed_qkv.shape
+    step = _row_step(layer.conv_kernel_size, layer.key_dim, layer.num_k_heads, layer.num_v_heads,
+                     layer.head_k_dim, layer.head_v_dim, float(layer.norm.eps))
+    weights = (layer.conv1d.weight, layer.A_log, layer.dt_bias, layer.norm.weight)
+    window, state = cache[0], cache[1]
+    if state is None:
+        state = mx.zeros((B, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim), dtype=mx.float32)
+    recording = isinstance(cache, RollbackArraysCache) and cache.recording
+    if S == 1 and not recording:
+        out, window, state = step(window, mixed_qkv, z, a, b, state, *weights)
+        cache[0], cache[1] = window, state
+    else:
+        conv_input = mx.concatenate([window, mixed_qkv], axis=1)
+        outs, states = [], [state]
+        for t in range(S):
+            rows = slice(t, t + 1)
+            y, window, state = step(window, mixed_qkv[:, rows], z[:, rows], a[:, rows], b[:, rows], state, *weights)
+            outs.append(y)
+            states.append(state)
+        out = mx.concatenate(outs, axis=1)
+        if recording:
+            cache.record(conv_input, states)
+        cache[0], cache[1] = window, state
+    cache.advance(S)
+    return layer.out_proj(out.reshape(B, S, -1))
+
+
 def _mix(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, mask, cache) -> mx.array:
     """Conv + gated delta recurrence + gated norm + out projection, shared by Qwen3.5 and Qwen3-Next.
 
@@ -353,6 +424,9 @@ def _mix(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array,
     recording mode additionally gets the per-row states.
     """
     B, S, _ = mixed_qkv.shape
+    if _compiled_rows_apply(layer, mask, cache) and (S == 1 or (isinstance(cache, RollbackArraysCache)
+                                                               and cache.recording)):
+        return _compiled_rows(layer, mixed_qkv, z, b, a, cache)
     if cache is not None and cache[0] is not None:
         conv_state = cache[0]
     else:
