@@ -103,13 +103,21 @@ def request(s: Scenario, policy: DepthPolicy | None, fixed: int, m: Machine, rng
 
 
 def trial(s: Scenario, seed: int, drift_every: int, prompts: int = 4, repeats: int = 3,
-          max_tokens: int = 128) -> tuple[float, float, float]:
+          max_tokens: int = 128, warm_rounds: int = 0, warm_suits: float = 1.0) -> tuple[float, float, float]:
     """(adaptive / fastest fixed, oracle / fastest fixed, adaptive / plain): medians over the requests."""
     rng = random.Random(seed)
     m = Machine(rng, drift_every)
     max_k = len(s.warm_beta)
     warm = DepthCosts(s.warm_beta, s.warm_delta, "sim", UNIT * s.warm_over_pipelined, 1, UNIT)
     policy = DepthPolicy(costs=warm, max_k=max_k, default_k=1)
+    if warm_rounds:  # the warm-up's greedy text, drafted at max_k (it suits the head by warm_suits)
+        warm_tracker = adaptive.AcceptanceTracker(max_k)
+        for _ in range(warm_rounds):
+            accepted = 0
+            while accepted < max_k and rng.random() < s.acceptance[accepted] * warm_suits:
+                accepted += 1
+            warm_tracker.observe(max_k, accepted)
+        policy.tracker.absorb(warm_tracker)
     fixed = list(range(max_k + 1))
     rows = []
     for _ in range(repeats):
@@ -158,6 +166,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=200)
     parser.add_argument("--drift-every", type=int, default=3000, help="tokens between jumps of machine speed (0: none)")
     parser.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--warm-rounds", type=int, default=0,
+                        help="rounds at max K of a warm-up text seeding acceptance (the engine: Engine.warm_acceptance)")
+    parser.add_argument("--warm-suits", type=float, default=1.0, help="the warm-up text's acceptance over the requests'")
     parser.add_argument("--trace", help="summarise an EXO_ADAPTIVE_TRACE file of a real run instead")
     args = parser.parse_args()
     if args.trace:
@@ -170,7 +181,8 @@ def main() -> None:
     print(f"{'scenario':18s} {'adaptive/fastest':>17s} {'(p10)':>6s} {'oracle/fastest':>15s} {'(p10)':>6s} "
           f"{'adaptive/plain':>15s}")
     for name, s in SCENARIOS.items():
-        results = [trial(s, seed, args.drift_every) for seed in range(args.seeds)]
+        results = [trial(s, seed, args.drift_every, warm_rounds=args.warm_rounds, warm_suits=args.warm_suits)
+                   for seed in range(args.seeds)]
         ours, oracle, plain = (sorted(x) for x in zip(*results, strict=True))
         p10 = len(ours) // 10
         print(f"{name:18s} {statistics.median(ours):17.3f} {ours[p10]:6.3f} {statistics.median(oracle):15.3f} "

@@ -12,6 +12,8 @@ from exo.engine.adaptive import (
     REFRESH_SAMPLES,
     SETTLE_SAMPLES,
     STALE_TOKENS,
+    WARM_WEIGHT,
+    AcceptanceTracker,
     BatchDepthPolicy,
     DepthCosts,
     DepthPolicy,
@@ -90,6 +92,31 @@ def test_policy_starts_at_default_then_follows_acceptance():
     for _ in range(60):
         policy.observe_round(3, 0)  # nothing accepted
     assert policy.choose() == 0
+
+
+def test_warm_up_evidence_counts_as_a_few_rounds_and_moves_the_first_choice():
+    warm = AcceptanceTracker(3)
+    for accepted in [3, 3, 2, 3, 3, 1, 3, 3] * 5:  # 40 warm-up rounds: 0.975 / 0.92 / 0.86
+        warm.observe(3, accepted)
+    policy = DepthPolicy(H100, max_k=3, default_k=1)
+    before = policy.tracker.rates()
+    policy.tracker.absorb(warm)
+    assert policy.tracker.reached[0] == pytest.approx(WARM_WEIGHT)  # capped: real rounds soon outvote it
+    after = policy.tracker.rates()
+    assert before == [adaptive.PRIOR_ACCEPTANCE] * 3
+    expected = warm.rates()
+    assert all(b < a and abs(a - e) < 0.1 for b, a, e in zip(before, after, expected, strict=True))
+    # The best depth by that evidence from the first round on (unseeded: the default depth, then the prior).
+    assert DepthPolicy(H100, max_k=3, default_k=1).choose() == 1
+    assert policy.choose() == best_depth(H100, after, 3)[0] == 2
+    for _ in range(40):
+        policy.observe_round(3, 0)  # the requests' text suits the head far less
+    assert policy.tracker.rates()[0] < 0.2 and policy.choose() == 0
+    few = AcceptanceTracker(3)
+    few.observe(3, 3)
+    fresh = AcceptanceTracker(3)
+    fresh.absorb(few)
+    assert fresh.reached[0] == 1.0  # less evidence than the cap counts as it is
 
 
 def test_policy_probes_rarely_after_falling_back():

@@ -17,7 +17,8 @@ from exo.engine import (
     SamplingParams,
     load_checkpoint,
 )
-from exo.engine.adaptive import DepthCosts
+from exo.engine import adaptive
+from exo.engine.adaptive import AcceptanceTracker, DepthCosts
 from exo.engine.generate import PLAIN_TIMED_MIN
 from exo.engine.models import layers
 
@@ -119,6 +120,35 @@ def test_verify_rows_per_row_is_exact_too(checkpoint, arch):
         mtp = _greedy(engine, prompt, mtp_k=depth)
         assert mtp.token_ids == plain.token_ids, depth
         assert mtp.stats.rounds > 0
+
+
+def test_the_head_s_acceptance_on_a_warm_up_answer_seeds_the_depth_policy(checkpoint, monkeypatch):
+    trained = _engine(checkpoint("qwen3_5", dtype="float32"))
+    warm = trained.warm_acceptance()
+    assert warm.reached[0] >= 10 and warm.rates()[0] > 0.5  # a trained head on the model's own answer
+    trained.warmup()
+    seeded = trained._adaptive_policy().tracker
+    assert seeded.reached[0] == pytest.approx(adaptive.WARM_WEIGHT)
+    assert seeded.rates() == pytest.approx(_absorbed(warm))  # greedy: the same answer, the same rounds
+    random_head = _engine(checkpoint("qwen3_5", head="random", dtype="float32"))
+    random_head.warmup()
+    assert random_head._adaptive_policy().tracker.rates()[0] < 0.3  # K = 0 from the first request on
+    unseeded = _engine(checkpoint("qwen3_5", dtype="float32"), warm_acceptance=False)
+    unseeded.warmup()
+    assert unseeded._adaptive_policy().tracker.reached[0] == 0
+    # Where no depth could pay on this machine, nothing is drafted to learn acceptance.
+    calls = []
+    monkeypatch.setattr(Engine, "warm_acceptance", lambda self: calls.append(self) or AcceptanceTracker(3))
+    hopeless = _engine(checkpoint("qwen3_5", dtype="float32"))
+    hopeless._costs = DepthCosts(beta=(2.0, 3.0, 4.0), delta=(0.2, 0.4, 0.6), device="cpu")
+    hopeless.warmup()
+    assert calls == []
+
+
+def _absorbed(warm: AcceptanceTracker) -> list[float]:
+    fresh = AcceptanceTracker(warm.max_k)
+    fresh.absorb(warm)
+    return fresh.rates()
 
 
 @pytest.mark.parametrize("arch", ("qwen3_5", "qwen3_next"))

@@ -48,6 +48,10 @@ PRIOR_WEIGHT = 1.0  # pseudo-observations behind the prior (2 held a good head's
 # probes: choosing the running depth on optimistic rates kept drafting where every depth ran 0.9x plain
 # (bench/adaptive_sim.py, h100-marginal: 0.97 -> 0.92x the fastest fixed depth).
 OPTIMISM = 1.0
+# The warm-up's greedy text (``Engine.warm_acceptance``) counts for at most this many rounds of evidence: the
+# head's acceptance on the model's own text before any request, where the prior alone is a guess (0.6 against
+# 0.9 on exo-demo: the first requests' few rounds decided K = 0 at 0.88x the fastest fixed depth on an H200).
+WARM_WEIGHT = 6.0
 FORGET = 0.97  # per observation: recent rounds matter more (acceptance varies with the text)
 PROBE_FIRST = 16  # plain tokens before the first probe when K = 0 was chosen on acceptance
 PROBE_MAX = 512
@@ -172,6 +176,13 @@ class AcceptanceTracker:
                 break  # position i was never tested
             self.reached[i] = self.reached[i] * FORGET + 1.0
             self.accepted[i] = self.accepted[i] * FORGET + (1.0 if i < accepted else 0.0)
+
+    def absorb(self, other: AcceptanceTracker, weight: float = WARM_WEIGHT) -> None:
+        """Add ``other``'s evidence (the warm-up's rounds), counted as at most ``weight`` rounds."""
+        scale = min(1.0, weight / other.reached[0]) if other.reached and other.reached[0] else 1.0
+        for i in range(min(self.max_k, other.max_k)):
+            self.accepted[i] += other.accepted[i] * scale
+            self.reached[i] += other.reached[i] * scale
 
     def rates(self) -> list[float]:
         return self._rates(0.0)
@@ -361,7 +372,7 @@ class DepthPolicy:
             depth = self._refresh.pop()
             self._plain_refresh = depth == 0
             return depth
-        if self._rounds_run == 0 and self.default_k > 0:
+        if self._rounds_run == 0 and self.default_k > 0 and not self.tracker.reached[0]:  # nothing seen yet
             self._current = self.default_k
             return self.default_k
         costs = self.effective_costs()

@@ -32,7 +32,15 @@ from typing import Any, Literal
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from .adaptive import PLAIN_TIMED_MIN, BatchDepthPolicy, DepthCosts, DepthPolicy, trace_from_env
+from .adaptive import (
+    PLAIN_TIMED_MIN,
+    AcceptanceTracker,
+    BatchDepthPolicy,
+    DepthCosts,
+    DepthPolicy,
+    can_pay_off,
+    trace_from_env,
+)
 from .constraints import ConstraintSpec, Grammar, Matcher, ToolFormat, compile_grammar
 from .costs import warmup_costs
 from .forward import Forward, LocalForward
@@ -91,6 +99,10 @@ class ContextLengthError(GenerationRequestError):
         self.param = param
 
 
+WARM_QUESTION = "Explain how a rainbow forms, in a few sentences."
+WARM_TOKENS = 64  # ~20 rounds at K = 3 of a trained head
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How an engine decodes (``verify_mode``: how its verify calls compute their rows)."""
@@ -118,6 +130,9 @@ class EngineConfig:
     # None: 0 where the verify probe found every row equal to its decode step (greedy output is then plain
     # decoding's by construction), else a few ulps of the logits' dtype (a safety net, not a guarantee).
     greedy_tie_margin: float | None = None
+    # Before its first adaptive request, the engine drafts a short greedy answer of its own at max_k
+    # (``Engine.warm_acceptance``): the head's acceptance on the model's text seeds the depth policy.
+    warm_acceptance: bool = True
     default_k: int = 1  # defaults for a checkpoint without a model card
     max_k: int = 3
     disabled_reason: str = "native MTP is disabled (EXO_NATIVE_MTP_ENABLED=0 or the node's settings)"
@@ -290,8 +305,9 @@ class Engine:
         return self._costs
 
     def warmup(self) -> None:
+        """What the first adaptive request would otherwise pay for: the round costs, the head's acceptance."""
         if self.mtp_unavailable_reason() is None:
-            self.costs()
+            self._adaptive_policy()
 
     # -- generation --------------------------------------------------------------------------------
     def generate(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
@@ -320,10 +336,34 @@ class Engine:
         costs = self.costs()
         key = (self.config.max_k, self.config.default_k)
         if self._policy is None or self._policy_key != key:
-            self._policy = DepthPolicy(costs=costs, max_k=self.config.max_k, default_k=self.config.default_k,
-                                       trace=trace_from_env(costs, self.config.max_k))
-            self._policy_key = key
+            policy = DepthPolicy(costs=costs, max_k=self.config.max_k, default_k=self.config.default_k,
+                                 trace=trace_from_env(costs, self.config.max_k))
+            if self.config.warm_acceptance and can_pay_off(costs, self.config.max_k):
+                warm = self.warm_acceptance()
+                policy.tracker.absorb(warm)
+                if policy.trace is not None:
+                    policy.trace({"event": "warm_acceptance", "rates": warm.rates(), "rounds": warm.reached[0]})
+            self._policy, self._policy_key = policy, key
         return self._policy
+
+    def warm_acceptance(self) -> AcceptanceTracker:
+        """The head's acceptance on the model's own greedy answer to a short fixed question
+        (``WARM_QUESTION``, ``WARM_TOKENS``), every round at max_k: before any request, the depth policy's
+        first choices rest on this rather than on the prior alone (which held a head landing 90% of its
+        drafts at 0.7 through the first requests on an H200, and sent them to K = 0)."""
+        k = self.config.max_k
+        tokenizer = self.loaded.tokenizer
+        messages = [{"role": "user", "content": WARM_QUESTION}]
+        try:
+            prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        except Exception:  # noqa: BLE001 - a tokenizer without a chat template
+            prompt = list(tokenizer.encode(WARM_QUESTION))
+        fixed = DepthPolicy(costs=self._costs_or_unmeasured(k), max_k=k, fixed_k=k)
+        request = GenerationRequest(prompt, max_tokens=WARM_TOKENS, sampling=SamplingParams(temperature=0.0),
+                                    native_mtp="on", ignore_eos=True)
+        for _ in _Run(self, request, fixed, None).stream():
+            pass
+        return fixed.tracker
 
     def batch_policy(self) -> BatchDepthPolicy:
         """The depth of batched rounds per batch size (exo.engine.batch), over the engine's adaptive policy."""
