@@ -153,6 +153,9 @@ def show_trace(path: str) -> None:
             tokens[e["k"]] = tokens.get(e["k"], 0) + e["accepted"] + 1
         elif e["event"] == "plain":
             tokens[0] = tokens.get(0, 0) + e["tokens"]
+        elif e["event"] == "warm_acceptance":
+            rates = "/".join(f"{r:.2f}" for r in e["rates"])
+            print(f"warm-up answer: acceptance {rates} over {e['rounds']:.0f} rounds (seeds the policy)")
         elif e["event"] == "choose" and e["k"] != last:
             last = e["k"]
             rates = "/".join(f"{r:.2f}" for r in e["rates"])
