@@ -19,7 +19,7 @@ from exo.engine import (
 )
 from exo.engine import adaptive
 from exo.engine.adaptive import AcceptanceTracker, DepthCosts
-from exo.engine.generate import PLAIN_TIMED_MIN
+from exo.engine.generate import PLAIN_TIMED_MIN, WARM_ROUNDS
 from exo.engine.models import layers
 
 ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_6_moe", "qwen3_next")
@@ -131,6 +131,7 @@ def test_the_head_s_acceptance_on_a_warm_up_answer_seeds_the_depth_policy(checkp
     assert seeded.reached[0] == pytest.approx(adaptive.WARM_WEIGHT)
     assert seeded.rates() == pytest.approx(_absorbed(warm))  # greedy: the same answer, the same rounds
     random_head = _engine(checkpoint("qwen3_5", head="random", dtype="float32"))
+    assert random_head.warm_acceptance().reached[0] <= WARM_ROUNDS  # a token a round: bounded by rounds
     random_head.warmup()
     assert random_head._adaptive_policy().tracker.rates()[0] < 0.3  # K = 0 from the first request on
     unseeded = _engine(checkpoint("qwen3_5", dtype="float32"), warm_acceptance=False)

@@ -260,6 +260,10 @@ class DepthPolicy:
         self.tracker = AcceptanceTracker(self.max_k)
 
     # -- costs -----------------------------------------------------------------------------------
+    @property
+    def rounds_run(self) -> int:
+        return self._rounds_run
+
     def _median(self, k: int) -> float | None:
         samples = self._seconds.get(k)
         # A plain timing already averages a stretch of tokens; one round is one round: wait for a few.

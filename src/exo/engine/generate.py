@@ -101,6 +101,7 @@ class ContextLengthError(GenerationRequestError):
 
 WARM_QUESTION = "Explain how a rainbow forms, in a few sentences."
 WARM_TOKENS = 64  # ~20 rounds at K = 3 of a trained head
+WARM_ROUNDS = 24  # and at most this many rounds (a head whose drafts all fail makes a token a round)
 
 
 @dataclass(frozen=True)
@@ -348,7 +349,7 @@ class Engine:
 
     def warm_acceptance(self) -> AcceptanceTracker:
         """The head's acceptance on the model's own greedy answer to a short fixed question
-        (``WARM_QUESTION``, ``WARM_TOKENS``), every round at max_k: before any request, the depth policy's
+        (``WARM_QUESTION``, ``WARM_TOKENS``, at most ``WARM_ROUNDS`` rounds), every round at max_k: before any request, the depth policy's
         first choices rest on this rather than on the prior alone (which held a head landing 90% of its
         drafts at 0.7 through the first requests on an H200, and sent them to K = 0)."""
         k = self.config.max_k
@@ -360,7 +361,8 @@ class Engine:
             prompt = list(tokenizer.encode(WARM_QUESTION))
         fixed = DepthPolicy(costs=self._costs_or_unmeasured(k), max_k=k, fixed_k=k)
         request = GenerationRequest(prompt, max_tokens=WARM_TOKENS, sampling=SamplingParams(temperature=0.0),
-                                    native_mtp="on", ignore_eos=True)
+                                    native_mtp="on", ignore_eos=True,
+                                    should_stop=lambda: fixed.rounds_run >= WARM_ROUNDS)
         for _ in _Run(self, request, fixed, None).stream():
             pass
         return fixed.tracker
