@@ -10,6 +10,7 @@ import pytest
 
 from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, load_checkpoint
 from exo.engine.batch import BatchDecoder, BatchLanes, default_lanes
+from exo.engine.models import layers
 
 CHUNK = 8  # small prefill chunks: prompts cross chunk boundaries
 TEXTS = (
@@ -110,12 +111,15 @@ def test_bfloat16_batched_greedy_equals_solo(checkpoint):
         assert got[i][0] == _solo(engine, request).token_ids, f"request {i}"
 
 
+@pytest.mark.parametrize("compiled", ["cuda", "always"], ids=["gdn-ops", "gdn-compiled"])
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
-def test_batch_invariant_steps_equal_solo_with_joins_plain_and_drafting(checkpoint, arch):
+def test_batch_invariant_steps_equal_solo_with_joins_plain_and_drafting(checkpoint, arch, compiled, monkeypatch):
     """EngineConfig.batch_invariant (EXO_BATCH_INVARIANT=1, for devices whose batched kernels round by batch
     shape): one-row linear products, per-sequence attention over unpadded keys, unsorted experts.
     Members that join at different steps (different left padding), plainly and drafting at K = 2, each get
-    their solo output token for token, and the layers are back to their ordinary path after each step."""
+    their solo output token for token, and the layers are back to their ordinary path after each step.
+    ``gdn-compiled``: solo GatedDeltaNet rows through the compiled graph (as on CUDA), batched ones not."""
+    monkeypatch.setattr(layers, "COMPILED_ROWS", compiled)
     loaded = dataclasses.replace(load_checkpoint(checkpoint(arch, dtype="bfloat16")), eos_token_ids=frozenset())
     engine = Engine(loaded, EngineConfig(prefill_chunk=CHUNK, batch_invariant=True))
     requests = [_request(engine, i, max_tokens=14, **({"mtp_k": 2} if i % 2 else {"native_mtp": "off"}))
@@ -177,7 +181,9 @@ def test_cancelling_one_sequence_leaves_the_others_running(checkpoint):
         assert got[i][0] == _solo(engine, requests[i]).token_ids and got[i][2] == "length"
 
 
-def test_a_solo_run_hands_over_to_a_batch_at_a_step_boundary(checkpoint):
+@pytest.mark.parametrize("compiled", ["cuda", "always"], ids=["gdn-ops", "gdn-compiled"])
+def test_a_solo_run_hands_over_to_a_batch_at_a_step_boundary(checkpoint, compiled, monkeypatch):
+    monkeypatch.setattr(layers, "COMPILED_ROWS", compiled)  # the caches a compiled solo step leaves, batched on
     engine = _engine(checkpoint("qwen3_5", dtype="float32"))
     calls = []
     first = dataclasses.replace(

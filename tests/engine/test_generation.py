@@ -15,9 +15,9 @@ from exo.engine import (
     GenerationRequest,
     NativeMTPUnavailableError,
     SamplingParams,
+    adaptive,
     load_checkpoint,
 )
-from exo.engine import adaptive
 from exo.engine.adaptive import AcceptanceTracker, DepthCosts
 from exo.engine.generate import PLAIN_TIMED_MIN, WARM_ROUNDS
 from exo.engine.models import layers

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from functools import lru_cache
+from functools import cache
 from typing import Any, Literal
 
 import mlx.core as mx
@@ -368,7 +368,7 @@ def _compiled_rows_apply(layer: Any, mask: Any, cache: Any) -> bool:
     return on_device and mask is None and cache.lengths is None and not layer.training and "bias" not in layer.conv1d
 
 
-@lru_cache(maxsize=None)
+@cache
 def _row_step(taps: int, key_dim: int, hk: int, hv: int, dk: int, dv: int, norm_eps: float) -> Callable[..., Any]:
     """The compiled row step for one layer shape: (conv window, qkv row, z, a, b, state, conv weight, A_log,
     dt_bias, norm weight) -> (gated-norm output, next conv window, next state). The same ops as ``_mix``
