@@ -388,8 +388,8 @@ def _row_step(taps: int, key_dim: int, hk: int, hv: int, dk: int, dv: int, norm_
 
 
 def _compiled_rows(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, cache: Any) -> mx.array:
-    """``_mix`` through the compiled row step (``_compiled_rows_apply``): one row, or a recorded call's rows
-    one by one."""
+    """``_mix`` through the compiled row step (``_compiled_rows_apply``): a decode step's one row, or a
+    recorded call's rows one by one."""
     B, S, _ = mixed_qkv.shape
     step = _row_step(layer.conv_kernel_size, layer.key_dim, layer.num_k_heads, layer.num_v_heads,
                      layer.head_k_dim, layer.head_v_dim, float(layer.norm.eps))
@@ -397,11 +397,10 @@ def _compiled_rows(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a:
     window, state = cache[0], cache[1]
     if state is None:
         state = mx.zeros((B, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim), dtype=mx.float32)
-    recording = isinstance(cache, RollbackArraysCache) and cache.recording
-    if S == 1 and not recording:
+    if not (isinstance(cache, RollbackArraysCache) and cache.recording):  # a decode step
         out, window, state = step(window, mixed_qkv, z, a, b, state, *weights)
         cache[0], cache[1] = window, state
-    else:
+    else:  # a verify call: its rows one by one, every row's state recorded
         conv_input = mx.concatenate([window, mixed_qkv], axis=1)
         outs, states = [], [state]
         for t in range(S):
@@ -410,8 +409,7 @@ def _compiled_rows(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a:
             outs.append(y)
             states.append(state)
         out = mx.concatenate(outs, axis=1)
-        if recording:
-            cache.record(conv_input, states)
+        cache.record(conv_input, states)
         cache[0], cache[1] = window, state
     cache.advance(S)
     return layer.out_proj(out.reshape(B, S, -1))
