@@ -179,7 +179,7 @@ class AcceptanceTracker:
 
     def absorb(self, other: AcceptanceTracker, weight: float = WARM_WEIGHT) -> None:
         """Add ``other``'s evidence (the warm-up's rounds), counted as at most ``weight`` rounds."""
-        scale = min(1.0, weight / other.reached[0]) if other.reached and other.reached[0] else 1.0
+        scale = min(1.0, weight / other.reached[0]) if other.reached[0] else 1.0
         for i in range(min(self.max_k, other.max_k)):
             self.accepted[i] += other.accepted[i] * scale
             self.reached[i] += other.reached[i] * scale

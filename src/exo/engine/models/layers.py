@@ -361,8 +361,13 @@ def _conv(layer: Any, conv_input: mx.array, verify: bool) -> mx.array:
 COMPILED_ROWS = {"0": "off", "always": "always"}.get(os.environ.get("EXO_GDN_COMPILED", ""), "cuda")
 
 
-def _compiled_rows_apply(layer: Any, mask: Any, cache: Any) -> bool:
-    if COMPILED_ROWS == "off" or cache is None or cache[0] is None:
+def _recording(cache: Any) -> bool:
+    return isinstance(cache, RollbackArraysCache) and cache.recording
+
+
+def _compiled_rows_apply(layer: Any, rows: int, mask: Any, cache: Any) -> bool:
+    """A decode step (one row) or a recorded call, solo (no mask, no per-sequence lengths), on the device."""
+    if COMPILED_ROWS == "off" or cache is None or cache[0] is None or not (rows == 1 or _recording(cache)):
         return False
     on_device = COMPILED_ROWS == "always" or (mx.default_device() == mx.gpu and mx.cuda.is_available())
     return on_device and mask is None and cache.lengths is None and not layer.training and "bias" not in layer.conv1d
@@ -397,7 +402,7 @@ def _compiled_rows(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a:
     window, state = cache[0], cache[1]
     if state is None:
         state = mx.zeros((B, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim), dtype=mx.float32)
-    if not (isinstance(cache, RollbackArraysCache) and cache.recording):  # a decode step
+    if not _recording(cache):  # a decode step
         out, window, state = step(window, mixed_qkv, z, a, b, state, *weights)
         cache[0], cache[1] = window, state
     else:  # a verify call: its rows one by one, every row's state recorded
@@ -422,8 +427,7 @@ def _mix(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array,
     recording mode additionally gets the per-row states.
     """
     B, S, _ = mixed_qkv.shape
-    if _compiled_rows_apply(layer, mask, cache) and (S == 1 or (isinstance(cache, RollbackArraysCache)
-                                                               and cache.recording)):
+    if _compiled_rows_apply(layer, S, mask, cache):
         return _compiled_rows(layer, mixed_qkv, z, b, a, cache)
     if cache is not None and cache[0] is not None:
         conv_state = cache[0]
@@ -440,7 +444,7 @@ def _mix(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array,
             cache[0] = mx.take_along_axis(conv_input, positions, axis=1)
         else:
             cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
-    recording = isinstance(cache, RollbackArraysCache) and cache.recording
+    recording = _recording(cache)
     conv_out = _silu(layer, _conv(layer, conv_input, recording))
     q, k, v = [
         t.reshape(B, S, h, d)
