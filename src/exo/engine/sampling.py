@@ -110,10 +110,10 @@ class KeyStream:
             import secrets
 
             seed = secrets.randbits(63)
-        self._key = mx.random.key(seed)
+        self.key = mx.random.key(seed)  # the next split's (a caller may set it back to rewind the stream)
 
     def next(self) -> mx.array:
-        self._key, key = mx.random.split(self._key)
+        self.key, key = mx.random.split(self.key)
         return key
 
 
