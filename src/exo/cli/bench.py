@@ -22,7 +22,6 @@ def bench_command(args: argparse.Namespace) -> int:
         raw=not args.chat,
         repeats=args.repeats,
         baseline=args.baseline,
-        draft_ahead_ab=args.draft_ahead_ab,
         progress=None if args.json else (lambda line: print(line, file=sys.stderr)),
     )
     if args.json:

@@ -82,10 +82,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--baseline", action="store_true",
         help="also decode each prompt with stock mlx-lm (plain) in the same round and print every configuration's ratio to it",
     )
-    bench.add_argument(
-        "--draft-ahead-ab", action="store_true",
-        help="also run each depth with drafting ahead (EXO_NATIVE_MTP_DRAFT_AHEAD) the other way, in the same rounds",
-    )
 
     convert = sub.add_parser(
         "convert", help="convert a checkpoint to MLX layout (optionally quantized), keeping its MTP head"

@@ -98,15 +98,12 @@ def run_bench(
     raw: bool = True,
     repeats: int = 1,
     baseline: bool = False,
-    draft_ahead_ab: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> BenchReport:
     """Every configuration on every prompt, ``repeats`` times, EOS ignored (every generation is
     ``max_tokens`` long). ``baseline``: stock mlx-lm (its own model classes, ``stream_generate``) decodes
     the same prompt ids in the same round, so each configuration gets a ratio to it per round. Each round
-    runs its configurations (stock included) in an order rotated by one from the round before.
-    ``draft_ahead_ab``: each depth also runs with drafting ahead the other way than the engine's
-    (``EngineConfig.draft_ahead``), as ``k=K ahead`` or ``k=K no-ahead``."""
+    runs its configurations (stock included) in an order rotated by one from the round before."""
     import dataclasses
 
     from .costs import device_name
@@ -136,15 +133,9 @@ def run_bench(
             for k in range(1, costs.max_k + 1)
         ]
         configs += [(f"k={k}", k, "on") for k in range(1, engine.config.max_k + 1)]
-        if draft_ahead_ab:
-            flip = "no-ahead" if engine.draft_ahead else "ahead"
-            configs += [(f"k={k} {flip}", k, "on") for k in range(1, engine.config.max_k + 1)]
         configs.append(("adaptive", None, "on"))
-    config = engine.config
-    flipped = dataclasses.replace(config, draft_ahead=not engine.draft_ahead)
 
-    def run(tokens: list[int], k: int | None, mode: str, max_new: int, seed: int, name: str = "") -> GenerationResult:
-        engine.config = flipped if name.endswith("ahead") else config
+    def run(tokens: list[int], k: int | None, mode: str, max_new: int, seed: int) -> GenerationResult:
         request = GenerationRequest(
             prompt_tokens=tokens,
             max_tokens=max_new,
@@ -155,8 +146,8 @@ def run_bench(
         return engine.complete(request)
 
     # Warm-up: compile every path once so no configuration pays for kernel compilation.
-    for name, k, mode in configs:
-        run(encoded[0], k, mode, 8, 0, name)
+    for _, k, mode in configs:
+        run(encoded[0], k, mode, 8, 0)
     if stock is not None:
         stock.decode(encoded[0], 8, temperature)
     per_round: dict[str, list[float]] = {name: [] for name, _, _ in configs}  # tokens/s, one per round
@@ -188,7 +179,7 @@ def run_bench(
                     continue
                 parts_s = _parts_alone(engine, k) if k and mode == "on" else None
                 start = time.perf_counter()
-                result = results[name] = run(tokens, k, mode, max_tokens, 1000 * repeat + index, name)
+                result = results[name] = run(tokens, k, mode, max_tokens, 1000 * repeat + index)
                 elapsed = time.perf_counter() - start
                 stats = result.stats
                 total = totals[name]
@@ -274,7 +265,6 @@ def run_bench(
         report.best_fixed = best
         report.adaptive_vs_best_fixed = round(statistics.median(paired), 3) if paired else None
         report.adaptive_vs_best_fixed_quartiles = _quartiles(paired)
-    engine.config = config
     return report
 
 
