@@ -74,7 +74,6 @@ def test_every_field_from_env(home: Path) -> None:
             EXO_NATIVE_MTP_ENABLED="false",
             EXO_NATIVE_MTP_MOE_VERIFY="batched",
             EXO_NATIVE_MTP_ASYNC_DRAFT_EVAL="0",
-            EXO_NATIVE_MTP_DRAFT_AHEAD="off",
             EXO_API_HOST="127.0.0.1",
             EXO_API_PORT="8000",
             EXO_GRPC_PORT="8001",
@@ -112,7 +111,7 @@ def test_every_field_from_env(home: Path) -> None:
     assert s.cluster_secret.get_secret_value() == "cluster-secret-value"
     assert (s.request_timeout_s, s.max_queue, s.offline, s.memory_budget_bytes) == (12.5, 3, True, 16 << 30)
     assert (s.max_batch, s.kv_budget_tokens, s.prefill_chunk, s.batch_invariant) == (4, 2048, 8, True)
-    assert s.batch_lanes == 3 and s.batch_prefill_chunk == 16 and s.native_mtp_draft_ahead == "off"
+    assert s.batch_lanes == 3 and s.batch_prefill_chunk == 16
     assert all(s.source(f) == "env" for f in Settings.model_fields)
 
 
@@ -222,21 +221,6 @@ def test_batch_invariant_reaches_the_engine(home: Path) -> None:
     resolved = resolve_model(str(bundled_model_dir("exo-demo")))
     assert engine_config(resolved, load_settings(env=env_for(home, EXO_BATCH_INVARIANT="1"))).batch_invariant is True
     assert engine_config(resolved, load_settings(env=env_for(home))).batch_invariant is False
-
-
-def test_draft_ahead_reaches_the_engine(home: Path) -> None:
-    """EXO_NATIVE_MTP_DRAFT_AHEAD=auto|on|off: the engine's ``draft_ahead`` (auto: None, the device's
-    default); anything else is refused with what is accepted."""
-    from exo.cards import bundled_model_dir
-    from exo.engine import engine_config, resolve_model
-
-    resolved = resolve_model(str(bundled_model_dir("exo-demo")))
-    for text, value in (("on", True), ("off", False), ("auto", None)):
-        env = env_for(home, EXO_NATIVE_MTP_DRAFT_AHEAD=text)
-        assert engine_config(resolved, load_settings(env=env)).draft_ahead is value
-    assert engine_config(resolved, load_settings(env=env_for(home))).draft_ahead is None
-    with pytest.raises(SettingsError, match="auto, on, off"):
-        load_settings(env=env_for(home, EXO_NATIVE_MTP_DRAFT_AHEAD="1"))
 
 
 def test_batch_lanes_reach_the_engine(home: Path) -> None:

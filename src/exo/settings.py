@@ -42,9 +42,6 @@ class Settings(BaseModel):
     native_mtp_enabled: bool = Field(default=True, strict=True)
     native_mtp_moe_verify: MoEVerify = "route_locked"
     native_mtp_async_draft_eval: bool = Field(default=True, strict=True)
-    # A speculative round builds the next round's drafts while its verify call computes (EngineConfig.
-    # draft_ahead). "auto": where the host bounds a round (a GPU); "on"/"off" force it.
-    native_mtp_draft_ahead: Literal["auto", "on", "off"] = "auto"
     api_host: str = Field(default="0.0.0.0", min_length=1)
     api_port: int = Field(default=52415, ge=1, le=65535)
     grpc_port: int = Field(default=52416, ge=1, le=65535)

@@ -65,7 +65,6 @@ def engine_config(resolved: ResolvedModel, settings: Settings, **overrides) -> E
         native_mtp_enabled=settings.native_mtp_enabled,
         moe_verify=settings.native_mtp_moe_verify,
         async_draft_eval=settings.native_mtp_async_draft_eval,
-        draft_ahead={"auto": None, "on": True, "off": False}[settings.native_mtp_draft_ahead],
         default_k=resolved.default_k,
         max_k=resolved.max_k,
         disabled_reason=f"native MTP is disabled ({where.get(source, 'settings')})",

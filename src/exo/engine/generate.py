@@ -134,10 +134,6 @@ class EngineConfig:
     # Before its first adaptive request, the engine drafts a short greedy answer of its own at max_k
     # (``Engine.warm_acceptance``): the head's acceptance on the model's text seeds the depth policy.
     warm_acceptance: bool = True
-    # A round builds the next round's drafts while its verify call computes, as if all its drafts land
-    # (``_Run._draft_ahead``): kept when they do, undone when not. None: where the host, not the device,
-    # bounds a round (a GPU: see ``draft_ahead_default``).
-    draft_ahead: bool | None = None
     default_k: int = 1  # defaults for a checkpoint without a model card
     max_k: int = 3
     disabled_reason: str = "native MTP is disabled (EXO_NATIVE_MTP_ENABLED=0 or the node's settings)"
@@ -204,14 +200,6 @@ class GenerationResult:
     finish_reason: FinishReason
     stats: NativeMTPStats
     logprobs: list[TokenLogprob] | None = None
-
-
-def draft_ahead_default() -> bool:
-    """Drafting ahead hides the host's work of building the drafts behind the verify call's device time; a
-    verdict that rejects a draft wastes the drafts' device time. On a GPU the host bounds a round (the device
-    idles while it builds) and the waste falls in that idle time; on MLX's CPU backend the drafts compete
-    with the verify call for the same cores."""
-    return mx.default_device().type == mx.gpu
 
 
 class Engine:
@@ -297,14 +285,6 @@ class Engine:
         if self.loaded.head is None:
             return self.loaded.head_status.reason or "this model has no usable MTP head"
         return None
-
-    @property
-    def draft_ahead(self) -> bool:
-        """Whether speculative rounds draft the next round during their verify call
-        (``EngineConfig.draft_ahead``; None: ``draft_ahead_default()``)."""
-        if self.config.draft_ahead is not None:
-            return self.config.draft_ahead
-        return draft_ahead_default()
 
     @property
     def verify_mode(self) -> VerifyMode:
@@ -517,19 +497,6 @@ class _Drafts:
 
 
 @dataclass
-class _Ahead:
-    """The next round's drafts, built while this round's verify call computes, as if all this round's drafts
-    land (``_Run._draft_ahead``); with what undoes them when they do not."""
-
-    k: int
-    drafts: _Drafts
-    head_offset: int  # the head cache's offset before it took in ``hidden``
-    key: mx.array  # the request's PRNG key before the drafts drew from it
-    hidden: mx.array  # [1, k+1, H]: this round's verify rows, which the head took in
-    tokens: mx.array  # [k+1]: the tokens after those rows (the drafts and the token after them)
-
-
-@dataclass
 class _Decision:
     """A run's verdict on its verify rows; ``accepted`` and ``emitted`` are filled in after the sync."""
 
@@ -598,10 +565,6 @@ class _Run:
         self.pending_batch = 0  # the size of the batch step that computed ``pending_token``
         self.started = self.first_time = 0.0
         self._first: tuple[mx.array, _LogprobRows | None] | None = None
-        # The next round's drafts, built during this round's verify call (``_draft_ahead``).
-        self._ahead: _Ahead | None = None
-        self.draft_ahead = engine.draft_ahead
-        self.ahead_drafted = 0  # rounds that drafted the next one ahead (``recorder.drafted_ahead``: used)
 
     @property
     def batchable(self) -> bool:
@@ -765,7 +728,6 @@ class _Run:
             if self._cancelled():
                 break
             if self._handover():
-                self._drop_ahead()
                 self.handed_over = True
                 return
             if self._plain_next:
@@ -778,7 +740,6 @@ class _Run:
                 self.track_head = False
                 self._head_hidden, self._head_tokens = [], []
             if k == 0:
-                self._drop_ahead()
                 budget = self.policy.plain_budget() if self.policy is not None else 1 << 30
                 yield from self._plain_burst(budget, stretch=True)
             else:
@@ -856,23 +817,16 @@ class _Run:
         assert self.head is not None and self.pending_token is not None
         start = time.perf_counter()
         self._phase_start = start
-        drafts = self._take_ahead(k)
-        if drafts is None:
-            drafts = self._draft(k, time_after_catch_up=True)
+        drafts = self._draft(k, time_after_catch_up=True)
         self._mark("draft_build")
         rows = mx.concatenate([self.pending_token.reshape(1), drafts.tokens])[None]
         hidden = self.forward.hidden(rows, self.cache, verify=True)
         logits = verify_logits(self.model, hidden, self.engine.verify_mode)[0]  # [K+1, V]
         decision = self._decide(drafts, logits)
         self._mark("verify_build")
-        ahead = None
-        if self._may_draft_ahead(k):
-            mx.async_eval(hidden, *decision.arrays())  # the verify call computes while the host drafts ahead
-            ahead = self._draft_ahead(decision, hidden)
-            self._mark("ahead_build")
         mx.eval(hidden, *decision.arrays())
         self._mark("device_wait")
-        kept = self._accept(decision, hidden, ahead)
+        kept = self._accept(decision, hidden)
         self.forward.rollback(self.cache, k + 1, kept)
         assert self.policy is not None
         self.policy.observe_round(k, decision.accepted, time.perf_counter() - (drafts.timed_from or start))
@@ -935,54 +889,6 @@ class _Run:
             mx.eval(draft_tokens, *draft_logprobs)
         return _Drafts(k, draft_tokens, draft_logprobs, masks, catch_up, timed_from)
 
-    # -- drafting ahead: the next round's drafts built while this round's verify call computes ----------
-    def _may_draft_ahead(self, k: int) -> bool:
-        """Whether this depth-k round drafts the next one ahead: the engine drafts ahead, nothing host-side
-        follows the drafts (a grammar consumes them one by one; penalties extend the history with them), and
-        the request can need another round."""
-        return (self.draft_ahead and self.matcher is None and not self.processors
-                and self.output.max_tokens - len(self.output.tokens) > k + 1)
-
-    def _draft_ahead(self, decision: _Decision, hidden: mx.array) -> _Ahead:
-        """The next round's k drafts as if all of this round's land: the head takes in this round's k+1
-        verify rows followed by the drafts and the token after them (the verdict's last row, lazy), then
-        chains. Every value is what the next round's ``_draft`` would compute after such a verdict, and the
-        PRNG keys are drawn in the same order (after this round's verdict's), so a seed samples the same
-        tokens either way. ``_accept`` keeps them or undoes them."""
-        k = decision.drafts.k
-        assert self.head is not None and not self._head_hidden
-        self.head_cache.trim(k - 1)  # this round's chained drafts: the rows ahead follow the committed ones
-        offset, key = self.head_cache.offset, self.keys.key
-        tokens = mx.concatenate([decision.drafts.tokens, decision.verdict.replacement[k:]])
-        self._head_hidden, self._head_tokens = [hidden], [tokens]
-        self.ahead_drafted += 1
-        return _Ahead(k, self._draft(k), offset, key, hidden, tokens)
-
-    def _undo_ahead(self, ahead: _Ahead, requeue: bool) -> None:
-        """The head cache and the PRNG key as before ``ahead``; ``requeue``: its rows did land (the verdict
-        kept them) and wait for the head again, as after any round."""
-        self.head_cache.trim(self.head_cache.offset - ahead.head_offset)
-        self.keys.key = ahead.key
-        if requeue:
-            self._wait_for_head(ahead.hidden, ahead.tokens)
-
-    def _take_ahead(self, k: int) -> _Drafts | None:
-        """The drafts built ahead for this round, if they were built for this depth (else undone)."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return None
-        if ahead.k != k:
-            self._undo_ahead(ahead, requeue=True)
-            return None
-        self.recorder.drafted_ahead += 1
-        return ahead.drafts
-
-    def _drop_ahead(self) -> None:
-        """The run does something other than a round of the depth drafted ahead (plain steps, a batch)."""
-        if self._ahead is not None:
-            self._undo_ahead(self._ahead, requeue=True)
-            self._ahead = None
-
     def _decide(self, drafts: _Drafts, logits: mx.array) -> _Decision:
         """2-3. The verdict on this run's verify rows ``logits`` [k+1, V] (lazy: read back with the caller's
         one host sync): its penalties, grammar, acceptance test and PRNG keys. With no drafts, row 0 is
@@ -1020,11 +926,10 @@ class _Run:
             lp_drafts = _LogprobRows(distribution[:k], draft_tokens, 0)
         return _Decision(drafts, verdict, lp_drafts, lp_replacements)
 
-    def _accept(self, decision: _Decision, hidden: mx.array, ahead: _Ahead | None = None) -> int:
+    def _accept(self, decision: _Decision, hidden: mx.array) -> int:
         """4. Host side, after the sync: the accepted drafts and the token after them, this run's state
         rolled to them (head cache, grammar, pending token, penalty history, stats); ``hidden`` [1, k+1, H]
-        are its verify rows; ``ahead``: the next round's drafts built as if every row is kept (kept for the
-        next round when that is so, else undone). Returns how many verify rows its backbone caches keep."""
+        are its verify rows. Returns how many verify rows its backbone caches keep."""
         k, verdict = decision.drafts.k, decision.verdict
         proposed = decision.drafts.tokens.tolist()
         accepted, decided = accepted_prefix(
@@ -1039,22 +944,15 @@ class _Run:
             self.recorder.near_tie_fallbacks += 1
         kept_rows = len(emitted)
         if k > 0:
-            if ahead is None:
-                self.head_cache.trim(k - 1)  # (drafting ahead trimmed them already)
+            self.head_cache.trim(k - 1)
             self.recorder.round(k, accepted)
-        landed = ahead is not None and kept_rows == k + 1
-        if ahead is not None and not landed:
-            self._undo_ahead(ahead, requeue=False)
         if self.matcher is not None:
             self.matcher.rollback(k - accepted)
             if decided:
                 self.matcher.consume(emitted[-1])
         if emitted:
             emitted_array = mx.array(emitted, dtype=mx.uint32)
-            if landed:
-                self._ahead = ahead  # the head took these rows in already; its drafts are the next round's
-            else:
-                self._wait_for_head(hidden[:, :kept_rows], emitted_array)  # row i is followed by emitted[i]
+            self._wait_for_head(hidden[:, :kept_rows], emitted_array)  # row i is followed by emitted[i]
             self.pending_token = emitted_array[-1:]
             self._pending_consumed = True
             if self.processors:
@@ -1122,7 +1020,6 @@ class _Run:
             per_position_acceptance=[round(a, 4) for a in rec.per_position()],
             per_position_drafted=rec.per_position_drafted(),
             near_tie_fallbacks=rec.near_tie_fallbacks,
-            rounds_drafted_ahead=rec.drafted_ahead,
             profile_ms={k: round(v * 1000, 3) for k, v in self._phases.items()} if self._phases else None,
             ttft_ms=round(ttft_s * 1000.0, 3),
             decode_tokens_per_s=round((completion - 1) / decode_s, 3) if completion > 1 and decode_s > 0 else 0.0,

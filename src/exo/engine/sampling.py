@@ -110,10 +110,10 @@ class KeyStream:
             import secrets
 
             seed = secrets.randbits(63)
-        self.key = mx.random.key(seed)  # the next split's (a caller may set it back to rewind the stream)
+        self._key = mx.random.key(seed)
 
     def next(self) -> mx.array:
-        self.key, key = mx.random.split(self.key)
+        self._key, key = mx.random.split(self._key)
         return key
 
 

@@ -26,8 +26,6 @@ class NativeMTPStats(BaseModel):
     per_position_acceptance: list[float] = Field(default_factory=list)  # P(accept at i | reached i)
     per_position_drafted: list[int] = Field(default_factory=list)  # rounds that tested position i
     near_tie_fallbacks: int = 0  # greedy rounds cut short at a near tie (that position decoded plainly)
-    # Rounds whose drafts were built during the round before's verify call (every row of that one landed).
-    rounds_drafted_ahead: int = 0
     ttft_ms: float = 0.0
     decode_tokens_per_s: float = 0.0
     prompt_tokens: int = 0
@@ -52,7 +50,6 @@ class StatsRecorder:
         self.accepted_total = 0
         self.last_k = 0
         self.near_tie_fallbacks = 0
-        self.drafted_ahead = 0
 
     def plain_steps(self, n: int) -> None:
         if n:

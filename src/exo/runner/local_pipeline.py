@@ -38,12 +38,11 @@ class LocalPipelineError(RuntimeError):
 def run_local_pipeline(
     model: str | Path | Sequence[str | Path], stages: Sequence[tuple[int, int]], requests: list[dict[str, Any]], *,
     prefill_chunk: int = 2048, warmup: bool = False, timeout_s: float = 300.0,
-    stage_env: Sequence[dict[str, str]] | None = None, draft_ahead: bool | None = None,
+    stage_env: Sequence[dict[str, str]] | None = None,
 ) -> dict[str, Any]:
     """Run ``requests`` on a pipeline of ``stages`` (one process each); the leader's results and the bytes
     its stage sent and received. ``stage_env``: environment variables per stage, over this process's (on a
-    host with several GPUs, ``CUDA_VISIBLE_DEVICES`` puts each stage on its own, as separate nodes would be).
-    ``draft_ahead``: the leader's ``EngineConfig.draft_ahead`` (None: the device's default)."""
+    host with several GPUs, ``CUDA_VISIBLE_DEVICES`` puts each stage on its own, as separate nodes would be)."""
     if stage_env is not None and len(stage_env) != len(stages):
         raise ValueError(f"{len(stage_env)} stage environments for {len(stages)} stages")
     with tempfile.TemporaryDirectory(prefix="exo-local-pipeline-") as tmp:
@@ -53,7 +52,7 @@ def run_local_pipeline(
         spec = {
             "models": models, "stages": [list(s) for s in stages],
             "hosts": [f"127.0.0.1:{free_port()}" for _ in stages], "prefill_chunk": prefill_chunk,
-            "warmup": warmup, "requests": requests, "out": str(Path(tmp) / "out.json"), "draft_ahead": draft_ahead,
+            "warmup": warmup, "requests": requests, "out": str(Path(tmp) / "out.json"),
         }
         spec_file = Path(tmp) / "spec.json"
         spec_file.write_text(json.dumps(spec))
@@ -85,7 +84,7 @@ def _stage_main(spec_file: str, rank: int) -> None:
 
     stages = spec["stages"]
     start, end = stages[rank]
-    config = EngineConfig(prefill_chunk=spec.get("prefill_chunk", 2048), draft_ahead=spec.get("draft_ahead"))
+    config = EngineConfig(prefill_chunk=spec.get("prefill_chunk", 2048))
     forward = None
     model = spec["models"][rank]
     if len(stages) == 1:
