@@ -441,6 +441,32 @@ def test_stats_are_consistent(dense):
     assert s.completion_tokens <= 1 + s.rounds + s.accepted_tokens
     assert s.prompt_tokens == 10 and s.completion_tokens == 30
     assert s.ttft_ms > 0 and s.decode_tokens_per_s > 0
+    assert s.profile_ms is None  # (EXO_ENGINE_PROFILE unset)
+
+
+def test_round_phases_account_for_the_decode_time(dense, monkeypatch):
+    """EXO_ENGINE_PROFILE=1: every speculative round's time falls in a phase (bench/round_phases.py), from
+    the first round's start to the last round's end, "between" rounds included."""
+    import time
+
+    monkeypatch.setenv("EXO_ENGINE_PROFILE", "1")
+    engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK))
+    run = engine.start(GenerationRequest(_prompt(dense, 10), max_tokens=30, native_mtp="on", mtp_k=2))
+    marks: list[float] = []
+    stats = None
+    for chunk in run.stream():
+        marks.append(time.perf_counter())
+        stats = chunk.stats or stats
+        time.sleep(0.002)  # the caller's share of each round: it reads each chunk before the next round
+    assert stats is not None and stats.rounds > 3 and stats.profile_ms is not None
+    phases = stats.profile_ms
+    assert set(phases) == {"draft_build", "verify_build", "device_wait", "rollback", "emit", "between"}
+    # The chunks after the first (before any round) and before the final one (after the last) come out of
+    # rounds: the caller's sleeps after them fall between rounds.
+    inner = len(marks) - 2
+    assert inner >= 3 and phases["between"] >= 0.9 * 2.0 * inner
+    decode_ms = (marks[-1] - marks[0]) * 1e3
+    assert 0.8 * decode_ms <= sum(phases.values()) <= decode_ms * 1.05
 
 
 def _relative_top2_gaps(loaded, prompt: list[int], tokens: list[int]) -> list[float]:

@@ -542,7 +542,7 @@ class _Run:
         self.pending_token: mx.array | None = None
         self._plain_next = False  # a near tie left the next position to plain decoding
         self._phases: dict[str, float] | None = {} if os.environ.get("EXO_ENGINE_PROFILE") == "1" else None
-        self._phase_start = 0.0
+        self._phase_start = self._round_end = 0.0
         self.history = mx.zeros((0,), dtype=mx.uint32)  # the completion so far, for penalties
         eos = frozenset() if request.ignore_eos else engine.loaded.eos_token_ids
         self.output = _Output(engine.loaded.tokenizer, eos, request.stop, request.max_tokens)
@@ -816,6 +816,10 @@ class _Run:
         (exo.engine.batch) runs the same pieces per member around ONE verify call of all of them."""
         assert self.head is not None and self.pending_token is not None
         start = time.perf_counter()
+        if self._phases is not None and self._round_end:
+            # From the end of the round before to this one: the caller's share (reading the chunks) and the
+            # loop's (the depth policy's choice, cancellation); plain steps too, where some ran in between.
+            self._phases["between"] = self._phases.get("between", 0.0) + start - self._round_end
         self._phase_start = start
         drafts = self._draft(k, time_after_catch_up=True)
         self._mark("draft_build")
@@ -833,6 +837,7 @@ class _Run:
         self._mark("rollback")
         self._emit(decision)
         self._mark("emit")
+        self._round_end = time.perf_counter()
         yield from self._drain()
 
     # -- the pieces of a speculative round (alone, or a member's share of a batched round) -------------
