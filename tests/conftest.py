@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -38,6 +38,8 @@ os.environ.setdefault("ATEN_CPU_CAPABILITY", "default")
 os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 
 _SRC = Path(__file__).resolve().parents[1] / "src"
+# On the PYTHONPATH of every process a test starts: its sitecustomize hides torch from them (it says why).
+SUBPROCESS_SITE = Path(__file__).resolve().parent / "subprocess_site"
 if _SRC.is_dir() and str(_SRC) not in sys.path:
     sys.path.insert(0, str(_SRC))
 
@@ -97,6 +99,16 @@ def checkpoint(fixture_store: FixtureStore) -> Callable[..., Path]:
 @pytest.fixture(scope="session")
 def malformed_checkpoint(fixture_store: FixtureStore) -> Callable[..., Path]:
     return fixture_store.malformed
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _subprocesses_without_torch() -> Iterator[None]:
+    """Python processes started by the tests (daemons, runners, pipeline stages, the CLI) run without torch,
+    as exo does where it is installed: see subprocess_site/sitecustomize.py. Helpers that set PYTHONPATH for
+    a process keep what they inherit after their own entries (tests/cluster/daemons.py)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(SUBPROCESS_SITE), os.environ.get("PYTHONPATH")])))
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -51,7 +51,7 @@ class Daemon:
 
     def start(self, peers: Sequence[str] = ()) -> Daemon:
         self.home.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "EXO_HOME": str(self.home), "PYTHONPATH": str(SRC), "EXO_API_KEY": ""}
+        env = {**os.environ, "EXO_HOME": str(self.home), "PYTHONPATH": python_path(), "EXO_API_KEY": ""}
         env.pop("EXO_CLUSTER_SECRET", None)
         if self.secret is not None:
             env["EXO_CLUSTER_SECRET"] = self.secret
@@ -127,6 +127,12 @@ class Daemon:
         assert self.process is not None
         self.process.send_signal(signal.SIGKILL)
         self.process.wait(10)
+
+
+def python_path() -> str:
+    """PYTHONPATH for an exo process a test starts: this checkout's sources, then what this process has
+    (tests/conftest.py puts the folder there that hides torch from test processes)."""
+    return os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.25) -> Any:

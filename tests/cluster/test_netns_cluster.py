@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
+from .daemons import python_path
 from .netns import NetnsLab, netns_unavailable
 
-SRC = Path(__file__).resolve().parents[2] / "src"
 API_PORT, GRPC_PORT = 52415, 52416
 JOIN_S = 15  # the bound: nodes see each other within this long of both serving
 
@@ -26,7 +26,7 @@ class Daemon:
     def __init__(self, lab: NetnsLab, i: int, home: Path, namespace: str) -> None:
         self.lab, self.i, self.ip = lab, i, lab.ips[i]
         env = {k: v for k, v in os.environ.items() if not k.startswith("EXO_")}
-        env.update(PYTHONPATH=str(SRC), EXO_HOME=str(home), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+        env.update(PYTHONPATH=python_path(), EXO_HOME=str(home), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
         self.log_path = home.parent / f"{home.name}.log"
         self.log = open(self.log_path, "w")  # closed in stop()
         argv = [sys.executable, "-m", "exo.cli.main", "serve", "--host", self.ip, "--port", str(API_PORT),

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
-from cluster.daemons import SRC, free_port
+from cluster.daemons import free_port, python_path
 
 from exo.menubar import DaemonState, MenubarController, Snapshot
 
@@ -20,7 +20,7 @@ def serve_flags() -> list[str]:
 
 def app_env(home: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("EXO_") or k == "EXO_FIXTURE_DIR"}
-    return {**env, "EXO_HOME": str(home), "PYTHONPATH": str(SRC), **extra}
+    return {**env, "EXO_HOME": str(home), "PYTHONPATH": python_path(), **extra}
 
 
 def wait_state(
