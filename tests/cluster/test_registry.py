@@ -7,10 +7,11 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+import pytest
 
 from exo.cluster.auth import AuthInterceptor, ClusterAuth
 from exo.cluster.identity import NODE_ID_FILE, NodeIdentity
-from exo.cluster.registry import Peer, PeerRegistry
+from exo.cluster.registry import EXPIRE_S, POLL_S, Peer, PeerRegistry
 from exo.wire.proto_gen import node_pb2 as pb
 from exo.wire.proto_gen import node_pb2_grpc as pb_grpc
 
@@ -347,3 +348,20 @@ def test_restarted_static_peer_rejoins(tmp_path):
     assert lost == [pid(11)]
     assert back is not None and back.info.boot_nonce == 43
     assert [p.node_id for p in events.joined] == [pid(11), pid(11)]
+
+
+def test_poll_and_expiry_come_from_the_environment_where_set(tmp_path, monkeypatch):
+    """EXO_PEER_POLL_S / EXO_PEER_EXPIRE_S (tests that kill daemons set them) replace the defaults of a
+    registry built without explicit timings (a daemon's); anything but a positive number is refused."""
+    registry, _ = make_registry(tmp_path / "default", poll_s=None, expire_s=None)
+    assert (registry.poll_s, registry.expire_s) == (POLL_S, EXPIRE_S) == (1.5, 7.5)
+    monkeypatch.setenv("EXO_PEER_POLL_S", "0.5")
+    monkeypatch.setenv("EXO_PEER_EXPIRE_S", "4")
+    registry, _ = make_registry(tmp_path / "env", poll_s=None, expire_s=None)
+    assert (registry.poll_s, registry.expire_s) == (0.5, 4.0)
+    registry, _ = make_registry(tmp_path / "explicit", poll_s=0.2, expire_s=0.4)  # an explicit value wins
+    assert (registry.poll_s, registry.expire_s) == (0.2, 0.4)
+    for bad in ("0", "-1", "soon", "nan", "inf"):
+        monkeypatch.setenv("EXO_PEER_EXPIRE_S", bad)
+        with pytest.raises(ValueError, match="EXO_PEER_EXPIRE_S must be a positive number of seconds"):
+            make_registry(tmp_path / "bad", poll_s=None, expire_s=None)

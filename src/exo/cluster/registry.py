@@ -7,12 +7,18 @@ at once; a peer of another namespace is ignored, a peer that does not prove it h
 is ignored, and a peer with our own node id triggers the duplicate-id rule (``NodeIdentity``). A peer
 with no successful answer for ``EXPIRE_S`` leaves the registry (``on_lost``), so a dead peer is gone
 within ten seconds. Readers (the API) only ever see the cached answers: a slow peer never blocks them.
+
+``EXO_PEER_POLL_S`` and ``EXO_PEER_EXPIRE_S`` replace ``POLL_S`` and ``EXPIRE_S`` in a process's registry
+(tests that kill nodes and wait for them to leave set them on their daemons; keep the expiry several polls
+long). They are not settings: nothing outside the tests should need them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import os
 import secrets
 import time
 from collections.abc import Callable
@@ -42,7 +48,23 @@ CHANNEL_OPTIONS = (
     ("grpc.min_reconnect_backoff_ms", 200),
 )
 
+POLL_ENV, EXPIRE_ENV = "EXO_PEER_POLL_S", "EXO_PEER_EXPIRE_S"
+
 Address = tuple[str, int]
+
+
+def seconds_from_env(name: str, default: float) -> float:
+    """The environment variable ``name`` as a positive number of seconds; ``default`` where it is unset or empty."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive number of seconds, got {raw!r}")
+    return value
 
 
 @dataclass
@@ -70,8 +92,8 @@ class PeerRegistry:
         on_joined: Callable[[Peer], None] | None = None,
         on_lost: Callable[[Peer], None] | None = None,
         on_id_changed: Callable[[str], None] | None = None,
-        poll_s: float = POLL_S,
-        expire_s: float = EXPIRE_S,
+        poll_s: float | None = None,  # None: POLL_S, or EXO_PEER_POLL_S where set
+        expire_s: float | None = None,  # None: EXPIRE_S, or EXO_PEER_EXPIRE_S where set
         call_timeout_s: float = CALL_TIMEOUT_S,
     ) -> None:
         self.identity = identity
@@ -81,8 +103,8 @@ class PeerRegistry:
         self.on_joined = on_joined
         self.on_lost = on_lost
         self.on_id_changed = on_id_changed
-        self.poll_s = poll_s
-        self.expire_s = expire_s
+        self.poll_s = poll_s if poll_s is not None else seconds_from_env(POLL_ENV, POLL_S)
+        self.expire_s = expire_s if expire_s is not None else seconds_from_env(EXPIRE_ENV, EXPIRE_S)
         self.call_timeout_s = call_timeout_s
         self._sources: dict[Address, set[str]] = {}
         self._channels: dict[Address, grpc.aio.Channel] = {}
