@@ -7,6 +7,7 @@ layer the same whoever runs it), at every depth and adaptive, across the prefill
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -89,9 +90,11 @@ def test_pipeline_greedy_equals_single_node_plain(checkpoint, tmp_path, arch, st
     requests += [{"prompt": p, "max_tokens": MAX_TOKENS, "ignore_eos": True, "mtp_k": k, "native_mtp": "on"}
                  for k in DEPTHS for p in prompts]
     out = run_pipeline(tmp_path, path, SPLITS[stages], requests)
+    # Single-node plain decoding of each prompt, once: every depth's requests of a prompt compare against it.
+    plains = {tuple(p): engine.complete(GenerationRequest(p, max_tokens=MAX_TOKENS, native_mtp="off")) for p in prompts}
     drafted = accepted = 0
     for request, result in zip(requests, out["results"], strict=True):
-        plain = engine.complete(GenerationRequest(request["prompt"], max_tokens=MAX_TOKENS, native_mtp="off"))
+        plain = plains[tuple(request["prompt"])]
         where = (len(request["prompt"]), request.get("mtp_k"), request["native_mtp"])
         assert result["token_ids"] == plain.token_ids, where
         assert result["text"] == plain.text, where
@@ -122,9 +125,10 @@ def test_a_stage_that_does_not_lead_rolls_back_its_attention(tmp_path, split):
     requests = [{"prompt": p, "max_tokens": DEMO_TOKENS, "ignore_eos": True, "mtp_k": k, "native_mtp": "on"}
                 for k in DEPTHS for p in prompts]
     out = run_pipeline(tmp_path, path, stages, requests)["results"]
+    plains = {tuple(p): engine.complete(GenerationRequest(p, max_tokens=DEMO_TOKENS, native_mtp="off")) for p in prompts}
     drafted = accepted = 0
     for request, result in zip(requests, out, strict=True):
-        plain = engine.complete(GenerationRequest(request["prompt"], max_tokens=DEMO_TOKENS, native_mtp="off"))
+        plain = plains[tuple(request["prompt"])]
         where = (len(request["prompt"]), request["mtp_k"])
         assert result["token_ids"] == plain.token_ids, where
         stats = result["stats"]
@@ -242,14 +246,18 @@ def test_pipeline_sampling_keeps_plain_sampling_distribution(checkpoint, tmp_pat
     )
     requests = [{"prompt": prompt, "max_tokens": 3, "mtp_k": 2, "native_mtp": "on",
                  "sampling": {"temperature": 1.0, "seed": seed}} for seed in range(RUNS)]
-    out = run_pipeline(tmp_path, path, SPLITS[2], requests)["results"]
+    # The stages pass each step back and forth (one of them busy at a time): this process samples plainly
+    # meanwhile, on the core they leave idle, rather than after them.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        piping = pool.submit(run_pipeline, tmp_path, path, SPLITS[2], requests)
+        plain = [
+            (engine.complete(GenerationRequest(prompt, max_tokens=3, native_mtp="off",
+                                               sampling=SamplingParams(temperature=1.0, seed=RUNS + seed))).token_ids
+             + [-1] * 3)[:3]
+            for seed in range(RUNS)
+        ]
+        out = piping.result()["results"]
     piped = [(r["token_ids"] + [-1] * 3)[:3] for r in out]
-    plain = [
-        (engine.complete(GenerationRequest(prompt, max_tokens=3, native_mtp="off",
-                                           sampling=SamplingParams(temperature=1.0, seed=RUNS + seed))).token_ids
-         + [-1] * 3)[:3]
-        for seed in range(RUNS)
-    ]
     drafted = sum(r["stats"]["drafted_tokens"] for r in out)
     accepted = sum(r["stats"]["accepted_tokens"] for r in out)
     assert 0 < accepted < drafted, "both the accept and the reject path must run"
