@@ -3,7 +3,7 @@
     python bench/round_phases.py [MODEL] [--depths 1 2 3] [--max-tokens 128] [--repeats 3]
 
 Runs greedy requests at each fixed depth, interleaved in one process (each prompt rotates the order), with
-the engine's phase timer (EXO_ENGINE_PROFILE=1), and prints per round (median over requests, ms):
+the engine's phase timer (``EngineConfig.profile_rounds``, as EXO_ENGINE_PROFILE=1), and prints per round (median over requests, ms):
 - ``draft_build``: the head taking in the rows the round before kept and drafting K tokens (built, and on
   the CPU partly computed; on MLX CUDA the kernels launch at the evaluation);
 - ``verify_build``: the (K+1)-row verify call and its verdict, built (on the CPU evaluated two layers at a
@@ -21,17 +21,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
 
-os.environ["EXO_ENGINE_PROFILE"] = "1"
+from exo.engine import GenerationRequest, load
+from exo.engine.bench import DEFAULT_PROMPTS, OUTSIDE_PHASES, encode_prompt
+from exo.engine.costs import device_name
 
-from exo.engine import GenerationRequest, load  # noqa: E402
-from exo.engine.bench import DEFAULT_PROMPTS, encode_prompt  # noqa: E402
-from exo.engine.costs import device_name  # noqa: E402
-
-PHASES = ("draft_build", "verify_build", "device_wait", "rollback", "emit", "between")
-OUTSIDE = ("rollback", "emit", "between")
+PHASES = ("draft_build", "verify_build", "device_wait", *OUTSIDE_PHASES)
 
 
 def main() -> None:
@@ -43,6 +39,7 @@ def main() -> None:
     args = parser.parse_args()
     engine = load(args.model)
     engine.loaded = dataclasses.replace(engine.loaded, eos_token_ids=frozenset())
+    engine.config = dataclasses.replace(engine.config, profile_rounds=True)
     prompts = [encode_prompt(engine, p, raw=True) for p in DEFAULT_PROMPTS]
     per: dict[int, list[dict[str, float]]] = {k: [] for k in args.depths}
     tps: dict[int, list[float]] = {k: [] for k in args.depths}
@@ -71,7 +68,7 @@ def main() -> None:
         rows = per[k]
         medians = [statistics.median(r[p] for r in rows) for p in PHASES]
         total = statistics.median(sum(r.values()) for r in rows)
-        outside = statistics.median(sum(r[p] for p in OUTSIDE) / sum(r.values()) for r in rows)
+        outside = statistics.median(sum(r[p] for p in OUTSIDE_PHASES) / sum(r.values()) for r in rows)
         print(f"{k:>3} " + " ".join(f"{m:>12.3f}" for m in medians) + f" {total:>8.3f} {outside:>7.1%} "
               f"{statistics.median(tps[k]):>8.1f}")
 

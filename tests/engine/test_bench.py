@@ -41,6 +41,9 @@ def test_each_round_runs_its_configurations_in_a_rotated_order(checkpoint, monke
     rows = {row.config: row for row in report.rows}
     assert rows["plain"].speedup == 1.0 and rows["k=1"].identical_to_plain and rows["adaptive"].identical_to_plain
     assert rows["stock mlx-lm"].vs_stock == 1.0
+    # The phase timer ran for the bench's requests (the share of k=1's rounds outside its parts), not after.
+    assert 0.0 < rows["k=1"].outside_share < 1.0 and rows["plain"].outside_share is None
+    assert engine.config.profile_rounds is False
     # The spread of the ratios, and adaptive against the fastest fixed configuration round by round.
     for name in ("plain", "k=1", "adaptive"):
         q1, q3 = rows[name].vs_stock_quartiles

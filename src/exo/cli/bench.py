@@ -58,6 +58,11 @@ def bench_command(args: argparse.Namespace) -> int:
         print("the same with the head taking in the rows the round before kept (its parts timed alone start it "
               "from one row): " + "  ".join(
                   f"{row.config} +{row.catch_up_ms:.2f} ms = {row.glue_with_catch_up:.3f}x" for row in glue))
+        shares = [row for row in glue if row.outside_share is not None]
+        if shares:
+            print("a round's time outside its verify call and drafts, by the phase timer (reading the verdict back, "
+                  "rollback, emission, the loop; median over requests): "
+                  + "  ".join(f"{row.config} {row.outside_share:.1%}" for row in shares))
         print("round cost in this run's plain steps: " + "  ".join(f"{row.config} {row.round_cost:.3f}" for row in glue))
     if report.adaptive_vs_best_fixed is not None:
         q = report.adaptive_vs_best_fixed_quartiles

@@ -28,6 +28,10 @@ DEFAULT_PROMPTS = (
 PROJECTED_ACCEPTANCE = 0.8
 
 
+# The phases of a round (``NativeMTPStats.profile_ms``) outside its verify call and its drafts.
+OUTSIDE_PHASES = ("rollback", "emit", "between")
+
+
 class BenchRow(BaseModel):
     config: str  # "stock mlx-lm" (--baseline), "plain", "k=1", ..., "adaptive"
     k: int | None  # forced depth, None for adaptive
@@ -53,6 +57,9 @@ class BenchRow(BaseModel):
     # rows), ``glue_with_catch_up`` the round's time over its parts with them (median over requests).
     catch_up_ms: float | None = None
     glue_with_catch_up: float | None = None
+    # By the engine's phase timer (``profile_ms``): the share of a round's time outside its verify call and its
+    # drafts (reading the verdict back, rollback, emission, the loop between rounds); median over requests.
+    outside_share: float | None = None
     acceptance_rate: float
     per_position_acceptance: list[float]
     k_histogram: dict[int, int]
@@ -106,9 +113,19 @@ def run_bench(
     runs its configurations (stock included) in an order rotated by one from the round before."""
     import dataclasses
 
+    engine.loaded = dataclasses.replace(engine.loaded, eos_token_ids=frozenset())
+    config = engine.config
+    engine.config = dataclasses.replace(config, profile_rounds=True)  # rounds timed by phase (outside_share)
+    try:
+        return _run_bench(engine, prompts, max_tokens, temperature, raw, repeats, baseline, progress)
+    finally:
+        engine.config = config
+
+
+def _run_bench(engine: Engine, prompts: Sequence[str], max_tokens: int, temperature: float, raw: bool,
+               repeats: int, baseline: bool, progress: Callable[[str], None] | None) -> BenchReport:
     from .costs import device_name
 
-    engine.loaded = dataclasses.replace(engine.loaded, eos_token_ids=frozenset())
     encoded = [encode_prompt(engine, p, raw) for p in prompts]
     reason = engine.mtp_unavailable_reason()
     stock = StockMLXLM(engine.loaded.path) if baseline else None
@@ -161,6 +178,7 @@ def run_bench(
     glue: dict[str, list[float]] = {name: [] for name, _, _ in configs}
     catch_up: dict[str, list[float]] = {name: [] for name, _, _ in configs}  # seconds of the head's extra rows
     glue_caught_up: dict[str, list[float]] = {name: [] for name, _, _ in configs}
+    outside: dict[str, list[float]] = {name: [] for name, _, _ in configs}
     slots: list[tuple[str, int | None, str]] = ([("stock", None, "")] if stock is not None else []) + configs
     for repeat in range(repeats):
         for index, tokens in enumerate(encoded):
@@ -193,6 +211,9 @@ def run_bench(
                     extra = _catch_up_alone(engine, k, 1 + stats.accepted_tokens / stats.rounds)
                     catch_up[name].append(extra)
                     glue_caught_up[name].append(decode_s / stats.rounds / (parts_s + extra))
+                if stats.rounds and stats.profile_ms and k:
+                    phases = stats.profile_ms
+                    outside[name].append(sum(phases.get(p, 0.0) for p in OUTSIDE_PHASES) / sum(phases.values()))
                 total["drafted"] += stats.drafted_tokens
                 total["accepted"] += stats.accepted_tokens
                 total["rounds"] += stats.rounds
@@ -256,6 +277,7 @@ def run_bench(
                 vs_stock_quartiles=_quartiles(ratios),
                 **_round_cost(total, k if name != "adaptive" else None, plain_step_s, alone[name], glue[name],
                               catch_up[name], glue_caught_up[name]),
+                outside_share=round(statistics.median(outside[name]), 4) if outside[name] else None,
             )
         )
     fixed = [row for row in report.rows if row.config in per_round and row.config != "adaptive"]

@@ -134,6 +134,8 @@ class EngineConfig:
     # Before its first adaptive request, the engine drafts a short greedy answer of its own at max_k
     # (``Engine.warm_acceptance``): the head's acceptance on the model's text seeds the depth policy.
     warm_acceptance: bool = True
+    # Time every speculative round by phase (``NativeMTPStats.profile_ms``; EXO_ENGINE_PROFILE=1 as well).
+    profile_rounds: bool = False
     default_k: int = 1  # defaults for a checkpoint without a model card
     max_k: int = 3
     disabled_reason: str = "native MTP is disabled (EXO_NATIVE_MTP_ENABLED=0 or the node's settings)"
@@ -541,7 +543,8 @@ class _Run:
         self._head_tokens: list[mx.array] = []
         self.pending_token: mx.array | None = None
         self._plain_next = False  # a near tie left the next position to plain decoding
-        self._phases: dict[str, float] | None = {} if os.environ.get("EXO_ENGINE_PROFILE") == "1" else None
+        profile = engine.config.profile_rounds or os.environ.get("EXO_ENGINE_PROFILE") == "1"
+        self._phases: dict[str, float] | None = {} if profile else None
         self._phase_start = self._round_end = 0.0
         self.history = mx.zeros((0,), dtype=mx.uint32)  # the completion so far, for penalties
         eos = frozenset() if request.ignore_eos else engine.loaded.eos_token_ids
