@@ -81,8 +81,9 @@ def fixture_store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
         root = Path(os.environ["EXO_FIXTURE_DIR"])
     elif getattr(request.config, "cache", None) is not None:
         root = request.config.cache.mkdir("exo_fixtures")
-    else:  # cacheprovider disabled (-p no:cacheprovider): build per session
-        root = tmp_path_factory.mktemp("exo_fixtures")
+    else:  # cacheprovider disabled (-p no:cacheprovider): build per session, one store for its xdist workers
+        base = tmp_path_factory.getbasetemp()  # a worker's is <the session's basetemp>/popen-gwN
+        root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "exo_fixtures"
     return FixtureStore(root)
 
 
