@@ -1,9 +1,12 @@
 """Adaptive depth: table tests of the pure cost model and policy."""
 
+import random
+
 import pytest
 
 from exo.engine import adaptive
 from exo.engine.adaptive import (
+    MIN_GAIN,
     MIN_ROUND_SAMPLES,
     PROBE_FIRST,
     PROBE_MAX,
@@ -136,7 +139,8 @@ def test_policy_probes_rarely_after_falling_back():
 def test_probes_whose_drafts_land_but_cannot_pay_back_off():
     """Drafts are accepted, but measured rounds cost more than the tokens they bring (a GPU where a verify
     call costs ~2 plain steps): the probes come ever more rarely, not every PROBE_FIRST tokens. A probe of a
-    depth whose timings are stale runs MIN_ROUND_SAMPLES rounds (enough to outvote them), no more."""
+    depth whose timings are stale runs MIN_ROUND_SAMPLES rounds (enough to outvote them) where its warm-up
+    cost says it could pay, no more."""
     costs = DepthCosts(beta=(1.3,), delta=(0.1,), device="gpu", plain_s=0.010)
     policy = DepthPolicy(costs, max_k=1, default_k=1)
     assert policy.choose() == 1
@@ -157,6 +161,24 @@ def test_probes_whose_drafts_land_but_cannot_pay_back_off():
     # After a plain stretch shorter than STALE_TOKENS, K = 1's timings are fresh: one round.
     assert probe_rounds == [MIN_ROUND_SAMPLES if b >= STALE_TOKENS else 1 for b in budgets]
     assert probe_rounds[-1] == MIN_ROUND_SAMPLES
+
+
+def test_a_stale_depth_that_could_pay_is_timed_again_over_several_rounds():
+    """The other side: K = 1 timed at 1.6 plain steps a round with 90% of its drafts landing (1.9 tokens: it
+    pays), then plain decoding for a stretch (say a text the head did not suit) leaves its timings stale. The
+    probe that follows renews them over MIN_ROUND_SAMPLES rounds: one new timing would not outvote the old."""
+    costs = DepthCosts(beta=(1.3,), delta=(0.1,), device="gpu", plain_s=0.010)
+    policy = DepthPolicy(costs, max_k=1, default_k=1)
+    policy.observe_plain(64, 0.64)
+    for i in range(6):
+        policy.observe_round(1, int(i % 10 != 9), seconds=0.016)
+    policy.observe_plain(64, 0.64)  # its timings are now STALE_TOKENS old
+    policy._current, policy._probe_every = 0, 0  # at K = 0, a probe due
+    rounds = 0
+    while policy.choose() == 1 and rounds < 10:
+        policy.observe_round(1, 1, seconds=0.016)
+        rounds += 1
+    assert rounds >= MIN_ROUND_SAMPLES
 
 
 def test_fixed_depth_is_kept():
@@ -390,13 +412,17 @@ def _probes_in(policy: DepthPolicy, tokens_wanted: int) -> int:
 
 
 def test_a_new_request_probes_within_a_few_dozen_tokens_not_three_times():
-    """At K = 0 after many probes (backoff at its maximum) with a head whose drafts land a third of the time
-    (no gain at these costs, but a text it suits better could), a new request's first probe comes after
+    """At K = 0 after many probes (backoff at its maximum), the head's drafts now landing about a third of the
+    time: 1.37 tokens a round against 1.37 plain steps, not the MIN_GAIN it takes to draft but within
+    LIVE_DOUBT of paying (a text it suits better could). A new request's first probe comes after
     PROBE_RESTART plain tokens, then the backoff doubles again: one probe in a 128-token request, not three
     (16, 48, 112) as when every request restarted at PROBE_FIRST."""
-    costs = DepthCosts(beta=(1.3,), delta=(0.1,), device="gpu", plain_s=0.010)
+    costs = DepthCosts(beta=(1.27,), delta=(0.1,), device="gpu", plain_s=0.010)
     policy = DepthPolicy(costs, max_k=1, default_k=1)
-    _probe_to_max_backoff(policy, lambda i: int(i % 3 == 0))
+    _probe_to_max_backoff(policy, lambda i: 0)
+    for i in range(40):
+        policy.tracker.observe(1, int(i % 2 == 0))
+    assert 1.344 < 1 + policy.tracker.rates()[0] < 1.37 * MIN_GAIN
     policy.new_request()
     assert _probes_in(policy, 128) == 1 and PROBE_RESTART < 128 < 3 * PROBE_RESTART
 
@@ -418,6 +444,48 @@ def test_a_head_whose_drafts_never_land_is_not_probed_in_every_request():
         policy.tracker.observe(1, 1)
     policy.new_request()
     assert policy.plain_budget() <= PROBE_RESTART
+
+
+def test_a_depth_timed_too_slow_to_pay_does_not_restart_probes_in_every_request():
+    """exo-demo on an H200 once plain decoding ran 1.1x stock: its drafts landed 89/85/69% of the time (3.2
+    tokens a round at K = 3), but K = 3 rounds were timed at 3.9 plain steps. Judged by the warm-up's drafts
+    alone (1 + delta: a verify call as cheap as a plain step) K = 3 still looked affordable, and every
+    128-token request restarted the probes at PROBE_RESTART, each renewing K = 3 over three rounds (adaptive
+    0.977x plain in bench/adaptive_sim.py, 0.97-0.98x measured). Judged by what it cost live (or at its
+    warm-up, once stale) it cannot pay: probes carry on across requests on the doubling backoff."""
+    rng = random.Random(0)
+    rates = (0.89, 0.85, 0.69)
+    steps = {1: 2.3, 2: 3.1, 3: 3.9}
+    costs = DepthCosts(beta=(2.0, 2.5, 3.0), delta=(0.14, 0.29, 0.39), device="cuda", plain_s=0.0034,
+                       plain_pipelined_s=0.0032)
+    policy = DepthPolicy(costs, max_k=3, default_k=1)
+
+    def round_at(k: int) -> int:
+        accepted = 0
+        while accepted < k and rng.random() < rates[accepted]:
+            accepted += 1
+        policy.observe_round(k, accepted, seconds=steps[k] * 0.0032)
+        return accepted + 1
+
+    policy.observe_plain(64, 64 * 0.0032)
+    for _ in range(12):  # every depth timed live
+        for k in (1, 2, 3):
+            round_at(k)
+    policy._current = 0
+    rounds = 0
+    for _ in range(12):
+        policy.new_request()
+        tokens = 0
+        while tokens < 127:
+            k = policy.choose()
+            if k == 0:
+                n = min(policy.plain_budget(), 127 - tokens)
+                policy.observe_plain(n, n * 0.0032)
+                tokens += n
+            else:
+                tokens += round_at(k)
+                rounds += 1
+    assert rounds <= 8  # 38 when every request restarted: three rounds at K = 3 in each
 
 
 # -- batches: one depth per batch-size bucket ------------------------------------------------------------------

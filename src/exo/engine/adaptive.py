@@ -59,6 +59,11 @@ PROBE_MAX = 512
 # (then the backoff goes on doubling). Restarting at PROBE_FIRST cost three probes in every 128-token request
 # at K = 0 (16, 48, 112): on an H100, where a probe with its head catch-up costs a few plain tokens, 3-7%.
 PROBE_RESTART = 64
+# What a depth is known to cost (live, else its warm-up) may be this much too high: a timing taken in a busy
+# moment, a warm-up beside other work. Whether a depth could pay off (a probe restart, a probe of several
+# rounds) is judged at its cost divided by this (bench/adaptive_sim.py: 1.05 and 1.1 alike; 1.15 let
+# exo-demo's probes of a depth that never pays back in).
+LIVE_DOUBT = 1.05
 DEEPER_PROBE_FIRST = 8  # rounds at K before a round at K + 1, doubling up to DEEPER_PROBE_MAX
 DEEPER_PROBE_MAX = 256
 COST_WINDOW = 16  # live timings kept per depth (their median is the depth's cost)
@@ -336,26 +341,39 @@ class DepthPolicy:
     def new_request(self) -> None:
         """A new generation: acceptance and costs learned so far stay; the probe backoff restarts at no more
         than ``PROBE_RESTART`` plain tokens if the acceptance measured so far could pay at some depth (a new
-        text may suit the head better). Where it could not (a head whose drafts are rejected: random weights,
-        a head for another model), the backoff goes on doubling across requests: a probe per request then cost
-        a round of rejected drafts in every short request (a random Qwen3.5-9B on an H200, 64-token requests:
-        adaptive 0.85x plain)."""
+        text may suit the head better). Where it could not, the backoff goes on doubling and the plain tokens
+        since the last probe carry over: probes go on across requests, rarer and rarer, instead of one per
+        request. Restarting where nothing could pay cost a round of rejected drafts in every short request (a
+        random Qwen3.5-9B on an H200, 64-token requests: adaptive 0.85x plain), and three rounds at K = 3 in
+        every 128-token request where no depth paid (exo-demo on an H200 once plain decoding ran at 1.1x stock:
+        every depth at 0.80-0.84x plain, adaptive at 0.97-0.98x plain; bench/adaptive_sim.py h200-exo-demo-1127:
+        0.977 -> 0.995x the fastest fixed depth)."""
         if self.trace is not None:
             self.trace({"event": "request"})
-        self._plain_since_probe = 0
         costs = self.effective_costs()
         if any(self._could_pay(d, costs) for d in range(1, self.max_k + 1)):
+            self._plain_since_probe = 0
             self._probe_every = min(self._probe_every, PROBE_RESTART)
         self._deeper_every = DEEPER_PROBE_FIRST
 
     def _could_pay(self, d: int, costs: DepthCosts, rates: list[float] | None = None) -> bool:
-        """Whether depth d could beat plain decoding by the entry gain at the acceptance measured, if it cost its
-        warm-up cost or what the shallower depths measured live cost (a deeper round costs at least that),
-        whichever is less."""
+        """Whether depth d could beat plain decoding by the entry gain at the acceptance measured (``rates``),
+        if it cost LIVE_DOUBT times less than what is known of it: its live timings where it has them; else
+        its warm-up cost, or what the shallower depths measured live cost if that is less (a deeper round
+        costs at least that). A depth's own live cost is what its next rounds will cost give or take the
+        machine's drift (its timings are taken relative to the machine's speed: ``level``); the warm-up cost
+        of a depth never timed is the best estimate there is, and a shallower depth's live cost is a floor
+        for it. (Bounding every depth by 1 + its drafts alone, a verify call as cheap as a plain step, kept
+        exo-demo's K = 3 looking affordable at 1.4 plain steps where it had run at 3.9.)"""
         warm = self.costs.in_pipelined_steps()
-        below = [costs.round_cost(j) for j in range(1, d) if self._median(j) is not None]
-        optimistic = min(warm.round_cost(d), max([1.0 + warm.delta[d - 1], *below]))
-        return expected_tokens(rates or self.tracker.rates(), d) > optimistic * self.entry_gain
+        if self._median(d) is not None:
+            optimistic = costs.round_cost(d)
+            if self._is_stale(d):
+                optimistic = min(optimistic, warm.round_cost(d))
+        else:
+            below = [costs.round_cost(j) for j in range(1, d) if self._median(j) is not None]
+            optimistic = min(warm.round_cost(d), max(below)) if below else warm.round_cost(d)
+        return expected_tokens(rates or self.tracker.rates(), d) > optimistic / LIVE_DOUBT * self.entry_gain
 
     # -- decisions ---------------------------------------------------------------------------------
     def choose(self) -> int:
