@@ -20,6 +20,7 @@ import argparse
 import collections
 import dataclasses
 import statistics
+import sys
 
 from exo.engine import GenerationRequest, SamplingParams, load
 from exo.engine.bench import DEFAULT_PROMPTS, encode_prompt
@@ -71,6 +72,8 @@ def main() -> None:
             turn += 1
             for name, k in order:
                 tps[name].append(run(name, prompt, k, args.max_tokens))
+            print(f"group {turn}: " + ", ".join(f"{name} {v[-1]:.1f}" for name, v in tps.items()), file=sys.stderr,
+                  flush=True)  # as it goes: a run cut short still says something
     print(f"{args.model} on {engine.costs().device}: {len(tps['adaptive'])} groups of {args.max_tokens} tokens; "
           "median tokens/s " + ", ".join(f"{name} {statistics.median(v):.1f}" for name, v in tps.items()))
     for name, counts in histogram.items():

@@ -15,6 +15,13 @@ the engine's phase timer (``EngineConfig.profile_rounds``, as EXO_ENGINE_PROFILE
 - ``between``: from the end of one round to the next (the caller reading its chunks, the policy's choice).
 ``outside`` is the share of the round spent outside its verify call and drafts (rollback + emit + between):
 the glue a round adds to its parts.
+
+``--alone`` also times a round's parts alone around every request (its (K+1)-row verify call and K draft
+steps, the head's catch-up on the rows the round before kept: ``exo bench``'s parts, timed just before and
+just after the request, averaged), and prints per depth the medians over requests of ``inside``: the round's
+drafts and verify call as the loop runs them (draft_build + verify_build + device_wait) over those parts
+alone, and ``glue``: the whole round over them. The phase timer's rounds against parts timed seconds apart,
+request by request: what ``exo bench``'s end-to-end ratio measures, without the request's own start and end.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import dataclasses
 import statistics
 
 from exo.engine import GenerationRequest, load
-from exo.engine.bench import DEFAULT_PROMPTS, OUTSIDE_PHASES, encode_prompt
+from exo.engine.bench import DEFAULT_PROMPTS, OUTSIDE_PHASES, _catch_up_alone, _parts_alone, encode_prompt
 from exo.engine.costs import device_name
 
 PHASES = ("draft_build", "verify_build", "device_wait", *OUTSIDE_PHASES)
@@ -36,6 +43,7 @@ def main() -> None:
     parser.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--alone", action="store_true", help="time each round's parts alone around every request")
     args = parser.parse_args()
     engine = load(args.model)
     engine.loaded = dataclasses.replace(engine.loaded, eos_token_ids=frozenset())
@@ -43,6 +51,8 @@ def main() -> None:
     prompts = [encode_prompt(engine, p, raw=True) for p in DEFAULT_PROMPTS]
     per: dict[int, list[dict[str, float]]] = {k: [] for k in args.depths}
     tps: dict[int, list[float]] = {k: [] for k in args.depths}
+    inside: dict[int, list[float]] = {k: [] for k in args.depths}
+    glue: dict[int, list[float]] = {k: [] for k in args.depths}
 
     def run(prompt: list[int], k: int, max_tokens: int):
         return engine.complete(GenerationRequest(prompt, max_tokens=max_tokens, native_mtp="on", mtp_k=k)).stats
@@ -55,22 +65,42 @@ def main() -> None:
             order = args.depths[turn % len(args.depths):] + args.depths[: turn % len(args.depths)]
             turn += 1
             for k in order:
+                before = _parts_alone(engine, k) if args.alone else None
                 stats = run(prompt, k, args.max_tokens)
                 if stats.rounds > 1 and stats.profile_ms:
                     # ("between" is counted from the second round on)
-                    per[k].append({p: stats.profile_ms.get(p, 0.0) / (stats.rounds - (p == "between"))
-                                   for p in PHASES})
+                    phases = {p: stats.profile_ms.get(p, 0.0) / (stats.rounds - (p == "between")) for p in PHASES}
+                    per[k].append(phases)
                     tps[k].append(stats.decode_tokens_per_s)
+                    if before is not None:
+                        after = _parts_alone(engine, k)
+                        assert after is not None
+                        rows = 1 + stats.accepted_tokens / stats.rounds
+                        alone_ms = 1e3 * ((before + after) / 2 + _catch_up_alone(engine, k, rows))
+                        inside[k].append(sum(phases[p] for p in PHASES if p not in OUTSIDE_PHASES) / alone_ms)
+                        glue[k].append(sum(phases.values()) / alone_ms)
     print(f"{engine.loaded.model_id} on {device_name()}: ms per round, median over {args.repeats * len(prompts)} "
           f"requests of {args.max_tokens} tokens")
-    print(f"{'K':>3} " + " ".join(f"{p:>12}" for p in PHASES) + f" {'total':>8} {'outside':>8} {'tok/s':>8}")
+    print(f"{'K':>3} " + " ".join(f"{p:>12}" for p in PHASES) + f" {'total':>8} {'outside':>8} {'tok/s':>8}"
+          + (f" {'inside':>7} {'(q1-q3)':>13} {'glue':>7} {'(q1-q3)':>13}" if args.alone else ""))
     for k in args.depths:
         rows = per[k]
         medians = [statistics.median(r[p] for r in rows) for p in PHASES]
         total = statistics.median(sum(r.values()) for r in rows)
         outside = statistics.median(sum(r[p] for p in OUTSIDE_PHASES) / sum(r.values()) for r in rows)
-        print(f"{k:>3} " + " ".join(f"{m:>12.3f}" for m in medians) + f" {total:>8.3f} {outside:>7.1%} "
-              f"{statistics.median(tps[k]):>8.1f}")
+        line = (f"{k:>3} " + " ".join(f"{m:>12.3f}" for m in medians) + f" {total:>8.3f} {outside:>7.1%} "
+                f"{statistics.median(tps[k]):>8.1f}")
+        if inside[k]:
+            line += f" {_spread(inside[k])} {_spread(glue[k])}"
+        print(line)
+
+
+def _spread(values: list[float]) -> str:
+    """The median of ``values`` and its quartiles."""
+    if len(values) < 2:
+        return f"{values[0]:>7.3f} {'':>13}"
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return f"{median:>7.3f} ({q1:.3f}-{q3:.3f})"
 
 
 if __name__ == "__main__":
