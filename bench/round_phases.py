@@ -16,12 +16,13 @@ the engine's phase timer (``EngineConfig.profile_rounds``, as EXO_ENGINE_PROFILE
 ``outside`` is the share of the round spent outside its verify call and drafts (rollback + emit + between):
 the glue a round adds to its parts.
 
-``--alone`` also times a round's parts alone around every request (its (K+1)-row verify call and K draft
-steps, the head's catch-up on the rows the round before kept: ``exo bench``'s parts, timed just before and
-just after the request, averaged), and prints per depth the medians over requests of ``inside``: the round's
-drafts and verify call as the loop runs them (draft_build + verify_build + device_wait) over those parts
-alone, and ``glue``: the whole round over them. The phase timer's rounds against parts timed seconds apart,
-request by request: what ``exo bench``'s end-to-end ratio measures, without the request's own start and end.
+``--alone`` also times a round's parts alone around every request: its (K+1)-row verify call and K draft
+steps and the head's catch-up on the rows the round before kept (``exo bench``'s parts), after as many tokens
+as the request's mean context, just before and just after the request (averaged). Per depth it prints the
+medians over requests of ``inside``: the round's drafts and verify call as the loop runs them (draft_build +
+verify_build + device_wait) over those parts alone, and ``glue``: the whole round over them. The phase
+timer's rounds against parts timed seconds apart, request by request: what ``exo bench``'s end-to-end ratio
+measures, without the request's own start and end.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def main() -> None:
             order = args.depths[turn % len(args.depths):] + args.depths[: turn % len(args.depths)]
             turn += 1
             for k in order:
-                before = _parts_alone(engine, k) if args.alone else None
+                context = len(prompt) + args.max_tokens // 2  # the request's mean context
+                before = _parts_alone(engine, k, context) if args.alone else None
                 stats = run(prompt, k, args.max_tokens)
                 if stats.rounds > 1 and stats.profile_ms:
                     # ("between" is counted from the second round on)
@@ -73,10 +75,10 @@ def main() -> None:
                     per[k].append(phases)
                     tps[k].append(stats.decode_tokens_per_s)
                     if before is not None:
-                        after = _parts_alone(engine, k)
+                        after = _parts_alone(engine, k, context)
                         assert after is not None
                         rows = 1 + stats.accepted_tokens / stats.rounds
-                        alone_ms = 1e3 * ((before + after) / 2 + _catch_up_alone(engine, k, rows))
+                        alone_ms = 1e3 * ((before + after) / 2 + _catch_up_alone(engine, k, rows, context))
                         inside[k].append(sum(phases[p] for p in PHASES if p not in OUTSIDE_PHASES) / alone_ms)
                         glue[k].append(sum(phases.values()) / alone_ms)
     print(f"{engine.loaded.model_id} on {device_name()}: ms per round, median over {args.repeats * len(prompts)} "

@@ -195,7 +195,8 @@ def _run_bench(engine: Engine, prompts: Sequence[str], max_tokens: int, temperat
                     assert stock is not None
                     stock_tps, stock_tokens = stock.decode(tokens, max_tokens, temperature)
                     continue
-                parts_s = _parts_alone(engine, k) if k and mode == "on" else None
+                context = len(tokens) + max_tokens // 2  # the request's mean context
+                parts_s = _parts_alone(engine, k, context) if k and mode == "on" else None
                 start = time.perf_counter()
                 result = results[name] = run(tokens, k, mode, max_tokens, 1000 * repeat + index)
                 elapsed = time.perf_counter() - start
@@ -208,7 +209,7 @@ def _run_bench(engine: Engine, prompts: Sequence[str], max_tokens: int, temperat
                     alone[name].append(parts_s)
                     glue[name].append(decode_s / stats.rounds / parts_s)
                     assert k is not None
-                    extra = _catch_up_alone(engine, k, 1 + stats.accepted_tokens / stats.rounds)
+                    extra = _catch_up_alone(engine, k, 1 + stats.accepted_tokens / stats.rounds, context)
                     catch_up[name].append(extra)
                     glue_caught_up[name].append(decode_s / stats.rounds / (parts_s + extra))
                 if stats.rounds and stats.profile_ms and k:
@@ -298,25 +299,26 @@ def _quartiles(values: list[float]) -> list[float] | None:
     return [round(q1, 3), round(q3, 3)]
 
 
-def _parts_alone(engine: Engine, k: int) -> float | None:
-    """Seconds of a depth-k round's parts timed alone now: its (k+1)-row verify call and k draft steps
-    (medians of a few repetitions)."""
+def _parts_alone(engine: Engine, k: int, context: int = 64) -> float | None:
+    """Seconds of a depth-k round's parts timed alone now, after ``context`` tokens (a request's mean: its
+    prompt and half its completion): its (k+1)-row verify call and k draft steps (medians of a few
+    repetitions)."""
     head = engine.loaded.head
     if head is None:
         return None
-    costs = measure_costs(engine.model, engine.forward, head, k, statistic=statistics.median)
+    costs = measure_costs(engine.model, engine.forward, head, k, context=context, statistic=statistics.median)
     assert costs.plain_s is not None
     return costs.round_cost(k) * costs.plain_s
 
 
-def _catch_up_alone(engine: Engine, k: int, rows: float) -> float:
+def _catch_up_alone(engine: Engine, k: int, rows: float, context: int = 64) -> float:
     """Seconds that k draft steps whose head first takes in ``rows`` rows (a request's mean: interpolated
     between the whole row counts around it) cost beyond those starting from one row, timed alone now."""
     head = engine.loaded.head
     assert head is not None
     rows = min(max(rows, 1.0), k + 1.0)
     low, high = math.floor(rows), math.ceil(rows)
-    seconds = catch_up_seconds(engine.model, engine.forward, head, k, sorted({1, low, high}),
+    seconds = catch_up_seconds(engine.model, engine.forward, head, k, sorted({1, low, high}), context=context,
                                statistic=statistics.median)
     at_rows = seconds[low] + (seconds[high] - seconds[low]) * (rows - low)
     return max(0.0, at_rows - seconds[1])
