@@ -62,8 +62,9 @@ def main() -> None:
             histogram[name].update(stats.k_histogram)  # rounds per depth (K = 0: plain tokens)
         return stats.decode_tokens_per_s
 
-    for name, k in configs:  # warm-up: every path compiled once (the warm-up's costs measured)
-        run(name, prompts[0], k, 16)
+    longest = max(prompts, key=len)
+    for name, k in configs:  # warm-up: every path compiled once over a whole request (adaptive: a short one)
+        run(name, longest, k, 16 if k is None else args.max_tokens)
     tps: dict[str, list[float]] = {name: [] for name, _ in configs}
     turn = 0
     for _ in range(args.repeats):

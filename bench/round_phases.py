@@ -58,8 +58,8 @@ def main() -> None:
     def run(prompt: list[int], k: int, max_tokens: int):
         return engine.complete(GenerationRequest(prompt, max_tokens=max_tokens, native_mtp="on", mtp_k=k)).stats
 
-    for k in args.depths:  # warm-up: every path compiled once
-        run(prompts[0], k, 16)
+    for k in args.depths:  # warm-up: every path compiled once, over a whole request
+        run(max(prompts, key=len), k, args.max_tokens)
     turn = 0
     for _ in range(args.repeats):
         for prompt in prompts:
