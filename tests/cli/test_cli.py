@@ -101,6 +101,9 @@ def test_bench_json(checkpoint, capsys):
         assert row["glue_with_catch_up"] == pytest.approx(
             row["round_ms"] / (row["alone_ms"] + row["catch_up_ms"]), rel=1e-2)
     assert report["plain_step_alone_ms"] > 0
+    # Adaptive against the fastest fixed configuration, then in tight pairs (--pairs, 8 by default).
+    assert report["best_fixed"] in configs and report["paired_groups"] == 8
+    assert report["adaptive_vs_best_fixed_paired"] > 0
 
 
 def test_models_lists_the_catalog(capsys):

@@ -32,7 +32,7 @@ def test_each_round_runs_its_configurations_in_a_rotated_order(checkpoint, monke
 
     monkeypatch.setattr(bench_module.StockMLXLM, "decode", logged_stock)
     monkeypatch.setattr(engine, "complete", logged_complete)
-    report = run_bench(engine, ["Hello", "def f(x):"], max_tokens=4, repeats=2, baseline=True)
+    report = run_bench(engine, ["Hello", "def f(x):"], max_tokens=4, repeats=2, baseline=True, pairs=4)
     slots = ["stock", "plain", "k=1", "adaptive"]
     warmup = len(slots)  # every path once before the timed rounds
     rounds = [order[warmup + i * len(slots): warmup + (i + 1) * len(slots)] for i in range(4)]
@@ -49,13 +49,24 @@ def test_each_round_runs_its_configurations_in_a_rotated_order(checkpoint, monke
         q1, q3 = rows[name].vs_stock_quartiles
         assert q1 <= rows[name].vs_stock <= q3
     best = max(("plain", "k=1"), key=lambda name: rows[name].tokens_per_s)
-    timed = speeds[len(slots) - 1:]  # after the warm-up (stock's is not an engine call)
+    engine_slots = len(slots) - 1  # stock's runs are not engine calls
+    timed = speeds[engine_slots: engine_slots + 4 * engine_slots]  # the rounds, after the warm-up
     per_round = {name: [tps for n, tps in timed if n == name] for name in ("plain", "k=1", "adaptive")}
     paired = sorted(a / b for a, b in zip(per_round["adaptive"], per_round[best], strict=True))
     assert report.best_fixed == best and len(paired) == 4
     assert report.adaptive_vs_best_fixed == round((paired[1] + paired[2]) / 2, 3)
     q1, q3 = report.adaptive_vs_best_fixed_quartiles
     assert q1 <= report.adaptive_vs_best_fixed <= q3 and paired[0] <= q1 and q3 <= paired[-1]
+    # Then the tight pairs: adaptive and the fastest fixed configuration alone, the order alternating.
+    tail = speeds[engine_slots + 4 * engine_slots:]
+    assert [name for name, _ in tail] == ["adaptive", best, best, "adaptive"] * 2
+    tight = sorted(
+        (a if first == "adaptive" else b) / (b if first == "adaptive" else a)
+        for (first, a), (_, b) in zip(tail[::2], tail[1::2], strict=True)
+    )
+    assert report.paired_groups == 4
+    assert report.adaptive_vs_best_fixed_paired == round((tight[1] + tight[2]) / 2, 3)
+    assert report.adaptive_vs_best_fixed_paired_quartiles is not None
 
 
 def test_the_catch_up_is_timed_with_the_rows_a_round_kept(checkpoint):

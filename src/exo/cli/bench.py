@@ -22,6 +22,7 @@ def bench_command(args: argparse.Namespace) -> int:
         raw=not args.chat,
         repeats=args.repeats,
         baseline=args.baseline,
+        pairs=args.pairs,
         progress=None if args.json else (lambda line: print(line, file=sys.stderr)),
     )
     if args.json:
@@ -69,6 +70,10 @@ def bench_command(args: argparse.Namespace) -> int:
         print(f"\nadaptive vs the fastest fixed configuration ({report.best_fixed}): {report.adaptive_vs_best_fixed:.3f}x"
               + (f" (quartiles {q[0]:.3f}-{q[1]:.3f})" if q else "")
               + ", median over prompts and repeats of tokens/s in the same round")
+    if report.adaptive_vs_best_fixed_paired is not None:
+        q = report.adaptive_vs_best_fixed_paired_quartiles
+        print(f"the same in {report.paired_groups} tight pairs (adaptive and {report.best_fixed} alone, request after "
+              f"request): {report.adaptive_vs_best_fixed_paired:.3f}x" + (f" (quartiles {q[0]:.3f}-{q[1]:.3f})" if q else ""))
     if stock:
         if report.plain_identical_to_stock is not None:
             print(f"\nplain decoding identical to stock mlx-lm's, token for token: "

@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--baseline", action="store_true",
         help="also decode each prompt with stock mlx-lm (plain) in the same round and print every configuration's ratio to it",
     )
+    bench.add_argument(
+        "--pairs", type=int, default=8,
+        help="then N requests each of adaptive and the fastest fixed configuration in tight pairs (0: none)",
+    )
 
     convert = sub.add_parser(
         "convert", help="convert a checkpoint to MLX layout (optionally quantized), keeping its MTP head"

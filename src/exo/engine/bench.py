@@ -87,6 +87,13 @@ class BenchReport(BaseModel):
     best_fixed: str | None = None
     adaptive_vs_best_fixed: float | None = None
     adaptive_vs_best_fixed_quartiles: list[float] | None = None
+    # The same in tight pairs (``pairs``): after the rounds, adaptive and that configuration alone, request after
+    # request (order alternating), so each ratio compares moments a request apart, where a round of every
+    # configuration spans several (an H200 host's speed moved 1.5x within one run: the rounds' median read 0.93-0.97
+    # where tight pairs on the same kind of machine read 0.98-0.99, and 0.985 where adaptive ran plain's own code).
+    paired_groups: int = 0
+    adaptive_vs_best_fixed_paired: float | None = None
+    adaptive_vs_best_fixed_paired_quartiles: list[float] | None = None
 
 
 def encode_prompt(engine: Engine, text: str, raw: bool) -> list[int]:
@@ -105,25 +112,27 @@ def run_bench(
     raw: bool = True,
     repeats: int = 1,
     baseline: bool = False,
+    pairs: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> BenchReport:
     """Every configuration on every prompt, ``repeats`` times, EOS ignored (every generation is
     ``max_tokens`` long). ``baseline``: stock mlx-lm (its own model classes, ``stream_generate``) decodes
     the same prompt ids in the same round, so each configuration gets a ratio to it per round. Each round
-    runs its configurations (stock included) in an order rotated by one from the round before."""
+    runs its configurations (stock included) in an order rotated by one from the round before. ``pairs``:
+    then that many requests each of adaptive and the fastest fixed configuration, in tight pairs."""
     import dataclasses
 
     engine.loaded = dataclasses.replace(engine.loaded, eos_token_ids=frozenset())
     config = engine.config
     engine.config = dataclasses.replace(config, profile_rounds=True)  # rounds timed by phase (outside_share)
     try:
-        return _run_bench(engine, prompts, max_tokens, temperature, raw, repeats, baseline, progress)
+        return _run_bench(engine, prompts, max_tokens, temperature, raw, repeats, baseline, pairs, progress)
     finally:
         engine.config = config
 
 
 def _run_bench(engine: Engine, prompts: Sequence[str], max_tokens: int, temperature: float, raw: bool,
-               repeats: int, baseline: bool, progress: Callable[[str], None] | None) -> BenchReport:
+               repeats: int, baseline: bool, pairs: int, progress: Callable[[str], None] | None) -> BenchReport:
     from .costs import device_name
 
     encoded = [encode_prompt(engine, p, raw) for p in prompts]
@@ -293,6 +302,22 @@ def _run_bench(engine: Engine, prompts: Sequence[str], max_tokens: int, temperat
         report.best_fixed = best
         report.adaptive_vs_best_fixed = round(statistics.median(paired), 3) if paired else None
         report.adaptive_vs_best_fixed_quartiles = _quartiles(paired)
+        if pairs > 0:
+            _, best_k, best_mode = next(c for c in configs if c[0] == best)
+            ratios = []
+            for group in range(pairs):
+                tokens, seed = encoded[group % len(encoded)], 10_000 + group
+                order = [(None, "on"), (best_k, best_mode)]
+                speeds = {}
+                for k, mode in order if group % 2 == 0 else order[::-1]:
+                    speeds[k is None] = run(tokens, k, mode, max_tokens, seed).stats.decode_tokens_per_s
+                if speeds[False] > 0:
+                    ratios.append(speeds[True] / speeds[False])
+                    if progress:
+                        progress(f"pair {group + 1}/{pairs}  adaptive / {best} {ratios[-1]:.3f}")
+            report.paired_groups = len(ratios)
+            report.adaptive_vs_best_fixed_paired = round(statistics.median(ratios), 3) if ratios else None
+            report.adaptive_vs_best_fixed_paired_quartiles = _quartiles(ratios)
     return report
 
 
