@@ -54,6 +54,8 @@ SCENARIOS = {
                               (1.96, 2.67), (0.91, 0.79)),
     "cpu-exo-demo": Scenario("bench/results/cpu-2core-bench-exo-demo-baseline.txt", (1.35, 1.70, 2.05),
                              (0.116, 0.20, 0.28), 1.0, (1.70, 2.29, 2.82), (0.91, 0.90, 0.75)),
+    "cpu-kernel-1127": Scenario("this CPU with exo's matmul kernel, 2026-11-27 (K = 1/2/3: 1.20/1.23/1.25x plain)",
+                                (1.35, 1.68, 1.69), (0.25, 0.46, 0.66), 1.02, (1.57, 2.13, 2.53), (0.88, 0.85, 0.72)),
     "h100-marginal": Scenario("bench/results/h100-mlx-cuda-engine-speed.txt (every K ~0.9x plain)",
                               (1.61, 1.97, 2.27), (0.12, 0.28, 0.38), 1.0, (2.10, 2.85, 3.55), (0.90, 0.86, 0.70)),
     "cpu-compute-bound": Scenario("a 2-row verify costs ~2 decode steps (shared/reference)", (1.95, 2.9, 3.85),

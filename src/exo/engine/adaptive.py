@@ -356,8 +356,9 @@ class DepthPolicy:
             self._probe_every = min(self._probe_every, PROBE_RESTART)
         self._deeper_every = DEEPER_PROBE_FIRST
 
-    def _could_pay(self, d: int, costs: DepthCosts, rates: list[float] | None = None) -> bool:
-        """Whether depth d could beat plain decoding by the entry gain at the acceptance measured (``rates``),
+    def _could_pay(self, d: int, costs: DepthCosts, rates: list[float] | None = None, against: float = 1.0) -> bool:
+        """Whether depth d could beat plain decoding (or a depth of expected speedup ``against``) by the entry gain
+        at the acceptance measured (``rates``),
         if it cost LIVE_DOUBT times less than what is known of it: its live timings where it has them; else
         its warm-up cost, or what the shallower depths measured live cost if that is less (a deeper round
         costs at least that). A depth's own live cost is what its next rounds will cost give or take the
@@ -373,7 +374,7 @@ class DepthPolicy:
         else:
             below = [costs.round_cost(j) for j in range(1, d) if self._median(j) is not None]
             optimistic = min(warm.round_cost(d), max(below)) if below else warm.round_cost(d)
-        return expected_tokens(rates or self.tracker.rates(), d) > optimistic / LIVE_DOUBT * self.entry_gain
+        return expected_tokens(rates or self.tracker.rates(), d) > optimistic / LIVE_DOUBT * self.entry_gain * against
 
     # -- decisions ---------------------------------------------------------------------------------
     def choose(self) -> int:
@@ -447,6 +448,15 @@ class DepthPolicy:
             # K = 1 after a single K = 2 round rejected its second draft). Rarer and rarer, like plain probes.
             self._rounds_since_deeper = 0
             self._deeper_every = min(self._deeper_every * 2, DEEPER_PROBE_MAX)
+            # Like a probe from K = 0: a deeper depth with no live cost yet, or only stale timings, that could
+            # beat this one (at optimistic acceptance, its cost over LIVE_DOUBT) runs MIN_ROUND_SAMPLES rounds,
+            # enough to be judged on its own timings (one new round among the stale window's two moves nothing). On this CPU K = 3's first rounds, timed in the first request, stood
+            # at 2.5 plain steps through four requests of single-round probes while it ran at 1.9: adaptive
+            # decoded at K = 1-2 meanwhile, at 0.94x a fixed K = 3.
+            if self.explore_deeper and (self._median(k + 1) is None or self._is_stale(k + 1)) and self._could_pay(
+                k + 1, costs, self.tracker.optimistic_rates(), against=speed[k]
+            ):
+                self._refresh = [k + 1] * (MIN_ROUND_SAMPLES - 1)
             return k + 1
         return k
 
