@@ -96,3 +96,18 @@ def test_the_catch_up_is_timed_with_the_rows_a_round_kept(checkpoint):
     # Each timed call of 4 rows is followed by 2 chained one-row steps, as a depth-3 round drafts.
     fours = [i for i, r in enumerate(timed) if r == 4]
     assert all(timed[i + 1 : i + 3] == [1, 1] for i in fours)
+
+
+def test_the_warm_up_times_its_parts_side_by_side():
+    """beta and delta are medians of per-repetition ratios to the plain step timed beside them: a moment of
+    interference that slowed one plain step (or sped up one verify call) moves neither, where the fastest verify
+    over the fastest plain step mixed moments (an H200 warm-up: beta(1) 1.24 next to beta(2) 2.45)."""
+    from exo.engine.costs import _interleaved, ratio_of
+
+    calls: list[str] = []
+    times = _interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, reps=3, warmup=1)
+    assert calls == ["a", "b"] + ["a", "b"] * 3 and all(len(v) == 3 for v in times.values())
+    plain = [0.5, 1.0, 1.0, 1.0, 1.0]  # one plain step fast: its moment's verify call was fast too
+    verify = [0.9, 1.9, 2.0, 2.1, 2.0]
+    assert ratio_of(verify, plain) == 2.0
+    assert min(verify) / min(plain) == 1.8  # the old account: two moments

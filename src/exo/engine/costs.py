@@ -6,13 +6,15 @@ The unit, one plain step built, computed and read back, is not what a plain toke
 which builds each step while the previous one computes: that is timed too (``plain_pipelined_s``), and the
 adaptive policy compares rounds with it (on this CPU and a host-bound H100 a step alone costs 1.1-1.2x a
 pipelined one: rounds judged in steps alone looked that much cheaper than plain decoding).
-Measured on a short random context, verify calls rolled back after each timed call: the fastest of a
-few repetitions after warm-up calls (the first calls compile kernels; other work on the machine only
-adds time).
+Measured on a short random context, verify calls rolled back after each timed call, every part timed once per
+repetition in turn after warm-up calls (the first calls compile kernels): a plain step is the fastest of its
+repetitions (other work on the machine only adds time), beta and delta the median over repetitions of each part
+over the plain step timed beside it (a host's speed can swing within seconds).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -64,6 +66,30 @@ def _seconds(fn: Callable[[], None], reps: int, statistic: Statistic, warmup: in
         fn()
         times.append(time.perf_counter() - start)
     return statistic(times)
+
+
+def _interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 2) -> dict[str, list[float]]:
+    """Seconds of ``reps`` timed calls of each of ``fns``, round-robin (each repetition times every one of them
+    once, in turn), after ``warmup`` untimed calls of each: the parts of one repetition are timed within moments
+    of each other."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def ratio_of(parts: list[float], units: list[float]) -> float:
+    """The median over repetitions of a part's time over the unit's timed beside it. On a host whose speed swings
+    within seconds (H200s: 1.5x), each part's fastest time (``min``) can come from another moment than the
+    unit's: an H200 warm-up once put a 2-row verify at 1.24 plain steps next to a 3-row one at 2.45 (live: ~1.9),
+    and adaptive depth then probed K = 1 over three rounds in every request."""
+    return statistics.median(p / u for p, u in zip(parts, units, strict=True) if u > 0)
 
 
 def fastest(a: DepthCosts, b: DepthCosts) -> DepthCosts:
@@ -189,11 +215,19 @@ def measure_costs(
         def draft(k: int) -> Callable[[], None]:
             return _drafts(model, head, head_cache, one, last_hidden, k)
 
-        plain_s = _seconds(plain, reps, statistic)
-        pipelined_s = _seconds(plain_burst, reps, statistic) / PIPELINED_STEPS
+        # Every part timed once per repetition, in turn: beta and delta are medians of ratios to the plain step
+        # timed beside them, not one moment's fastest verify over another moment's fastest plain step.
+        ks = range(1, max_k + 1)
+        times = _interleaved(
+            {"plain": plain, "burst": plain_burst, **{f"verify{k}": verify(k) for k in ks},
+             **{f"draft{k}": draft(k) for k in ks}},
+            reps,
+        )
+        plain_s = statistic(times["plain"])
+        pipelined_s = statistic(times["burst"]) / PIPELINED_STEPS
         # A verify of K+1 rows never really costs less than one row; timer noise on tiny models can say so.
-        beta = tuple(max(1.0, _seconds(verify(k), reps, statistic) / plain_s) for k in range(1, max_k + 1))
-        delta = tuple(_seconds(draft(k), reps, statistic) / plain_s for k in range(1, max_k + 1))
+        beta = tuple(max(1.0, ratio_of(times[f"verify{k}"], times["plain"])) for k in ks)
+        delta = tuple(ratio_of(times[f"draft{k}"], times["plain"]) for k in ks)
     finally:
         forward.end(cache)
     return DepthCosts(beta=beta, delta=delta, device=device_name(), plain_s=plain_s, stages=forward.stages,
