@@ -358,8 +358,8 @@ class DepthPolicy:
 
     def _could_pay(self, d: int, costs: DepthCosts, rates: list[float] | None = None, against: float = 1.0) -> bool:
         """Whether depth d could beat plain decoding (or a depth of expected speedup ``against``) by the entry gain
-        at the acceptance measured (``rates``),
-        if it cost LIVE_DOUBT times less than what is known of it: its live timings where it has them; else
+        at the acceptance measured (``rates``), if it cost LIVE_DOUBT times less than what is known of it: its
+        live timings where it has them (or its warm-up cost if less, once they are stale); else
         its warm-up cost, or what the shallower depths measured live cost if that is less (a deeper round
         costs at least that). A depth's own live cost is what its next rounds will cost give or take the
         machine's drift (its timings are taken relative to the machine's speed: ``level``); the warm-up cost
@@ -450,9 +450,10 @@ class DepthPolicy:
             self._deeper_every = min(self._deeper_every * 2, DEEPER_PROBE_MAX)
             # Like a probe from K = 0: a deeper depth with no live cost yet, or only stale timings, that could
             # beat this one (at optimistic acceptance, its cost over LIVE_DOUBT) runs MIN_ROUND_SAMPLES rounds,
-            # enough to be judged on its own timings (one new round among the stale window's two moves nothing). On this CPU K = 3's first rounds, timed in the first request, stood
-            # at 2.5 plain steps through four requests of single-round probes while it ran at 1.9: adaptive
-            # decoded at K = 1-2 meanwhile, at 0.94x a fixed K = 3.
+            # enough to be judged on its own timings (one new round among the stale window's two moves
+            # nothing). On this CPU K = 3's first rounds, timed in the first request, stood at 2.5 plain steps
+            # through four requests of single-round probes while it ran at 1.9: adaptive decoded at K = 1-2
+            # meanwhile, at 0.94x a fixed K = 3.
             if self.explore_deeper and (self._median(k + 1) is None or self._is_stale(k + 1)) and self._could_pay(
                 k + 1, costs, self.tracker.optimistic_rates(), against=speed[k]
             ):
