@@ -32,7 +32,7 @@ import dataclasses
 import statistics
 
 from exo.engine import GenerationRequest, load
-from exo.engine.bench import DEFAULT_PROMPTS, OUTSIDE_PHASES, _catch_up_alone, _parts_alone, encode_prompt
+from exo.engine.bench import DEFAULT_PROMPTS, OUTSIDE_PHASES, catch_up_alone, encode_prompt, parts_alone
 from exo.engine.costs import device_name
 
 PHASES = ("draft_build", "verify_build", "device_wait", *OUTSIDE_PHASES)
@@ -67,7 +67,7 @@ def main() -> None:
             turn += 1
             for k in order:
                 context = len(prompt) + args.max_tokens // 2  # the request's mean context
-                before = _parts_alone(engine, k, context) if args.alone else None
+                before = parts_alone(engine, k, context) if args.alone else None
                 stats = run(prompt, k, args.max_tokens)
                 if stats.rounds > 1 and stats.profile_ms:
                     # ("between" is counted from the second round on)
@@ -75,10 +75,10 @@ def main() -> None:
                     per[k].append(phases)
                     tps[k].append(stats.decode_tokens_per_s)
                     if before is not None:
-                        after = _parts_alone(engine, k, context)
+                        after = parts_alone(engine, k, context)
                         assert after is not None
                         rows = 1 + stats.accepted_tokens / stats.rounds
-                        alone_ms = 1e3 * ((before + after) / 2 + _catch_up_alone(engine, k, rows, context))
+                        alone_ms = 1e3 * ((before + after) / 2 + catch_up_alone(engine, k, rows, context))
                         inside[k].append(sum(phases[p] for p in PHASES if p not in OUTSIDE_PHASES) / alone_ms)
                         glue[k].append(sum(phases.values()) / alone_ms)
     print(f"{engine.loaded.model_id} on {device_name()}: ms per round, median over {args.repeats * len(prompts)} "

@@ -211,7 +211,7 @@ def _run_bench(engine: Engine, prompts: Sequence[str], max_tokens: int, temperat
                     stock_tps, stock_tokens = stock.decode(tokens, max_tokens, temperature)
                     continue
                 context = len(tokens) + max_tokens // 2  # the request's mean context
-                parts_s = _parts_alone(engine, k, context) if k and mode == "on" else None
+                parts_s = parts_alone(engine, k, context) if k and mode == "on" else None
                 start = time.perf_counter()
                 result = results[name] = run(tokens, k, mode, max_tokens, 1000 * repeat + index)
                 elapsed = time.perf_counter() - start
@@ -224,7 +224,7 @@ def _run_bench(engine: Engine, prompts: Sequence[str], max_tokens: int, temperat
                     alone[name].append(parts_s)
                     glue[name].append(decode_s / stats.rounds / parts_s)
                     assert k is not None
-                    extra = _catch_up_alone(engine, k, 1 + stats.accepted_tokens / stats.rounds, context)
+                    extra = catch_up_alone(engine, k, 1 + stats.accepted_tokens / stats.rounds, context)
                     catch_up[name].append(extra)
                     glue_caught_up[name].append(decode_s / stats.rounds / (parts_s + extra))
                 if stats.rounds and stats.profile_ms and k:
@@ -330,7 +330,7 @@ def _quartiles(values: list[float]) -> list[float] | None:
     return [round(q1, 3), round(q3, 3)]
 
 
-def _parts_alone(engine: Engine, k: int, context: int = 64) -> float | None:
+def parts_alone(engine: Engine, k: int, context: int = 64) -> float | None:
     """Seconds of a depth-k round's parts timed alone now, after ``context`` tokens (a request's mean: its
     prompt and half its completion): its (k+1)-row verify call and k draft steps (medians of a few
     repetitions)."""
@@ -342,7 +342,7 @@ def _parts_alone(engine: Engine, k: int, context: int = 64) -> float | None:
     return costs.round_cost(k) * costs.plain_s
 
 
-def _catch_up_alone(engine: Engine, k: int, rows: float, context: int = 64) -> float:
+def catch_up_alone(engine: Engine, k: int, rows: float, context: int = 64) -> float:
     """Seconds that k draft steps whose head first takes in ``rows`` rows (a request's mean: interpolated
     between the whole row counts around it) cost beyond those starting from one row, timed alone now."""
     head = engine.loaded.head

@@ -55,27 +55,14 @@ PIPELINED_STEPS = 8  # plain steps per timed burst of the pipelined decode loop
 CONFIRM_WARMUPS = 2
 
 
-def _seconds(fn: Callable[[], None], reps: int, statistic: Statistic, warmup: int = 2) -> float:
-    """``statistic`` (the warm-up's: ``min``, interference from other work only ever adds time) of a few
-    timed calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistic(times)
-
-
-def _interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 2) -> dict[str, list[float]]:
+def _interleaved(fns: dict[Any, Callable[[], None]], reps: int, warmup: int = 2) -> dict[Any, list[float]]:
     """Seconds of ``reps`` timed calls of each of ``fns``, round-robin (each repetition times every one of them
     once, in turn), after ``warmup`` untimed calls of each: the parts of one repetition are timed within moments
     of each other."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
+    times: dict[Any, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
             start = time.perf_counter()
@@ -161,8 +148,9 @@ def catch_up_seconds(
     them), which ``measure_costs``' delta(K) (one row) leaves out."""
     tokens, cache, head_cache, hidden = _primed(model, forward, head, context)
     try:
-        return {r: _seconds(_drafts(model, head, head_cache, tokens[:, -r:], hidden[:, -r:], k), reps, statistic)
-                for r in rows}
+        # The row counts timed side by side, like the warm-up's parts: callers take differences of them.
+        times = _interleaved({r: _drafts(model, head, head_cache, tokens[:, -r:], hidden[:, -r:], k) for r in rows}, reps)
+        return {r: statistic(times[r]) for r in rows}
     finally:
         forward.end(cache)
 
