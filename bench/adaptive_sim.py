@@ -69,15 +69,23 @@ JITTER = 0.12  # lognormal sigma of every timing
 
 
 class Machine:
-    def __init__(self, rng: random.Random, drift_every: int, drift: float = 0.3) -> None:
+    """A machine whose speed jumps now and then (``level``: a factor on every timing, within
+    e^-drift..e^drift). ``round_exponent`` < 1: a round's time follows the level less than a plain step's
+    does, as on a host-bound GPU whose host slows down (an H200: K = 3 rounds cost 2.4 plain steps in a slow
+    phase, 3.4 in a fast one): a round's cost in plain steps is its scenario cost at level 1 times
+    level^(round_exponent - 1)."""
+
+    def __init__(self, rng: random.Random, drift_every: int, drift: float = 0.3, round_exponent: float = 1.0) -> None:
         self.rng, self.drift_every, self.drift, self.level = rng, drift_every, drift, 1.0
+        self.round_exponent = round_exponent
 
     def ran(self, tokens: int) -> None:
         if self.drift_every and self.rng.random() < tokens / self.drift_every:
             self.level = math.exp(self.rng.uniform(-self.drift, self.drift))
 
-    def seconds(self, plain_tokens: float) -> float:
-        return plain_tokens * UNIT * self.level * math.exp(self.rng.gauss(0.0, JITTER))
+    def seconds(self, plain_tokens: float, round_: bool = False) -> float:
+        level = self.level ** self.round_exponent if round_ else self.level
+        return plain_tokens * UNIT * level * math.exp(self.rng.gauss(0.0, JITTER))
 
 
 def request(s: Scenario, policy: DepthPolicy | None, fixed: int, m: Machine, rng: random.Random,
@@ -97,7 +105,7 @@ def request(s: Scenario, policy: DepthPolicy | None, fixed: int, m: Machine, rng
             produced, elapsed, stretch = produced + n, elapsed + took, stretch + n
             m.ran(n)
         else:
-            took = m.seconds(s.rounds[k - 1])
+            took = m.seconds(s.rounds[k - 1], round_=True)
             extra = m.seconds(CATCH_UP) if stretch > k + 1 else 0.0
             accepted = 0
             while accepted < k and rng.random() < s.acceptance[accepted] * suits:
@@ -110,10 +118,11 @@ def request(s: Scenario, policy: DepthPolicy | None, fixed: int, m: Machine, rng
 
 
 def trial(s: Scenario, seed: int, drift_every: int, prompts: int = 4, repeats: int = 3,
-          max_tokens: int = 128, warm_rounds: int = 0, warm_suits: float = 1.0) -> tuple[float, float, float]:
+          max_tokens: int = 128, warm_rounds: int = 0, warm_suits: float = 1.0, drift: float = 0.3,
+          round_exponent: float = 1.0) -> tuple[float, float, float]:
     """(adaptive / fastest fixed, oracle / fastest fixed, adaptive / plain): medians over the requests."""
     rng = random.Random(seed)
-    m = Machine(rng, drift_every)
+    m = Machine(rng, drift_every, drift, round_exponent)
     max_k = len(s.warm_beta)
     warm = DepthCosts(s.warm_beta, s.warm_delta, "sim", UNIT * s.warm_over_pipelined, 1, UNIT)
     policy = DepthPolicy(costs=warm, max_k=max_k, default_k=1)
@@ -175,6 +184,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=200)
     parser.add_argument("--drift-every", type=int, default=3000, help="tokens between jumps of machine speed (0: none)")
+    parser.add_argument("--drift", type=float, default=0.3,
+                        help="a jump sets the machine's speed to e^u, u uniform in [-drift, drift] (0.6: 0.55-1.8x)")
+    parser.add_argument("--round-exponent", type=float, default=1.0,
+                        help="a round's time follows the machine's speed to this power, a plain step's to 1 "
+                             "(0.2: a host-bound GPU, where rounds cost fewer plain steps in slow phases)")
     parser.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE")
     parser.add_argument("--warm-rounds", type=int, default=0,
                         help="rounds at max K of a warm-up text seeding acceptance (the engine: Engine.warm_acceptance)")
@@ -187,11 +201,13 @@ def main() -> None:
     for item in args.set:
         name, value = item.split("=")
         setattr(adaptive, name, type(getattr(adaptive, name))(value))
-    print(f"{args.seeds} seeds, machine speed jumps every ~{args.drift_every} tokens; overrides: {args.set or 'none'}")
+    print(f"{args.seeds} seeds, machine speed jumps every ~{args.drift_every} tokens (by up to e^{args.drift:g}, "
+          f"rounds following it to the power {args.round_exponent:g}); overrides: {args.set or 'none'}")
     print(f"{'scenario':18s} {'adaptive/fastest':>17s} {'(p10)':>6s} {'oracle/fastest':>15s} {'(p10)':>6s} "
           f"{'adaptive/plain':>15s}")
     for name, s in SCENARIOS.items():
-        results = [trial(s, seed, args.drift_every, warm_rounds=args.warm_rounds, warm_suits=args.warm_suits)
+        results = [trial(s, seed, args.drift_every, warm_rounds=args.warm_rounds, warm_suits=args.warm_suits,
+                         drift=args.drift, round_exponent=args.round_exponent)
                    for seed in range(args.seeds)]
         ours, oracle, plain = (sorted(x) for x in zip(*results, strict=True))
         p10 = len(ours) // 10

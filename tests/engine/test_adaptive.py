@@ -917,3 +917,30 @@ def test_a_trace_records_what_the_policy_saw_and_chose(tmp_path, monkeypatch):
     assert events[2]["k"] == k == 2 and len(events[2]["rates"]) == 3
     assert events[3] | {"t": 0} == {"t": 0, "event": "round", "k": 2, "accepted": 1, "seconds": 0.02}
     assert events[4]["tokens"] == 8
+
+
+@pytest.mark.parametrize(("round_s", "drafts"), [(0.0075, False), (0.0048, True)])
+def test_a_probe_from_plain_decoding_is_judged_against_the_plain_burst_just_before_it(round_s, drafts):
+    """An H200 (exo-demo) ran a first request's plain tokens at 3.0 ms (kernels compiled as contexts grew) and
+    later ones at 2.2. A K = 3 round of 7.5 ms costs 3.4 of those plain steps and brings 3.3 tokens: plain
+    decoding wins. Judged against plain decoding's window of first timings, a probe in the fast moment cost
+    2.5 plain steps and the policy drafted at K = 3 (0.85x plain) for eight requests. Plain decoding is the
+    unit: after its first timing its bursts measure the machine, and the probe is judged against the burst
+    timed just before it. The other side: K = 3 rounds of 4.8 ms (2.2 plain steps) are drafted."""
+    costs = DepthCosts(beta=(2.0, 2.5, 3.0), delta=(0.14, 0.29, 0.4), device="cuda", plain_s=0.0022,
+                       plain_pipelined_s=0.0022)
+    policy = DepthPolicy(costs, max_k=3, default_k=0)
+    pattern = [3, 3, 2, 3, 1, 3, 3, 2, 3, 0]  # 0.9 / 0.89 / 0.75: 3.3 tokens a K = 3 round
+    for i in range(60):
+        policy.tracker.observe(3, pattern[i % len(pattern)])
+    assert policy.choose() == 0  # 3.3 tokens for 3.4 plain steps by the warm-up
+    for _ in range(3):
+        policy.observe_plain(32, 32 * 0.0030)  # the first request
+    policy.observe_plain(32, 32 * 0.0022)  # the burst just before the probe
+    probe = []
+    while (k := policy.choose()) != 0 and len(probe) < 10:
+        probe.append(k)
+        policy.observe_round(k, pattern[len(probe) % len(pattern)], round_s)
+    assert probe[:MIN_ROUND_SAMPLES] == [3] * MIN_ROUND_SAMPLES
+    assert (len(probe) > MIN_ROUND_SAMPLES) is drafts, probe
+    assert policy.effective_costs().round_cost(3) == pytest.approx(round_s / 0.0022, rel=0.01)

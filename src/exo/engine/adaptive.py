@@ -97,6 +97,14 @@ REFRESH_PLAIN_TOKENS = PLAIN_TIMED_MIN  # a refresh's plain bursts: timed ones
 # last LEVEL_SAMPLES within LEVEL_TOKENS tokens), so that what a depth's window keeps are its costs relative to
 # the depth it ran beside, whatever minute each was timed in.
 SETTLE_SAMPLES = 10
+# Plain decoding is the unit every depth's cost is counted in: nothing of its own to learn, so while it runs,
+# every timing of it after its first is a level. Probes from K = 0 are then judged against the plain burst
+# timed just before them, a tight pair. With plain decoding settling like a depth, at SETTLE_SAMPLES timings
+# (a request or more of long bursts), an H200 host that ran a first request's plain tokens at 3.0 ms and later
+# ones at 2.2 judged a K = 3 probe taken in a fast moment against the slow window's median: 2.4 plain steps
+# where K = 3 cost 3.4, and adaptive drafted at K = 3 (0.85x plain) through eight requests (0.93x plain).
+# A plain burst's level stands alone (it already averages its tokens), not in a median with older ones.
+PLAIN_SETTLE_SAMPLES = 1
 LEVEL_SAMPLES = 5
 LEVEL_TOKENS = 64
 
@@ -294,8 +302,11 @@ class DepthPolicy:
         return plain * self.level() if plain is not None else None
 
     def _warm_step_s(self) -> float | None:
-        """Seconds of the warm-up's unit (one plain step alone: beta and delta count those)."""
-        return self.costs.plain_s or self.plain_step_s()
+        """Seconds of the warm-up's unit (one plain step alone: beta and delta count those), in the windows'
+        units (seconds over ``level``): a depth never timed is estimated against plain decoding as it runs now
+        (its warm-up cost over a window of plain timings from a slow first request read K = 3 at 2.5 plain
+        steps where it cost 3.4)."""
+        return self.costs.plain_s / self.level() if self.costs.plain_s else self.plain_step_s()
 
     def _glue(self) -> float:
         """Measured round time over the warm-up time of its parts, over the depths measured (1 if none)."""
@@ -474,8 +485,11 @@ class DepthPolicy:
     def _sample(self, k: int, seconds: float) -> None:
         window = self._seconds.setdefault(k, collections.deque(maxlen=COST_WINDOW))
         if self.track_drift:
-            if k == self._current and len(window) >= SETTLE_SAMPLES:
-                # The running depth, settled: its timing says how fast the machine runs now.
+            if k == self._current and len(window) >= (SETTLE_SAMPLES if k else PLAIN_SETTLE_SAMPLES):
+                # The running depth, settled: its timing says how fast the machine runs now. A plain burst is
+                # already a mean over its tokens: the newest stands alone (a probe's pair).
+                if k == 0:
+                    self._levels.clear()
                 self._levels.append((self._tokens, seconds / statistics.median(window)))
                 return
             seconds /= self.level()
