@@ -358,19 +358,23 @@ class DepthPolicy:
         random Qwen3.5-9B on an H200, 64-token requests: adaptive 0.85x plain), and three rounds at K = 3 in
         every 128-token request where no depth paid (exo-demo on an H200 once plain decoding ran at 1.1x stock:
         every depth at 0.80-0.84x plain, adaptive at 0.97-0.98x plain; bench/adaptive_sim.py h200-exo-demo-1127:
-        0.977 -> 0.995x the fastest fixed depth)."""
+        0.977 -> 0.995x the fastest fixed depth). A depth timed live is judged here by its live cost alone, stale
+        or not: an H200 warm-up timed exo-demo's K = 2 at 2.5 plain steps, its rounds ran at 2.8-3.6 for 2.7
+        tokens, and the warm-up figure restarted a three-round probe of K = 2 in each of 20 requests (the
+        probes themselves still renew a stale depth that its warm-up says could pay)."""
         if self.trace is not None:
             self.trace({"event": "request"})
         costs = self.effective_costs()
-        if any(self._could_pay(d, costs) for d in range(1, self.max_k + 1)):
+        if any(self._could_pay(d, costs, stale_warm=False) for d in range(1, self.max_k + 1)):
             self._plain_since_probe = 0
             self._probe_every = min(self._probe_every, PROBE_RESTART)
         self._deeper_every = DEEPER_PROBE_FIRST
 
-    def _could_pay(self, d: int, costs: DepthCosts, rates: list[float] | None = None, against: float = 1.0) -> bool:
+    def _could_pay(self, d: int, costs: DepthCosts, rates: list[float] | None = None, against: float = 1.0,
+                   stale_warm: bool = True) -> bool:
         """Whether depth d could beat plain decoding (or a depth of expected speedup ``against``) by the entry gain
         at the acceptance measured (``rates``), if it cost LIVE_DOUBT times less than what is known of it: its
-        live timings where it has them (or its warm-up cost if less, once they are stale); else
+        live timings where it has them (or its warm-up cost if less, once they are stale and ``stale_warm``); else
         its warm-up cost, or what the shallower depths measured live cost if that is less (a deeper round
         costs at least that). A depth's own live cost is what its next rounds will cost give or take the
         machine's drift (its timings are taken relative to the machine's speed: ``level``); the warm-up cost
@@ -380,7 +384,7 @@ class DepthPolicy:
         warm = self.costs.in_pipelined_steps()
         if self._median(d) is not None:
             optimistic = costs.round_cost(d)
-            if self._is_stale(d):
+            if stale_warm and self._is_stale(d):
                 optimistic = min(optimistic, warm.round_cost(d))
         else:
             below = [costs.round_cost(j) for j in range(1, d) if self._median(j) is not None]
