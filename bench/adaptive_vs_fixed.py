@@ -1,6 +1,7 @@
 """Adaptive depth against fixed depths, strictly alternating: the pairs ``exo bench`` cannot isolate.
 
-    python bench/adaptive_vs_fixed.py [MODEL] [--max-tokens 160] [--repeats 6] [--depths 0 1 2 3] [--raw-timings]
+    python bench/adaptive_vs_fixed.py [MODEL] [--max-tokens 160] [--repeats 6] [--depths 0 1 2 3] [--control]
+        [--raw-timings]
 
 For each repeat and each of ``exo bench``'s prompts, greedy, EOS ignored: adaptive depth, then every fixed
 depth in ``--depths`` (0: plain decoding), the order of the whole group rotated by one each time. Adaptive
@@ -8,6 +9,11 @@ keeps the engine's one policy across requests, as a server does. Prints the medi
 to last token), adaptive's depth histogram, and the median and quartiles of the ratios adaptive / fixed K
 over requests of the same prompt run seconds apart: on a shared machine whose speed drifts, a bench that
 runs five configurations a prompt compares moments a minute apart, these compare neighbours.
+
+``--control`` runs every fixed depth a second time in each group ("plain again", "k=3 again", in the rotated
+order like the rest) and prints the same median ratio between the two runs of one configuration: the metric's
+own noise floor on this host, in the same run (on an H200 whose speed swings within seconds, two runs of one
+fixed depth read 0.96-1.04x each other over 32 groups).
 
 ``--raw-timings`` adds "adaptive raw": a second engine on the same checkpoint whose adaptive policy keeps raw
 seconds per depth and probes single rounds from K = 0 (``DepthPolicy.track_drift`` and ``explore_deeper``
@@ -32,6 +38,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--depths", type=int, nargs="+", default=[0, 1, 2, 3])
+    parser.add_argument("--control", action="store_true", help="each fixed depth twice a group: the noise floor")
     parser.add_argument("--raw-timings", action="store_true")
     args = parser.parse_args()
     engine = load(args.model)
@@ -42,6 +49,8 @@ def main() -> None:
     configs: list[tuple[str, int | None]] = [("adaptive", None)] + [
         ("plain" if k == 0 else f"k={k}", k) for k in args.depths
     ]
+    if args.control:
+        configs += [(f"{name} again", k) for name, k in configs if k is not None]
     engines = {name: engine for name, _ in configs}
     if args.raw_timings:
         raw = load(args.model)
@@ -81,9 +90,14 @@ def main() -> None:
         print(f"  {name}: rounds per depth (K = 0: plain tokens) {dict(sorted(counts.items()))}")
     adaptive = [name for name, k in configs if k is None]
     for name, k in configs:
-        if k is None:
+        if k is None or name.endswith(" again"):
             continue
-        if "plain" in tps:
+        if f"{name} again" in tps:
+            ratios = [x / f for x, f in zip(tps[f"{name} again"], tps[name], strict=True)]
+            q1, _, q3 = statistics.quantiles(ratios)
+            print(f"  {name} again / {name} (the noise floor): median {statistics.median(ratios):.3f} "
+                  f"(quartiles {q1:.3f} / {q3:.3f})")
+        if "plain" in tps and name != "plain":
             ratios = [f / p for f, p in zip(tps[name], tps["plain"], strict=True)]
             print(f"  {name} / plain: median {statistics.median(ratios):.3f}")
         for a in adaptive:
