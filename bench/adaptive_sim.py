@@ -52,6 +52,8 @@ SCENARIOS = {
                                    (0.91, 0.88, 0.72)),
     "h200-moe-1127": Scenario("same file (K = 1, 2 within 3% of plain)", (1.843, 2.237), (0.165, 0.275), 1.08,
                               (1.96, 2.67), (0.91, 0.79)),
+    "h200-moe-marginal": Scenario("bench/results/h200-mlx-cuda-adaptive-levels-2026-11-27.txt (K = 2 1.02-1.05x plain)",
+                                  (1.670, 1.974), (0.193, 0.269), 1.08, (2.05, 2.50), (0.875, 0.80)),
     "cpu-exo-demo": Scenario("bench/results/cpu-2core-bench-exo-demo-baseline.txt", (1.35, 1.70, 2.05),
                              (0.116, 0.20, 0.28), 1.0, (1.70, 2.29, 2.82), (0.91, 0.90, 0.75)),
     "cpu-kernel-1127": Scenario("this CPU with exo's matmul kernel, 2026-11-27 (K = 1/2/3: 1.20/1.23/1.25x plain)",
@@ -119,13 +121,16 @@ def request(s: Scenario, policy: DepthPolicy | None, fixed: int, m: Machine, rng
 
 def trial(s: Scenario, seed: int, drift_every: int, prompts: int = 4, repeats: int = 3,
           max_tokens: int = 128, warm_rounds: int = 0, warm_suits: float = 1.0, drift: float = 0.3,
-          round_exponent: float = 1.0, prompt_spread: float = 1.0) -> tuple[float, float, float]:
+          round_exponent: float = 1.0, prompt_spread: float = 1.0,
+          entry_gain: float | None = None) -> tuple[float, float, float]:
     """(adaptive / fastest fixed, oracle / fastest fixed, adaptive / plain): medians over the requests."""
     rng = random.Random(seed)
     m = Machine(rng, drift_every, drift, round_exponent)
     max_k = len(s.warm_beta)
     warm = DepthCosts(s.warm_beta, s.warm_delta, "sim", UNIT * s.warm_over_pipelined, 1, UNIT)
     policy = DepthPolicy(costs=warm, max_k=max_k, default_k=1)
+    if entry_gain is not None:
+        policy.entry_gain = entry_gain
     if warm_rounds:  # the warm-up's greedy text, drafted at max_k (it suits the head by warm_suits)
         warm_tracker = adaptive.AcceptanceTracker(max_k)
         for _ in range(warm_rounds):
@@ -192,6 +197,7 @@ def main() -> None:
     parser.add_argument("--prompt-spread", type=float, default=1.0,
                         help="scales how differently the prompts suit the head (PROMPT_ACCEPTANCE; 4: exo-demo-moe "
                              "on an H200, whose prompts accepted 0.73-0.93 at the first position)")
+    parser.add_argument("--entry-gain", type=float, help="DepthPolicy.entry_gain (default MIN_GAIN)")
     parser.add_argument("--only", nargs="*", default=[], help="scenarios to run (default: all)")
     parser.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE")
     parser.add_argument("--warm-rounds", type=int, default=0,
@@ -213,7 +219,8 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         results = [trial(s, seed, args.drift_every, warm_rounds=args.warm_rounds, warm_suits=args.warm_suits,
-                         drift=args.drift, round_exponent=args.round_exponent, prompt_spread=args.prompt_spread)
+                         drift=args.drift, round_exponent=args.round_exponent, prompt_spread=args.prompt_spread,
+                         entry_gain=args.entry_gain)
                    for seed in range(args.seeds)]
         ours, oracle, plain = (sorted(x) for x in zip(*results, strict=True))
         p10 = len(ours) // 10
