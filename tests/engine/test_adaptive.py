@@ -903,7 +903,7 @@ def test_a_probe_of_a_depth_with_stale_timings_outvotes_them():
 
 def test_a_trace_records_what_the_policy_saw_and_chose(tmp_path, monkeypatch):
     """EXO_ADAPTIVE_TRACE: the warm-up costs, then every request, decision and observation as JSON lines (a
-    real run's view, for bench/adaptive_sim.py); nothing is written without it."""
+    real run's view, for bench/adaptive_sim.py), written a request at a time; nothing is written without it."""
     import json
 
     monkeypatch.delenv(adaptive.TRACE_ENV, raising=False)
@@ -915,8 +915,11 @@ def test_a_trace_records_what_the_policy_saw_and_chose(tmp_path, monkeypatch):
     k = policy.choose()
     policy.observe_round(k, 1, 0.02)
     policy.observe_plain(8, 0.05)
+    # Written at the next request (off the decode path), not event by event.
+    assert [json.loads(line)["event"] for line in path.read_text().splitlines()] == ["policy", "request"]
+    policy.new_request()
     events = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [e["event"] for e in events] == ["policy", "request", "choose", "round", "plain"]
+    assert [e["event"] for e in events] == ["policy", "request", "choose", "round", "plain", "request"]
     assert events[0]["beta"] == list(FLAT.beta) and events[0]["max_k"] == 3
     assert events[2]["k"] == k == 2 and len(events[2]["rates"]) == 3
     assert events[3] | {"t": 0} == {"t": 0, "event": "round", "k": 2, "accepted": 1, "seconds": 0.02}
