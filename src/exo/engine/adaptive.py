@@ -587,7 +587,6 @@ def trace_from_env(costs: DepthCosts, max_k: int) -> Callable[[dict[str, Any]], 
             flush()
 
     atexit.register(flush_at_exit)
-    write.flush = flush  # type: ignore[attr-defined]
     write({"event": "policy", "max_k": max_k, "beta": costs.beta, "delta": costs.delta, "plain_s": costs.plain_s,
            "plain_pipelined_s": costs.plain_pipelined_s, "device": costs.device})
     return write
