@@ -104,6 +104,16 @@ def test_bench_json(checkpoint, capsys):
     # Adaptive against the fastest fixed configuration, then in tight pairs (--pairs, 8 by default).
     assert report["best_fixed"] in configs and report["paired_groups"] == 8
     assert report["adaptive_vs_best_fixed_paired"] > 0
+    assert report["best_fixed_again_paired"] > 0  # the same configuration twice a group: the noise floor
+
+
+def test_bench_prints_the_tight_pairs_with_their_noise_floor(checkpoint, capsys):
+    code, out, _ = _run(capsys, "bench", str(checkpoint("qwen3_5")), "--max-tokens", "6", "--prompt", "Hello",
+                        "--pairs", "3")
+    assert code == 0
+    pairs = next(line for line in out.splitlines() if line.startswith("the same in 3 tight pairs"))
+    floor = next(line for line in out.splitlines() if line.startswith("the noise floor:"))
+    assert "adaptive and" in pairs and "run twice in each of those groups reads" in floor
 
 
 def test_models_lists_the_catalog(capsys):

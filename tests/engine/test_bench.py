@@ -57,16 +57,19 @@ def test_each_round_runs_its_configurations_in_a_rotated_order(checkpoint, monke
     assert report.adaptive_vs_best_fixed == round((paired[1] + paired[2]) / 2, 3)
     q1, q3 = report.adaptive_vs_best_fixed_quartiles
     assert q1 <= report.adaptive_vs_best_fixed <= q3 and paired[0] <= q1 and q3 <= paired[-1]
-    # Then the tight pairs: adaptive and the fastest fixed configuration alone, the order alternating.
+    # Then the tight groups: adaptive and the fastest fixed configuration twice, alone, the order rotated.
     tail = speeds[engine_slots + 4 * engine_slots:]
-    assert [name for name, _ in tail] == ["adaptive", best, best, "adaptive"] * 2
-    tight = sorted(
-        (a if first == "adaptive" else b) / (b if first == "adaptive" else a)
-        for (first, a), (_, b) in zip(tail[::2], tail[1::2], strict=True)
-    )
+    roles = ["adaptive", "best", "again"]
+    orders = [roles[g % 3:] + roles[: g % 3] for g in range(4)]
+    assert [name for name, _ in tail] == ["adaptive" if r == "adaptive" else best for o in orders for r in o]
+    groups = [dict(zip(o, (tps for _, tps in tail[3 * g: 3 * g + 3]), strict=True)) for g, o in enumerate(orders)]
+    tight = sorted(g["adaptive"] / g["best"] for g in groups)
+    again = sorted(g["again"] / g["best"] for g in groups)
     assert report.paired_groups == 4
     assert report.adaptive_vs_best_fixed_paired == round((tight[1] + tight[2]) / 2, 3)
     assert report.adaptive_vs_best_fixed_paired_quartiles is not None
+    assert report.best_fixed_again_paired == round((again[1] + again[2]) / 2, 3)
+    assert report.best_fixed_again_paired_quartiles is not None
 
 
 def test_the_catch_up_is_timed_with_the_rows_a_round_kept(checkpoint):

@@ -74,6 +74,10 @@ def bench_command(args: argparse.Namespace) -> int:
         q = report.adaptive_vs_best_fixed_paired_quartiles
         print(f"the same in {report.paired_groups} tight pairs (adaptive and {report.best_fixed} alone, request after "
               f"request): {report.adaptive_vs_best_fixed_paired:.3f}x" + (f" (quartiles {q[0]:.3f}-{q[1]:.3f})" if q else ""))
+        if report.best_fixed_again_paired is not None:
+            q = report.best_fixed_again_paired_quartiles
+            print(f"the noise floor: {report.best_fixed} run twice in each of those groups reads "
+                  f"{report.best_fixed_again_paired:.3f}x itself" + (f" (quartiles {q[0]:.3f}-{q[1]:.3f})" if q else ""))
     if stock:
         if report.plain_identical_to_stock is not None:
             print(f"\nplain decoding identical to stock mlx-lm's, token for token: "

@@ -92,9 +92,14 @@ class BenchReport(BaseModel):
     # configuration spans several (an H200 host's speed moved 1.5x within one run: the rounds' median read 0.93-0.97
     # where tight pairs on the same kind of machine read 0.98-0.99, and 0.985 where adaptive ran plain's own code;
     # on noisier hosts tight pairs still swing: the same rounds at 8 ms in one request, 14 ms in the next).
+    # Each group also runs that configuration a second time (the three in an order rotated by one a group): its
+    # second run over its first is the figure's noise floor on this host, in the same run (on an H200, 48 groups of
+    # bench/adaptive_vs_fixed.py --control: 0.976-1.008).
     paired_groups: int = 0
     adaptive_vs_best_fixed_paired: float | None = None
     adaptive_vs_best_fixed_paired_quartiles: list[float] | None = None
+    best_fixed_again_paired: float | None = None
+    best_fixed_again_paired_quartiles: list[float] | None = None
 
 
 def encode_prompt(engine: Engine, text: str, raw: bool) -> list[int]:
@@ -120,7 +125,7 @@ def run_bench(
     ``max_tokens`` long). ``baseline``: stock mlx-lm (its own model classes, ``stream_generate``) decodes
     the same prompt ids in the same round, so each configuration gets a ratio to it per round. Each round
     runs its configurations (stock included) in an order rotated by one from the round before. ``pairs``:
-    then that many requests each of adaptive and the fastest fixed configuration, in tight pairs."""
+    then that many groups of adaptive and the fastest fixed configuration run twice, request after request."""
     import dataclasses
 
     engine.loaded = dataclasses.replace(engine.loaded, eos_token_ids=frozenset())
@@ -305,20 +310,25 @@ def _run_bench(engine: Engine, prompts: Sequence[str], max_tokens: int, temperat
         report.adaptive_vs_best_fixed_quartiles = _quartiles(paired)
         if pairs > 0:
             _, best_k, best_mode = next(c for c in configs if c[0] == best)
-            ratios = []
+            roles = [("adaptive", None, "on"), ("best", best_k, best_mode), ("again", best_k, best_mode)]
+            ratios, again = [], []
             for group in range(pairs):
                 tokens, seed = encoded[group % len(encoded)], 10_000 + group
-                order = [(None, "on"), (best_k, best_mode)]
+                turn = group % len(roles)
                 speeds = {}
-                for k, mode in order if group % 2 == 0 else order[::-1]:
-                    speeds[k is None] = run(tokens, k, mode, max_tokens, seed).stats.decode_tokens_per_s
-                if speeds[False] > 0:
-                    ratios.append(speeds[True] / speeds[False])
+                for role, k, mode in roles[turn:] + roles[:turn]:
+                    speeds[role] = run(tokens, k, mode, max_tokens, seed).stats.decode_tokens_per_s
+                if speeds["best"] > 0:
+                    ratios.append(speeds["adaptive"] / speeds["best"])
+                    again.append(speeds["again"] / speeds["best"])
                     if progress:
-                        progress(f"pair {group + 1}/{pairs}  adaptive / {best} {ratios[-1]:.3f}")
+                        progress(f"pair {group + 1}/{pairs}  adaptive / {best} {ratios[-1]:.3f}  "
+                                 f"{best} again / {best} {again[-1]:.3f}")
             report.paired_groups = len(ratios)
             report.adaptive_vs_best_fixed_paired = round(statistics.median(ratios), 3) if ratios else None
             report.adaptive_vs_best_fixed_paired_quartiles = _quartiles(ratios)
+            report.best_fixed_again_paired = round(statistics.median(again), 3) if again else None
+            report.best_fixed_again_paired_quartiles = _quartiles(again)
     return report
 
 
