@@ -88,7 +88,7 @@ class BenchReport(BaseModel):
     adaptive_vs_best_fixed: float | None = None
     adaptive_vs_best_fixed_quartiles: list[float] | None = None
     # The same in tight pairs (``pairs``): after the rounds, adaptive and that configuration alone, request after
-    # request (order alternating), so each ratio compares moments a request apart, where a round of every
+    # request (order rotated), so each ratio compares moments a request apart, where a round of every
     # configuration spans several (an H200 host's speed moved 1.5x within one run: the rounds' median read 0.93-0.97
     # where tight pairs on the same kind of machine read 0.98-0.99, and 0.985 where adaptive ran plain's own code;
     # on noisier hosts tight pairs still swing: the same rounds at 8 ms in one request, 14 ms in the next).
