@@ -90,12 +90,40 @@ class Machine:
         return plain_tokens * UNIT * level * math.exp(self.rng.gauss(0.0, JITTER))
 
 
+def text_of(rng: random.Random, tokens: int, runs: float, contrast: float) -> list[float]:
+    """A prompt's text as a factor on acceptance per token position: stretches of easy text (x (1 + contrast))
+    and hard text (x (1 - contrast)), each ``runs`` tokens long on average (0: a uniform text). Every
+    configuration that runs the prompt meets the same text."""
+    if not runs:
+        return [1.0] * tokens
+    out, easy = [], rng.random() < 0.5
+    for _ in range(tokens):
+        if rng.random() < 1.0 / runs:
+            easy = not easy
+        out.append(1.0 + contrast if easy else 1.0 - contrast)
+    return out
+
+
+def keep_evidence(policy: DepthPolicy, rounds: float) -> None:
+    """The tracker's evidence scaled down to at most ``rounds`` rounds (rates unchanged, their weight less):
+    a new request's text then moves the estimates within that request."""
+    t = policy.tracker
+    if t.reached[0] > rounds:
+        scale = rounds / t.reached[0]
+        t.accepted = [a * scale for a in t.accepted]
+        t.reached = [r * scale for r in t.reached]
+
+
 def request(s: Scenario, policy: DepthPolicy | None, fixed: int, m: Machine, rng: random.Random,
-            max_tokens: int, suits: float) -> float:
+            max_tokens: int, suits: float, text: list[float] | None = None,
+            request_keep: float | None = None) -> float:
     """Tokens/s of one request (first token to last, as ``decode_tokens_per_s``)."""
     produced, elapsed, stretch = 1, 0.0, 0
+    text = text or [1.0] * (max_tokens + 16)
     if policy is not None:
         policy.new_request()
+        if request_keep is not None:
+            keep_evidence(policy, request_keep)
     while produced < max_tokens:
         k = policy.choose() if policy is not None else fixed
         if k == 0:
@@ -110,7 +138,7 @@ def request(s: Scenario, policy: DepthPolicy | None, fixed: int, m: Machine, rng
             took = m.seconds(s.rounds[k - 1], round_=True)
             extra = m.seconds(CATCH_UP) if stretch > k + 1 else 0.0
             accepted = 0
-            while accepted < k and rng.random() < s.acceptance[accepted] * suits:
+            while accepted < k and rng.random() < s.acceptance[accepted] * suits * text[produced + accepted]:
                 accepted += 1
             if policy is not None:
                 policy.observe_round(k, accepted, took)
@@ -122,7 +150,8 @@ def request(s: Scenario, policy: DepthPolicy | None, fixed: int, m: Machine, rng
 def trial(s: Scenario, seed: int, drift_every: int, prompts: int = 4, repeats: int = 3,
           max_tokens: int = 128, warm_rounds: int = 0, warm_suits: float = 1.0, drift: float = 0.3,
           round_exponent: float = 1.0, prompt_spread: float = 1.0,
-          entry_gain: float | None = None) -> tuple[float, float, float]:
+          entry_gain: float | None = None, text_runs: float = 0.0, text_contrast: float = 0.0,
+          request_keep: float | None = None) -> tuple[float, float, float]:
     """(adaptive / fastest fixed, oracle / fastest fixed, adaptive / plain): medians over the requests."""
     rng = random.Random(seed)
     m = Machine(rng, drift_every, drift, round_exponent)
@@ -140,15 +169,16 @@ def trial(s: Scenario, seed: int, drift_every: int, prompts: int = 4, repeats: i
             warm_tracker.observe(max_k, accepted)
         policy.tracker.absorb(warm_tracker)
     fixed = list(range(max_k + 1))
+    texts = [text_of(rng, max_tokens + 16, text_runs, text_contrast) for _ in range(prompts)]  # greedy: one text each
     rows = []
     for _ in range(repeats):
         for p in range(prompts):
             suits = 1.0 + (PROMPT_ACCEPTANCE[p % len(PROMPT_ACCEPTANCE)] - 1.0) * prompt_spread
-            row = {k: request(s, None, k, m, rng, max_tokens, suits) for k in fixed}
-            row["adaptive"] = request(s, policy, 0, m, rng, max_tokens, suits)
+            row = {k: request(s, None, k, m, rng, max_tokens, suits, texts[p]) for k in fixed}
+            row["adaptive"] = request(s, policy, 0, m, rng, max_tokens, suits, texts[p], request_keep)
             # Each depth once more, where the adaptive run was: an oracle that runs the fastest one is the
             # metric's own noise floor.
-            row.update({("again", k): request(s, None, k, m, rng, max_tokens, suits) for k in fixed})
+            row.update({("again", k): request(s, None, k, m, rng, max_tokens, suits, texts[p]) for k in fixed})
             rows.append(row)
     best = max(fixed, key=lambda k: statistics.median(r[k] for r in rows))
     return (statistics.median(r["adaptive"] / r[best] for r in rows),
@@ -198,6 +228,12 @@ def main() -> None:
                         help="scales how differently the prompts suit the head (PROMPT_ACCEPTANCE; 4: exo-demo-moe "
                              "on an H200, whose prompts accepted 0.73-0.93 at the first position)")
     parser.add_argument("--entry-gain", type=float, help="DepthPolicy.entry_gain (default MIN_GAIN)")
+    parser.add_argument("--text-runs", type=float, default=0.0,
+                        help="stretches of easier and harder text within a prompt, this many tokens long on average")
+    parser.add_argument("--text-contrast", type=float, default=0.15,
+                        help="acceptance x (1 +- this) in easy / hard stretches (with --text-runs)")
+    parser.add_argument("--request-keep", type=float,
+                        help="an experiment: at each request keep at most this many rounds of acceptance evidence")
     parser.add_argument("--only", nargs="*", default=[], help="scenarios to run (default: all)")
     parser.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE")
     parser.add_argument("--warm-rounds", type=int, default=0,
@@ -220,7 +256,8 @@ def main() -> None:
             continue
         results = [trial(s, seed, args.drift_every, warm_rounds=args.warm_rounds, warm_suits=args.warm_suits,
                          drift=args.drift, round_exponent=args.round_exponent, prompt_spread=args.prompt_spread,
-                         entry_gain=args.entry_gain)
+                         entry_gain=args.entry_gain, text_runs=args.text_runs, text_contrast=args.text_contrast,
+                         request_keep=args.request_keep)
                    for seed in range(args.seeds)]
         ours, oracle, plain = (sorted(x) for x in zip(*results, strict=True))
         p10 = len(ours) // 10
