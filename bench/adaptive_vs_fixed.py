@@ -12,8 +12,8 @@ runs five configurations a prompt compares moments a minute apart, these compare
 
 ``--control`` runs every fixed depth a second time in each group ("plain again", "k=3 again", in the rotated
 order like the rest) and prints the same median ratio between the two runs of one configuration: the metric's
-own noise floor on this host, in the same run (on an H200 whose speed swings within seconds, two runs of one
-fixed depth read 0.96-1.04x each other over 32 groups).
+own noise floor on this host, in the same run (on H200s whose speed swings within seconds, two runs of one
+fixed depth read 0.976-1.008x each other over 48-80 groups).
 
 ``--raw-timings`` adds "adaptive raw": a second engine on the same checkpoint whose adaptive policy keeps raw
 seconds per depth and probes single rounds from K = 0 (``DepthPolicy.track_drift`` and ``explore_deeper``
