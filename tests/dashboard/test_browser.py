@@ -266,6 +266,10 @@ def test_chat_streams_a_reply_and_shows_its_native_mtp_stats(page):
     page.get_by_text("Options", exact=True).click()
     page.get_by_label("Temperature").fill("0")
     page.get_by_label("Temperature").press("Tab")
+    # A reply long enough to be seen streaming on a busy host: "Hello" got ~40 tokens, and in a CI run on this
+    # 2-core machine all of them reached the page in one read (lengths seen: 0, 163).
+    page.get_by_label("Max tokens").fill("160")
+    page.get_by_label("Max tokens").press("Tab")
     page.get_by_text("Options", exact=True).click()
     # Record the reply's length at every change while it streams, to see it grow in place.
     page.evaluate("""() => {
@@ -275,7 +279,7 @@ def test_chat_streams_a_reply_and_shows_its_native_mtp_stats(page):
             if (replies.length) window.__lengths.push(replies[replies.length - 1].textContent.length);
         }).observe(document.body, {subtree: true, childList: true, characterData: true, attributes: true});
     }""")
-    page.get_by_role("textbox", name="Message").fill("Hello")
+    page.get_by_role("textbox", name="Message").fill("Count from 1 to 1000.")  # greedy: up to Max tokens
     page.get_by_role("button", name="Send").click()
     reply = last_reply(page)
     stats = reply.get_by_test_id("message-stats")
@@ -288,6 +292,10 @@ def test_chat_streams_a_reply_and_shows_its_native_mtp_stats(page):
     grew = sorted(set(page.evaluate("window.__lengths")))
     assert len([n for n in grew if n > 0]) >= 3, f"the reply did not stream in: lengths seen {grew}"
     assert reply.locator(".body").inner_text().strip()
+    page.get_by_text("Options", exact=True).click()  # the next tests want replies until done
+    page.get_by_label("Max tokens").fill("")
+    page.get_by_label("Max tokens").press("Tab")
+    page.get_by_text("Options", exact=True).click()
 
 
 def test_stop_ends_the_generation_on_the_daemon(page, node):
@@ -331,7 +339,7 @@ def test_conversation_is_kept_across_a_reload(page):
     expect(replies.last).to_have_attribute("data-status", "stopped")
     expect(replies.last.get_by_test_id("message-stats")).to_contain_text(re.compile(r"tok/s · TTFT \d+"))
     expect(replies.last.locator(".body")).not_to_be_empty()
-    expect(page.get_by_role("article", name="user message").first).to_have_text("Hello")
+    expect(page.get_by_role("article", name="user message").first).to_have_text("Count from 1 to 1000.")
     page.evaluate("window.__sameDocument = true")
 
 
