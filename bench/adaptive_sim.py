@@ -147,35 +147,48 @@ def request(s: Scenario, policy: DepthPolicy | None, fixed: int, m: Machine, rng
     return (max_tokens - 1) / elapsed
 
 
-def trial(s: Scenario, seed: int, drift_every: int, prompts: int = 4, repeats: int = 3,
-          max_tokens: int = 128, warm_rounds: int = 0, warm_suits: float = 1.0, drift: float = 0.3,
-          round_exponent: float = 1.0, prompt_spread: float = 1.0,
-          entry_gain: float | None = None, text_runs: float = 0.0, text_contrast: float = 0.0,
-          request_keep: float | None = None) -> tuple[float, float, float]:
+@dataclass(frozen=True)
+class Knobs:
+    """What a simulated run varies besides its scenario (the command line's options)."""
+
+    drift_every: int = 3000
+    drift: float = 0.3
+    round_exponent: float = 1.0
+    prompt_spread: float = 1.0
+    text_runs: float = 0.0
+    text_contrast: float = 0.15
+    warm_rounds: int = 0
+    warm_suits: float = 1.0
+    entry_gain: float | None = None
+    request_keep: float | None = None
+
+
+def trial(s: Scenario, seed: int, knobs: Knobs, prompts: int = 4, repeats: int = 3,
+          max_tokens: int = 128) -> tuple[float, float, float]:
     """(adaptive / fastest fixed, oracle / fastest fixed, adaptive / plain): medians over the requests."""
     rng = random.Random(seed)
-    m = Machine(rng, drift_every, drift, round_exponent)
+    m = Machine(rng, knobs.drift_every, knobs.drift, knobs.round_exponent)
     max_k = len(s.warm_beta)
     warm = DepthCosts(s.warm_beta, s.warm_delta, "sim", UNIT * s.warm_over_pipelined, 1, UNIT)
     policy = DepthPolicy(costs=warm, max_k=max_k, default_k=1)
-    if entry_gain is not None:
-        policy.entry_gain = entry_gain
-    if warm_rounds:  # the warm-up's greedy text, drafted at max_k (it suits the head by warm_suits)
+    if knobs.entry_gain is not None:
+        policy.entry_gain = knobs.entry_gain
+    if knobs.warm_rounds:  # the warm-up's greedy text, drafted at max_k (it suits the head by warm_suits)
         warm_tracker = adaptive.AcceptanceTracker(max_k)
-        for _ in range(warm_rounds):
+        for _ in range(knobs.warm_rounds):
             accepted = 0
-            while accepted < max_k and rng.random() < s.acceptance[accepted] * warm_suits:
+            while accepted < max_k and rng.random() < s.acceptance[accepted] * knobs.warm_suits:
                 accepted += 1
             warm_tracker.observe(max_k, accepted)
         policy.tracker.absorb(warm_tracker)
     fixed = list(range(max_k + 1))
-    texts = [text_of(rng, max_tokens + 16, text_runs, text_contrast) for _ in range(prompts)]  # greedy: one text each
+    texts = [text_of(rng, max_tokens + 16, knobs.text_runs, knobs.text_contrast) for _ in range(prompts)]  # greedy: one text each
     rows = []
     for _ in range(repeats):
         for p in range(prompts):
-            suits = 1.0 + (PROMPT_ACCEPTANCE[p % len(PROMPT_ACCEPTANCE)] - 1.0) * prompt_spread
+            suits = 1.0 + (PROMPT_ACCEPTANCE[p % len(PROMPT_ACCEPTANCE)] - 1.0) * knobs.prompt_spread
             row = {k: request(s, None, k, m, rng, max_tokens, suits, texts[p]) for k in fixed}
-            row["adaptive"] = request(s, policy, 0, m, rng, max_tokens, suits, texts[p], request_keep)
+            row["adaptive"] = request(s, policy, 0, m, rng, max_tokens, suits, texts[p], knobs.request_keep)
             # Each depth once more, where the adaptive run was: an oracle that runs the fastest one is the
             # metric's own noise floor.
             row.update({("again", k): request(s, None, k, m, rng, max_tokens, suits, texts[p]) for k in fixed})
@@ -251,14 +264,12 @@ def main() -> None:
           f"rounds following it to the power {args.round_exponent:g}); overrides: {args.set or 'none'}")
     print(f"{'scenario':18s} {'adaptive/fastest':>17s} {'(p10)':>6s} {'oracle/fastest':>15s} {'(p10)':>6s} "
           f"{'adaptive/plain':>15s}")
+    knobs = Knobs(args.drift_every, args.drift, args.round_exponent, args.prompt_spread, args.text_runs,
+                  args.text_contrast, args.warm_rounds, args.warm_suits, args.entry_gain, args.request_keep)
     for name, s in SCENARIOS.items():
         if args.only and name not in args.only:
             continue
-        results = [trial(s, seed, args.drift_every, warm_rounds=args.warm_rounds, warm_suits=args.warm_suits,
-                         drift=args.drift, round_exponent=args.round_exponent, prompt_spread=args.prompt_spread,
-                         entry_gain=args.entry_gain, text_runs=args.text_runs, text_contrast=args.text_contrast,
-                         request_keep=args.request_keep)
-                   for seed in range(args.seeds)]
+        results = [trial(s, seed, knobs) for seed in range(args.seeds)]
         ours, oracle, plain = (sorted(x) for x in zip(*results, strict=True))
         p10 = len(ours) // 10
         print(f"{name:18s} {statistics.median(ours):17.3f} {ours[p10]:6.3f} {statistics.median(oracle):15.3f} "
