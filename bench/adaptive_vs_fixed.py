@@ -1,7 +1,7 @@
 """Adaptive depth against fixed depths, strictly alternating: the pairs ``exo bench`` cannot isolate.
 
     python bench/adaptive_vs_fixed.py [MODEL] [--max-tokens 160] [--repeats 6] [--depths 0 1 2 3] [--control]
-        [--raw-timings]
+        [--raw-timings] [--tracker NAME=VALUE ...]
 
 For each repeat and each of ``exo bench``'s prompts, greedy, EOS ignored: adaptive depth, then every fixed
 depth in ``--depths`` (0: plain decoding), the order of the whole group rotated by one each time. Adaptive
@@ -18,6 +18,13 @@ fixed depth read 0.976-1.008x each other over 48-80 groups).
 ``--raw-timings`` adds "adaptive raw": a second engine on the same checkpoint whose adaptive policy keeps raw
 seconds per depth and probes single rounds from K = 0 (``DepthPolicy.track_drift`` and ``explore_deeper``
 off: the policy as it was before either).
+
+``--control`` also prints adaptive over the mean of a fixed depth's two runs in its group ("both runs"): a
+reference with half the noise of either run.
+
+``--tracker idle_forget=1 revert_weight=0`` adds "adaptive variant": a second engine on the same checkpoint whose
+policy's acceptance tracker has those fields set (``AcceptanceTracker``; these two: the tracker before its
+estimates reverted to the long-run rate): two settings of the tracker judged request by request in one run.
 """
 
 from __future__ import annotations
@@ -25,10 +32,12 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import os
 import statistics
 import sys
 
 from exo.engine import GenerationRequest, SamplingParams, load
+from exo.engine.adaptive import TRACE_ENV
 from exo.engine.bench import DEFAULT_PROMPTS, encode_prompt
 
 
@@ -40,6 +49,8 @@ def main() -> None:
     parser.add_argument("--depths", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--control", action="store_true", help="each fixed depth twice a group: the noise floor")
     parser.add_argument("--raw-timings", action="store_true")
+    parser.add_argument("--tracker", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="an 'adaptive variant' engine whose acceptance tracker has these fields")
     args = parser.parse_args()
     engine = load(args.model)
     if (reason := engine.mtp_unavailable_reason()) is not None:
@@ -59,6 +70,20 @@ def main() -> None:
         policy.track_drift = policy.explore_deeper = False
         engines["adaptive raw"] = raw
         configs.insert(1, ("adaptive raw", None))
+    if args.tracker:
+        variant = load(args.model)
+        variant.loaded = dataclasses.replace(variant.loaded, eos_token_ids=frozenset())
+        trace = os.environ.get(TRACE_ENV)
+        if trace:  # the variant's policy traces to a file of its own
+            os.environ[TRACE_ENV] = trace + ".variant"
+        tracker = variant._adaptive_policy().tracker
+        if trace:
+            os.environ[TRACE_ENV] = trace
+        for item in args.tracker:
+            name, value = item.split("=")
+            setattr(tracker, name, type(getattr(tracker, name))(value))
+        engines["adaptive variant"] = variant
+        configs.insert(1, ("adaptive variant", None))
     histogram: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)
 
     def run(name: str, prompt: list[int], k: int | None, max_tokens: int) -> float:
@@ -89,6 +114,10 @@ def main() -> None:
     for name, counts in histogram.items():
         print(f"  {name}: rounds per depth (K = 0: plain tokens) {dict(sorted(counts.items()))}")
     adaptive = [name for name, k in configs if k is None]
+    for a in adaptive[1:]:
+        ratios = [x / y for x, y in zip(tps[a], tps["adaptive"], strict=True)]
+        q1, _, q3 = statistics.quantiles(ratios)
+        print(f"  {a} / adaptive: median {statistics.median(ratios):.3f} (quartiles {q1:.3f} / {q3:.3f})")
     for name, k in configs:
         if k is None or name.endswith(" again"):
             continue
@@ -104,6 +133,11 @@ def main() -> None:
             ratios = [x / f for x, f in zip(tps[a], tps[name], strict=True)]
             q1, _, q3 = statistics.quantiles(ratios)
             print(f"    {a} / {name}: median {statistics.median(ratios):.3f} (quartiles {q1:.3f} / {q3:.3f})")
+            if f"{name} again" in tps:  # against the mean of both runs: half the reference's own noise
+                ratios = [x / ((f + g) / 2) for x, f, g in zip(tps[a], tps[name], tps[f"{name} again"], strict=True)]
+                q1, _, q3 = statistics.quantiles(ratios)
+                print(f"    {a} / {name} (both runs): median {statistics.median(ratios):.3f} "
+                      f"(quartiles {q1:.3f} / {q3:.3f})")
 
 
 if __name__ == "__main__":

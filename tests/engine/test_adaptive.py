@@ -245,7 +245,7 @@ def test_a_probe_tries_the_most_promising_depth():
     policy = DepthPolicy(costs, max_k=2, default_k=2)
     assert policy.choose() == 2
     for _ in range(6):
-        policy.observe_round(2, 2, seconds=0.030)  # every draft lands, but a round costs 3 plain steps
+        policy.observe_round(2, 2, seconds=0.033)  # every draft lands, but a round costs 3.3 plain steps
     policy.observe_plain(4, 4 * 0.010)
     assert policy.choose() == 0
     rates = policy.tracker.rates()
@@ -423,7 +423,7 @@ def test_a_new_request_probes_within_a_few_dozen_tokens_not_three_times():
     policy = DepthPolicy(costs, max_k=1, default_k=1)
     _probe_to_max_backoff(policy, lambda i: 0)
     for i in range(40):
-        policy.tracker.observe(1, int(i % 2 == 0))
+        policy.tracker.observe(1, int(i % 5 in (0, 2)))
     assert 1.344 < 1 + policy.tracker.rates()[0] < 1.37 * MIN_GAIN
     policy.new_request()
     assert _probes_in(policy, 128) == 1 and PROBE_RESTART < 128 < 3 * PROBE_RESTART
@@ -649,6 +649,69 @@ def test_a_batch_starts_drafting_only_on_a_clear_margin():
     for _ in range(3 * PROBE_FIRST):
         assert policy.choose(2) == 0  # neither drafts nor probes
         policy.observe_plain(2, 0.010)
+
+
+def _dip_then_idle(tracker: AcceptanceTracker) -> tuple[float, float]:
+    """(position 1's rate after a stretch of hard text, the same after a request's worth of plain tokens)."""
+    for i in range(150):  # a head landing 7 in 8 of its first drafts
+        tracker.observe(2, 0 if i % 8 == 0 else 2)
+    for i in range(16):  # hard text: a quarter land
+        tracker.observe(2, int(i % 4 == 0))
+    dipped = tracker.rates()[0]
+    tracker.idle(128)
+    return dipped, tracker.rates()[0]
+
+
+def test_acceptance_left_at_a_dip_reverts_to_the_long_run_rate_while_plain_decoding_observes_nothing():
+    """Drafting stops because a stretch of hard text pulled the estimates down, and then nothing is observed:
+    the estimates stayed at that dip, chosen by the leaving itself. Aged by the plain tokens run since, the
+    recent evidence gives way to the head's long-run rate. exo-demo-moe on an H200, where K = 2 ran 1.035x
+    plain: adaptive estimated 0.80/0.73 at K = 0 against 0.87/0.80 over its own K = 2 rounds, and decoded whole
+    requests plainly (0.973-0.979x the fixed K = 2; with the rates reverting, 0.982-0.994 in the same runs)."""
+    dipped, later = _dip_then_idle(AcceptanceTracker(2))
+    assert dipped < 0.7 and later > 0.75  # the long-run rate, the dip in it: 0.79
+    dipped_before, later_before = _dip_then_idle(AcceptanceTracker(2, idle_forget=1.0, revert_weight=0.0))
+    assert later_before == dipped_before < 0.7  # as it was: the dip stood until the next rounds
+
+
+def test_a_new_request_drafts_again_once_the_dip_that_stopped_drafting_has_aged():
+    """A request whose text turned hard ends decoding plainly; the next one, on text the head suits, drafts
+    again from its start (estimates back at the long-run rate), not after PROBE_RESTART plain tokens and a
+    probe whose few landed drafts hardly move estimates weighted by dozens of rounds."""
+    costs = DepthCosts(beta=(1.7, 2.0), delta=(0.15, 0.25), device="cuda", plain_s=0.003, plain_pipelined_s=0.003)
+
+    def second_request_drafted(policy: DepthPolicy) -> int:
+        def run(tokens_wanted: int, hard_after: int) -> dict[int, int]:
+            done: dict[int, int] = {}
+            tokens, rounds = 0, 0
+            while tokens < tokens_wanted:
+                k = policy.choose()
+                if k == 0:
+                    n = min(policy.plain_budget(), tokens_wanted - tokens)
+                    policy.observe_plain(n, n * 0.003)
+                else:
+                    hard = tokens >= hard_after
+                    n = 1 + (int(rounds % 3 == 0) if hard else (k if rounds % 8 else 1))
+                    n = min(n, k + 1)
+                    policy.observe_round(k, n - 1, 2.3 * 0.003)
+                    rounds += 1
+                done[k] = done.get(k, 0) + n
+                tokens += n
+            return done
+
+        policy.observe_plain(32, 32 * 0.003)
+        for _ in range(3):
+            policy.new_request()
+            run(128, hard_after=1 << 30)
+        policy.new_request()
+        assert run(128, hard_after=40).get(0, 0) >= 40  # the hard text sent it to plain decoding
+        policy.new_request()
+        return 128 - run(128, hard_after=1 << 30).get(0, 0)
+
+    assert second_request_drafted(DepthPolicy(costs, max_k=2, default_k=2)) >= 120
+    before = DepthPolicy(costs, max_k=2, default_k=2)
+    before.tracker = AcceptanceTracker(2, idle_forget=1.0, revert_weight=0.0)
+    assert second_request_drafted(before) < 40  # 8: one probe of three rounds
 
 
 def test_a_deeper_position_not_yet_measured_is_expected_to_land_like_the_one_before():

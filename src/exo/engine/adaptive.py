@@ -55,6 +55,16 @@ OPTIMISM = 1.0
 # 0.9 on exo-demo: the first requests' few rounds decided K = 0 at 0.88x the fastest fixed depth on an H200).
 WARM_WEIGHT = 6.0
 FORGET = 0.97  # per observation: recent rounds matter more (acceptance varies with the text)
+# While the policy decodes plainly it observes no drafts, and its estimates stay where the rounds that made it
+# leave drafting put them: a stretch of hard text, a dip selected by the leaving itself. exo-demo-moe on an H200
+# (K = 2 at 1.035x plain) estimated 0.80/0.73 at K = 0 against 0.87/0.80 over its own K = 2 rounds, and
+# decoded whole requests plainly: 0.973-0.979x the fixed K = 2. So every plain token ages the recent evidence by
+# IDLE_FORGET (a request of 128 plain tokens leaves 2% of it), and each position's rate reverts to the head's
+# long-run rate (its evidence forgotten at LONG_FORGET per round, ~200 rounds), which stands for REVERT_WEIGHT
+# rounds beside the recent ones: 0.982-0.994x the fixed K = 2 in the same runs, exo-demo 0.967 -> 0.986x plain.
+IDLE_FORGET = 0.97
+LONG_FORGET = 0.995
+REVERT_WEIGHT = 4.0
 PROBE_FIRST = 16  # plain tokens before the first probe when K = 0 was chosen on acceptance
 PROBE_MAX = 512
 # A new request's text may suit the head better: its first probe comes after at most this many plain tokens
@@ -170,8 +180,11 @@ def can_pay_off(costs: DepthCosts, max_k: int, min_gain: float = MIN_GAIN) -> bo
 
 @dataclass
 class AcceptanceTracker:
-    """Per-position conditional acceptance with exponential forgetting and a prior: PRIOR_ACCEPTANCE for the
-    first position, and for each deeper one the rate of the position before it. A depth's deeper positions
+    """Per-position conditional acceptance with exponential forgetting (per round, and per plain token while
+    nothing is observed: ``idle``) and a prior it reverts to: the position's long-run rate, and where that has
+    not been seen, PRIOR_ACCEPTANCE for the first position and for each deeper one the rate of the position
+    before it (``idle_forget`` 1 and ``revert_weight`` 0: the tracker before reverting, the prior weighted
+    PRIOR_WEIGHT). A depth's deeper positions
     are measured only once that depth runs; with a fixed prior (0.6) a head that lands 90% of its first
     drafts made K + 1 look no better than K, so it never ran (exo-demo on this CPU stayed at K = 1 where
     K = 2 and 3 were 5-6% faster)."""
@@ -179,10 +192,16 @@ class AcceptanceTracker:
     max_k: int
     accepted: list[float] = field(default_factory=list)  # observed, forgetting applied (no prior)
     reached: list[float] = field(default_factory=list)
+    long_accepted: list[float] = field(default_factory=list)  # the same, forgetting LONG_FORGET
+    long_reached: list[float] = field(default_factory=list)
+    idle_forget: float = field(default_factory=lambda: IDLE_FORGET)
+    revert_weight: float = field(default_factory=lambda: REVERT_WEIGHT)
 
     def __post_init__(self) -> None:
         self.accepted = [0.0] * self.max_k
         self.reached = [0.0] * self.max_k
+        self.long_accepted = [0.0] * self.max_k
+        self.long_reached = [0.0] * self.max_k
 
     def observe(self, k: int, accepted: int) -> None:
         """A round drafted k tokens and accepted the first ``accepted`` of them."""
@@ -191,6 +210,15 @@ class AcceptanceTracker:
                 break  # position i was never tested
             self.reached[i] = self.reached[i] * FORGET + 1.0
             self.accepted[i] = self.accepted[i] * FORGET + (1.0 if i < accepted else 0.0)
+            self.long_reached[i] = self.long_reached[i] * LONG_FORGET + 1.0
+            self.long_accepted[i] = self.long_accepted[i] * LONG_FORGET + (1.0 if i < accepted else 0.0)
+
+    def idle(self, tokens: int) -> None:
+        """``tokens`` plain tokens ran: nothing observed, the recent evidence ages (``idle_forget``)."""
+        if self.idle_forget < 1.0 and tokens > 0:
+            scale = self.idle_forget ** tokens
+            self.accepted = [a * scale for a in self.accepted]
+            self.reached = [r * scale for r in self.reached]
 
     def absorb(self, other: AcceptanceTracker, weight: float = WARM_WEIGHT) -> None:
         """Add ``other``'s evidence (the warm-up's rounds), counted as at most ``weight`` rounds."""
@@ -198,6 +226,8 @@ class AcceptanceTracker:
         for i in range(min(self.max_k, other.max_k)):
             self.accepted[i] += other.accepted[i] * scale
             self.reached[i] += other.reached[i] * scale
+            self.long_accepted[i] += other.accepted[i] * scale
+            self.long_reached[i] += other.reached[i] * scale
 
     def rates(self) -> list[float]:
         return self._rates(0.0)
@@ -209,10 +239,19 @@ class AcceptanceTracker:
 
     def _rates(self, errors: float) -> list[float]:
         out, prior = [], PRIOR_ACCEPTANCE
-        for a, r in zip(self.accepted, self.reached, strict=True):
-            rate = (a + prior * PRIOR_WEIGHT) / (r + PRIOR_WEIGHT)
+        for i, (a, r) in enumerate(zip(self.accepted, self.reached, strict=True)):
+            if self.revert_weight:
+                # The long-run rate (the position before's rate standing in for what it has not seen) is
+                # where the recent evidence reverts to as it ages.
+                lr = self.long_reached[i]
+                prior = (self.long_accepted[i] + prior * PRIOR_WEIGHT) / (lr + PRIOR_WEIGHT)
+                rate = (a + prior * self.revert_weight) / (r + self.revert_weight)
+                seen = max(r, min(lr, 1.0 / (1.0 - FORGET))) + PRIOR_WEIGHT  # all it has seen of the position
+            else:
+                rate = (a + prior * PRIOR_WEIGHT) / (r + PRIOR_WEIGHT)
+                seen = r + PRIOR_WEIGHT
             if errors:
-                rate = min(1.0, rate + errors * math.sqrt(rate * (1.0 - rate) / (r + PRIOR_WEIGHT)))
+                rate = min(1.0, rate + errors * math.sqrt(rate * (1.0 - rate) / seen))
             prior = rate
             out.append(rate)
         return out
@@ -550,6 +589,7 @@ class DepthPolicy:
         if self.trace is not None:
             self.trace({"event": "plain", "tokens": tokens, "seconds": seconds})
         self._plain_since_probe += tokens
+        self.tracker.idle(tokens)
         if tokens > 0:
             self._ran(0, tokens, None if seconds is None else seconds / tokens)
 
