@@ -964,6 +964,30 @@ def test_a_probe_of_a_depth_with_stale_timings_outvotes_them():
     assert policy.choose() == 2
 
 
+def test_a_probe_ranks_a_depth_timed_stale_and_slow_by_what_it_could_cost():
+    """exo-demo-moe on an H200: K = 2 ran at 2.0-2.5 plain steps, then one probe in a slow moment timed it at
+    3.45, and K = 1 (live at 1.95 steps, 0.97x plain) became the most promising depth by live costs: every
+    probe of the next 50 requests went to K = 1 and K = 2's figure stood, where a fixed K = 2 ran 1.03x plain.
+    A depth whose timings are stale is ranked by its warm-up cost if that is less (as ``_could_pay`` judges it),
+    so the probe renews K = 2, over MIN_ROUND_SAMPLES rounds."""
+    u = 0.003
+    costs = DepthCosts(beta=(1.6, 1.9), delta=(0.15, 0.25), device="cuda", plain_s=u, plain_pipelined_s=u)
+    policy = DepthPolicy(costs, max_k=2, default_k=0)
+    policy.observe_plain(32, 32 * u)
+    for _ in range(3):
+        policy.observe_round(1, 1, 1.95 * u)
+    for i in range(12):
+        policy.observe_round(2, (2, 2, 1, 2, 0, 2, 2, 1)[i % 8], 2.2 * u)
+    policy.observe_plain(64, 64 * u)
+    for _ in range(3):  # a probe in a slow moment
+        policy.observe_round(2, 2, 3.45 * u)
+    policy.observe_plain(128, 128 * u)
+    assert policy.effective_costs().round_cost(2) == pytest.approx(3.45, abs=0.01)
+    while (k := policy.choose()) == 0:
+        policy.observe_plain(policy.plain_budget(), policy.plain_budget() * u)
+    assert k == 2 and len(policy._refresh) == MIN_ROUND_SAMPLES - 1
+
+
 def test_a_trace_records_what_the_policy_saw_and_chose(tmp_path, monkeypatch):
     """EXO_ADAPTIVE_TRACE: the warm-up costs, then every request, decision and observation as JSON lines (a
     real run's view, for bench/adaptive_sim.py), written a request at a time; nothing is written without it."""

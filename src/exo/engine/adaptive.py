@@ -480,8 +480,17 @@ class DepthPolicy:
             # one new timing among the STALE_KEEP old ones moves nothing, and timings from a slow minute
             # (an H100: a first request's, before plain decoding was timed live) kept adaptive decoding
             # plainly for three requests of one probe each where K = 2 ran 1.2x plain.
+            # A depth whose live timings are stale is ranked by its warm-up cost if that is less (as
+            # ``_could_pay`` judges it). Ranked by their live costs, one probe of K = 2 timed at 3.45 plain steps in a slow
+            # moment (its rounds ran at 2.0-2.5 before and after) made K = 1 the most promising depth, and every
+            # probe of the next 50 requests went to K = 1 (0.9x plain) while K = 2's figure stood: exo-demo-moe
+            # on an H200 decoded them plainly where a fixed K = 2 ran 1.03x plain.
             hopes = self.tracker.optimistic_rates()
-            hoped = {d: expected_speedup(costs, hopes, d) for d in range(1, self.max_k + 1)}
+            warm = self.costs.in_pipelined_steps()
+            hoped = {d: expected_tokens(hopes, d) / (
+                min(costs.round_cost(d), warm.round_cost(d))
+                if self.explore_deeper and self._median(d) is not None and self._is_stale(d) else costs.round_cost(d)
+            ) for d in range(1, self.max_k + 1)}
             ran = max((d for d in self._timed_at if d > 0), default=0)
             never_ran = [d for d in range(ran + 1, self.max_k + 1) if self._could_pay(d, costs, hopes)]
             if never_ran and self.explore_deeper:
