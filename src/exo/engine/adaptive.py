@@ -61,7 +61,9 @@ FORGET = 0.97  # per observation: recent rounds matter more (acceptance varies w
 # decoded whole requests plainly: 0.973-0.979x the fixed K = 2. So every plain token ages the recent evidence by
 # IDLE_FORGET (a request of 128 plain tokens leaves 2% of it), and each position's rate reverts to the head's
 # long-run rate (its evidence forgotten at LONG_FORGET per round, ~200 rounds), which stands for REVERT_WEIGHT
-# rounds beside the recent ones: 0.982-0.994x the fixed K = 2 in the same runs, exo-demo 0.967 -> 0.986x plain.
+# rounds beside the recent ones. Seven H200 runs (bench/results/h200-mlx-cuda-adaptive-revert-2026-11-27.txt):
+# adaptive 0.968-0.994x the fastest fixed configuration, 6 of 7 at 0.97 or more; the tracker before, in the same
+# runs, 0.962-0.993x, 4 of 7.
 IDLE_FORGET = 0.97
 LONG_FORGET = 0.995
 REVERT_WEIGHT = 4.0
@@ -425,13 +427,18 @@ class DepthPolicy:
         exo-demo's K = 3 looking affordable at 1.4 plain steps where it had run at 3.9.)"""
         warm = self.costs.in_pipelined_steps()
         if self._median(d) is not None:
-            optimistic = costs.round_cost(d)
-            if stale_warm and self._is_stale(d):
-                optimistic = min(optimistic, warm.round_cost(d))
+            optimistic = self._hoped_cost(d, costs) if stale_warm else costs.round_cost(d)
         else:
             below = [costs.round_cost(j) for j in range(1, d) if self._median(j) is not None]
             optimistic = min(warm.round_cost(d), max(below)) if below else warm.round_cost(d)
         return expected_tokens(rates or self.tracker.rates(), d) > optimistic / LIVE_DOUBT * self.entry_gain * against
+
+    def _hoped_cost(self, d: int, costs: DepthCosts) -> float:
+        """Depth d's cost (``costs``), or its warm-up cost if that is less once its live timings are stale: what
+        a probe hopes it costs now."""
+        if self._median(d) is not None and self._is_stale(d):
+            return min(costs.round_cost(d), self.costs.in_pipelined_steps().round_cost(d))
+        return costs.round_cost(d)
 
     # -- decisions ---------------------------------------------------------------------------------
     def choose(self) -> int:
@@ -480,17 +487,14 @@ class DepthPolicy:
             # one new timing among the STALE_KEEP old ones moves nothing, and timings from a slow minute
             # (an H100: a first request's, before plain decoding was timed live) kept adaptive decoding
             # plainly for three requests of one probe each where K = 2 ran 1.2x plain.
-            # A depth whose live timings are stale is ranked by its warm-up cost if that is less (as
-            # ``_could_pay`` judges it). Ranked by their live costs, one probe of K = 2 timed at 3.45 plain steps in a slow
-            # moment (its rounds ran at 2.0-2.5 before and after) made K = 1 the most promising depth, and every
-            # probe of the next 50 requests went to K = 1 (0.9x plain) while K = 2's figure stood: exo-demo-moe
-            # on an H200 decoded them plainly where a fixed K = 2 ran 1.03x plain.
+            # A depth whose live timings are stale is ranked by its warm-up cost if that is less (``_hoped_cost``,
+            # as ``_could_pay`` judges it). Ranked by their live costs, one probe of K = 2 timed at 3.45 plain
+            # steps in a slow moment (its rounds ran at 2.0-2.5 before and after) made K = 1 the most promising
+            # depth, and every probe of the next 50 requests went to K = 1 (0.9x plain) while K = 2's figure
+            # stood: exo-demo-moe on an H200 decoded them plainly where a fixed K = 2 ran 1.03x plain.
             hopes = self.tracker.optimistic_rates()
-            warm = self.costs.in_pipelined_steps()
-            hoped = {d: expected_tokens(hopes, d) / (
-                min(costs.round_cost(d), warm.round_cost(d))
-                if self.explore_deeper and self._median(d) is not None and self._is_stale(d) else costs.round_cost(d)
-            ) for d in range(1, self.max_k + 1)}
+            hoped = {d: expected_tokens(hopes, d) / (self._hoped_cost(d, costs) if self.explore_deeper
+                                                     else costs.round_cost(d)) for d in range(1, self.max_k + 1)}
             ran = max((d for d in self._timed_at if d > 0), default=0)
             never_ran = [d for d in range(ran + 1, self.max_k + 1) if self._could_pay(d, costs, hopes)]
             if never_ran and self.explore_deeper:
