@@ -22,7 +22,7 @@ off: the policy as it was before either).
 ``--control`` also prints adaptive over the mean of a fixed depth's two runs in its group ("both runs"): a
 reference with half the noise of either run.
 
-``--tracker idle_forget=1 revert_weight=0`` adds "adaptive variant": a second engine on the same checkpoint whose
+``--tracker idle_forget=1 revert_weight=0`` adds "adaptive variant": another engine on the same checkpoint whose
 policy's acceptance tracker has those fields set (``AcceptanceTracker``; these two: the tracker before its
 estimates reverted to the long-run rate): two settings of the tracker judged request by request in one run.
 """
@@ -37,7 +37,7 @@ import statistics
 import sys
 
 from exo.engine import GenerationRequest, SamplingParams, load
-from exo.engine.adaptive import TRACE_ENV
+from exo.engine.adaptive import TRACE_ENV, DepthPolicy
 from exo.engine.bench import DEFAULT_PROMPTS, encode_prompt
 
 
@@ -63,27 +63,28 @@ def main() -> None:
     if args.control:
         configs += [(f"{name} again", k) for name, k in configs if k is not None]
     engines = {name: engine for name, _ in configs}
-    if args.raw_timings:
-        raw = load(args.model)
-        raw.loaded = dataclasses.replace(raw.loaded, eos_token_ids=frozenset())
-        policy = raw._adaptive_policy()
-        policy.track_drift = policy.explore_deeper = False
-        engines["adaptive raw"] = raw
-        configs.insert(1, ("adaptive raw", None))
-    if args.tracker:
-        variant = load(args.model)
-        variant.loaded = dataclasses.replace(variant.loaded, eos_token_ids=frozenset())
+    def second_engine(name: str) -> DepthPolicy:
+        """Another engine on the same checkpoint, run as adaptive config ``name``: its policy (traced apart)."""
+        other = load(args.model)
+        other.loaded = dataclasses.replace(other.loaded, eos_token_ids=frozenset())
         trace = os.environ.get(TRACE_ENV)
-        if trace:  # the variant's policy traces to a file of its own
-            os.environ[TRACE_ENV] = trace + ".variant"
-        tracker = variant._adaptive_policy().tracker
+        if trace:  # its policy traces to a file of its own: FILE.raw, FILE.variant
+            os.environ[TRACE_ENV] = f"{trace}.{name.split()[-1]}"
+        policy = other._adaptive_policy()
         if trace:
             os.environ[TRACE_ENV] = trace
+        engines[name] = other
+        configs.insert(1, (name, None))
+        return policy
+
+    if args.raw_timings:
+        policy = second_engine("adaptive raw")
+        policy.track_drift = policy.explore_deeper = False
+    if args.tracker:
+        tracker = second_engine("adaptive variant").tracker
         for item in args.tracker:
             name, value = item.split("=")
             setattr(tracker, name, type(getattr(tracker, name))(value))
-        engines["adaptive variant"] = variant
-        configs.insert(1, ("adaptive variant", None))
     histogram: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)
 
     def run(name: str, prompt: list[int], k: int | None, max_tokens: int) -> float:
