@@ -267,8 +267,9 @@ def test_chat_streams_a_reply_and_shows_its_native_mtp_stats(page):
     page.get_by_label("Temperature").fill("0")
     page.get_by_label("Temperature").press("Tab")
     # A reply long enough to be seen streaming on a busy host: "Hello" got ~40 tokens, and in a CI run on this
-    # 2-core machine all of them reached the page in one read (lengths seen: 0, 163).
-    page.get_by_label("Max tokens").fill("160")
+    # 2-core machine all of them reached the page in one read (lengths seen: 0, 163); 160 tokens of counting
+    # reached it in two (0, 330, 344). 600 tokens take a few seconds of generation even at full speed.
+    page.get_by_label("Max tokens").fill("600")
     page.get_by_label("Max tokens").press("Tab")
     page.get_by_text("Options", exact=True).click()
     # Record the reply's length at every change while it streams, to see it grow in place.
