@@ -1,10 +1,13 @@
 """Adaptive depth against fixed depths, strictly alternating: the pairs ``exo bench`` cannot isolate.
 
     python bench/adaptive_vs_fixed.py [MODEL] [--max-tokens 160] [--repeats 6] [--depths 0 1 2 3] [--control]
-        [--raw-timings] [--tracker NAME=VALUE ...]
+        [--raw-timings] [--tracker NAME=VALUE ...] [--policy NAME=VALUE ...] [--save FILE] [--pool FILE ...]
 
 For each repeat and each of ``exo bench``'s prompts, greedy, EOS ignored: adaptive depth, then every fixed
-depth in ``--depths`` (0: plain decoding), the order of the whole group rotated by one each time. Adaptive
+depth in ``--depths`` (0: plain decoding), the order of the whole group rotated by one each time and drawn
+anew (a random permutation) every full cycle of rotations: every configuration runs in every place equally
+often, after neighbours that change (with one fixed cyclic order, "k=3 again" over "k=3" read 0.983 over 120
+groups on this CPU, its 90% interval 0.961-0.997: what runs just before a request is part of its timing). Adaptive
 keeps the engine's one policy across requests, as a server does. Prints the median tokens/s of each (first
 to last token), adaptive's depth histogram, and the median and quartiles of the ratios adaptive / fixed K
 over requests of the same prompt run seconds apart: on a shared machine whose speed drifts, a bench that
@@ -25,6 +28,13 @@ reference with half the noise of either run.
 ``--tracker idle_forget=1 revert_weight=0`` adds "adaptive variant": another engine on the same checkpoint whose
 policy's acceptance tracker has those fields set (``AcceptanceTracker``; these two: the tracker before its
 estimates reverted to the long-run rate): two settings of the tracker judged request by request in one run.
+
+``--policy new_text_idle=0`` does the same with the depth policy's fields (``DepthPolicy``; this one: no aging
+of the acceptance evidence at a new request); with ``--tracker`` too, one variant has both.
+
+``--save FILE`` writes the run's tokens/s per group as JSON; ``--pool FILE ...`` prints the figures of several
+saved runs pooled (their groups side by side) and runs nothing. Every median comes with a 90% bootstrap
+interval (groups resampled): how far the run's median could sit from the host's.
 """
 
 from __future__ import annotations
@@ -32,13 +42,17 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import json
 import os
+import random
 import statistics
 import sys
 
 from exo.engine import GenerationRequest, SamplingParams, load
 from exo.engine.adaptive import TRACE_ENV, DepthPolicy
 from exo.engine.bench import DEFAULT_PROMPTS, encode_prompt
+
+BOOTSTRAP = 2000  # resamples behind each median's interval
 
 
 def main() -> None:
@@ -51,7 +65,18 @@ def main() -> None:
     parser.add_argument("--raw-timings", action="store_true")
     parser.add_argument("--tracker", nargs="*", default=[], metavar="NAME=VALUE",
                         help="an 'adaptive variant' engine whose acceptance tracker has these fields")
+    parser.add_argument("--policy", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="an 'adaptive variant' engine whose depth policy has these fields")
+    parser.add_argument("--save", metavar="FILE", help="also write the run's tokens/s per group as JSON (for --pool)")
+    parser.add_argument("--pool", nargs="+", metavar="FILE", help="print several saved runs' figures pooled; run nothing")
     args = parser.parse_args()
+    if args.pool:
+        runs = []
+        for path in args.pool:
+            with open(path) as f:
+                runs.append(json.load(f))
+        report(runs)
+        return
     engine = load(args.model)
     if (reason := engine.mtp_unavailable_reason()) is not None:
         raise SystemExit(f"{args.model}: native MTP unavailable: {reason}")
@@ -80,11 +105,12 @@ def main() -> None:
     if args.raw_timings:
         policy = second_engine("adaptive raw")
         policy.track_drift = policy.explore_deeper = False
-    if args.tracker:
-        tracker = second_engine("adaptive variant").tracker
-        for item in args.tracker:
-            name, value = item.split("=")
-            setattr(tracker, name, type(getattr(tracker, name))(value))
+    if args.tracker or args.policy:
+        variant = second_engine("adaptive variant")
+        for target, items in ((variant.tracker, args.tracker), (variant, args.policy)):
+            for item in items:
+                name, value = item.split("=")
+                setattr(target, name, type(getattr(target, name))(value))
     histogram: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)
 
     def run(name: str, prompt: list[int], k: int | None, max_tokens: int) -> float:
@@ -101,45 +127,66 @@ def main() -> None:
     for name, k in configs:  # warm-up: every path compiled once over a whole request (adaptive: a short one)
         run(name, longest, k, 16 if k is None else args.max_tokens)
     tps: dict[str, list[float]] = {name: [] for name, _ in configs}
-    turn = 0
+    turn, shuffle, cycle = 0, random.Random(1), list(configs)
     for _ in range(args.repeats):
         for prompt in prompts:
-            order = configs[turn % len(configs):] + configs[: turn % len(configs)]
+            if turn % len(configs) == 0:  # a new cycle: new neighbours, each configuration once in each place
+                shuffle.shuffle(cycle)
+            order = cycle[turn % len(cycle):] + cycle[: turn % len(cycle)]
             turn += 1
             for name, k in order:
                 tps[name].append(run(name, prompt, k, args.max_tokens))
             print(f"group {turn}: " + ", ".join(f"{name} {v[-1]:.1f}" for name, v in tps.items()), file=sys.stderr,
                   flush=True)  # as it goes: a run cut short still says something
-    print(f"{args.model} on {engine.costs().device}: {len(tps['adaptive'])} groups of {args.max_tokens} tokens; "
+    run_info = {"model": args.model, "device": engine.costs().device, "max_tokens": args.max_tokens,
+                "tps": tps, "histogram": {name: dict(c) for name, c in histogram.items()}}
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(run_info, f)
+    report([run_info])
+
+
+def median_line(ratios: list[float]) -> str:
+    """Median and quartiles of paired ratios, and a 90% bootstrap interval of the median (groups resampled):
+    how far this run's median could sit from the host's, its noise in one figure."""
+    q1, _, q3 = statistics.quantiles(ratios)
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(BOOTSTRAP))
+    low, high = medians[int(0.05 * BOOTSTRAP)], medians[int(0.95 * BOOTSTRAP) - 1]
+    return f"median {statistics.median(ratios):.3f} (quartiles {q1:.3f} / {q3:.3f}; 90% interval {low:.3f}-{high:.3f})"
+
+
+def report(runs: list[dict]) -> None:
+    """Print one run's figures, or several runs' pooled (``--pool``: their groups side by side)."""
+    names = [name for name in runs[0]["tps"] if all(name in run["tps"] for run in runs)]
+    tps = {name: [v for run in runs for v in run["tps"][name]] for name in names}
+    first = runs[0]
+    where = first["device"] if len(runs) == 1 else f"{len(runs)} runs pooled ({', '.join(sorted({r['device'] for r in runs}))})"
+    print(f"{first['model']} on {where}: {len(tps['adaptive'])} groups of {first['max_tokens']} tokens; "
           "median tokens/s " + ", ".join(f"{name} {statistics.median(v):.1f}" for name, v in tps.items()))
-    for name, counts in histogram.items():
-        print(f"  {name}: rounds per depth (K = 0: plain tokens) {dict(sorted(counts.items()))}")
-    adaptive = [name for name, k in configs if k is None]
+    for name in names:
+        if name.startswith("adaptive"):
+            counts: collections.Counter[int] = collections.Counter()
+            for run in runs:
+                counts.update({int(k): v for k, v in run["histogram"].get(name, {}).items()})
+            print(f"  {name}: rounds per depth (K = 0: plain tokens) {dict(sorted(counts.items()))}")
+    adaptive = [name for name in names if name.startswith("adaptive")]
     for a in adaptive[1:]:
-        ratios = [x / y for x, y in zip(tps[a], tps["adaptive"], strict=True)]
-        q1, _, q3 = statistics.quantiles(ratios)
-        print(f"  {a} / adaptive: median {statistics.median(ratios):.3f} (quartiles {q1:.3f} / {q3:.3f})")
-    for name, k in configs:
-        if k is None or name.endswith(" again"):
+        print(f"  {a} / adaptive: " + median_line([x / y for x, y in zip(tps[a], tps["adaptive"], strict=True)]))
+    for name in names:
+        if name.startswith("adaptive") or name.endswith(" again"):
             continue
         if f"{name} again" in tps:
             ratios = [x / f for x, f in zip(tps[f"{name} again"], tps[name], strict=True)]
-            q1, _, q3 = statistics.quantiles(ratios)
-            print(f"  {name} again / {name} (the noise floor): median {statistics.median(ratios):.3f} "
-                  f"(quartiles {q1:.3f} / {q3:.3f})")
+            print(f"  {name} again / {name} (the noise floor): " + median_line(ratios))
         if "plain" in tps and name != "plain":
             ratios = [f / p for f, p in zip(tps[name], tps["plain"], strict=True)]
             print(f"  {name} / plain: median {statistics.median(ratios):.3f}")
         for a in adaptive:
-            ratios = [x / f for x, f in zip(tps[a], tps[name], strict=True)]
-            q1, _, q3 = statistics.quantiles(ratios)
-            print(f"    {a} / {name}: median {statistics.median(ratios):.3f} (quartiles {q1:.3f} / {q3:.3f})")
+            print(f"    {a} / {name}: " + median_line([x / f for x, f in zip(tps[a], tps[name], strict=True)]))
             if f"{name} again" in tps:  # against the mean of both runs: half the reference's own noise
                 ratios = [x / ((f + g) / 2) for x, f, g in zip(tps[a], tps[name], tps[f"{name} again"], strict=True)]
-                q1, _, q3 = statistics.quantiles(ratios)
-                print(f"    {a} / {name} (both runs): median {statistics.median(ratios):.3f} "
-                      f"(quartiles {q1:.3f} / {q3:.3f})")
-
+                print(f"    {a} / {name} (both runs): " + median_line(ratios))
 
 if __name__ == "__main__":
     main()

@@ -422,10 +422,10 @@ def test_a_new_request_probes_within_a_few_dozen_tokens_not_three_times():
     costs = DepthCosts(beta=(1.27,), delta=(0.1,), device="gpu", plain_s=0.010)
     policy = DepthPolicy(costs, max_k=1, default_k=1)
     _probe_to_max_backoff(policy, lambda i: 0)
-    for i in range(40):
+    for i in range(400):  # the head's long-run rate too (a new request starts near it: NEW_TEXT_IDLE)
         policy.tracker.observe(1, int(i % 5 in (0, 2)))
-    assert 1.344 < 1 + policy.tracker.rates()[0] < 1.37 * MIN_GAIN
     policy.new_request()
+    assert 1.344 < 1 + policy.tracker.rates()[0] < 1.37 * MIN_GAIN
     assert _probes_in(policy, 128) == 1 and PROBE_RESTART < 128 < 3 * PROBE_RESTART
 
 
@@ -674,44 +674,57 @@ def test_acceptance_left_at_a_dip_reverts_to_the_long_run_rate_while_plain_decod
     assert later_before == dipped_before < 0.7  # as it was: the dip stood until the next rounds
 
 
+_GPU_COSTS = DepthCosts(beta=(1.7, 2.0), delta=(0.15, 0.25), device="cuda", plain_s=0.003, plain_pipelined_s=0.003)
+
+
+def _request(policy: DepthPolicy, tokens_wanted: int, hard_after: int) -> dict[int, int]:
+    """One request as the decode loop runs it (rounds at 2.3 plain steps): its tokens per depth. Drafts land 7
+    rounds in 8 until token ``hard_after``, then one round in three lands one draft."""
+    policy.new_request()
+    done: dict[int, int] = {}
+    tokens, rounds = 0, 0
+    while tokens < tokens_wanted:
+        k = policy.choose()
+        if k == 0:
+            n = min(policy.plain_budget(), tokens_wanted - tokens)
+            policy.observe_plain(n, n * 0.003)
+        else:
+            hard = tokens >= hard_after
+            n = min(k + 1, 1 + (int(rounds % 3 == 0) if hard else (k if rounds % 8 else 1)))
+            policy.observe_round(k, n - 1, 2.3 * 0.003)
+            rounds += 1
+        done[k] = done.get(k, 0) + n
+        tokens += n
+    return done
+
+
+def _drafted_after_a_dip(policy: DepthPolicy, hard_after: int) -> int:
+    """Tokens drafted in an easy request that follows one whose text turned hard at ``hard_after``."""
+    policy.observe_plain(32, 32 * 0.003)
+    for _ in range(3):
+        _request(policy, 128, hard_after=1 << 30)
+    assert _request(policy, 128, hard_after=hard_after).get(0, 0) > 0  # the hard text sent it to plain decoding
+    return 128 - _request(policy, 128, hard_after=1 << 30).get(0, 0)
+
+
 def test_a_new_request_drafts_again_once_the_dip_that_stopped_drafting_has_aged():
     """A request whose text turned hard ends decoding plainly; the next one, on text the head suits, drafts
     again from its start (estimates back at the long-run rate), not after PROBE_RESTART plain tokens and a
     probe whose few landed drafts hardly move estimates weighted by dozens of rounds."""
-    costs = DepthCosts(beta=(1.7, 2.0), delta=(0.15, 0.25), device="cuda", plain_s=0.003, plain_pipelined_s=0.003)
-
-    def second_request_drafted(policy: DepthPolicy) -> int:
-        def run(tokens_wanted: int, hard_after: int) -> dict[int, int]:
-            done: dict[int, int] = {}
-            tokens, rounds = 0, 0
-            while tokens < tokens_wanted:
-                k = policy.choose()
-                if k == 0:
-                    n = min(policy.plain_budget(), tokens_wanted - tokens)
-                    policy.observe_plain(n, n * 0.003)
-                else:
-                    hard = tokens >= hard_after
-                    n = 1 + (int(rounds % 3 == 0) if hard else (k if rounds % 8 else 1))
-                    n = min(n, k + 1)
-                    policy.observe_round(k, n - 1, 2.3 * 0.003)
-                    rounds += 1
-                done[k] = done.get(k, 0) + n
-                tokens += n
-            return done
-
-        policy.observe_plain(32, 32 * 0.003)
-        for _ in range(3):
-            policy.new_request()
-            run(128, hard_after=1 << 30)
-        policy.new_request()
-        assert run(128, hard_after=40).get(0, 0) >= 40  # the hard text sent it to plain decoding
-        policy.new_request()
-        return 128 - run(128, hard_after=1 << 30).get(0, 0)
-
-    assert second_request_drafted(DepthPolicy(costs, max_k=2, default_k=2)) >= 120
-    before = DepthPolicy(costs, max_k=2, default_k=2)
+    assert _drafted_after_a_dip(DepthPolicy(_GPU_COSTS, max_k=2, default_k=2), hard_after=40) >= 120
+    before = DepthPolicy(_GPU_COSTS, max_k=2, default_k=2, new_text_idle=0)
     before.tracker = AcceptanceTracker(2, idle_forget=1.0, revert_weight=0.0)
-    assert second_request_drafted(before) < 40  # 8: one probe of three rounds
+    assert _drafted_after_a_dip(before, hard_after=40) < 40  # 8: one probe of three rounds
+
+
+def test_a_request_after_one_whose_text_turned_hard_at_its_end_drafts_from_its_first_token():
+    """The dip came in a request's last tokens, so no plain stretch aged it: the next request, a new text,
+    starts from estimates near the head's long-run rate (NEW_TEXT_IDLE) and drafts from its start. Without,
+    it decoded plainly until the probe at PROBE_RESTART: exo-demo-moe on an H200 ran {K = 0: 64, K = 2: 64}
+    in 8 of 48 requests where K = 2 beat plain decoding."""
+    assert _drafted_after_a_dip(DepthPolicy(_GPU_COSTS, max_k=2, default_k=2), hard_after=100) >= 120
+    before = DepthPolicy(_GPU_COSTS, max_k=2, default_k=2, new_text_idle=0)
+    assert _drafted_after_a_dip(before, hard_after=100) <= 128 - PROBE_RESTART
 
 
 def test_a_deeper_position_not_yet_measured_is_expected_to_land_like_the_one_before():

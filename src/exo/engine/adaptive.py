@@ -67,6 +67,12 @@ FORGET = 0.97  # per observation: recent rounds matter more (acceptance varies w
 IDLE_FORGET = 0.97
 LONG_FORGET = 0.995
 REVERT_WEIGHT = 4.0
+# A new request is new text: what the last one's text taught about acceptance ages as much as this many plain
+# tokens would age it, so that a request starts from estimates near the head's long-run rate. A request whose
+# text turned hard near its end left the next one at that dip with nothing to age it before its first probe:
+# on an H200 (exo-demo-moe, K = 2 at 1.035x plain) requests ran {K = 0: 64 tokens, K = 2: 64}, plain until the
+# probe at PROBE_RESTART, K = 2 from there on, in 8 of 48 requests of one run.
+NEW_TEXT_IDLE = 64
 PROBE_FIRST = 16  # plain tokens before the first probe when K = 0 was chosen on acceptance
 PROBE_MAX = 512
 # A new request's text may suit the head better: its first probe comes after at most this many plain tokens
@@ -288,6 +294,8 @@ class DepthPolicy:
     # Whether a probe from K = 0 may run several rounds: a deeper depth that never ran, or a depth whose
     # timings are stale (see ``choose``); a batch bucket probes single rounds.
     explore_deeper: bool = True
+    # Plain tokens' worth of aging applied to the acceptance evidence at each new request (NEW_TEXT_IDLE; 0: none)
+    new_text_idle: int = field(default_factory=lambda: NEW_TEXT_IDLE)
     # Called with every decision and observation (``EXO_ADAPTIVE_TRACE``: JSON lines for bench/adaptive_sim.py)
     trace: Callable[[dict[str, Any]], None] | None = field(default=None, repr=False, compare=False)
     tracker: AcceptanceTracker = field(init=False)
@@ -394,7 +402,9 @@ class DepthPolicy:
         return can_pay_off(self.costs.in_pipelined_steps(), self.max_k, self.entry_gain)
 
     def new_request(self) -> None:
-        """A new generation: acceptance and costs learned so far stay; the probe backoff restarts at no more
+        """A new generation: costs learned so far stay, and the acceptance evidence ages as ``new_text_idle``
+        plain tokens would age it (a new text: the estimates go most of the way back to the head's long-run rate);
+        the probe backoff restarts at no more
         than ``PROBE_RESTART`` plain tokens if the acceptance measured so far could pay at some depth (a new
         text may suit the head better). Where it could not, the backoff goes on doubling and the plain tokens
         since the last probe carry over: probes go on across requests, rarer and rarer, instead of one per
@@ -408,6 +418,7 @@ class DepthPolicy:
         probes themselves still renew a stale depth that its warm-up says could pay)."""
         if self.trace is not None:
             self.trace({"event": "request"})
+        self.tracker.idle(self.new_text_idle)
         costs = self.effective_costs()
         if any(self._could_pay(d, costs, stale_warm=False) for d in range(1, self.max_k + 1)):
             self._plain_since_probe = 0
