@@ -1,6 +1,6 @@
 """The adaptive depth policy replayed against synthetic machines, modelled on runs measured on real devices.
 
-    python bench/adaptive_sim.py [--seeds 200] [--drift-every 3000] [--set NAME=VALUE ...]
+    python bench/adaptive_sim.py [--seeds 200] [--repeats 3] [--drift-every 3000] [--set NAME=VALUE ...]
 
 A real `exo bench` run of adaptive against fixed depths takes minutes of device time and its per-request
 ratios spread by +-10% (host noise); this replays ``exo.engine.adaptive.DepthPolicy`` itself, the way the
@@ -252,6 +252,8 @@ def main() -> None:
     parser.add_argument("--warm-rounds", type=int, default=0,
                         help="rounds at max K of a warm-up text seeding acceptance (the engine: Engine.warm_acceptance)")
     parser.add_argument("--warm-suits", type=float, default=1.0, help="the warm-up text's acceptance over the requests'")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="times each prompt runs per configuration (a run's length: 4 prompts x this x 128 tokens)")
     parser.add_argument("--trace", help="summarise an EXO_ADAPTIVE_TRACE file of a real run instead")
     args = parser.parse_args()
     if args.trace:
@@ -269,7 +271,7 @@ def main() -> None:
     for name, s in SCENARIOS.items():
         if args.only and name not in args.only:
             continue
-        results = [trial(s, seed, knobs) for seed in range(args.seeds)]
+        results = [trial(s, seed, knobs, repeats=args.repeats) for seed in range(args.seeds)]
         ours, oracle, plain = (sorted(x) for x in zip(*results, strict=True))
         p10 = len(ours) // 10
         print(f"{name:18s} {statistics.median(ours):17.3f} {ours[p10]:6.3f} {statistics.median(oracle):15.3f} "

@@ -29,8 +29,10 @@ reference with half the noise of either run.
 policy's acceptance tracker has those fields set (``AcceptanceTracker``; these two: the tracker before its
 estimates reverted to the long-run rate): two settings of the tracker judged request by request in one run.
 
-``--policy new_text_idle=0`` does the same with the depth policy's fields (``DepthPolicy``; this one: no aging
-of the acceptance evidence at a new request); with ``--tracker`` too, one variant has both.
+``--policy probe_far_max=512`` does the same with the depth policy's fields (``DepthPolicy``; this one: the
+probe backoff as before FAR_MISS); with ``--tracker`` too, one variant has both. Values are Python literals
+(``--policy can_draft=True entry_gain=100.0 _probe_every=1000000000``: an engine that tracks the head and never
+drafts, the cost of adaptive's plain decoding without its probes).
 
 ``--save FILE`` writes the run's tokens/s per group as JSON; ``--pool FILE ...`` prints the figures of several
 saved runs pooled (their groups side by side) and runs nothing. Every median comes with a 90% bootstrap
@@ -40,6 +42,7 @@ interval (groups resampled): how far the run's median could sit from the host's.
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import dataclasses
 import json
@@ -110,7 +113,7 @@ def main() -> None:
         for target, items in ((variant.tracker, args.tracker), (variant, args.policy)):
             for item in items:
                 name, value = item.split("=")
-                setattr(target, name, type(getattr(target, name))(value))
+                setattr(target, name, ast.literal_eval(value))
     histogram: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)
 
     def run(name: str, prompt: list[int], k: int | None, max_tokens: int) -> float:

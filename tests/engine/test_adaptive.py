@@ -8,6 +8,7 @@ from exo.engine import adaptive
 from exo.engine.adaptive import (
     MIN_GAIN,
     MIN_ROUND_SAMPLES,
+    PROBE_FAR_MAX,
     PROBE_FIRST,
     PROBE_MAX,
     PROBE_RESTART,
@@ -422,10 +423,10 @@ def test_a_new_request_probes_within_a_few_dozen_tokens_not_three_times():
     costs = DepthCosts(beta=(1.27,), delta=(0.1,), device="gpu", plain_s=0.010)
     policy = DepthPolicy(costs, max_k=1, default_k=1)
     _probe_to_max_backoff(policy, lambda i: 0)
-    for i in range(400):  # the head's long-run rate too (a new request starts near it: NEW_TEXT_IDLE)
+    for i in range(40):
         policy.tracker.observe(1, int(i % 5 in (0, 2)))
-    policy.new_request()
     assert 1.344 < 1 + policy.tracker.rates()[0] < 1.37 * MIN_GAIN
+    policy.new_request()
     assert _probes_in(policy, 128) == 1 and PROBE_RESTART < 128 < 3 * PROBE_RESTART
 
 
@@ -712,19 +713,9 @@ def test_a_new_request_drafts_again_once_the_dip_that_stopped_drafting_has_aged(
     again from its start (estimates back at the long-run rate), not after PROBE_RESTART plain tokens and a
     probe whose few landed drafts hardly move estimates weighted by dozens of rounds."""
     assert _drafted_after_a_dip(DepthPolicy(_GPU_COSTS, max_k=2, default_k=2), hard_after=40) >= 120
-    before = DepthPolicy(_GPU_COSTS, max_k=2, default_k=2, new_text_idle=0)
+    before = DepthPolicy(_GPU_COSTS, max_k=2, default_k=2)
     before.tracker = AcceptanceTracker(2, idle_forget=1.0, revert_weight=0.0)
     assert _drafted_after_a_dip(before, hard_after=40) < 40  # 8: one probe of three rounds
-
-
-def test_a_request_after_one_whose_text_turned_hard_at_its_end_drafts_from_its_first_token():
-    """The dip came in a request's last tokens, so no plain stretch aged it: the next request, a new text,
-    starts from estimates near the head's long-run rate (NEW_TEXT_IDLE) and drafts from its start. Without,
-    it decoded plainly until the probe at PROBE_RESTART: exo-demo-moe on an H200 ran {K = 0: 64, K = 2: 64}
-    in 8 of 48 requests where K = 2 beat plain decoding."""
-    assert _drafted_after_a_dip(DepthPolicy(_GPU_COSTS, max_k=2, default_k=2), hard_after=100) >= 120
-    before = DepthPolicy(_GPU_COSTS, max_k=2, default_k=2, new_text_idle=0)
-    assert _drafted_after_a_dip(before, hard_after=100) <= 128 - PROBE_RESTART
 
 
 def test_a_deeper_position_not_yet_measured_is_expected_to_land_like_the_one_before():
@@ -1051,3 +1042,54 @@ def test_a_probe_from_plain_decoding_is_judged_against_the_plain_burst_just_befo
     assert probe[:MIN_ROUND_SAMPLES] == [3] * MIN_ROUND_SAMPLES
     assert (len(probe) > MIN_ROUND_SAMPLES) is drafts, probe
     assert policy.effective_costs().round_cost(3) == pytest.approx(round_s / 0.0022, rel=0.01)
+
+
+def _probe_rounds(policy: DepthPolicy, round_costs: tuple[float, ...], rates: tuple[float, ...], requests: int) -> int:
+    """Requests of 128 tokens as the decode loop runs them (plain tokens at 3 ms, a round at depth K costing
+    ``round_costs[K - 1]`` plain steps, each draft landing at ``rates`` given the one before): the rounds run."""
+    rng = random.Random(0)
+    rounds = 0
+    for _ in range(requests):
+        policy.new_request()
+        tokens = 0
+        while tokens < 128:
+            k = policy.choose()
+            if k == 0:
+                n = min(policy.plain_budget(), 128 - tokens)
+                policy.observe_plain(n, n * 0.003)
+            else:
+                landed = 0
+                while landed < k and rng.random() < rates[landed]:
+                    landed += 1
+                policy.observe_round(k, landed, round_costs[k - 1] * 0.003)
+                rounds, n = rounds + 1, landed + 1
+            tokens += n
+    return rounds
+
+
+@pytest.mark.parametrize("far_max", [PROBE_FAR_MAX, PROBE_MAX])
+def test_probes_grow_rarer_than_every_probe_max_tokens_where_every_depth_misses_by_far(monkeypatch, far_max):
+    """exo-demo on an H200: drafts land 85/70/65% of the time, but K = 1, 2, 3 cost 2.2, 2.9 and 3.5 plain
+    steps (every depth 0.81-0.85x plain decoding, optimistic acceptance within FAR_MISS of none). A probe every
+    512 tokens, a K = 3 round and the head's catch-up (~4% of its request), cost adaptive 1.1% against an engine
+    that never probed; past PROBE_MAX the backoff goes on doubling to PROBE_FAR_MAX."""
+    monkeypatch.setattr(adaptive, "PROBE_FAR_MAX", far_max)
+    costs = DepthCosts(beta=(2.0, 2.6, 3.1), delta=(0.2, 0.3, 0.4), device="cuda", plain_s=0.003, plain_pipelined_s=0.003)
+    policy = DepthPolicy(costs, max_k=3, default_k=1)
+    warm = _probe_rounds(policy, (2.2, 2.9, 3.5), (0.85, 0.7, 0.65), 16)  # the backoff reaches PROBE_MAX
+    assert warm < 40 and policy.choose() == 0
+    rounds = _probe_rounds(policy, (2.2, 2.9, 3.5), (0.85, 0.7, 0.65), 128)
+    assert policy.plain_budget() > PROBE_MAX if far_max > PROBE_MAX else policy.plain_budget() <= PROBE_MAX
+    if far_max > PROBE_MAX:
+        assert rounds <= 12  # ~1 probe in 2048 tokens of 16384 (+ its deeper rounds)
+    else:
+        assert rounds >= 28  # as before: one in 512
+
+
+def test_a_depth_that_misses_by_a_little_is_probed_every_probe_max_tokens():
+    """K = 2 at 0.97x plain (within FAR_MISS of the entry gain): the text may turn, and the machine's speed
+    with it; its probes stay at one every PROBE_MAX tokens (at most)."""
+    costs = DepthCosts(beta=(1.6, 1.9), delta=(0.15, 0.25), device="cuda", plain_s=0.003, plain_pipelined_s=0.003)
+    policy = DepthPolicy(costs, max_k=2, default_k=2)
+    _probe_rounds(policy, (2.2, 2.55), (0.8, 0.7), 128)
+    assert policy.plain_budget() <= PROBE_MAX

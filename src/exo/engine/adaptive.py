@@ -67,14 +67,15 @@ FORGET = 0.97  # per observation: recent rounds matter more (acceptance varies w
 IDLE_FORGET = 0.97
 LONG_FORGET = 0.995
 REVERT_WEIGHT = 4.0
-# A new request is new text: what the last one's text taught about acceptance ages as much as this many plain
-# tokens would age it, so that a request starts from estimates near the head's long-run rate. A request whose
-# text turned hard near its end left the next one at that dip with nothing to age it before its first probe:
-# on an H200 (exo-demo-moe, K = 2 at 1.035x plain) requests ran {K = 0: 64 tokens, K = 2: 64}, plain until the
-# probe at PROBE_RESTART, K = 2 from there on, in 8 of 48 requests of one run.
-NEW_TEXT_IDLE = 64
 PROBE_FIRST = 16  # plain tokens before the first probe when K = 0 was chosen on acceptance
 PROBE_MAX = 512
+# Where even the most promising depth, at its live cost and optimistic acceptance, misses the entry gain by
+# FAR_MISS or more, the backoff goes on doubling up to PROBE_FAR_MAX: a probe there finds what the last one
+# found. exo-demo on an H200 (every depth 0.83-0.86x plain): a probe every 512 tokens (a K = 3 round and the
+# head's catch-up on its waiting rows, ~4% of a 128-token request) cost adaptive 1.1% against a run of the same
+# engine that never probed (80 pairs each: 0.988x plain against 0.999x).
+FAR_MISS = 1.1
+PROBE_FAR_MAX = 2048
 # A new request's text may suit the head better: its first probe comes after at most this many plain tokens
 # (then the backoff goes on doubling). Restarting at PROBE_FIRST cost three probes in every 128-token request
 # at K = 0 (16, 48, 112): on an H100, where a probe with its head catch-up costs a few plain tokens, 3-7%.
@@ -294,8 +295,8 @@ class DepthPolicy:
     # Whether a probe from K = 0 may run several rounds: a deeper depth that never ran, or a depth whose
     # timings are stale (see ``choose``); a batch bucket probes single rounds.
     explore_deeper: bool = True
-    # Plain tokens' worth of aging applied to the acceptance evidence at each new request (NEW_TEXT_IDLE; 0: none)
-    new_text_idle: int = field(default_factory=lambda: NEW_TEXT_IDLE)
+    # The longest probe backoff where every depth misses by FAR_MISS (PROBE_FAR_MAX; PROBE_MAX: as before it)
+    probe_far_max: int = field(default_factory=lambda: PROBE_FAR_MAX)
     # Called with every decision and observation (``EXO_ADAPTIVE_TRACE``: JSON lines for bench/adaptive_sim.py)
     trace: Callable[[dict[str, Any]], None] | None = field(default=None, repr=False, compare=False)
     tracker: AcceptanceTracker = field(init=False)
@@ -402,9 +403,7 @@ class DepthPolicy:
         return can_pay_off(self.costs.in_pipelined_steps(), self.max_k, self.entry_gain)
 
     def new_request(self) -> None:
-        """A new generation: costs learned so far stay, and the acceptance evidence ages as ``new_text_idle``
-        plain tokens would age it (a new text: the estimates go most of the way back to the head's long-run rate);
-        the probe backoff restarts at no more
+        """A new generation: acceptance and costs learned so far stay; the probe backoff restarts at no more
         than ``PROBE_RESTART`` plain tokens if the acceptance measured so far could pay at some depth (a new
         text may suit the head better). Where it could not, the backoff goes on doubling and the plain tokens
         since the last probe carry over: probes go on across requests, rarer and rarer, instead of one per
@@ -418,7 +417,6 @@ class DepthPolicy:
         probes themselves still renew a stale depth that its warm-up says could pay)."""
         if self.trace is not None:
             self.trace({"event": "request"})
-        self.tracker.idle(self.new_text_idle)
         costs = self.effective_costs()
         if any(self._could_pay(d, costs, stale_warm=False) for d in range(1, self.max_k + 1)):
             self._plain_since_probe = 0
@@ -485,7 +483,9 @@ class DepthPolicy:
         self._current = k
         if k == 0 and self._plain_since_probe >= self._probe_every:
             self._plain_since_probe = 0
-            self._probe_every = min(self._probe_every * 2, PROBE_MAX)
+            hopes = self.tracker.optimistic_rates()
+            far = all(expected_speedup(costs, hopes, d) * FAR_MISS < self.entry_gain for d in range(1, self.max_k + 1))
+            self._probe_every = min(self._probe_every * 2, self.probe_far_max if far else PROBE_MAX)
             # A probe at the most promising depth (the current one stays 0 unless it shows otherwise): it
             # times that depth and measures its positions, so stale figures for a deeper depth get renewed
             # (probing only K = 1 left an H100's K = 2 judged by its first request's rounds for good).
@@ -503,7 +503,6 @@ class DepthPolicy:
             # steps in a slow moment (its rounds ran at 2.0-2.5 before and after) made K = 1 the most promising
             # depth, and every probe of the next 50 requests went to K = 1 (0.9x plain) while K = 2's figure
             # stood: exo-demo-moe on an H200 decoded them plainly where a fixed K = 2 ran 1.03x plain.
-            hopes = self.tracker.optimistic_rates()
             hoped = {d: expected_tokens(hopes, d) / (self._hoped_cost(d, costs) if self.explore_deeper
                                                      else costs.round_cost(d)) for d in range(1, self.max_k + 1)}
             ran = max((d for d in self._timed_at if d > 0), default=0)
