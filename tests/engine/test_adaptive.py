@@ -1044,9 +1044,11 @@ def test_a_probe_from_plain_decoding_is_judged_against_the_plain_burst_just_befo
     assert policy.effective_costs().round_cost(3) == pytest.approx(round_s / 0.0022, rel=0.01)
 
 
-def _probe_rounds(policy: DepthPolicy, round_costs: tuple[float, ...], rates: tuple[float, ...], requests: int) -> int:
+def _probe_rounds(policy: DepthPolicy, round_costs: tuple[float, ...], rates: tuple[float, ...], requests: int,
+                  budgets: list[int] | None = None) -> int:
     """Requests of 128 tokens as the decode loop runs them (plain tokens at 3 ms, a round at depth K costing
-    ``round_costs[K - 1]`` plain steps, each draft landing at ``rates`` given the one before): the rounds run."""
+    ``round_costs[K - 1]`` plain steps, each draft landing at ``rates`` given the one before): the rounds run
+    (``budgets``: gets every plain budget asked for)."""
     rng = random.Random(0)
     rounds = 0
     for _ in range(requests):
@@ -1055,7 +1057,10 @@ def _probe_rounds(policy: DepthPolicy, round_costs: tuple[float, ...], rates: tu
         while tokens < 128:
             k = policy.choose()
             if k == 0:
-                n = min(policy.plain_budget(), 128 - tokens)
+                budget = policy.plain_budget()
+                if budgets is not None:
+                    budgets.append(budget)
+                n = min(budget, 128 - tokens)
                 policy.observe_plain(n, n * 0.003)
             else:
                 landed = 0
@@ -1087,9 +1092,23 @@ def test_probes_grow_rarer_than_every_probe_max_tokens_where_every_depth_misses_
 
 
 def test_a_depth_that_misses_by_a_little_is_probed_every_probe_max_tokens():
-    """K = 2 at 0.97x plain (within FAR_MISS of the entry gain): the text may turn, and the machine's speed
-    with it; its probes stay at one every PROBE_MAX tokens (at most)."""
+    """K = 2 at 0.92x plain, 1.0x at optimistic acceptance (within FAR_MISS of the entry gain): the text may
+    turn, and the machine's speed with it; its probes stay at one every PROBE_MAX tokens."""
     costs = DepthCosts(beta=(1.6, 1.9), delta=(0.15, 0.25), device="cuda", plain_s=0.003, plain_pipelined_s=0.003)
     policy = DepthPolicy(costs, max_k=2, default_k=2)
-    _probe_rounds(policy, (2.2, 2.55), (0.8, 0.7), 128)
-    assert policy.plain_budget() <= PROBE_MAX
+    budgets: list[int] = []
+    assert _probe_rounds(policy, (2.2, 2.55), (0.85, 0.75), 128, budgets) > 0
+    assert max(budgets) == PROBE_MAX
+
+
+def test_one_probe_timed_in_a_slow_moment_does_not_put_off_the_next_probes():
+    """K = 2 misses by a little (probes every PROBE_MAX tokens); one probe's rounds are timed at 3.4 plain
+    steps in a slow moment (0.73x plain: FAR_MISS short). The next probe still comes PROBE_MAX tokens later:
+    it takes FAR_PROBES probes in a row to stretch the backoff."""
+    costs = DepthCosts(beta=(1.6, 1.9), delta=(0.15, 0.25), device="cuda", plain_s=0.003, plain_pipelined_s=0.003)
+    policy = DepthPolicy(costs, max_k=2, default_k=2)
+    _probe_rounds(policy, (2.2, 2.55), (0.85, 0.75), 32)
+    budgets: list[int] = []
+    assert _probe_rounds(policy, (3.0, 3.4), (0.85, 0.75), 4, budgets) > 0  # one probe, in a slow moment
+    _probe_rounds(policy, (2.2, 2.55), (0.85, 0.75), 16, budgets)
+    assert max(budgets) == PROBE_MAX

@@ -74,7 +74,10 @@ PROBE_MAX = 512
 # found. exo-demo on an H200 (every depth 0.83-0.86x plain): a probe every 512 tokens (a K = 3 round and the
 # head's catch-up on its waiting rows, ~4% of a 128-token request) cost adaptive 1.1% against a run of the same
 # engine that never probed (80 pairs each: 0.988x plain against 0.999x).
+# Only once FAR_PROBES probes in a row found it so: one probe timed in a slow moment (exo-demo-moe on an H200:
+# K = 2 at 3.4 plain steps where it ran at 2.4, 0.8x plain) must not put off the next probes for 16 requests.
 FAR_MISS = 1.1
+FAR_PROBES = 2
 PROBE_FAR_MAX = 2048
 # A new request's text may suit the head better: its first probe comes after at most this many plain tokens
 # (then the backoff goes on doubling). Restarting at PROBE_FIRST cost three probes in every 128-token request
@@ -310,6 +313,7 @@ class DepthPolicy:
     _refresh: list[int] = field(default_factory=list, init=False)  # depths still to run (a refresh, a probe of rounds)
     _plain_refresh: bool = field(default=False, init=False)  # the plain burst just chosen is a refresh
     _probe_every: int = field(default=PROBE_FIRST, init=False)
+    _far_probes: int = field(default=0, init=False)  # probes in a row that found every depth FAR_MISS short
     _rounds_run: int = field(default=0, init=False)
     _view: tuple[DepthCosts, list[float]] | None = field(default=None, init=False, repr=False)  # choose's, for the trace
     _tokens: int = field(default=0, init=False)  # tokens run under this policy (a batch bucket: steps)
@@ -485,7 +489,9 @@ class DepthPolicy:
             self._plain_since_probe = 0
             hopes = self.tracker.optimistic_rates()
             far = all(expected_speedup(costs, hopes, d) * FAR_MISS < self.entry_gain for d in range(1, self.max_k + 1))
-            self._probe_every = min(self._probe_every * 2, self.probe_far_max if far else PROBE_MAX)
+            self._far_probes = self._far_probes + 1 if far else 0
+            ceiling = self.probe_far_max if self._far_probes >= FAR_PROBES else PROBE_MAX
+            self._probe_every = min(self._probe_every * 2, ceiling)
             # A probe at the most promising depth (the current one stays 0 unless it shows otherwise): it
             # times that depth and measures its positions, so stale figures for a deeper depth get renewed
             # (probing only K = 1 left an H100's K = 2 judged by its first request's rounds for good).
