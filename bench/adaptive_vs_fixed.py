@@ -191,5 +191,6 @@ def report(runs: list[dict]) -> None:
                 ratios = [x / ((f + g) / 2) for x, f, g in zip(tps[a], tps[name], tps[f"{name} again"], strict=True)]
                 print(f"    {a} / {name} (both runs): " + median_line(ratios))
 
+
 if __name__ == "__main__":
     main()
