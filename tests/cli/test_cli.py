@@ -150,3 +150,21 @@ def test_exo_cluster_says_how_far_an_instance_is():
     downloading = {"model": "qwen", "state": "downloading", "progress": 0.0,
                    "download": {"bytes_done": 1 << 30, "bytes_total": 4 << 30}}
     assert instance_label(downloading) == "qwen (downloading 25%)"
+
+
+def test_a_subcommand_error_is_a_user_error_when_run_as_a_module(tmp_path):
+    """``python -m exo.cli.main`` makes the entry point ``__main__``: a subcommand's CommandError (from
+    ``exo.cli.common``) must still be the class the entry point catches, printed without a traceback."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[2] / "src"
+    env = {**os.environ, "PYTHONPATH": str(src), "EXO_HOME": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, "-m", "exo.cli.main", "cluster", "--url", "http://127.0.0.1:9"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith("exo: error: no exo daemon at http://127.0.0.1:9") and "Traceback" not in result.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from exo.cli.main import print_json
+from exo.cli.common import print_json
 
 
 def bench_command(args: argparse.Namespace) -> int:
