@@ -168,3 +168,23 @@ def test_a_subcommand_error_is_a_user_error_when_run_as_a_module(tmp_path):
     )
     assert result.returncode == 1, result.stderr
     assert result.stderr.startswith("exo: error: no exo daemon at http://127.0.0.1:9") and "Traceback" not in result.stderr
+
+
+def test_bench_runs_on_the_device_asked_for(checkpoint, capsys):
+    """``--device`` (the benchmarks' shared option): the report's device is the one asked for, and one this
+    machine's MLX lacks is a clear error, not a crash."""
+    import mlx.core as mx
+
+    default = mx.default_device()
+    try:
+        code, out, _ = _run(capsys, "bench", str(checkpoint("qwen3_5")), "--json", "--max-tokens", "4",
+                            "--prompt", "Hello", "--pairs", "0", "--device", "cpu")
+        assert code == 0 and json.loads(out)["device"].startswith("cpu")
+        code, out, err = _run(capsys, "bench", str(checkpoint("qwen3_5")), "--json", "--max-tokens", "4",
+                              "--prompt", "Hello", "--pairs", "0", "--device", "gpu")
+        if mx.is_available(mx.gpu):
+            assert code == 0 and not json.loads(out)["device"].startswith("cpu")
+        else:
+            assert code == 1 and err.strip() == "exo: error: --device gpu: this machine's MLX has no GPU backend"
+    finally:
+        mx.set_default_device(default)

@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable); default: built-in")
     bench.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
+    bench.add_argument("--device", choices=("cpu", "gpu"), default=None,
+                       help="MLX's device for the run (default: MLX's default, the GPU where there is one)")
     bench.add_argument(
         "--baseline", action="store_true",
         help="also decode each prompt with stock mlx-lm (plain) in the same round and print every configuration's ratio to it",
