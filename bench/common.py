@@ -41,7 +41,10 @@ def use_device(name: str | None) -> None:
     if name is not None:
         import mlx.core as mx
 
-        mx.set_default_device(mx.cpu if name == "cpu" else mx.gpu)
+        device = mx.cpu if name == "cpu" else mx.gpu
+        if not mx.is_available(device):
+            raise SystemExit(f"--device {name}: this machine's MLX has no {name.upper()} backend")
+        mx.set_default_device(device)
 
 
 @contextlib.contextmanager
