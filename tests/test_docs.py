@@ -5,7 +5,8 @@ Convention (docs/development.md, "Examples that are tested"): a fenced block tag
 runs as written, one command per line (a trailing backslash continues it), with ``exo`` meaning this
 checkout's ``exo`` and a fresh ``EXO_HOME``; every command must exit 0. ```` ```sh test-serve ```` blocks run
 the same way against an ``exo serve`` this file starts, its ``localhost:52415`` replaced by that node's
-address. Plain ```` ```sh ```` blocks are not run (installs, downloads, daemons left running, a second Mac).
+address, and ```` ```python test-serve ```` blocks run as a script against it (``127.0.0.1:52415`` replaced).
+Plain ```` ```sh ```` blocks are not run (installs, downloads, daemons left running, a second Mac).
 """
 
 from __future__ import annotations
@@ -35,14 +36,14 @@ SERVE_ADDRESS = "localhost:52415"
 PRELUDE = f'exo() {{ "{sys.executable}" -m exo.cli.main "$@"; }}\n'
 
 
-def _blocks(tag: str) -> list[tuple[str, str]]:
+def _blocks(tag: str, language: str = "sh") -> list[tuple[str, str]]:
     found = []
     for page in PAGES:
         if not page.exists():
             continue
         text = page.read_text()
         for match in FENCE.finditer(text):
-            if match.group(1).split() == ["sh", tag]:
+            if match.group(1).split() == [language, tag]:
                 line = text[: match.start()].count("\n") + 1
                 found.append((f"{page.relative_to(ROOT)}:{line}", match.group(2)))
     return found
@@ -61,7 +62,7 @@ def _run(command: str, home: Path) -> subprocess.CompletedProcess:
 
 def test_the_pages_have_tested_examples():
     """The convention is in use: dropping the tags (or the pages) would make the example tests vacuous."""
-    assert len(_blocks("test")) >= 6 and _blocks("test-serve")
+    assert len(_blocks("test")) >= 6 and _blocks("test-serve") and _blocks("test-serve", "python")
 
 
 @pytest.mark.timeout(600)
@@ -107,6 +108,19 @@ def test_a_tested_example_runs_against_a_node(where, block, exo_serve, tmp_path)
             command = "curl --fail-with-body " + command[len("curl "):]  # an HTTP error fails the example
         result = _run(command, tmp_path)
         assert result.returncode == 0, f"{where}: `{command}` exited {result.returncode}\n{result.stdout[-2000:]}"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("where", "block"), _blocks("test-serve", "python"),
+                         ids=[w for w, _ in _blocks("test-serve", "python")])
+def test_a_python_example_runs_against_a_node(where, block, exo_serve, tmp_path):
+    assert f"http://127.0.0.1:{SERVE_ADDRESS.split(':')[1]}" in block, where
+    script = tmp_path / "example.py"
+    script.write_text(block.replace(f"127.0.0.1:{SERVE_ADDRESS.split(':')[1]}", exo_serve))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 0 and result.stdout.strip(), f"{where}:\n{result.stderr[-3000:]}"
 
 
 def test_relative_links_lead_to_files():
