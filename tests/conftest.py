@@ -5,8 +5,9 @@
 
 ``checkpoint(arch, layout="hf", head=None, dtype="bfloat16") -> Path``
     arch: "qwen3_5" | "qwen3_5_moe" | "qwen3_6_moe" | "qwen3_next"
-    layout: "hf" | "mlx" | "mlx_q4" | "mlx_sidecar" | "mlx_q4_sidecar"
-    head: "trained" | "random" | "none" (default: "trained", or "none" for mlx / mlx_q4)
+    layout: "hf" | "mlx" | "mlx_q4" | "mlx_q8" | "mlx_sidecar" | "mlx_q4_sidecar" | "mlx_q8_sidecar"
+            (mlx_q4 / mlx_q8: stock mlx-lm 4- / 8-bit conversions, group 64, as the catalog's checkpoints)
+    head: "trained" | "random" | "none" (default: "trained", or "none" for mlx / mlx_q4 / mlx_q8)
     dtype: "bfloat16" | "float32"
 ``malformed_checkpoint(kind, arch="qwen3_5") -> Path`` with kind in fixtures.MALFORMED.
 ``tokenizer_dir -> Path``; ``fixture_store -> fixtures.FixtureStore``.

@@ -170,7 +170,7 @@ def test_mlx_layouts(checkpoint, arch, dtype):
     from mlx_lm.utils import load_tokenizer
 
     raw = checkpoint(arch, "hf", "trained", dtype)
-    for layout in ("mlx", "mlx_q4"):
+    for layout, bits in (("mlx", 0), ("mlx_q4", 4), ("mlx_q8", 8)):
         path = checkpoint(arch, layout, dtype=dtype)
         config = json.loads((path / "config.json").read_text())
         declared = config.get("num_nextn_predict_layers") or config["text_config"]["mtp_num_hidden_layers"]
@@ -178,8 +178,8 @@ def test_mlx_layouts(checkpoint, arch, dtype):
         tensors = _all_tensors(path)
         assert not [n for n in tensors if "mtp" in n]  # ... that stock mlx-lm dropped
         assert _file_tensors(path / "model.safetensors")[""] == {"format": "mlx"}
-        if layout == "mlx_q4":
-            assert config["quantization"]["bits"] == 4 and config["quantization"]["group_size"] == 64
+        if bits:
+            assert config["quantization"]["bits"] == bits and config["quantization"]["group_size"] == 64
             assert any(n.endswith(".scales") for n in tensors)
         else:
             assert "quantization" not in config
@@ -188,7 +188,7 @@ def test_mlx_layouts(checkpoint, arch, dtype):
         messages = [{"role": "user", "content": "Hello!"}]
         assert load_tokenizer(path).apply_chat_template(messages, add_generation_prompt=True) == \
             load_tokenizer(raw).apply_chat_template(messages, add_generation_prompt=True)
-    for layout in ("mlx_sidecar", "mlx_q4_sidecar"):
+    for layout in ("mlx_sidecar", "mlx_q4_sidecar", "mlx_q8_sidecar"):
         for head in ("trained", "random"):
             path = checkpoint(arch, layout, head, dtype)
             sidecar = _file_tensors(path / SIDECAR_FILE)

@@ -116,6 +116,20 @@ def test_bench_prints_the_tight_pairs_with_their_noise_floor(checkpoint, capsys)
     assert "adaptive and" in pairs and "run twice in each of those groups reads" in floor
 
 
+def test_bench_check_and_the_phase_table(checkpoint, capsys):
+    """--check: exit 0 only when every greedy configuration gave plain decoding's tokens and plain gave stock
+    mlx-lm's (exo.engine.bench.identity_failures, tested in tests/engine/test_bench.py); a round by phase is
+    printed against its verify call and drafts timed alone."""
+    code, out, err = _run(capsys, "bench", str(checkpoint("qwen3_5")), "--max-tokens", "6", "--prompt", "Hello",
+                          "--pairs", "0", "--baseline", "--check")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert "--check: every greedy configuration identical" in lines
+    header = next(i for i, line in enumerate(lines) if line.startswith("a round by phase, ms"))
+    assert lines[header + 1].split()[:4] == ["config", "draft_build", "verify_build", "device_wait"]
+    assert lines[header + 2].split()[0] == "k=1" and lines[header + 2].endswith("x")
+
+
 def test_models_lists_the_catalog(capsys):
     code, out, _ = _run(capsys, "models", "--json")
     rows = json.loads(out)

@@ -82,7 +82,7 @@ def _run_batch(engine: Engine, requests, join_at=None, cancel=None, lanes=None):
     return {i: (tokens, "".join(text), finish, stats) for i, (tokens, text, finish, stats) in out.items()}
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_6_moe", "qwen3_next"])
 def test_batched_greedy_equals_solo_with_joins_and_leaves(checkpoint, arch):
     engine = _engine(checkpoint(arch, dtype="float32"))
     # Distinct prompts of different lengths (some cross prefill chunks), different budgets: sequences

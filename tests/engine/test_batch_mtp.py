@@ -51,7 +51,7 @@ def _check_solo(engine: Engine, requests, got, finish: str | None = "length") ->
         assert stats.completion_tokens == len(tokens)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_6_moe", "qwen3_next"])
 def test_batched_greedy_mtp_equals_solo_plain_with_joins_and_leaves(checkpoint, arch, rounds):
     engine = _engine(checkpoint(arch, dtype="float32"))
     kept, _ = rounds
@@ -69,7 +69,7 @@ def test_batched_greedy_mtp_equals_solo_plain_with_joins_and_leaves(checkpoint, 
     assert any(len(set(counts)) > 1 for counts in kept)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_6_moe", "qwen3_next"])
 @pytest.mark.parametrize("depth", [1, 3])
 def test_batched_greedy_mtp_at_every_forced_depth(checkpoint, arch, depth, rounds):
     engine = _engine(checkpoint(arch, dtype="float32"))
@@ -122,7 +122,7 @@ def test_members_with_different_depths_share_a_round(checkpoint):
     assert stats[3].rounds == 0 and "forced to 0" in stats[3].reason
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_6_moe", "qwen3_next"])
 def test_bfloat16_batched_greedy_mtp_equals_solo_plain(checkpoint, arch):
     engine = _engine(checkpoint(arch, dtype="bfloat16"))
     requests = [_request(engine, i, max_tokens=20, mtp_k=2) for i in range(4)]

@@ -43,6 +43,9 @@ def test_each_round_runs_its_configurations_in_a_rotated_order(checkpoint, monke
     assert rows["stock mlx-lm"].vs_stock == 1.0
     # The phase timer ran for the bench's requests (the share of k=1's rounds outside its parts), not after.
     assert 0.0 < rows["k=1"].outside_share < 1.0 and rows["plain"].outside_share is None
+    # And by phase, ms per round (exo bench's phase table): the verify call and drafts, then the loop's glue.
+    assert {"draft_build", "verify_build", "device_wait", "rollback"} <= set(rows["k=1"].phases_ms)
+    assert all(ms >= 0.0 for ms in rows["k=1"].phases_ms.values()) and rows["plain"].phases_ms is None
     assert engine.config.profile_rounds is False
     # The spread of the ratios, and adaptive against the fastest fixed configuration round by round.
     for name in ("plain", "k=1", "adaptive"):
@@ -114,3 +117,21 @@ def test_the_warm_up_times_its_parts_side_by_side():
     verify = [0.9, 1.9, 2.0, 2.1, 2.0]
     assert ratio_of(verify, plain) == 2.0
     assert min(verify) / min(plain) == 1.8  # the old account: two moments
+
+
+def test_check_names_every_greedy_configuration_that_is_not_identical():
+    """``exo bench --check`` fails on any MTP configuration whose greedy tokens differ from plain decoding's
+    and on plain decoding that differs from stock mlx-lm's; sampled runs are not compared."""
+    from exo.engine.bench import BenchReport, BenchRow, identity_failures
+
+    def row(config: str, same: bool | None) -> BenchRow:
+        return BenchRow(config=config, k=None, completion_tokens=1, decode_seconds=1.0, tokens_per_s=1.0, speedup=1.0,
+                        acceptance_rate=0.0, per_position_acceptance=[], k_histogram={}, identical_to_plain=same)
+
+    report = BenchReport(model="m", device="cpu", prompts=1, max_tokens=1, temperature=0.0, native_mtp_available=True,
+                         rows=[row("plain", None), row("k=1", True), row("k=2", True)], plain_identical_to_stock=True)
+    assert identity_failures(report) == []
+    report.rows[2].identical_to_plain = False
+    report.plain_identical_to_stock = False
+    assert identity_failures(report) == ["k=2: not plain decoding's tokens", "plain: not stock mlx-lm's tokens"]
+    assert identity_failures(report.model_copy(update={"temperature": 0.7})) == []

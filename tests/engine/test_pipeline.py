@@ -53,7 +53,7 @@ def _prompt(engine: Engine, length: int) -> list[int]:
 # -- stages in one process ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_6_moe", "qwen3_next"])
 def test_stages_compose_to_the_whole_model(checkpoint, arch):
     """Each stage loads only its part; run one after another they compute the whole model, bit for bit."""
     import mlx.core as mx
@@ -81,7 +81,7 @@ def test_stages_compose_to_the_whole_model(checkpoint, arch):
 
 
 @pytest.mark.parametrize("stages", [2, 3], ids=["2-stages", "3-stages"])
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_6_moe", "qwen3_next"])
 def test_pipeline_greedy_equals_single_node_plain(checkpoint, tmp_path, arch, stages, record_property):
     path = checkpoint(arch, dtype="float32")
     engine = _single_node(path, True)

@@ -22,7 +22,7 @@ def use_device(name: str | None) -> None:
 
 def bench_command(args: argparse.Namespace) -> int:
     from exo.engine import load
-    from exo.engine.bench import DEFAULT_PROMPTS, run_bench
+    from exo.engine.bench import DEFAULT_PROMPTS, identity_failures, run_bench
     from exo.settings import load_settings
 
     use_device(args.device)
@@ -38,9 +38,12 @@ def bench_command(args: argparse.Namespace) -> int:
         pairs=args.pairs,
         progress=None if args.json else (lambda line: print(line, file=sys.stderr)),
     )
+    failures = identity_failures(report) if args.check else []
+    for failure in failures:
+        print(f"exo bench --check: {failure}", file=sys.stderr)
     if args.json:
         print_json(report.model_dump())
-        return 0
+        return 1 if failures else 0
     print(f"model {report.model}  device {report.device}  prompts {report.prompts}  max_tokens {report.max_tokens}")
     if not report.native_mtp_available:
         print(f"native MTP unavailable: {report.reason}")
@@ -78,6 +81,17 @@ def bench_command(args: argparse.Namespace) -> int:
                   "rollback, emission, the loop; median over requests): "
                   + "  ".join(f"{row.config} {row.outside_share:.1%}" for row in shares))
         print("round cost in this run's plain steps: " + "  ".join(f"{row.config} {row.round_cost:.3f}" for row in glue))
+    timed = [row for row in report.rows if row.phases_ms]
+    if timed:
+        names = list(dict.fromkeys(p for row in timed for p in row.phases_ms or {}))
+        print("\na round by phase, ms (median over requests; 'alone': its verify call and drafts timed alone, "
+              "'/alone': the phases' sum over it)")
+        print(f"{'config':>12} " + " ".join(f"{p:>12}" for p in names) + f" {'sum':>8} {'alone':>8} {'/alone':>7}")
+        for row in timed:
+            phases = row.phases_ms or {}
+            total = sum(phases.values())
+            alone = f"{row.alone_ms:>8.3f} {total / row.alone_ms:>6.3f}x" if row.alone_ms else ""
+            print(f"{row.config:>12} " + " ".join(f"{phases.get(p, 0.0):>12.3f}" for p in names) + f" {total:>8.3f} {alone}")
     if report.adaptive_vs_best_fixed is not None:
         q = report.adaptive_vs_best_fixed_quartiles
         print(f"\nadaptive vs the fastest fixed configuration ({report.best_fixed}): {report.adaptive_vs_best_fixed:.3f}x"
@@ -97,4 +111,6 @@ def bench_command(args: argparse.Namespace) -> int:
                   f"{'yes' if report.plain_identical_to_stock else 'NO'}")
         print("vs stock: median over prompts and repeats of tokens/s / stock mlx-lm's plain tokens/s in the same round"
               " (q1-q3: its quartiles)")
-    return 0
+    if args.check:
+        print(f"\n--check: {'FAILED, ' + '; '.join(failures) if failures else 'every greedy configuration identical'}")
+    return 1 if failures else 0

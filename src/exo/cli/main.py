@@ -80,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--pairs", type=int, default=8,
         help="then N requests each of adaptive and the fastest fixed configuration in tight pairs (0: none)",
     )
+    bench.add_argument(
+        "--check", action="store_true",
+        help="exit 1 unless, at temperature 0, every MTP configuration gave plain decoding's tokens (and, with "
+             "--baseline, plain decoding gave stock mlx-lm's)",
+    )
 
     convert = sub.add_parser(
         "convert", help="convert a checkpoint to MLX layout (optionally quantized), keeping its MTP head"

@@ -60,6 +60,10 @@ class BenchRow(BaseModel):
     # By the engine's phase timer (``profile_ms``): the share of a round's time outside its verify call and its
     # drafts (reading the verdict back, rollback, emission, the loop between rounds); median over requests.
     outside_share: float | None = None
+    # Fixed K: a round's time by phase (``NativeMTPStats.profile_ms``, ms per round, median over requests):
+    # draft_build, verify_build, device_wait (its verify call and drafts as the loop runs them), then
+    # OUTSIDE_PHASES; set against ``alone_ms`` it says where a round's time beyond its parts goes.
+    phases_ms: dict[str, float] | None = None
     acceptance_rate: float
     per_position_acceptance: list[float]
     k_histogram: dict[int, int]
@@ -199,6 +203,7 @@ def _run_bench(engine: Engine, prompts: Sequence[str], max_tokens: int, temperat
     catch_up: dict[str, list[float]] = {name: [] for name, _, _ in configs}  # seconds of the head's extra rows
     glue_caught_up: dict[str, list[float]] = {name: [] for name, _, _ in configs}
     outside: dict[str, list[float]] = {name: [] for name, _, _ in configs}
+    phases: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in configs}  # ms per round, per request
     slots: list[tuple[str, int | None, str]] = ([("stock", None, "")] if stock is not None else []) + configs
     for repeat in range(repeats):
         for index, tokens in enumerate(encoded):
@@ -233,8 +238,10 @@ def _run_bench(engine: Engine, prompts: Sequence[str], max_tokens: int, temperat
                     catch_up[name].append(extra)
                     glue_caught_up[name].append(decode_s / stats.rounds / (parts_s + extra))
                 if stats.rounds and stats.profile_ms and k:
-                    phases = stats.profile_ms
-                    outside[name].append(sum(phases.get(p, 0.0) for p in OUTSIDE_PHASES) / sum(phases.values()))
+                    profile = stats.profile_ms
+                    outside[name].append(sum(profile.get(p, 0.0) for p in OUTSIDE_PHASES) / sum(profile.values()))
+                    if stats.rounds > 1:  # "between" is counted from a request's second round on
+                        phases[name].append({p: ms / (stats.rounds - (p == "between")) for p, ms in profile.items()})
                 total["drafted"] += stats.drafted_tokens
                 total["accepted"] += stats.accepted_tokens
                 total["rounds"] += stats.rounds
@@ -299,6 +306,7 @@ def _run_bench(engine: Engine, prompts: Sequence[str], max_tokens: int, temperat
                 **_round_cost(total, k if name != "adaptive" else None, plain_step_s, alone[name], glue[name],
                               catch_up[name], glue_caught_up[name]),
                 outside_share=round(statistics.median(outside[name]), 4) if outside[name] else None,
+                phases_ms=_median_phases(phases[name]),
             )
         )
     fixed = [row for row in report.rows if row.config in per_round and row.config != "adaptive"]
@@ -330,6 +338,26 @@ def _run_bench(engine: Engine, prompts: Sequence[str], max_tokens: int, temperat
             report.best_fixed_again_paired = round(statistics.median(again), 3) if again else None
             report.best_fixed_again_paired_quartiles = _quartiles(again)
     return report
+
+
+def _median_phases(per_request: list[dict[str, float]]) -> dict[str, float] | None:
+    """Per phase, the median over requests of its ms per round (a phase a request did not time counts 0)."""
+    if not per_request:
+        return None
+    order = ("draft_build", "verify_build", "device_wait", *OUTSIDE_PHASES)  # a round's phases as they run
+    names = sorted({p for phases in per_request for p in phases}, key=lambda p: (order + (p,)).index(p))
+    return {p: round(statistics.median(phases.get(p, 0.0) for phases in per_request), 3) for p in names}
+
+
+def identity_failures(report: BenchReport) -> list[str]:
+    """What a greedy run found not identical (``exo bench --check``): each MTP configuration whose tokens
+    differ from plain decoding's, and plain decoding against stock mlx-lm's (with ``--baseline``)."""
+    if report.temperature > 0:
+        return []
+    failures = [f"{row.config}: not plain decoding's tokens" for row in report.rows if row.identical_to_plain is False]
+    if report.plain_identical_to_stock is False:
+        failures.append("plain: not stock mlx-lm's tokens")
+    return failures
 
 
 def _quartiles(values: list[float]) -> list[float] | None:
