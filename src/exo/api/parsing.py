@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from .dialects import replace_lone_surrogates
 from .errors import APIError
+
+# A \uD800-\uDFFF escape: the body may hold a lone surrogate (checked on the bytes: most bodies have none).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _reject_constant(name: str) -> Any:
@@ -25,6 +30,10 @@ async def read_json(request: web.Request) -> dict[str, Any]:
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(raw):
+        # Valid JSON, but no text: a lone surrogate cannot be encoded (the tokenizer, the wire, a log line
+        # would fail on it). U+FFFD in its place, as a UTF-8 decoder does for a broken byte sequence.
+        body = replace_lone_surrogates(body)
     return body
 
 
