@@ -56,6 +56,19 @@ class _Thinking(BaseModel):
     budget_tokens: int | None = None
 
 
+class _Format(BaseModel):
+    model_config = _LENIENT
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class _OutputConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+    format: _Format | None = Field(default=None, description="structured output: constrained as response_format")
+
+
 class _Message(BaseModel):
     model_config = _LENIENT
 
@@ -78,6 +91,7 @@ class MessagesRequest(BaseModel):
     tools: list[_Tool] | None = None
     tool_choice: _ToolChoice | None = None
     thinking: _Thinking | None = None
+    output_config: _OutputConfig | None = None
 
 
 class CountTokensRequest(BaseModel):
@@ -193,6 +207,9 @@ def chat_body(req: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
                 body[key] = getattr(req, key)
         if req.stop_sequences:
             body["stop"] = req.stop_sequences
+        if req.output_config is not None and req.output_config.format is not None:
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "output", "schema": req.output_config.format.schema_}}
     return body
 
 
@@ -299,8 +316,9 @@ class _Answer:
             self.blocks[-1]["text"] += part.text
             return out + self._delta("text_delta", "text", part.text)
         if isinstance(part, CallStart):
+            out = self._close()  # the previous block, with its arguments
             self.arguments = ""
-            return self._start({"type": "tool_use", "id": part.id, "name": part.name, "input": {}})
+            return out + self._start({"type": "tool_use", "id": part.id, "name": part.name, "input": {}})
         assert isinstance(part, Arguments)
         self.arguments += part.fragment
         return b""
