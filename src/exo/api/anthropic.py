@@ -353,14 +353,24 @@ class _Answer:
         return out + _sse("message_delta", delta) + _sse("message_stop", {"type": "message_stop"})
 
 
+KEEPALIVE_S = 10.0  # a ping this often while the prompt is read (before the first token)
+
+
 async def _stream(request: web.Request, generation: ChatGeneration, answer: _Answer) -> web.StreamResponse:
-    first = await generation.first()  # an error before the first token is a plain HTTP error
+    # The prompt passed validation (errors so far were plain HTTP errors): the stream opens now, as
+    # Anthropic's does, and pings while the prompt is read; a failure from here on is an error event.
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     )
     await response.prepare(request)
     try:
-        await response.write(answer.opening() + b"".join(answer.add(p) for p in first))
+        await response.write(answer.opening())
+
+        async def ping() -> None:
+            await response.write(_sse("ping", {"type": "ping"}))
+
+        first = await generation.first_keeping_alive(ping, KEEPALIVE_S)
+        await response.write(b"".join(answer.add(p) for p in first))
         while not generation.finished:
             events = b"".join(answer.add(p) for p in await generation.next())
             if events:

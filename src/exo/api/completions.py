@@ -11,10 +11,13 @@ decode step; an error after the headers went out is sent as an error event befor
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import json
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -488,8 +491,12 @@ class ChatGeneration:
         parts: list[Part] = []
         for chunk in chunks:
             final = chunk.finish_reason is not None
+            splitter = self.writer.reasoning
+            thinking = splitter is not None and splitter.thinking  # before this chunk
             events = self.writer._events(chunk.text, final)
-            if events and all(isinstance(e, Reasoning) for e in events):
+            if (thinking or any(isinstance(e, Reasoning) for e in events)) and not any(
+                isinstance(e, Content | CallStart) for e in events
+            ):
                 self.reasoning_tokens += len(chunk.token_ids)
             parts += events
             if final:
@@ -502,6 +509,23 @@ class ChatGeneration:
     async def first(self) -> list[Part]:
         assert self._stream is not None
         return self._parts(await _first_token(self._stream))
+
+    async def first_keeping_alive(self, keepalive: Callable[[], Awaitable[None]], every_s: float) -> list[Part]:
+        """``first()``, calling ``keepalive`` every ``every_s`` meanwhile: a long prompt's prefill (minutes on
+        a CPU for an agent's 15k-token prompt) must not look like a dead connection to a client that gives
+        up on a silent stream (Claude Code and Codex retry after a few minutes)."""
+        task = asyncio.ensure_future(self.first())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=every_s)
+                if done:
+                    return task.result()
+                await keepalive()
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
 
     async def next(self) -> list[Part]:
         assert self._stream is not None

@@ -37,6 +37,7 @@ _LENIENT = ConfigDict(extra="ignore", strict=True)
 MAX_STORED_RESPONSES = 1000
 MAX_STORED_BYTES = 256 << 20
 _ID = re.compile(r"^resp_[0-9a-f]{32}$")
+KEEPALIVE_S = 10.0  # response.in_progress this often while the prompt is read (before the first token)
 
 
 class _TextFormat(BaseModel):
@@ -97,6 +98,7 @@ class ResponseStore:
         self.max_count = max_count
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
+        self._last_ns = 0  # each write gets a later mtime than the one before (coarse clocks tie)
 
     def _path(self, response_id: str) -> Path | None:
         return self.directory / f"{response_id}.json" if _ID.match(response_id) else None
@@ -109,6 +111,8 @@ class ResponseStore:
             self.directory.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
             tmp.write_bytes(data)
+            self._last_ns = max(time.time_ns(), self._last_ns + 1)
+            os.utime(tmp, ns=(self._last_ns, self._last_ns))
             os.replace(tmp, path)
             self._evict()
 
@@ -465,7 +469,9 @@ class _Answer:
 async def _stream(
     request: web.Request, generation: ChatGeneration, answer: _Answer, conversation: list[dict[str, Any]]
 ) -> web.StreamResponse:
-    first = await generation.first()  # an error before the first token is a plain HTTP error
+    # The prompt passed validation (errors so far were plain HTTP errors): the stream opens now and repeats
+    # response.in_progress while the prompt is read (Codex gives up on a stream silent for 5 minutes); a
+    # failure from here on is an error event and response.failed.
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     )
@@ -473,7 +479,13 @@ async def _stream(
     try:
         opening = answer._event("response.created", response=answer.response("in_progress"))
         opening += answer._event("response.in_progress", response=answer.response("in_progress"))
-        await response.write(opening + b"".join(answer.add(p) for p in first))
+        await response.write(opening)
+
+        async def in_progress() -> None:
+            await response.write(answer._event("response.in_progress", response=answer.response("in_progress")))
+
+        first = await generation.first_keeping_alive(in_progress, KEEPALIVE_S)
+        await response.write(b"".join(answer.add(p) for p in first))
         while not generation.finished:
             events = b"".join(answer.add(p) for p in await generation.next())
             if events:
