@@ -168,7 +168,8 @@ def test_a_codex_request_replayed(make_server, model_dir, server, tmp_path_facto
     answer, with no max_output_tokens: bounded by what a context of the prompt + 8 tokens leaves."""
     recorded = json.loads((DATA / "codex_request.json").read_text())
     body = {**recorded["body"], "model": server.model, "stream": False, "max_output_tokens": 1, "store": False}
-    counted = server.openai().responses.create(**body).usage.input_tokens
+    with server.http() as http:
+        counted = http.post("/v1/responses", json=body).json()["usage"]["input_tokens"]
     short = make_server(short_context_copy(model_dir, tmp_path_factory.mktemp("codex") / "short", counted + 8))
     with short.http() as http, http.stream("POST", recorded["path"], json={**recorded["body"], "model": short.model},
                                            headers=recorded["headers"]) as r:

@@ -114,7 +114,7 @@ def _text_of(blocks: str | list[dict[str, Any]], where: str) -> str:
         return blocks
     texts = []
     for i, block in enumerate(blocks):
-        kind = block.get("type")
+        kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
             text = block.get("text")
             if not isinstance(text, str):

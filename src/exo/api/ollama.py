@@ -238,7 +238,7 @@ def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
                 if not isinstance(name, str) or not isinstance(arguments, dict):
                     raise invalid(f"{where}.tool_calls.{j}", f"{where}.tool_calls.{j}: a function with a name and "
                                   "object arguments is required")
-                call_id = call.get("id") if isinstance(call.get("id"), str) else f"call_{i}_{j}"
+                call_id = call["id"] if isinstance(call.get("id"), str) else f"call_{i}_{j}"
                 unanswered.append((call_id, name))
                 calls.append({"id": call_id, "type": "function",
                               "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}})
