@@ -192,3 +192,30 @@ def test_a_claude_code_request_replayed(make_server, model_dir, server, tmp_path
     assert events[0]["type"] == "message_start" and events[0]["message"]["usage"]["input_tokens"] == counted
     assert events[-1]["type"] == "message_stop"
     assert events[-2]["delta"]["stop_reason"] == "max_tokens" and events[-2]["usage"]["output_tokens"] == 8
+
+
+def test_the_stream_pings_while_the_prompt_is_read(demo, monkeypatch):
+    """A stream opens once the prompt is validated and pings until the first token (an agent's long prompt
+    takes minutes to read on a CPU, and Claude Code gives up on a silent stream). The prompt read is made
+    slow here by holding the first token back 0.5 s."""
+    import asyncio
+
+    from exo.api import anthropic as dialect
+    from exo.api.completions import ChatGeneration
+
+    first = ChatGeneration.first
+
+    async def slow_first(self):
+        await asyncio.sleep(0.5)
+        return await first(self)
+
+    monkeypatch.setattr(ChatGeneration, "first", slow_first)
+    monkeypatch.setattr(dialect, "KEEPALIVE_S", 0.05)
+    with demo.http() as http, http.stream("POST", "/v1/messages", json={
+        "model": "exo-demo", "max_tokens": 2, "stream": True, "messages": ASK,
+    }) as response:
+        events = sse_events(response)
+    kinds = [e["type"] for e in events]
+    before = kinds[: kinds.index("content_block_start")]
+    assert before[0] == "message_start" and before.count("ping") >= 4, kinds
+    assert kinds[-1] == "message_stop"

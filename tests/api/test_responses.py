@@ -178,3 +178,28 @@ def test_a_codex_request_replayed(make_server, model_dir, server, tmp_path_facto
     assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.incomplete"
     assert events[-1]["response"]["usage"]["input_tokens"] == counted
     assert events[-1]["response"]["usage"]["output_tokens"] == 8
+
+
+def test_the_stream_repeats_in_progress_while_the_prompt_is_read(demo, monkeypatch):
+    """Codex gives up on a stream silent for 5 minutes: response.in_progress comes again until the first
+    token (the prompt read made slow here by holding the first token back 0.5 s)."""
+    import asyncio
+
+    from exo.api import responses as dialect
+    from exo.api.completions import ChatGeneration
+
+    first = ChatGeneration.first
+
+    async def slow_first(self):
+        await asyncio.sleep(0.5)
+        return await first(self)
+
+    monkeypatch.setattr(ChatGeneration, "first", slow_first)
+    monkeypatch.setattr(dialect, "KEEPALIVE_S", 0.05)
+    with demo.http() as http, http.stream("POST", "/v1/responses", json={
+        "model": "exo-demo", "max_output_tokens": 2, "stream": True, "input": "Hi", "store": False,
+    }) as response:
+        kinds = [e["type"] for e in sse_events(response)]
+    before = kinds[: kinds.index("response.output_item.added")]
+    assert before[0] == "response.created" and before.count("response.in_progress") >= 4, kinds
+    assert kinds[-1] in ("response.completed", "response.incomplete")
