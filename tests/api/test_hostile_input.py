@@ -1,8 +1,8 @@
 """One corpus of hostile bodies against every generation endpoint of every dialect (chat completions,
 completions, Anthropic Messages, OpenAI Responses, Ollama): lone surrogates (``"\\ud800"``: valid JSON, no
 Unicode) in every string, wrong types, huge numbers, missing and unknown fields, broken JSON. Each answer is
-a 4xx in the dialect's own error shape, or a 200 (lone surrogates replaced by U+FFFD), never a 500; and the
-wire to a runner (``exo serve``) carries any string a client can send."""
+a 4xx in the dialect's own error shape (a lone surrogate: a 400 naming its field) or a 200, never a 500;
+and the wire to a runner (``exo serve``) carries any string, lone surrogates replaced by U+FFFD."""
 
 from __future__ import annotations
 
@@ -126,8 +126,9 @@ def _dialect_error(dialect: str, payload: Any) -> bool:
 
 @pytest.fixture(scope="module")
 def hostile_server(make_server, model_dir, tmp_path_factory):
-    # A declared context of 96 tokens bounds every generation a mutated budget can ask for.
-    model = short_context_copy(model_dir, tmp_path_factory.mktemp("hostile") / "short-context", 96)
+    # A declared context of 640 tokens (the longest valid body's prompt is ~530: its tools) bounds every
+    # generation a mutated budget can ask for.
+    model = short_context_copy(model_dir, tmp_path_factory.mktemp("hostile") / "short-context", 640)
     return make_server(model, env={"EXO_REQUEST_TIMEOUT_S": "10", "EXO_OFFLINE": "1"})
 
 
@@ -140,7 +141,9 @@ def test_hostile_bodies_get_a_4xx_or_an_answer_never_a_500(hostile_server, path,
             seen += 1
             response = http.post(path, content=raw, headers={"Content-Type": "application/json"})
             text = response.text
-            if response.status_code >= 500:
+            if what.startswith("valid") and response.status_code != 200:
+                failures.append(f"{what}: {response.status_code} {text[:200]}")
+            elif response.status_code >= 500:
                 failures.append(f"{what}: {response.status_code} {text[:200]}")
             elif response.status_code >= 400:
                 if not _dialect_error(dialect, json.loads(text)):
@@ -153,17 +156,25 @@ def test_hostile_bodies_get_a_4xx_or_an_answer_never_a_500(hostile_server, path,
     assert not failures, "\n".join(failures)
 
 
-def test_a_lone_surrogate_is_replaced_losslessly_otherwise(hostile_server):
-    """U+FFFD stands for the surrogate alone: the text around it reaches the model unchanged (the same prompt
-    length as the body with U+FFFD written in it)."""
+@pytest.mark.parametrize(("path", "dialect", "body"), ENDPOINTS, ids=[e[0] for e in ENDPOINTS])
+def test_a_lone_surrogate_is_a_400_naming_its_field(hostile_server, path, dialect, body):
+    """Not text, so no prompt: a 400 in the dialect's shape that says which field holds it (Python's JSON
+    reads the escape as a str the tokenizer and the wire cannot encode; before, exo serve answered 500)."""
+    body = json.loads(json.dumps(body).replace('"MODEL"', json.dumps(hostile_server.model)))
+    free_text = ("content", "text", "prompt", "system", "instructions", "output")
+    string_path = next((p for p in _paths(body) if p and isinstance(_get(body, p), str) and p[-1] in free_text),
+                       ("model",))
+    raw = json.dumps(_set(body, string_path, "caf\u00e9 " + LONE)).encode()
     with hostile_server.http() as http:
-        counts = [
-            http.post("/v1/chat/completions", content=json.dumps(
-                {"messages": [{"role": "user", "content": f"caf\u00e9 {c} ok"}], "max_tokens": 1}).encode(),
-            ).json()["usage"]["prompt_tokens"]
-            for c in (LONE, "\ufffd")
-        ]
-    assert counts[0] == counts[1]
+        response = http.post(path, content=raw, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400 and _dialect_error(dialect, response.json()), response.text
+    assert ".".join(map(str, string_path)) in response.text
+    paired = json.dumps(_set(body, string_path, "caf\u00e9 \U0001F600")).encode()  # a pair: one character
+    if string_path == ("model",):
+        return  # no such model
+    with hostile_server.http() as http:
+        ok = http.post(path, content=paired, headers={"Content-Type": "application/json"})
+        assert ok.status_code == 200, ok.text
 
 
 def test_the_wire_carries_any_string_a_client_sends():

@@ -59,17 +59,21 @@ def error_body(dialect: Dialect, err: APIError) -> dict[str, Any]:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def replace_lone_surrogates(value: Any) -> Any:
-    """Every string in a parsed JSON value with its lone UTF-16 surrogates (``"\\ud800"``: valid JSON, but no
-    Unicode character, so no UTF-8 text can hold it) replaced by U+FFFD. A surrogate pair in the JSON
-    (``"\\ud83d\\ude00"``) is already one character: only lone halves remain to replace."""
+def find_lone_surrogate(value: Any, where: str = "") -> str | None:
+    """The dotted path of the first string (or key) in a parsed JSON value holding a lone UTF-16 surrogate
+    (``"\\ud800"``: valid JSON, but no Unicode character, so no UTF-8 text can hold it); None if none does.
+    A surrogate pair in the JSON (``"\\ud83d\\ude00"``) is already one character: only lone halves remain."""
     if isinstance(value, str):
-        return _SURROGATE.sub("\ufffd", value)
-    if isinstance(value, list):
-        return [replace_lone_surrogates(v) for v in value]
-    if isinstance(value, dict):
-        return {replace_lone_surrogates(k): replace_lone_surrogates(v) for k, v in value.items()}
-    return value
+        return where if _SURROGATE.search(value) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        path = f"{where}.{key}" if where else str(key)
+        if isinstance(key, str) and _SURROGATE.search(key):
+            return path
+        found = find_lone_surrogate(item, path)
+        if found is not None:
+            return found
+    return None
 
 
 # -- messages --------------------------------------------------------------------------------------------
