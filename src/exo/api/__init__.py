@@ -10,7 +10,9 @@ implements with ``exo.cluster.orchestration.ClusterModelService`` (models in run
 the cluster) and ``local.LocalModelService`` implements in this process (notebooks, benchmarks, tests).
 
 Modules: ``server`` (the app, middlewares, small routes, running it), ``completions`` (the two
-generation endpoints: parsing, SSE, response shapes), ``instances`` (``/v1/instances``, ``/v1/cluster``),
+generation endpoints: parsing, SSE, response shapes; ``ChatGeneration``, the path the other dialects
+share), ``anthropic`` / ``responses`` / ``ollama`` (the Anthropic Messages, OpenAI Responses and Ollama
+dialects), ``dialects`` (what they share: error shapes, message helpers), ``instances`` (``/v1/instances``, ``/v1/cluster``),
 ``local``, ``node_settings`` (GET/PUT /v1/settings), ``schemas`` (pydantic request/response bodies),
 ``errors`` (typed errors -> OpenAI-style bodies), ``openapi``.
 """

@@ -11,10 +11,13 @@ decode step; an error after the headers went out is sent as an error event befor
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import json
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -92,9 +95,9 @@ def _params(
     )
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    arrived = time.monotonic()
-    req = validate(ChatCompletionRequest, reject_unsupported(await read_json(request), "chat"))
+def prepare_chat(body: dict[str, Any]) -> tuple[ChatCompletionRequest, Prompt, GenerateParams, _Writer]:
+    """A chat completions body (as sent, or as a dialect translated it) -> what ``_generate`` runs."""
+    req = validate(ChatCompletionRequest, reject_unsupported(body, "chat"))
     tools = tool_definitions(req)
     prompt = Prompt(messages=chat_messages(req), template_kwargs=dict(req.chat_template_kwargs or {}), tools=tools)
     params = _params(
@@ -105,16 +108,27 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         # parser closes the call without it).
         params = dataclasses.replace(params, stop=(*params.stop, END))
     writer = _Writer(chat=True, tools=tools if parses_tool_calls(req) else None, logprobs=params.logprobs is not None)
+    return req, prompt, params, writer
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    arrived = time.monotonic()
+    req, prompt, params, writer = prepare_chat(await read_json(request))
     return await _generate(request, req, prompt, params, arrived, writer)
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    arrived = time.monotonic()
-    req = validate(CompletionRequest, reject_unsupported(await read_json(request), "completions"))
+def prepare_completion(body: dict[str, Any]) -> tuple[CompletionRequest, Prompt, GenerateParams, _Writer]:
+    req = validate(CompletionRequest, reject_unsupported(body, "completions"))
     value = req.prompt_value()
     prompt = Prompt(text=value) if isinstance(value, str) else Prompt(token_ids=list(value))
     params = _params(req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, logprobs=req.logprobs)
     writer = _Writer(chat=False, logprobs=req.logprobs is not None)
+    return req, prompt, params, writer
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    arrived = time.monotonic()
+    req, prompt, params, writer = prepare_completion(await read_json(request))
     return await _generate(request, req, prompt, params, arrived, writer)
 
 
@@ -133,6 +147,17 @@ def _usage(stats: Any, started: Started) -> dict[str, Any]:
     }
 
 
+async def _open(
+    request: web.Request, req: GenerationFields, prompt: Prompt, params: GenerateParams, arrived: float
+) -> tuple[BatchedStream, str]:
+    """The model acquired and the generation queued (the caller cancels the stream unless it finished)."""
+    service, config = request.app[SERVICE], request.app[CONFIG]
+    remaining = arrived + config.request_timeout_s - time.monotonic()
+    model_id = await service.acquire(req.model, min(config.load_timeout_s, remaining))
+    stream = service.generate(model_id, prompt, params, timeout_s=config.request_timeout_s, arrived=arrived)
+    return stream, model_id
+
+
 async def _generate(
     request: web.Request,
     req: GenerationFields,
@@ -141,10 +166,7 @@ async def _generate(
     arrived: float,
     writer: _Writer,
 ) -> web.StreamResponse:
-    service, config = request.app[SERVICE], request.app[CONFIG]
-    remaining = arrived + config.request_timeout_s - time.monotonic()
-    model_id = await service.acquire(req.model, min(config.load_timeout_s, remaining))
-    stream = service.generate(model_id, prompt, params, timeout_s=config.request_timeout_s, arrived=arrived)
+    stream, model_id = await _open(request, req, prompt, params, arrived)
     try:
         started = await stream.start()  # errors before any output (validation, context) are plain 4xx
         writer.model = model_id
@@ -161,15 +183,21 @@ async def _generate(
             stream.cancel()  # client gone (handler cancelled), timeout, or an error: free the device
 
 
+async def _first_token(stream: BatchedStream) -> list[GenerationChunk]:
+    """The chunks up to the first token (or the end). Headers wait for it: a failure before it (a stage lost
+    during prefill, a timeout) is a plain HTTP error, raised to the error middleware, never a 200 with
+    nothing in it."""
+    first = await stream.next_batch()
+    while not stream.finished and not any(c.token_ids for c in first):
+        first += await stream.next_batch()  # a timeout before any token: its empty chunk, then the error
+    return first
+
+
 async def _stream(
     request: web.Request, stream: BatchedStream, writer: _Writer, started: Started, include_usage: bool
 ) -> web.StreamResponse:
     writer.include_usage = include_usage
-    # Headers wait for the first token: a failure before it (a stage lost during prefill, a timeout) is a
-    # plain HTTP error, raised from here to the error middleware, never a 200 with nothing in it.
-    first = await stream.next_batch()
-    while not stream.finished and not any(c.token_ids for c in first):
-        first += await stream.next_batch()  # a timeout before any token: its empty chunk, then the error
+    first = await _first_token(stream)
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     )
@@ -389,3 +417,122 @@ class _Writer:
             "choices": [choice],
             "usage": _usage(last.stats, started),
         }
+
+
+# -- the one chat path, for the other dialects ---------------------------------------------------------------
+
+Part = Event | Reasoning  # what a chat answer is made of: reasoning, content, tool calls (start, arguments)
+
+
+def cached_tokens(usage: dict[str, Any]) -> int:
+    """Prompt tokens served from a prefix cache, as chat completions' usage reports them (0: none, or the
+    node has no prefix cache)."""
+    details = usage.get("prompt_tokens_details")
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return value if isinstance(value, int) else 0
+
+
+class ChatGeneration:
+    """A chat generation opened for another dialect (Anthropic Messages, OpenAI Responses, Ollama): the
+    dialect translates its request into a chat completions body, and its answer from the ``Part``s this
+    yields, so tools, constraints, reasoning and native-MTP stats are handled once, here.
+
+        async with ChatGeneration(request, body, arrived) as gen:   # errors before any output raise here
+            parts = await gen.first()                                # up to the first token (headers wait)
+            while not gen.finished:
+                parts = await gen.next()
+        gen.finish_reason, gen.usage                                 # once finished
+
+    Leaving the block before the end (client gone, an error) cancels the generation. ``budget``: at most
+    this many tokens, fewer when the context has less room (Anthropic's max_tokens is required, and Claude
+    Code always asks for 32000); None: the body's max_tokens, as chat completions reads it."""
+
+    def __init__(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        arrived: float,
+        *,
+        budget: int | None = None,
+        prepared: tuple[GenerationFields, Prompt, GenerateParams, _Writer] | None = None,
+    ) -> None:
+        self.request = request
+        self.req, self.prompt, self.params, self.writer = prepared or prepare_chat(body)
+        if budget is not None:
+            self.params = dataclasses.replace(self.params, max_tokens=None, default_max_tokens=budget)
+        self.arrived = arrived
+        self.reasoning_tokens = 0  # output tokens generated inside the think block
+        self.model = ""
+        self.finish_reason: str | None = None  # stop | length | tool_calls
+        self.usage: dict[str, Any] = {}  # chat completions' usage (prompt/completion tokens, native_mtp, ...)
+        self.started: Started | None = None
+        self._stream: BatchedStream | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self._stream is None or self._stream.finished
+
+    async def __aenter__(self) -> ChatGeneration:
+        self._stream, self.model = await _open(self.request, self.req, self.prompt, self.params, self.arrived)
+        try:
+            self.started = await self._stream.start()
+        except BaseException:
+            self._stream.cancel()
+            raise
+        self.writer.model = self.model
+        self.writer.started(self.started)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._stream is not None and not self._stream.finished:
+            self._stream.cancel()
+
+    def _parts(self, chunks: list[GenerationChunk]) -> list[Part]:
+        parts: list[Part] = []
+        for chunk in chunks:
+            final = chunk.finish_reason is not None
+            splitter = self.writer.reasoning
+            thinking = splitter is not None and splitter.thinking  # before this chunk
+            events = self.writer._events(chunk.text, final)
+            if (thinking or any(isinstance(e, Reasoning) for e in events)) and not any(
+                isinstance(e, Content | CallStart) for e in events
+            ):
+                self.reasoning_tokens += len(chunk.token_ids)
+            parts += events
+            if final:
+                assert self.started is not None
+                self.finish_reason = self.writer._finish_reason(chunk.finish_reason or "stop")
+                if chunk.stats is not None:
+                    self.usage = _usage(chunk.stats, self.started)
+        return parts
+
+    async def first(self) -> list[Part]:
+        assert self._stream is not None
+        return self._parts(await _first_token(self._stream))
+
+    async def first_keeping_alive(self, keepalive: Callable[[], Awaitable[None]], every_s: float) -> list[Part]:
+        """``first()``, calling ``keepalive`` every ``every_s`` meanwhile: a long prompt's prefill (minutes on
+        a CPU for an agent's 15k-token prompt) must not look like a dead connection to a client that gives
+        up on a silent stream (Claude Code and Codex retry after a few minutes)."""
+        task = asyncio.ensure_future(self.first())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=every_s)
+                if done:
+                    return task.result()
+                await keepalive()
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+
+    async def next(self) -> list[Part]:
+        assert self._stream is not None
+        return self._parts(await self._stream.next_batch())
+
+    async def whole(self) -> list[Part]:
+        parts: list[Part] = []
+        while not self.finished:
+            parts += await self.next()
+        return parts

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from .dialects import find_lone_surrogate
 from .errors import APIError
+
+# A \uD800-\uDFFF escape: the body may hold a lone surrogate (checked on the bytes: most bodies have none).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _reject_constant(name: str) -> Any:
@@ -25,6 +30,20 @@ async def read_json(request: web.Request) -> dict[str, Any]:
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    try:
+        where = find_lone_surrogate(body) if _SURROGATE_ESCAPE.search(raw) else None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
+    if where is not None:
+        # Valid JSON, but no text: a lone surrogate cannot be encoded (the tokenizer, the wire to a runner,
+        # a log line would fail on it). Refused here, for every endpoint of every dialect, naming the field.
+        raise APIError(
+            400,
+            f"{where or 'body'}: holds a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF escape), which is "
+            "not Unicode text",
+            param=where or None,
+            code="invalid_value",
+        )
     return body
 
 

@@ -64,6 +64,11 @@ class ReasoningSplitter:
         content, self._buffer = self._buffer, ""
         return "", content
 
+    @property
+    def thinking(self) -> bool:
+        """Inside the think block (what is fed now is reasoning)."""
+        return self._state == "reasoning"
+
     def finish(self) -> tuple[str, str]:
         rest, self._buffer = self._buffer, ""
         return (rest, "") if self._state == "reasoning" else ("", rest)

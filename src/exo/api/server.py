@@ -1,8 +1,10 @@
-"""The aiohttp application: routes, middlewares (metrics, OpenAI-style errors, API key), and running it.
+"""The aiohttp application: routes, middlewares (metrics, errors, API key), and running it.
 
-The generation endpoints live in ``completions.py``; everything else is small and here. Served with
+The generation endpoints live in ``completions.py``, the other dialects' in ``anthropic.py``,
+``responses.py`` and ``ollama.py``; everything else is small and here. Served with
 ``handler_cancellation``: a client that goes away cancels its handler, and so its generation. Every
-error is an OpenAI-style body (see ``errors.py``), also aiohttp's own 404/405/413.
+error is a body in the dialect of its path (``dialects.error_body``: OpenAI-style unless the path is
+Anthropic's or Ollama's), also aiohttp's own 404/405/413.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from exo.downloads import DownloadManager
 from exo.metrics import Metrics
 from exo.settings import Settings
 
+from . import anthropic, ollama, responses
 from .completions import chat_completions, completions
 from .config import CONFIG, METRICS, NODE, OPENAPI, SERVICE, ServerConfig
 from .dashboard import add_dashboard
+from .dialects import dialect_of, error_body
 from .downloads import add_download_routes
 from .errors import APIError, api_error_from
 from .instances import add_cluster_routes
@@ -55,6 +59,11 @@ def create_app(
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/settings", get_settings)
     app.router.add_put("/v1/settings", put_settings)
+    # The other dialects, on every node (a cluster node's app is this one too): the same generation path.
+    app.router.add_post("/v1/messages", anthropic.messages)
+    app.router.add_post("/v1/messages/count_tokens", anthropic.count_tokens)
+    responses.add_routes(app, node_settings.settings.home)
+    ollama.add_routes(app)
 
     async def close_service(app: web.Application) -> None:
         await asyncio.to_thread(app[SERVICE].close)
@@ -138,19 +147,21 @@ async def _error_middleware(request: web.Request, handler: Callable) -> web.Stre
     except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI-style body
         err = api_error_from(e)
     request.app[METRICS].errors.labels(err.code or str(err.status)).inc()
-    return web.json_response(err.body(), status=err.status, headers=err.headers)
+    return web.json_response(error_body(dialect_of(request.path), err), status=err.status, headers=err.headers)
 
 
 @web.middleware
 async def _auth_middleware(request: web.Request, handler: Callable) -> web.StreamResponse:
     key = request.app[CONFIG].api_key
-    if key and request.path.startswith("/v1/"):
+    if key and request.path.startswith(("/v1/", "/api/")):
         header = request.headers.get("Authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        if scheme.lower() != "bearer":
+            token = request.headers.get("x-api-key", "")  # Anthropic's clients send the key here
+        if not hmac.compare_digest(token.strip().encode(errors="replace"), key.encode()):
             raise APIError(
                 401,
-                "missing or invalid API key: send `Authorization: Bearer <key>`",
+                "missing or invalid API key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`)",
                 type="authentication_error",
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},

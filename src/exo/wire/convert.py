@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import uuid
 
 from exo.engine import (
@@ -26,6 +27,13 @@ from .errors import NodeUnavailableError, QueueFullError, RequestTimeoutError
 from .proto_gen import node_pb2 as pb
 
 INT32_MAX = (1 << 31) - 1
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def utf8_safe(text: str) -> str:
+    """``text`` with any lone UTF-16 surrogate replaced by U+FFFD: protobuf strings are UTF-8, which cannot
+    hold one (a JSON body may: ``"\\ud800"``), and encoding one raised UnicodeEncodeError (a 500)."""
+    return _SURROGATE.sub("\ufffd", text)
 
 
 def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
@@ -73,7 +81,7 @@ def _logprob_from_pb(msg: pb.TokenLogprob) -> TokenLogprob:
 
 def chunk_to_pb(chunk: GenerationChunk) -> pb.GenerateChunk:
     return pb.GenerateChunk(
-        text=chunk.text,
+        text=utf8_safe(chunk.text),
         token_ids=chunk.token_ids,
         finish_reason=chunk.finish_reason or "",
         native_mtp_json=chunk.stats.model_dump_json() if chunk.stats is not None else "",
@@ -89,7 +97,9 @@ def chunk_from_pb(msg: pb.GenerateChunk) -> GenerationChunk:
 
 def error_chunk(type: str, message: str, *, param: str = "", retry_after_s: float = 0.0) -> pb.GenerateChunk:
     return pb.GenerateChunk(
-        error=pb.GenerateError(type=type, message=message, param=param, retry_after_s=retry_after_s)
+        error=pb.GenerateError(
+            type=type, message=utf8_safe(message), param=utf8_safe(param), retry_after_s=retry_after_s
+        )
     )
 
 
@@ -142,11 +152,11 @@ def generate_request(
 ) -> pb.GenerateRequest:
     request = pb.GenerateRequest(
         request_id=uuid.uuid4().hex,
-        model=model_id,
+        model=utf8_safe(model_id),
         instance_id=instance_id,
         default_max_tokens=params.default_max_tokens,
         sampling=sampling_to_pb(params.sampling),
-        stop=list(params.stop),
+        stop=[utf8_safe(s) for s in params.stop],
         native_mtp=params.native_mtp,
         timeout_s=timeout_s,
     )
@@ -158,7 +168,7 @@ def generate_request(
         ids = [t if 0 <= t < 1 << 63 else -1 for t in prompt.token_ids]
         request.token_ids.CopyFrom(pb.TokenIds(ids=ids))
     else:
-        request.text = prompt.text or ""
+        request.text = utf8_safe(prompt.text or "")
     if prompt.template_kwargs:
         request.template_kwargs_json = json.dumps(prompt.template_kwargs)
     if params.max_tokens is not None:
@@ -177,13 +187,13 @@ def generate_request(
 
 
 def _message_to_pb(message: dict) -> pb.ChatMessage:
-    out = pb.ChatMessage(role=message["role"], content=message.get("content") or "")
+    out = pb.ChatMessage(role=utf8_safe(message["role"]), content=utf8_safe(message.get("content") or ""))
     if message.get("tool_calls"):
-        out.tool_calls_json = json.dumps(message["tool_calls"])
+        out.tool_calls_json = json.dumps(message["tool_calls"])  # ASCII: surrogates escaped
     if message.get("tool_call_id") is not None:
-        out.tool_call_id = message["tool_call_id"]
+        out.tool_call_id = utf8_safe(message["tool_call_id"])
     if message.get("name") is not None:
-        out.name = message["name"]
+        out.name = utf8_safe(message["name"])
     return out
 
 
