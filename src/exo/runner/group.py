@@ -14,14 +14,27 @@ with the doorbell. So a receive first blocks on the doorbell (sleeping in the ke
 means the peer is gone: ``GroupError`` at once) and only then takes the message from the ring.
 The doorbells carry TCP keepalive, so a member whose machine is unreachable (asleep, its network cut)
 is a ``GroupError`` within about 5 s as well.
+
+Trust (``secret``: the cluster's ``EXO_CLUSTER_SECRET``): every member proves the secret before any of its
+messages is used. MLX's ring backend opens its own sockets and takes the FIRST connection on a member's ring
+port, whoever makes it, with no hook to authenticate it; so right after ``mx.distributed.init`` every member
+sends a fresh nonce and then an HMAC over every member's nonce, its rank and the hosts around the ring
+(``all_gather``), and checks every other member's: a group with a member that does not hold the secret (or
+belongs to another group) is a ``GroupError`` before any header or tensor crosses it. The doorbells are
+exo's own sockets: a connection proves the secret (challenge-response both ways) before it is taken, and a
+stray one is closed while the listener waits on for the real member. Once the group has formed, neither
+listener exists any more: a connection to a stage's ring or doorbell port is refused by the kernel.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import hmac
 import json
 import logging
 import os
+import secrets
 import socket
 import tempfile
 import threading
@@ -44,6 +57,23 @@ KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 2, 1, 3
 
 class GroupError(RuntimeError):
     """The group could not be formed, or a member of it was lost."""
+
+
+class GroupAuthError(GroupError):
+    """A member of the group (or a connection posing as one) did not prove the cluster secret."""
+
+
+NONCE_BYTES = 32
+DOORBELL_HANDSHAKE_S = 5.0  # a connection to a doorbell that has not proved the secret by then is closed
+
+
+def _mac(key: bytes, *parts: bytes | str | int) -> bytes:
+    """HMAC-SHA256 over ``parts``, each length-prefixed (no two part lists give the same message)."""
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    for part in parts:
+        data = part if isinstance(part, bytes) else str(part).encode()
+        h.update(len(data).to_bytes(4, "big") + data)
+    return h.digest()
 
 
 _HANDED_OUT: set[int] = set()
@@ -108,8 +138,9 @@ class RingLink:
     announced on the doorbell to the next member. A member sends only to the next one and receives only
     from the one before (the pipeline's ring order)."""
 
-    def __init__(self, group: Any, to_next: socket.socket, from_previous: socket.socket) -> None:
+    def __init__(self, group: Any, to_next: socket.socket, from_previous: socket.socket, doorbell_port: int = 0) -> None:
         self.group = group
+        self.doorbell_port = doorbell_port  # closed once the previous member rang in: a later connection is refused
         self.rank, self.size = group.rank(), group.size()
         self._to_next = to_next
         self._from_previous = from_previous
@@ -142,8 +173,73 @@ class RingLink:
         return mx.distributed.recv(shape, dtype, src, group=self.group)
 
 
-def _doorbells(group: Any, hosts: Sequence[str], rank: int, timeout_s: float) -> tuple[socket.socket, socket.socket]:
-    """Connect to the next member's doorbell and accept the previous member's (ports swapped over the ring)."""
+def _prove_members(group: Any, hosts: Sequence[str], rank: int, key: bytes) -> None:
+    """Every member proves the secret to every other over the ring, before the ring carries anything else:
+    fresh nonces first (all of them), then each member's HMAC over all the nonces, its rank and the hosts."""
+    import mlx.core as mx
+
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    nonces = mx.distributed.all_gather(mx.array(list(nonce), dtype=mx.uint8), group=group)
+    nonces = bytes(nonces.tolist())
+    ring = ",".join(hosts)
+    proof = _mac(key, "exo-ring-v1", ring, rank, nonces)
+    proofs = mx.distributed.all_gather(mx.array(list(proof), dtype=mx.uint8), group=group)
+    proofs = bytes(proofs.tolist())
+    if nonces[rank * NONCE_BYTES : (rank + 1) * NONCE_BYTES] != nonce:
+        raise GroupAuthError(f"rank {rank}: the ring did not carry this member's nonce back (a stray on the ring?)")
+    for member in range(len(hosts)):
+        got = proofs[member * len(proof) : (member + 1) * len(proof)]
+        if not hmac.compare_digest(got, _mac(key, "exo-ring-v1", ring, member, nonces)):
+            raise GroupAuthError(f"member {member} ({hosts[member]}) of the pipeline group did not prove the cluster "
+                                 "secret (EXO_CLUSTER_SECRET): the group is not formed")
+
+
+def _recv_exactly(s: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = s.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed during the handshake")
+        data += chunk
+    return data
+
+
+def _ring_doorbell(to_next: socket.socket, key: bytes, ring: str, rank: int) -> None:
+    """The connecting side of a doorbell: answer the next member's challenge, then check its answer to ours."""
+    challenge = _recv_exactly(to_next, NONCE_BYTES)
+    own = secrets.token_bytes(NONCE_BYTES)
+    to_next.sendall(_mac(key, "exo-doorbell-v1", ring, rank, challenge) + own)
+    answer = _recv_exactly(to_next, 32)
+    if not hmac.compare_digest(answer, _mac(key, "exo-doorbell-ack-v1", ring, rank, own)):
+        raise GroupAuthError(f"the doorbell of member {(rank + 1) % len(ring.split(','))} did not prove the cluster secret")
+
+
+def _answer_doorbell(listener: socket.socket, key: bytes, ring: str, previous: int, deadline: float) -> socket.socket:
+    """The accepting side: take the first connection that proves the secret for ``previous``; close the others."""
+    while True:
+        listener.settimeout(max(0.001, deadline - time.monotonic()))
+        try:
+            conn, address = listener.accept()
+        except TimeoutError as e:
+            raise GroupError(f"member {previous} never rang this member's doorbell") from e
+        try:
+            conn.settimeout(min(DOORBELL_HANDSHAKE_S, max(0.001, deadline - time.monotonic())))
+            challenge = secrets.token_bytes(NONCE_BYTES)
+            conn.sendall(challenge)
+            reply = _recv_exactly(conn, 32 + NONCE_BYTES)
+            if not hmac.compare_digest(reply[:32], _mac(key, "exo-doorbell-v1", ring, previous, challenge)):
+                raise GroupAuthError("a wrong proof")
+            conn.sendall(_mac(key, "exo-doorbell-ack-v1", ring, previous, reply[32:]))
+            return conn
+        except (OSError, GroupAuthError) as e:  # a stray (a scanner, a node without the secret): refused
+            log.warning("refused a connection to the pipeline doorbell from %s: %s", address, e)
+            conn.close()
+
+
+def _doorbells(group: Any, hosts: Sequence[str], rank: int, timeout_s: float,
+               key: bytes) -> tuple[socket.socket, socket.socket, int]:
+    """Connect to the next member's doorbell and accept the previous member's (ports swapped over the ring),
+    each connection proving the secret both ways before it is used."""
     import mlx.core as mx
 
     def address(i: int) -> tuple[str, int]:
@@ -151,23 +247,55 @@ def _doorbells(group: Any, hosts: Sequence[str], rank: int, timeout_s: float) ->
         return host.strip("[]"), int(port)
 
     own = address(rank)[0]
+    ring = ",".join(hosts)
+    previous = (rank - 1) % len(hosts)
     family = socket.AF_INET6 if ":" in own else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
+    deadline = time.monotonic() + timeout_s
+    accepted: list[socket.socket | BaseException] = []
     try:
         listener.bind((own, 0))
-        listener.listen(1)
-        listener.settimeout(timeout_s)
-        ports = mx.distributed.all_gather(mx.array([listener.getsockname()[1]], dtype=mx.int32), group=group)
+        listener.listen(8)
+        port = int(listener.getsockname()[1])
+        ports = mx.distributed.all_gather(mx.array([port], dtype=mx.int32), group=group)
+        # Accepting beside connecting: every member connects first, and each handshake needs its acceptor.
+        acceptor = threading.Thread(
+            target=lambda: accepted.append(_try(_answer_doorbell, listener, key, ring, previous, deadline)),
+            name="exo-doorbell-accept", daemon=True)
+        acceptor.start()
         following = (rank + 1) % len(hosts)
         to_next = socket.create_connection((address(following)[0], int(ports[following].item())), timeout_s)
-        from_previous, _ = listener.accept()
+        try:
+            to_next.settimeout(max(0.001, deadline - time.monotonic()))
+            _ring_doorbell(to_next, key, ring, rank)
+        except GroupAuthError:
+            to_next.close()
+            raise
+        except OSError as e:
+            to_next.close()
+            raise GroupError(f"the doorbell of member {following}: {e}") from e
+        acceptor.join(max(0.0, deadline - time.monotonic()) + 1.0)
     finally:
         listener.close()
+    if not accepted:
+        to_next.close()
+        raise GroupError(f"member {previous} never rang this member's doorbell")
+    if isinstance(accepted[0], BaseException):
+        to_next.close()
+        raise accepted[0]
+    from_previous = accepted[0]
     for s in (to_next, from_previous):
         s.settimeout(None)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         keep_alive(s)
-    return to_next, from_previous
+    return to_next, from_previous, port
+
+
+def _try(fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except BaseException as e:  # noqa: BLE001 - handed to the joining thread
+        return e
 
 
 def keep_alive(s: socket.socket) -> None:
@@ -180,8 +308,11 @@ def keep_alive(s: socket.socket) -> None:
             s.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
-def join_group(hosts: Sequence[str], rank: int, timeout_s: float = JOIN_TIMEOUT_S) -> RingLink:
-    """Join the ring of ``hosts`` ("ip:port" per rank) as ``rank``; returns the stage's ``RingLink``."""
+def join_group(hosts: Sequence[str], rank: int, timeout_s: float = JOIN_TIMEOUT_S, *,
+               secret: str | None = None) -> RingLink:
+    """Join the ring of ``hosts`` ("ip:port" per rank) as ``rank``; returns the stage's ``RingLink``. With
+    ``secret`` (the cluster's), every member proves it before the group carries anything (``GroupAuthError``);
+    without, the proofs still tie the members to this group's hosts (a member of another group is refused)."""
     import mlx.core as mx
 
     if not 0 <= rank < len(hosts) or len(hosts) < 2:
@@ -203,8 +334,10 @@ def join_group(hosts: Sequence[str], rank: int, timeout_s: float = JOIN_TIMEOUT_
         group = mx.distributed.init(strict=True, backend="ring")
         if group.size() != len(hosts) or group.rank() != rank:
             raise GroupError(f"joined as rank {group.rank()} of {group.size()}, expected {rank} of {len(hosts)}")
-        to_next, from_previous = _doorbells(group, hosts, rank, timeout_s)
+        key = secret.encode() if secret else b""
+        _prove_members(group, hosts, rank, key)
+        to_next, from_previous, doorbell_port = _doorbells(group, hosts, rank, timeout_s, key)
     finally:
         joined.set()
         os.unlink(path)
-    return RingLink(group, to_next, from_previous)
+    return RingLink(group, to_next, from_previous, doorbell_port)

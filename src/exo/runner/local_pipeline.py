@@ -92,7 +92,7 @@ def _stage_main(spec_file: str, rank: int) -> None:
     else:
         stage = StageSpec(rank, len(stages), start, end)
         loaded = load_checkpoint(model, layers=(start, end))
-        link = join_group(spec["hosts"], rank)
+        link = join_group(spec["hosts"], rank, secret=os.environ.get("EXO_CLUSTER_SECRET") or None)
         if not stage.last:
             serve_stage(loaded.model, stage, link)
             return
