@@ -1,6 +1,7 @@
 """Pipeline benchmark: tokens/s of one node vs 2- and 3-stage pipelines over loopback, MTP off and on.
 
-    python bench/pipeline.py [MODEL] [--stages 1,2,3] [--max-tokens 128] [--repeats 3] [--json] [--gpu-per-stage]
+    python bench/pipeline.py [MODEL] [--stages 1,2,3] [--modes plain,k1,k2,adaptive] [--max-tokens 128] [--repeats 3]
+                             [--json] [--gpu-per-stage] [--no-breakdown] [--clients 1,8,32 [--seconds 20]]
 
 Every configuration runs in fresh processes (one per stage, a ring over 127.0.0.1, exactly what a
 cluster's runners run: exo.runner.local_pipeline), the same prompts, greedy, EOS ignored so every
@@ -8,17 +9,48 @@ generation is max-tokens long. Repeats alternate the configurations, so a slow m
 hits all of them. Prints decode tokens/s (median over prompts and repeats) per stage count and mode, the
 ratio to one node in the same mode, acceptance, and what crosses a stage boundary (the leader's bytes,
 both ways) per round and per emitted token.
+
+The hop breakdown (on unless ``--no-breakdown``): per pipeline, mode, repeat and transport (``--transports``:
+"inline", a step's message on the stage's own doorbell socket, as exo runs; "ring", every message on MLX's
+ring, as before) one more run with ``EXO_PIPELINE_PHASES=1``, every stage's ``RingLink`` phases, median
+microseconds per step message (medians over the run, then over the repeats): on a send, work (since its
+previous message: its layers, on the leader sampling and drafting too), ready (evaluating what is sent: on a
+GPU the stream's synchronisation), ring (the message's send: device to host and the socket's write, or
+MLX's send) and bell (the rung before a message on the ring); on a receive, gap (since its previous
+message), wait (asleep on the doorbell: the other stages' work and the wire) and ring (the message into
+an array: host to device). A round is the leader's path (the sum of its phases); "hops" is what a round
+costs beyond every stage's own work, beside one node's time for as many tokens.
+
+The clients axis (``--clients 1,8,32``): two ``exo serve`` daemons on 127.0.0.1 (each stage's runner on its
+own GPU with ``--gpu-per-stage``), N clients streaming --max-tokens chat completions (temperature 0) back to
+back for --seconds through the first daemon's HTTP API, the model on one node, then placed over two
+(``min_nodes: 2``), in the same run: completed requests, errors, time to first token p50/p99, tokens/s
+of all clients together, and the ratio to one client on the same placement.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import statistics
 import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
 
 from exo.engine import load_checkpoint, resolve_model
+from exo.runner.group import PHASES
 from exo.runner.local_pipeline import run_local_pipeline
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from api_overhead import _free_port, start_server  # noqa: E402
+from batching import load as load_clients  # noqa: E402
+from batching import quantile  # noqa: E402
 
 MODES = {"plain": {"native_mtp": "off"}, "k1": {"mtp_k": 1}, "k2": {"mtp_k": 2}, "k3": {"mtp_k": 3},
          "adaptive": {}}
@@ -45,6 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--gpu-per-stage", action="store_true",
                    help="on a host with several CUDA GPUs: stage i on GPU i (CUDA_VISIBLE_DEVICES), as separate nodes")
+    p.add_argument("--no-breakdown", dest="breakdown", action="store_false",
+                   help="skip the traced runs that break a pipeline's round down per phase")
+    p.add_argument("--transports", default="ring,inline",
+                   help="the breakdown's A/B: 'ring' (every message on MLX's ring, a doorbell rung first, as before) "
+                   "and/or 'inline' (a step's message on the doorbell itself, exo's default)")
+    p.add_argument("--clients", default="", help="e.g. 1,8,32: concurrent streams through exo serve, one node and 2 stages")
+    p.add_argument("--clients-mode", default="plain", choices=sorted(MODES_API), help="the clients' native MTP mode")
+    p.add_argument("--seconds", type=float, default=20.0, help="per row of the clients axis")
     args = p.parse_args(argv)
     resolved = resolve_model(args.model)
     loaded = load_checkpoint(resolved.path)
@@ -87,9 +127,26 @@ def main(argv: list[str] | None = None) -> int:
                 "bytes_per_round": round(moved / steps) if stages > 1 and steps else 0,
                 "bytes_per_token": round(moved / tokens) if stages > 1 and tokens else 0,
             })
+    breakdown = []
+    if args.breakdown:  # repeats alternate the transports, as above: a slow moment hits both
+        runs: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
+        for repeat in range(args.repeats):
+            for stages in [n for n in stage_counts if n > 1]:
+                for mode in modes:
+                    for order in args.transports.split(","):
+                        runs.setdefault((stages, mode, order), []).append(hop_breakdown(
+                            resolved.path, split(n_layers, stages), mode, tokenizer, args, order,
+                            single=next((r for r in report if r["stages"] == 1 and r["mode"] == mode), None)))
+                        print(f"repeat {repeat + 1}/{args.repeats}: breakdown of {stages} stages, {mode}, {order} done "
+                              f"({runs[(stages, mode, order)][-1]['decode_tokens_per_s']:.1f} tok/s)",
+                              file=sys.stderr, flush=True)
+        breakdown = [_median_run(r) for r in runs.values()]
+    clients = []
+    if args.clients:
+        clients = clients_axis(resolved, [int(c) for c in args.clients.split(",")], args)
     if args.json:
         print(json.dumps({"model": resolved.model_id, "n_layers": n_layers, "max_tokens": args.max_tokens,
-                          "repeats": args.repeats, "rows": report}, indent=1))
+                          "repeats": args.repeats, "rows": report, "breakdown": breakdown, "clients": clients}, indent=1))
         return 0
     print(f"{resolved.model_id} ({n_layers} layers), {args.max_tokens} tokens x {len(PROMPTS)} prompts x "
           f"{args.repeats} repeats; ratio vs {stage_counts[0]} stage(s) in the same mode")
@@ -98,7 +155,161 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['stages']:>6} {row['mode']:>9} {row['decode_tokens_per_s']:>8.2f} {row['vs_first'] or 0:>6.3f} "
               f"{row['acceptance'] if row['acceptance'] is not None else '-':>7} {row['bytes_per_round']:>8} "
               f"{row['bytes_per_token']:>8}")
+    if breakdown:
+        print_breakdown(breakdown)
+    if clients:
+        print_clients(clients, args)
     return 0
+
+
+def hop_breakdown(path: Path, stages: list[tuple[int, int]], mode: str, tokenizer: Any, args: argparse.Namespace,
+                  order: str, single: dict[str, Any] | None) -> dict[str, Any]:
+    """One traced run of ``mode`` on ``stages``: every stage's link phases per step message (microseconds).
+    ``order``: "inline" (a step's message on the doorbell, as exo runs) or "ring" (every message on MLX's ring)."""
+    requests = [{"prompt": tokenizer.encode(p), "max_tokens": args.max_tokens, "ignore_eos": True, **MODES[mode]}
+                for p in PROMPTS]
+    env = [{"EXO_PIPELINE_PHASES": "1", **({"EXO_RING_INLINE_BYTES": "0"} if order == "ring" else {}),
+            **({"CUDA_VISIBLE_DEVICES": str(r)} if args.gpu_per_stage else {})} for r in range(len(stages))]
+    out = run_local_pipeline(path, stages, requests, warmup=True, stage_env=env)
+    # Medians per step message: robust to the warm-up's first steps and to a shared machine's slow moments.
+    medians = [{phase: 1e6 * statistics.median(link["samples"][phase] or [0.0]) for phase in PHASES}
+               for link in out["links"]]
+    leader = medians[-1]
+    round_us = sum(leader.values())  # the leader's path around one round
+    own_work = sum(m["send.work"] for m in medians)  # every stage's layers (the leader's: and sampling)
+    tps = statistics.median(r["stats"]["decode_tokens_per_s"] for r in out["results"])
+    stats = [r["stats"] for r in out["results"]]
+    tokens_per_round = sum(s["completion_tokens"] for s in stats) / max(1, sum(sum(s["k_histogram"].values()) for s in stats))
+    return {
+        "stages": len(stages), "mode": mode, "order": order, "tokens_per_round": round(tokens_per_round, 3),
+        "decode_tokens_per_s": round(tps, 2), "median_us": [{k: round(v, 1) for k, v in m.items()} for m in medians],
+        "round_us": round(round_us, 1), "own_work_us": round(own_work, 1), "hop_us": round(round_us - own_work, 1),
+        "one_node_round_us": round(1e6 * tokens_per_round / single["decode_tokens_per_s"], 1) if single else None,
+    }
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The repeats of one breakdown as one: every figure's median."""
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, float):
+            out[key] = round(statistics.median(r[key] for r in runs), 2)
+    out["median_us"] = [{phase: round(statistics.median(r["median_us"][rank][phase] for r in runs), 1) for phase in PHASES}
+                        for rank in range(len(runs[0]["median_us"]))]
+    out["repeats"] = len(runs)
+    return out
+
+
+def print_breakdown(breakdown: list[dict[str, Any]]) -> None:
+    print("\nhop breakdown: median microseconds per step message (EXO_PIPELINE_PHASES=1: receives timed apart; the "
+          "last rank leads)\n  send: work (since its last message: layers, sampling) ready (evaluating what is sent) "
+          "ring (the ring's send) bell (the doorbell)\n  recv: gap (since its last message) wait (asleep on the "
+          "doorbell) ring (the ring's receive)")
+    names = [p.replace("send.", "s.").replace("recv.", "r.") for p in PHASES]
+    print(f"{'stages':>6} {'mode':>6} {'path':>6} {'rank':>4} " + " ".join(f"{n:>8}" for n in names))
+    for b in breakdown:
+        for rank, m in enumerate(b["median_us"]):
+            print(f"{b['stages']:>6} {b['mode']:>6} {b['order']:>6} {rank:>4} " + " ".join(f"{m[p]:>8.0f}" for p in PHASES))
+        one = f"; one node {b['one_node_round_us']:.0f} us for as many tokens" if b["one_node_round_us"] else ""
+        print(f"{'':>6} {b['mode']:>6} {b['order']:>6}   round {b['round_us']:.0f} us = stages' work {b['own_work_us']:.0f} "
+              f"+ hops {b['hop_us']:.0f}{one} ({b['tokens_per_round']:.2f} tokens/round, "
+              f"{b['decode_tokens_per_s']:.1f} tok/s traced)")
+
+
+def clients_axis(resolved: Any, counts: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """N concurrent streams through ``exo serve``: the model on one node, then over two, in this run."""
+    homes = [tempfile.TemporaryDirectory(prefix="exo-bench-pipeline-") for _ in range(2)]
+    ports = [(_free_port(), _free_port()) for _ in range(2)]
+    model = str(resolved.path) if resolved.card is None else resolved.model_id
+    processes = []
+    saved = dict(os.environ)
+    rows: list[dict[str, Any]] = []
+    try:
+        os.environ["EXO_MAX_QUEUE"] = str(max(256, 4 * max(counts)))
+        for i, (port, grpc_port) in enumerate(ports):
+            if args.gpu_per_stage:
+                os.environ["CUDA_VISIBLE_DEVICES"] = str(i)
+            peers = f"127.0.0.1:{ports[0][1]}" if i else None
+            processes.append(start_server(model, port, grpc_port, peers=peers, home=homes[i].name))
+        url = f"http://127.0.0.1:{ports[0][0]}"
+        asyncio.run(_wait_for_peer(url))
+        for placement in ("one node", "2 stages"):
+            model_id = asyncio.run(_place(url, 2 if placement == "2 stages" else 1))
+            asyncio.run(load_clients(url, 2, 3.0, args.max_tokens))  # warm
+            for n in counts:
+                r = asyncio.run(load_clients(url, n, args.seconds, args.max_tokens, MODES_API[args.clients_mode]))
+                rows.append({"placement": placement, "model": model_id, "clients": n, "completed": r["completed"],
+                             "errors": r["errors"], "ttft_p50_s": round(quantile(r["ttft"], 0.5), 3),
+                             "ttft_p99_s": round(quantile(r["ttft"], 0.99), 3), "tok_s": round(r["tok_s"], 2)})
+                print(f"  clients: {placement} x {n}: {r['completed']} completed, {r['errors']} errors, "
+                      f"{r['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(30)
+            except Exception:  # noqa: BLE001 - a daemon that does not stop is killed
+                process.kill()
+        for home in homes:
+            home.cleanup()
+    for row in rows:
+        one = next(r for r in rows if r["placement"] == row["placement"] and r["clients"] == counts[0])
+        row["vs_one_client"] = round(row["tok_s"] / one["tok_s"], 3) if one["tok_s"] else None
+        node = next(r for r in rows if r["placement"] == "one node" and r["clients"] == row["clients"])
+        row["vs_one_node"] = round(row["tok_s"] / node["tok_s"], 3) if node["tok_s"] else None
+    return rows
+
+
+MODES_API: dict[str, dict[str, Any] | None] = {"plain": {"enabled": False}, "adaptive": None,
+                                                **{f"k{k}": {"k": k} for k in range(1, 4)}}
+
+
+async def _wait_for_peer(url: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        for _ in range(300):
+            async with session.get(url + "/v1/cluster") as response:
+                if len((await response.json())["nodes"]) >= 2:
+                    return
+            await asyncio.sleep(0.2)
+    raise RuntimeError("the two daemons did not meet")
+
+
+async def _place(url: str, nodes: int) -> str:
+    """Remove every instance, then place the model on ``nodes`` nodes and wait until it is ready."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        async with session.get(url + "/v1/instances") as response:
+            instances = (await response.json())["instances"]
+        model_id = instances[0]["model"] if instances else None
+        for inst in instances:
+            async with session.delete(f"{url}/v1/instances/{inst['id']}") as response:
+                await response.read()
+        if model_id is None:
+            async with session.get(url + "/v1/models") as response:
+                model_id = (await response.json())["data"][0]["id"]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the deleted instances leave every node's view
+            async with session.get(url + "/v1/instances") as response:
+                if not [i for i in (await response.json())["instances"] if i["state"] != "gone"]:
+                    break
+            await asyncio.sleep(0.3)
+        body = {"model": model_id, "wait": True, **({"min_nodes": nodes} if nodes > 1 else {})}
+        async with session.post(url + "/v1/instances", json=body) as response:
+            if response.status != 201:
+                raise RuntimeError(f"placing {model_id} on {nodes} node(s): {response.status} {await response.text()}")
+        return model_id
+
+
+def print_clients(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print(f"\nclients through exo serve ({args.max_tokens}-token streamed chat completions, {args.seconds:.0f} s per row, "
+          f"native MTP {args.clients_mode}); ratios in this run")
+    print(f"{'placement':>9} {'clients':>7} {'done':>5} {'errors':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'tok/s':>7} "
+          f"{'vs 1 client':>11} {'vs one node':>11}")
+    for r in rows:
+        print(f"{r['placement']:>9} {r['clients']:>7} {r['completed']:>5} {r['errors']:>6} {r['ttft_p50_s']:>8.2f}s "
+              f"{r['ttft_p99_s']:>8.2f}s {r['tok_s']:>7.1f} {r['vs_one_client']:>10.2f}x {r['vs_one_node']:>10.2f}x")
 
 
 if __name__ == "__main__":

@@ -43,7 +43,9 @@ MEMBER = textwrap.dedent(
             link.send(mx.arange(i, i + 4096, dtype=mx.int32).reshape(1, -1), peer)
             back = link.recv((1, 4096), mx.int32, peer)
             assert back.tolist()[0] == list(range(i + 1, i + 4097)), i
-        big = mx.ones((1, 2048, 1024), dtype=mx.bfloat16)  # larger than the socket buffers
+        small = mx.arange(24, dtype=mx.float32).reshape(4, 6).T.astype(mx.bfloat16)  # not contiguous, bf16
+        link.send(small, peer)
+        big = mx.ones((1, 2048, 1024), dtype=mx.bfloat16)  # larger than the socket buffers: on the ring
         link.send(big, peer)
         print("rank 0 done", flush=True)
         if mode == "vanish":
@@ -53,6 +55,8 @@ MEMBER = textwrap.dedent(
         for i in range(20):
             x = link.recv((1, 4096), mx.int32, peer)
             link.send(x + 1, peer)
+        small = link.recv((6, 4), mx.bfloat16, peer)
+        assert small.tolist() == mx.arange(24, dtype=mx.float32).reshape(4, 6).T.tolist(), small
         big = link.recv((1, 2048, 1024), mx.bfloat16, peer)
         assert big.sum().item() == 2048 * 1024
         started = time.monotonic()
@@ -66,15 +70,18 @@ MEMBER = textwrap.dedent(
 
 
 def run_pair(mode: str, secrets: tuple[str, str] = ("-", "-"), *, hosts: str | None = None,
-             before_rank_1=None, codes: list[int] | None = None) -> list[str]:
+             before_rank_1=None, codes: list[int] | None = None, env: dict[str, str] | None = None) -> list[str]:
     """The two members' outputs; every member must exit 0 unless ``codes`` is given (then it gets the codes)."""
+    import os
+
     hosts = hosts or f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
     procs = []
     for rank in (0, 1):
         if rank == 1 and before_rank_1 is not None:
             before_rank_1()
         procs.append(subprocess.Popen([sys.executable, "-c", MEMBER, str(rank), hosts, mode, secrets[rank]],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env={**os.environ, **(env or {})}))
     outs = []
     deadline = time.monotonic() + 60
     for p in procs:
@@ -88,7 +95,9 @@ def run_pair(mode: str, secrets: tuple[str, str] = ("-", "-"), *, hosts: str | N
 
 
 def test_messages_arrive_in_order_both_ways_and_a_vanished_member_is_an_error_at_once() -> None:
+    """Step-sized messages travel on the doorbell, larger ones on the ring; both arrive as sent, in order."""
     assert run_pair("stay") == ["rank 0 done", "rank 1 got 7"]
+    assert run_pair("stay", env={"EXO_RING_INLINE_BYTES": "0"}) == ["rank 0 done", "rank 1 got 7"]  # all on the ring
     first, second = run_pair("vanish")
     assert first == "rank 0 done"
     assert second.startswith("rank 1 GroupError after") and "gone" in second, second
@@ -175,8 +184,13 @@ def test_a_doorbell_takes_only_a_connection_that_proves_the_secret(monkeypatch) 
 
         threading.Thread(target=other_secret, daemon=True).start()
         member = socket.create_connection(address)
-        threading.Thread(target=group._ring_doorbell, args=(member, key, ring, 0), daemon=True).start()
+        member_done: list[BaseException | None] = []
+        member_thread = threading.Thread(
+            target=lambda: member_done.append(group._try(group._ring_doorbell, member, key, ring, 0)), daemon=True)
+        member_thread.start()
         taken = group._answer_doorbell(listener, key, ring, 0, time.monotonic() + 10)
+        member_thread.join(10)
+        assert member_done == [None]  # the member checked the doorbell's proof too
         with taken, member, silent, garbage, other:
             member.sendall(b"\x01")
             assert taken.recv(1) == b"\x01"  # the one taken is the member's

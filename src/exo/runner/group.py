@@ -15,6 +15,11 @@ means the peer is gone: ``GroupError`` at once) and only then takes the message 
 The doorbells carry TCP keepalive, so a member whose machine is unreachable (asleep, its network cut)
 is a ``GroupError`` within about 5 s as well.
 
+A step's message (a header, a decode round's hiddens: up to ``INLINE_BYTES``) travels on the doorbell
+itself, behind a 5-byte prefix: one write and one read on exo's own socket, where MLX's ring hands each
+message between its threads and the receiver spins until the bytes are there (bench/pipeline.py's hop
+breakdown measures both). A larger message (a prefill chunk's hiddens) takes the ring, a rung first.
+
 Trust (``secret``: the cluster's ``EXO_CLUSTER_SECRET``): every member proves the secret before any of its
 messages is used. MLX's ring backend opens its own sockets and takes the FIRST connection on a member's ring
 port, whoever makes it, with no hook to authenticate it; so right after ``mx.distributed.init`` every member
@@ -133,44 +138,165 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise OSError(f"no TCP port on {host} that this process or another has not handed out already")
 
 
+# Where a member's time goes, per message of a step (``RingLink.report()``; bench/pipeline.py's breakdown):
+#   send.work: since the member's previous message ended (its layers, and on the leader sampling and drafting);
+#   send.ready: evaluating what is sent (on a GPU the stream's synchronisation);
+#   send.ring / send.bell: the message's send (on the doorbell: the bytes to host and the socket's write; on
+#     the ring: MLX's send), the rung before a message on the ring;
+#   recv.gap: since the previous message ended (Python between the two);
+#   recv.wait: asleep until the previous member rings (the other stages' work, the wire's latency);
+#   recv.ring: taking the message into an array (host to device): for a message on the ring timed apart only
+#     with ``EXO_PIPELINE_PHASES=1``, otherwise it is evaluated inside the member's next compute.
+# Only step-sized messages (up to ``INLINE_BYTES``: headers, decode rounds) are sampled, not prefill chunks.
+PHASES = ("send.work", "send.ready", "send.ring", "send.bell", "recv.gap", "recv.wait", "recv.ring")
+# A step's message up to this size (a header, a decode round's hiddens: at depth 3 of a model with H = 4096 in
+# bf16, 32 KiB) travels on the doorbell itself, after its 5-byte prefix: one write and one read of this
+# member's own socket, where the ring's send and receive hand the message between MLX's threads (tens of
+# microseconds each way) and the receiver spins on the ring until the bytes are there. It fits the sockets'
+# buffers (a receive window of 64 KiB and more on Linux and macOS), so a send completes without its reader.
+# Larger messages (prefill chunks) take the ring, announced by a rung first.
+INLINE_BYTES = 32 * 1024
+_ON_RING, _INLINE = 1, 2  # the doorbell's prefix: kind (1 byte), payload bytes (4, big-endian)
+MAX_SAMPLES = 200_000  # per phase: a long-lived runner's link stops sampling there
+
+
 class RingLink:
     """The stages' ``exo.engine.pipeline.Link``: the messages travel over the ``mx.distributed`` ring, each
     announced on the doorbell to the next member. A member sends only to the next one and receives only
     from the one before (the pipeline's ring order)."""
 
-    def __init__(self, group: Any, to_next: socket.socket, from_previous: socket.socket, doorbell_port: int = 0) -> None:
+    def __init__(self, group: Any, to_next: socket.socket, from_previous: socket.socket, doorbell_port: int = 0,
+                 *, timed_receives: bool | None = None) -> None:
         self.group = group
         self.doorbell_port = doorbell_port  # closed once the previous member rang in: a later connection is refused
         self.rank, self.size = group.rank(), group.size()
         self._to_next = to_next
         self._from_previous = from_previous
+        self.timed_receives = (os.environ.get("EXO_PIPELINE_PHASES") == "1") if timed_receives is None else timed_receives
+        # Messages up to this size travel on the doorbell (0: every one on the ring, as before it carried any).
+        self.inline_bytes = int(os.environ.get("EXO_RING_INLINE_BYTES", INLINE_BYTES))
+        self._buffers: dict[int, bytearray] = {}  # receive buffers by size, kept
+        self.samples: dict[str, list[float]] = {phase: [] for phase in PHASES}  # seconds, per message
+        self._mark: float | None = None  # when the last message ended
+
+    def _sample(self, nbytes: int, **phases: float) -> None:
+        if nbytes <= INLINE_BYTES and len(self.samples["recv.wait"]) < MAX_SAMPLES:
+            for phase, seconds in phases.items():
+                self.samples[phase.replace("_", ".", 1)].append(seconds)
 
     def send(self, x: Any, dst: int) -> None:
         import mlx.core as mx
 
         if dst != (self.rank + 1) % self.size:
             raise ValueError(f"rank {self.rank} sends to the next member only, not to {dst}")
+        t0 = time.perf_counter()
         mx.eval(x)  # computed before the peer is woken: it must not wait through our compute
+        t1 = time.perf_counter()
+        if x.nbytes <= self.inline_bytes:
+            try:
+                payload = memoryview(x).cast("B")
+            except TypeError:  # not contiguous
+                x = mx.contiguous(x)
+                mx.eval(x)
+                payload = memoryview(x).cast("B")
+            t2 = t1  # no rung: the message is its own
+            self._write(dst, [_prefix(_INLINE, x.nbytes), payload])
+            t3 = time.perf_counter()
+        else:
+            # On the ring: it completes only while the peer receives it, so the rung goes first.
+            self._write(dst, [_prefix(_ON_RING, 0)])
+            t2 = time.perf_counter()
+            mx.eval(mx.distributed.send(x, dst, group=self.group))
+            t3 = time.perf_counter()
+        work = t0 - self._mark if self._mark is not None else 0.0
+        self._mark = t3
+        self._sample(x.nbytes, send_work=work, send_ready=t1 - t0, send_ring=t3 - t2, send_bell=t2 - t1)
+
+    def _write(self, dst: int, parts: list[Any]) -> None:
         try:
-            # Rung before the data: a message larger than the socket buffers completes only while the
-            # peer receives it.
-            self._to_next.sendall(b"\x01")
+            if len(parts) == 1:
+                self._to_next.sendall(parts[0])
+            else:
+                _sendmsg_all(self._to_next, parts)
         except OSError as e:
             raise GroupError(f"member {dst} of the pipeline group is gone ({e})") from e
-        mx.eval(mx.distributed.send(x, dst, group=self.group))
 
     def recv(self, shape: tuple[int, ...], dtype: Any, src: int) -> Any:
         import mlx.core as mx
 
         if src != (self.rank - 1) % self.size:
             raise ValueError(f"rank {self.rank} receives from the member before it only, not from {src}")
+        t0 = time.perf_counter()
         try:
-            rung = self._from_previous.recv(1)
-        except OSError as e:
+            kind, size = _read_prefix(self._from_previous)
+        except (OSError, ConnectionError) as e:
             raise GroupError(f"member {src} of the pipeline group is gone ({e})") from e
-        if not rung:
-            raise GroupError(f"member {src} of the pipeline group is gone (its connection closed)")
-        return mx.distributed.recv(shape, dtype, src, group=self.group)
+        t1 = time.perf_counter()
+        nbytes = dtype.size
+        for n in shape:
+            nbytes *= n
+        if kind == _INLINE:
+            if size != nbytes:
+                raise GroupError(f"member {src} sent {size} bytes where this member expected {shape} {dtype}")
+            buffer = self._buffers.get(size)
+            if buffer is None:
+                buffer = self._buffers[size] = bytearray(size)
+            try:
+                _read_into(self._from_previous, memoryview(buffer))
+            except (OSError, ConnectionError) as e:
+                raise GroupError(f"member {src} of the pipeline group is gone ({e})") from e
+            out = _from_bytes(buffer, shape, dtype)  # a copy: the buffer is the next message's
+        elif kind == _ON_RING:
+            out = mx.distributed.recv(shape, dtype, src, group=self.group)
+            if self.timed_receives:
+                mx.eval(out)
+        else:
+            raise GroupError(f"member {src} sent a doorbell message of kind {kind}")
+        t2 = time.perf_counter()
+        gap = t0 - self._mark if self._mark is not None else 0.0
+        self._mark = t2
+        self._sample(nbytes, recv_gap=gap, recv_wait=t1 - t0, recv_ring=t2 - t1)
+        return out
+
+    def report(self) -> dict[str, Any]:
+        """Every phase's samples (seconds per step message), for the benchmark."""
+        return {"rank": self.rank, "size": self.size, "timed_receives": self.timed_receives,
+                "inline_bytes": self.inline_bytes, "samples": self.samples}
+
+
+def _prefix(kind: int, size: int) -> bytes:
+    return bytes([kind]) + size.to_bytes(4, "big")
+
+
+def _sendmsg_all(s: socket.socket, parts: list[Any]) -> None:
+    """Write ``parts`` in one call where the kernel takes them whole (the usual case), else the rest after."""
+    sent = s.sendmsg(parts)
+    if sent < sum(len(p) for p in parts):
+        s.sendall(b"".join(bytes(p) for p in parts)[sent:])
+
+
+def _read_prefix(s: socket.socket) -> tuple[int, int]:
+    prefix = bytearray(5)
+    _read_into(s, memoryview(prefix))
+    return prefix[0], int.from_bytes(prefix[1:], "big")
+
+
+def _read_into(s: socket.socket, view: memoryview) -> None:
+    while view:
+        n = s.recv_into(view)
+        if not n:
+            raise ConnectionError("its connection closed")
+        view = view[n:]
+
+
+def _from_bytes(buffer: bytearray, shape: tuple[int, ...], dtype: Any) -> Any:
+    """An MLX array of ``shape`` and ``dtype`` from its bytes (copied; bf16 through a 16-bit view)."""
+    import mlx.core as mx
+    import numpy as np
+
+    carrier = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.size]
+    x = mx.array(np.frombuffer(buffer, dtype=carrier))
+    return (x.view(dtype) if x.dtype != dtype else x).reshape(shape)
 
 
 def _prove_members(group: Any, hosts: Sequence[str], rank: int, key: bytes) -> None:
