@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transports", default="ring,inline",
                    help="the breakdown's A/B: 'ring' (every message on MLX's ring, a doorbell rung first, as before) "
                    "and/or 'inline' (a step's message on the doorbell itself, exo's default)")
+    p.add_argument("--transport-ab", action="store_true",
+                   help="also the transports' A/B outside a model: round trips of step-sized messages, inline vs ring")
+    p.add_argument("--transport-work-ms", type=float, default=2.0, help="compute per side per round in that A/B")
     p.add_argument("--clients", default="", help="e.g. 1,8,32: concurrent streams through exo serve, one node and 2 stages")
     p.add_argument("--clients-mode", default="plain", choices=sorted(MODES_API), help="the clients' native MTP mode")
     p.add_argument("--seconds", type=float, default=20.0, help="per row of the clients axis")
@@ -141,12 +144,20 @@ def main(argv: list[str] | None = None) -> int:
                               f"({runs[(stages, mode, order)][-1]['decode_tokens_per_s']:.1f} tok/s)",
                               file=sys.stderr, flush=True)
         breakdown = [_median_run(r) for r in runs.values()]
+    transports = []
+    if args.transport_ab:
+        dtype = str(loaded.model.stage_layers[0].input_layernorm.weight.dtype).removeprefix("mlx.core.")
+        for rows in (1, 3):  # a plain step's hiddens, a round's at K = 2
+            for hidden, dt in ((loaded.model.hidden_size, dtype), (4096, "bfloat16")):
+                transports.append(transport_ab(rows, hidden, dt, args.transport_work_ms, 2 * args.repeats + 2))
+                print(f"transport A/B [{rows}, {hidden}] {dt} done", file=sys.stderr, flush=True)
     clients = []
     if args.clients:
         clients = clients_axis(resolved, [int(c) for c in args.clients.split(",")], args)
     if args.json:
         print(json.dumps({"model": resolved.model_id, "n_layers": n_layers, "max_tokens": args.max_tokens,
-                          "repeats": args.repeats, "rows": report, "breakdown": breakdown, "clients": clients}, indent=1))
+                          "repeats": args.repeats, "rows": report, "breakdown": breakdown, "transports": transports,
+                          "clients": clients}, indent=1))
         return 0
     print(f"{resolved.model_id} ({n_layers} layers), {args.max_tokens} tokens x {len(PROMPTS)} prompts x "
           f"{args.repeats} repeats; ratio vs {stage_counts[0]} stage(s) in the same mode")
@@ -157,6 +168,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['bytes_per_token']:>8}")
     if breakdown:
         print_breakdown(breakdown)
+    if transports:
+        print(f"\ntransport A/B: two processes pass [1, rows, H] back and forth with ~{args.transport_work_ms:g} ms of "
+              "compute on each side; round p50 with the message on the doorbell (inline) and on MLX's ring, "
+              "alternating blocks in the same processes")
+        print(f"{'rows':>4} {'H':>6} {'dtype':>9} {'bytes':>7} {'work us':>8} {'inline us':>9} {'ring us':>8} {'ring/inline':>11}")
+        for t in transports:
+            print(f"{t['rows']:>4} {t['hidden']:>6} {t['dtype']:>9} {t['bytes']:>7} {t['work_us']:>8.0f} {t['inline']:>9.0f} "
+                  f"{t['ring']:>8.0f} {t['inline_vs_ring']:>10.2f}x")
     if clients:
         print_clients(clients, args)
     return 0
@@ -186,6 +205,63 @@ def hop_breakdown(path: Path, stages: list[tuple[int, int]], mode: str, tokenize
         "round_us": round(round_us, 1), "own_work_us": round(own_work, 1), "hop_us": round(round_us - own_work, 1),
         "one_node_round_us": round(1e6 * tokens_per_round / single["decode_tokens_per_s"], 1) if single else None,
     }
+
+
+TRANSPORT_MEMBER = """
+import json, statistics, sys, time
+import mlx.core as mx
+from exo.runner.group import join_group
+rank, hosts, rows, hidden, dtype, work_ms, blocks = (int(sys.argv[1]), sys.argv[2].split(","), int(sys.argv[3]),
+                                                    int(sys.argv[4]), getattr(mx, sys.argv[5]), float(sys.argv[6]),
+                                                    int(sys.argv[7]))
+link = join_group(hosts, rank, timeout_s=60)
+w = mx.random.normal((256, 256)) / 16  # the stand-in for a stage's layers: a fixed chain of small matmuls
+z = mx.random.normal((1, 256))
+x = mx.random.normal((1, rows, hidden)).astype(dtype)
+mx.eval(w, z, x)
+def work(x, n):
+    h = z
+    for _ in range(n):
+        h = mx.tanh(h @ w)
+    return x + h.sum().astype(x.dtype)  # the message depends on the work, as a stage's output does
+n, t = 1, 0.0  # matmuls for about work_ms
+while t < work_ms / 1000 and n < 1 << 16:
+    n *= 2
+    t0 = time.perf_counter(); mx.eval(work(x, n)); t = time.perf_counter() - t0
+rounds = {"inline": [], "ring": []}
+for block in range(blocks):  # alternating blocks: a slow moment of the machine hits both transports
+    mode = "inline" if block % 2 == 0 else "ring"
+    link.inline_bytes = 1 << 30 if mode == "inline" else 0
+    for i in range(30):
+        t0 = time.perf_counter()
+        if rank == 0:
+            y = work(x, n); mx.eval(y); link.send(y, 1); x = link.recv((1, rows, hidden), dtype, 1); mx.eval(x)
+        else:
+            x = link.recv((1, rows, hidden), dtype, 0); y = work(x, n); mx.eval(y); link.send(y, 0)
+        if i >= 3:
+            rounds[mode].append(time.perf_counter() - t0)
+if rank == 0:
+    print(json.dumps({m: 1e6 * statistics.median(v) for m, v in rounds.items()} | {"work_us": 1e6 * t}))
+"""
+
+
+def transport_ab(rows: int, hidden: int, dtype: str, work_ms: float, blocks: int) -> dict[str, Any]:
+    """Two processes pass a [1, rows, hidden] message back and forth with ~work_ms of compute on each side,
+    the message on the doorbell (inline) and on MLX's ring in alternating blocks: round p50 of each."""
+    import subprocess
+
+    from exo.runner.group import free_port
+
+    hosts = f"127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    argv = [str(rows), str(hidden), dtype, str(work_ms), str(blocks)]
+    procs = [subprocess.Popen([sys.executable, "-c", TRANSPORT_MEMBER, str(rank), hosts, *argv], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError("\n".join(err[-2000:] for _, err in outs))
+    result = json.loads(outs[0][0])
+    return {"rows": rows, "hidden": hidden, "dtype": dtype, "bytes": rows * hidden * (2 if "16" in dtype else 4),
+            **{k: round(v, 1) for k, v in result.items()}, "inline_vs_ring": round(result["ring"] / result["inline"], 3)}
 
 
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
