@@ -1,7 +1,9 @@
 """Pipeline benchmark: tokens/s of one node vs 2- and 3-stage pipelines over loopback, MTP off and on.
 
     python bench/pipeline.py [MODEL] [--stages 1,2,3] [--modes plain,k1,k2,adaptive] [--max-tokens 128] [--repeats 3]
-                             [--json] [--gpu-per-stage] [--no-breakdown] [--clients 1,8,32 [--seconds 20]]
+                             [--json] [--gpu-per-stage] [--no-breakdown | --breakdown-only] [--breakdown-modes plain]
+                             [--breakdown-repeats 1] [--transports ring,inline] [--transport-ab]
+                             [--clients 1,8,32 [--seconds 20]]
 
 Every configuration runs in fresh processes (one per stage, a ring over 127.0.0.1, exactly what a
 cluster's runners run: exo.runner.local_pipeline), the same prompts, greedy, EOS ignored so every
@@ -10,7 +12,8 @@ hits all of them. Prints decode tokens/s (median over prompts and repeats) per s
 ratio to one node in the same mode, acceptance, and what crosses a stage boundary (the leader's bytes,
 both ways) per round and per emitted token.
 
-The hop breakdown (on unless ``--no-breakdown``): per pipeline, mode, repeat and transport (``--transports``:
+The hop breakdown (on unless ``--no-breakdown``; printed as each run finishes): per pipeline, mode
+(``--breakdown-modes``), repeat (``--breakdown-repeats``) and transport (``--transports``:
 "inline", a step's message on the stage's own doorbell socket, as exo runs; "ring", every message on MLX's
 ring, as before) one more run with ``EXO_PIPELINE_PHASES=1``, every stage's ``RingLink`` phases, median
 microseconds per step message (medians over the run, then over the repeats): on a send, work (since its
@@ -79,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="on a host with several CUDA GPUs: stage i on GPU i (CUDA_VISIBLE_DEVICES), as separate nodes")
     p.add_argument("--no-breakdown", dest="breakdown", action="store_false",
                    help="skip the traced runs that break a pipeline's round down per phase")
+    p.add_argument("--breakdown-modes", default="", help="the breakdown's modes (default: --modes)")
+    p.add_argument("--breakdown-repeats", type=int, default=1)
+    p.add_argument("--breakdown-only", action="store_true", help="skip the tokens/s table (the breakdown's runs only)")
     p.add_argument("--transports", default="ring,inline",
                    help="the breakdown's A/B: 'ring' (every message on MLX's ring, a doorbell rung first, as before) "
                    "and/or 'inline' (a step's message on the doorbell itself, exo's default)")
@@ -102,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                              **MODES[mode]})
             keys.append(mode)
     rows: dict[tuple[int, str], list[dict]] = {}
-    for repeat in range(args.repeats):
+    for repeat in range(0 if args.breakdown_only else args.repeats):
         for stages in stage_counts:
             env = [{"CUDA_VISIBLE_DEVICES": str(rank)} for rank in range(stages)] if args.gpu_per_stage else None
             out = run_local_pipeline(resolved.path, split(n_layers, stages), requests, warmup=True, stage_env=env)
@@ -113,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"repeat {repeat + 1}/{args.repeats}: {stages} stage(s) done (tok/s: "
                   + ", ".join(f"{mode} {tps:.1f}" for mode, tps in done.items()) + ")", file=sys.stderr, flush=True)
     report = []
-    for stages in stage_counts:
+    for stages in stage_counts if rows else []:
         for mode in modes:
             results = rows[(stages, mode)]
             tps = statistics.median(r["stats"]["decode_tokens_per_s"] for r in results)
@@ -130,20 +136,27 @@ def main(argv: list[str] | None = None) -> int:
                 "bytes_per_round": round(moved / steps) if stages > 1 and steps else 0,
                 "bytes_per_token": round(moved / tokens) if stages > 1 and tokens else 0,
             })
+    if not args.json and report:
+        print_table(resolved.model_id, n_layers, args, stage_counts, report)
     breakdown = []
     if args.breakdown:  # repeats alternate the transports, as above: a slow moment hits both
         runs: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
-        for repeat in range(args.repeats):
+        if not args.json:
+            print_breakdown_header()
+        for repeat in range(args.breakdown_repeats):
             for stages in [n for n in stage_counts if n > 1]:
-                for mode in modes:
+                for mode in (args.breakdown_modes or args.modes).split(","):
                     for order in args.transports.split(","):
-                        runs.setdefault((stages, mode, order), []).append(hop_breakdown(
-                            resolved.path, split(n_layers, stages), mode, tokenizer, args, order,
-                            single=next((r for r in report if r["stages"] == 1 and r["mode"] == mode), None)))
-                        print(f"repeat {repeat + 1}/{args.repeats}: breakdown of {stages} stages, {mode}, {order} done "
-                              f"({runs[(stages, mode, order)][-1]['decode_tokens_per_s']:.1f} tok/s)",
-                              file=sys.stderr, flush=True)
+                        run = hop_breakdown(resolved.path, split(n_layers, stages), mode, tokenizer, args, order,
+                                            single=next((r for r in report if r["stages"] == 1 and r["mode"] == mode), None))
+                        runs.setdefault((stages, mode, order), []).append(run)
+                        if not args.json:  # as each run finishes: a cut-off run still shows what it measured
+                            print_breakdown_rows(run, f"repeat {repeat + 1}/{args.breakdown_repeats}")
         breakdown = [_median_run(r) for r in runs.values()]
+        if not args.json and args.breakdown_repeats > 1:
+            print(f"\nmedians over the {args.breakdown_repeats} repeats:")
+            for b in breakdown:
+                print_breakdown_rows(b, "median")
     transports = []
     if args.transport_ab:
         dtype = str(loaded.model.stage_layers[0].input_layernorm.weight.dtype).removeprefix("mlx.core.")
@@ -159,15 +172,6 @@ def main(argv: list[str] | None = None) -> int:
                           "repeats": args.repeats, "rows": report, "breakdown": breakdown, "transports": transports,
                           "clients": clients}, indent=1))
         return 0
-    print(f"{resolved.model_id} ({n_layers} layers), {args.max_tokens} tokens x {len(PROMPTS)} prompts x "
-          f"{args.repeats} repeats; ratio vs {stage_counts[0]} stage(s) in the same mode")
-    print(f"{'stages':>6} {'mode':>9} {'tok/s':>8} {'ratio':>6} {'accept':>7} {'B/round':>8} {'B/token':>8}")
-    for row in report:
-        print(f"{row['stages']:>6} {row['mode']:>9} {row['decode_tokens_per_s']:>8.2f} {row['vs_first'] or 0:>6.3f} "
-              f"{row['acceptance'] if row['acceptance'] is not None else '-':>7} {row['bytes_per_round']:>8} "
-              f"{row['bytes_per_token']:>8}")
-    if breakdown:
-        print_breakdown(breakdown)
     if transports:
         print(f"\ntransport A/B: two processes pass [1, rows, H] back and forth with ~{args.transport_work_ms:g} ms of "
               "compute on each side; round p50 with the message on the doorbell (inline) and on MLX's ring, "
@@ -179,6 +183,17 @@ def main(argv: list[str] | None = None) -> int:
     if clients:
         print_clients(clients, args)
     return 0
+
+
+def print_table(model_id: str, n_layers: int, args: argparse.Namespace, stage_counts: list[int],
+                report: list[dict[str, Any]]) -> None:
+    print(f"{model_id} ({n_layers} layers), {args.max_tokens} tokens x {len(PROMPTS)} prompts x "
+          f"{args.repeats} repeats; ratio vs {stage_counts[0]} stage(s) in the same mode")
+    print(f"{'stages':>6} {'mode':>9} {'tok/s':>8} {'ratio':>6} {'accept':>7} {'B/round':>8} {'B/token':>8}")
+    for row in report:
+        print(f"{row['stages']:>6} {row['mode']:>9} {row['decode_tokens_per_s']:>8.2f} {row['vs_first'] or 0:>6.3f} "
+              f"{row['acceptance'] if row['acceptance'] is not None else '-':>7} {row['bytes_per_round']:>8} "
+              f"{row['bytes_per_token']:>8}")
 
 
 def hop_breakdown(path: Path, stages: list[tuple[int, int]], mode: str, tokenizer: Any, args: argparse.Namespace,
@@ -276,20 +291,22 @@ def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def print_breakdown(breakdown: list[dict[str, Any]]) -> None:
+def print_breakdown_header() -> None:
     print("\nhop breakdown: median microseconds per step message (EXO_PIPELINE_PHASES=1: receives timed apart; the "
           "last rank leads)\n  send: work (since its last message: layers, sampling) ready (evaluating what is sent) "
-          "ring (the ring's send) bell (the doorbell)\n  recv: gap (since its last message) wait (asleep on the "
-          "doorbell) ring (the ring's receive)")
+          "ring (the message's send) bell (the rung before a message on the ring)\n  recv: gap (since its last "
+          "message) wait (asleep on the doorbell) ring (the message into an array)", flush=True)
     names = [p.replace("send.", "s.").replace("recv.", "r.") for p in PHASES]
-    print(f"{'stages':>6} {'mode':>6} {'path':>6} {'rank':>4} " + " ".join(f"{n:>8}" for n in names))
-    for b in breakdown:
-        for rank, m in enumerate(b["median_us"]):
-            print(f"{b['stages']:>6} {b['mode']:>6} {b['order']:>6} {rank:>4} " + " ".join(f"{m[p]:>8.0f}" for p in PHASES))
-        one = f"; one node {b['one_node_round_us']:.0f} us for as many tokens" if b["one_node_round_us"] else ""
-        print(f"{'':>6} {b['mode']:>6} {b['order']:>6}   round {b['round_us']:.0f} us = stages' work {b['own_work_us']:.0f} "
-              f"+ hops {b['hop_us']:.0f}{one} ({b['tokens_per_round']:.2f} tokens/round, "
-              f"{b['decode_tokens_per_s']:.1f} tok/s traced)")
+    print(f"{'stages':>6} {'mode':>6} {'path':>6} {'rank':>4} " + " ".join(f"{n:>8}" for n in names), flush=True)
+
+
+def print_breakdown_rows(b: dict[str, Any], label: str) -> None:
+    for rank, m in enumerate(b["median_us"]):
+        print(f"{b['stages']:>6} {b['mode']:>6} {b['order']:>6} {rank:>4} " + " ".join(f"{m[p]:>8.0f}" for p in PHASES))
+    one = f"; one node {b['one_node_round_us']:.0f} us for as many tokens" if b["one_node_round_us"] else ""
+    print(f"{'':>6} {b['mode']:>6} {b['order']:>6}   ({label}) round {b['round_us']:.0f} us = stages' work "
+          f"{b['own_work_us']:.0f} + hops {b['hop_us']:.0f}{one} ({b['tokens_per_round']:.2f} tokens/round, "
+          f"{b['decode_tokens_per_s']:.1f} tok/s traced)", flush=True)
 
 
 def clients_axis(resolved: Any, counts: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
