@@ -5,6 +5,7 @@ which says another instance of the model is live, and the lookup of that instanc
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -47,3 +48,92 @@ def test_an_instance_that_went_away_is_placed_anew(service):
     with pytest.raises(pl.ModelNotOnDiskError):
         asyncio.run(service._place_and_wait("exo-demo", None))
     assert len(seen) == 2
+
+
+def test_a_reference_unknown_here_is_looked_up_in_the_cluster_on_the_event_loop(service):
+    """``acquire`` resolves a reference in a worker thread (it may read the disk); the fallback that asks the
+    cluster (``located()``, which prunes ``_routes`` and ``_recent`` while the loop reassigns them) must run
+    on the loop's thread, never beside it."""
+    import threading
+
+    from exo.cards import UnknownModelError
+
+    threads: list[int] = []
+    located = service.located
+
+    def recording():
+        threads.append(threading.get_ident())
+        return located()
+
+    service.located = recording  # type: ignore[method-assign]
+
+    async def main() -> int:
+        with pytest.raises(UnknownModelError):
+            await service.acquire("no-such-model-anywhere", 1.0)
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(main())
+    assert threads and set(threads) == {loop_thread}
+
+
+class _Call:
+    """A ``Generate`` call's client side (the gRPC edge): the messages it will read, then silence until
+    cancelled, as a runner that is still generating."""
+
+    def __init__(self, messages) -> None:
+        self.messages = list(messages)
+        self.cancelled = False
+
+    async def read(self):
+        if self.messages:
+            return self.messages.pop(0)
+        await asyncio.Event().wait()  # a stream that is still running
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+def _finishes(service, messages, *, disconnect: bool) -> dict[str, float]:
+    from exo.cluster.orchestration import RemoteGenerationStream
+    from exo.cluster.views import Located
+    from exo.wire.proto_gen import node_pb2 as pb
+
+    call = _Call(messages)
+    service.open_call = lambda located, request, timeout: call  # type: ignore[method-assign]
+
+    async def main() -> None:
+        located = Located(service.node_id, pb.Instance(instance_id="i1", model_id="exo-demo"))
+        stream = RemoteGenerationStream(service, located, pb.GenerateRequest(request_id="r1", model="exo-demo"),
+                                        timeout_s=60.0, arrived=time.monotonic())
+        for _ in range(20):
+            await asyncio.sleep(0)  # the pump reads what there is
+        if disconnect:
+            stream.cancel()
+        await asyncio.gather(stream._task, return_exceptions=True)
+        assert call.cancelled == disconnect
+
+    asyncio.run(main())
+    registry = service.metrics.registry
+    return {reason: registry.get_sample_value("exo_generations_total", {"model": "exo-demo", "finish_reason": reason})
+            or 0.0 for reason in ("cancelled", "error", "rejected", "timeout")}
+
+
+def test_a_client_that_disconnects_is_a_cancelled_generation_not_an_error(service):
+    from exo.wire.proto_gen import node_pb2 as pb
+
+    messages = [pb.GenerateChunk(started=pb.Started(prompt_tokens=3, max_tokens=8)),
+                pb.GenerateChunk(text="hi", token_ids=[5])]
+    assert _finishes(service, messages, disconnect=True) == {"cancelled": 1, "error": 0, "rejected": 0, "timeout": 0}
+
+
+def test_an_error_after_the_stream_started_is_an_error_and_before_it_a_rejection(service):
+    from exo.wire.convert import error_chunk
+    from exo.wire.proto_gen import node_pb2 as pb
+
+    started = pb.GenerateChunk(started=pb.Started(prompt_tokens=3, max_tokens=8))
+    failed = error_chunk("node_unavailable", "a stage of the pipeline is gone")
+    mid = _finishes(service, [started, pb.GenerateChunk(text="hi", token_ids=[5]), failed], disconnect=False)
+    assert mid == {"cancelled": 0, "error": 1, "rejected": 0, "timeout": 0}
+    before = _finishes(service, [failed], disconnect=False)
+    assert before == {"cancelled": 0, "error": 1, "rejected": 1, "timeout": 0}

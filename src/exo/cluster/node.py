@@ -82,7 +82,10 @@ class ClusterNode:
         self.name = name or socket.gethostname()
         self.identity = NodeIdentity(settings.home)
         self.auth = ClusterAuth(settings.cluster_secret.get_secret_value() if settings.cluster_secret else None)
-        self.supervisor = InstanceSupervisor(settings.home, node_id=lambda: self.identity.node_id, max_restarts=max_restarts)
+        # The runners of a pipeline prove the cluster secret to each other when their group forms (runner/group.py).
+        secret = {"EXO_CLUSTER_SECRET": settings.cluster_secret.get_secret_value()} if settings.cluster_secret else {}
+        self.supervisor = InstanceSupervisor(settings.home, node_id=lambda: self.identity.node_id,
+                                             max_restarts=max_restarts, env=secret)
         self._on_peer_lost = on_peer_lost
         self.registry = PeerRegistry(
             self.identity,

@@ -24,12 +24,13 @@ fetches its stage's files; the instance is ``downloading`` meanwhile, then loads
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import socket
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import grpc
 
@@ -72,6 +73,7 @@ from .supervisor import InstanceFailedError, UnknownInstanceError
 from .views import STATE_NAMES, Located, download_json, instance_json, node_json, pipeline_json
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CALL_TIMEOUT_S = 5.0
 POLL_READY_S = 0.2
@@ -128,9 +130,11 @@ class ClusterModelService:
         self._broken: dict[str, float] = {}  # instance id -> when this node saw it broken
         self._tasks: set[asyncio.Task[Any]] = set()
         self._watcher: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one whose thread owns the cluster's view
 
     # -- lifecycle (the app's startup and cleanup hooks) ------------------------------------------------------
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         await self.node.start()
         self._watcher = asyncio.create_task(self._watch_pipelines(), name="exo-pipeline-watch")
 
@@ -284,7 +288,9 @@ class ClusterModelService:
             return None
 
     def model_id(self, ref: str) -> str:
-        """A request's model reference -> a model id known somewhere in the cluster (may read the disk)."""
+        """A request's model reference -> a model id known somewhere in the cluster (may read the disk: callers
+        run it in a worker thread). The cluster's view (``located()``, which also prunes ``_routes`` and
+        ``_recent``, and the peers' answers) belongs to the event loop: that part runs there."""
         try:
             return self.models.resolve(ref).model_id
         except ModelNotAvailableError:
@@ -293,13 +299,40 @@ class ClusterModelService:
                 return card.id
             raise
         except UnknownModelError:
-            for loc in self.located():
-                if ref in (loc.instance.model_id, loc.instance.model_ref):
-                    return loc.instance.model_id
-            for peer in self.peers():
-                if any(m.model_id == ref for m in peer.info.models):
-                    return ref
-            raise
+            found = self._on_loop(self._known_in_cluster, ref)
+            if found is None:
+                raise
+            return found
+
+    def _known_in_cluster(self, ref: str) -> str | None:
+        for loc in self.located():
+            if ref in (loc.instance.model_id, loc.instance.model_ref):
+                return loc.instance.model_id
+        for peer in self.peers():
+            if any(m.model_id == ref for m in peer.info.models):
+                return ref
+        return None
+
+    def _on_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the event loop's thread (at once when called there, or before the loop is known)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return fn(*args)
+        try:
+            if asyncio.get_running_loop() is loop:
+                return fn(*args)
+        except RuntimeError:  # a worker thread: no running loop
+            pass
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                done.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                done.set_exception(e)
+
+        loop.call_soon_threadsafe(run)
+        return done.result()
 
     # -- ModelService ------------------------------------------------------------------------------------------
     def list_models(self) -> list[ModelInfo]:
@@ -339,6 +372,7 @@ class ClusterModelService:
         )
 
     async def acquire(self, model: str | None, timeout: float) -> str:
+        self._loop = asyncio.get_running_loop()
         ref = self.default_model if model is None else model
         model_id = await asyncio.to_thread(self.model_id, ref)
         deadline = time.monotonic() + max(timeout, 0.0)
@@ -855,7 +889,9 @@ class RemoteGenerationStream(BatchedStream):
         self.service._streams.discard(self)
 
     async def _pump(self) -> None:
-        finish, stats = "error", None
+        # The finish reason for the metrics, as a runner's job counts it: "rejected" only before the stream
+        # started (the request never ran), "error" after, "cancelled" when the client went away (cancel()).
+        finish, stats, started = "error", None, False
         try:
             while True:
                 try:
@@ -873,9 +909,10 @@ class RemoteGenerationStream(BatchedStream):
                     continue
                 if msg.HasField("error"):
                     self._items.put_nowait(Failed(error_from_pb(msg.error)))
-                    finish = "rejected"
+                    finish = "error" if started else "rejected"
                     return
                 if msg.HasField("started"):
+                    started = True
                     s = msg.started
                     self._items.put_nowait(Started(s.prompt_tokens, s.max_tokens, s.queue_s, s.thinking))
                     continue
@@ -892,6 +929,9 @@ class RemoteGenerationStream(BatchedStream):
             elif e.code() != grpc.StatusCode.CANCELLED:
                 self._items.put_nowait(Failed(_rpc_error(e, self._where)))
             finish = "cancelled" if e.code() == grpc.StatusCode.CANCELLED else "error"
+        except asyncio.CancelledError:  # cancel(): the client went away
+            finish = "cancelled"
+            raise
         finally:
             self.service._streams.discard(self)
             if finish == "cancelled" and time.monotonic() > self.deadline:

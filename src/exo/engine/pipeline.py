@@ -38,13 +38,86 @@ from .verify import VerifyMode
 
 log = logging.getLogger(__name__)
 
-# The step header: int32 [HEADER_LEN]: 7 fields, then up to INLINE_TOKENS token ids (a decode step's or a
-# verify round's rows travel in the header itself: one message per step; a longer prefill chunk follows it).
+# The step header: a fixed int32 [HEADER_LEN] message (``StepHeader``): 9 named fields, then up to INLINE_TOKENS
+# token ids (a decode step's or a verify round's rows travel in the header itself: one message per step; a
+# longer prefill chunk follows it). ``version`` changes with the layout; ``step`` counts the leader's messages
+# since the group formed, so a stage that misses or repeats one stops instead of computing on the wrong input.
 OP_FORWARD, OP_END, OP_SHUTDOWN = 1, 2, 3
-_OP, _ROWS, _VERIFY, _MOE, _KEEP_ROWS, _KEEP_KEPT, _PER_ROW = range(7)
+HEADER_VERSION = 1
+HEADER_FIELDS = 9
 INLINE_TOKENS = 8
-HEADER_LEN = 7 + INLINE_TOKENS
+HEADER_LEN = HEADER_FIELDS + INLINE_TOKENS
 NO_ROLLBACK = -1
+
+
+class StepHeaderError(RuntimeError):
+    """A step header this stage cannot act on (another version, a step out of order, an unknown op): the
+    stages disagree about where they are, so the stage stops (its group is formed anew) rather than compute."""
+
+
+@dataclass(frozen=True)
+class StepHeader:
+    """What the leader decided for one step, as every stage reads it. ``moe``: 0 for a plain step, else
+    1 + the index of the verify call's MoE mode in ``MOE_MODES``; ``keep_rows``/``keep_kept``: the previous
+    verify call's rows and how many of them to keep (``NO_ROLLBACK``: none owed); ``tokens``: the step's ids
+    when ``rows <= INLINE_TOKENS`` (the first stage's input), else empty."""
+
+    op: int
+    step: int
+    rows: int = 0
+    verify: bool = False
+    moe: int = 0
+    per_row: bool = False
+    keep_rows: int = NO_ROLLBACK
+    keep_kept: int = NO_ROLLBACK
+    tokens: tuple[int, ...] = ()
+    version: int = HEADER_VERSION
+
+    @classmethod
+    def forward(cls, step: int, rows: int, verify: VerifyMode | None, rollback: tuple[int, int] | None,
+                tokens: tuple[int, ...] = ()) -> StepHeader:
+        keep, kept = rollback if rollback is not None else (NO_ROLLBACK, NO_ROLLBACK)
+        moe = 0 if verify is None else MOE_MODES.index(verify.moe) + 1
+        return cls(OP_FORWARD, step, rows, verify is not None, moe, bool(verify is not None and verify.per_row_attention),
+                   keep, kept, tokens)
+
+    def fields(self) -> list[int]:
+        return [self.version, self.op, self.step, self.rows, int(self.verify), self.moe, int(self.per_row),
+                self.keep_rows, self.keep_kept]
+
+    def encode(self, inline: mx.array | None = None) -> mx.array:
+        """The int32 [HEADER_LEN] message. ``inline``: the step's ids as an array (kept lazy: the leader's
+        drafts need not be read back to the host to be sent), instead of ``tokens``."""
+        if inline is None:
+            inline = mx.array(list(self.tokens), dtype=mx.int32)
+        inline = inline.reshape(-1).astype(mx.int32)
+        if inline.shape[0] > INLINE_TOKENS:
+            raise ValueError(f"{inline.shape[0]} token ids inline, at most {INLINE_TOKENS}")
+        padding = mx.zeros((INLINE_TOKENS - inline.shape[0],), dtype=mx.int32)
+        return mx.concatenate([mx.array(self.fields(), dtype=mx.int32), inline, padding])
+
+    @classmethod
+    def decode(cls, values: list[int]) -> StepHeader:
+        """A received message -> the header; ``StepHeaderError`` for another version, an unknown op or fields
+        out of range (never a guess)."""
+        if len(values) != HEADER_LEN:
+            raise StepHeaderError(f"a step header of {len(values)} int32, expected {HEADER_LEN}")
+        version, op, step, rows, verify, moe, per_row, keep, kept = values[:HEADER_FIELDS]
+        if version != HEADER_VERSION:
+            raise StepHeaderError(f"step header version {version}, this stage speaks {HEADER_VERSION}: "
+                                  "every stage of a pipeline must run the same exo version")
+        if op not in (OP_FORWARD, OP_END, OP_SHUTDOWN):
+            raise StepHeaderError(f"unknown step op {op} (step {step})")
+        if op == OP_FORWARD and (rows < 1 or verify not in (0, 1) or not 0 <= moe <= len(MOE_MODES)
+                                 or bool(verify) != (moe > 0) or per_row not in (0, 1)
+                                 or (keep != NO_ROLLBACK and not 0 <= kept <= keep)):
+            raise StepHeaderError(f"malformed forward step header {values[:HEADER_FIELDS]}")
+        inline = values[HEADER_FIELDS : HEADER_FIELDS + rows] if op == OP_FORWARD and rows <= INLINE_TOKENS else []
+        return cls(op, step, rows, bool(verify), moe, bool(per_row), keep, kept, tuple(inline), version)
+
+    @property
+    def verify_mode(self) -> VerifyMode | None:
+        return VerifyMode(MOE_MODES[self.moe - 1], self.per_row) if self.verify else None
 
 
 @dataclass(frozen=True)
@@ -92,17 +165,6 @@ class Link(Protocol):
     def recv(self, shape: tuple[int, ...], dtype: mx.Dtype, src: int) -> mx.array: ...
 
 
-def _header(op: int, rows: int = 0, verify: VerifyMode | None = None,
-            rollback: tuple[int, int] | None = None, tokens: mx.array | None = None) -> mx.array:
-    keep_rows_, kept = rollback if rollback is not None else (NO_ROLLBACK, NO_ROLLBACK)
-    moe = 0 if verify is None else MOE_MODES.index(verify.moe) + 1
-    per_row = int(verify is not None and verify.per_row_attention)
-    fields = mx.array([op, rows, int(verify is not None), moe, keep_rows_, kept, per_row], dtype=mx.int32)
-    inline = tokens.reshape(-1).astype(mx.int32) if tokens is not None else mx.zeros((0,), dtype=mx.int32)
-    padding = mx.zeros((INLINE_TOKENS - inline.shape[0],), dtype=mx.int32)
-    return mx.concatenate([fields, inline, padding])
-
-
 def hidden_dtype(model: SpeculativeBackbone) -> mx.Dtype:
     """The activations' dtype between stages: the dtype the layers compute in (their norms' weights)."""
     layer = model.stage_layers[0]
@@ -125,6 +187,7 @@ class PipelineForward:
         self._rollback: tuple[int, int] | None = None  # owed to the other stages, sent with the next step
         self.bytes_sent = 0  # by this stage, for the benchmark's per-round figures
         self.bytes_received = 0
+        self._step = 0  # the next step header's number: every stage expects them in order from 0
 
     def new_cache(self) -> list[Any]:
         return self.model.make_cache()
@@ -132,10 +195,9 @@ class PipelineForward:
     def hidden(self, tokens: mx.array, cache: list[Any], *, verify: bool = False) -> mx.array:
         rows = int(tokens.shape[-1])
         inline = rows <= INLINE_TOKENS
-        header = _header(OP_FORWARD, rows, self.verify if verify else None, self._rollback,
-                         tokens if inline else None)
+        header = StepHeader.forward(self._next_step(), rows, self.verify if verify else None, self._rollback)
         self._rollback = None
-        self.link.send(header, 0)
+        self.link.send(header.encode(tokens if inline else None), 0)
         if not inline:  # a prefill chunk's ids follow the header (the first stage reads the row count)
             self.link.send(tokens.reshape(-1).astype(mx.uint32), 0)
             self.bytes_sent += 4 * rows
@@ -153,11 +215,15 @@ class PipelineForward:
 
     def end(self, cache: list[Any]) -> None:
         self._rollback = None
-        self.link.send(_header(OP_END), 0)
+        self.link.send(StepHeader(OP_END, self._next_step()).encode(), 0)
 
     def shutdown(self) -> None:
         """Tell the other stages to return from ``serve_stage`` (the group is closing)."""
-        self.link.send(_header(OP_SHUTDOWN), 0)
+        self.link.send(StepHeader(OP_SHUTDOWN, self._next_step()).encode(), 0)
+
+    def _next_step(self) -> int:
+        step, self._step = self._step, self._step + 1
+        return step
 
 
 def serve_stage(
@@ -174,35 +240,39 @@ def serve_stage(
     hidden_size = model.hidden_size
     forward_header = stage.next != stage.world_size - 1  # the leader knows the header: it wrote it
     cache = model.make_cache()
+    expected = 0  # the step number the next header must carry
     while True:
-        header = link.recv((HEADER_LEN,), mx.int32, stage.previous)
-        mx.eval(header)
-        fields = header.tolist()
-        op, rows = fields[_OP], fields[_ROWS]
-        if op in (OP_END, OP_SHUTDOWN):
+        message = link.recv((HEADER_LEN,), mx.int32, stage.previous)
+        mx.eval(message)
+        header = StepHeader.decode(message.tolist())
+        if header.step != expected:
+            raise StepHeaderError(f"pipeline stage {stage.rank}: step {header.step} arrived, expected step {expected} "
+                                  "(a message was lost or repeated)")
+        expected += 1
+        if header.op in (OP_END, OP_SHUTDOWN):
             if forward_header:
-                link.send(header, stage.next)
-            if op == OP_SHUTDOWN:
+                link.send(message, stage.next)
+            if header.op == OP_SHUTDOWN:
                 return
             cache = model.make_cache()  # nothing of a request survives it
             continue
-        if op != OP_FORWARD or rows < 1:
-            raise RuntimeError(f"pipeline stage {stage.rank}: unexpected step header {fields}")
-        if fields[_KEEP_ROWS] != NO_ROLLBACK:
-            keep_rows(cache, fields[_KEEP_ROWS], fields[_KEEP_KEPT])
+        rows = header.rows
+        if header.keep_rows != NO_ROLLBACK:
+            keep_rows(cache, header.keep_rows, header.keep_kept)
         if stage.first and rows <= INLINE_TOKENS:
-            x = mx.array(fields[HEADER_LEN - INLINE_TOKENS : HEADER_LEN - INLINE_TOKENS + rows], dtype=mx.uint32)[None]
+            x = mx.array(list(header.tokens), dtype=mx.uint32)[None]
         elif stage.first:
             x = link.recv((rows,), mx.uint32, stage.previous)[None]
         else:
             x = link.recv((1, rows, hidden_size), dtype, stage.previous)
-        if fields[_VERIFY]:
-            with verify_call(model, cache, VerifyMode(MOE_MODES[fields[_MOE] - 1], bool(fields[_PER_ROW]))):
+        verify = header.verify_mode
+        if verify is not None:
+            with verify_call(model, cache, verify):
                 h = model.stage_hidden(x, cache)
         else:
             h = model.stage_hidden(x, cache)
         if forward_header:
-            link.send(header, stage.next)  # the next stage reads it while this one computes
+            link.send(message, stage.next)  # the next stage reads it while this one computes
         mx.eval(h, *[c.state for c in cache if c.state is not None])
         link.send(h, stage.next)
         if on_step is not None:

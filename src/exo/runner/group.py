@@ -14,14 +14,32 @@ with the doorbell. So a receive first blocks on the doorbell (sleeping in the ke
 means the peer is gone: ``GroupError`` at once) and only then takes the message from the ring.
 The doorbells carry TCP keepalive, so a member whose machine is unreachable (asleep, its network cut)
 is a ``GroupError`` within about 5 s as well.
+
+A step's message (a header, a decode round's hiddens: up to ``INLINE_BYTES``) travels on the doorbell
+itself, behind a 5-byte prefix: one write and one read on exo's own socket, where MLX's ring hands each
+message between its threads and the receiver spins until the bytes are there (bench/pipeline.py's hop
+breakdown measures both). A larger message (a prefill chunk's hiddens) takes the ring, a rung first.
+
+Trust (``secret``: the cluster's ``EXO_CLUSTER_SECRET``): every member proves the secret before any of its
+messages is used. MLX's ring backend opens its own sockets and takes the FIRST connection on a member's ring
+port, whoever makes it, with no hook to authenticate it; so right after ``mx.distributed.init`` every member
+sends a fresh nonce and then an HMAC over every member's nonce, its rank and the hosts around the ring
+(``all_gather``), and checks every other member's: a group with a member that does not hold the secret (or
+belongs to another group) is a ``GroupError`` before any header or tensor crosses it. The doorbells are
+exo's own sockets: a connection proves the secret (challenge-response both ways) before it is taken, and a
+stray one is closed while the listener waits on for the real member. Once the group has formed, neither
+listener exists any more: a connection to a stage's ring or doorbell port is refused by the kernel.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import hmac
 import json
 import logging
 import os
+import secrets
 import socket
 import tempfile
 import threading
@@ -44,6 +62,23 @@ KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 2, 1, 3
 
 class GroupError(RuntimeError):
     """The group could not be formed, or a member of it was lost."""
+
+
+class GroupAuthError(GroupError):
+    """A member of the group (or a connection posing as one) did not prove the cluster secret."""
+
+
+NONCE_BYTES = 32
+DOORBELL_HANDSHAKE_S = 5.0  # a connection to a doorbell that has not proved the secret by then is closed
+
+
+def _mac(key: bytes, *parts: bytes | str | int) -> bytes:
+    """HMAC-SHA256 over ``parts``, each length-prefixed (no two part lists give the same message)."""
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    for part in parts:
+        data = part if isinstance(part, bytes) else str(part).encode()
+        h.update(len(data).to_bytes(4, "big") + data)
+    return h.digest()
 
 
 _HANDED_OUT: set[int] = set()
@@ -103,47 +138,234 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise OSError(f"no TCP port on {host} that this process or another has not handed out already")
 
 
+# Where a member's time goes, per message of a step (``RingLink.report()``; bench/pipeline.py's breakdown):
+#   send.work: since the member's previous message ended (its layers, and on the leader sampling and drafting);
+#   send.ready: evaluating what is sent (on a GPU the stream's synchronisation);
+#   send.ring / send.bell: the message's send (on the doorbell: the bytes to host and the socket's write; on
+#     the ring: MLX's send), the rung before a message on the ring;
+#   recv.gap: since the previous message ended (Python between the two);
+#   recv.wait: asleep until the previous member rings (the other stages' work, the wire's latency);
+#   recv.ring: taking the message into an array (host to device): for a message on the ring timed apart only
+#     with ``EXO_PIPELINE_PHASES=1``, otherwise it is evaluated inside the member's next compute.
+# Only step-sized messages (up to ``INLINE_BYTES``: headers, decode rounds) are sampled, not prefill chunks.
+PHASES = ("send.work", "send.ready", "send.ring", "send.bell", "recv.gap", "recv.wait", "recv.ring")
+# A step's message up to this size (a header, a decode round's hiddens: at depth 3 of a model with H = 4096 in
+# bf16, 32 KiB) travels on the doorbell itself, after its 5-byte prefix: one write and one read of this
+# member's own socket, where the ring's send and receive hand the message between MLX's threads (tens of
+# microseconds each way) and the receiver spins on the ring until the bytes are there. It fits the sockets'
+# buffers (a receive window of 64 KiB and more on Linux and macOS), so a send completes without its reader.
+# Larger messages (prefill chunks) take the ring, announced by a rung first.
+INLINE_BYTES = 32 * 1024
+_ON_RING, _INLINE = 1, 2  # the doorbell's prefix: kind (1 byte), payload bytes (4, big-endian)
+MAX_SAMPLES = 200_000  # per phase: a long-lived runner's link stops sampling there
+
+
 class RingLink:
     """The stages' ``exo.engine.pipeline.Link``: the messages travel over the ``mx.distributed`` ring, each
     announced on the doorbell to the next member. A member sends only to the next one and receives only
     from the one before (the pipeline's ring order)."""
 
-    def __init__(self, group: Any, to_next: socket.socket, from_previous: socket.socket) -> None:
+    def __init__(self, group: Any, to_next: socket.socket, from_previous: socket.socket, doorbell_port: int = 0,
+                 *, timed_receives: bool | None = None) -> None:
         self.group = group
+        self.doorbell_port = doorbell_port  # closed once the previous member rang in: a later connection is refused
         self.rank, self.size = group.rank(), group.size()
         self._to_next = to_next
         self._from_previous = from_previous
+        self.timed_receives = (os.environ.get("EXO_PIPELINE_PHASES") == "1") if timed_receives is None else timed_receives
+        # Messages up to this size travel on the doorbell (0: every one on the ring, as before it carried any).
+        self.inline_bytes = int(os.environ.get("EXO_RING_INLINE_BYTES", INLINE_BYTES))
+        self._buffers: dict[int, bytearray] = {}  # receive buffers by size, kept
+        self.samples: dict[str, list[float]] = {phase: [] for phase in PHASES}  # seconds, per message
+        self._mark: float | None = None  # when the last message ended
+
+    def _sample(self, nbytes: int, **phases: float) -> None:
+        if nbytes <= INLINE_BYTES and len(self.samples["recv.wait"]) < MAX_SAMPLES:
+            for phase, seconds in phases.items():
+                self.samples[phase.replace("_", ".", 1)].append(seconds)
 
     def send(self, x: Any, dst: int) -> None:
         import mlx.core as mx
 
         if dst != (self.rank + 1) % self.size:
             raise ValueError(f"rank {self.rank} sends to the next member only, not to {dst}")
+        t0 = time.perf_counter()
         mx.eval(x)  # computed before the peer is woken: it must not wait through our compute
+        t1 = time.perf_counter()
+        if x.nbytes <= self.inline_bytes:
+            try:
+                payload = memoryview(x).cast("B")
+            except TypeError:  # not contiguous
+                x = mx.contiguous(x)
+                mx.eval(x)
+                payload = memoryview(x).cast("B")
+            t2 = t1  # no rung: the message is its own
+            self._write(dst, [_prefix(_INLINE, x.nbytes), payload])
+            t3 = time.perf_counter()
+        else:
+            # On the ring: it completes only while the peer receives it, so the rung goes first.
+            self._write(dst, [_prefix(_ON_RING, 0)])
+            t2 = time.perf_counter()
+            mx.eval(mx.distributed.send(x, dst, group=self.group))
+            t3 = time.perf_counter()
+        work = t0 - self._mark if self._mark is not None else 0.0
+        self._mark = t3
+        self._sample(x.nbytes, send_work=work, send_ready=t1 - t0, send_ring=t3 - t2, send_bell=t2 - t1)
+
+    def _write(self, dst: int, parts: list[Any]) -> None:
         try:
-            # Rung before the data: a message larger than the socket buffers completes only while the
-            # peer receives it.
-            self._to_next.sendall(b"\x01")
+            if len(parts) == 1:
+                self._to_next.sendall(parts[0])
+            else:
+                _sendmsg_all(self._to_next, parts)
         except OSError as e:
             raise GroupError(f"member {dst} of the pipeline group is gone ({e})") from e
-        mx.eval(mx.distributed.send(x, dst, group=self.group))
 
     def recv(self, shape: tuple[int, ...], dtype: Any, src: int) -> Any:
         import mlx.core as mx
 
         if src != (self.rank - 1) % self.size:
             raise ValueError(f"rank {self.rank} receives from the member before it only, not from {src}")
+        t0 = time.perf_counter()
         try:
-            rung = self._from_previous.recv(1)
-        except OSError as e:
+            kind, size = _read_prefix(self._from_previous)
+        except (OSError, ConnectionError) as e:
             raise GroupError(f"member {src} of the pipeline group is gone ({e})") from e
-        if not rung:
-            raise GroupError(f"member {src} of the pipeline group is gone (its connection closed)")
-        return mx.distributed.recv(shape, dtype, src, group=self.group)
+        t1 = time.perf_counter()
+        nbytes = dtype.size
+        for n in shape:
+            nbytes *= n
+        if kind == _INLINE:
+            if size != nbytes:
+                raise GroupError(f"member {src} sent {size} bytes where this member expected {shape} {dtype}")
+            buffer = self._buffers.get(size)
+            if buffer is None:
+                buffer = self._buffers[size] = bytearray(size)
+            try:
+                _read_into(self._from_previous, memoryview(buffer))
+            except (OSError, ConnectionError) as e:
+                raise GroupError(f"member {src} of the pipeline group is gone ({e})") from e
+            out = _from_bytes(buffer, shape, dtype)  # a copy: the buffer is the next message's
+        elif kind == _ON_RING:
+            out = mx.distributed.recv(shape, dtype, src, group=self.group)
+            if self.timed_receives:
+                mx.eval(out)
+        else:
+            raise GroupError(f"member {src} sent a doorbell message of kind {kind}")
+        t2 = time.perf_counter()
+        gap = t0 - self._mark if self._mark is not None else 0.0
+        self._mark = t2
+        self._sample(nbytes, recv_gap=gap, recv_wait=t1 - t0, recv_ring=t2 - t1)
+        return out
+
+    def report(self) -> dict[str, Any]:
+        """Every phase's samples (seconds per step message), for the benchmark."""
+        return {"rank": self.rank, "size": self.size, "timed_receives": self.timed_receives,
+                "inline_bytes": self.inline_bytes, "samples": self.samples}
 
 
-def _doorbells(group: Any, hosts: Sequence[str], rank: int, timeout_s: float) -> tuple[socket.socket, socket.socket]:
-    """Connect to the next member's doorbell and accept the previous member's (ports swapped over the ring)."""
+def _prefix(kind: int, size: int) -> bytes:
+    return bytes([kind]) + size.to_bytes(4, "big")
+
+
+def _sendmsg_all(s: socket.socket, parts: list[Any]) -> None:
+    """Write ``parts`` in one call where the kernel takes them whole (the usual case), else the rest after."""
+    sent = s.sendmsg(parts)
+    if sent < sum(len(p) for p in parts):
+        s.sendall(b"".join(bytes(p) for p in parts)[sent:])
+
+
+def _read_prefix(s: socket.socket) -> tuple[int, int]:
+    prefix = bytearray(5)
+    _read_into(s, memoryview(prefix))
+    return prefix[0], int.from_bytes(prefix[1:], "big")
+
+
+def _read_into(s: socket.socket, view: memoryview) -> None:
+    while view:
+        n = s.recv_into(view)
+        if not n:
+            raise ConnectionError("its connection closed")
+        view = view[n:]
+
+
+def _from_bytes(buffer: bytearray, shape: tuple[int, ...], dtype: Any) -> Any:
+    """An MLX array of ``shape`` and ``dtype`` from its bytes (copied; bf16 through a 16-bit view)."""
+    import mlx.core as mx
+    import numpy as np
+
+    carrier = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[dtype.size]
+    x = mx.array(np.frombuffer(buffer, dtype=carrier))
+    return (x.view(dtype) if x.dtype != dtype else x).reshape(shape)
+
+
+def _prove_members(group: Any, hosts: Sequence[str], rank: int, key: bytes) -> None:
+    """Every member proves the secret to every other over the ring, before the ring carries anything else:
+    fresh nonces first (all of them), then each member's HMAC over all the nonces, its rank and the hosts."""
+    import mlx.core as mx
+
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    nonces = mx.distributed.all_gather(mx.array(list(nonce), dtype=mx.uint8), group=group)
+    nonces = bytes(nonces.tolist())
+    ring = ",".join(hosts)
+    proof = _mac(key, "exo-ring-v1", ring, rank, nonces)
+    proofs = mx.distributed.all_gather(mx.array(list(proof), dtype=mx.uint8), group=group)
+    proofs = bytes(proofs.tolist())
+    if nonces[rank * NONCE_BYTES : (rank + 1) * NONCE_BYTES] != nonce:
+        raise GroupAuthError(f"rank {rank}: the ring did not carry this member's nonce back (a stray on the ring?)")
+    for member in range(len(hosts)):
+        got = proofs[member * len(proof) : (member + 1) * len(proof)]
+        if not hmac.compare_digest(got, _mac(key, "exo-ring-v1", ring, member, nonces)):
+            raise GroupAuthError(f"member {member} ({hosts[member]}) of the pipeline group did not prove the cluster "
+                                 "secret (EXO_CLUSTER_SECRET): the group is not formed")
+
+
+def _recv_exactly(s: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = s.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed during the handshake")
+        data += chunk
+    return data
+
+
+def _ring_doorbell(to_next: socket.socket, key: bytes, ring: str, rank: int) -> None:
+    """The connecting side of a doorbell: answer the next member's challenge, then check its answer to ours."""
+    challenge = _recv_exactly(to_next, NONCE_BYTES)
+    own = secrets.token_bytes(NONCE_BYTES)
+    to_next.sendall(_mac(key, "exo-doorbell-v1", ring, rank, challenge) + own)
+    answer = _recv_exactly(to_next, 32)
+    if not hmac.compare_digest(answer, _mac(key, "exo-doorbell-ack-v1", ring, rank, own)):
+        raise GroupAuthError(f"the doorbell of member {(rank + 1) % len(ring.split(','))} did not prove the cluster secret")
+
+
+def _answer_doorbell(listener: socket.socket, key: bytes, ring: str, previous: int, deadline: float) -> socket.socket:
+    """The accepting side: take the first connection that proves the secret for ``previous``; close the others."""
+    while True:
+        listener.settimeout(max(0.001, deadline - time.monotonic()))
+        try:
+            conn, address = listener.accept()
+        except TimeoutError as e:
+            raise GroupError(f"member {previous} never rang this member's doorbell") from e
+        try:
+            conn.settimeout(min(DOORBELL_HANDSHAKE_S, max(0.001, deadline - time.monotonic())))
+            challenge = secrets.token_bytes(NONCE_BYTES)
+            conn.sendall(challenge)
+            reply = _recv_exactly(conn, 32 + NONCE_BYTES)
+            if not hmac.compare_digest(reply[:32], _mac(key, "exo-doorbell-v1", ring, previous, challenge)):
+                raise GroupAuthError("a wrong proof")
+            conn.sendall(_mac(key, "exo-doorbell-ack-v1", ring, previous, reply[32:]))
+            return conn
+        except (OSError, GroupAuthError) as e:  # a stray (a scanner, a node without the secret): refused
+            log.warning("refused a connection to the pipeline doorbell from %s: %s", address, e)
+            conn.close()
+
+
+def _doorbells(group: Any, hosts: Sequence[str], rank: int, timeout_s: float,
+               key: bytes) -> tuple[socket.socket, socket.socket, int]:
+    """Connect to the next member's doorbell and accept the previous member's (ports swapped over the ring),
+    each connection proving the secret both ways before it is used."""
     import mlx.core as mx
 
     def address(i: int) -> tuple[str, int]:
@@ -151,23 +373,55 @@ def _doorbells(group: Any, hosts: Sequence[str], rank: int, timeout_s: float) ->
         return host.strip("[]"), int(port)
 
     own = address(rank)[0]
+    ring = ",".join(hosts)
+    previous = (rank - 1) % len(hosts)
     family = socket.AF_INET6 if ":" in own else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
+    deadline = time.monotonic() + timeout_s
+    accepted: list[socket.socket | BaseException] = []
     try:
         listener.bind((own, 0))
-        listener.listen(1)
-        listener.settimeout(timeout_s)
-        ports = mx.distributed.all_gather(mx.array([listener.getsockname()[1]], dtype=mx.int32), group=group)
+        listener.listen(8)
+        port = int(listener.getsockname()[1])
+        ports = mx.distributed.all_gather(mx.array([port], dtype=mx.int32), group=group)
+        # Accepting beside connecting: every member connects first, and each handshake needs its acceptor.
+        acceptor = threading.Thread(
+            target=lambda: accepted.append(_try(_answer_doorbell, listener, key, ring, previous, deadline)),
+            name="exo-doorbell-accept", daemon=True)
+        acceptor.start()
         following = (rank + 1) % len(hosts)
         to_next = socket.create_connection((address(following)[0], int(ports[following].item())), timeout_s)
-        from_previous, _ = listener.accept()
+        try:
+            to_next.settimeout(max(0.001, deadline - time.monotonic()))
+            _ring_doorbell(to_next, key, ring, rank)
+        except GroupAuthError:
+            to_next.close()
+            raise
+        except OSError as e:
+            to_next.close()
+            raise GroupError(f"the doorbell of member {following}: {e}") from e
+        acceptor.join(max(0.0, deadline - time.monotonic()) + 1.0)
     finally:
         listener.close()
+    if not accepted:
+        to_next.close()
+        raise GroupError(f"member {previous} never rang this member's doorbell")
+    if isinstance(accepted[0], BaseException):
+        to_next.close()
+        raise accepted[0]
+    from_previous = accepted[0]
     for s in (to_next, from_previous):
         s.settimeout(None)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         keep_alive(s)
-    return to_next, from_previous
+    return to_next, from_previous, port
+
+
+def _try(fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except BaseException as e:  # noqa: BLE001 - handed to the joining thread
+        return e
 
 
 def keep_alive(s: socket.socket) -> None:
@@ -180,8 +434,11 @@ def keep_alive(s: socket.socket) -> None:
             s.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
-def join_group(hosts: Sequence[str], rank: int, timeout_s: float = JOIN_TIMEOUT_S) -> RingLink:
-    """Join the ring of ``hosts`` ("ip:port" per rank) as ``rank``; returns the stage's ``RingLink``."""
+def join_group(hosts: Sequence[str], rank: int, timeout_s: float = JOIN_TIMEOUT_S, *,
+               secret: str | None = None) -> RingLink:
+    """Join the ring of ``hosts`` ("ip:port" per rank) as ``rank``; returns the stage's ``RingLink``. With
+    ``secret`` (the cluster's), every member proves it before the group carries anything (``GroupAuthError``);
+    without, the proofs still tie the members to this group's hosts (a member of another group is refused)."""
     import mlx.core as mx
 
     if not 0 <= rank < len(hosts) or len(hosts) < 2:
@@ -203,8 +460,10 @@ def join_group(hosts: Sequence[str], rank: int, timeout_s: float = JOIN_TIMEOUT_
         group = mx.distributed.init(strict=True, backend="ring")
         if group.size() != len(hosts) or group.rank() != rank:
             raise GroupError(f"joined as rank {group.rank()} of {group.size()}, expected {rank} of {len(hosts)}")
-        to_next, from_previous = _doorbells(group, hosts, rank, timeout_s)
+        key = secret.encode() if secret else b""
+        _prove_members(group, hosts, rank, key)
+        to_next, from_previous, doorbell_port = _doorbells(group, hosts, rank, timeout_s, key)
     finally:
         joined.set()
         os.unlink(path)
-    return RingLink(group, to_next, from_previous)
+    return RingLink(group, to_next, from_previous, doorbell_port)

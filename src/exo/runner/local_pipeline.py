@@ -12,7 +12,9 @@ Each request: {"prompt": [ids], "max_tokens": n, "mtp_k": k | None, "native_mtp"
 "sampling": {...}, "stop": str, "ignore_eos": bool, "constraint": ConstraintSpec JSON, "logprobs": n}; each
 result: {"token_ids", "text", "finish_reason", "stats", "seconds", "bytes_sent", "bytes_received",
 "logprobs": [[token, logprob, [[token, logprob], ...]], ...]} (bytes: the leader's stage, both ways). A single
-stage [(0, n)] runs the model whole in one process, for comparisons.
+stage [(0, n)] runs the model whole in one process, for comparisons. ``links``: every stage's
+``RingLink.report()`` (where its time went, per phase, over the whole run; ``EXO_PIPELINE_PHASES=1`` in a
+stage's environment times the ring's receives apart).
 """
 
 from __future__ import annotations
@@ -69,7 +71,13 @@ def run_local_pipeline(
                 p.kill()
         if any(p.returncode != 0 for p in procs):
             raise LocalPipelineError("\n".join(f"stage {i}: {e[-3000:]}" for i, e in enumerate(errors) if e))
-        return json.loads(Path(spec["out"]).read_text())
+        out = json.loads(Path(spec["out"]).read_text())
+        for rank in range(len(stages) - 1):  # the other stages' link reports (bench/pipeline.py's hop breakdown)
+            report = Path(f"{spec['out']}.link{rank}.json")
+            if report.is_file():
+                out["links"].append(json.loads(report.read_text()))
+        out["links"].sort(key=lambda r: r["rank"])
+        return out
 
 
 def _stage_main(spec_file: str, rank: int) -> None:
@@ -92,9 +100,10 @@ def _stage_main(spec_file: str, rank: int) -> None:
     else:
         stage = StageSpec(rank, len(stages), start, end)
         loaded = load_checkpoint(model, layers=(start, end))
-        link = join_group(spec["hosts"], rank)
+        link = join_group(spec["hosts"], rank, secret=os.environ.get("EXO_CLUSTER_SECRET") or None)
         if not stage.last:
             serve_stage(loaded.model, stage, link)
+            Path(f"{spec['out']}.link{rank}.json").write_text(json.dumps(link.report()))
             return
         forward = PipelineForward(loaded.model, stage, link)
         loaded = check_pending_head(loaded, forward)  # a head recovered for this stage, checked on the pipeline
@@ -128,7 +137,9 @@ def _stage_main(spec_file: str, rank: int) -> None:
             forward.shutdown()
     sent = forward.bytes_sent if forward is not None else 0
     received = forward.bytes_received if forward is not None else 0
-    Path(spec["out"]).write_text(json.dumps({"results": results, "bytes": {"sent": sent, "received": received}}))
+    links = [forward.link.report()] if forward is not None and hasattr(forward.link, "report") else []
+    Path(spec["out"]).write_text(json.dumps({"results": results, "bytes": {"sent": sent, "received": received},
+                                             "links": links}))
 
 
 if __name__ == "__main__":

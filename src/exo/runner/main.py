@@ -139,7 +139,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         device.serve()  # until SIGTERM
         _exit(server, 0)
     try:
-        code = _serve_stage(args, state, device, loaded, config, summary, stopping)
+        secret = settings.cluster_secret.get_secret_value() if settings.cluster_secret else None
+        code = _serve_stage(args, state, device, loaded, config, summary, stopping, secret)
     except Exception as e:  # noqa: BLE001 - a lost member (or a bug) ends this member of the group
         state.fail(f"{type(e).__name__}: {e}")
         print(f"exo runner: pipeline stage {args.rank} of {args.model_id} left its group: {type(e).__name__}: {e}",
@@ -169,7 +170,7 @@ def _exit(server: object, code: int) -> None:
 
 
 def _serve_stage(args: argparse.Namespace, state: RunnerState, device: object, loaded: object, config: object,
-                 summary: pb.ModelSummary, stopping: list[Callable[[], bool]]) -> int:
+                 summary: pb.ModelSummary, stopping: list[Callable[[], bool]], secret: str | None) -> int:
     """A pipeline stage: join the group, then lead (the last stage: generations through the Runner service)
     or serve steps (the others). Returns the exit status."""
     from exo.downloads.heads import PENDING_SIDECAR, check_pending_head
@@ -184,7 +185,7 @@ def _serve_stage(args: argparse.Namespace, state: RunnerState, device: object, l
     state.update("waiting for the other stages", 0.7)
     hosts = state.wait_for_hosts(JOIN_TIMEOUT_S)
     state.update("joining the group", 0.72)
-    link = join_group(hosts, args.rank)
+    link = join_group(hosts, args.rank, secret=secret)  # every member proves the cluster's secret
     log.info("stage %d of %d (layers %d-%d) joined %s", stage.rank, stage.world_size, stage.start_layer,
              stage.end_layer - 1, ",".join(hosts))
     if not stage.last:
