@@ -598,3 +598,29 @@ def test_ignore_eos_runs_past_end_of_sequence_tokens_to_the_budget(dense, depth)
     assert stopped.token_ids == free.token_ids[:1] and stopped.finish_reason == "stop"
     ignored = _greedy(ending, prompt, max_tokens=24, ignore_eos=True, **mode)
     assert ignored.token_ids == free.token_ids and ignored.finish_reason == "length"
+
+
+def test_a_failure_of_the_loop_is_the_error_raised_even_when_ending_the_request_fails(dense):
+    """``forward.end`` runs however a generation ends; when the loop failed and ``end`` fails too (a pipeline
+    whose stages went down), the loop's error is the one the caller gets."""
+    from exo.engine.forward import LocalForward
+
+    class Failing(LocalForward):
+        calls = 0
+
+        def hidden(self, tokens, cache, *, verify=False):
+            Failing.calls += 1
+            if Failing.calls == 4:
+                raise RuntimeError("the device went away")
+            return super().hidden(tokens, cache, verify=verify)
+
+        def end(self, cache):
+            raise ConnectionError("the stages are gone")
+
+    engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK), forward=Failing(dense.model))
+    with pytest.raises(RuntimeError, match="the device went away"):
+        engine.complete(GenerationRequest(_prompt(dense, 5), max_tokens=20, native_mtp="off"))
+    # A generation that ended well still reports a failure to end it.
+    Failing.calls = -1000
+    with pytest.raises(ConnectionError):
+        engine.complete(GenerationRequest(_prompt(dense, 5), max_tokens=3, native_mtp="off"))

@@ -197,6 +197,12 @@ class BatchDecoder:
             self._round(batch_k, out, time.perf_counter(), timed)
         return _Prepared([], lambda: out)
 
+    def remove(self, run: _Run) -> None:
+        """Take ``run`` out of the batch between steps (its consumer failed): the others decode on."""
+        index = next(i for i, r in enumerate(self.runs) if r is run)
+        self._step_tokens = None
+        self._keep([i for i in range(len(self.runs)) if i != index])
+
     def cancel_all(self) -> list[tuple[_Run, GenerationChunk]]:
         """End every run now (the device shuts down): each one's final chunk, finish "cancelled"."""
         out = []
@@ -442,6 +448,9 @@ class BatchLanes:
 
     def add(self, run: _Run) -> None:
         min(self.lanes, key=len).add(run)
+
+    def remove(self, run: _Run) -> None:
+        next(lane for lane in self.lanes if any(r is run for r in lane.runs)).remove(run)
 
     def interleaved(self) -> None:
         for lane in self.lanes:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -60,6 +61,8 @@ from .sampling import (
 )
 from .stats import NativeMTPStats, StatsRecorder
 from .verify import VerifyMode, VerifyRows, probe, verify_logits
+
+log = logging.getLogger(__name__)
 
 NativeMTPMode = Literal["auto", "on", "off"]
 TIE_MARGIN_HALF = 2.0**-5  # ~4 ulps of a bf16 logit
@@ -163,6 +166,9 @@ class GenerationRequest:
     # (``_Run.batchable``); True ends the solo stream early, without a final chunk, and leaves the run
     # at a step boundary for a ``BatchDecoder`` to take over (``_Run.handed_over``).
     yield_to_batch: Callable[[], bool] | None = None
+    # Polled through the engine's one-time warm-up that the first adaptive request waits on (round costs, the
+    # head's warm acceptance); True ends the request before it starts ("cancelled"). None: ``should_stop``.
+    stop_warmup: Callable[[], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -301,10 +307,16 @@ class Engine:
 
     def costs(self) -> DepthCosts:
         """Round costs measured on this machine (once per engine)."""
+        costs = self._measured_costs(None)
+        assert costs is not None
+        return costs
+
+    def _measured_costs(self, stop: Callable[[], bool] | None) -> DepthCosts | None:
+        """``costs()``, or None when ``stop`` said to stop before they were measured."""
         if self._costs is None:
             self.verify_mode  # noqa: B018 - the measured verify calls compute their rows as real ones do
             assert self.loaded.head is not None
-            self._costs = warmup_costs(self.model, self.forward, self.loaded.head, self.config.max_k)
+            self._costs = warmup_costs(self.model, self.forward, self.loaded.head, self.config.max_k, stop)
         return self._costs
 
     def warmup(self) -> None:
@@ -330,30 +342,57 @@ class Engine:
             fixed = request.mtp_k
             policy = DepthPolicy(costs=self._costs_or_unmeasured(fixed), max_k=max(fixed, 1), fixed_k=fixed)
         elif reason is None:
-            policy = self._adaptive_policy()
+            # The first adaptive request waits on the engine's warm-up (round costs, the head's acceptance):
+            # its cancellation and deadline are polled through it, and end the request before it starts.
+            policy = self._warmed_policy(request.stop_warmup or request.should_stop)
+            if policy is None:
+                run = _Run(self, request, None, reason)
+                run.output.finish = "cancelled"
+                return run
             policy.new_request()
         return _Run(self, request, policy, reason)
 
     def _adaptive_policy(self) -> DepthPolicy:
         """One adaptive policy per engine: what it learns (acceptance, round costs) carries over."""
-        costs = self.costs()
+        policy = self._warmed_policy(None)
+        assert policy is not None
+        return policy
+
+    def _warmed_policy(self, stop: Callable[[], bool] | None) -> DepthPolicy | None:
+        """``_adaptive_policy()``, its warm-up polling ``stop`` (None: stopped before the warm-up was done;
+        nothing of an interrupted warm acceptance is kept, so the next request warms up again)."""
+        costs = self._measured_costs(stop)
+        if costs is None:
+            return None
         key = (self.config.max_k, self.config.default_k)
         if self._policy is None or self._policy_key != key:
             policy = DepthPolicy(costs=costs, max_k=self.config.max_k, default_k=self.config.default_k,
                                  trace=trace_from_env(costs, self.config.max_k))
             if self.config.warm_acceptance and can_pay_off(costs, self.config.max_k):
-                warm = self.warm_acceptance()
+                warm = self.warm_acceptance(stop)
+                if warm is None:
+                    return None
                 policy.tracker.absorb(warm)
                 if policy.trace is not None:
                     policy.trace({"event": "warm_acceptance", "rates": warm.rates(), "rounds": warm.reached[0]})
             self._policy, self._policy_key = policy, key
         return self._policy
 
-    def warm_acceptance(self) -> AcceptanceTracker:
+    def warm_acceptance(self, stop: Callable[[], bool] | None = None) -> AcceptanceTracker | None:
         """The head's acceptance on the model's own greedy answer to a short fixed question
         (``WARM_QUESTION``, ``WARM_TOKENS``, at most ``WARM_ROUNDS`` rounds), every round at max_k: before any request, the depth policy's
         first choices rest on this rather than on the prior alone (which held a head landing 90% of its
-        drafts at 0.7 through the first requests on an H200, and sent them to K = 0)."""
+        drafts at 0.7 through the first requests on an H200, and sent them to K = 0). ``stop``: polled every
+        round; None when it stopped the warm-up."""
+        if stop is not None and stop():
+            return None
+        stopped = False
+
+        def should_stop() -> bool:
+            nonlocal stopped
+            stopped = stopped or (stop is not None and stop())
+            return stopped or fixed.rounds_run >= WARM_ROUNDS
+
         k = self.config.max_k
         tokenizer = self.loaded.tokenizer
         messages = [{"role": "user", "content": WARM_QUESTION}]
@@ -363,11 +402,10 @@ class Engine:
             prompt = list(tokenizer.encode(WARM_QUESTION))
         fixed = DepthPolicy(costs=self._costs_or_unmeasured(k), max_k=k, fixed_k=k)
         request = GenerationRequest(prompt, max_tokens=WARM_TOKENS, sampling=SamplingParams(temperature=0.0),
-                                    native_mtp="on", ignore_eos=True,
-                                    should_stop=lambda: fixed.rounds_run >= WARM_ROUNDS)
+                                    native_mtp="on", ignore_eos=True, should_stop=should_stop)
         for _ in _Run(self, request, fixed, None).stream():
             pass
-        return fixed.tracker
+        return None if stopped else fixed.tracker
 
     def batch_policy(self) -> BatchDepthPolicy:
         """The depth of batched rounds per batch size (exo.engine.batch), over the engine's adaptive policy."""
@@ -697,10 +735,21 @@ class _Run:
 
     # -- the loop ------------------------------------------------------------------------------------
     def stream(self) -> Iterator[GenerationChunk]:
+        # Finished, cancelled, failed or abandoned: a pipeline's other stages drop the request too. When the
+        # loop failed, that error is the one to report: a failure of ``end`` (the stages are likely down for
+        # the same reason) is logged, never raised in its place.
         try:
             yield from self._stream()
-        finally:
-            # Finished, cancelled, failed or abandoned: a pipeline's other stages drop the request too.
+        except Exception:
+            try:
+                self.forward.end(self.cache)
+            except Exception:
+                log.exception("ending the request on the pipeline failed after the generation failed")
+            raise
+        except BaseException:  # closed (GeneratorExit) or interrupted: no error of the loop's to keep
+            self.forward.end(self.cache)
+            raise
+        else:
             self.forward.end(self.cache)
 
     def begin(self, chunk: int | None = None) -> Iterator[GenerationChunk | None]:
@@ -724,6 +773,9 @@ class _Run:
         yield from self._drain()
 
     def _stream(self) -> Iterator[GenerationChunk]:
+        if self.output.finish is not None:  # stopped during the engine's warm-up (``Engine.start``)
+            yield self.final_chunk()
+            return
         for chunk in self.begin():
             if chunk is not None:
                 yield chunk

@@ -166,6 +166,11 @@ class GenerationJob:
         self.steps += 1
         if self.step_hook is not None:
             self.step_hook(self)
+        return self.stopped()
+
+    def stopped(self) -> bool:
+        """Cancelled, or past the deadline (then timed out), without counting a step (the engine's warm-up
+        polls this)."""
         if self._cancel.is_set():
             return True
         if time.monotonic() > self.deadline:
@@ -226,10 +231,19 @@ class GenerationJob:
                 request = generation_request(engine, self.prompt, self.params, self.should_stop)
             self.horizon = len(request.prompt_tokens) + request.max_tokens
             request.yield_to_batch = yield_to_batch
+            request.stop_warmup = self.stopped
             run = engine.start(request)
         except Exception as e:
             self.emit(Failed(e))
             self._done("rejected", None, queue_s, time.perf_counter() - self._start)
+            return None
+        if run.output.finish is not None:  # cancelled or timed out while the engine warmed up
+            device_s = time.perf_counter() - self._start
+            if self.timed_out:
+                self.emit(Failed(RequestTimeoutError("the request timed out while the model warmed up")))
+                self._done("timeout", None, queue_s, device_s)
+            else:
+                self._done("cancelled", None, queue_s, device_s)
             return None
         self.emit(Started(len(request.prompt_tokens), request.max_tokens, queue_s, request.thinking))
         return run
@@ -242,8 +256,11 @@ class GenerationJob:
 
     def fail(self, error: BaseException) -> None:
         log.error("generation failed", exc_info=error)
-        self.emit(Failed(error))
         self._finish = "error"
+        try:
+            self.emit(Failed(error))
+        except Exception:  # the stream that failed may be the one broken: the job still ends
+            log.exception("could not report a failed generation")
 
     def end(self) -> None:
         finish = self._finish
@@ -486,8 +503,15 @@ class Device:
             self._on_batch(len(results))
             for ended, chunks in results:
                 job = members[id(ended)]
-                for chunk in chunks:
-                    job.consume(chunk)
+                try:
+                    for chunk in chunks:
+                        job.consume(chunk)
+                except Exception as e:  # this member's stream broke: it alone leaves, the others go on
+                    if ended.output.finish is None:
+                        batch.remove(ended)
+                    del members[id(ended)]
+                    leave(job, e)
+                    continue
                 if ended.output.finish is not None:
                     del members[id(ended)]
                     leave(job)
