@@ -35,7 +35,7 @@ from exo.wire.errors import QueueFullError, RequestTimeoutError
 
 if TYPE_CHECKING:  # the engine (mlx-lm, transformers: seconds) is imported by the load, not before Status serves
     from exo.engine import Engine, NativeMTPStats
-    from exo.engine.generate import GenerationChunk, _Run
+    from exo.engine.generate import GenerationChunk, SequenceState
     from exo.engine.prompt import GenerateParams, GenerationRequest, Prompt
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class GenerationJob:
         self._cancel = threading.Event()
         # Generations batch with others of the same key (the same model on this device).
         self.batch_key = batch_key
-        self.handed_over: _Run | None = None  # the run, when it left its solo loop for a batch
+        self.handed_over: SequenceState | None = None  # the run, when it left its solo loop for a batch
         # The engine's request, tokenized ahead on the device thread to weigh the job for a batch.
         self._prepared: tuple[Engine, GenerationRequest | Exception] | None = None
         self.engine: Engine | None = None  # the engine it runs on, once begun
@@ -205,7 +205,7 @@ class GenerationJob:
         else:
             self.end()
 
-    def begin(self, yield_to_batch: Callable[[], bool] | None = None) -> _Run | None:
+    def begin(self, yield_to_batch: Callable[[], bool] | None = None) -> SequenceState | None:
         """Leave the queue for the device: the engine's validated run (``Started`` emitted), or None when
         the job ended here (cancelled, timed out, rejected: reported)."""
         from exo.engine.prompt import generation_request
@@ -386,13 +386,12 @@ class Device:
     # -- batching ------------------------------------------------------------------------------------------
     def _batch_wanted(self, job: GenerationJob) -> bool:
         """Polled by a solo generation between steps: a generation that could share the device waits."""
-        jobs = self._jobs
-        if self.max_batch < 2 or not jobs:
+        if self.max_batch < 2 or not self._jobs:  # the common case, read without the lock: one per token
             return False
-        try:
-            head = jobs[0]
-        except IndexError:  # taken by another thread (a cancel) since the check
-            return False
+        with self._cv:  # the queue changes under other threads (submit, cancel)
+            if not self._jobs:
+                return False
+            head = self._jobs[0]
         if not self._joins(head, job.batch_key) or job.engine is None:
             return False
         return self._fits(job.engine, [job.horizon, head.prepare(job.engine)])  # type: ignore[attr-defined]
@@ -429,7 +428,7 @@ class Device:
                 self._on_depth(self._waiting_bounded)
         return admitted
 
-    def _serve_batch(self, first: GenerationJob, run: _Run) -> None:
+    def _serve_batch(self, first: GenerationJob, run: SequenceState) -> None:
         """Decode ``first`` (handed over at a step boundary) with every generation that joins, until all
         have ended. Newcomers prefill one chunk per step, between the batch's decode steps."""
         from exo.engine.batch import BatchLanes
@@ -438,7 +437,7 @@ class Device:
         batch = BatchLanes(run.engine)
         members: dict[int, GenerationJob] = {id(run): first}
         batch.add(run)
-        prefilling: list[tuple[GenerationJob, _Run, Any]] = []
+        prefilling: list[tuple[GenerationJob, SequenceState, Any]] = []
 
         def leave(job: GenerationJob, failed: BaseException | None = None) -> None:
             if failed is not None:
@@ -462,7 +461,7 @@ class Device:
                     leave(job, RuntimeError("the model changed under a running batch; retry"))
                 else:
                     prefilling.append((job, new, new.begin(new.engine.config.batch_prefill_chunk)))
-            still: list[tuple[GenerationJob, _Run, Any]] = []
+            still: list[tuple[GenerationJob, SequenceState, Any]] = []
             for job, new, steps in prefilling:
                 try:
                     prefilled = True
@@ -472,7 +471,7 @@ class Device:
                             break
                         job.consume(chunk)
                     if not prefilled:
-                        if new._cancelled():
+                        if new.cancelled():
                             job.consume(new.final_chunk())
                             leave(job)
                         else:
