@@ -264,7 +264,7 @@ def test_a_newcomer_prefills_in_batch_chunks_with_a_batch_step_between_them(engi
     """A generation joining a running batch prefills in chunks of ``batch_prefill_chunk`` tokens (smaller than
     a solo prefill's), and the batch decodes a step between two chunks: a long prompt holds the running
     streams for a chunk at a time. Every output is still its solo one."""
-    from exo.engine.generate import _Run
+    from exo.engine.generate import SequenceState
 
     device = Device(8, max_batch=4)
     # The running member decodes plainly (a token a step) and long enough to outlast the newcomer's prefill.
@@ -273,19 +273,18 @@ def test_a_newcomer_prefills_in_batch_chunks_with_a_batch_step_between_them(engi
     clients[1].job.prompt = Prompt(token_ids=clients[1].prompt)
     chunks: list[int | None] = []
     steps_between: list[int] = []  # the running member's step count at each of the newcomer's chunk ends
-    original = _Run.begin
+    original = SequenceState.prefill
 
-    def begin(self, chunk=None):
+    def prefill(self, chunk=None):
         if self.request.prompt_tokens == clients[1].prompt and not serving_done:
             chunks.append(chunk)
-            for item in original(self, chunk):
-                if item is None:
-                    steps_between.append(clients[0].job.steps)
-                yield item
+            for positions in original(self, chunk):
+                steps_between.append(clients[0].job.steps)
+                yield positions
         else:
             yield from original(self, chunk)
 
-    monkeypatch.setattr(_Run, "begin", begin)
+    monkeypatch.setattr(SequenceState, "prefill", prefill)
     serving_done = False
     for client in clients:
         device.submit(client.job)

@@ -817,15 +817,15 @@ class SequenceState:
         assert self.head is not None
         return self.head(self.model.embed(tokens), hidden, self.head_cache)
 
-    def _prefill(self) -> tuple[mx.array, _LogprobRows | None]:
-        for _ in self._prefill_chunks():
-            pass
-        assert self._first is not None
-        return self._first
-
-    def _prefill_chunks(self, chunk: int | None = None) -> Iterator[None]:
-        """The prompt through the backbone, yielding after each chunk but the last (a batch runs decode
-        steps in between); leaves the first token in ``self._first``."""
+    def prefill(self, chunk: int | None = None) -> Iterator[int]:
+        """THE entry of a prompt into the sequence's caches: ``prompt[prefilled:]`` (``restore`` may have
+        put the rest there) through the backbone in chunks of ``chunk`` tokens (None:
+        ``EngineConfig.prefill_chunk``), each chunk's rows with a known next token priming the head. Yields
+        the positions in the caches after each chunk but the last (a batch decodes steps there); ends with
+        the first token chosen (lazily), which ``first_token`` emits."""
+        if self.pending_token is not None or self._first is not None:
+            raise RuntimeError("a sequence is prefilled once")
+        self.started = time.perf_counter()
         prompt = mx.array(list(self.request.prompt_tokens), dtype=mx.uint32)
         n = prompt.shape[0]
         chunk = max(1, chunk or self.engine.config.prefill_chunk)
@@ -839,7 +839,7 @@ class SequenceState:
                 self._flush_head()
             if end < n:
                 mx.eval([c.state for c in self.cache], self.head_cache.state)
-                yield None
+                yield end
         logits = self._masked(self._logits_for(hidden[:, -1:], self.history))
         token, lp = self.sample(logits)
         self.wait_for_head(hidden[:, -1:], token)
@@ -881,13 +881,16 @@ class SequenceState:
         else:
             self.forward.end(self.cache)
 
-    def begin(self, chunk: int | None = None) -> Iterator[GenerationChunk | None]:
-        """Prefill and the first token: None after each prefill chunk but the last (a batch interleaves
-        decode steps there), then the first token's chunks. The run is then at a step boundary. ``chunk``:
-        tokens per prefill chunk (None: ``EngineConfig.prefill_chunk``)."""
-        self.started = time.perf_counter()
-        yield from self._prefill_chunks(chunk)
-        assert self._first is not None
+    def begin(self, chunk: int | None = None) -> Iterator[GenerationChunk]:
+        """``prefill`` whole, then ``first_token``: the sequence is then at a step boundary."""
+        for _ in self.prefill(chunk):
+            pass
+        yield from self.first_token()
+
+    def first_token(self) -> Iterator[GenerationChunk]:
+        """After ``prefill``: read back and emit the first token (its chunks)."""
+        if self._first is None:
+            raise RuntimeError("first_token() comes after a whole prefill()")
         first, lp = self._first
         self._first = None
         self.pending_token = first
@@ -906,9 +909,7 @@ class SequenceState:
         if self.output.finish is not None:  # stopped during the engine's warm-up (``Engine.start``)
             yield self.final_chunk()
             return
-        for chunk in self.begin():
-            if chunk is not None:
-                yield chunk
+        yield from self.begin()
         while self.output.finish is None:
             if self.cancelled():
                 break

@@ -26,7 +26,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -437,7 +437,7 @@ class Device:
         batch = BatchLanes(run.engine)
         members: dict[int, GenerationJob] = {id(run): first}
         batch.add(run)
-        prefilling: list[tuple[GenerationJob, SequenceState, Any]] = []
+        prefilling: list[tuple[GenerationJob, SequenceState, Iterator[int]]] = []
 
         def leave(job: GenerationJob, failed: BaseException | None = None) -> None:
             if failed is not None:
@@ -460,23 +460,20 @@ class Device:
                 elif new.engine is not batch.engine or not new.batchable:
                     leave(job, RuntimeError("the model changed under a running batch; retry"))
                 else:
-                    prefilling.append((job, new, new.begin(new.engine.config.batch_prefill_chunk)))
-            still: list[tuple[GenerationJob, SequenceState, Any]] = []
-            for job, new, steps in prefilling:
+                    prefilling.append((job, new, new.prefill(new.engine.config.batch_prefill_chunk)))
+            still: list[tuple[GenerationJob, SequenceState, Iterator[int]]] = []
+            for job, new, chunks in prefilling:
                 try:
-                    prefilled = True
-                    for chunk in steps:
-                        if chunk is None:  # one prefill chunk done: decode steps go first
-                            prefilled = False
-                            break
-                        job.consume(chunk)
-                    if not prefilled:
+                    if next(chunks, None) is not None:  # one prefill chunk done, more to come: decode steps first
                         if new.cancelled():
                             job.consume(new.final_chunk())
                             leave(job)
                         else:
-                            still.append((job, new, steps))
-                    elif new.output.finish is not None:
+                            still.append((job, new, chunks))
+                        continue
+                    for chunk in new.first_token():
+                        job.consume(chunk)
+                    if new.output.finish is not None:
                         job.consume(new.final_chunk())
                         leave(job)
                     else:
