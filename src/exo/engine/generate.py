@@ -570,7 +570,8 @@ class SequenceState:
     for penalties), ``matcher`` (the grammar), ``recorder`` (acceptance stats) and ``prefilled`` (prompt
     positions ``restore`` put in the caches).
 
-    Invariants, between steps of an unfinished sequence after ``begin`` (``check_invariants`` asserts them):
+    Invariants, between steps of an unfinished sequence after its first token (``check_invariants`` asserts
+    them):
     1. the caches hold every position before the pending token: positions == prompt + output tokens, less
        one while the pending token is emitted (it is then the output's last token);
     2. the head cache plus the waiting rows plus the skipped rows cover those positions (entry p pairs
@@ -578,8 +579,9 @@ class SequenceState:
     3. ``history`` is the output plus the pending token when that is not emitted yet;
     4. accepted drafts never exceed drafted ones.
 
-    The prompt enters the caches in ONE place, ``begin`` (chunked prefill, the first token sampled); a
-    prefix cache calls ``restore`` before it, and ``begin`` then prefills only the rest of the prompt.
+    The prompt enters the caches in ONE place, ``prefill`` (chunked, the first token chosen; ``first_token``
+    emits it; ``begin`` is both); a prefix cache calls ``restore`` before it, and ``prefill`` then feeds only
+    the rest of the prompt.
     A round's pieces: ``draft`` (propose), the caller's verify call (score), ``decide`` (penalties, grammar
     mask, acceptance test or sampling, logprobs, in that order), ``commit`` (head cache trimmed, grammar,
     pending token; returns the verify rows the caller's backbone caches keep) and ``emit``."""
@@ -602,7 +604,7 @@ class SequenceState:
         self._head_hidden: list[mx.array] = []
         self._head_tokens: list[mx.array] = []
         self.head_skipped = 0  # waiting rows dropped before the head saw them (its context has a gap there)
-        self.prefilled = 0  # prompt positions already in the caches before ``begin`` (``restore``)
+        self.prefilled = 0  # prompt positions already in the caches before ``prefill`` (``restore``)
         self.pending_token: mx.array | None = None
         self._plain_next = False  # a near tie left the next position to plain decoding
         profile = engine.config.profile_rounds or os.environ.get("EXO_ENGINE_PROFILE") == "1"
@@ -703,7 +705,7 @@ class SequenceState:
     # -- invariants and the prefix cache's seam --------------------------------------------------------
     def restore(self, tokens: int, cache: list[Any], head_cache: KVCache | None = None,
                 head_row: mx.array | None = None) -> None:
-        """Before ``begin``: take backbone caches holding this prompt's first ``tokens`` positions (a prefix
+        """Before ``prefill``: take backbone caches holding this prompt's first ``tokens`` positions (a prefix
         cache's copy; at least the last prompt token is left to prefill, for the first token's logits).
         ``head_cache``: the head's entries for positions 0..tokens-2, ``head_row``: the hidden [1, 1, H] of
         position tokens-1 (it waits for its next token, the prompt's own); without them the head starts
@@ -712,7 +714,7 @@ class SequenceState:
         if not 0 < tokens < len(prompt):
             raise ValueError(f"a restored prefix holds 1..{len(prompt) - 1} of the prompt's tokens, got {tokens}")
         if self.pending_token is not None or self.prefilled:
-            raise RuntimeError("restore() comes before begin(), once")
+            raise RuntimeError("restore() comes before prefill(), once")
         self.cache = cache
         self.prefilled = tokens
         if not self.track_head:
