@@ -699,3 +699,36 @@ def test_a_restored_prefix_then_prefilling_the_rest_decodes_as_a_cold_prompt(den
             assert run.recorder.accepted_total > 0
     with pytest.raises(ValueError):
         engine.start(GenerationRequest(prompt, max_tokens=4)).restore(len(prompt), [])
+
+
+def test_a_round_s_pieces_driven_alone_reproduce_plain_decoding(dense):
+    """The pieces of a speculative round, driven one by one from outside the loop: ``draft`` proposes,
+    one verify call scores, ``decide`` judges (lazily), one host sync, ``commit`` says which rows the caches
+    keep (the caller rolls its caches back), ``emit`` outputs. Greedy, rounds at depths 1..3 give plain
+    decoding's tokens, and the invariants hold after every round."""
+    import mlx.core as mx
+
+    from exo.engine.verify import verify_logits
+
+    engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK))
+    prompt = _prompt(dense, 9)
+    plain = _greedy(engine, prompt, native_mtp="off", max_tokens=30).token_ids
+    seq = engine.start(GenerationRequest(prompt, max_tokens=30, mtp_k=3))
+    list(seq.begin())
+    depths = [1, 2, 3]
+    rounds = 0
+    while seq.output.finish is None:
+        k = 0 if seq.near_tie else depths[rounds % 3]
+        drafts = seq.draft(k)
+        assert drafts.k == k and drafts.tokens.shape == (k,)
+        rows = mx.concatenate([seq.pending_token.reshape(1), drafts.tokens])[None]
+        hidden = engine.forward.hidden(rows, seq.cache, verify=True)
+        decision = seq.decide(drafts, verify_logits(engine.model, hidden, engine.verify_mode)[0])
+        mx.eval(hidden, *decision.arrays())
+        kept = seq.commit(decision, hidden)
+        assert kept == len(decision.emitted) and decision.accepted <= k
+        engine.forward.rollback(seq.cache, k + 1, kept)
+        seq.emit(decision)
+        seq.check_invariants()
+        rounds += 1
+    assert seq.output.tokens == plain and rounds < 30
