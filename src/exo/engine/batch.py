@@ -53,7 +53,6 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from .batch_cache import batch_cache, keep_rows_per_sequence
 from .generate import Engine, GenerationChunk, SequenceState
 from .models.layers import vector_matmul
-from .sampling import apply_processors
 from .verify import verify_logits
 
 BATCH_HEAD_WINDOW = 4  # head rows an adaptive member keeps waiting while its batch decodes plainly
@@ -251,17 +250,13 @@ class BatchDecoder:
         greedy: mx.array | None = None
         following: list[mx.array] = []
         for i, run in enumerate(runs):
-            if run.params.greedy and not run.processors:
+            if run.params.greedy and not run.processors:  # one argmax for all of them: what ``choose`` takes
                 if greedy is None:
                     greedy = mx.argmax(logits, axis=-1).astype(mx.uint32)
                 following.append(greedy[i : i + 1])
+                run.wait_for_head(hidden[i : i + 1], following[i])
             else:
-                row = logits[i : i + 1]
-                if run.processors:
-                    row = apply_processors(run.processors, run.history, row)
-                token, _ = run.sample(row)
-                following.append(token)
-            run.wait_for_head(hidden[i : i + 1], following[i])
+                following.append(run.choose(logits[i : i + 1], hidden[i : i + 1])[0])
             if self._adaptive(run):
                 # While the batch decodes plainly its members' heads are not fed (a head row costs about a
                 # layer of the backbone per token, for nothing until a round): only the last few rows wait,

@@ -375,6 +375,8 @@ class Engine:
                 policy.tracker.absorb(warm)
                 if policy.trace is not None:
                     policy.trace({"event": "warm_acceptance", "rates": warm.rates(), "rounds": warm.reached[0]})
+            elif stop is not None and stop():  # stopped while the costs were measured (kept: they are whole)
+                return None
             self._policy, self._policy_key = policy, key
         return self._policy
 
@@ -842,10 +844,7 @@ class SequenceState:
             if end < n:
                 mx.eval([c.state for c in self.cache], self.head_cache.state)
                 yield end
-        logits = self._masked(self._logits_for(hidden[:, -1:], self.history))
-        token, lp = self.sample(logits)
-        self.wait_for_head(hidden[:, -1:], token)
-        self._first = token, self._logprob_rows(lp, logits, token)
+        self._first = self.choose(self.model.logits(hidden[:, -1:])[:, -1], hidden[:, -1:])
 
     def sample(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
         token, logprobs = select_token(logits, self.params, self.keys)
@@ -854,14 +853,24 @@ class SequenceState:
     def _plain_step(self) -> tuple[mx.array, _LogprobRows | None]:
         assert self.pending_token is not None
         hidden = self.forward.hidden(self.pending_token.reshape(1, 1), self.cache)
-        logits = self._masked(self._logits_for(hidden, self.history))
-        token, lp = self.sample(logits)
-        self.wait_for_head(hidden, token)
+        token, lp_rows = self.choose(self.model.logits(hidden)[:, -1], hidden)
         self.pending_token = token
         self.pending_emitted = False
         self._pending_consumed = False
         if self.processors:
             self.history = mx.concatenate([self.history, token])
+        return token, lp_rows
+
+    def choose(self, logits: mx.array, hidden: mx.array) -> tuple[mx.array, _LogprobRows | None]:
+        """Decide a plain step's token (lazily) from its logits [1, V], in the one order every plain step
+        of every path takes (the first token, a solo step, a batch member's step): penalties over the history,
+        the grammar's mask, sampling with this sequence's keys, the logprobs; its row (``hidden`` [1, 1, H],
+        the token) waits for the head."""
+        if self.processors:
+            logits = apply_processors(self.processors, self.history, logits)
+        logits = self._masked(logits)
+        token, lp = self.sample(logits)
+        self.wait_for_head(hidden, token)
         return token, self._logprob_rows(lp, logits, token)
 
     # -- the loop ------------------------------------------------------------------------------------
