@@ -51,7 +51,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .batch_cache import batch_cache, keep_rows_per_sequence
-from .generate import Engine, GenerationChunk, SequenceState
+from .generate import Engine, GenerationChunk, SequenceState, verify_round
 from .models.layers import vector_matmul
 from .verify import verify_logits
 
@@ -338,18 +338,10 @@ class BatchDecoder:
         drafts = []
         for run, depth in zip(runs, depths, strict=True):
             drafts.append(run.draft(depth))
-        rows = mx.stack(
-            [
-                mx.concatenate([run.pending_token.reshape(1), d.tokens, mx.repeat(run.pending_token.reshape(1), k - d.k)])  # type: ignore[union-attr]
-                for run, d in zip(runs, drafts, strict=True)
-            ]
-        )  # [B, K+1]: a run with fewer drafts fills its rows with its pending token (never kept)
-        hidden = engine.forward.hidden(rows, self.cache, verify=True)
-        logits = self._logits(hidden, verify=True)  # [B, K+1, V]
-        decisions = [run.decide(d, logits[b, : d.k + 1]) for b, (run, d) in enumerate(zip(runs, drafts, strict=True))]
-        mx.eval(hidden, *[a for decision in decisions for a in decision.arrays()])
-        kept = [run.commit(decision, hidden[b : b + 1]) for b, (run, decision) in enumerate(zip(runs, decisions, strict=True))]
-        keep_rows_per_sequence(self.cache, k + 1, kept)
+        # The solo round's own scoring (``generate.verify_round``), the batch's caches rolled back per member.
+        decisions = verify_round(runs, drafts, engine.forward, self.cache,
+                                 lambda hidden: self._logits(hidden, verify=True),
+                                 lambda cache, rows, kept: keep_rows_per_sequence(cache, rows, kept))
         seconds = time.perf_counter() - start
         for run, decision in zip(runs, decisions, strict=True):
             run.observe_batched_round(decision)

@@ -1021,15 +1021,11 @@ class SequenceState:
         self._phase_start = start
         drafts = self.draft(k, time_after_catch_up=True)
         self._mark("draft_build")
-        rows = mx.concatenate([self.pending_token.reshape(1), drafts.tokens])[None]
-        hidden = self.forward.hidden(rows, self.cache, verify=True)
-        logits = verify_logits(self.model, hidden, self.engine.verify_mode)[0]  # [K+1, V]
-        decision = self.decide(drafts, logits)
-        self._mark("verify_build")
-        mx.eval(hidden, *decision.arrays())
-        self._mark("device_wait")
-        kept = self.commit(decision, hidden)
-        self.forward.rollback(self.cache, k + 1, kept)
+        (decision,) = verify_round(
+            [self], [drafts], self.forward, self.cache,
+            lambda hidden: verify_logits(self.model, hidden, self.engine.verify_mode),
+            lambda cache, rows, kept: self.forward.rollback(cache, rows, kept[0]), self._mark,
+        )
         assert self.policy is not None
         self.policy.observe_round(k, decision.accepted, time.perf_counter() - (drafts.timed_from or start))
         self._mark("rollback")
@@ -1234,6 +1230,43 @@ class SequenceState:
             costs=costs,
             batch_sizes=dict(sorted(self.batch_sizes.items())),
         )
+
+
+def verify_round(
+    seqs: list[SequenceState],
+    drafts: list[_Drafts],
+    forward: Forward,
+    cache: list[Any],
+    logits_of: Callable[[mx.array], mx.array],
+    rollback: Callable[[list[Any], int, list[int]], None],
+    mark: Callable[[str], None] | None = None,
+) -> list[_Decision]:
+    """The scored half of one speculative round of ``seqs`` (each with its ``drafts``), solo (one sequence)
+    or batched: ONE verify call on rows [B, K+1] (the pending token, the drafts, then the pending token
+    again up to the deepest sequence's K: never kept), ``logits_of`` its hiddens ([B, K+1, V]), each
+    sequence's ``decide`` on its own rows, ONE host sync, each one's ``commit``, and ``rollback(cache,
+    K + 1, kept)`` keeping each sequence's rows of the caches (``cache``: theirs, one sequence's or a
+    batch's). ``mark``: the phase timer. Emission is the caller's."""
+    k = max(d.k for d in drafts)
+    lines = []
+    for seq, d in zip(seqs, drafts, strict=True):
+        assert seq.pending_token is not None
+        pending = seq.pending_token.reshape(1)
+        lines.append(mx.concatenate([pending, d.tokens, mx.repeat(pending, k - d.k)] if d.k < k else [pending, d.tokens]))
+    rows = lines[0][None] if len(lines) == 1 else mx.stack(lines)
+    hidden = forward.hidden(rows, cache, verify=True)
+    logits = logits_of(hidden)
+    decisions = [seq.decide(d, logits[b, : d.k + 1]) for b, (seq, d) in enumerate(zip(seqs, drafts, strict=True))]
+    if mark is not None:
+        mark("verify_build")
+    mx.eval(hidden, *[a for decision in decisions for a in decision.arrays()])
+    if mark is not None:
+        mark("device_wait")
+    one = len(seqs) == 1
+    kept = [seq.commit(decision, hidden if one else hidden[b : b + 1])
+            for b, (seq, decision) in enumerate(zip(seqs, decisions, strict=True))]
+    rollback(cache, k + 1, kept)
+    return decisions
 
 
 _Run = SequenceState  # the name it had (benchmarks and tests of earlier commits import it)
