@@ -51,9 +51,9 @@ from exo.runner.group import PHASES
 from exo.runner.local_pipeline import run_local_pipeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from api_overhead import _free_port, start_server  # noqa: E402
-from batching import load as load_clients  # noqa: E402
-from batching import quantile  # noqa: E402
+from common import free_port, start_server  # noqa: E402
+from serving import load as load_clients  # noqa: E402
+from serving import quantile  # noqa: E402
 
 MODES = {"plain": {"native_mtp": "off"}, "k1": {"mtp_k": 1}, "k2": {"mtp_k": 2}, "k3": {"mtp_k": 3},
          "adaptive": {}}
@@ -312,7 +312,7 @@ def print_breakdown_rows(b: dict[str, Any], label: str) -> None:
 def clients_axis(resolved: Any, counts: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
     """N concurrent streams through ``exo serve``: the model on one node, then over two, in this run."""
     homes = [tempfile.TemporaryDirectory(prefix="exo-bench-pipeline-") for _ in range(2)]
-    ports = [(_free_port(), _free_port()) for _ in range(2)]
+    ports = [(free_port(), free_port()) for _ in range(2)]
     model = str(resolved.path) if resolved.card is None else resolved.model_id
     processes = []
     saved = dict(os.environ)
