@@ -46,6 +46,7 @@ from .costs import warmup_costs
 from .forward import Forward, LocalForward
 from .loader import LoadedModel
 from .models.layers import MoEVerifyMode
+from .prefix_cache import NoPlan, PrefillPlan, PrefixCache, plan_for
 from .sampling import (
     KeyStream,
     SamplingParams,
@@ -223,6 +224,8 @@ class Engine:
         self._closing_tokens: Any = None
         self._token_bytes: dict[int, bytes] = {}
         self._grammars: dict[tuple[str, str], Grammar] = {}  # insertion order: least recently used first
+        # Set by the runner (exo.runner.prefix_store) or a caller: prompts restore their cached prefixes.
+        self.prefix_cache: PrefixCache | None = None
 
     @property
     def model(self) -> Any:
@@ -568,6 +571,7 @@ class _Run:
         self.pending_batch = 0  # the size of the batch step that computed ``pending_token``
         self.started = self.first_time = 0.0
         self._first: tuple[mx.array, _LogprobRows | None] | None = None
+        self._prefix: PrefillPlan | NoPlan = NoPlan(len(request.prompt_tokens))
 
     @property
     def batchable(self) -> bool:
@@ -663,9 +667,15 @@ class _Run:
         prompt = mx.array(list(self.request.prompt_tokens), dtype=mx.uint32)
         n = prompt.shape[0]
         chunk = max(1, chunk or self.engine.config.prefill_chunk)
-        for start in range(0, n, chunk):
-            end = min(start + chunk, n)
+        # A cached prefix (engine/prefix_cache.py): its caches restored, only the rest prefilled.
+        plan = self._prefix = plan_for(self.engine.prefix_cache, self.request.prompt_tokens, self.track_head,
+                                       self.forward.stages)
+        hidden = plan.restore(self.cache, self.head_cache if self.track_head else None)
+        if hidden is not None and plan.restored < n:
+            self._wait_for_head(hidden, prompt[plan.restored : plan.restored + 1])  # row p - 1 is followed by token p
+        for start, end in plan.spans(chunk):
             hidden = self.forward.hidden(prompt[None, start:end], self.cache)
+            plan.reached(end, self.cache, hidden)
             # Rows whose next token is known prime the head now, chunk by chunk.
             known = min(end, n - 1) - start
             if known > 0:
@@ -722,6 +732,8 @@ class _Run:
         self.output.add(token, self._logprob_entry(lp, 0, token))
         self.recorder.plain_steps(0)
         yield from self._drain()
+        # The prompt's blocks and snapshots, before any decode step moves the caches on.
+        self._prefix.capture(self.cache, self.head_cache if self.track_head else None)
 
     def _stream(self) -> Iterator[GenerationChunk]:
         for chunk in self.begin():
@@ -1033,6 +1045,7 @@ class _Run:
             decode_tokens_per_s=round((completion - 1) / decode_s, 3) if completion > 1 and decode_s > 0 else 0.0,
             prompt_tokens=len(self.request.prompt_tokens),
             completion_tokens=completion,
+            cached_tokens=self._prefix.restored,
             costs=costs,
             batch_sizes=dict(sorted(self.batch_sizes.items())),
         )
