@@ -39,6 +39,7 @@ from exo.engine import Engine, NativeMTPStats, ResolvedModel, engine_config, loa
 from exo.engine.resolve import DEFAULT_MODEL, resolve_model
 from exo.metrics import Metrics
 from exo.runner.device import Device, GenerationJob, Started
+from exo.runner.prefix_store import open_prefix_cache
 from exo.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -300,6 +301,7 @@ class LocalModelService:
         )
         engine = Engine(loaded, config)
         engine.warmup()  # adaptive depth's cost measurement, once, here rather than in a request
+        engine.prefix_cache = open_prefix_cache(loaded, self.settings)
         with self._lock:
             self._engines[resolved.model_id] = engine
             self._known[resolved.model_id] = resolved

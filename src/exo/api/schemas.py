@@ -362,10 +362,15 @@ class InstanceCreate(BaseModel):
 # -- responses (documentation: handlers build these shapes as plain dicts on the hot path) -------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens restored from the prefix cache, not prefilled again")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
     native_mtp: NativeMTPStats
     ttft_ms: float
     decode_tokens_per_s: float

@@ -1046,6 +1046,7 @@ class _Run:
             prompt_tokens=len(self.request.prompt_tokens),
             completion_tokens=completion,
             cached_tokens=self._prefix.restored,
+            prefix_cache=self.engine.prefix_cache.figures() if self.engine.prefix_cache is not None else None,
             costs=costs,
             batch_sizes=dict(sorted(self.batch_sizes.items())),
         )

@@ -225,6 +225,17 @@ class PrefixCache:
             if key.startswith(f"{ns}/s-"):
                 self._lengths.add(int(key.split("-", 2)[1]))
 
+    def figures(self) -> dict[str, int]:
+        """Counters of this cache and its store's figures (bytes and counters per tier)."""
+        s = self.stats
+        out = {"lookups": s.lookups, "hits": s.hits, "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens}
+        store_figures = getattr(self.store, "figures", None)
+        if store_figures is not None:
+            out.update(store_figures())
+        elif isinstance(self.store, MemoryStore):
+            out.update(ram_bytes=self.store.bytes, ram_entries=len(self.store), ram_evictions=self.store.evictions)
+        return out
+
     def key(self, name: str) -> str:
         return f"{self.ns}/{name}"
 

@@ -134,10 +134,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         state.update("warming up", 0.75)
         engine = Engine(loaded, config)
         engine.warmup()  # adaptive depth's cost measurement, once, here rather than in the first request
+        engine.prefix_cache = _prefix_cache(loaded, settings)
         state.ready(summary, engine)
         log.info("ready: %s", args.model_id)
         stopping[0] = _close_on_term(device)
         device.serve()  # until SIGTERM
+        _close_prefix_cache(engine)
         _exit(server, 0)
     try:
         code = _serve_stage(args, state, device, loaded, config, summary, stopping)
@@ -147,6 +149,23 @@ def main(argv: Sequence[str] | None = None) -> None:
               file=sys.stderr, flush=True)
         code = EXIT_GROUP_LOST
     _exit(server, code)
+
+
+def _prefix_cache(loaded: Any, settings: Any) -> Any:
+    from .prefix_store import open_prefix_cache
+
+    try:
+        return open_prefix_cache(loaded, settings)
+    except Exception:  # noqa: BLE001 - the model serves without one
+        logging.getLogger(__name__).exception("prefix cache: not available")
+        return None
+
+
+def _close_prefix_cache(engine: Any) -> None:
+    """Let the disk tier finish its writes (what the next start restores from)."""
+    cache = engine.prefix_cache
+    if cache is not None and hasattr(cache.store, "close"):
+        cache.store.close()
 
 
 def _close_on_term(device: Any) -> Callable[[], bool]:
