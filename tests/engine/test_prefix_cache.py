@@ -73,16 +73,22 @@ def test_next_turn_and_new_conversation_equal_cold(checkpoint, arch, mtp):
     first = _complete(warm, p1, **mtp)
     assert first.stats.cached_tokens == 0
     _same(first, _complete(cold, p1, **mtp))
-    # The next turn resends turn 1's prompt (its assistant header included): restored at turn 1's end.
+    # The next turn resends turn 1's prompt: restored at its generation header (the last message start).
     second = _complete(warm, p2, **mtp)
     starts = [i for i, t in enumerate(p1) if t in warm.prefix_cache.starts]
     assert p2[: len(p1)] == p1
-    assert second.stats.cached_tokens == len(p1)
+    assert second.stats.cached_tokens == starts[-1]
     _same(second, _complete(cold, p2, **mtp))
-    # The same prompt again: all of it is cached; the first token comes from the cached hidden.
+    # The same prompt again: restored up to its own header.
     again = _complete(warm, p2, **mtp)
-    assert again.stats.cached_tokens == len(p2)
+    assert again.stats.cached_tokens == max(i for i, t in enumerate(p2) if t in warm.prefix_cache.starts)
     _same(again, second)
+    # A raw prompt (no chat): restored to its very end; the first token comes from the cached hidden.
+    raw = [t for t in p2 if t not in warm.prefix_cache.starts]
+    _complete(warm, raw, **mtp)
+    whole = _complete(warm, raw, **mtp)
+    assert whole.stats.cached_tokens == len(raw)
+    _same(whole, _complete(cold, raw, **mtp))
     # A new conversation with the same system prompt: restored at the end of the system part.
     other = _complete(warm, p3, **mtp)
     assert other.stats.cached_tokens == starts[1]
@@ -225,7 +231,8 @@ def test_keys_depend_on_every_token_and_the_namespace():
 def test_snapshot_edges():
     starts = frozenset({1})
     tokens = [1, 5, 5, 5, 1, 6, 6, 1, 7] + [8] * 30
-    assert pc.snapshot_edges(tokens, starts, 16, 2) == [4, 7, 16, 32, 39]
+    assert pc.snapshot_edges(tokens, starts, 16, 2) == [4, 7, 16, 32, 39]  # 32 tokens after the last start
+    assert pc.snapshot_edges(tokens[:12], starts, 0, 2) == [4, 7]  # a generation header: no end snapshot
     assert pc.snapshot_edges(tokens, frozenset(), 0, 2) == [39]
     plan = pc.PrefillPlan(None, tokens, [], None, [4, 7, 16, 32, 39], False)  # type: ignore[arg-type]
     assert list(plan.spans(10)) == [(0, 4), (4, 7), (7, 16), (16, 26), (26, 32), (32, 39)]

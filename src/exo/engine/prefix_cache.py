@@ -17,9 +17,10 @@ What is kept, per model and stage (``namespace``) in a ``PrefixStore`` (a key ->
   the head pairs it with token p).
 - ``sh-<p>-<hash>``: the head's entries after the last full block, up to p - 1.
 
-Snapshots are taken where the prefill stops anyway or is made to stop (``snapshot_edges``): the end of
-the prompt (where the next turn continues), the start of the second message (the end of the system +
-tools part, where conversations diverge), the start of the last message, and every ``stride_tokens``.
+Snapshots are taken where the prefill stops anyway or is made to stop (``snapshot_edges``): the start of
+the last message, i.e. the generation header (where the next turn continues: it resends everything before
+it), the start of the second message (the end of the system + tools part, where conversations diverge),
+the end of a prompt that is not a chat, and every ``stride_tokens``.
 A restore goes to the deepest snapshot whose blocks are all held, with the head's parts too when the
 run drafts; the run then prefills only the rest. Captured after the prefill, from the prompt's positions
 only (never a generated, let alone an accepted-but-unemitted, position).
@@ -52,6 +53,9 @@ MIN_SNAPSHOT_TOKENS = 64  # a snapshot of a shorter prefix costs more than the p
 # Chat templates' message-start tokens: a snapshot at the second one is the end of the system + tools part,
 # at the last one the start of the newest message (what the next turn resends unchanged).
 MESSAGE_START_TOKENS = ("<|im_start|>",)
+# A prompt ending at most this many tokens after its last message start ends in a generation header: its last
+# snapshot is the header's start (one snapshot a turn, not two; the next turn prefills the header again).
+HEADER_TOKENS = 16
 
 Arrays = dict[str, mx.array]
 
@@ -180,15 +184,19 @@ def message_starts(tokenizer: Any) -> frozenset[int]:
 
 
 def snapshot_edges(tokens: Sequence[int], starts: frozenset[int], stride: int, minimum: int) -> list[int]:
-    """Positions to snapshot a prompt at: its end, the second and the last message start, every ``stride``."""
+    """Positions to snapshot a prompt at: the second message start (the end of the system + tools part), the
+    last one (the assistant header the next turn renders again, perhaps without what a template adds to a
+    generation prompt, such as an opened think block), the end when more than a header follows the last
+    start (a raw completion), and every ``stride``."""
     n = len(tokens)
-    edges = {n}
-    if starts:
-        found = [i for i, t in enumerate(tokens) if t in starts]
-        if len(found) >= 2:
-            edges.add(found[1])
-        if found:
-            edges.add(found[-1])
+    edges = set()
+    found = [i for i, t in enumerate(tokens) if t in starts] if starts else []
+    if len(found) >= 2:
+        edges.add(found[1])
+    if found:
+        edges.add(found[-1])
+    if not found or n - found[-1] > HEADER_TOKENS:
+        edges.add(n)
     if stride > 0:
         edges.update(range(stride, n, stride))
     return sorted(p for p in edges if minimum <= p <= n)
