@@ -83,11 +83,11 @@ def test_next_turn_and_new_conversation_equal_cold(checkpoint, arch, mtp):
     again = _complete(warm, p2, **mtp)
     assert again.stats.cached_tokens == max(i for i, t in enumerate(p2) if t in warm.prefix_cache.starts)
     _same(again, second)
-    # A raw prompt (no chat): restored to its very end; the first token comes from the cached hidden.
+    # A raw prompt (no chat) again: restored up to its last token.
     raw = [t for t in p2 if t not in warm.prefix_cache.starts]
     _complete(warm, raw, **mtp)
     whole = _complete(warm, raw, **mtp)
-    assert whole.stats.cached_tokens == len(raw)
+    assert whole.stats.cached_tokens == len(raw) - 1
     _same(whole, _complete(cold, raw, **mtp))
     # A new conversation with the same system prompt: restored at the end of the system part.
     other = _complete(warm, p3, **mtp)
@@ -123,7 +123,7 @@ def test_restored_caches_equal_a_cold_prefill(checkpoint, arch):
 
     hit, hit_token = prefilled(warm)
     ref, ref_token = prefilled(cold)
-    assert hit._prefix.restored > BLOCK
+    assert hit.prefilled > BLOCK
     assert hit_token.item() == ref_token.item()
     for a, b in [*zip(hit.cache, ref.cache, strict=True), (hit.head_cache, ref.head_cache)]:
         xs, ys = _arrays(a), _arrays(b)
@@ -193,7 +193,7 @@ def test_a_hit_joining_a_batch_equals_solo_cold(checkpoint, mtp_k):
                                            mtp_k=mtp_k))
         tokens[i] = [t for chunk in run.begin() if chunk is not None for t in chunk.token_ids]
         runs[id(run)] = i
-        assert run._prefix.restored > 0
+        assert run.prefilled > 0
         batch.add(run)
     stats = {}
     while len(batch):
@@ -231,8 +231,9 @@ def test_keys_depend_on_every_token_and_the_namespace():
 def test_snapshot_edges():
     starts = frozenset({1})
     tokens = [1, 5, 5, 5, 1, 6, 6, 1, 7] + [8] * 30
-    assert pc.snapshot_edges(tokens, starts, 16, 2) == [4, 7, 16, 32, 39]  # 32 tokens after the last start
+    assert pc.snapshot_edges(tokens, starts, 16, 2) == [4, 7, 16, 32, 38]  # 32 tokens after the last start
     assert pc.snapshot_edges(tokens[:12], starts, 0, 2) == [4, 7]  # a generation header: no end snapshot
-    assert pc.snapshot_edges(tokens, frozenset(), 0, 2) == [39]
-    plan = pc.PrefillPlan(None, tokens, [], None, [4, 7, 16, 32, 39], False)  # type: ignore[arg-type]
-    assert list(plan.spans(10)) == [(0, 4), (4, 7), (7, 16), (16, 26), (26, 32), (32, 39)]
+    assert pc.snapshot_edges(tokens, frozenset(), 0, 2) == [38]
+    plan = pc.PrefillPlan(None, tokens, [], None, [4, 7, 16, 32, 38], False)  # type: ignore[arg-type]
+    assert list(plan.spans(0, 39, 10)) == [(0, 4), (4, 7), (7, 16), (16, 26), (26, 32), (32, 38), (38, 39)]
+    assert list(plan.spans(7, 39, 100)) == [(7, 16), (16, 32), (32, 38), (38, 39)]

@@ -196,10 +196,10 @@ def snapshot_edges(tokens: Sequence[int], starts: frozenset[int], stride: int, m
     if found:
         edges.add(found[-1])
     if not found or n - found[-1] > HEADER_TOKENS:
-        edges.add(n)
+        edges.add(n - 1)  # (the last token is always fed: this serves the same prompt again and its extensions)
     if stride > 0:
         edges.update(range(stride, n, stride))
-    return sorted(p for p in edges if minimum <= p <= n)
+    return sorted(p for p in edges if minimum <= p < n)
 
 
 # -- the cache ----------------------------------------------------------------------------------------
@@ -254,7 +254,9 @@ class PrefixCache:
         self.stats.lookups += 1
         self.stats.prompt_tokens += len(tokens)
         found = None
-        for p in sorted((p for p in self._lengths if p <= len(tokens)), reverse=True):
+        # At least the last prompt token is fed (SequenceState.restore): a snapshot at a prompt's end serves
+        # the prompts that extend it.
+        for p in sorted((p for p in self._lengths if p < len(tokens)), reverse=True):
             name = snapshot_key(p, chain, tokens, self.block)
             if not self.store.has(self.key(name)):
                 continue
@@ -332,12 +334,12 @@ class PrefillPlan:
         c.stats.cached_tokens += p
         return snapshot["hidden"]
 
-    def spans(self, chunk: int) -> Iterator[tuple[int, int]]:
-        """The prefill's chunks after the restored prefix, also ending at every snapshot edge."""
-        start = self.restored
+    def spans(self, start: int, n: int, chunk: int) -> Iterator[tuple[int, int]]:
+        """The prefill's chunks from ``start`` (the restored prefix) to ``n``, also ending at every snapshot
+        edge."""
         stops = [p for p in self.edges if p > start]
-        while start < self.n:
-            end = min(start + chunk, self.n)
+        while start < n:
+            end = min(start + chunk, n)
             while stops and stops[0] <= start:
                 stops.pop(0)
             if stops and stops[0] < end:
@@ -439,15 +441,9 @@ class NoPlan:
 
     restored = 0
 
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def restore(self, caches: list[Any], head_cache: KVCache | None) -> None:
-        return None
-
-    def spans(self, chunk: int) -> Iterator[tuple[int, int]]:
-        for start in range(0, self.n, chunk):
-            yield start, min(start + chunk, self.n)
+    def spans(self, start: int, n: int, chunk: int) -> Iterator[tuple[int, int]]:
+        for begin in range(start, n, chunk):
+            yield begin, min(begin + chunk, n)
 
     def reached(self, end: int, caches: list[Any], hidden: mx.array) -> None:
         pass
@@ -460,5 +456,26 @@ def plan_for(cache: PrefixCache | None, tokens: Sequence[int], need_head: bool, 
     """The plan a run's prefill follows (pipelines keep no prefix cache yet: each stage would restore its own
     layers, and the leader settle on the prefix all of them hold)."""
     if cache is None or stages != 1:
-        return NoPlan(len(tokens))
+        return NoPlan()
     return cache.plan(tokens, need_head)
+
+
+def restore_prefix(cache: PrefixCache | None, state: Any) -> None:
+    """``Engine.start``'s last step: look the prompt up and restore the deepest cached prefix into the new
+    sequence state through its seam (``SequenceState.restore``); the plan stays with the state for its
+    prefill's chunk edges and the capture after its first token."""
+    if state.output.finish is not None:  # cancelled during the engine's warm-up
+        return
+    plan = plan_for(cache, state.request.prompt_tokens, state.track_head, state.forward.stages)
+    state._prefix = plan
+    if isinstance(plan, NoPlan) or plan.found is None:
+        return
+    caches = state.forward.new_cache()
+    head_cache = KVCache() if state.track_head else None
+    hidden = plan.restore(caches, head_cache)
+    if hidden is None:
+        return
+    if head_cache is None:
+        state.restore(plan.restored, caches)
+    else:
+        state.restore(plan.restored, caches, head_cache, hidden)
