@@ -25,8 +25,11 @@ A restore goes to the deepest snapshot whose blocks are all held, with the head'
 run drafts; the run then prefills only the rest. Captured after the prefill, from the prompt's positions
 only (never a generated, let alone an accepted-but-unemitted, position).
 
-The hook (``PrefillPlan``) is what the generation loop calls: ``restore`` before its prefill, ``spans``
-for its chunk edges, ``reached`` at each chunk end, ``capture`` once the first token is out.
+The hook: ``Engine.start`` ends with ``restore_prefix``, which looks the prompt up (``PrefixCache.plan``)
+and hands the restored caches to the new sequence through its seam (``SequenceState.restore``), so a solo
+run, a batch newcomer and constrained or logprobs runs all get it; the sequence keeps the plan
+(``PrefillPlan``) for its prefill's chunk edges (``spans``, ``reached``) and calls ``capture`` once its
+first token is out.
 """
 
 from __future__ import annotations
@@ -281,7 +284,8 @@ class _Edge:
 
 @dataclass
 class PrefillPlan:
-    """One prompt's use of the cache: what to restore, where its prefill stops, what it captures."""
+    """One prompt's use of the cache: what to restore, where its prefill stops, what it captures. At least
+    the prompt's last token is always prefilled (its logits give the first token)."""
 
     cache: PrefixCache
     tokens: list[int]
