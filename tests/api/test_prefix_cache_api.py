@@ -19,7 +19,8 @@ def test_cached_tokens_on_chat_and_completions(make_server, model_dir, reference
     turn2 = TURN1 + [{"role": "assistant", "content": first.choices[0].message.content},
                      {"role": "user", "content": "Tool result: line 12 divides by zero"}]
     cold = reference(_ids(reference, turn2), max_tokens=8)
-    second = client.chat.completions.create(model=server.model, messages=turn2, temperature=0, max_tokens=8)
+    second = client.chat.completions.create(model=server.model, messages=turn2, temperature=0, max_tokens=8,
+                                            extra_body={"prompt_cache_key": "session-1"})  # Codex sends one
     cached = second.usage.prompt_tokens_details.cached_tokens
     p1 = _ids(reference, TURN1)
     header = len(p1) - len(reference.tokenizer.encode("<|im_start|>assistant\n"))
