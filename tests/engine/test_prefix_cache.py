@@ -250,6 +250,13 @@ def test_keys_depend_on_every_token_and_the_namespace():
     assert pc.snapshot_key(13, a, tokens, 8) != pc.snapshot_key(13, a, tokens[:12] + [7] + tokens[13:], 8)
 
 
+def test_pipelines_keep_no_prefix_cache_yet():
+    cache = pc.PrefixCache(pc.MemoryStore(1 << 20), "ns", block_tokens=4)
+    assert isinstance(pc.plan_for(cache, list(range(20)), False, stages=2), pc.NoPlan)
+    assert isinstance(pc.plan_for(cache, list(range(20)), False, stages=1), pc.PrefillPlan)
+    assert isinstance(pc.plan_for(None, list(range(20)), False, stages=1), pc.NoPlan)
+
+
 def test_snapshot_edges():
     starts = frozenset({1})
     tokens = [1, 5, 5, 5, 1, 6, 6, 1, 7] + [8] * 30
