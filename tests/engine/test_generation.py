@@ -503,7 +503,7 @@ def test_near_tie_guard_decodes_those_positions_plainly(dense, margin):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_verify_probe_finds_every_row_exact_on_this_cpu(checkpoint, arch):
-    """On the CPU every operation rounds a block of rows as it rounds each row alone (bench/op_invariance.py):
+    """On the CPU every operation rounds a block of rows as it rounds each row alone (bench/op_invariance.py@3c719fd):
     the probe runs the model's own layers both ways and keeps verify calls batched and exact."""
     engine = _engine(checkpoint(arch, dtype="float32"))
     mode = engine.verify_mode

@@ -35,7 +35,7 @@ horizon (prompt + max_tokens) of KV rows, plus each run's GatedDeltaNet state (f
 ``batch_bytes`` is that estimate, ``sequence_bytes`` measures its two rates on the model itself; the device
 queue admits a run into a batch only while the estimate stays within the instance's KV budget.
 
-On this CPU batched rows round exactly as solo decoding (bench/batching.py measures it; tests check it).
+On this CPU batched rows round exactly as solo decoding (bench/serving.py measures it; tests check it).
 """
 
 from __future__ import annotations
@@ -403,7 +403,7 @@ def default_lanes(engine: Engine) -> int:
     was built (8 sequences: 446 tok/s against one lane's 357); since a step emits from
     the last step's outputs (``_plain_emit``), one lane is as fast or faster at every size measured on a
     2-core x86-64 CPU (exo-demo, ms a step, one lane vs two: 10.3 vs 14.5 at 4 sequences, 12.6 vs 14.4 at 8,
-    21.8 vs 21.1 at 16, 43.0 vs 56.7 at 32; bench/batch_steps.py): MLX's ``async_eval`` feeds the lanes'
+    21.8 vs 21.1 at 16, 43.0 vs 56.7 at 32; bench/batch_steps.py@3c719fd): MLX's ``async_eval`` feeds the lanes'
     streams one after the other, and building two graphs costs the host twice."""
     if engine.config.batch_lanes is not None:
         return max(1, engine.config.batch_lanes)
