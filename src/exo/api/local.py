@@ -296,7 +296,7 @@ class LocalModelService:
         log.info("loading %s from %s", resolved.model_id, resolved.path)
         enabled, reason = self._mtp
         loaded, config = load_for_serving(resolved, self.settings, native_mtp_enabled=enabled, disabled_reason=reason)
-        engine = ready_engine(loaded, config)  # as a runner makes it (exo.runner.loading says what else is shared)
+        engine = ready_engine(loaded, config, self.settings)  # as a runner makes it (exo.runner.loading says what else is shared)
         with self._lock:
             self._engines[resolved.model_id] = engine
             self._known[resolved.model_id] = resolved

@@ -47,6 +47,7 @@ from .costs import warmup_costs
 from .forward import Forward, LocalForward
 from .loader import LoadedModel
 from .models.layers import MoEVerifyMode
+from .prefix_cache import NoPlan, PrefillPlan, PrefixCache, restore_prefix
 from .sampling import (
     KeyStream,
     SamplingParams,
@@ -229,6 +230,8 @@ class Engine:
         self._closing_tokens: Any = None
         self._token_bytes: dict[int, bytes] = {}
         self._grammars: dict[tuple[str, str], Grammar] = {}  # insertion order: least recently used first
+        # Set by the runner (exo.runner.prefix_store) or a caller: prompts restore their cached prefixes.
+        self.prefix_cache: PrefixCache | None = None
 
     @property
     def model(self) -> Any:
@@ -350,7 +353,9 @@ class Engine:
                 run.output.finish = "cancelled"
                 return run
             policy.new_request()
-        return SequenceState(self, request, policy, reason)
+        run = SequenceState(self, request, policy, reason)
+        restore_prefix(self.prefix_cache, run)  # a cached prefix of the prompt: only the rest is prefilled
+        return run
 
     def _adaptive_policy(self) -> DepthPolicy:
         """One adaptive policy per engine: what it learns (acceptance, round costs) carries over."""
@@ -634,6 +639,7 @@ class SequenceState:
         self._pending_batch = 0  # the size of the batch step that computed ``pending_token``
         self.started = self.first_time = 0.0
         self._first: tuple[mx.array, _LogprobRows | None] | None = None
+        self._prefix: PrefillPlan | NoPlan = NoPlan()
 
     @property
     def batchable(self) -> bool:
@@ -833,9 +839,9 @@ class SequenceState:
         prompt = mx.array(list(self.request.prompt_tokens), dtype=mx.uint32)
         n = prompt.shape[0]
         chunk = max(1, chunk or self.engine.config.prefill_chunk)
-        for start in range(self.prefilled, n, chunk):
-            end = min(start + chunk, n)
+        for start, end in self._prefix.spans(self.prefilled, n, chunk):  # edges at the prefix cache's snapshots
             hidden = self.forward.hidden(prompt[None, start:end], self.cache)
+            self._prefix.reached(end, self.cache, hidden)
             # Rows whose next token is known prime the head now, chunk by chunk.
             known = min(end, n - 1) - start
             if known > 0:
@@ -915,6 +921,8 @@ class SequenceState:
         self.output.add(token, self._logprob_entry(lp, 0, token))
         self.recorder.plain_steps(0)
         yield from self.drain()
+        # The prompt's blocks and snapshots (engine/prefix_cache.py), before any decode step moves the caches on.
+        self._prefix.capture(self.cache, self.head_cache if self.track_head else None)
 
     def _stream(self) -> Iterator[GenerationChunk]:
         if self.output.finish is not None:  # stopped during the engine's warm-up (``Engine.start``)
@@ -1227,6 +1235,8 @@ class SequenceState:
             decode_tokens_per_s=round((completion - 1) / decode_s, 3) if completion > 1 and decode_s > 0 else 0.0,
             prompt_tokens=len(self.request.prompt_tokens),
             completion_tokens=completion,
+            cached_tokens=self.prefilled,
+            prefix_cache=self.engine.prefix_cache.figures() if self.engine.prefix_cache is not None else None,
             costs=costs,
             batch_sizes=dict(sorted(self.batch_sizes.items())),
         )

@@ -20,6 +20,7 @@ a stage's process joins its pipeline's ring).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from exo.engine import Engine, EngineConfig, ResolvedModel, engine_config, load_checkpoint
@@ -39,8 +40,17 @@ def load_for_serving(
     return loaded, engine_settings
 
 
-def ready_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
-    """An engine for a whole model, its costs measured for adaptive depth once, here, not in a request."""
+def ready_engine(loaded: LoadedModel, config: EngineConfig, settings: Settings | None = None) -> Engine:
+    """An engine for a whole model, its costs measured for adaptive depth once, here, not in a request; with
+    ``settings``, its prefix cache as they say (``exo.runner.prefix_store``; set after the warm-up, which
+    is no request of a user's)."""
     engine = Engine(loaded, config)
     engine.warmup()
+    if settings is not None:
+        from .prefix_store import open_prefix_cache
+
+        try:
+            engine.prefix_cache = open_prefix_cache(loaded, settings)
+        except Exception:  # noqa: BLE001 - the model serves without one
+            logging.getLogger(__name__).exception("prefix cache: not available")
     return engine

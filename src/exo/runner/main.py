@@ -132,11 +132,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         from .loading import ready_engine
 
         state.update("warming up", 0.75)
-        engine = ready_engine(loaded, config)
+        engine = ready_engine(loaded, config, settings)  # (with the node's prefix cache: runner.prefix_store)
         state.ready(summary, engine)
         log.info("ready: %s", args.model_id)
         stopping[0] = _close_on_term(device)
         device.serve()  # until SIGTERM
+        _close_prefix_cache(engine)
         _exit(server, 0)
     try:
         secret = settings.cluster_secret.get_secret_value() if settings.cluster_secret else None
@@ -147,6 +148,13 @@ def main(argv: Sequence[str] | None = None) -> None:
               file=sys.stderr, flush=True)
         code = EXIT_GROUP_LOST
     _exit(server, code)
+
+
+def _close_prefix_cache(engine: Any) -> None:
+    """Let the disk tier finish its writes (what the next start restores from)."""
+    cache = engine.prefix_cache
+    if cache is not None and hasattr(cache.store, "close"):
+        cache.store.close()
 
 
 def _close_on_term(device: Any) -> Callable[[], bool]:
