@@ -1,6 +1,6 @@
 """Decode speed under a JSON-schema constraint vs unconstrained, native MTP off and on, in one run.
 
-    python bench/constrained.py [MODEL] [--max-tokens 256] [--repeats 5] [--mtp off,1,2] [--json]
+    python bench/constrained.py [MODEL] [--max-tokens 256] [--repeats 5] [--mtp off,1,2] [--device cpu|gpu] [--json]
 
 For each MTP mode, runs alternate (unconstrained, constrained, unconstrained, ...) on the same chat prompt
 so drift on a shared CPU hits both alike. The constrained runs follow SCHEMA (an open-ended list of
@@ -19,6 +19,8 @@ import json
 import statistics
 import time
 from typing import Any
+
+from common import use_device  # bench/ is this script's folder
 
 from exo.engine import GenerationRequest, load
 from exo.engine import constraints as constraints_module
@@ -89,7 +91,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--mtp", default="off,1,2")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--device", choices=("cpu", "gpu"), default=None, help="MLX's device (default: MLX's default)")
     args = p.parse_args(argv)
+    use_device(args.device)
     engine = load(args.model)
     tokenizer = engine.loaded.tokenizer
     # A checkpoint without a chat template (bench/make_random_model.py's) takes the prompt as plain text.

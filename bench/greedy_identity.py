@@ -1,6 +1,6 @@
 """How often greedy MTP output is token-identical to plain greedy decoding on this device.
 
-    python bench/greedy_identity.py [MODEL ...] [--runs 12] [--max-tokens 192] [--json]
+    python bench/greedy_identity.py [MODEL ...] [--runs 12] [--max-tokens 192] [--device cpu|gpu] [--json]
 
 Each run is one prompt (a different one per run), decoded plainly and with native MTP at K = 1, 2, 3 and
 adaptive, EOS ignored. On the CPU identity is exact by construction (the test suite asserts it); GPU
@@ -20,6 +20,8 @@ import dataclasses
 import json
 import statistics
 import time
+
+from common import use_device  # bench/ is this script's folder
 
 from exo.engine import GenerationRequest, load
 from exo.engine.costs import device_name
@@ -42,7 +44,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", action="store_true")
     p.add_argument("--cost", action="store_true", help="time K = 1..3 with per-row linears on and off")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", choices=("cpu", "gpu"), default=None, help="MLX's device (default: MLX's default)")
     args = p.parse_args(argv)
+    use_device(args.device)
     report = {"device": device_name(), "runs": args.runs, "max_tokens": args.max_tokens, "models": {}}
     for model in args.models:
         engine = load(model)

@@ -92,6 +92,11 @@ def test_every_field_from_env(home: Path) -> None:
             EXO_BATCH_LANES="3",
             EXO_OFFLINE="1",
             EXO_MEMORY_BUDGET_BYTES=str(16 << 30),
+            EXO_PREFIX_CACHE_ENABLED="0",
+            EXO_PREFIX_CACHE_RAM_BYTES=str(1 << 30),
+            EXO_PREFIX_CACHE_DISK_BYTES="0",
+            EXO_PREFIX_CACHE_BLOCK_TOKENS="128",
+            EXO_PREFIX_CACHE_STRIDE_TOKENS="4096",
         )
     )
     assert (s.native_mtp_enabled, s.native_mtp_moe_verify, s.native_mtp_async_draft_eval) == (
@@ -112,6 +117,8 @@ def test_every_field_from_env(home: Path) -> None:
     assert (s.request_timeout_s, s.max_queue, s.offline, s.memory_budget_bytes) == (12.5, 3, True, 16 << 30)
     assert (s.max_batch, s.kv_budget_tokens, s.prefill_chunk, s.batch_invariant) == (4, 2048, 8, True)
     assert s.batch_lanes == 3 and s.batch_prefill_chunk == 16
+    assert (s.prefix_cache_enabled, s.prefix_cache_ram_bytes, s.prefix_cache_disk_bytes) == (False, 1 << 30, 0)
+    assert (s.prefix_cache_block_tokens, s.prefix_cache_stride_tokens) == (128, 4096)
     assert all(s.source(f) == "env" for f in Settings.model_fields)
 
 

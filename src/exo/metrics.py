@@ -58,6 +58,28 @@ class Metrics:
             "exo_cancel_latency_seconds", "From a cancellation (disconnect, timeout) to the device being free",
             registry=r, buckets=_FAST,
         )
+        self.prefix_cached_tokens = Counter(
+            "exo_prefix_cache_cached_tokens", "Prompt tokens restored from the prefix cache", ["model"], registry=r
+        )
+        self.prefix_hits = Counter(
+            "exo_prefix_cache_hits", "Generations that restored a cached prefix", ["model"], registry=r
+        )
+        self.prefix_lookups = Counter(
+            "exo_prefix_cache_lookups", "Generations that looked for a cached prefix", ["model"], registry=r
+        )
+        self.prefix_hit_rate = Gauge(
+            "exo_prefix_cache_token_hit_rate", "Cached / prompt tokens of looked-up generations since start",
+            ["model"], registry=r,
+        )
+        self.prefix_bytes = Gauge(
+            "exo_prefix_cache_bytes", "Bytes the prefix cache holds per tier (at the last generation)",
+            ["model", "tier"], registry=r,
+        )
+        self.prefix_evictions = Gauge(
+            "exo_prefix_cache_evictions", "Entries the prefix cache dropped per tier since its runner started",
+            ["model", "tier"], registry=r,
+        )
+        self._prefix_totals: dict[str, list[int]] = {}
         self._lock = threading.Lock()
         self._mtp_totals: dict[str, list[int]] = {}
 
@@ -75,6 +97,8 @@ class Metrics:
                 self.batch_size.observe(size)
         for _ in range(max(0, stats.completion_tokens - batched)):
             self.batch_size.observe(1)
+        if stats.prefix_cache is not None:
+            self._record_prefix(model, stats)
         if stats.drafted_tokens:
             self.drafted.labels(model).inc(stats.drafted_tokens)
             self.accepted.labels(model).inc(stats.accepted_tokens)
@@ -83,6 +107,23 @@ class Metrics:
                 totals[0] += stats.drafted_tokens
                 totals[1] += stats.accepted_tokens
                 self.acceptance.labels(model).set(totals[1] / totals[0])
+
+    def _record_prefix(self, model: str, stats: NativeMTPStats) -> None:
+        figures = stats.prefix_cache or {}
+        self.prefix_lookups.labels(model).inc()
+        if stats.cached_tokens:
+            self.prefix_hits.labels(model).inc()
+            self.prefix_cached_tokens.labels(model).inc(stats.cached_tokens)
+        with self._lock:
+            totals = self._prefix_totals.setdefault(model, [0, 0])
+            totals[0] += stats.prompt_tokens
+            totals[1] += stats.cached_tokens
+            if totals[0]:
+                self.prefix_hit_rate.labels(model).set(totals[1] / totals[0])
+        for tier in ("ram", "disk"):
+            if f"{tier}_bytes" in figures:
+                self.prefix_bytes.labels(model, tier).set(figures[f"{tier}_bytes"])
+                self.prefix_evictions.labels(model, tier).set(figures.get(f"{tier}_evictions", 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -74,6 +74,16 @@ class Settings(BaseModel):
     # The most memory (bytes) this node offers to models, whatever the OS has free: keep room for other
     # applications, or make a small node of a big machine. None: what the OS says is available.
     memory_budget_bytes: int | None = Field(default=None, ge=1)
+    # The prefix cache (engine/prefix_cache.py, runner/prefix_store.py): a prompt that starts like an earlier
+    # one restores that prefix's caches instead of prefilling it. RAM: bytes each instance may hold (counted in
+    # its placement); disk: bytes under $EXO_HOME/prefix-cache (0: no disk tier), kept across restarts.
+    prefix_cache_enabled: bool = Field(default=True, strict=True)
+    prefix_cache_ram_bytes: int = Field(default=2 << 30, ge=0)
+    prefix_cache_disk_bytes: int = Field(default=16 << 30, ge=0)
+    # Tokens per cached block of attention KV, and the stride of the recurrent-state snapshots along long
+    # prompts (0: only the prompt's end and message starts); docs/prefix-cache.md says what each costs.
+    prefix_cache_block_tokens: int = Field(default=256, ge=1)
+    prefix_cache_stride_tokens: int = Field(default=8192, ge=0)
     # EXO_OFFLINE=1: downloads use only the Hugging Face cache, never the network (as HF_HUB_OFFLINE=1).
     offline: bool = Field(default=False, strict=True)
 

@@ -2,7 +2,7 @@
 (a constrained answer always completes; a max_tokens below its shortest document is a 400), schemas that
 closing must leave satisfiable, OpenAI's conversation rules, at most one call with parallel_tool_calls
 false, parallel calls streamed, thinking templates, completions logprobs with MTP on and off, and the
-README's example run as written.
+the example of docs/api.md run as written.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from tests.api.test_serve_cli import SRC, _free_port
 
 FIVE = {"type": "object", "properties": {k: {"type": "string"} for k in ("first", "second", "third", "fourth", "fifth")},
         "required": ["first", "second", "third", "fourth", "fifth"]}
-README = Path(__file__).resolve().parents[2] / "README.md"
+API_DOCS = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +242,7 @@ def test_a_template_that_opens_think_gives_reasoning_content(make_server, tmp_pa
         "reasoning_content")
 
 
-# -- the README's example, as written ---------------------------------------------------------------------------
+# -- the docs' example, as written ---------------------------------------------------------------------------
 
 
 @pytest.fixture()
@@ -264,15 +264,15 @@ def exo_serve(tmp_path):
         process.communicate(timeout=30)
 
 
-def test_the_readme_agent_example_runs_as_written(exo_serve):
-    section = README.read_text().split("### Using exo from an agent", 1)[1]
+def test_the_docs_agent_example_runs_as_written(exo_serve):
+    section = API_DOCS.read_text().split("## Tool calling, structured output and logprobs", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     assert 'base_url="http://127.0.0.1:52415/v1"' in code
     code = code.replace("http://127.0.0.1:52415/v1", exo_serve + "/v1")  # the only change: this server's port
     out = io.StringIO()
     scope: dict = {}
     with contextlib.redirect_stdout(out):
-        exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the project's own README
+        exec(compile(code, "docs/api.md", "exec"), scope)  # noqa: S102 - the project's own docs
     reply = scope["reply"].choices[0]
     assert reply.finish_reason == "tool_calls" and len(reply.message.tool_calls) == 1
     jsonschema.validate(scope["args"], scope["tools"][0]["function"]["parameters"])

@@ -150,3 +150,41 @@ def test_exo_cluster_says_how_far_an_instance_is():
     downloading = {"model": "qwen", "state": "downloading", "progress": 0.0,
                    "download": {"bytes_done": 1 << 30, "bytes_total": 4 << 30}}
     assert instance_label(downloading) == "qwen (downloading 25%)"
+
+
+def test_a_subcommand_error_is_a_user_error_when_run_as_a_module(tmp_path):
+    """``python -m exo.cli.main`` makes the entry point ``__main__``: a subcommand's CommandError (from
+    ``exo.cli.common``) must still be the class the entry point catches, printed without a traceback."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[2] / "src"
+    env = {**os.environ, "PYTHONPATH": str(src), "EXO_HOME": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, "-m", "exo.cli.main", "cluster", "--url", "http://127.0.0.1:9"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith("exo: error: no exo daemon at http://127.0.0.1:9") and "Traceback" not in result.stderr
+
+
+def test_bench_runs_on_the_device_asked_for(checkpoint, capsys):
+    """``--device`` (the benchmarks' shared option): the report's device is the one asked for, and one this
+    machine's MLX lacks is a clear error, not a crash."""
+    import mlx.core as mx
+
+    default = mx.default_device()
+    try:
+        code, out, _ = _run(capsys, "bench", str(checkpoint("qwen3_5")), "--json", "--max-tokens", "4",
+                            "--prompt", "Hello", "--pairs", "0", "--device", "cpu")
+        assert code == 0 and json.loads(out)["device"].startswith("cpu")
+        code, out, err = _run(capsys, "bench", str(checkpoint("qwen3_5")), "--json", "--max-tokens", "4",
+                              "--prompt", "Hello", "--pairs", "0", "--device", "gpu")
+        if mx.is_available(mx.gpu):
+            assert code == 0 and not json.loads(out)["device"].startswith("cpu")
+        else:
+            assert code == 1 and err.strip() == "exo: error: --device gpu: this machine's MLX has no GPU backend"
+    finally:
+        mx.set_default_device(default)

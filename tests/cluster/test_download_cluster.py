@@ -25,6 +25,7 @@ import pytest
 from downloads.hub_server import FakeHub
 from downloads.reshard import INDEX, reshard, shard_name
 
+from exo.cluster import orchestration, registry
 from exo.downloads import stage_files
 from exo.engine import Engine, GenerationRequest, load_checkpoint
 
@@ -272,7 +273,14 @@ def test_a_failed_download_fails_the_instance_with_the_reason(cluster, hub):
     first, last = pipeline["stages"]
     assert "HTTP 500" in last["failure"]["message"]
     assert "its pipeline broke" in first["failure"]["message"], first
-    time.sleep(2)  # the watcher does not place it anew: the hub would fail the same way
+    # "its pipeline broke" is the watcher's word: it has seen the break (the positive control). It must not
+    # place the model anew (the hub would fail the same way). Were it to, it would within the re-placement's
+    # settling bound (the registry's expiry and a second after the break; sooner once every node answered):
+    # after that whole window, no node has logged a placement and the hub saw no new fetch.
+    fetches = len(hub.gets(REPOS["dl-broken"]))
+    time.sleep(registry.EXPIRE_S + 1.0 + 4 * orchestration.WATCH_S + 2.0)
+    assert not [d.name for d in (a, b, c) if "dl-broken anew" in d.log_path.read_text()]
+    assert len(hub.gets(REPOS["dl-broken"])) == fetches
     assert all(i["state"] == "failed" for i in instances_of(a, "dl-broken"))
     for inst in instances_of(a, "dl-broken"):
         assert a.delete(f"/v1/instances/{inst['id']}").status_code == 200

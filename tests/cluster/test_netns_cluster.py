@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from .daemons import python_path
-from .netns import NetnsLab, netns_unavailable
+from .netns import NetnsLab, netns_unavailable, require
 
 API_PORT, GRPC_PORT = 52415, 52416
 JOIN_S = 15  # the issue's bound: nodes see each other within this long of both serving
@@ -67,9 +67,7 @@ pytestmark = pytest.mark.slow  # three cold `exo serve` starts: ~30 s on two cor
 
 @pytest.fixture(scope="module")
 def daemons(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    reason = netns_unavailable()
-    if reason:
-        pytest.skip(reason)
+    require(netns_unavailable())
     root = tmp_path_factory.mktemp("netns_cluster")
     with NetnsLab(3) as lab:
         nodes = {name: Daemon(lab, i, root / name, ns) for i, (name, ns) in enumerate(
@@ -96,6 +94,19 @@ def _self_id(node: Daemon) -> str:
     return own
 
 
+def _wait_answered_after(node: Daemon, peer_id: str, since: float, timeout: float = 60.0) -> None:
+    """Until ``node`` reports an answer from ``peer_id`` later than ``since`` (time.monotonic(): one clock on
+    the host for every namespace)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = time.monotonic()
+        seen = [n for n in node.cluster()["nodes"] if n["id"] == peer_id]
+        if seen and now - seen[0]["last_seen_s"] > since:
+            return
+        assert now < deadline, f"no answer from {peer_id} polled after {timeout} s: {node.cluster()}"
+        time.sleep(0.2)
+
+
 def test_discovered_daemons_join(daemons: dict[str, Daemon]) -> None:
     a, b = daemons["a"], daemons["b"]
     a_id, b_id = _self_id(a), _self_id(b)
@@ -119,7 +130,12 @@ def test_other_namespace_does_not_join(daemons: dict[str, Daemon]) -> None:
     while _ids(a.cluster()) != {a_id, b_id}:
         assert time.monotonic() - t0 < JOIN_S, a.cluster()
         time.sleep(0.5)
-    time.sleep(2.0)  # more than one registry poll (~2 s) for a late joiner to show up
+    # c's advert has been on the wire as long as b's; a reported one would be polled at once. The positive
+    # control that a's registry has moved on since: two more answers from b (each a whole poll of every
+    # address a knows), however long a poll takes on this machine.
+    for _ in range(2):
+        since = time.monotonic()
+        _wait_answered_after(a, b_id, since)
     assert _ids(a.cluster()) == {a_id, b_id}
     assert _ids(b.cluster()) == {a_id, b_id}
     assert _ids(c.cluster()) == {c_id}

@@ -18,7 +18,7 @@ import pytest
 from exo.cards import bundled_model_dir
 from exo.engine import Engine, GenerationRequest, load_checkpoint
 
-from .netns import NetnsLab, netns_unavailable
+from .netns import NetnsLab, netns_unavailable, require
 from .test_netns_cluster import Daemon
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -42,9 +42,7 @@ except Exception as e:
 
 @pytest.fixture(scope="module")
 def lab_daemons(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    reason = netns_unavailable()
-    if reason:
-        pytest.skip(reason)
+    require(netns_unavailable())
     root = tmp_path_factory.mktemp("netns_pipeline")
     with NetnsLab(3) as lab:
         nodes = [Daemon(lab, i, root / f"n{i}", "pipes") for i in range(3)]

@@ -217,9 +217,10 @@ def _a_client_that_goes_away_ends_the_generation_on_the_leader(a: Daemon, leader
             raise AssertionError(f"the leader never reported the generation; the stream then ended after "
                                  f"{time.monotonic() - started:.1f} s more with {len(rest)} lines: {rest[-3:]}") from None
         closed = time.monotonic()
-    wait_for(lambda: leader.get("/health").json()["running"] == 0, 5, "the leader to end the generation",
+    wait_for(lambda: leader.get("/health").json()["running"] == 0, 30, "the leader to end the generation",
              interval=0.05)
-    assert time.monotonic() - closed < 2.5, time.monotonic() - closed
+    # The 4000 tokens would run for minutes: ending within seconds of the close is the cancellation.
+    assert time.monotonic() - closed < 10.0, time.monotonic() - closed
 
 
 def _samples_like_one_node(a: Daemon, card: str, engine: Engine, prompt: list[int], seeds: int) -> None:

@@ -278,7 +278,8 @@ def test_slow_peer_never_blocks_a_poll(tmp_path):
 
     elapsed, peers, slow_callers = run(scenario, tmp_path, [slow, fast], call_timeout_s=0.3)
     assert len(slow_callers) == 1  # the call did reach it: it was the answer that took too long
-    assert elapsed < 0.3 + 1.0, f"poll_once took {elapsed:.2f} s with a 0.3 s deadline"
+    # Waiting for the slow peer would take its 3 s; the deadline (0.3 s) plus a generous margin stays well under.
+    assert elapsed < 0.3 + 2.0, f"poll_once took {elapsed:.2f} s with a 0.3 s deadline"
     assert [p.node_id for p in peers] == [pid(7)]
 
 
@@ -312,13 +313,13 @@ def test_background_loop_polls_a_new_address_at_once(tmp_path):
         await asyncio.sleep(0.05)  # the first (empty) poll is done; the next is poll_s = 30 s away
         start = time.monotonic()
         registry.add_address(HOST, peer.port, "zeroconf")  # wakes the loop
-        while not events.joined and time.monotonic() - start < 5:
+        while not events.joined and time.monotonic() - start < 15:
             await asyncio.sleep(0.02)
         return time.monotonic() - start, events
 
     elapsed, events = run(scenario, tmp_path, [peer], poll_s=30.0)
     assert [p.node_id for p in events.joined] == [pid(10)] and events.joined[0].source == "zeroconf"
-    assert elapsed < 2.0
+    assert elapsed < 15.0  # at once, not at the next poll (30 s): half of it leaves a loaded machine room
 
 
 def test_restarted_static_peer_rejoins(tmp_path):
@@ -339,7 +340,7 @@ def test_restarted_static_peer_rejoins(tmp_path):
         assert peer.server.add_insecure_port(f"{HOST}:{port}") == port
         await peer.server.start()
         start = time.monotonic()
-        while registry.get(pid(11)) is None and time.monotonic() - start < 5:
+        while registry.get(pid(11)) is None and time.monotonic() - start < 30:  # a deadline: it ends on the event
             await registry.poll_once()
             await asyncio.sleep(0.05)
         return lost, registry.get(pid(11)), events

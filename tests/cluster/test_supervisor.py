@@ -206,7 +206,8 @@ def test_cancelling_a_generate_call_stops_the_generation(shared: Any, loop: Loop
     assert loop.run(_code(call)) == "CANCELLED"
     # The device is free: the next request starts at once.
     chunks = loop.run(_generate(sup, _request(4)))
-    assert chunks[0].started.queue_s < 1.0 and chunks[-1].finish_reason == "length"
+    # A device still busy with the cancelled 3500 tokens would queue it for minutes.
+    assert chunks[0].started.queue_s < 10.0 and chunks[-1].finish_reason == "length"
 
 
 async def _code(call: Any) -> str:

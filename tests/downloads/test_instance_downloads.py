@@ -75,7 +75,8 @@ def test_an_instance_downloading_goes_at_once_when_killed_or_stopped_and_its_dow
         assert killed.state == pb.INSTANCE_STATE_FAILED and killed.failure.message.endswith("stage 1 left")
         started = time.monotonic()
         assert await sup.stop("i2")
-        assert time.monotonic() - started < 2.0 and sup.get("i2") is None
+        # Waiting for the shared download (held at its gate until below) would never end: seconds is "at once".
+        assert time.monotonic() - started < 10.0 and sup.get("i2") is None
         assert not download.finished  # neither took the shared download down with it
         gate.set()
         await until(lambda: download.finished)

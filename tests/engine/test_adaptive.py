@@ -461,7 +461,7 @@ def test_a_depth_timed_too_slow_to_pay_does_not_restart_probes_in_every_request(
     tokens a round at K = 3), but K = 3 rounds were timed at 3.9 plain steps. Judged by the warm-up's drafts
     alone (1 + delta: a verify call as cheap as a plain step) K = 3 still looked affordable, and every
     128-token request restarted the probes at PROBE_RESTART, each renewing K = 3 over three rounds (adaptive
-    0.977x plain in bench/adaptive_sim.py, 0.97-0.98x measured). Judged by what it cost live it cannot pay:
+    0.977x plain in bench/adaptive_sim.py@3c719fd, 0.97-0.98x measured). Judged by what it cost live it cannot pay:
     probes carry on across requests on the doubling backoff."""
     rng = random.Random(0)
     costs = DepthCosts(beta=warm_beta, delta=warm_delta, device="cuda", plain_s=0.0034, plain_pipelined_s=0.0032)
@@ -994,7 +994,7 @@ def test_a_probe_ranks_a_depth_timed_stale_and_slow_by_what_it_could_cost():
 
 def test_a_trace_records_what_the_policy_saw_and_chose(tmp_path, monkeypatch):
     """EXO_ADAPTIVE_TRACE: the warm-up costs, then every request, decision and observation as JSON lines (a
-    real run's view, for bench/adaptive_sim.py), written a request at a time; nothing is written without it."""
+    real run's view, for bench/adaptive_sim.py@3c719fd), written a request at a time; nothing is written without it."""
     import json
 
     monkeypatch.delenv(adaptive.TRACE_ENV, raising=False)

@@ -24,7 +24,7 @@ def rounds(monkeypatch):
     kept: list[list[int]] = []
     emitted: list[tuple[int, int]] = []
     keep_rows = batch_module.keep_rows_per_sequence
-    emit = _Run._emit
+    emit = _Run.emit
 
     def spy_keep(cache, rows, counts):
         kept.append(list(counts))
@@ -36,7 +36,7 @@ def rounds(monkeypatch):
         return added
 
     monkeypatch.setattr(batch_module, "keep_rows_per_sequence", spy_keep)
-    monkeypatch.setattr(_Run, "_emit", spy_emit)
+    monkeypatch.setattr(_Run, "emit", spy_emit)
     return kept, emitted
 
 
@@ -304,3 +304,31 @@ def test_heads_are_not_fed_while_a_batch_decodes_plainly(checkpoint):
     for run, request in zip(runs, requests, strict=True):
         assert run.recorder.rounds == 0
         assert tokens[id(run)] == _solo(engine, request).token_ids
+
+
+def test_every_member_s_invariants_hold_between_batched_steps_and_rounds(checkpoint):
+    """``BatchDecoder.check_invariants`` after every step of a batch mixing plain members, forced depths,
+    seeded sampling and penalties: each member's row of the batch's caches holds every position before its
+    pending token, its head covers them, its history follows its output."""
+    from exo.engine.batch import BatchDecoder
+
+    engine = _engine(checkpoint("qwen3_5", dtype="float32"))
+    requests = [
+        _request(engine, 0, max_tokens=18, mtp_k=2),
+        _request(engine, 1, max_tokens=12, native_mtp="off"),
+        _request(engine, 2, max_tokens=15, mtp_k=1, sampling=SamplingParams(temperature=0.8, seed=5)),
+        _request(engine, 3, max_tokens=16, mtp_k=3, sampling=SamplingParams(presence_penalty=1.0)),
+    ]
+    batch = BatchDecoder(engine)
+    steps = 0
+    for request in requests:
+        run = engine.start(request)
+        list(run.begin())
+        run.check_invariants()
+        batch.add(run)
+        batch.check_invariants()
+    while len(batch):
+        batch.step()
+        batch.check_invariants()
+        steps += 1
+    assert steps >= 5

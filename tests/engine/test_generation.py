@@ -503,7 +503,7 @@ def test_near_tie_guard_decodes_those_positions_plainly(dense, margin):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_verify_probe_finds_every_row_exact_on_this_cpu(checkpoint, arch):
-    """On the CPU every operation rounds a block of rows as it rounds each row alone (bench/op_invariance.py):
+    """On the CPU every operation rounds a block of rows as it rounds each row alone (bench/op_invariance.py@3c719fd):
     the probe runs the model's own layers both ways and keeps verify calls batched and exact."""
     engine = _engine(checkpoint(arch, dtype="float32"))
     mode = engine.verify_mode
@@ -598,3 +598,104 @@ def test_ignore_eos_runs_past_end_of_sequence_tokens_to_the_budget(dense, depth)
     assert stopped.token_ids == free.token_ids[:1] and stopped.finish_reason == "stop"
     ignored = _greedy(ending, prompt, max_tokens=24, ignore_eos=True, **mode)
     assert ignored.token_ids == free.token_ids and ignored.finish_reason == "length"
+
+
+def test_a_failure_of_the_loop_is_the_error_raised_even_when_ending_the_request_fails(dense):
+    """``forward.end`` runs however a generation ends; when the loop failed and ``end`` fails too (a pipeline
+    whose stages went down), the loop's error is the one the caller gets."""
+    from exo.engine.forward import LocalForward
+
+    class Failing(LocalForward):
+        calls = 0
+
+        def hidden(self, tokens, cache, *, verify=False):
+            Failing.calls += 1
+            if Failing.calls == 4:
+                raise RuntimeError("the device went away")
+            return super().hidden(tokens, cache, verify=verify)
+
+        def end(self, cache):
+            raise ConnectionError("the stages are gone")
+
+    engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK), forward=Failing(dense.model))
+    with pytest.raises(RuntimeError, match="the device went away"):
+        engine.complete(GenerationRequest(_prompt(dense, 5), max_tokens=20, native_mtp="off"))
+    # A generation that ended well still reports a failure to end it.
+    Failing.calls = -1000
+    with pytest.raises(ConnectionError):
+        engine.complete(GenerationRequest(_prompt(dense, 5), max_tokens=3, native_mtp="off"))
+
+
+@pytest.mark.parametrize("fields", [
+    {"native_mtp": "off"},
+    {"mtp_k": 1},
+    {"mtp_k": 3},
+    {"native_mtp": "on"},  # adaptive, on costs that make it draft and probe
+    {"mtp_k": 2, "sampling": SamplingParams(temperature=0.8, seed=1, presence_penalty=0.5)},
+    {"native_mtp": "off", "sampling": SamplingParams(repetition_penalty=1.3)},
+])
+def test_the_sequence_state_s_invariants_hold_between_every_chunk(dense, fields):
+    """``SequenceState.check_invariants`` at every chunk of solo generations, plain, fixed and adaptive
+    depths, sampling and penalties: the caches hold every position before the pending token, the head covers
+    them, the penalty history follows the output."""
+    engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK))
+    engine._costs = DepthCosts(beta=(1.2, 1.3, 1.4), delta=(0.01, 0.02, 0.03), device="test", plain_s=1.0)
+    run = engine.start(GenerationRequest(_prompt(dense, 11), max_tokens=40, **fields))
+    checked = 0
+    for chunk in run.stream():
+        if chunk.finish_reason is None:
+            run.check_invariants()
+            checked += 1
+    assert checked >= 5 and run.output.finish == "length"
+
+
+def test_a_broken_invariant_is_caught(dense):
+    engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK))
+    run = engine.start(GenerationRequest(_prompt(dense, 11), max_tokens=8, mtp_k=2))
+    next(run.stream())
+    run.check_invariants()
+    for c in run.cache:
+        if hasattr(c, "trim"):
+            c.trim(1)  # a position lost from the caches, as a missed rollback would leave it
+    with pytest.raises(AssertionError, match="positions"):
+        run.check_invariants()
+
+
+@pytest.mark.parametrize("with_head", [True, False])
+def test_a_restored_prefix_then_prefilling_the_rest_decodes_as_a_cold_prompt(dense, with_head):
+    """``SequenceState.restore`` (the prefix cache's seam): caches that hold a prompt's first tokens, taken
+    from another sequence's prefill, and ``begin`` prefills only the rest; greedy MTP output is the cold
+    prompt's token for token, and the invariants hold throughout."""
+    engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK))
+    prompt = _prompt(dense, 2 * CHUNK + 5)
+    cold = _greedy(engine, prompt, mtp_k=2)
+    for tokens in (1, CHUNK, CHUNK + 3):
+        donor = engine.start(GenerationRequest(prompt[:tokens], max_tokens=1, mtp_k=2))
+        list(donor.begin())
+        run = engine.start(GenerationRequest(prompt, max_tokens=MAX_TOKENS, mtp_k=2))
+        if with_head:
+            run.restore(tokens, donor.cache, donor.head_cache, donor._head_hidden[-1])
+        else:
+            run.restore(tokens, donor.cache)
+        fed: list[int] = []
+        original = engine.forward.hidden
+
+        def counted(rows, cache, *, verify=False, fed=fed, original=original):
+            fed.append(rows.shape[1])
+            return original(rows, cache, verify=verify)
+
+        engine.forward.hidden = counted
+        try:
+            out = []
+            for chunk in run.stream():
+                out.extend(chunk.token_ids)
+                if chunk.finish_reason is None:
+                    run.check_invariants()
+        finally:
+            del engine.forward.hidden
+        assert out == cold.token_ids, tokens
+        assert sum(fed[: -(-(len(prompt) - tokens) // CHUNK)]) == len(prompt) - tokens  # only the rest prefilled
+        if with_head:
+            assert run.recorder.accepted_total > 0
+    with pytest.raises(ValueError):
+        engine.start(GenerationRequest(prompt, max_tokens=4)).restore(len(prompt), [])

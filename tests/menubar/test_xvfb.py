@@ -26,7 +26,7 @@ def _require(condition: bool, reason: str) -> None:
     if condition:
         return
     if os.environ.get("CI"):
-        pytest.fail(f"{reason}; CI must install it (apt-get install xvfb xclip, see README.md)")
+        pytest.fail(f"{reason}; CI must install it (apt-get install xvfb xclip, see docs/development.md)")
     pytest.skip(reason)
 
 

@@ -296,3 +296,75 @@ def test_a_newcomer_prefills_in_batch_chunks_with_a_batch_step_between_them(engi
     assert chunks == [engine.config.batch_prefill_chunk]
     assert len(steps_between) >= len(clients[1].prompt) // 4 - 1 >= 3
     assert all(b > a for a, b in zip(steps_between, steps_between[1:], strict=False)), steps_between
+
+
+def _serve_within(device: Device, clients: list[Client], seconds: float) -> None:
+    """``_serve`` on a thread, given ``seconds`` for every client to end (a member left hanging fails the test
+    instead of hanging it)."""
+    import threading
+
+    thread = threading.Thread(target=_serve, args=(device, clients), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        device.close()
+        thread.join(60)
+    assert all(c.finish is not None for c in clients), [c.finish for c in clients]
+
+
+def test_a_member_whose_stream_breaks_fails_alone_and_the_others_finish(engine):
+    """A member's consumer raising (its client's stream broke) ends that member with an error; the batch
+    decodes on without it and every other member gets its solo output and its end."""
+    from exo.engine.generate import GenerationChunk
+
+    device = Device(8, max_batch=4)
+    clients = [Client(device, engine, i, max_tokens=16) for i in range(3)]
+    broken = clients[1]
+    received: list[GenerationChunk] = []
+
+    def emit(item) -> None:
+        if isinstance(item, GenerationChunk) and broken.job in device.active and len(device.active) > 1:
+            received.append(item)
+            if len(received) == 3:
+                raise ConnectionError("the client went away")
+        broken.items.append(item)
+
+    broken.job.emit = emit
+    for client in clients:
+        device.submit(client.job)
+    _serve_within(device, clients, 120)
+    assert broken.finish == "error" and any(isinstance(item, Failed) for item in broken.items)
+    for client in (clients[0], clients[2]):
+        assert client.finish == "length" and client.tokens == client.solo()
+        assert client.stats.batch_sizes and max(client.stats.batch_sizes) >= 2
+
+
+@pytest.mark.parametrize("how", ["cancelled", "timeout"])
+def test_a_request_stopped_during_the_engine_s_warm_up_ends_before_it_starts(checkpoint, monkeypatch, how):
+    """The first adaptive request waits on the engine's warm-up (round costs, warm acceptance): its
+    cancellation and deadline are polled through it, and end it there, with nothing of it generated and the
+    warm-up not kept (the next request warms up again)."""
+    from exo.engine import costs as costs_module
+    from exo.wire.errors import RequestTimeoutError
+
+    engine = Engine(_engine(checkpoint("qwen3_5", dtype="float32")).loaded, EngineConfig(prefill_chunk=8))
+    device = Device(8)
+    client = Client(device, engine, 0)
+    measure = costs_module.measure_costs
+
+    def measured_while_the_client_leaves(*args, **kwargs):
+        out = measure(*args, **kwargs)
+        if how == "cancelled":
+            client.job.cancel()
+        else:
+            client.job.deadline = 0.0
+        return out
+
+    monkeypatch.setattr(costs_module, "measure_costs", measured_while_the_client_leaves)
+    device.submit(client.job)
+    _serve_within(device, [client], 120)
+    assert client.finish == how
+    assert not any(isinstance(item, Started) for item in client.items) and client.tokens == []
+    if how == "timeout":
+        assert [type(item.error) for item in client.items] == [RequestTimeoutError]
+    assert engine._policy is None and client.job.steps == 0

@@ -67,7 +67,8 @@ def test_messages_arrive_in_order_both_ways_and_a_vanished_member_is_an_error_at
     first, second = run_pair("vanish")
     assert first == "rank 0 done"
     assert second.startswith("rank 1 GroupError after") and "gone" in second, second
-    assert float(second.split("after ")[1].split("s:")[0]) < 2.0, second
+    # At once, not at the group's 30 s timeout: a third of it leaves a loaded machine room.
+    assert float(second.split("after ")[1].split("s:")[0]) < 10.0, second
 
 
 def test_doorbells_probe_an_idle_connection() -> None:

@@ -140,6 +140,7 @@ def _usage(stats: Any, started: Started) -> dict[str, Any]:
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.completion_tokens,
         "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},  # OpenAI's field: the prefix cache's hit
         "native_mtp": stats.model_dump(mode="json"),
         "ttft_ms": stats.ttft_ms,
         "decode_tokens_per_s": stats.decode_tokens_per_s,

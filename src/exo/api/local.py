@@ -35,11 +35,12 @@ from exo.cluster.service import (
     Prompt,
     RequestTimeoutError,
 )
-from exo.engine import Engine, NativeMTPStats, ResolvedModel, engine_config, load_checkpoint
+from exo.engine import Engine, NativeMTPStats, ResolvedModel
 from exo.engine.prompt import tokenize
 from exo.engine.resolve import DEFAULT_MODEL, resolve_model
 from exo.metrics import Metrics
 from exo.runner.device import Device, GenerationJob, Started
+from exo.runner.loading import load_for_serving, ready_engine
 from exo.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -295,12 +296,8 @@ class LocalModelService:
             mx.clear_cache()
         log.info("loading %s from %s", resolved.model_id, resolved.path)
         enabled, reason = self._mtp
-        config = engine_config(resolved, self.settings, native_mtp_enabled=enabled, disabled_reason=reason)
-        loaded = load_checkpoint(
-            resolved.path, model_id=resolved.model_id, head_source_repo=resolved.head_source_repo
-        )
-        engine = Engine(loaded, config)
-        engine.warmup()  # adaptive depth's cost measurement, once, here rather than in a request
+        loaded, config = load_for_serving(resolved, self.settings, native_mtp_enabled=enabled, disabled_reason=reason)
+        engine = ready_engine(loaded, config, self.settings)  # as a runner makes it (exo.runner.loading says what else is shared)
         with self._lock:
             self._engines[resolved.model_id] = engine
             self._known[resolved.model_id] = resolved

@@ -246,6 +246,10 @@ class GenerationFields(BaseModel):
     stream_options: StreamOptions | None = None
     n: int | None = Field(default=None, ge=1, le=1, description="only 1 is supported")
     user: str | None = Field(default=None, description="accepted for compatibility; not used")
+    prompt_cache_key: str | None = Field(
+        default=None, max_length=1024,
+        description="OpenAI's prompt-cache hint: accepted; exo's prefix cache matches prompts by their tokens",
+    )
     native_mtp: NativeMTPOptions | None = None
     ignore_eos: bool | None = Field(
         default=None,
@@ -362,10 +366,15 @@ class InstanceCreate(BaseModel):
 # -- responses (documentation: handlers build these shapes as plain dicts on the hot path) -------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens restored from the prefix cache, not prefilled again")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
     native_mtp: NativeMTPStats
     ttft_ms: float
     decode_tokens_per_s: float

@@ -5,7 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from exo.cli.main import print_json
+from exo.cli.common import CommandError, print_json
+
+
+def use_device(name: str | None) -> None:
+    """MLX's default device for this process (``--device``; None: MLX's own default, the GPU where there is one)."""
+    if name is None:
+        return
+    import mlx.core as mx
+
+    device = mx.cpu if name == "cpu" else mx.gpu
+    if not mx.is_available(device):
+        raise CommandError(f"--device {name}: this machine's MLX has no {name.upper()} backend")
+    mx.set_default_device(device)
 
 
 def bench_command(args: argparse.Namespace) -> int:
@@ -13,6 +25,7 @@ def bench_command(args: argparse.Namespace) -> int:
     from exo.engine.bench import DEFAULT_PROMPTS, run_bench
     from exo.settings import load_settings
 
+    use_device(args.device)
     engine = load(args.model, load_settings())
     report = run_bench(
         engine,

@@ -9,7 +9,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from exo.cli.main import CommandError, print_json
+from exo.cli.common import CommandError, print_json
 
 
 def fetch_cluster(url: str, api_key: str | None, timeout: float = 5.0) -> dict[str, Any]:

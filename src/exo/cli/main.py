@@ -3,20 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from collections.abc import Sequence
 
 from exo import __version__
-
-EXIT_ERROR = 1
-EXIT_USAGE = 2
-
-
-class CommandError(Exception):
-    """An error for the user: printed without a traceback, exit status 1."""
-
+from exo.cli.common import EXIT_ERROR, EXIT_USAGE, CommandError
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
           "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
@@ -78,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable); default: built-in")
     bench.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     bench.add_argument("--json", action="store_true", help="print the report as JSON")
+    bench.add_argument("--device", choices=("cpu", "gpu"), default=None,
+                       help="MLX's device for the run (default: MLX's default, the GPU where there is one)")
     bench.add_argument(
         "--baseline", action="store_true",
         help="also decode each prompt with stock mlx-lm (plain) in the same round and print every configuration's ratio to it",
@@ -262,12 +256,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     parser.error(f"unknown command {args.command}")
     return EXIT_USAGE
-
-
-def print_json(payload: object) -> None:
-    json.dump(payload, sys.stdout, indent=None, ensure_ascii=False)
-    sys.stdout.write("\n")
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import signal
 import sys
 import threading
 
-from exo.cli.main import CommandError
+from exo.cli.common import CommandError
 
 
 def menubar_command(args: argparse.Namespace) -> int:

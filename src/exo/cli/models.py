@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from exo.cli.main import print_json
+from exo.cli.common import print_json
 
 
 def models_command(args: argparse.Namespace) -> int:

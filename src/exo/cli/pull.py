@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Any
 
-from exo.cli.main import print_json
+from exo.cli.common import print_json
 
 
 class TerminalProgress:

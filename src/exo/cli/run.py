@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from exo.cli.main import CommandError, print_json
+from exo.cli.common import CommandError, print_json
 
 
 def build_prompt(tokenizer: Any, prompt: str, raw: bool, system: str | None) -> list[int]:

@@ -48,7 +48,7 @@ PRIOR_WEIGHT = 1.0  # pseudo-observations behind the prior (2 held a good head's
 # A probe from K = 0 (and whether a depth that never ran is worth one) goes by each position's rate plus this
 # many standard errors of its evidence: a position judged on one or two drafts is uncertain, not bad. Only
 # probes: choosing the running depth on optimistic rates kept drafting where every depth ran 0.9x plain
-# (bench/adaptive_sim.py, h100-marginal: 0.97 -> 0.92x the fastest fixed depth).
+# (bench/adaptive_sim.py@3c719fd, h100-marginal: 0.97 -> 0.92x the fastest fixed depth).
 OPTIMISM = 1.0
 # The warm-up's greedy text (``Engine.warm_acceptance``) counts for at most this many rounds of evidence: the
 # head's acceptance on the model's own text before any request, where the prior alone is a guess (0.6 against
@@ -85,7 +85,7 @@ PROBE_FAR_MAX = 2048
 PROBE_RESTART = 64
 # What a depth is known to cost (live, else its warm-up) may be this much too high: a timing taken in a busy
 # moment, a warm-up beside other work. Whether a depth could pay off (a probe restart, a probe of several
-# rounds) is judged at its cost divided by this (bench/adaptive_sim.py: 1.05 and 1.1 alike; 1.15 let
+# rounds) is judged at its cost divided by this (bench/adaptive_sim.py@3c719fd: 1.05 and 1.1 alike; 1.15 let
 # exo-demo's probes of a depth that never pays back in).
 LIVE_DOUBT = 1.05
 DEEPER_PROBE_FIRST = 8  # rounds at K before a round at K + 1, doubling up to DEEPER_PROBE_MAX
@@ -300,7 +300,7 @@ class DepthPolicy:
     explore_deeper: bool = True
     # The longest probe backoff where every depth misses by FAR_MISS (PROBE_FAR_MAX; PROBE_MAX: as before it)
     probe_far_max: int = field(default_factory=lambda: PROBE_FAR_MAX)
-    # Called with every decision and observation (``EXO_ADAPTIVE_TRACE``: JSON lines for bench/adaptive_sim.py)
+    # Called with every decision and observation (``EXO_ADAPTIVE_TRACE``: JSON lines for bench/adaptive_sim.py@3c719fd)
     trace: Callable[[dict[str, Any]], None] | None = field(default=None, repr=False, compare=False)
     tracker: AcceptanceTracker = field(init=False)
     _seconds: dict[int, collections.deque[float]] = field(default_factory=dict, init=False)
@@ -414,7 +414,7 @@ class DepthPolicy:
         request. Restarting where nothing could pay cost a round of rejected drafts in every short request (a
         random Qwen3.5-9B on an H200, 64-token requests: adaptive 0.85x plain), and three rounds at K = 3 in
         every 128-token request where no depth paid (exo-demo on an H200 once plain decoding ran at 1.1x stock:
-        every depth at 0.80-0.84x plain, adaptive at 0.97-0.98x plain; bench/adaptive_sim.py h200-exo-demo-1127:
+        every depth at 0.80-0.84x plain, adaptive at 0.97-0.98x plain; bench/adaptive_sim.py@3c719fd h200-exo-demo-1127:
         0.977 -> 0.995x the fastest fixed depth). A depth timed live is judged here by its live cost alone, stale
         or not: an H200 warm-up timed exo-demo's K = 2 at 2.5 plain steps, its rounds ran at 2.8-3.6 for 2.7
         tokens, and the warm-up figure restarted a three-round probe of K = 2 in each of 20 requests (the
@@ -630,7 +630,7 @@ TRACE_BUFFER = 100_000  # events held at most (a request of 128 tokens leaves ~1
 def trace_from_env(costs: DepthCosts, max_k: int) -> Callable[[dict[str, Any]], None] | None:
     """Where ``EXO_ADAPTIVE_TRACE`` names a file: a tracer appending each event as a JSON line (with its
     time), the policy's warm-up costs first. A trace replays the policy's view of a real run (what it saw,
-    what it chose) for bench/adaptive_sim.py."""
+    what it chose) for bench/adaptive_sim.py@3c719fd."""
     path = os.environ.get(TRACE_ENV)
     if not path:
         return None

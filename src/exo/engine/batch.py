@@ -1,6 +1,6 @@
 """Continuous batching: decode steps and native-MTP rounds for several generation runs of one model at once.
 
-A run (``_Run``) prefills and emits its first token alone (``_Run.begin``: the same computation as a solo
+A run (``SequenceState``) prefills and emits its first token alone (``SequenceState.begin``: the same computation as a solo
 request, so its first token is the solo one), or leaves a solo loop at a step boundary
 (``GenerationRequest.yield_to_batch``). ``BatchDecoder.add`` then moves its caches into the batch's
 (``batch_cache``: attention KV into mlx-lm's left-padded ``BatchKVCache``, GatedDeltaNet state a row of a
@@ -14,10 +14,10 @@ own. Each ``step`` is then, for every run at once, one of:
   adaptive run's head is not fed (only its last ``BATCH_HEAD_WINDOW`` rows wait): a head row costs about a
   backbone layer per token, which a batch that decodes plainly would pay for nothing; a later round
   drafts from a head with a gap in its context (exo-demo: acceptance 1.000 -> 0.984 after 60 tokens);
-- a speculative round: each run drafts with the head (``_Run._draft``, its own head cache), ONE verify
+- a speculative round: each run drafts with the head (``SequenceState._draft``, its own head cache), ONE verify
   call of [B, K+1] rows (GatedDeltaNet recording every row's state, MoE routing locked: the solo verify
-  call's semantics), then per run its own verdict (``_Run._decide``: greedy argmax match, or its own
-  Leviathan/Chen test with its own parameters, penalties and keys), ``_Run._accept`` and ``_Run._emit``
+  call's semantics), then per run its own verdict (``SequenceState._decide``: greedy argmax match, or its own
+  Leviathan/Chen test with its own parameters, penalties and keys), ``SequenceState._accept`` and ``SequenceState._emit``
   (the solo loop's own acceptance and emission), and the caches rolled back per run
   (``batch_cache.keep_rows_per_sequence``: runs accept different counts). A run whose depth is below the
   round's (a forced smaller K, MTP off for it, a near tie to decode plainly) fills its rows past its
@@ -35,7 +35,7 @@ horizon (prompt + max_tokens) of KV rows, plus each run's GatedDeltaNet state (f
 ``batch_bytes`` is that estimate, ``sequence_bytes`` measures its two rates on the model itself; the device
 queue admits a run into a batch only while the estimate stays within the instance's KV budget.
 
-On this CPU batched rows round exactly as solo decoding (bench/batching.py measures it; tests check it).
+On this CPU batched rows round exactly as solo decoding (bench/serving.py measures it; tests check it).
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .batch_cache import batch_cache, keep_rows_per_sequence
-from .generate import Engine, GenerationChunk, _Run
+from .generate import Engine, GenerationChunk, SequenceState
 from .models.layers import vector_matmul
 from .sampling import apply_processors
 from .verify import verify_logits
@@ -96,7 +96,7 @@ def batch_fits(engine: Engine, horizons: list[int], budget_tokens: int) -> bool:
 
 
 
-Results = list[tuple[_Run, list[GenerationChunk]]]
+Results = list[tuple[SequenceState, list[GenerationChunk]]]
 
 
 @dataclass
@@ -119,7 +119,7 @@ class BatchDecoder:
         # Runs decoding together with this one's (its lanes' too: BatchLanes), what a run's stats count;
         # None: this batch's own.
         self.together: int | None = None
-        self.runs: list[_Run] = []
+        self.runs: list[SequenceState] = []
         self.cache: list[Any] = []
         # Timing of steps for the batch depth policy: the previous step was a plain one (a pipelined plain
         # step's time is the previous step's compute), and nothing else ran on the device since.
@@ -130,22 +130,18 @@ class BatchDecoder:
     def __len__(self) -> int:
         return len(self.runs)
 
-    def add(self, run: _Run) -> None:
+    def add(self, run: SequenceState) -> None:
         """A run at a step boundary (after ``begin()`` or a handover, not finished) joins the batch."""
         if run.engine is not self.engine:
             raise ValueError("a batch decodes the runs of one engine")
         if not run.batchable:
             raise ValueError("this run cannot decode in a batch (grammar, logprobs or a pipelined model)")
-        if run.output.finish is not None or run.pending_token is None:
-            raise ValueError("only a started, unfinished run can join a batch")
-        cache = [batch_cache(c) for c in run.cache]
+        cache = [batch_cache(c) for c in run.join_batch()]  # its head cache and waiting head rows stay its own
         if not self.runs:
             self.cache = cache
         else:
             for mine, theirs in zip(self.cache, cache, strict=True):
                 mine.extend(theirs)
-        run.cache = []  # the batch holds its state now (its head cache and waiting head rows stay its own)
-        run.pending_emitted = True
         self.runs.append(run)
         self._quiet = False
 
@@ -197,7 +193,23 @@ class BatchDecoder:
             self._round(batch_k, out, time.perf_counter(), timed)
         return _Prepared([], lambda: out)
 
-    def cancel_all(self) -> list[tuple[_Run, GenerationChunk]]:
+    def check_invariants(self) -> None:
+        """Every member's ``SequenceState.check_invariants``, its positions read from its row of the batch's
+        attention KV (``offset``: its own positions, left padding excluded)."""
+        kv = next((c for c in self.cache if isinstance(c, BatchKVCache)), None)
+        offsets = kv.offset.tolist() if kv is not None else [None] * len(self.runs)
+        assert len(offsets) == len(self.runs)
+        for run, positions in zip(self.runs, offsets, strict=True):
+            assert not run.cache, "a member's caches are the batch's"
+            run.check_invariants(positions)
+
+    def remove(self, run: SequenceState) -> None:
+        """Take ``run`` out of the batch between steps (its consumer failed): the others decode on."""
+        index = next(i for i, r in enumerate(self.runs) if r is run)
+        self._step_tokens = None
+        self._keep([i for i in range(len(self.runs)) if i != index])
+
+    def cancel_all(self) -> list[tuple[SequenceState, GenerationChunk]]:
         """End every run now (the device shuts down): each one's final chunk, finish "cancelled"."""
         out = []
         for run in self.runs:
@@ -208,7 +220,7 @@ class BatchDecoder:
 
     # -- depth ---------------------------------------------------------------------------------------------
     @staticmethod
-    def _adaptive(run: _Run) -> bool:
+    def _adaptive(run: SequenceState) -> bool:
         return run.head is not None and run.policy is not None and run.policy.fixed_k is None
 
     def _batch_depth(self, size: int) -> int:
@@ -217,8 +229,8 @@ class BatchDecoder:
             return 0
         return self.engine.batch_policy().choose(size)
 
-    def _depth(self, run: _Run, batch_k: int) -> int:
-        if run.head is None or run.policy is None or run._plain_next:
+    def _depth(self, run: SequenceState, batch_k: int) -> int:
+        if run.head is None or run.policy is None or run.near_tie:
             return 0
         return run.policy.fixed_k if run.policy.fixed_k is not None else batch_k
 
@@ -239,7 +251,6 @@ class BatchDecoder:
         greedy: mx.array | None = None
         following: list[mx.array] = []
         for i, run in enumerate(runs):
-            run._plain_next = False
             if run.params.greedy and not run.processors:
                 if greedy is None:
                     greedy = mx.argmax(logits, axis=-1).astype(mx.uint32)
@@ -248,14 +259,14 @@ class BatchDecoder:
                 row = logits[i : i + 1]
                 if run.processors:
                     row = apply_processors(run.processors, run.history, row)
-                token, _ = run._sample(row)
+                token, _ = run.sample(row)
                 following.append(token)
-            run._wait_for_head(hidden[i : i + 1], following[i])
+            run.wait_for_head(hidden[i : i + 1], following[i])
             if self._adaptive(run):
                 # While the batch decodes plainly its members' heads are not fed (a head row costs about a
                 # layer of the backbone per token, for nothing until a round): only the last few rows wait,
                 # so a round drafts from recent context after a gap in the head's.
-                del run._head_hidden[:-BATCH_HEAD_WINDOW], run._head_tokens[:-BATCH_HEAD_WINDOW]
+                run.keep_head_window(BATCH_HEAD_WINDOW)
         # The step's tokens in one array too, an output of the same evaluation (the next step's input row).
         all_greedy = greedy is not None and all(run.params.greedy and not run.processors for run in runs)
         tokens = greedy if all_greedy else mx.concatenate([t.reshape(1) for t in following])
@@ -281,14 +292,10 @@ class BatchDecoder:
         for i, run in enumerate(runs):
             chunks: list[GenerationChunk] = []
             if not run.pending_emitted:
-                self._emit_pending(run, values[i], chunks)
+                chunks.extend(run.emit_pending(values[i]))
             if not _ended(run, chunks):
                 keep.append(i)
-                run.pending_token = following[i]
-                run.pending_emitted = False
-                run.pending_batch = self.together or size
-                if run.processors:
-                    run.history = mx.concatenate([run.history, following[i]])
+                run.computed(following[i], self.together or size)
             out.append((run, chunks))
         if any(self._adaptive(run) for run in runs):
             # A pipelined step's time is the previous step's compute: measured only after a plain step.
@@ -305,15 +312,6 @@ class BatchDecoder:
             return vector_matmul(hidden, weight)  # each row's logits as a solo step computes them
         return verify_logits(self.engine.model, hidden, self.engine.verify_mode) if verify else self.engine.model.logits(hidden)
 
-    @staticmethod
-    def _emit_pending(run: _Run, token: int, chunks: list[GenerationChunk]) -> None:
-        """Emit the token a plain step computed for ``run`` (counted by the size of that step)."""
-        run.batch_sizes[run.pending_batch] = run.batch_sizes.get(run.pending_batch, 0) + 1
-        run.recorder.plain_steps(1)
-        run.output.add(token)
-        run.pending_emitted = True
-        chunks.extend(run._drain())
-
     def _settle(self) -> Results:
         """Before a round: emit the tokens the last plain step computed (a round feeds on emitted tokens);
         the runs they finish leave."""
@@ -324,7 +322,7 @@ class BatchDecoder:
             return out
         values = mx.concatenate([runs[i].pending_token.reshape(1) for i in waiting]).tolist()  # type: ignore[union-attr]
         for i, value in zip(waiting, values, strict=True):
-            self._emit_pending(runs[i], value, out[i][1])
+            out[i][1].extend(runs[i].emit_pending(value))
         keep = [i for i, run in enumerate(runs) if run.output.finish is None]
         for run, chunks in out:
             if run.output.finish is not None:
@@ -341,11 +339,10 @@ class BatchDecoder:
         depths = [self._depth(run, batch_k) for run in runs]
         k = max(depths)
         # A round that first feeds the heads more than a window of rows is not a typical round's time.
-        catch_up = any(sum(h.shape[1] for h in run._head_hidden) > max(k + 1, BATCH_HEAD_WINDOW) for run in runs)
+        catch_up = any(run.head_rows_waiting > max(k + 1, BATCH_HEAD_WINDOW) for run in runs)
         drafts = []
         for run, depth in zip(runs, depths, strict=True):
-            run._plain_next = False
-            drafts.append(run._draft(depth))
+            drafts.append(run.draft(depth))
         rows = mx.stack(
             [
                 mx.concatenate([run.pending_token.reshape(1), d.tokens, mx.repeat(run.pending_token.reshape(1), k - d.k)])  # type: ignore[union-attr]
@@ -354,16 +351,13 @@ class BatchDecoder:
         )  # [B, K+1]: a run with fewer drafts fills its rows with its pending token (never kept)
         hidden = engine.forward.hidden(rows, self.cache, verify=True)
         logits = self._logits(hidden, verify=True)  # [B, K+1, V]
-        decisions = [run._decide(d, logits[b, : d.k + 1]) for b, (run, d) in enumerate(zip(runs, drafts, strict=True))]
+        decisions = [run.decide(d, logits[b, : d.k + 1]) for b, (run, d) in enumerate(zip(runs, drafts, strict=True))]
         mx.eval(hidden, *[a for decision in decisions for a in decision.arrays()])
-        kept = [run._accept(decision, hidden[b : b + 1]) for b, (run, decision) in enumerate(zip(runs, decisions, strict=True))]
+        kept = [run.commit(decision, hidden[b : b + 1]) for b, (run, decision) in enumerate(zip(runs, decisions, strict=True))]
         keep_rows_per_sequence(self.cache, k + 1, kept)
         seconds = time.perf_counter() - start
         for run, decision in zip(runs, decisions, strict=True):
-            if decision.drafts.k:
-                run.batch_rounds += 1
-                assert run.policy is not None
-                run.policy.tracker.observe(decision.drafts.k, decision.accepted)
+            run.observe_batched_round(decision)
         if any(self._adaptive(run) for run in runs):
             typical = timed and all(d == k for d in depths) and not catch_up
             engine.batch_policy().observe_round(size, k, seconds if typical else None)
@@ -372,12 +366,9 @@ class BatchDecoder:
         keep: list[int] = []
         for i, (run, decision) in enumerate(zip(runs, decisions, strict=True)):
             chunks = chunks_of[id(run)]
-            added = run._emit(decision)
-            together = self.together or size
-            run.batch_sizes[together] = run.batch_sizes.get(together, 0) + added
-            if decision.drafts.k == 0:
-                run.recorder.plain_steps(added)
-            chunks.extend(run._drain())
+            added = run.emit(decision)
+            run.counted_in_batch(self.together or size, added, decision)
+            chunks.extend(run.drain())
             if not _ended(run, chunks):
                 keep.append(i)
         if len(keep) < size:
@@ -412,7 +403,7 @@ def default_lanes(engine: Engine) -> int:
     was built (8 sequences: 446 tok/s against one lane's 357); since a step emits from
     the last step's outputs (``_plain_emit``), one lane is as fast or faster at every size measured on a
     2-core x86-64 CPU (exo-demo, ms a step, one lane vs two: 10.3 vs 14.5 at 4 sequences, 12.6 vs 14.4 at 8,
-    21.8 vs 21.1 at 16, 43.0 vs 56.7 at 32; bench/batch_steps.py): MLX's ``async_eval`` feeds the lanes'
+    21.8 vs 21.1 at 16, 43.0 vs 56.7 at 32; bench/batch_steps.py@3c719fd): MLX's ``async_eval`` feeds the lanes'
     streams one after the other, and building two graphs costs the host twice."""
     if engine.config.batch_lanes is not None:
         return max(1, engine.config.batch_lanes)
@@ -440,8 +431,11 @@ class BatchLanes:
     def __len__(self) -> int:
         return sum(len(lane) for lane in self.lanes)
 
-    def add(self, run: _Run) -> None:
+    def add(self, run: SequenceState) -> None:
         min(self.lanes, key=len).add(run)
+
+    def remove(self, run: SequenceState) -> None:
+        next(lane for lane in self.lanes if any(r is run for r in lane.runs)).remove(run)
 
     def interleaved(self) -> None:
         for lane in self.lanes:
@@ -462,10 +456,10 @@ class BatchLanes:
         return [result for p in prepared for result in p.finish()]
 
 
-def _ended(run: _Run, chunks: list[GenerationChunk]) -> bool:
+def _ended(run: SequenceState, chunks: list[GenerationChunk]) -> bool:
     """Whether ``run`` ended at this step (finished, or cancelled now): then its final chunk is appended."""
     if run.output.finish is None:
-        run._cancelled()
+        run.cancelled()
     if run.output.finish is None:
         return False
     chunks.append(run.final_chunk())

@@ -93,13 +93,19 @@ def fastest(a: DepthCosts, b: DepthCosts) -> DepthCosts:
                       a.stages, pipelined)
 
 
-def warmup_costs(model: Any, forward: Forward, head: MTPHead, max_k: int) -> DepthCosts:
+def warmup_costs(
+    model: Any, forward: Forward, head: MTPHead, max_k: int, stop: Callable[[], bool] | None = None
+) -> DepthCosts | None:
     """``measure_costs`` for the adaptive policy: a warm-up that finds drafting cannot pay off even with every
-    draft accepted is confirmed by up to ``CONFIRM_WARMUPS`` more, each part's fastest time kept."""
+    draft accepted is confirmed by up to ``CONFIRM_WARMUPS`` more, each part's fastest time kept. ``stop`` is
+    polled between measurements (the request that waits on the warm-up was cancelled or ran out of time):
+    then None, nothing measured kept."""
     costs = measure_costs(model, forward, head, max_k)
     for _ in range(CONFIRM_WARMUPS):
         if can_pay_off(costs.in_pipelined_steps(), costs.max_k):
             break
+        if stop is not None and stop():
+            return None
         costs = fastest(costs, measure_costs(model, forward, head, max_k))
     return costs
 

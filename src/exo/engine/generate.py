@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -46,6 +47,7 @@ from .costs import warmup_costs
 from .forward import Forward, LocalForward
 from .loader import LoadedModel
 from .models.layers import MoEVerifyMode
+from .prefix_cache import NoPlan, PrefillPlan, PrefixCache, restore_prefix
 from .sampling import (
     KeyStream,
     SamplingParams,
@@ -60,6 +62,8 @@ from .sampling import (
 )
 from .stats import NativeMTPStats, StatsRecorder
 from .verify import VerifyMode, VerifyRows, probe, verify_logits
+
+log = logging.getLogger(__name__)
 
 NativeMTPMode = Literal["auto", "on", "off"]
 TIE_MARGIN_HALF = 2.0**-5  # ~4 ulps of a bf16 logit
@@ -119,7 +123,7 @@ class EngineConfig:
     # Tokens per prefill chunk of a run joining a running batch (runner.device): the batch decodes a step
     # between chunks, so a long prompt holds its streams for a chunk, not for the whole prompt (exo-demo on a
     # 2-core CPU, a 1657-token prompt in one 2048 chunk: 3.8 s without a token for 4 running streams; in
-    # chunks of 256: 0.8-1.1 s at most, bench/prefill_stall.py).
+    # chunks of 256: 0.8-1.1 s at most, bench/prefill_stall.py@3c719fd).
     batch_prefill_chunk: int = 256
     # Batched steps compute each sequence as its solo step would (models.backbone.set_batch_invariant): every
     # linear row a one-row product, attention per sequence over its own unpadded keys, experts unsorted.
@@ -160,9 +164,12 @@ class GenerationRequest:
     # End-of-sequence tokens are ordinary tokens: the generation runs to max_tokens (or a stop string).
     ignore_eos: bool = False
     # Polled between decode steps / speculative rounds of a solo generation that could join a batch
-    # (``_Run.batchable``); True ends the solo stream early, without a final chunk, and leaves the run
-    # at a step boundary for a ``BatchDecoder`` to take over (``_Run.handed_over``).
+    # (``SequenceState.batchable``); True ends the solo stream early, without a final chunk, and leaves the run
+    # at a step boundary for a ``BatchDecoder`` to take over (``SequenceState.handed_over``).
     yield_to_batch: Callable[[], bool] | None = None
+    # Polled through the engine's one-time warm-up that the first adaptive request waits on (round costs, the
+    # head's warm acceptance); True ends the request before it starts ("cancelled"). None: ``should_stop``.
+    stop_warmup: Callable[[], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -225,6 +232,8 @@ class Engine:
         self._closing_tokens: Any = None
         self._token_bytes: dict[int, bytes] = {}
         self._grammars: dict[tuple[str, str], Grammar] = {}  # insertion order: least recently used first
+        # Set by the runner (exo.runner.prefix_store) or a caller: prompts restore their cached prefixes.
+        self.prefix_cache: PrefixCache | None = None
 
     @property
     def model(self) -> Any:
@@ -303,10 +312,16 @@ class Engine:
 
     def costs(self) -> DepthCosts:
         """Round costs measured on this machine (once per engine)."""
+        costs = self._measured_costs(None)
+        assert costs is not None
+        return costs
+
+    def _measured_costs(self, stop: Callable[[], bool] | None) -> DepthCosts | None:
+        """``costs()``, or None when ``stop`` said to stop before they were measured."""
         if self._costs is None:
             self.verify_mode  # noqa: B018 - the measured verify calls compute their rows as real ones do
             assert self.loaded.head is not None
-            self._costs = warmup_costs(self.model, self.forward, self.loaded.head, self.config.max_k)
+            self._costs = warmup_costs(self.model, self.forward, self.loaded.head, self.config.max_k, stop)
         return self._costs
 
     def warmup(self) -> None:
@@ -318,7 +333,7 @@ class Engine:
     def generate(self, request: GenerationRequest) -> Iterator[GenerationChunk]:
         return self.start(request).stream()
 
-    def start(self, request: GenerationRequest) -> _Run:
+    def start(self, request: GenerationRequest) -> SequenceState:
         """A validated run of ``request`` (nothing computed yet): ``stream()`` it alone, or hand it to a
         ``BatchDecoder`` (exo.engine.batch) once ``begin()`` has emitted its first token."""
         self._validate(request)
@@ -332,30 +347,59 @@ class Engine:
             fixed = request.mtp_k
             policy = DepthPolicy(costs=self._costs_or_unmeasured(fixed), max_k=max(fixed, 1), fixed_k=fixed)
         elif reason is None:
-            policy = self._adaptive_policy()
+            # The first adaptive request waits on the engine's warm-up (round costs, the head's acceptance):
+            # its cancellation and deadline are polled through it, and end the request before it starts.
+            policy = self._warmed_policy(request.stop_warmup or request.should_stop)
+            if policy is None:
+                run = SequenceState(self, request, None, reason)
+                run.output.finish = "cancelled"
+                return run
             policy.new_request()
-        return _Run(self, request, policy, reason)
+        run = SequenceState(self, request, policy, reason)
+        restore_prefix(self.prefix_cache, run)  # a cached prefix of the prompt: only the rest is prefilled
+        return run
 
     def _adaptive_policy(self) -> DepthPolicy:
         """One adaptive policy per engine: what it learns (acceptance, round costs) carries over."""
-        costs = self.costs()
+        policy = self._warmed_policy(None)
+        assert policy is not None
+        return policy
+
+    def _warmed_policy(self, stop: Callable[[], bool] | None) -> DepthPolicy | None:
+        """``_adaptive_policy()``, its warm-up polling ``stop`` (None: stopped before the warm-up was done;
+        nothing of an interrupted warm acceptance is kept, so the next request warms up again)."""
+        costs = self._measured_costs(stop)
+        if costs is None:
+            return None
         key = (self.config.max_k, self.config.default_k)
         if self._policy is None or self._policy_key != key:
             policy = DepthPolicy(costs=costs, max_k=self.config.max_k, default_k=self.config.default_k,
                                  trace=trace_from_env(costs, self.config.max_k))
             if self.config.warm_acceptance and can_pay_off(costs, self.config.max_k):
-                warm = self.warm_acceptance()
+                warm = self.warm_acceptance(stop)
+                if warm is None:
+                    return None
                 policy.tracker.absorb(warm)
                 if policy.trace is not None:
                     policy.trace({"event": "warm_acceptance", "rates": warm.rates(), "rounds": warm.reached[0]})
             self._policy, self._policy_key = policy, key
         return self._policy
 
-    def warm_acceptance(self) -> AcceptanceTracker:
+    def warm_acceptance(self, stop: Callable[[], bool] | None = None) -> AcceptanceTracker | None:
         """The head's acceptance on the model's own greedy answer to a short fixed question
         (``WARM_QUESTION``, ``WARM_TOKENS``, at most ``WARM_ROUNDS`` rounds), every round at max_k: before any request, the depth policy's
         first choices rest on this rather than on the prior alone (which held a head landing 90% of its
-        drafts at 0.7 through the first requests on an H200, and sent them to K = 0)."""
+        drafts at 0.7 through the first requests on an H200, and sent them to K = 0). ``stop``: polled every
+        round; None when it stopped the warm-up."""
+        if stop is not None and stop():
+            return None
+        stopped = False
+
+        def should_stop() -> bool:
+            nonlocal stopped
+            stopped = stopped or (stop is not None and stop())
+            return stopped or fixed.rounds_run >= WARM_ROUNDS
+
         k = self.config.max_k
         tokenizer = self.loaded.tokenizer
         messages = [{"role": "user", "content": WARM_QUESTION}]
@@ -365,11 +409,10 @@ class Engine:
             prompt = list(tokenizer.encode(WARM_QUESTION))
         fixed = DepthPolicy(costs=self._costs_or_unmeasured(k), max_k=k, fixed_k=k)
         request = GenerationRequest(prompt, max_tokens=WARM_TOKENS, sampling=SamplingParams(temperature=0.0),
-                                    native_mtp="on", ignore_eos=True,
-                                    should_stop=lambda: fixed.rounds_run >= WARM_ROUNDS)
-        for _ in _Run(self, request, fixed, None).stream():
+                                    native_mtp="on", ignore_eos=True, should_stop=should_stop)
+        for _ in SequenceState(self, request, fixed, None).stream():
             pass
-        return fixed.tracker
+        return None if stopped else fixed.tracker
 
     def batch_policy(self) -> BatchDepthPolicy:
         """The depth of batched rounds per batch size (exo.engine.batch), over the engine's adaptive policy."""
@@ -531,8 +574,30 @@ class _Decision:
         return out
 
 
-class _Run:
-    """One generation request's decoding state."""
+class SequenceState:
+    """One generation request's decoding state: the one object the solo loop, a batch (engine/batch.py) and a
+    pipeline's leader drive. Its fields change only through its own methods.
+
+    Fields: ``cache`` (the backbone's caches; [] while a batch holds them), ``pending_token`` (the last
+    token chosen, [1] uint32), ``pending_emitted`` (whether it is in ``output`` yet), the head state
+    (``head_cache``; ``_head_hidden``/``_head_tokens``, the (hidden, next token) rows waiting for the head;
+    ``head_skipped``, rows dropped unseen), ``output`` (tokens, text, finish), ``history`` (the completion
+    for penalties), ``matcher`` (the grammar), ``recorder`` (acceptance stats) and ``prefilled`` (prompt
+    positions ``restore`` put in the caches).
+
+    Invariants, between steps of an unfinished sequence after ``begin`` (``check_invariants`` asserts them):
+    1. the caches hold every position before the pending token: positions == prompt + output tokens, less
+       one while the pending token is emitted (it is then the output's last token);
+    2. the head cache plus the waiting rows plus the skipped rows cover those positions (entry p pairs
+       hidden[p] with token[p + 1]; every cached position's next token is known);
+    3. ``history`` is the output plus the pending token when that is not emitted yet;
+    4. accepted drafts never exceed drafted ones.
+
+    The prompt enters the caches in ONE place, ``begin`` (chunked prefill, the first token sampled); a
+    prefix cache calls ``restore`` before it, and ``begin`` then prefills only the rest of the prompt.
+    A round's pieces: ``draft`` (propose), the caller's verify call (score), ``decide`` (penalties, grammar
+    mask, acceptance test or sampling, logprobs, in that order), ``commit`` (head cache trimmed, grammar,
+    pending token; returns the verify rows the caller's backbone caches keep) and ``emit``."""
 
     def __init__(self, engine: Engine, request: GenerationRequest, policy: DepthPolicy | None, reason: str | None):
         self.engine = engine
@@ -551,6 +616,8 @@ class _Run:
         self.track_head = policy is not None and policy.mtp_can_pay_off
         self._head_hidden: list[mx.array] = []
         self._head_tokens: list[mx.array] = []
+        self.head_skipped = 0  # waiting rows dropped before the head saw them (its context has a gap there)
+        self.prefilled = 0  # prompt positions already in the caches before ``begin`` (``restore``)
         self.pending_token: mx.array | None = None
         self._plain_next = False  # a near tie left the next position to plain decoding
         profile = engine.config.profile_rounds or os.environ.get("EXO_ENGINE_PROFILE") == "1"
@@ -575,9 +642,10 @@ class _Run:
         self.batch_sizes: dict[int, int] = {}
         self.batch_rounds = 0
         self.pending_emitted = True
-        self.pending_batch = 0  # the size of the batch step that computed ``pending_token``
+        self._pending_batch = 0  # the size of the batch step that computed ``pending_token``
         self.started = self.first_time = 0.0
         self._first: tuple[mx.array, _LogprobRows | None] | None = None
+        self._prefix: PrefillPlan | NoPlan = NoPlan()
 
     @property
     def batchable(self) -> bool:
@@ -589,6 +657,110 @@ class _Run:
         """Asked to leave the solo loop for a batch (``GenerationRequest.yield_to_batch``)."""
         ask = self.request.yield_to_batch
         return ask is not None and self.batchable and ask()
+
+    @property
+    def near_tie(self) -> bool:
+        """A near tie left the next position to a plain step (cleared by the next step or round)."""
+        return self._plain_next
+
+    # -- what a batch does to a member (engine/batch.py) ---------------------------------------------
+    def join_batch(self) -> list[Any]:
+        """At a step boundary: hand this sequence's backbone caches to a batch (its head state stays here)."""
+        if self.output.finish is not None or self.pending_token is None or not self.pending_emitted:
+            raise ValueError("only a started, unfinished sequence at a step boundary can join a batch")
+        cache, self.cache = self.cache, []
+        return cache
+
+    def computed(self, token: mx.array, batch_size: int) -> None:
+        """A batched plain step fed the pending token (emitted) and computed ``token``, the new pending one."""
+        assert self.pending_emitted
+        self._plain_next = False
+        self.pending_token = token
+        self.pending_emitted = False
+        self._pending_batch = batch_size
+        if self.processors:
+            self.history = mx.concatenate([self.history, token])
+
+    def emit_pending(self, token: int) -> Iterator[GenerationChunk]:
+        """Emit the pending token a batched plain step computed (``token``: its value), counted by the size
+        of that step; yields the chunks it makes showable."""
+        assert not self.pending_emitted
+        self.batch_sizes[self._pending_batch] = self.batch_sizes.get(self._pending_batch, 0) + 1
+        self.recorder.plain_steps(1)
+        self.output.add(token)
+        self.pending_emitted = True
+        yield from self.drain()
+
+    def keep_head_window(self, rows: int) -> None:
+        """Only the last ``rows`` waiting head rows stay (a plain stretch the head need not take in)."""
+        if len(self._head_hidden) > rows:
+            dropped = self._head_hidden[:-rows] if rows else self._head_hidden
+            self.head_skipped += sum(h.shape[1] for h in dropped)
+            del self._head_hidden[: len(dropped)], self._head_tokens[: len(dropped)]
+
+    def observe_batched_round(self, decision: _Decision) -> None:
+        """A batched round's verdict on this sequence's drafts, for its depth policy's acceptance."""
+        if decision.drafts.k:
+            self.batch_rounds += 1
+            assert self.policy is not None
+            self.policy.tracker.observe(decision.drafts.k, decision.accepted)
+
+    def counted_in_batch(self, size: int, tokens: int, decision: _Decision) -> None:
+        """Stats of a batched round's share: ``tokens`` emitted at batch ``size`` (a run that drafted nothing
+        in it made plain steps)."""
+        self.batch_sizes[size] = self.batch_sizes.get(size, 0) + tokens
+        if not decision.drafts.k:
+            self.recorder.plain_steps(tokens)
+
+    @property
+    def head_rows_waiting(self) -> int:
+        return sum(h.shape[1] for h in self._head_hidden)
+
+    # -- invariants and the prefix cache's seam --------------------------------------------------------
+    def restore(self, tokens: int, cache: list[Any], head_cache: KVCache | None = None,
+                head_row: mx.array | None = None) -> None:
+        """Before ``begin``: take backbone caches holding this prompt's first ``tokens`` positions (a prefix
+        cache's copy; at least the last prompt token is left to prefill, for the first token's logits).
+        ``head_cache``: the head's entries for positions 0..tokens-2, ``head_row``: the hidden [1, 1, H] of
+        position tokens-1 (it waits for its next token, the prompt's own); without them the head starts
+        with a gap (drafts land less at first; the output is the same)."""
+        prompt = self.request.prompt_tokens
+        if not 0 < tokens < len(prompt):
+            raise ValueError(f"a restored prefix holds 1..{len(prompt) - 1} of the prompt's tokens, got {tokens}")
+        if self.pending_token is not None or self.prefilled:
+            raise RuntimeError("restore() comes before begin(), once")
+        self.cache = cache
+        self.prefilled = tokens
+        if not self.track_head:
+            return
+        if head_cache is not None and head_row is not None:
+            if head_cache.offset != tokens - 1:
+                raise ValueError(f"the head cache holds {head_cache.offset} entries, a prefix of {tokens} needs {tokens - 1}")
+            self.head_cache = head_cache
+            self.wait_for_head(head_row, mx.array([prompt[tokens]], dtype=mx.uint32))
+        else:
+            self.head_skipped = tokens
+
+    def check_invariants(self, positions: int | None = None) -> None:
+        """Assert the invariants (class docstring) of a started, unfinished sequence at a step boundary;
+        ``positions``: the caches' positions when a batch holds them (its row's), else read here."""
+        if self.pending_token is None or self.output.finish is not None:
+            return
+        if positions is None:
+            positions = next((c.offset for c in self.cache if isinstance(c, KVCache)), None)
+        emitted = len(self.output.tokens)
+        expected = len(self.request.prompt_tokens) + emitted - (1 if self.pending_emitted else 0)
+        assert positions is None or positions == expected, f"caches hold {positions} positions, expected {expected}"
+        if self.pending_emitted:
+            assert self.output.tokens[-1] == int(self.pending_token.item()), "the pending token is not the last emitted"
+        if self.track_head:
+            waiting = self.head_rows_waiting
+            assert waiting == sum(t.shape[0] for t in self._head_tokens)
+            covered = self.head_cache.offset + waiting + self.head_skipped
+            assert covered == expected, f"the head covers {covered} positions, the caches {expected}"
+        if self.processors:
+            assert self.history.shape[0] == emitted + (0 if self.pending_emitted else 1), "history out of step"
+        assert self.recorder.accepted_total <= self.recorder.drafted
 
     def tie_margin(self, dtype: mx.Dtype) -> float:
         margin = self.engine.config.greedy_tie_margin
@@ -646,7 +818,7 @@ class _Run:
             top = tuple(TopLogprob(t, engine.token_bytes(t), max(v, LOGPROB_FLOOR)) for t, v in pairs)
         return TokenLogprob(token, engine.token_bytes(token), max(value, LOGPROB_FLOOR), top)
 
-    def _wait_for_head(self, hidden: mx.array, tokens: mx.array) -> None:
+    def wait_for_head(self, hidden: mx.array, tokens: mx.array) -> None:
         if self.track_head:
             self._head_hidden.append(hidden)
             self._head_tokens.append(tokens.reshape(-1))
@@ -673,23 +845,23 @@ class _Run:
         prompt = mx.array(list(self.request.prompt_tokens), dtype=mx.uint32)
         n = prompt.shape[0]
         chunk = max(1, chunk or self.engine.config.prefill_chunk)
-        for start in range(0, n, chunk):
-            end = min(start + chunk, n)
+        for start, end in self._prefix.spans(self.prefilled, n, chunk):  # edges at the prefix cache's snapshots
             hidden = self.forward.hidden(prompt[None, start:end], self.cache)
+            self._prefix.reached(end, self.cache, hidden)
             # Rows whose next token is known prime the head now, chunk by chunk.
             known = min(end, n - 1) - start
             if known > 0:
-                self._wait_for_head(hidden[:, :known], prompt[start + 1 : start + 1 + known])
+                self.wait_for_head(hidden[:, :known], prompt[start + 1 : start + 1 + known])
                 self._flush_head()
             if end < n:
                 mx.eval([c.state for c in self.cache], self.head_cache.state)
                 yield None
         logits = self._masked(self._logits_for(hidden[:, -1:], self.history))
-        token, lp = self._sample(logits)
-        self._wait_for_head(hidden[:, -1:], token)
+        token, lp = self.sample(logits)
+        self.wait_for_head(hidden[:, -1:], token)
         self._first = token, self._logprob_rows(lp, logits, token)
 
-    def _sample(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
+    def sample(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
         token, logprobs = select_token(logits, self.params, self.keys)
         return token.astype(mx.uint32), logprobs
 
@@ -697,9 +869,10 @@ class _Run:
         assert self.pending_token is not None
         hidden = self.forward.hidden(self.pending_token.reshape(1, 1), self.cache)
         logits = self._masked(self._logits_for(hidden, self.history))
-        token, lp = self._sample(logits)
-        self._wait_for_head(hidden, token)
+        token, lp = self.sample(logits)
+        self.wait_for_head(hidden, token)
         self.pending_token = token
+        self.pending_emitted = False
         self._pending_consumed = False
         if self.processors:
             self.history = mx.concatenate([self.history, token])
@@ -707,10 +880,21 @@ class _Run:
 
     # -- the loop ------------------------------------------------------------------------------------
     def stream(self) -> Iterator[GenerationChunk]:
+        # Finished, cancelled, failed or abandoned: a pipeline's other stages drop the request too. When the
+        # loop failed, that error is the one to report: a failure of ``end`` (the stages are likely down for
+        # the same reason) is logged, never raised in its place.
         try:
             yield from self._stream()
-        finally:
-            # Finished, cancelled, failed or abandoned: a pipeline's other stages drop the request too.
+        except Exception:
+            try:
+                self.forward.end(self.cache)
+            except Exception:
+                log.exception("ending the request on the pipeline failed after the generation failed")
+            raise
+        except BaseException:  # closed (GeneratorExit) or interrupted: no error of the loop's to keep
+            self.forward.end(self.cache)
+            raise
+        else:
             self.forward.end(self.cache)
 
     def begin(self, chunk: int | None = None) -> Iterator[GenerationChunk | None]:
@@ -723,6 +907,7 @@ class _Run:
         first, lp = self._first
         self._first = None
         self.pending_token = first
+        self.pending_emitted = True  # added to the output below, before anything else runs
         self._pending_consumed = False
         if self.processors:
             self.history = mx.concatenate([self.history, first])
@@ -731,14 +916,19 @@ class _Run:
         token = first.item()
         self.output.add(token, self._logprob_entry(lp, 0, token))
         self.recorder.plain_steps(0)
-        yield from self._drain()
+        yield from self.drain()
+        # The prompt's blocks and snapshots (engine/prefix_cache.py), before any decode step moves the caches on.
+        self._prefix.capture(self.cache, self.head_cache if self.track_head else None)
 
     def _stream(self) -> Iterator[GenerationChunk]:
+        if self.output.finish is not None:  # stopped during the engine's warm-up (``Engine.start``)
+            yield self.final_chunk()
+            return
         for chunk in self.begin():
             if chunk is not None:
                 yield chunk
         while self.output.finish is None:
-            if self._cancelled():
+            if self.cancelled():
                 break
             if self._handover():
                 self.handed_over = True
@@ -768,14 +958,14 @@ class _Run:
         final.stats = stats
         return final
 
-    def _cancelled(self) -> bool:
+    def cancelled(self) -> bool:
         stop = self.request.should_stop
         if stop is not None and stop():
             self.output.finish = "cancelled"
             return True
         return False
 
-    def _drain(self) -> Iterator[GenerationChunk]:
+    def drain(self) -> Iterator[GenerationChunk]:
         """Yield what can be shown so far; once finished, everything left goes in the final chunk."""
         if self.output.finish is None:
             chunk = self.output.chunk()
@@ -801,14 +991,15 @@ class _Run:
                 mx.async_eval(following, *(following_lp.arrays() if following_lp is not None else ()))
             value = token.item()
             self.output.add(value, self._logprob_entry(lp, 0, value))
-            yield from self._drain()
-            if window and len(self._head_hidden) > HEAD_WINDOW:
-                del self._head_hidden[:-HEAD_WINDOW], self._head_tokens[:-HEAD_WINDOW]
+            self.pending_emitted = following is None  # else the pending token is ``following``, not out yet
+            yield from self.drain()
+            if window:
+                self.keep_head_window(HEAD_WINDOW)
             elif len(self._head_hidden) >= HEAD_FLUSH_ROWS:
                 # Long plain stretches: keep the head cache current in batches, off the token path.
                 out = self._flush_head()
                 mx.async_eval(out, self.head_cache.state)
-            if self.output.finish is not None or following is None or self._cancelled():
+            if self.output.finish is not None or following is None or self.cancelled():
                 break
             token, lp = following, following_lp
         self.recorder.plain_steps(emitted)
@@ -834,27 +1025,27 @@ class _Run:
             # loop's (the depth policy's choice, cancellation); plain steps too, where some ran in between.
             self._phases["between"] = self._phases.get("between", 0.0) + start - self._round_end
         self._phase_start = start
-        drafts = self._draft(k, time_after_catch_up=True)
+        drafts = self.draft(k, time_after_catch_up=True)
         self._mark("draft_build")
         rows = mx.concatenate([self.pending_token.reshape(1), drafts.tokens])[None]
         hidden = self.forward.hidden(rows, self.cache, verify=True)
         logits = verify_logits(self.model, hidden, self.engine.verify_mode)[0]  # [K+1, V]
-        decision = self._decide(drafts, logits)
+        decision = self.decide(drafts, logits)
         self._mark("verify_build")
         mx.eval(hidden, *decision.arrays())
         self._mark("device_wait")
-        kept = self._accept(decision, hidden)
+        kept = self.commit(decision, hidden)
         self.forward.rollback(self.cache, k + 1, kept)
         assert self.policy is not None
         self.policy.observe_round(k, decision.accepted, time.perf_counter() - (drafts.timed_from or start))
         self._mark("rollback")
-        self._emit(decision)
+        self.emit(decision)
         self._mark("emit")
         self._round_end = time.perf_counter()
-        yield from self._drain()
+        yield from self.drain()
 
     # -- the pieces of a speculative round (alone, or a member's share of a batched round) -------------
-    def _draft(self, k: int, time_after_catch_up: bool = False) -> _Drafts:
+    def draft(self, k: int, time_after_catch_up: bool = False) -> _Drafts:
         """1. Draft k tokens: commit the waiting rows to the head cache (its last row drafts d1), then chain
         the head on its own output (speculative head entries, trimmed in ``_accept``). k = 0: nothing (a
         batch member decoding plainly inside a batched round).
@@ -863,12 +1054,13 @@ class _Run:
         drafts (one extra sync) and ``timed_from`` marks the end of it, so the round is timed like any other.
         Such rounds are the probes that follow plain stretches: untimed, a depth's cost stayed whatever its
         last rounds had measured, however long ago."""
+        self._plain_next = False
         if k == 0:
             return _Drafts(0, mx.zeros((0,), dtype=mx.uint32), [], [], False)
         assert self.head is not None
         model, params, matcher = self.model, self.params, self.matcher
         # A round that first catches the head up on a plain stretch is not a typical round.
-        catch_up = sum(h.shape[1] for h in self._head_hidden) > k + 1
+        catch_up = self.head_rows_waiting > k + 1
         out = self._flush_head()
         assert out is not None
         timed_from = None
@@ -907,7 +1099,7 @@ class _Run:
             mx.eval(draft_tokens, *draft_logprobs)
         return _Drafts(k, draft_tokens, draft_logprobs, masks, catch_up, timed_from)
 
-    def _decide(self, drafts: _Drafts, logits: mx.array) -> _Decision:
+    def decide(self, drafts: _Drafts, logits: mx.array) -> _Decision:
         """2-3. The verdict on this run's verify rows ``logits`` [k+1, V] (lazy: read back with the caller's
         one host sync): its penalties, grammar, acceptance test and PRNG keys. With no drafts, row 0 is
         chosen as a plain decode step chooses (the same key use: a seed reproduces plain sampling)."""
@@ -930,7 +1122,7 @@ class _Run:
             logits = mx.where(mx.stack([*drafts.masks, self.matcher.mask()]), logits, -mx.inf)
         target_logprobs = None
         if k == 0:
-            token, target_logprobs = self._sample(logits)
+            token, target_logprobs = self.sample(logits)
             verdict = Verdict(accepted=mx.zeros((0,), dtype=mx.bool_), replacement=token)
         elif params.greedy:
             verdict = greedy_verdict(logits, draft_tokens, self.tie_margin(logits.dtype))
@@ -944,7 +1136,7 @@ class _Run:
             lp_drafts = _LogprobRows(distribution[:k], draft_tokens, 0)
         return _Decision(drafts, verdict, lp_drafts, lp_replacements)
 
-    def _accept(self, decision: _Decision, hidden: mx.array) -> int:
+    def commit(self, decision: _Decision, hidden: mx.array) -> int:
         """4. Host side, after the sync: the accepted drafts and the token after them, this run's state
         rolled to them (head cache, grammar, pending token, penalty history, stats); ``hidden`` [1, k+1, H]
         are its verify rows. Returns how many verify rows its backbone caches keep."""
@@ -970,15 +1162,16 @@ class _Run:
                 self.matcher.consume(emitted[-1])
         if emitted:
             emitted_array = mx.array(emitted, dtype=mx.uint32)
-            self._wait_for_head(hidden[:, :kept_rows], emitted_array)  # row i is followed by emitted[i]
+            self.wait_for_head(hidden[:, :kept_rows], emitted_array)  # row i is followed by emitted[i]
             self.pending_token = emitted_array[-1:]
+            self.pending_emitted = False  # ``emit`` adds it
             self._pending_consumed = True
             if self.processors:
                 self.history = mx.concatenate([self.history, emitted_array])
         decision.accepted, decision.emitted = accepted, emitted
         return kept_rows
 
-    def _emit(self, decision: _Decision) -> int:
+    def emit(self, decision: _Decision) -> int:
         """5. Add the decided tokens to the output one by one, stopping exactly where the request ends
         (EOS, a stop string, max_tokens inside an accepted run); returns how many were added."""
         lp_drafts, lp_replacements = decision.lp_drafts, decision.lp_replacements
@@ -995,6 +1188,7 @@ class _Run:
             added += 1
             if self.output.finish is not None:
                 break
+        self.pending_emitted = True  # the pending token is the last decided one (or the sequence ended)
         return added
 
     def _stats(self, ttft_s: float, decode_s: float) -> NativeMTPStats:
@@ -1043,6 +1237,11 @@ class _Run:
             decode_tokens_per_s=round((completion - 1) / decode_s, 3) if completion > 1 and decode_s > 0 else 0.0,
             prompt_tokens=len(self.request.prompt_tokens),
             completion_tokens=completion,
+            cached_tokens=self.prefilled,
+            prefix_cache=self.engine.prefix_cache.figures() if self.engine.prefix_cache is not None else None,
             costs=costs,
             batch_sizes=dict(sorted(self.batch_sizes.items())),
         )
+
+
+_Run = SequenceState  # the name it had (benchmarks and tests of earlier commits import it)

@@ -30,6 +30,9 @@ class NativeMTPStats(BaseModel):
     decode_tokens_per_s: float = 0.0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache (engine/prefix_cache.py)
+    # The instance's prefix cache after this request (bytes and counters per tier; None: no prefix cache).
+    prefix_cache: dict[str, int] | None = None
     # beta(K), delta(K) used by adaptive depth, the device, the stages they were measured through and one
     # plain step's time (ms)
     costs: dict[str, list[float] | str | int | float | None] | None = None

@@ -2,7 +2,7 @@
 
 Greedy speculative decoding reproduces plain decoding token for token only if every row of a verify call
 computes exactly what the one-row decode step at that position computes. Which operations do depends on
-the backend and on the shapes: measured with bench/op_invariance.py, every operation of these models gives
+the backend and on the shapes: measured with bench/op_invariance.py@3c719fd, every operation of these models gives
 the same bits for one row and for a block of rows on the CPU, while on MLX's CUDA backend attention over a
 cache does not (a query block and a single query take different kernels) and a matmul may not (the
 lm_head of one demo model: the library picks another kernel for more rows). So this is measured, not

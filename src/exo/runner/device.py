@@ -35,7 +35,7 @@ from exo.wire.errors import QueueFullError, RequestTimeoutError
 
 if TYPE_CHECKING:  # the engine (mlx-lm, transformers: seconds) is imported by the load, not before Status serves
     from exo.engine import Engine, NativeMTPStats
-    from exo.engine.generate import GenerationChunk, _Run
+    from exo.engine.generate import GenerationChunk, SequenceState
     from exo.engine.prompt import GenerateParams, GenerationRequest, Prompt
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class GenerationJob:
         self._cancel = threading.Event()
         # Generations batch with others of the same key (the same model on this device).
         self.batch_key = batch_key
-        self.handed_over: _Run | None = None  # the run, when it left its solo loop for a batch
+        self.handed_over: SequenceState | None = None  # the run, when it left its solo loop for a batch
         # The engine's request, tokenized ahead on the device thread to weigh the job for a batch.
         self._prepared: tuple[Engine, GenerationRequest | Exception] | None = None
         self.engine: Engine | None = None  # the engine it runs on, once begun
@@ -166,6 +166,11 @@ class GenerationJob:
         self.steps += 1
         if self.step_hook is not None:
             self.step_hook(self)
+        return self.stopped()
+
+    def stopped(self) -> bool:
+        """Cancelled, or past the deadline (then timed out), without counting a step (the engine's warm-up
+        polls this)."""
         if self._cancel.is_set():
             return True
         if time.monotonic() > self.deadline:
@@ -200,7 +205,7 @@ class GenerationJob:
         else:
             self.end()
 
-    def begin(self, yield_to_batch: Callable[[], bool] | None = None) -> _Run | None:
+    def begin(self, yield_to_batch: Callable[[], bool] | None = None) -> SequenceState | None:
         """Leave the queue for the device: the engine's validated run (``Started`` emitted), or None when
         the job ended here (cancelled, timed out, rejected: reported)."""
         from exo.engine.prompt import generation_request
@@ -226,10 +231,19 @@ class GenerationJob:
                 request = generation_request(engine, self.prompt, self.params, self.should_stop)
             self.horizon = len(request.prompt_tokens) + request.max_tokens
             request.yield_to_batch = yield_to_batch
+            request.stop_warmup = self.stopped
             run = engine.start(request)
         except Exception as e:
             self.emit(Failed(e))
             self._done("rejected", None, queue_s, time.perf_counter() - self._start)
+            return None
+        if run.output.finish is not None:  # cancelled or timed out while the engine warmed up
+            device_s = time.perf_counter() - self._start
+            if self.timed_out:
+                self.emit(Failed(RequestTimeoutError("the request timed out while the model warmed up")))
+                self._done("timeout", None, queue_s, device_s)
+            else:
+                self._done("cancelled", None, queue_s, device_s)
             return None
         self.emit(Started(len(request.prompt_tokens), request.max_tokens, queue_s, request.thinking))
         return run
@@ -242,8 +256,11 @@ class GenerationJob:
 
     def fail(self, error: BaseException) -> None:
         log.error("generation failed", exc_info=error)
-        self.emit(Failed(error))
         self._finish = "error"
+        try:
+            self.emit(Failed(error))
+        except Exception:  # the stream that failed may be the one broken: the job still ends
+            log.exception("could not report a failed generation")
 
     def end(self) -> None:
         finish = self._finish
@@ -369,13 +386,12 @@ class Device:
     # -- batching ------------------------------------------------------------------------------------------
     def _batch_wanted(self, job: GenerationJob) -> bool:
         """Polled by a solo generation between steps: a generation that could share the device waits."""
-        jobs = self._jobs
-        if self.max_batch < 2 or not jobs:
+        if self.max_batch < 2 or not self._jobs:  # the common case, read without the lock: one per token
             return False
-        try:
-            head = jobs[0]
-        except IndexError:  # taken by another thread (a cancel) since the check
-            return False
+        with self._cv:  # the queue changes under other threads (submit, cancel)
+            if not self._jobs:
+                return False
+            head = self._jobs[0]
         if not self._joins(head, job.batch_key) or job.engine is None:
             return False
         return self._fits(job.engine, [job.horizon, head.prepare(job.engine)])  # type: ignore[attr-defined]
@@ -412,7 +428,7 @@ class Device:
                 self._on_depth(self._waiting_bounded)
         return admitted
 
-    def _serve_batch(self, first: GenerationJob, run: _Run) -> None:
+    def _serve_batch(self, first: GenerationJob, run: SequenceState) -> None:
         """Decode ``first`` (handed over at a step boundary) with every generation that joins, until all
         have ended. Newcomers prefill one chunk per step, between the batch's decode steps."""
         from exo.engine.batch import BatchLanes
@@ -421,7 +437,7 @@ class Device:
         batch = BatchLanes(run.engine)
         members: dict[int, GenerationJob] = {id(run): first}
         batch.add(run)
-        prefilling: list[tuple[GenerationJob, _Run, Any]] = []
+        prefilling: list[tuple[GenerationJob, SequenceState, Any]] = []
 
         def leave(job: GenerationJob, failed: BaseException | None = None) -> None:
             if failed is not None:
@@ -445,7 +461,7 @@ class Device:
                     leave(job, RuntimeError("the model changed under a running batch; retry"))
                 else:
                     prefilling.append((job, new, new.begin(new.engine.config.batch_prefill_chunk)))
-            still: list[tuple[GenerationJob, _Run, Any]] = []
+            still: list[tuple[GenerationJob, SequenceState, Any]] = []
             for job, new, steps in prefilling:
                 try:
                     prefilled = True
@@ -455,7 +471,7 @@ class Device:
                             break
                         job.consume(chunk)
                     if not prefilled:
-                        if new._cancelled():
+                        if new.cancelled():
                             job.consume(new.final_chunk())
                             leave(job)
                         else:
@@ -486,8 +502,15 @@ class Device:
             self._on_batch(len(results))
             for ended, chunks in results:
                 job = members[id(ended)]
-                for chunk in chunks:
-                    job.consume(chunk)
+                try:
+                    for chunk in chunks:
+                        job.consume(chunk)
+                except Exception as e:  # this member's stream broke: it alone leaves, the others go on
+                    if ended.output.finish is None:
+                        batch.remove(ended)
+                    del members[id(ended)]
+                    leave(job, e)
+                    continue
                 if ended.output.finish is not None:
                     del members[id(ended)]
                     leave(job)

@@ -129,15 +129,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         os._exit(EXIT_LOAD_FAILED)
     log = logging.getLogger(__name__)
     if not pipelined:
-        from exo.engine import Engine
+        from .loading import ready_engine
 
         state.update("warming up", 0.75)
-        engine = Engine(loaded, config)
-        engine.warmup()  # adaptive depth's cost measurement, once, here rather than in the first request
+        engine = ready_engine(loaded, config, settings)  # (with the node's prefix cache: runner.prefix_store)
         state.ready(summary, engine)
         log.info("ready: %s", args.model_id)
         stopping[0] = _close_on_term(device)
         device.serve()  # until SIGTERM
+        _close_prefix_cache(engine)
         _exit(server, 0)
     try:
         code = _serve_stage(args, state, device, loaded, config, summary, stopping)
@@ -147,6 +147,13 @@ def main(argv: Sequence[str] | None = None) -> None:
               file=sys.stderr, flush=True)
         code = EXIT_GROUP_LOST
     _exit(server, code)
+
+
+def _close_prefix_cache(engine: Any) -> None:
+    """Let the disk tier finish its writes (what the next start restores from)."""
+    cache = engine.prefix_cache
+    if cache is not None and hasattr(cache.store, "close"):
+        cache.store.close()
 
 
 def _close_on_term(device: Any) -> Callable[[], bool]:
@@ -221,18 +228,17 @@ def _load(args: argparse.Namespace, settings: Settings, state: RunnerState) -> t
     # Status already serves (the server needs none of this): the engine's imports take seconds.
     state.update("importing the engine", 0.02)
     from exo.cards import load_catalog
-    from exo.engine import ResolvedModel, engine_config, load_checkpoint
+    from exo.engine import ResolvedModel
     from exo.wire.proto_gen import node_pb2 as pb
+
+    from .loading import load_for_serving
 
     state.update("resolving", 0.05)
     card = load_catalog(home=settings.home).get(args.card) if args.card else None
     resolved = ResolvedModel(Path(args.model_path), args.model_id, card)
     state.update("loading weights", 0.1)
-    config = engine_config(resolved, settings)
     layers = (args.start_layer, args.end_layer) if args.world_size > 1 else None
-    loaded = load_checkpoint(
-        resolved.path, model_id=resolved.model_id, head_source_repo=resolved.head_source_repo, layers=layers
-    )
+    loaded, config = load_for_serving(resolved, settings, layers=layers)
     n_layers = loaded.model.num_layers
     if args.world_size == 1 and (args.start_layer, args.end_layer) not in ((0, 0), (0, n_layers)):
         raise ValueError(f"layers [{args.start_layer}, {args.end_layer}) of {n_layers} on a single runner")

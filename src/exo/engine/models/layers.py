@@ -339,7 +339,7 @@ def _conv(layer: Any, conv_input: mx.array, verify: bool) -> mx.array:
 
     A verify call convolves each row's own window (``conv_kernel_size`` inputs, one output): the shape a
     decode step convolves, so each row rounds as that decode step would, whatever a backend's conv
-    kernel does with longer inputs (on the CPU the two are equal anyway: bench/op_invariance.py).
+    kernel does with longer inputs (on the CPU the two are equal anyway: bench/op_invariance.py@3c719fd).
     """
     taps = layer.conv_kernel_size
     rows = conv_input.shape[1] - taps + 1
@@ -588,7 +588,7 @@ def check_expert_sort(blocks: list[SparseMoeBlock]) -> float:
 class Attention(Qwen3NextAttention):
     """Qwen3.5 / Qwen3.6 / Qwen3-Next full attention whose verify call can attend row by row.
 
-    Measured (bench/op_invariance.py): on MLX's CUDA backend every matmul, norm, conv and the gated delta
+    Measured (bench/op_invariance.py@3c719fd): on MLX's CUDA backend every matmul, norm, conv and the gated delta
     rule give row 0 of a 4-row call bit for bit what a 1-row call gives, but scaled-dot-product attention
     does not (a query block and a single query take different kernels). With ``per_row``, a multi-row
     call attends each row against the keys up to itself, exactly the shape of a decode step, so a verify

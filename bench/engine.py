@@ -1,6 +1,8 @@
-"""Plain decoding, strictly alternating with stock mlx-lm: exo's engine vs ``mlx_lm.stream_generate``.
+"""The engine against stock mlx-lm: exo's plain decoding vs ``mlx_lm.stream_generate``, strictly alternating.
 
-    python bench/plain_vs_stock.py [MODEL] [--max-tokens 128] [--repeats 6]
+    python bench/engine.py [MODEL] [--max-tokens 128] [--repeats 6] [--device cpu|gpu] [--json]
+
+(``exo bench MODEL --baseline`` adds native MTP at every depth and adaptive to the same comparison.)
 
 For each repeat and each of ``exo bench``'s prompts: stock mlx-lm (its own model classes on the same
 checkpoint directory), then exo plain decoding, then exo plain decoding with its GatedDeltaNet rows
@@ -15,17 +17,25 @@ import argparse
 import dataclasses
 import statistics
 
+from common import add_common_arguments, report_to, use_device  # bench/ is this script's folder
+
 from exo.engine import GenerationRequest, SamplingParams, load
 from exo.engine.bench import DEFAULT_PROMPTS, StockMLXLM, encode_prompt
+from exo.engine.costs import device_name
 from exo.engine.models import layers
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?", default="exo-demo")
+    add_common_arguments(parser, repeats=6)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=6)
     args = parser.parse_args()
+    with report_to(args.json) as report:
+        run(args, report)
+
+
+def run(args: argparse.Namespace, report: dict) -> None:
+    use_device(args.device)
     engine = load(args.model)
     engine.loaded = dataclasses.replace(engine.loaded, eos_token_ids=frozenset())
     stock = StockMLXLM(engine.loaded.path)
@@ -51,9 +61,12 @@ def main() -> None:
             tps["exo, GDN uncompiled"].append(exo(prompt, "off"))
     print(f"{args.model}: {len(tps['stock'])} pairs of {args.max_tokens} tokens; median tokens/s "
           + ", ".join(f"{name} {statistics.median(v):.1f}" for name, v in tps.items()))
+    report.update(model=args.model, device=device_name(), max_tokens=args.max_tokens, pairs=len(tps["stock"]),
+                  median_tokens_per_s={name: statistics.median(v) for name, v in tps.items()}, vs_stock={})
     for name in ("exo", "exo, GDN uncompiled"):
         ratios = [e / s for e, s in zip(tps[name], tps["stock"], strict=True)]
-        q1, q2, q3 = statistics.quantiles(ratios)
+        q1, _, q3 = statistics.quantiles(ratios) if len(ratios) > 1 else (ratios[0],) * 3
+        report["vs_stock"][name] = {"median": statistics.median(ratios), "quartiles": [q1, q3]}
         print(f"  {name} / stock: median {statistics.median(ratios):.3f} (quartiles {q1:.3f} / {q3:.3f})")
 
 

@@ -1,7 +1,7 @@
 """Many clients at once: continuous batching vs one generation at a time, through `exo serve`.
 
-    python bench/batching.py [MODEL] [--clients 1 8 32] [--seconds 30] [--max-tokens 64] [--mtp off,k1,adaptive]
-                             [--lanes 1 2] [--repeats 3]
+    python bench/serving.py [MODEL] [--clients 1 8 32] [--seconds 30] [--max-tokens 64] [--mtp off,k1,adaptive]
+                            [--lanes 1 2] [--repeats 3] [--json]
 
 Starts two `exo serve --model MODEL` processes as users run them (the daemon relays to a runner
 subprocess over gRPC): one with EXO_MAX_BATCH=1 (requests strictly one at a time, as before batching)
@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 import aiohttp
-from api_overhead import _free_port, start_server
+from common import add_common_arguments, free_port, report_to, start_server  # bench/ is this script's folder
 
 TOPICS = (
     "the sea", "a lighthouse", "autumn leaves", "a cat", "the moon", "a city at night", "rain", "mountains",
@@ -132,13 +132,12 @@ async def warm(url: str, max_tokens: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?", default="exo-demo")
+    # The model runs in the servers, on their default device: no --device here.
+    add_common_arguments(parser, repeats=1, device=False)
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-batch", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="run the whole table this many times (drift on a shared machine): medians and ratios per repeat")
     parser.add_argument("--mtp", default="adaptive", help=f"comma-separated request modes: {', '.join(MTP_MODES)}")
     parser.add_argument("--lanes", type=int, nargs="+", default=None,
                         help="a batching server per lane count (EXO_BATCH_LANES); default: one, with the node's default")
@@ -147,88 +146,96 @@ def main() -> None:
     unknown = [m for m in modes if m not in MTP_MODES]
     if unknown:
         parser.error(f"unknown --mtp mode(s) {unknown}: choose from {list(MTP_MODES)}")
-    servers = {}
-    processes = []
-    homes = []
-    try:
-        configs = [("one at a time", 1, None)] + (
-            [("batching", args.max_batch, None)] if args.lanes is None
-            else [(f"batching L={lanes}", args.max_batch, lanes) for lanes in args.lanes]
-        )
-        for name, batch, lanes in configs:
-            os.environ["EXO_MAX_BATCH"] = str(batch)
-            os.environ["EXO_MAX_QUEUE"] = "256"
-            os.environ.pop("EXO_BATCH_LANES", None)
-            if lanes is not None:
-                os.environ["EXO_BATCH_LANES"] = str(lanes)
-            home = tempfile.TemporaryDirectory()
-            homes.append(home)
-            port = _free_port()
-            processes.append(start_server(args.model, port, _free_port(), home=home.name))
-            servers[name] = f"http://127.0.0.1:{port}"
-            asyncio.run(warm(servers[name], args.max_tokens))
-        rows: dict[tuple[str, str, int], dict[str, Any]] = {}
-        repeats: dict[tuple[str, str, int], list[float]] = {}  # tok/s of every repeat
-        for repeat in range(args.repeats):
-            for mode in modes:
-                for n in args.clients:
-                    for name, url in servers.items():
-                        r = asyncio.run(load(url, n, args.seconds, args.max_tokens, MTP_MODES[mode]))
-                        repeats.setdefault((mode, name, n), []).append(r["tok_s"])
-                        if repeat == 0:
-                            rows[mode, name, n] = r
-                        else:  # the table's row is the first repeat's; every response counts for identity
-                            for topic, texts in r["texts"].items():
-                                rows[mode, name, n]["texts"].setdefault(topic, []).extend(texts)
-                        print(f"  ran {mode:8s} {name:13s} clients={n:3d}: {r['completed']} completed, "
-                              f"{r['tok_s']:.1f} tok/s", flush=True)
-        print(f"\nmodel {args.model}, {args.max_tokens}-token streamed chat completions, {args.seconds:.0f} s per row, "
-              f"temperature 0, {os.cpu_count()} CPUs")
-        print(f"{'mtp':8s} {'server':14s} {'clients':>7s} {'completed':>9s} {'errors':>6s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
-              f"{'tok/s':>7s} {'vs 1 client':>11s} {'vs one-at-a-time':>16s} {'batched reqs':>12s} {'max batch':>9s} "
-              f"{'req s p50':>9s} {'accept':>6s} {'tok/round':>9s}")
-        for mode in modes:
-            for n in args.clients:
-                for name in servers:
-                    r = rows[mode, name, n]
-                    one = rows[mode, name, args.clients[0]]["tok_s"]
-                    base = rows[mode, "one at a time", n]["tok_s"]
-                    accept = f"{r['accepted'] / r['drafted']:.2f}" if r["drafted"] else "-"
-                    per_round = f"{1 + r['accepted'] / r['rounds']:.2f}" if r["rounds"] else "-"
-                    print(f"{mode:8s} {name:14s} {n:7d} {r['completed']:9d} {r['errors']:6d} {quantile(r['ttft'], 0.5):8.2f}s "
-                          f"{quantile(r['ttft'], 0.99):8.2f}s {r['tok_s']:7.1f} {r['tok_s'] / one:10.2f}x "
-                          f"{r['tok_s'] / base:15.2f}x {r['batched']:12d} {r['max_batch']:9d} "
-                          f"{quantile(r['request_s'], 0.5):8.3f}s {accept:>6s} {per_round:>9s}")
-        # Greedy output must not depend on what else runs: every response for a topic, on either server
-        # and in any batch, against the one-at-a-time server's first response for it.
-        reference: dict[str, str] = {}
-        for mode in modes:
-            for n in args.clients:
-                for topic, texts in rows[mode, "one at a time", n]["texts"].items():
-                    reference.setdefault(topic, texts[0])
-        same = total = 0
-        for r in rows.values():
-            for topic, texts in r["texts"].items():
-                if topic in reference:
-                    total += len(texts)
-                    same += sum(t == reference[topic] for t in texts)
-        print(f"\nresponses identical to the one-at-a-time output of their prompt: {same}/{total}")
-        if args.repeats > 1:
-            print(f"\n{args.repeats} repeats (each: every row once, in the order above): tok/s median (min-max) and the "
-                  f"median of each repeat's ratio to one client on the same server in the same repeat")
+    with report_to(args.json) as report:
+        servers = {}
+        processes = []
+        homes = []
+        try:
+            configs = [("one at a time", 1, None)] + (
+                [("batching", args.max_batch, None)] if args.lanes is None
+                else [(f"batching L={lanes}", args.max_batch, lanes) for lanes in args.lanes]
+            )
+            for name, batch, lanes in configs:
+                os.environ["EXO_MAX_BATCH"] = str(batch)
+                os.environ["EXO_MAX_QUEUE"] = "256"
+                os.environ.pop("EXO_BATCH_LANES", None)
+                if lanes is not None:
+                    os.environ["EXO_BATCH_LANES"] = str(lanes)
+                home = tempfile.TemporaryDirectory()
+                homes.append(home)
+                port = free_port()
+                processes.append(start_server(args.model, port, free_port(), home=home.name))
+                servers[name] = f"http://127.0.0.1:{port}"
+                asyncio.run(warm(servers[name], args.max_tokens))
+            rows: dict[tuple[str, str, int], dict[str, Any]] = {}
+            repeats: dict[tuple[str, str, int], list[float]] = {}  # tok/s of every repeat
+            for repeat in range(args.repeats):
+                for mode in modes:
+                    for n in args.clients:
+                        for name, url in servers.items():
+                            r = asyncio.run(load(url, n, args.seconds, args.max_tokens, MTP_MODES[mode]))
+                            repeats.setdefault((mode, name, n), []).append(r["tok_s"])
+                            if repeat == 0:
+                                rows[mode, name, n] = r
+                            else:  # the table's row is the first repeat's; every response counts for identity
+                                for topic, texts in r["texts"].items():
+                                    rows[mode, name, n]["texts"].setdefault(topic, []).extend(texts)
+                            print(f"  ran {mode:8s} {name:13s} clients={n:3d}: {r['completed']} completed, "
+                                  f"{r['tok_s']:.1f} tok/s", flush=True)
+            print(f"\nmodel {args.model}, {args.max_tokens}-token streamed chat completions, {args.seconds:.0f} s per row, "
+                  f"temperature 0, {os.cpu_count()} CPUs")
+            print(f"{'mtp':8s} {'server':14s} {'clients':>7s} {'completed':>9s} {'errors':>6s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
+                  f"{'tok/s':>7s} {'vs 1 client':>11s} {'vs one-at-a-time':>16s} {'batched reqs':>12s} {'max batch':>9s} "
+                  f"{'req s p50':>9s} {'accept':>6s} {'tok/round':>9s}")
             for mode in modes:
                 for n in args.clients:
                     for name in servers:
-                        values = repeats[mode, name, n]
-                        ratios = [v / o for v, o in zip(values, repeats[mode, name, args.clients[0]], strict=True)]
-                        print(f"{mode:8s} {name:14s} {n:7d} {statistics.median(values):7.1f} ({min(values):.1f}-{max(values):.1f})"
-                              f"  vs 1 client {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
-    finally:
-        for process in processes:
-            process.terminate()
-            process.wait(30)
-        for home in homes:
-            home.cleanup()
+                        r = rows[mode, name, n]
+                        one = rows[mode, name, args.clients[0]]["tok_s"]
+                        base = rows[mode, "one at a time", n]["tok_s"]
+                        accept = f"{r['accepted'] / r['drafted']:.2f}" if r["drafted"] else "-"
+                        per_round = f"{1 + r['accepted'] / r['rounds']:.2f}" if r["rounds"] else "-"
+                        print(f"{mode:8s} {name:14s} {n:7d} {r['completed']:9d} {r['errors']:6d} {quantile(r['ttft'], 0.5):8.2f}s "
+                              f"{quantile(r['ttft'], 0.99):8.2f}s {r['tok_s']:7.1f} {r['tok_s'] / one:10.2f}x "
+                              f"{r['tok_s'] / base:15.2f}x {r['batched']:12d} {r['max_batch']:9d} "
+                              f"{quantile(r['request_s'], 0.5):8.3f}s {accept:>6s} {per_round:>9s}")
+            # Greedy output must not depend on what else runs: every response for a topic, on either server
+            # and in any batch, against the one-at-a-time server's first response for it.
+            reference: dict[str, str] = {}
+            for mode in modes:
+                for n in args.clients:
+                    for topic, texts in rows[mode, "one at a time", n]["texts"].items():
+                        reference.setdefault(topic, texts[0])
+            same = total = 0
+            for r in rows.values():
+                for topic, texts in r["texts"].items():
+                    if topic in reference:
+                        total += len(texts)
+                        same += sum(t == reference[topic] for t in texts)
+            print(f"\nresponses identical to the one-at-a-time output of their prompt: {same}/{total}")
+            report.update(model=args.model, max_tokens=args.max_tokens, seconds=args.seconds, repeats=args.repeats,
+                          rows=[{"mtp": mode, "server": name, "clients": n,
+                                 **{k: v for k, v in r.items() if k not in ("texts", "ttft", "request_s")},
+                                 "ttft_p50_s": quantile(r["ttft"], 0.5), "ttft_p99_s": quantile(r["ttft"], 0.99)}
+                                for (mode, name, n), r in rows.items()],
+                          identical_to_one_at_a_time=[same, total], tok_s_per_repeat=[
+                              {"mtp": m, "server": name, "clients": n, "tok_s": v} for (m, name, n), v in repeats.items()])
+            if args.repeats > 1:
+                print(f"\n{args.repeats} repeats (each: every row once, in the order above): tok/s median (min-max) and the "
+                      f"median of each repeat's ratio to one client on the same server in the same repeat")
+                for mode in modes:
+                    for n in args.clients:
+                        for name in servers:
+                            values = repeats[mode, name, n]
+                            ratios = [v / o for v, o in zip(values, repeats[mode, name, args.clients[0]], strict=True)]
+                            print(f"{mode:8s} {name:14s} {n:7d} {statistics.median(values):7.1f} ({min(values):.1f}-{max(values):.1f})"
+                                  f"  vs 1 client {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
+        finally:
+            for process in processes:
+                process.terminate()
+                process.wait(30)
+            for home in homes:
+                home.cleanup()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,99 @@
+"""What the benchmarks share: their command-line shape and starting `exo serve` as users run it.
+
+Every benchmark takes ``MODEL`` (a card id, repo id or checkpoint directory; default exo-demo),
+``--repeats N`` (configurations alternate within each repeat, so a slow moment of a shared machine hits all
+of them: ratios are measured in one run), ``--device cpu|gpu`` (MLX's device for what runs in this process;
+default: MLX's default, the GPU where there is one) and ``--json`` (the report as one JSON object on stdout;
+the human-readable table goes to stderr instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, *, repeats: int, model: bool = True,
+                         device: bool = True) -> None:
+    if model:
+        parser.add_argument("model", nargs="?", default="exo-demo",
+                            help="card id, Hugging Face repo id or checkpoint directory (default: exo-demo)")
+    parser.add_argument("--repeats", type=int, default=repeats,
+                        help=f"rounds of every configuration, alternating (default {repeats})")
+    if device:
+        parser.add_argument("--device", choices=("cpu", "gpu"), default=None,
+                            help="MLX's device for this process (default: MLX's default)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the report as one JSON object on stdout (the table goes to stderr)")
+
+
+def use_device(name: str | None) -> None:
+    if name is not None:
+        import mlx.core as mx
+
+        device = mx.cpu if name == "cpu" else mx.gpu
+        if not mx.is_available(device):
+            raise SystemExit(f"--device {name}: this machine's MLX has no {name.upper()} backend")
+        mx.set_default_device(device)
+
+
+@contextlib.contextmanager
+def report_to(as_json: bool) -> Iterator[dict[str, Any]]:
+    """The block fills the yielded dict; with ``as_json`` its prints go to stderr and the dict to stdout."""
+    report: dict[str, Any] = {}
+    if not as_json:
+        yield report
+        return
+    with contextlib.redirect_stdout(sys.stderr):
+        yield report
+    json.dump(report, sys.stdout, indent=1, default=str)
+    sys.stdout.write("\n")
+
+
+def free_port() -> int:
+    from exo.runner.group import free_port as _free
+
+    return _free()
+
+
+def start_server(model: str | None, port: int, grpc_port: int, peers: str | None = None,
+                 home: str | None = None) -> subprocess.Popen:
+    """`exo serve` (this checkout's) on 127.0.0.1, discovery off, once its /health answers."""
+    import aiohttp
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    env.pop("EXO_API_KEY", None)
+    if home is not None:
+        env["EXO_HOME"] = home
+    argv = [sys.executable, "-m", "exo.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port),
+            "--grpc-port", str(grpc_port), "--no-discovery"]
+    argv += ["--model", model] if model is not None else []
+    argv += ["--peers", peers] if peers is not None else []
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    async def wait() -> None:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(600):
+                if process.poll() is not None:
+                    raise RuntimeError(f"exo serve exited: {process.stderr.read() if process.stderr else ''}")
+                try:
+                    async with session.get(f"http://127.0.0.1:{port}/health") as response:
+                        if response.status == 200:
+                            return
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.2)
+        raise RuntimeError("exo serve did not come up")
+
+    asyncio.run(wait())
+    return process

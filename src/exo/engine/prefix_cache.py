@@ -1,0 +1,485 @@
+"""A prefix cache for hybrid models: a request whose prompt starts like an earlier one's restores that
+prefix's caches instead of prefilling it again (an agent resends its whole conversation every turn).
+
+What is kept, per model and stage (``namespace``) in a ``PrefixStore`` (a key -> dict of arrays store;
+``MemoryStore`` here, RAM + disk tiers in ``exo.runner.prefix_store``):
+
+- ``b-<chain>``: attention KV of one block of ``block_tokens`` prompt tokens, every attention layer of the
+  stage. ``chain`` is a hash chain over the blocks (``block_chain``), so a block is shared by every prompt
+  that starts with the same tokens up to its end.
+- ``h-<chain>``: the MTP head's cache entries of the same block, shifted by one: head entry q consumes
+  (hidden[q], token[q + 1]), so it belongs to the block holding q + 1 (a block's entries are a function
+  of the tokens up to its end).
+- ``s-<p>-<hash>``: a snapshot at prompt position p (the state after tokens [0, p)): every GatedDeltaNet
+  layer's conv window and recurrent state (a recurrent state cannot be cut at an arbitrary token, so only
+  positions where one was taken can be restored), the KV of the tokens after the last full block, and the
+  post-norm hidden of position p - 1 (its logits give the next token when the whole prompt is cached;
+  the head pairs it with token p).
+- ``sh-<p>-<hash>``: the head's entries after the last full block, up to p - 1.
+
+Snapshots are taken where the prefill stops anyway or is made to stop (``snapshot_edges``): the start of
+the last message, i.e. the generation header (where the next turn continues: it resends everything before
+it), the start of the second message (the end of the system + tools part, where conversations diverge),
+the end of a prompt that is not a chat, and every ``stride_tokens``.
+A restore goes to the deepest snapshot whose blocks are all held, with the head's parts too when the
+run drafts; the run then prefills only the rest. Captured after the prefill, from the prompt's positions
+only (never a generated, let alone an accepted-but-unemitted, position).
+
+The hook: ``Engine.start`` ends with ``restore_prefix``, which looks the prompt up (``PrefixCache.plan``)
+and hands the restored caches to the new sequence through its seam (``SequenceState.restore``), so a solo
+run, a batch newcomer and constrained or logprobs runs all get it; the sequence keeps the plan
+(``PrefillPlan``) for its prefill's chunk edges (``spans``, ``reached``) and calls ``capture`` once its
+first token is out.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from .models.layers import RollbackArraysCache
+
+FORMAT_VERSION = 1
+BLOCK_TOKENS = 256
+STRIDE_TOKENS = 8192
+MIN_SNAPSHOT_TOKENS = 64  # a snapshot of a shorter prefix costs more than the prefill it saves
+# Chat templates' message-start tokens: a snapshot at the second one is the end of the system + tools part,
+# at the last one the start of the newest message (what the next turn resends unchanged).
+MESSAGE_START_TOKENS = ("<|im_start|>",)
+# A prompt ending at most this many tokens after its last message start ends in a generation header: its last
+# snapshot is the header's start (one snapshot a turn, not two; the next turn prefills the header again).
+HEADER_TOKENS = 16
+
+Arrays = dict[str, mx.array]
+
+
+class PrefixStore(Protocol):
+    """Where a prefix cache keeps its entries (arrays already evaluated)."""
+
+    def get(self, key: str) -> Arrays | None: ...
+
+    def put(self, key: str, arrays: Arrays) -> None: ...
+
+    def has(self, key: str) -> bool: ...
+
+    def keys(self) -> Iterable[str]: ...
+
+
+def nbytes(arrays: Arrays) -> int:
+    return sum(a.nbytes for a in arrays.values())
+
+
+class MemoryStore:
+    """Entries in memory, least recently used out first once ``budget_bytes`` is exceeded."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self._entries: OrderedDict[str, Arrays] = OrderedDict()
+        self._sizes: dict[str, int] = {}
+        self.bytes = 0
+        self.evictions = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> Arrays | None:
+        with self._lock:
+            arrays = self._entries.get(key)
+            if arrays is not None:
+                self._entries.move_to_end(key)
+            return arrays
+
+    def has(self, key: str) -> bool:
+        return key in self._entries
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._entries)
+
+    def put(self, key: str, arrays: Arrays) -> list[str]:
+        """Returns the keys evicted to make room."""
+        size = nbytes(arrays)
+        evicted: list[str] = []
+        with self._lock:
+            if key in self._entries:
+                self.bytes -= self._sizes.pop(key)
+                del self._entries[key]
+            if size > self.budget_bytes:
+                return evicted
+            self._entries[key] = arrays
+            self._sizes[key] = size
+            self.bytes += size
+            while self.bytes > self.budget_bytes:
+                old, _ = self._entries.popitem(last=False)
+                self.bytes -= self._sizes.pop(old)
+                self.evictions += 1
+                evicted.append(old)
+        return evicted
+
+    def remove(self, key: str) -> None:
+        with self._lock:
+            if key in self._entries:
+                del self._entries[key]
+                self.bytes -= self._sizes.pop(key)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+# -- keys ---------------------------------------------------------------------------------------------
+
+
+def _digest(*parts: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    for part in parts:
+        h.update(part)
+    return h.digest()
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    return array.array("I", tokens).tobytes()
+
+
+def namespace(loaded: Any, layers: tuple[int, int] | None = None) -> str:
+    """What a cached state depends on besides the tokens: the checkpoint (its id, config, the weight files'
+    names, sizes and times), the stage's layer range and this module's format."""
+    path = Path(loaded.path)
+    files = []
+    for f in sorted(path.glob("*.safetensors")):
+        stat = f.stat()
+        files.append((f.name, stat.st_size, stat.st_mtime_ns))
+    identity = json.dumps(
+        {"model": loaded.model_id, "config": loaded.config, "files": files, "layers": list(layers or ()),
+         "format": FORMAT_VERSION}, sort_keys=True, default=str,
+    )
+    return _digest(identity.encode()).hex()
+
+
+def block_chain(tokens: Sequence[int], block: int, ns: str) -> list[bytes]:
+    """chain[b]: the hash of ``tokens[: b * block]`` (chain[0] the namespace's root), for every full block."""
+    chain = [_digest(ns.encode())]
+    for b in range(len(tokens) // block):
+        chain.append(_digest(chain[-1], _token_bytes(tokens[b * block : (b + 1) * block])))
+    return chain
+
+
+def snapshot_key(p: int, chain: list[bytes], tokens: Sequence[int], block: int) -> str:
+    m = p // block
+    return f"s-{p}-{_digest(chain[m], _token_bytes(tokens[m * block : p])).hex()}"
+
+
+def message_starts(tokenizer: Any) -> frozenset[int]:
+    """Token ids that start a chat message in this tokenizer (none: only the end and the stride)."""
+    ids = set()
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    for text in MESSAGE_START_TOKENS:
+        if text in vocab:
+            ids.add(int(vocab[text]))
+    return frozenset(ids)
+
+
+def snapshot_edges(tokens: Sequence[int], starts: frozenset[int], stride: int, minimum: int) -> list[int]:
+    """Positions to snapshot a prompt at: the second message start (the end of the system + tools part), the
+    last one (the assistant header the next turn renders again, perhaps without what a template adds to a
+    generation prompt, such as an opened think block), the end when more than a header follows the last
+    start (a raw completion), and every ``stride``."""
+    n = len(tokens)
+    edges = set()
+    found = [i for i, t in enumerate(tokens) if t in starts] if starts else []
+    if len(found) >= 2:
+        edges.add(found[1])
+    if found:
+        edges.add(found[-1])
+    if not found or n - found[-1] > HEADER_TOKENS:
+        edges.add(n - 1)  # (the last token is always fed: this serves the same prompt again and its extensions)
+    if stride > 0:
+        edges.update(range(stride, n, stride))
+    return sorted(p for p in edges if minimum <= p < n)
+
+
+# -- the cache ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class PrefixStats:
+    lookups: int = 0
+    hits: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    captured_bytes: int = 0
+
+
+class PrefixCache:
+    """One model stage's prefix cache over a store (see the module's docstring)."""
+
+    def __init__(self, store: PrefixStore, ns: str, *, block_tokens: int = BLOCK_TOKENS,
+                 stride_tokens: int = STRIDE_TOKENS, message_starts: frozenset[int] = frozenset(),
+                 min_snapshot_tokens: int = MIN_SNAPSHOT_TOKENS) -> None:
+        self.store = store
+        self.ns = ns
+        self.block = block_tokens
+        self.stride = stride_tokens
+        self.starts = message_starts
+        self.min_snapshot = min_snapshot_tokens
+        self.stats = PrefixStats()
+        # Snapshot positions held (or once held): the candidates a prompt's lookup hashes.
+        self._lengths: set[int] = set()
+        for key in store.keys():
+            if key.startswith(f"{ns}/s-"):
+                self._lengths.add(int(key.split("-", 2)[1]))
+
+    def figures(self) -> dict[str, int]:
+        """Counters of this cache and its store's figures (bytes and counters per tier)."""
+        s = self.stats
+        out = {"lookups": s.lookups, "hits": s.hits, "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens}
+        store_figures = getattr(self.store, "figures", None)
+        if store_figures is not None:
+            out.update(store_figures())
+        elif isinstance(self.store, MemoryStore):
+            out.update(ram_bytes=self.store.bytes, ram_entries=len(self.store), ram_evictions=self.store.evictions)
+        return out
+
+    def key(self, name: str) -> str:
+        return f"{self.ns}/{name}"
+
+    def plan(self, tokens: Sequence[int], need_head: bool) -> PrefillPlan:
+        """The restore point and snapshot edges for a prompt."""
+        tokens = list(tokens)
+        chain = block_chain(tokens, self.block, self.ns)
+        self.stats.lookups += 1
+        self.stats.prompt_tokens += len(tokens)
+        found = None
+        # At least the last prompt token is fed (SequenceState.restore): a snapshot at a prompt's end serves
+        # the prompts that extend it.
+        for p in sorted((p for p in self._lengths if p < len(tokens)), reverse=True):
+            name = snapshot_key(p, chain, tokens, self.block)
+            if not self.store.has(self.key(name)):
+                continue
+            m = p // self.block
+            needed = [self.key(f"b-{chain[b].hex()}") for b in range(1, m + 1)]
+            if need_head:
+                needed += [self.key(f"h-{chain[b].hex()}") for b in range(1, m + 1)]
+                needed.append(self.key("sh" + name[1:]))
+            if all(self.store.has(k) for k in needed):
+                found = (p, name)
+                break
+        edges = snapshot_edges(tokens, self.starts, self.stride, self.min_snapshot)
+        return PrefillPlan(self, tokens, chain, found, edges, need_head)
+
+
+@dataclass
+class _Edge:
+    p: int
+    gdn: list[tuple[mx.array, mx.array]]
+    hidden: mx.array  # [1, 1, H] at position p - 1
+
+
+@dataclass
+class PrefillPlan:
+    """One prompt's use of the cache: what to restore, where its prefill stops, what it captures. At least
+    the prompt's last token is always prefilled (its logits give the first token)."""
+
+    cache: PrefixCache
+    tokens: list[int]
+    chain: list[bytes]
+    found: tuple[int, str] | None
+    edges: list[int]
+    need_head: bool
+    restored: int = 0
+    _taken: list[_Edge] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
+
+    def restore(self, caches: list[Any], head_cache: KVCache | None) -> mx.array | None:
+        """Fill fresh ``caches`` (and the head's, when the run drafts) with the found prefix; returns the
+        hidden of its last position [1, 1, H] (None: nothing restored, prefill from 0)."""
+        if self.found is None:
+            return None
+        p, name = self.found
+        c = self.cache
+        m = p // c.block
+        snapshot = c.store.get(c.key(name))
+        blocks = [c.store.get(c.key(f"b-{self.chain[b].hex()}")) for b in range(1, m + 1)]
+        heads: list[Arrays | None] = []
+        head_tail = None
+        if self.need_head and head_cache is not None:
+            heads = [c.store.get(c.key(f"h-{self.chain[b].hex()}")) for b in range(1, m + 1)]
+            head_tail = c.store.get(c.key("sh" + name[1:]))
+            if head_tail is None or any(h is None for h in heads):
+                return None
+        if snapshot is None or any(b is None for b in blocks):
+            return None  # evicted (or unreadable) since the lookup: prefill it all
+        for i, layer_cache in enumerate(caches):
+            if isinstance(layer_cache, RollbackArraysCache):
+                layer_cache[0] = snapshot[f"c{i}"]
+                layer_cache[1] = snapshot[f"r{i}"]
+            else:
+                parts = [(blk[f"k{i}"], blk[f"v{i}"]) for blk in blocks if blk is not None]
+                if f"k{i}" in snapshot:
+                    parts.append((snapshot[f"k{i}"], snapshot[f"v{i}"]))
+                _set_kv(layer_cache, parts, p)
+        if head_tail is not None and head_cache is not None and p > 1:
+            parts = [(h["k"], h["v"]) for h in heads if h is not None]
+            if "k" in head_tail:
+                parts.append((head_tail["k"], head_tail["v"]))
+            _set_kv(head_cache, parts, p - 1)
+        self.restored = p
+        c.stats.hits += 1
+        c.stats.cached_tokens += p
+        return snapshot["hidden"]
+
+    def spans(self, start: int, n: int, chunk: int) -> Iterator[tuple[int, int]]:
+        """The prefill's chunks from ``start`` (the restored prefix) to ``n``, also ending at every snapshot
+        edge."""
+        stops = [p for p in self.edges if p > start]
+        while start < n:
+            end = min(start + chunk, n)
+            while stops and stops[0] <= start:
+                stops.pop(0)
+            if stops and stops[0] < end:
+                end = stops[0]
+            yield start, end
+            start = end
+
+    def reached(self, end: int, caches: list[Any], hidden: mx.array) -> None:
+        """A prefill chunk ended at ``end`` with its hiddens ``hidden`` [1, T, H]: keep the GatedDeltaNet
+        states there when ``end`` is a snapshot edge not held yet (references: the caches move on to new
+        arrays, these stay)."""
+        if end not in self.edges:
+            return
+        name = snapshot_key(end, self.chain, self.tokens, self.cache.block)
+        if self.cache.store.has(self.cache.key(name)) and not self.need_head:
+            return
+        gdn = [(c[0], c[1]) if isinstance(c, RollbackArraysCache) else None for c in caches]
+        self._taken.append(_Edge(end, gdn, hidden[:, -1:]))  # type: ignore[arg-type]
+
+    def capture(self, caches: list[Any], head_cache: KVCache | None) -> int:
+        """After the prefill (the caches hold the prompt, the head its n - 1 entries when it drafts): store
+        the prompt's blocks and the snapshots taken that are not held yet. Returns the bytes stored."""
+        c = self.cache
+        store = c.store
+        block = c.block
+        n = self.n
+        head = head_cache if self.need_head and head_cache is not None and head_cache.offset == n - 1 else None
+        entries: list[tuple[str, Arrays]] = []
+        attention = [i for i, lc in enumerate(caches) if not isinstance(lc, RollbackArraysCache)]
+        for b in range(1, n // block + 1):
+            key = c.key(f"b-{self.chain[b].hex()}")
+            lo, hi = (b - 1) * block, b * block
+            if not store.has(key):
+                entries.append((key, _kv_slice(caches, attention, lo, hi)))
+            hkey = c.key(f"h-{self.chain[b].hex()}")
+            if head is not None and not store.has(hkey):
+                entries.append((hkey, _head_slice(head, max(lo - 1, 0), hi - 1)))
+        for edge in self._taken:
+            p = edge.p
+            name = snapshot_key(p, self.chain, self.tokens, block)
+            lo = (p // block) * block
+            key = c.key(name)
+            if not store.has(key):
+                arrays: Arrays = {"hidden": _copy(edge.hidden)}
+                for i, gdn in enumerate(edge.gdn):
+                    if gdn is not None:
+                        arrays[f"c{i}"], arrays[f"r{i}"] = _copy(gdn[0]), _copy(gdn[1])
+                if p > lo:
+                    arrays.update(_kv_slice(caches, attention, lo, p))
+                entries.append((key, arrays))
+            hkey = c.key("sh" + name[1:])
+            if head is not None and not store.has(hkey):
+                entries.append((hkey, _head_slice(head, max(lo - 1, 0), p - 1) if p - 1 > max(lo - 1, 0) else {}))
+            c._lengths.add(p)
+        self._taken = []
+        if not entries:
+            return 0
+        mx.eval([a for _, arrays in entries for a in arrays.values()])
+        total = 0
+        for key, arrays in entries:
+            store.put(key, arrays)
+            total += nbytes(arrays)
+        c.stats.captured_bytes += total
+        return total
+
+
+def _copy(x: mx.array) -> mx.array:
+    # A slice of a cache buffer would keep the whole buffer alive; this is a copy of the slice.
+    return x * 1  # (exact: an elementwise op writes a fresh buffer)
+
+
+def _kv_slice(caches: list[Any], attention: list[int], lo: int, hi: int) -> Arrays:
+    out: Arrays = {}
+    for i in attention:
+        out[f"k{i}"] = _copy(caches[i].keys[..., lo:hi, :])
+        out[f"v{i}"] = _copy(caches[i].values[..., lo:hi, :])
+    return out
+
+
+def _head_slice(head: KVCache, lo: int, hi: int) -> Arrays:
+    return {"k": _copy(head.keys[..., lo:hi, :]), "v": _copy(head.values[..., lo:hi, :])}
+
+
+def _set_kv(cache: KVCache, parts: list[tuple[mx.array, mx.array]], length: int) -> None:
+    if not parts:
+        return
+    keys = mx.concatenate([k for k, _ in parts], axis=2) if len(parts) > 1 else parts[0][0]
+    values = mx.concatenate([v for _, v in parts], axis=2) if len(parts) > 1 else parts[0][1]
+    if keys.shape[2] != length:
+        raise ValueError(f"restored {keys.shape[2]} positions, expected {length}")
+    cache.keys, cache.values, cache.offset = keys, values, length
+
+
+# -- the generation loop's hook ---------------------------------------------------------------------------
+
+
+class NoPlan:
+    """No prefix cache: prefill everything in regular chunks, capture nothing."""
+
+    restored = 0
+
+    def spans(self, start: int, n: int, chunk: int) -> Iterator[tuple[int, int]]:
+        for begin in range(start, n, chunk):
+            yield begin, min(begin + chunk, n)
+
+    def reached(self, end: int, caches: list[Any], hidden: mx.array) -> None:
+        pass
+
+    def capture(self, caches: list[Any], head_cache: KVCache | None) -> int:
+        return 0
+
+
+def plan_for(cache: PrefixCache | None, tokens: Sequence[int], need_head: bool, stages: int) -> PrefillPlan | NoPlan:
+    """The plan a run's prefill follows (pipelines keep no prefix cache yet: each stage would restore its own
+    layers, and the leader settle on the prefix all of them hold)."""
+    if cache is None or stages != 1:
+        return NoPlan()
+    return cache.plan(tokens, need_head)
+
+
+def restore_prefix(cache: PrefixCache | None, state: Any) -> None:
+    """``Engine.start``'s last step: look the prompt up and restore the deepest cached prefix into the new
+    sequence state through its seam (``SequenceState.restore``); the plan stays with the state for its
+    prefill's chunk edges and the capture after its first token."""
+    if state.output.finish is not None:  # cancelled during the engine's warm-up
+        return
+    plan = plan_for(cache, state.request.prompt_tokens, state.track_head, state.forward.stages)
+    state._prefix = plan
+    if isinstance(plan, NoPlan) or plan.found is None:
+        return
+    caches = state.forward.new_cache()
+    head_cache = KVCache() if state.track_head else None
+    hidden = plan.restore(caches, head_cache)
+    if hidden is None:
+        return
+    if head_cache is None:
+        state.restore(plan.restored, caches)
+    else:
+        state.restore(plan.restored, caches, head_cache, hidden)

@@ -1,0 +1,56 @@
+"""A model made ready to serve, the one way both model services do it.
+
+Two services stand behind the HTTP API. ``exo.api.local.LocalModelService`` runs models in the API's own
+process (notebooks, benchmarks, the API's tests); ``exo.cluster.orchestration.ClusterModelService`` (``exo
+serve``) runs each model in a runner process (``exo.runner.main``) that placement puts on some node of the
+cluster. They share what runs a model: this module (the checkpoint and its engine configuration from a
+resolved model and the node's settings; the engine warmed up), the device queue (``exo.runner.device.Device``:
+FIFO, batching, cancellation, the KV budget), the model listing (``exo.cluster.listing``) and the service
+interface and its errors (``exo.cluster.service``).
+
+What stays apart is where a model runs, and that is what each of them is: the local service holds engines
+in its process, on one device thread, and evicts the least recently used engine; the cluster service places
+runner processes over nodes, supervises and restarts them, relays their tokens over gRPC, splits a model into
+pipeline stages, and stops the least recently used on-demand runner. One could not be the other: the local
+service as a cluster of one would start a daemon and a runner process for every test (seconds each, and no
+in-process hooks for the tests that inject failures at a decode step), and the cluster without runner
+processes would lose what they give it (a crash or an out-of-memory kill takes one model down, not the node;
+a stage's process joins its pipeline's ring).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from exo.engine import Engine, EngineConfig, ResolvedModel, engine_config, load_checkpoint
+from exo.engine.loader import LoadedModel
+from exo.settings import Settings
+
+
+def load_for_serving(
+    resolved: ResolvedModel, settings: Settings, *, layers: tuple[int, int] | None = None, **config: Any
+) -> tuple[LoadedModel, EngineConfig]:
+    """The checkpoint (its ``layers`` only, for a pipeline stage) and the engine configuration the node's
+    settings and the model's card give it (``config``: fields to override, e.g. the node's MTP switch)."""
+    engine_settings = engine_config(resolved, settings, **config)
+    loaded = load_checkpoint(
+        resolved.path, model_id=resolved.model_id, head_source_repo=resolved.head_source_repo, layers=layers
+    )
+    return loaded, engine_settings
+
+
+def ready_engine(loaded: LoadedModel, config: EngineConfig, settings: Settings | None = None) -> Engine:
+    """An engine for a whole model, its costs measured for adaptive depth once, here, not in a request; with
+    ``settings``, its prefix cache as they say (``exo.runner.prefix_store``; set after the warm-up, which
+    is no request of a user's)."""
+    engine = Engine(loaded, config)
+    engine.warmup()
+    if settings is not None:
+        from .prefix_store import open_prefix_cache
+
+        try:
+            engine.prefix_cache = open_prefix_cache(loaded, settings)
+        except Exception:  # noqa: BLE001 - the model serves without one
+            logging.getLogger(__name__).exception("prefix cache: not available")
+    return engine

@@ -1,0 +1,58 @@
+"""The prefix cache through the HTTP API: OpenAI's ``usage.prompt_tokens_details.cached_tokens`` on chat and
+completions (streaming included), the same reply as a cold engine, and the cache's figures on /metrics."""
+
+from __future__ import annotations
+
+SYSTEM = "You are a careful coding agent. You may call read(path), grep(pattern) and run(cmd). " * 3
+TURN1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Find the bug in parser.py"}]
+
+
+def _ids(reference, messages) -> list[int]:
+    return list(reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def test_cached_tokens_on_chat_and_completions(make_server, model_dir, reference):
+    server = make_server(model_dir, env={"EXO_PREFIX_CACHE_BLOCK_TOKENS": "16"})
+    client = server.openai()
+    first = client.chat.completions.create(model=server.model, messages=TURN1, temperature=0, max_tokens=8)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    turn2 = TURN1 + [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "Tool result: line 12 divides by zero"}]
+    cold = reference(_ids(reference, turn2), max_tokens=8)
+    second = client.chat.completions.create(model=server.model, messages=turn2, temperature=0, max_tokens=8,
+                                            extra_body={"prompt_cache_key": "session-1"})  # Codex sends one
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    p1 = _ids(reference, TURN1)
+    header = len(p1) - len(reference.tokenizer.encode("<|im_start|>assistant\n"))
+    assert p1[header] == p1[0] and cached == header  # restored at turn 1's generation header
+    assert second.choices[0].message.content == cold.text
+    assert second.usage.model_extra["native_mtp"]["cached_tokens"] == cached
+
+    # Streaming: the usage chunk carries it.
+    stream = client.chat.completions.create(model=server.model, messages=turn2, temperature=0, max_tokens=8,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    p2 = _ids(reference, turn2)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == max(i for i, t in enumerate(p2) if t == p2[0])
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == cold.text
+
+    # Completions share the cache (the same tokens are the same prefix).
+    text = reference.tokenizer.decode(p1)
+    whole = client.completions.create(model=server.model, prompt=text, temperature=0, max_tokens=4)
+    assert whole.usage.prompt_tokens_details.cached_tokens > 0
+
+    assert server.metric("exo_prefix_cache_hits_total", model=server.model) >= 3
+    assert server.metric("exo_prefix_cache_cached_tokens_total", model=server.model) >= 2 * header
+    assert 0 < server.metric("exo_prefix_cache_token_hit_rate", model=server.model) < 1
+    assert server.metric("exo_prefix_cache_bytes", model=server.model, tier="ram") > 0
+    # The disk tier under EXO_HOME gets the same entries (written off the device thread).
+    server.wait_for(lambda: len(list((server.home / "prefix-cache").rglob("*.safetensors"))) > 3)
+
+
+def test_cache_off_reports_zero(make_server, model_dir):
+    server = make_server(model_dir, env={"EXO_PREFIX_CACHE_ENABLED": "0"})
+    client = server.openai()
+    for _ in range(2):
+        response = client.chat.completions.create(model=server.model, messages=TURN1, temperature=0, max_tokens=4)
+        assert response.usage.prompt_tokens_details.cached_tokens == 0
+    assert server.metric("exo_prefix_cache_lookups_total", model=server.model) == 0

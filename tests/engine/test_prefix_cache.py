@@ -1,0 +1,268 @@
+"""The prefix cache (engine/prefix_cache.py) on genuine tiny checkpoints: a request whose prompt starts like
+an earlier one's restores that prefix and prefills only the rest, and its reply (tokens, logprobs, native
+MTP's drafts and acceptances) equals a cold engine's at temperature 0, for hybrid dense, MoE and
+Qwen3-Next models, alone and joining a batch."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, load_checkpoint
+from exo.engine import prefix_cache as pc
+from exo.engine.batch import BatchDecoder
+from exo.engine.constraints import ConstraintSpec
+
+BLOCK = 16
+CHUNK = 24  # prefill chunks that do not line up with the blocks
+ARCHS = ["qwen3_5", "qwen3_5_moe", "qwen3_6_moe", "qwen3_next"]
+SYSTEM = "You are a coding agent. Tools: read(path), write(path, text), run(cmd). " * 3
+
+
+@functools.cache
+def _loaded(path):
+    loaded = load_checkpoint(path)
+    return dataclasses.replace(loaded, eos_token_ids=frozenset())  # every reply runs its whole budget
+
+
+def _engine(path, cached: bool, budget: int = 1 << 30, stride: int = 0) -> Engine:
+    loaded = _loaded(path)
+    engine = Engine(loaded, EngineConfig(prefill_chunk=CHUNK))
+    if cached:
+        engine.prefix_cache = pc.PrefixCache(
+            pc.MemoryStore(budget), pc.namespace(loaded), block_tokens=BLOCK, stride_tokens=stride,
+            message_starts=pc.message_starts(loaded.tokenizer), min_snapshot_tokens=8,
+        )
+    return engine
+
+
+def _prompt(engine: Engine, turns: list[tuple[str, str]], system: str = SYSTEM) -> list[int]:
+    messages = [{"role": "system", "content": system}]
+    for role, text in turns:
+        messages.append({"role": role, "content": text})
+    return list(engine.loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+TURN1 = [("user", "List the files in src and read main.py")]
+TURN2 = TURN1 + [("assistant", "I will call read(main.py)."), ("user", "Tool result: def main(): return 42\n" * 4)]
+OTHER = [("user", "Write a test for the parser module, please")]
+
+
+def _complete(engine: Engine, prompt: list[int], **fields):
+    request = GenerationRequest(prompt, max_tokens=fields.pop("max_tokens", 12),
+                                sampling=SamplingParams(temperature=0.0), **fields)
+    return engine.complete(request)
+
+
+def _same(hit, cold) -> None:
+    assert hit.token_ids == cold.token_ids
+    assert hit.text == cold.text
+    for name in ("rounds", "drafted_tokens", "accepted_tokens", "k_histogram", "per_position_acceptance"):
+        assert getattr(hit.stats, name) == getattr(cold.stats, name), name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mtp", [dict(native_mtp="off"), dict(mtp_k=1), dict(mtp_k=2), dict(mtp_k=3)])
+def test_next_turn_and_new_conversation_equal_cold(checkpoint, arch, mtp):
+    path = checkpoint(arch, dtype="float32")
+    warm, cold = _engine(path, cached=True), _engine(path, cached=False)
+    p1, p2, p3 = _prompt(warm, TURN1), _prompt(warm, TURN2), _prompt(warm, OTHER)
+    first = _complete(warm, p1, **mtp)
+    assert first.stats.cached_tokens == 0
+    _same(first, _complete(cold, p1, **mtp))
+    # The next turn resends turn 1's prompt: restored at its generation header (the last message start).
+    second = _complete(warm, p2, **mtp)
+    starts = [i for i, t in enumerate(p1) if t in warm.prefix_cache.starts]
+    assert p2[: len(p1)] == p1
+    assert second.stats.cached_tokens == starts[-1]
+    _same(second, _complete(cold, p2, **mtp))
+    # The same prompt again: restored up to its own header.
+    again = _complete(warm, p2, **mtp)
+    assert again.stats.cached_tokens == max(i for i, t in enumerate(p2) if t in warm.prefix_cache.starts)
+    _same(again, second)
+    # A raw prompt (no chat) again: restored up to its last token.
+    raw = [t for t in p2 if t not in warm.prefix_cache.starts]
+    _complete(warm, raw, **mtp)
+    whole = _complete(warm, raw, **mtp)
+    assert whole.stats.cached_tokens == len(raw) - 1
+    _same(whole, _complete(cold, raw, **mtp))
+    # A new conversation with the same system prompt: restored at the end of the system part.
+    other = _complete(warm, p3, **mtp)
+    assert other.stats.cached_tokens == starts[1]
+    _same(other, _complete(cold, p3, **mtp))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_adaptive_depth_after_a_hit_equals_cold(checkpoint, arch):
+    path = checkpoint(arch, dtype="float32")
+    warm, cold = _engine(path, cached=True), _engine(path, cached=False)
+    p1, p2 = _prompt(warm, TURN1), _prompt(warm, TURN2)
+    _complete(warm, p1, max_tokens=20)
+    hit = _complete(warm, p2, max_tokens=20)
+    assert hit.stats.cached_tokens > 0
+    assert hit.token_ids == _complete(cold, p2, max_tokens=20).token_ids
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_restored_caches_equal_a_cold_prefill(checkpoint, arch):
+    """Restore + the rest prefilled leaves every layer's cache (attention KV, conv window, recurrent state)
+    and the head's cache exactly as a cold prefill of the whole prompt, and the next logits equal."""
+    path = checkpoint(arch, dtype="float32")
+    warm, cold = _engine(path, cached=True, stride=BLOCK * 2), _engine(path, cached=False)
+    p1, p2 = _prompt(warm, TURN1), _prompt(warm, TURN2)
+    _complete(warm, p1, mtp_k=1)
+
+    def prefilled(engine):
+        run = engine.start(GenerationRequest(p2, max_tokens=4, mtp_k=1))
+        token, _ = run._prefill()
+        run._flush_head()
+        return run, token
+
+    hit, hit_token = prefilled(warm)
+    ref, ref_token = prefilled(cold)
+    assert hit.prefilled > BLOCK
+    assert hit_token.item() == ref_token.item()
+    for a, b in [*zip(hit.cache, ref.cache, strict=True), (hit.head_cache, ref.head_cache)]:
+        xs, ys = _arrays(a), _arrays(b)
+        assert len(xs) == len(ys) > 0
+        for x, y in zip(xs, ys, strict=True):
+            assert x.shape == y.shape and mx.array_equal(x, y).item()
+
+
+def _arrays(cache) -> list[mx.array]:
+    if isinstance(cache, KVCache):
+        assert cache.offset > 0
+        return list(cache.keys_and_values())
+    return [cache[0], cache[1]]
+
+
+def test_stride_snapshots_serve_a_prompt_that_diverges_mid_message(checkpoint):
+    path = checkpoint("qwen3_5", dtype="float32")
+    warm, cold = _engine(path, cached=True, stride=BLOCK * 2), _engine(path, cached=False)
+    long_text = "alpha beta gamma delta epsilon " * 12
+    p1 = _prompt(warm, [("user", long_text + "first ending")])
+    p2 = _prompt(warm, [("user", long_text + "a different ending")])
+    _complete(warm, p1, mtp_k=2)
+    hit = _complete(warm, p2, mtp_k=2)
+    diverge = next(i for i, (a, b) in enumerate(zip(p1, p2, strict=False)) if a != b)
+    assert hit.stats.cached_tokens == (diverge // (BLOCK * 2)) * (BLOCK * 2)
+    assert hit.stats.cached_tokens > len(_prompt(warm, []))  # past the system part
+    _same(hit, _complete(cold, p2, mtp_k=2))
+
+
+def test_logprobs_and_penalties_after_a_hit_equal_cold(checkpoint):
+    path = checkpoint("qwen3_5_moe", dtype="float32")
+    warm, cold = _engine(path, cached=True), _engine(path, cached=False)
+    p1, p2 = _prompt(warm, TURN1), _prompt(warm, TURN2)
+    _complete(warm, p1)
+    fields = dict(logprobs=3, native_mtp="off")
+    sampling = SamplingParams(temperature=0.0, repetition_penalty=1.3)
+    hit = warm.complete(GenerationRequest(p2, max_tokens=10, sampling=sampling, **fields))
+    ref = cold.complete(GenerationRequest(p2, max_tokens=10, sampling=sampling, **fields))
+    assert hit.stats.cached_tokens > 0
+    assert hit.token_ids == ref.token_ids
+    assert hit.logprobs == ref.logprobs
+
+
+@pytest.mark.parametrize("mtp", [dict(native_mtp="off"), dict(mtp_k=2)])
+def test_a_constrained_request_after_a_hit_equals_cold(checkpoint, mtp):
+    path = checkpoint("qwen3_next", dtype="float32")
+    warm, cold = _engine(path, cached=True), _engine(path, cached=False)
+    p1, p2 = _prompt(warm, TURN1), _prompt(warm, TURN2)
+    _complete(warm, p1)
+    spec = ConstraintSpec(json_schema={"type": "object", "properties": {"path": {"type": "string", "maxLength": 8}},
+                                       "required": ["path"]})
+    outputs = []
+    for engine in (warm, cold):
+        grammar = engine.grammar(spec, "json")
+        outputs.append(engine.complete(GenerationRequest(p2, max_tokens=24, sampling=SamplingParams(temperature=0.0),
+                                                         constraint=grammar, logprobs=2, **mtp)))
+    hit, ref = outputs
+    assert hit.stats.cached_tokens > 0 and ref.stats.cached_tokens == 0
+    assert hit.token_ids == ref.token_ids and hit.logprobs == ref.logprobs
+    assert "path" in json.JSONDecoder().raw_decode(hit.text)[0]  # (no EOS in these fixtures: text may follow)
+    _same(hit, ref)
+
+
+def test_seeded_sampling_after_a_hit_equals_cold(checkpoint):
+    path = checkpoint("qwen3_5", dtype="float32")
+    warm, cold = _engine(path, cached=True), _engine(path, cached=False)
+    p1, p2 = _prompt(warm, TURN1), _prompt(warm, TURN2)
+    _complete(warm, p1)
+    sampling = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+    hit = warm.complete(GenerationRequest(p2, max_tokens=16, sampling=sampling, mtp_k=2))
+    ref = cold.complete(GenerationRequest(p2, max_tokens=16, sampling=sampling, mtp_k=2))
+    assert hit.stats.cached_tokens > 0
+    assert hit.token_ids == ref.token_ids
+
+
+@pytest.mark.parametrize("mtp_k", [0, 2])
+def test_a_hit_joining_a_batch_equals_solo_cold(checkpoint, mtp_k):
+    path = checkpoint("qwen3_5", dtype="float32")
+    warm, cold = _engine(path, cached=True), _engine(path, cached=False)
+    p1, p2, p3 = _prompt(warm, TURN1), _prompt(warm, TURN2), _prompt(warm, OTHER)
+    _complete(warm, p1)
+    batch = BatchDecoder(warm)
+    tokens: dict[int, list[int]] = {}
+    runs = {}
+    for i, prompt in enumerate((p2, p3)):
+        run = warm.start(GenerationRequest(prompt, max_tokens=12, sampling=SamplingParams(temperature=0.0),
+                                           mtp_k=mtp_k))
+        tokens[i] = [t for chunk in run.begin() if chunk is not None for t in chunk.token_ids]
+        runs[id(run)] = i
+        assert run.prefilled > 0
+        batch.add(run)
+    stats = {}
+    while len(batch):
+        for run, chunks in batch.step():
+            for chunk in chunks:
+                tokens[runs[id(run)]].extend(chunk.token_ids)
+                if chunk.stats is not None:
+                    stats[runs[id(run)]] = chunk.stats
+    for i, prompt in enumerate((p2, p3)):
+        assert tokens[i] == _complete(cold, prompt, mtp_k=mtp_k).token_ids
+        assert stats[i].cached_tokens > 0
+
+
+def test_a_budget_too_small_evicts_and_stays_exact(checkpoint):
+    path = checkpoint("qwen3_5", dtype="float32")
+    warm, cold = _engine(path, cached=True, budget=20_000), _engine(path, cached=False)
+    store = warm.prefix_cache.store
+    p1, p2 = _prompt(warm, TURN1), _prompt(warm, TURN2)
+    _complete(warm, p1, mtp_k=1)
+    assert 0 < store.bytes <= 20_000 and store.evictions > 0
+    hit = _complete(warm, p2, mtp_k=1)
+    _same(hit, _complete(cold, p2, mtp_k=1))
+
+
+def test_keys_depend_on_every_token_and_the_namespace():
+    tokens = list(range(40))
+    a = pc.block_chain(tokens, 8, "model-a")
+    assert len(a) == 6 and len(set(a)) == 6
+    b = pc.block_chain(tokens[:20] + [99] + tokens[21:], 8, "model-a")
+    assert a[:3] == b[:3] and all(x != y for x, y in zip(a[3:], b[3:], strict=True))
+    assert pc.block_chain(tokens, 8, "model-b")[1] != a[1]
+    assert pc.snapshot_key(13, a, tokens, 8) != pc.snapshot_key(13, a, tokens[:12] + [7] + tokens[13:], 8)
+
+
+def test_pipelines_keep_no_prefix_cache_yet():
+    cache = pc.PrefixCache(pc.MemoryStore(1 << 20), "ns", block_tokens=4)
+    assert isinstance(pc.plan_for(cache, list(range(20)), False, stages=2), pc.NoPlan)
+    assert isinstance(pc.plan_for(cache, list(range(20)), False, stages=1), pc.PrefillPlan)
+    assert isinstance(pc.plan_for(None, list(range(20)), False, stages=1), pc.NoPlan)
+
+
+def test_snapshot_edges():
+    starts = frozenset({1})
+    tokens = [1, 5, 5, 5, 1, 6, 6, 1, 7] + [8] * 30
+    assert pc.snapshot_edges(tokens, starts, 16, 2) == [4, 7, 16, 32, 38]  # 32 tokens after the last start
+    assert pc.snapshot_edges(tokens[:12], starts, 0, 2) == [4, 7]  # a generation header: no end snapshot
+    assert pc.snapshot_edges(tokens, frozenset(), 0, 2) == [38]
+    plan = pc.PrefillPlan(None, tokens, [], None, [4, 7, 16, 32, 38], False)  # type: ignore[arg-type]
+    assert list(plan.spans(0, 39, 10)) == [(0, 4), (4, 7), (7, 16), (16, 26), (26, 32), (32, 38), (38, 39)]
+    assert list(plan.spans(7, 39, 100)) == [(7, 16), (16, 32), (32, 38), (38, 39)]
