@@ -126,7 +126,23 @@ def test_a_tool_round_trip(client):
 def test_count_tokens_is_the_prompt_the_model_reads(client):
     counted = client.messages.count_tokens(model="exo-demo", messages=ASK, system="Be brief.")
     message = client.messages.create(model="exo-demo", max_tokens=1, messages=ASK, system="Be brief.")
-    assert counted.input_tokens == message.usage.input_tokens > 0
+    assert counted.input_tokens == message.usage.input_tokens + message.usage.cache_read_input_tokens > 0
+
+
+def test_count_tokens_queues_no_generation(client, demo):
+    # Only the chat template and the tokenizer: no job on the device (none queued behind running ones),
+    # so the device records one job of this prompt, the create's.
+    jobs = len(demo.service.history)
+    counted = client.messages.count_tokens(model="exo-demo", messages=ASK, tools=TOOLS)
+    message = client.messages.create(model="exo-demo", max_tokens=1, messages=ASK, tools=TOOLS)
+    # input_tokens are the ones read anew (Anthropic's): with a prefix cache, the rest were read from it
+    assert counted.input_tokens == message.usage.input_tokens + message.usage.cache_read_input_tokens > 0
+    records = lambda: [(job.finish_reason, job.prompt_tokens) for job in list(demo.service.history)[jobs:]]  # noqa: E731
+    with demo.http() as http:  # a last job, of another length: once it is recorded, the ones before it are
+        last = http.post("/v1/completions", json={"prompt": "The", "max_tokens": 2}).json()["usage"]["prompt_tokens"]
+    demo.wait_for(lambda: ("length", last) in records())
+    ours = [record for record in records() if record[1] in (0, counted.input_tokens)]  # 0: cancelled unstarted
+    assert ours == [("length", counted.input_tokens)]
 
 
 def test_errors_are_typed(client, demo):
@@ -219,3 +235,26 @@ def test_the_stream_pings_while_the_prompt_is_read(demo, monkeypatch):
     before = kinds[: kinds.index("content_block_start")]
     assert before[0] == "message_start" and before.count("ping") >= 4, kinds
     assert kinds[-1] == "message_stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_matched_stop_sequence_is_the_stop_reason(client, stream):
+    # The answer without stops, then the same answer cut at a piece of its middle: the piece is named.
+    request = dict(model="exo-demo", max_tokens=24, extra_body={"temperature": 0},
+                   messages=[{"role": "user", "content": "Write a long story"}])
+    text = client.messages.create(**request).content[0].text
+    assert len(text) > 12, text
+    piece = text[6:10]
+    assert piece.strip(), text
+    stops = ["never in the answer \x01", piece]
+    if stream:
+        with client.messages.stream(**request, stop_sequences=stops) as s:
+            cut = "".join(s.text_stream)
+            message = s.get_final_message()
+    else:
+        message = client.messages.create(**request, stop_sequences=stops)
+        cut = message.content[0].text if message.content else ""
+    assert cut == text[: text.index(piece)]
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == piece
+    no_match = client.messages.create(**request, stop_sequences=["never in the answer \x01"])
+    assert no_match.stop_reason == "max_tokens" and no_match.stop_sequence is None

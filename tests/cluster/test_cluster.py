@@ -107,6 +107,23 @@ def test_chat_through_any_node_is_served_by_the_placed_instance(trio, placed):
         assert not [i for i in d.cluster()["instances"] if i["node"] == d.node_id]
 
 
+def test_anthropic_stop_sequence_and_count_tokens_through_another_node(trio, placed):
+    """The stop string that ended the answer crosses the runner's wire and the owner's (Anthropic's
+    stop_sequence), and count_tokens is the prompt the owner's model reads."""
+    a, b, _ = trio
+    ask = {"model": MODEL, "max_tokens": 24, "temperature": 0,
+           "messages": [{"role": "user", "content": "Write a function that adds two numbers."}]}
+    text = b.post("/v1/messages", ask).json()["content"][0]["text"]
+    piece = text[6:10]
+    assert len(text) > 12 and piece.strip(), text
+    stopped = a.post("/v1/messages", {**ask, "stop_sequences": ["never in the answer \x01", piece]}).json()
+    assert (stopped["stop_reason"], stopped["stop_sequence"]) == ("stop_sequence", piece), stopped
+    assert "".join(block["text"] for block in stopped["content"]) == text[: text.index(piece)]
+    counted = a.post("/v1/messages/count_tokens", {"model": MODEL, "messages": ask["messages"]})
+    usage = stopped["usage"]
+    assert counted.json()["input_tokens"] == usage["input_tokens"] + usage["cache_read_input_tokens"] > 0
+
+
 def test_streaming_through_another_node_carries_the_stats(trio, placed):
     a, _, _ = trio
     client = openai.OpenAI(base_url=a.url + "/v1", api_key="-", max_retries=0, timeout=120)

@@ -68,3 +68,16 @@ def test_a_generate_request_carries_its_parameters_to_the_owner(ignore_eos):
     message = generate_request("m", "", Prompt(text="hello"), params, timeout_s=10.0)
     prompt, back = request_from_pb(type(message).FromString(message.SerializeToString()))
     assert prompt.text == "hello" and back == params
+
+
+@pytest.mark.parametrize("stop_sequence", [None, "\n\nUser:"])
+def test_a_final_chunk_carries_the_stop_string_that_matched(stop_sequence):
+    """The runner's last chunk tells the API node which stop string ended the output (Anthropic's
+    stop_sequence), and none when none did."""
+    from exo.engine.generate import GenerationChunk
+    from exo.wire.convert import chunk_from_pb, chunk_to_pb
+
+    chunk = GenerationChunk("done", [1, 2], "stop", stop_sequence=stop_sequence)
+    message = chunk_to_pb(chunk)
+    back = chunk_from_pb(type(message).FromString(message.SerializeToString()))
+    assert back.stop_sequence == stop_sequence and back.finish_reason == "stop" and back.text == "done"

@@ -20,8 +20,8 @@ from typing import Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
-from .completions import ChatGeneration, Part, Reasoning, cached_tokens
-from .config import METRICS
+from .completions import ChatGeneration, Part, Reasoning, cached_tokens, prepare_chat
+from .config import CONFIG, METRICS, SERVICE
 from .dialects import anthropic_error_type, arguments_object, hoist_system, invalid, unsupported
 from .errors import api_error_from
 from .parsing import read_json, validate
@@ -234,9 +234,18 @@ async def count_tokens(request: web.Request) -> web.Response:
     body = chat_body(req)
     body.pop("tool_choice", None)  # a forced call's grammar needs a budget; counting needs none
     body.pop("parallel_tool_calls", None)
-    # The prompt as the one path renders and tokenizes it (on the node that serves the model); the
-    # generation is cancelled as soon as it is counted.
-    async with ChatGeneration(request, body, time.monotonic(), budget=1) as generation:
+    arrived = time.monotonic()
+    count = getattr(request.app[SERVICE], "count_prompt_tokens", None)
+    if count is not None:
+        # Where the model's tokenizer is in this process (a local service): the chat template and the
+        # tokenizer only, nothing queued behind running generations.
+        req_chat, prompt, _, _ = prepare_chat(body)
+        config = request.app[CONFIG]
+        model_id = await request.app[SERVICE].acquire(req_chat.model, min(config.load_timeout_s, config.request_timeout_s))
+        return web.json_response({"input_tokens": await count(model_id, prompt)})
+    # Elsewhere (a cluster node: the tokenizer is in the runner that owns the model) the prompt as the
+    # one path renders and tokenizes it there; the generation is cancelled as soon as it is counted.
+    async with ChatGeneration(request, body, arrived, budget=1) as generation:
         assert generation.started is not None
         return web.json_response({"input_tokens": generation.started.prompt_tokens})
 
@@ -324,6 +333,8 @@ class _Answer:
         return b""
 
     def stop_reason(self) -> str:
+        if self.generation.stop_sequence is not None:
+            return "stop_sequence"
         return _STOP_REASONS.get(self.generation.finish_reason or "stop", "end_turn")
 
     def message(self) -> dict[str, Any]:
@@ -336,7 +347,7 @@ class _Answer:
             "model": self.generation.model,
             "content": self.blocks,
             "stop_reason": self.stop_reason(),
-            "stop_sequence": None,
+            "stop_sequence": self.generation.stop_sequence,
             "usage": self._usage(output_tokens),
         }
 
@@ -348,7 +359,7 @@ class _Answer:
     def ending(self) -> bytes:
         out = self._close()
         usage = self._usage(self.generation.usage.get("completion_tokens", 0))
-        delta = {"type": "message_delta", "delta": {"stop_reason": self.stop_reason(), "stop_sequence": None},
+        delta = {"type": "message_delta", "delta": {"stop_reason": self.stop_reason(), "stop_sequence": self.generation.stop_sequence},
                  "usage": usage}
         return out + _sse("message_delta", delta) + _sse("message_stop", {"type": "message_stop"})
 

@@ -465,6 +465,7 @@ class ChatGeneration:
         self.reasoning_tokens = 0  # output tokens generated inside the think block
         self.model = ""
         self.finish_reason: str | None = None  # stop | length | tool_calls
+        self.stop_sequence: str | None = None  # the client's stop string that ended the answer, if one did
         self.usage: dict[str, Any] = {}  # chat completions' usage (prompt/completion tokens, native_mtp, ...)
         self.started: Started | None = None
         self._stream: BatchedStream | None = None
@@ -503,6 +504,8 @@ class ChatGeneration:
             if final:
                 assert self.started is not None
                 self.finish_reason = self.writer._finish_reason(chunk.finish_reason or "stop")
+                if self.finish_reason == "stop" and chunk.stop_sequence in self.req.stop_list():
+                    self.stop_sequence = chunk.stop_sequence  # not exo's own (a single call's closing tag)
                 if chunk.stats is not None:
                     self.usage = _usage(chunk.stats, self.started)
         return parts

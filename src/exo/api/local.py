@@ -36,6 +36,7 @@ from exo.cluster.service import (
     RequestTimeoutError,
 )
 from exo.engine import Engine, NativeMTPStats, ResolvedModel
+from exo.engine.prompt import tokenize
 from exo.engine.resolve import DEFAULT_MODEL, resolve_model
 from exo.metrics import Metrics
 from exo.runner.device import Device, GenerationJob, Started
@@ -315,6 +316,21 @@ class LocalModelService:
         return model_rows(self.catalog, rows, registered, self._mtp)
 
     # -- generation ----------------------------------------------------------------------------------------
+    async def count_prompt_tokens(self, model_id: str, prompt: Prompt) -> int:
+        """The prompt's tokens as a generation would read them (its chat template, its tokenizer), counted
+        here, off the device: nothing is queued (an acquired model's tokenizer is in this process)."""
+        with self._lock:
+            engine = self._engines.get(model_id)
+        if engine is None:  # evicted since acquire (another model loaded): load it again
+            await asyncio.wrap_future(self._load_future(self.resolve(model_id)))
+            with self._lock:
+                engine = self._engines[model_id]
+        tokens = await asyncio.to_thread(
+            tokenize, engine.loaded.tokenizer, messages=prompt.messages, text=prompt.text,
+            token_ids=prompt.token_ids, template_kwargs=prompt.template_kwargs, tools=prompt.tools,
+        )
+        return len(tokens)
+
     def generate(
         self, model_id: str, prompt: Prompt, params: GenerateParams, *, timeout_s: float, arrived: float
     ) -> GenerationStream:

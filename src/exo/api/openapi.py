@@ -9,6 +9,7 @@ from pydantic.json_schema import models_json_schema
 
 from exo import __version__
 
+from . import anthropic, ollama, responses
 from . import schemas as s
 
 _REF = "#/components/schemas/{model}"
@@ -129,9 +130,111 @@ def _cluster_paths() -> dict[str, Any]:
     }
 
 
+_ANTHROPIC_ERROR = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        },
+    },
+}
+_OLLAMA_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+_ANY_OBJECT = {"type": "object"}
+_SSE_ANY = {  # one server-sent event of a dialect's own stream (see docs/agents.md for the sequence)
+    "type": "object",
+    "required": ["data"],
+    "properties": {"event": {"type": "string"}, "data": {"type": "string", "contentMediaType": "application/json"}},
+}
+
+
+def _dialect_errors(error_schema: dict[str, Any], *codes: str) -> dict[str, Any]:
+    """Like ``_error_responses``, in a dialect's own error shape."""
+    out = {}
+    for code in codes:
+        response: dict[str, Any] = {"description": _ERRORS[code], "content": {"application/json": {"schema": error_schema}}}
+        if code in ("429", "503"):
+            response["headers"] = {"Retry-After": {"schema": {"type": "string"}, "description": "seconds"}}
+        out[code] = response
+    return out
+
+
+_GENERATION_ERRORS = ("400", "401", "404", "408", "413", "429", "500", "503")
+
+
+def _dialect_post(
+    request: type[BaseModel], summary: str, errors: dict[str, Any], stream_type: str | None, stream_schema: Any
+) -> dict[str, Any]:
+    content: dict[str, Any] = {"application/json": {"schema": _ANY_OBJECT}}
+    if stream_type:
+        content[stream_type] = {"schema": stream_schema}
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+            "responses": {"200": {"description": "the dialect's answer (see docs/agents.md)", "content": content}, **errors},
+        }
+    }
+
+
+def _dialect_paths() -> dict[str, Any]:
+    """The Anthropic Messages, OpenAI Responses and Ollama endpoints (translation layers over chat
+    completions; their bodies are documented in docs/agents.md)."""
+    anthropic_errors = _dialect_errors(_ANTHROPIC_ERROR, *_GENERATION_ERRORS)
+    ollama_errors = _dialect_errors(_OLLAMA_ERROR, *_GENERATION_ERRORS)
+    openai_errors = _error_responses(*_GENERATION_ERRORS)
+    id_p = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+    ollama_get = {"200": _json(_ANY_OBJECT, "Ollama's answer"), **_dialect_errors(_OLLAMA_ERROR, "401")}
+    return {
+        "/v1/messages": _dialect_post(
+            anthropic.MessagesRequest, "Anthropic Messages (any query string)", anthropic_errors,
+            "text/event-stream", _SSE_ANY,
+        ),
+        "/v1/messages/count_tokens": _dialect_post(
+            anthropic.CountTokensRequest, "Anthropic count_tokens: the prompt's tokens", anthropic_errors, None, None
+        ),
+        "/v1/responses": _dialect_post(
+            responses.ResponsesRequest, "OpenAI Responses", openai_errors, "text/event-stream", _SSE_ANY
+        ),
+        "/v1/responses/{id}": {
+            "get": {"summary": "a stored response", "parameters": [id_p],
+                    "responses": {"200": _json(_ANY_OBJECT, "the response"), **_error_responses("401", "404")}},
+            "delete": {"summary": "forget a stored response", "parameters": [id_p],
+                       "responses": {"200": _json(_ANY_OBJECT, "deleted"), **_error_responses("401", "404")}},
+        },
+        "/api/version": {"get": {"summary": "Ollama: the API version spoken", "responses": ollama_get}},
+        "/api/tags": {"get": {"summary": "Ollama: the models", "responses": ollama_get}},
+        "/api/ps": {"get": {"summary": "Ollama: the loaded models", "responses": ollama_get}},
+        "/api/show": _dialect_post(ollama.ShowRequest, "Ollama: one model", ollama_errors, None, None),
+        "/api/chat": _dialect_post(
+            ollama.ChatRequest, "Ollama chat (NDJSON stream by default)", ollama_errors,
+            "application/x-ndjson", {"type": "string"},
+        ),
+        "/api/generate": _dialect_post(
+            ollama.GenerateRequest, "Ollama generate (NDJSON stream by default)", ollama_errors,
+            "application/x-ndjson", {"type": "string"},
+        ),
+    }
+
+
 def build_openapi(cluster: bool = False) -> dict[str, Any]:
     models: list[tuple[type[BaseModel], Any]] = [
-        (m, "validation") for m in (s.ChatCompletionRequest, s.CompletionRequest, s.SettingsUpdate, s.InstanceCreate)
+        (m, "validation")
+        for m in (
+            s.ChatCompletionRequest,
+            s.CompletionRequest,
+            s.SettingsUpdate,
+            s.InstanceCreate,
+            anthropic.MessagesRequest,
+            anthropic.CountTokensRequest,
+            responses.ResponsesRequest,
+            ollama.ChatRequest,
+            ollama.GenerateRequest,
+            ollama.ShowRequest,
+        )
     ] + [
         (m, "serialization")
         for m in (
@@ -197,6 +300,7 @@ def build_openapi(cluster: bool = False) -> dict[str, Any]:
                     "responses": {"200": settings_view, **_error_responses("400", "401", "413", "500")},
                 },
             },
+            **_dialect_paths(),
             **extra,
         },
         "components": {

@@ -257,7 +257,7 @@ def chat_body(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> dict
         body["response_format"] = {"type": "json_schema", "json_schema": spec}
     if req.reasoning is not None and req.reasoning.effort == "none":
         body["chat_template_kwargs"] = {"enable_thinking": False}
-    for key in ("temperature", "top_p"):
+    for key in ("temperature", "top_p", "prompt_cache_key"):  # the key: the chat's prefix-cache hint
         if getattr(req, key) is not None:
             body[key] = getattr(req, key)
     return body

@@ -200,6 +200,8 @@ class GenerationChunk:
     stats: NativeMTPStats | None = None
     # With GenerationRequest.logprobs: one entry per token of token_ids, EOS excepted.
     logprobs: list[TokenLogprob] | None = None
+    # On the last chunk: the stop string that ended the output (finish_reason "stop"), if one did.
+    stop_sequence: str | None = None
 
 
 @dataclass
@@ -476,6 +478,7 @@ class _Output:
         self.sent_tokens = 0
         self.sent_logprobs = 0
         self.finish: FinishReason | None = None
+        self.stop_sequence: str | None = None  # the stop string that matched (the earliest in the text)
 
     def add(self, token: int, logprob: TokenLogprob | None = None) -> None:
         self.tokens.append(token)
@@ -494,9 +497,10 @@ class _Output:
         self.text = self.detokenizer.text
         if self.stop:
             start = max(0, previous - self.hold)
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
             if hits:
-                self.text = self.text[: min(hits)]
+                at, self.stop_sequence = min(hits, key=lambda hit: hit[0])
+                self.text = self.text[:at]
                 self.finish = "stop"
 
     def chunk(self) -> GenerationChunk | None:
@@ -512,7 +516,13 @@ class _Output:
         text = self.text[self.sent_chars : end]
         logprobs = self.logprobs[self.sent_logprobs :]
         self.sent_chars, self.sent_tokens, self.sent_logprobs = end, len(self.tokens), len(self.logprobs)
-        return GenerationChunk(text=text, token_ids=new_tokens, finish_reason=self.finish, logprobs=logprobs or None)
+        return GenerationChunk(
+            text=text,
+            token_ids=new_tokens,
+            finish_reason=self.finish,
+            logprobs=logprobs or None,
+            stop_sequence=self.stop_sequence if self.finish == "stop" else None,
+        )
 
 
 class _LogprobRows:

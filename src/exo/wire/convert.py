@@ -86,13 +86,16 @@ def chunk_to_pb(chunk: GenerationChunk) -> pb.GenerateChunk:
         finish_reason=chunk.finish_reason or "",
         native_mtp_json=chunk.stats.model_dump_json() if chunk.stats is not None else "",
         logprobs=[_logprob_to_pb(e) for e in chunk.logprobs or ()],
+        stop_sequence=utf8_safe(chunk.stop_sequence or ""),
     )
 
 
 def chunk_from_pb(msg: pb.GenerateChunk) -> GenerationChunk:
     stats = NativeMTPStats.model_validate_json(msg.native_mtp_json) if msg.native_mtp_json else None
     logprobs = [_logprob_from_pb(e) for e in msg.logprobs] or None
-    return GenerationChunk(msg.text, list(msg.token_ids), msg.finish_reason or None, stats, logprobs)  # type: ignore[arg-type]
+    return GenerationChunk(
+        msg.text, list(msg.token_ids), msg.finish_reason or None, stats, logprobs, msg.stop_sequence or None  # type: ignore[arg-type]
+    )
 
 
 def error_chunk(type: str, message: str, *, param: str = "", retry_after_s: float = 0.0) -> pb.GenerateChunk:

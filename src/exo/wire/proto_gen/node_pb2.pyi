@@ -509,7 +509,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token: _Optional[int] = ..., bytes: _Optional[bytes] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("text", "token_ids", "finish_reason", "native_mtp_json", "error", "started", "heartbeat", "logprobs")
+    __slots__ = ("text", "token_ids", "finish_reason", "native_mtp_json", "error", "started", "heartbeat", "logprobs", "stop_sequence")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -518,6 +518,7 @@ class GenerateChunk(_message.Message):
     STARTED_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
@@ -526,7 +527,8 @@ class GenerateChunk(_message.Message):
     started: Started
     heartbeat: bool
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., native_mtp_json: _Optional[str] = ..., error: _Optional[_Union[GenerateError, _Mapping]] = ..., started: _Optional[_Union[Started, _Mapping]] = ..., heartbeat: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    stop_sequence: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., native_mtp_json: _Optional[str] = ..., error: _Optional[_Union[GenerateError, _Mapping]] = ..., started: _Optional[_Union[Started, _Mapping]] = ..., heartbeat: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., stop_sequence: _Optional[str] = ...) -> None: ...
 
 class RunnerStatusRequest(_message.Message):
     __slots__ = ()
