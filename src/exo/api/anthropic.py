@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .completions import ChatGeneration, Part, Reasoning, cached_tokens, prepare_chat
 from .config import CONFIG, METRICS, SERVICE
-from .dialects import anthropic_error_type, arguments_object, hoist_system, invalid, unsupported
+from .dialects import anthropic_error_type, arguments_object, end_stream, hoist_system, invalid, unsupported
 from .errors import api_error_from
 from .parsing import read_json, validate
 from .schemas import MAX_STOP_SEQUENCES
@@ -393,12 +393,5 @@ async def _stream(request: web.Request, generation: ChatGeneration, answer: _Ans
         err = api_error_from(e)
         request.app[METRICS].errors.labels(err.code or str(err.status)).inc()
         body = {"type": "error", "error": {"type": anthropic_error_type(err.status), "message": err.message}}
-        try:
-            await response.write(_sse("error", body))
-        except ConnectionError:
-            return response
-    try:
-        await response.write_eof()
-    except ConnectionError:
-        pass
-    return response
+        return await end_stream(response, _sse("error", body))
+    return await end_stream(response)

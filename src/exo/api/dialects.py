@@ -14,6 +14,8 @@ import json
 import re
 from typing import Any, Literal
 
+from aiohttp import web
+
 from .errors import APIError
 
 Dialect = Literal["openai", "anthropic", "ollama"]
@@ -105,3 +107,15 @@ def invalid(param: str | None, message: str, code: str = "invalid_value") -> API
 
 def unsupported(param: str, message: str) -> APIError:
     return APIError(400, message, param=param, code="unsupported_parameter")
+
+
+async def end_stream(response: web.StreamResponse, last: bytes = b"") -> web.StreamResponse:
+    """Ends a stream whose headers are sent: ``last`` (a dialect's error events, when the generation
+    failed), then EOF; a client that went away meanwhile ends it quietly."""
+    try:
+        if last:
+            await response.write(last)
+        await response.write_eof()
+    except ConnectionError:
+        pass
+    return response

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .completions import ChatGeneration, Part, Reasoning, prepare_completion
 from .config import CONFIG, METRICS, SERVICE
-from .dialects import arguments_object, hoist_system, invalid, unsupported
+from .dialects import arguments_object, end_stream, hoist_system, invalid, unsupported
 from .errors import APIError, api_error_from
 from .parsing import read_json, validate
 from .tools import Arguments, CallStart, Content
@@ -374,15 +374,8 @@ async def _run(request: web.Request, generation: ChatGeneration, answer: _Answer
         except Exception as e:  # noqa: BLE001 - headers are sent: Ollama's error line ends the stream
             err = api_error_from(e)
             request.app[METRICS].errors.labels(err.code or str(err.status)).inc()
-            try:
-                await response.write(_line({"error": err.message}))
-            except ConnectionError:
-                return response
-        try:
-            await response.write_eof()
-        except ConnectionError:
-            pass
-        return response
+            return await end_stream(response, _line({"error": err.message}))
+        return await end_stream(response)
 
 
 async def chat(request: web.Request) -> web.StreamResponse:

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .completions import ChatGeneration, Part, Reasoning, cached_tokens
 from .config import METRICS
-from .dialects import arguments_object, hoist_system, invalid, unsupported
+from .dialects import arguments_object, end_stream, hoist_system, invalid, unsupported
 from .errors import APIError, api_error_from
 from .parsing import read_json, validate
 from .tools import Arguments, CallStart, Content
@@ -502,15 +502,9 @@ async def _stream(
         request.app[METRICS].errors.labels(err.code or str(err.status)).inc()
         failed = answer.response("failed")
         failed["error"] = {"code": err.code or "server_error", "message": err.message}
-        try:
-            await response.write(
-                answer._event("error", code=err.code, message=err.message, param=err.param)
-                + answer._event("response.failed", response=failed)
-            )
-        except ConnectionError:
-            return response
-    try:
-        await response.write_eof()
-    except ConnectionError:
-        pass
-    return response
+        return await end_stream(
+            response,
+            answer._event("error", code=err.code, message=err.message, param=err.param)
+            + answer._event("response.failed", response=failed),
+        )
+    return await end_stream(response)
