@@ -20,7 +20,7 @@ The model: a copy of MODEL's directory (weights linked) whose config allows --co
 demo models are trained for 4096; speed, not text quality, is measured here). The tools' schemas go into
 the system prompt as text (the demo's chat template renders no tools), tool results as user messages.
 
-    python bench/agent_session.py [--model exo-demo] [--turns 10] [--system-tokens 5000] [--max-tokens 24]
+    python bench/agent_session.py [MODEL] [--turns 10] [--system-tokens 5000] [--max-tokens 24] [--json]
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
+from common import report_to  # bench/ is this script's folder
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 sys.path.insert(0, str(SRC))
@@ -215,12 +216,22 @@ def run(servers: list[Server], system: str, results: list[str], turns: int, max_
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="exo-demo")
+    parser.add_argument("model", nargs="?", default=None,
+                        help="card id, Hugging Face repo id or checkpoint directory (default: exo-demo)")
+    parser.add_argument("--model", dest="model_option", default=None, help=argparse.SUPPRESS)  # the first spelling
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--system-tokens", type=int, default=5000)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--context", type=int, default=65536)
+    parser.add_argument("--json", action="store_true",
+                        help="print the report as one JSON object on stdout (the table goes to stderr)")
     args = parser.parse_args()
+    args.model = args.model_option or args.model or "exo-demo"
+    with report_to(args.json) as report:
+        report.update(session(args))
+
+
+def session(args: argparse.Namespace) -> dict[str, Any]:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="exo-agent-session-") as tmp:
@@ -264,6 +275,10 @@ def main() -> None:
           f"{on.get('disk_bytes', 0) / 2**20:.1f} MiB for ~{tokens} distinct prompt tokens "
           f"(+ the new conversation's)")
     print(f"replies identical with the cache on and off: {same}")
+    return {"model": args.model, "turns": args.turns, "later_turns_ttft_on_off": later, "new_conversation_ttft_on_off": new,
+            "after_restart_ttft_on_off": restart, "session_speedup": off["session_s"] / on["session_s"],
+            "ram_bytes": on.get("ram_bytes", 0), "disk_bytes": on.get("disk_bytes", 0), "replies_identical": same,
+            "off": off, "on": on}
 
 
 if __name__ == "__main__":
