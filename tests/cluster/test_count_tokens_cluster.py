@@ -77,3 +77,35 @@ def test_count_tokens_never_reaches_the_device_and_matches_the_generation(node):
     usage = answer.json()["usage"]
     assert counted.json()["input_tokens"] == usage["input_tokens"] + usage["cache_read_input_tokens"] > 0
     wait_for(lambda: _generations(node) == before + 2, 30, "the generation to be counted")
+
+
+@pytest.fixture(scope="module")
+def pair(checkpoint, tmp_path_factory):
+    """Node b serves a directory only its disk has; node a has no file of it."""
+    root = tmp_path_factory.mktemp("count-pair")
+    served = checkpoint("qwen3_5")
+    b = Daemon(root / "b", "b", extra_args=["--model", str(served)], env={"EXO_OFFLINE": "1"})
+    a = Daemon(root / "a", "a", env={"EXO_OFFLINE": "1"})
+    b.start().wait_up(180)
+    a.start([b.address]).wait_up(180)
+    try:
+        yield a, b, served.name  # a directory is served under its name
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_count_tokens_asks_the_owner_when_the_files_are_on_another_node(pair):
+    a, b, model = pair
+    wait_for(lambda: a.node_ids() == {a.node_id, b.node_id}, 60, "the nodes to meet")
+    assert model in {m["id"] for m in a.get("/v1/models").json()["data"]}
+    body = {**BODY, "model": model}
+    before = _generations(a)
+    counted = a.post("/v1/messages/count_tokens", body, timeout=180)
+    assert counted.status_code == 200, counted.text
+    # The owner's runner counted it: one generation from node a (the one-token one, cancelled once counted).
+    wait_for(lambda: _generations(a) == before + 1, 30, "the count's generation to be recorded")
+    answer = a.post("/v1/messages", {**body, "max_tokens": 1, "temperature": 0})
+    assert answer.status_code == 200, answer.text
+    usage = answer.json()["usage"]
+    assert counted.json()["input_tokens"] == usage["input_tokens"] + usage["cache_read_input_tokens"] > 0
