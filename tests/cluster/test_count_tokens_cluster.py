@@ -13,8 +13,15 @@ from .daemons import Daemon, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 MODEL = "exo-demo"
-BODY = {"model": MODEL, "system": [{"type": "text", "text": "You are terse."}],
-        "messages": [{"role": "user", "content": "Write a function that adds two numbers."}],
+# As Claude Code sends it: system blocks, a tool round trip, thinking on.
+BODY = {"model": MODEL, "system": [{"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}}],
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "messages": [
+            {"role": "user", "content": "Add 1 and 2."},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "add",
+                                               "input": {"a": 1, "b": 2}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "3"},
+                                         {"type": "text", "text": "Now write a function that adds two numbers."}]}],
         "tools": [{"name": "add", "description": "Adds", "input_schema": {
             "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}]}
 

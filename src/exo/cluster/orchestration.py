@@ -137,7 +137,7 @@ class ClusterModelService:
         self._watcher: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the one whose thread owns the cluster's view
         # count_tokens' tokenizers: (model id, its directory) -> the tokenizer, loaded in this process
-        self._tokenizers: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._tokenizers: OrderedDict[tuple[str, str], tuple[Any, threading.Lock]] = OrderedDict()
         self._tokenizers_lock = threading.Lock()
 
     # -- lifecycle (the app's startup and cleanup hooks) ------------------------------------------------------
@@ -686,37 +686,42 @@ class ClusterModelService:
         """The prompt's tokens as a generation reads them (the chat template and tokenizer that the runner
         loads, through the same ``tokenize``), counted in this process when the model's files are on this
         node: no device, no runner, no queue. None when they are not here (the caller asks the owner)."""
-        tokenizer = await asyncio.to_thread(self._tokenizer_here, self.default_model if model is None else model)
-        if tokenizer is None:
+        here = await asyncio.to_thread(self._tokenizer_here, self.default_model if model is None else model)
+        if here is None:
             return None
-        tokens = await asyncio.to_thread(
-            tokenize, tokenizer, messages=prompt.messages, text=prompt.text,
-            token_ids=prompt.token_ids, template_kwargs=prompt.template_kwargs, tools=prompt.tools,
-        )
-        return len(tokens)
+        tokenizer, lock = here
 
-    def _tokenizer_here(self, ref: str) -> Any:
-        """The model's tokenizer from this node's disk (cached, bounded), or None if its files are elsewhere
-        (or unknown here: the generation path then answers as it does for any request)."""
+        def count() -> int:
+            with lock:  # a fast tokenizer is not safe to use from two threads at once
+                return len(tokenize(
+                    tokenizer, messages=prompt.messages, text=prompt.text, token_ids=prompt.token_ids,
+                    template_kwargs=prompt.template_kwargs, tools=prompt.tools,
+                ))
+
+        return await asyncio.to_thread(count)
+
+    def _tokenizer_here(self, ref: str) -> tuple[Any, threading.Lock] | None:
+        """The model's tokenizer from this node's disk (cached, bounded) with the lock its users take, or None
+        if its files are elsewhere (or unknown here: the generation path then answers as for any request)."""
         try:
             resolved = self.models.resolve(ref)
         except (ModelNotAvailableError, UnknownModelError):
             return None
         key = (resolved.model_id, str(resolved.path))
         with self._tokenizers_lock:  # one load at a time: a burst of counts loads a model's tokenizer once
-            tokenizer = self._tokenizers.get(key)
-            if tokenizer is not None:
+            kept = self._tokenizers.get(key)
+            if kept is not None:
                 self._tokenizers.move_to_end(key)
-                return tokenizer
+                return kept
             try:
                 tokenizer = load_tokenizer(resolved.path)  # as the runner's loader does (engine/loader.py)
             except Exception as e:  # noqa: BLE001 - files incomplete or unreadable here: the owner counts
                 log.warning("count_tokens: %s's tokenizer did not load here (%s); asking its runner", ref, e)
                 return None
-            self._tokenizers[key] = tokenizer
+            kept = self._tokenizers[key] = (tokenizer, threading.Lock())
             while len(self._tokenizers) > TOKENIZERS_KEPT:
                 self._tokenizers.popitem(last=False)
-            return tokenizer
+            return kept
 
     def generate(
         self, model_id: str, prompt: Prompt, params: GenerateParams, *, timeout_s: float, arrived: float
