@@ -235,16 +235,25 @@ async def count_tokens(request: web.Request) -> web.Response:
     body.pop("tool_choice", None)  # a forced call's grammar needs a budget; counting needs none
     body.pop("parallel_tool_calls", None)
     arrived = time.monotonic()
-    count = getattr(request.app[SERVICE], "count_prompt_tokens", None)
+    service = request.app[SERVICE]
+    count = getattr(service, "count_prompt_tokens", None)
     if count is not None:
         # Where the model's tokenizer is in this process (a local service): the chat template and the
         # tokenizer only, nothing queued behind running generations.
         req_chat, prompt, _, _ = prepare_chat(body)
         config = request.app[CONFIG]
-        model_id = await request.app[SERVICE].acquire(req_chat.model, min(config.load_timeout_s, config.request_timeout_s))
+        model_id = await service.acquire(req_chat.model, min(config.load_timeout_s, config.request_timeout_s))
         return web.json_response({"input_tokens": await count(model_id, prompt)})
-    # Elsewhere (a cluster node: the tokenizer is in the runner that owns the model) the prompt as the
-    # one path renders and tokenizes it there; the generation is cancelled as soon as it is counted.
+    count_here = getattr(service, "count_prompt_tokens_here", None)
+    if count_here is not None:
+        # A cluster node with the model's files on its disk: their tokenizer and chat template, loaded in
+        # this process (no runner, no device queue, the model need not be loaded anywhere).
+        req_chat, prompt, _, _ = prepare_chat(body)
+        counted = await count_here(req_chat.model, prompt)
+        if counted is not None:
+            return web.json_response({"input_tokens": counted})
+    # Elsewhere (the files are only on the node that owns the model) the prompt as the one path renders
+    # and tokenizes it there; the generation is cancelled as soon as it is counted.
     async with ChatGeneration(request, body, arrived, budget=1) as generation:
         assert generation.started is not None
         return web.json_response({"input_tokens": generation.started.prompt_tokens})

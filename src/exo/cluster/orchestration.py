@@ -28,11 +28,14 @@ import concurrent.futures
 import dataclasses
 import logging
 import socket
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
+from mlx_lm.utils import load_tokenizer
 
 from exo import __version__
 from exo.cards import Catalog, ModelCard, UnknownModelError, load_catalog
@@ -42,6 +45,7 @@ from exo.engine import (
     ModelNotAvailableError,
     ResolvedModel,
 )
+from exo.engine.prompt import tokenize
 from exo.engine.resolve import DEFAULT_MODEL
 from exo.metrics import Metrics
 from exo.settings import Settings
@@ -83,6 +87,7 @@ STREAM_IDLE_S = 10.0
 GONE_KEPT_S = 600.0
 WATCH_S = 0.5  # how often this node checks the pipelines it knows of
 PLACE_ATTEMPTS = 3  # looks for a placed instance that placement reports but the cluster view lacks
+TOKENIZERS_KEPT = 4  # count_tokens' tokenizers kept in the API process (a few MB each), most recent first
 
 
 class ClusterModelService:
@@ -131,6 +136,9 @@ class ClusterModelService:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._watcher: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the one whose thread owns the cluster's view
+        # count_tokens' tokenizers: (model id, its directory) -> the tokenizer, loaded in this process
+        self._tokenizers: OrderedDict[tuple[str, str], tuple[Any, threading.Lock]] = OrderedDict()
+        self._tokenizers_lock = threading.Lock()
 
     # -- lifecycle (the app's startup and cleanup hooks) ------------------------------------------------------
     async def start(self) -> None:
@@ -673,6 +681,47 @@ class ClusterModelService:
         if peer is None:
             raise NodeUnavailableError(f"node {node_id} is not in the cluster (any more)")
         return peer
+
+    async def count_prompt_tokens_here(self, model: str | None, prompt: Prompt) -> int | None:
+        """The prompt's tokens as a generation reads them (the chat template and tokenizer that the runner
+        loads, through the same ``tokenize``), counted in this process when the model's files are on this
+        node: no device, no runner, no queue. None when they are not here (the caller asks the owner)."""
+        here = await asyncio.to_thread(self._tokenizer_here, self.default_model if model is None else model)
+        if here is None:
+            return None
+        tokenizer, lock = here
+
+        def count() -> int:
+            with lock:  # a fast tokenizer is not safe to use from two threads at once
+                return len(tokenize(
+                    tokenizer, messages=prompt.messages, text=prompt.text, token_ids=prompt.token_ids,
+                    template_kwargs=prompt.template_kwargs, tools=prompt.tools,
+                ))
+
+        return await asyncio.to_thread(count)
+
+    def _tokenizer_here(self, ref: str) -> tuple[Any, threading.Lock] | None:
+        """The model's tokenizer from this node's disk (cached, bounded) with the lock its users take, or None
+        if its files are elsewhere (or unknown here: the generation path then answers as for any request)."""
+        try:
+            resolved = self.models.resolve(ref)
+        except (ModelNotAvailableError, UnknownModelError):
+            return None
+        key = (resolved.model_id, str(resolved.path))
+        with self._tokenizers_lock:  # one load at a time: a burst of counts loads a model's tokenizer once
+            kept = self._tokenizers.get(key)
+            if kept is not None:
+                self._tokenizers.move_to_end(key)
+                return kept
+            try:
+                tokenizer = load_tokenizer(resolved.path)  # as the runner's loader does (engine/loader.py)
+            except Exception as e:  # noqa: BLE001 - files incomplete or unreadable here: the owner counts
+                log.warning("count_tokens: %s's tokenizer did not load here (%s); asking its runner", ref, e)
+                return None
+            kept = self._tokenizers[key] = (tokenizer, threading.Lock())
+            while len(self._tokenizers) > TOKENIZERS_KEPT:
+                self._tokenizers.popitem(last=False)
+            return kept
 
     def generate(
         self, model_id: str, prompt: Prompt, params: GenerateParams, *, timeout_s: float, arrived: float
