@@ -125,3 +125,38 @@ def test_the_next_turn_after_a_restart_restores_from_disk(checkpoint, tmp_path):
     assert pc.namespace(other) != pc.namespace(loaded)
     assert pc.namespace(loaded, (0, 2)) != pc.namespace(loaded)
     restarted.prefix_cache.store.close()
+
+
+def test_the_ram_budget_shrinks_to_what_the_node_has_free(tmp_path):
+    """The RAM tier never takes what placement promised the instance: min(the setting, free - reserve)."""
+    from exo.runner.prefix_store import ram_budget
+
+    settings = load_settings(env={"EXO_HOME": str(tmp_path), "EXO_PREFIX_CACHE_RAM_BYTES": str(64 << 20)})
+    assert ram_budget(settings, reserve_bytes=1 << 30, available_bytes=(1 << 30) + (3 << 20)) == 3 << 20
+    assert ram_budget(settings, reserve_bytes=1 << 30, available_bytes=8 << 30) == 64 << 20
+    assert ram_budget(settings, reserve_bytes=1 << 30, available_bytes=512 << 20) == 0
+
+
+def test_a_served_engine_gets_the_shrunk_budget_and_reports_it(checkpoint, tmp_path):
+    """``ready_engine`` (the runner's and the local service's) counts the instance's KV budget and activation
+    margin before the RAM tier: on a node whose memory is its weights + that + 3 MiB, the tier gets 3 MiB."""
+    from exo.cards.schema import CONTEXT_BUDGET_TOKENS
+    from exo.cluster.placement import ACTIVATION_MARGIN_BYTES
+    from exo.engine.batch import sequence_bytes
+    from exo.runner.loading import ready_engine, reserve_bytes
+
+    loaded = load_checkpoint(checkpoint("qwen3_5"))
+    env = {"EXO_HOME": str(tmp_path), "EXO_PREFIX_CACHE_RAM_BYTES": str(1 << 30), "EXO_KV_BUDGET_TOKENS": "4096"}
+    probe = Engine(loaded, EngineConfig())
+    per_token, per_sequence = sequence_bytes(probe)
+    reserve = reserve_bytes(probe, load_settings(env=env))
+    assert per_token > 0 and reserve == per_token * 4096 + per_sequence + ACTIVATION_MARGIN_BYTES
+    assert reserve_bytes(probe, load_settings(env={**env, "EXO_KV_BUDGET_TOKENS": ""})) >= per_token * CONTEXT_BUDGET_TOKENS
+    # memory_budget_bytes caps what the node reports free, as placement reads it.
+    settings = load_settings(env={**env, "EXO_MEMORY_BUDGET_BYTES": str(reserve + (3 << 20))})
+    engine = ready_engine(loaded, EngineConfig(), settings)
+    assert engine.prefix_cache is not None
+    assert engine.prefix_cache.store.ram.budget_bytes == 3 << 20
+    figures = engine.prefix_cache.figures()
+    assert figures["ram_budget_bytes"] == 3 << 20 and figures["disk_budget_bytes"] == settings.prefix_cache_disk_bytes
+    engine.prefix_cache.store.close()

@@ -277,18 +277,34 @@ class TieredStore:
     def figures(self) -> dict[str, int]:
         """Bytes held and counters per tier (what the runner reports)."""
         out = {"ram_bytes": self.ram.bytes, "ram_entries": len(self.ram), "ram_hits": self.ram_counts.hits,
-               "ram_evictions": self.ram_counts.evictions}
+               "ram_evictions": self.ram_counts.evictions, "ram_budget_bytes": self.ram.budget_bytes}
         if self.disk is not None:
             c = self.disk.counts
             out.update(disk_bytes=self.disk.bytes, disk_hits=c.hits, disk_evictions=c.evictions,
-                       disk_corrupt=c.corrupt)
+                       disk_corrupt=c.corrupt, disk_budget_bytes=self.disk.budget_bytes)
         return out
 
 
-def open_prefix_cache(loaded: Any, settings: Any, layers: tuple[int, int] | None = None) -> PrefixCache | None:
-    """The prefix cache a runner's engine uses, per the node's settings (None: turned off)."""
+def ram_budget(settings: Any, reserve_bytes: int, available_bytes: int | None = None) -> int:
+    """The RAM tier's budget: ``prefix_cache_ram_bytes``, shrunk to what the node has free once the instance
+    holds what placement counted for it. ``available_bytes``: the node's available memory now, with the
+    instance's weights loaded (None: as the OS says, within ``memory_budget_bytes``, like placement reads
+    it); ``reserve_bytes``: what the instance will still take (its KV budget and activation margin)."""
+    if available_bytes is None:
+        from exo.cluster.system import memory
+
+        available_bytes = memory(settings.memory_budget_bytes).available_bytes
+    return max(0, min(settings.prefix_cache_ram_bytes, available_bytes - reserve_bytes))
+
+
+def open_prefix_cache(loaded: Any, settings: Any, layers: tuple[int, int] | None = None, *,
+                      ram_bytes: int | None = None) -> PrefixCache | None:
+    """The prefix cache a runner's engine uses, per the node's settings (None: turned off); ``ram_bytes``:
+    the RAM tier's budget (None: ``prefix_cache_ram_bytes``; a runner passes ``ram_budget``'s)."""
     if not settings.prefix_cache_enabled or settings.prefix_cache_ram_bytes + settings.prefix_cache_disk_bytes == 0:
         return None
+    if ram_bytes is None:
+        ram_bytes = settings.prefix_cache_ram_bytes
     ns = namespace(loaded, layers)
     disk = None
     if settings.prefix_cache_disk_bytes > 0:
@@ -296,7 +312,7 @@ def open_prefix_cache(loaded: Any, settings: Any, layers: tuple[int, int] | None
             disk = DiskTier(Path(settings.home) / "prefix-cache" / ns, settings.prefix_cache_disk_bytes)
         except OSError as e:
             log.warning("prefix cache: no disk tier (%s)", e)
-    store = TieredStore(settings.prefix_cache_ram_bytes, disk)
+    store = TieredStore(ram_bytes, disk)
     return PrefixCache(store, ns, block_tokens=settings.prefix_cache_block_tokens,
                        stride_tokens=settings.prefix_cache_stride_tokens,
                        message_starts=message_starts(loaded.tokenizer))
