@@ -61,18 +61,54 @@ def test_disk_budget_least_recently_used_out_and_restart(tmp_path):
     size.put("a", prepare(_entry(0)))
     one = size.bytes
     tier = DiskTier(tmp_path / "d", 3 * one)
+    past = time.time_ns() - 100 * 10**9  # distinct times in the past (a rescan orders by them; d is newest)
     for i, key in enumerate(["a", "b", "c"]):
         tier.put(key, prepare(_entry(i)))
-        os.utime(tier._path(key), ns=(time.time_ns() + i * 10**9,) * 2)  # distinct times for the restart
+        os.utime(tier._path(key), ns=(past + i * 10**9,) * 2)
     assert tier.get("a") is not None  # a is now the most recent
-    os.utime(tier._path("a"), ns=(time.time_ns() + 5 * 10**9,) * 2)
+    os.utime(tier._path("a"), ns=(past + 5 * 10**9,) * 2)
     tier.put("d", prepare(_entry(3)))
-    os.utime(tier._path("d"), ns=(time.time_ns() + 6 * 10**9,) * 2)
     assert not tier.has("b") and tier.has("a") and tier.has("c") and tier.has("d")
     assert tier.counts.evictions == 1 and tier.bytes <= 3 * one
     again = DiskTier(tmp_path / "d", 2 * one)  # a restart with a smaller budget: the oldest (c) goes
     assert sorted(again.keys()) == ["a", "d"]
     assert _equal(again.get("d"), _entry(3))
+
+
+def test_two_instances_of_a_model_share_its_directory(tmp_path):
+    """Two runners of one model on a node (or one and its restart) use one directory: what one wrote is a hit
+    in the other, what one evicted is an ordinary miss in the other (not a corrupt one), and every file counts
+    once against the budget, whoever wrote it."""
+    one = DiskTier(tmp_path / "probe", 1 << 30)
+    one.put("k", prepare(_entry(0)))
+    size = one.bytes
+    a, b = DiskTier(tmp_path / "d", 2 * size), DiskTier(tmp_path / "d", 2 * size)
+    a.rescan_s = b.rescan_s = 0.0  # re-read the directory at every write (RESCAN_S apart in a runner)
+    past = time.time_ns() - 100 * 10**9
+    a.put("k0", prepare(_entry(0)))
+    assert b.has("k0") and _equal(b.get("k0"), _entry(0))  # written after b opened the directory
+    assert b.counts.hits == 1 and b.bytes == a.bytes == size
+    b.put("k1", prepare(_entry(1)))
+    os.utime(b._path("k1"), ns=(past,) * 2)  # k1 is the least recently used
+    a.put("k2", prepare(_entry(2)))  # a's view: k0, k1 (b's), k2 = 3 files > 2: k1 goes
+    assert not (tmp_path / "d" / "k1.safetensors").exists() and a.bytes == 2 * size
+    assert a.counts.evictions == 1
+    assert b.get("k1") is None and not b.has("k1")
+    assert b.counts.corrupt == 0 and b.counts.misses == 1
+    b.put("k3", prepare(_entry(3)))
+    on_disk = sorted(f.name for f in (tmp_path / "d").iterdir())
+    assert len(on_disk) == 2 and b.bytes == sum(f.stat().st_size for f in (tmp_path / "d").iterdir()) == 2 * size
+    assert "k3.safetensors" in on_disk and _equal(a.get("k3"), _entry(3))
+
+
+def test_only_a_stale_temporary_file_is_removed(tmp_path):
+    """A temporary file is another instance's write in progress unless it is old (a write cut short)."""
+    live, stale = tmp_path / "k.safetensors.1-2.tmp", tmp_path / "j.safetensors.1-2.tmp"
+    live.write_bytes(b"half")
+    stale.write_bytes(b"half")
+    os.utime(stale, ns=(time.time_ns() - 3600 * 10**9,) * 2)
+    DiskTier(tmp_path, 1 << 20)
+    assert live.exists() and not stale.exists()
 
 
 def test_ram_tier_spills_to_disk_and_promotes_on_a_hit(tmp_path):
