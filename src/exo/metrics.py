@@ -75,6 +75,11 @@ class Metrics:
             "exo_prefix_cache_bytes", "Bytes the prefix cache holds per tier (at the last generation)",
             ["model", "tier"], registry=r,
         )
+        self.prefix_budget = Gauge(
+            "exo_prefix_cache_budget_bytes", "The byte budget each tier of the prefix cache keeps to (RAM: the "
+            "setting shrunk to the node's free memory after the instance's weights and KV reservation)",
+            ["model", "tier"], registry=r,
+        )
         self.prefix_evictions = Gauge(
             "exo_prefix_cache_evictions", "Entries the prefix cache dropped per tier since its runner started",
             ["model", "tier"], registry=r,
@@ -124,6 +129,8 @@ class Metrics:
             if f"{tier}_bytes" in figures:
                 self.prefix_bytes.labels(model, tier).set(figures[f"{tier}_bytes"])
                 self.prefix_evictions.labels(model, tier).set(figures.get(f"{tier}_evictions", 0))
+            if f"{tier}_budget_bytes" in figures:
+                self.prefix_budget.labels(model, tier).set(figures[f"{tier}_budget_bytes"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

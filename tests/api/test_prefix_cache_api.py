@@ -45,6 +45,9 @@ def test_cached_tokens_on_chat_and_completions(make_server, model_dir, reference
     assert server.metric("exo_prefix_cache_cached_tokens_total", model=server.model) >= 2 * header
     assert 0 < server.metric("exo_prefix_cache_token_hit_rate", model=server.model) < 1
     assert server.metric("exo_prefix_cache_bytes", model=server.model, tier="ram") > 0
+    # The budgets the tiers keep to: RAM's shrunk to fit the node (tests/runner/test_prefix_store.py).
+    assert 0 < server.metric("exo_prefix_cache_budget_bytes", model=server.model, tier="ram") <= 2 << 30
+    assert server.metric("exo_prefix_cache_budget_bytes", model=server.model, tier="disk") == 16 << 30
     # The disk tier under EXO_HOME gets the same entries (written off the device thread).
     server.wait_for(lambda: len(list((server.home / "prefix-cache").rglob("*.safetensors"))) > 3)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx2 as httpx
 import pytest
+from cluster.daemons import wait_for
 
 from .conftest import API_KEY, BROKEN_MODEL, BUNDLE, KeyedDaemon
 
@@ -133,3 +134,28 @@ def test_event_stream_starts_with_the_whole_state_then_pushes_changes(node: Keye
         assert (final["data"]["status"], final["data"]["error"]) == (now["status"], now["error"])
         node.api("DELETE", f"/v1/downloads/{download_id}")
         events.until(lambda kind, data: kind == "download.removed" and data["id"] == download_id)
+
+
+def test_the_node_view_carries_its_prefix_cache(node: KeyedDaemon):
+    """The node card's figures (docs/prefix-cache.md): a second turn restores the first's prefix, and the
+    node's view (/v1/cluster, the dashboard's stream) shows the hit, the bytes per tier and their budgets."""
+    system = {"role": "system", "content": "You are a coding agent with tools: read, grep, run. " * 8}
+    turn1 = [system, {"role": "user", "content": "Find the bug."}]
+    body = {"model": "exo-demo", "temperature": 0, "max_tokens": 4, "native_mtp": {"enabled": False}}
+    first = node.api("POST", "/v1/chat/completions", json={**body, "messages": turn1}, timeout=120)
+    assert first.status_code == 200, first.text
+    turn2 = turn1 + [first.json()["choices"][0]["message"], {"role": "user", "content": "Tool result: none."}]
+    second = node.api("POST", "/v1/chat/completions", json={**body, "messages": turn2}, timeout=120)
+    assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, second.text
+
+    def mine() -> dict[str, Any] | None:
+        [me] = [n for n in node.cluster()["nodes"] if n["self"]]
+        cache = me["prefix_cache"]
+        return cache if cache and cache["hits"] >= 1 else None
+
+    wait_for(mine, 20, "the runner's status to carry its prefix cache")
+    cache = mine()
+    assert cache is not None and cache["lookups"] >= 2 and 0 < cache["token_hit_rate"] < 1
+    assert cache["cached_tokens"] == second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cache["ram_bytes"] <= cache["ram_budget_bytes"] <= 2 << 30
+    assert cache["disk_budget_bytes"] == 16 << 30

@@ -31,6 +31,23 @@ export interface NodeView {
   last_seen_s: number;
   rtt_ms: number;
   source: string;
+  /** Its instances' prefix caches together (absent or null: none has one). */
+  prefix_cache?: PrefixCacheView | null;
+}
+
+/** A node's prefix caches (docs/prefix-cache.md): since their runners started. */
+export interface PrefixCacheView {
+  lookups: number;
+  hits: number;
+  prompt_tokens: number;
+  cached_tokens: number;
+  token_hit_rate: number;
+  ram_bytes: number;
+  ram_budget_bytes: number;
+  disk_bytes: number;
+  disk_budget_bytes: number;
+  ram_evictions: number;
+  disk_evictions: number;
 }
 
 export interface LinkView {

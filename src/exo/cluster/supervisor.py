@@ -596,6 +596,9 @@ class InstanceSupervisor:
                 entry.info.model.CopyFrom(status.model)
             self._set(entry, state=pb.INSTANCE_STATE_READY, stage="ready", progress=1.0,
                       queue_depth=status.queue_depth, running=status.running)
+            if status.HasField("prefix_cache") and entry.info.prefix_cache != status.prefix_cache:
+                entry.info.prefix_cache.CopyFrom(status.prefix_cache)  # figures, no transition: no notice
+
         elif status.state == pb.INSTANCE_STATE_LOADING:
             self._set(entry, stage=status.stage, progress=status.progress)
         # FAILED: the runner is about to exit with the reason on stderr; the exit is what counts.

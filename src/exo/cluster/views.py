@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 from exo.wire.proto_gen import node_pb2 as pb
@@ -216,7 +217,19 @@ def node_json(
         "hub_cache_free_bytes": info.hub_cache_free_bytes,
         # Its downloads (running, and those that ended in the last minutes), as /v1/downloads shows them.
         "downloads": [download_json(d, info.node_id) for d in info.downloads],
+        "prefix_cache": prefix_cache_json(info.instances),
     }
+
+
+def prefix_cache_json(instances: Iterable[pb.Instance]) -> dict[str, Any] | None:
+    """The prefix caches of a node's instances together (None: none has one): lookups, hits, prompt and
+    restored tokens, the token hit rate, bytes held and budgets per tier."""
+    caches = [i.prefix_cache for i in instances if i.HasField("prefix_cache")]
+    if not caches:
+        return None
+    out = {f.name: sum(getattr(c, f.name) for c in caches) for f in pb.PrefixCacheFigures.DESCRIPTOR.fields}
+    out["token_hit_rate"] = round(out["cached_tokens"] / out["prompt_tokens"], 4) if out["prompt_tokens"] else 0.0
+    return out
 
 
 def placement_json(plan: pl.Placement) -> dict[str, Any]:

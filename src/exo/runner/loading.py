@@ -47,10 +47,28 @@ def ready_engine(loaded: LoadedModel, config: EngineConfig, settings: Settings |
     engine = Engine(loaded, config)
     engine.warmup()
     if settings is not None:
-        from .prefix_store import open_prefix_cache
+        from .prefix_store import open_prefix_cache, ram_budget
 
         try:
-            engine.prefix_cache = open_prefix_cache(loaded, settings)
+            engine.prefix_cache = open_prefix_cache(loaded, settings, ram_bytes=ram_budget(settings, reserve_bytes(engine, settings)))
         except Exception:  # noqa: BLE001 - the model serves without one
             logging.getLogger(__name__).exception("prefix cache: not available")
+        if engine.prefix_cache is not None:
+            figures = engine.prefix_cache.figures()
+            logging.getLogger(__name__).info(
+                "prefix cache: RAM budget %d MiB (setting %d MiB), disk budget %d MiB", figures["ram_budget_bytes"] >> 20,
+                settings.prefix_cache_ram_bytes >> 20, figures.get("disk_budget_bytes", 0) >> 20)
     return engine
+
+
+def reserve_bytes(engine: Engine, settings: Settings) -> int:
+    """What a loaded, warmed-up instance will still take beyond what the node's memory shows: its KV budget
+    (``kv_budget_tokens``, as the device admits batches) and the activation margin placement counts. The
+    prefix cache's RAM tier gets at most what is free after that, so it never takes what placement
+    promised the instance (docs/prefix-cache.md)."""
+    from exo.cards.schema import CONTEXT_BUDGET_TOKENS
+    from exo.cluster.placement import ACTIVATION_MARGIN_BYTES
+    from exo.engine.batch import sequence_bytes
+
+    per_token, per_sequence = sequence_bytes(engine)
+    return per_token * (settings.kv_budget_tokens or CONTEXT_BUDGET_TOKENS) + per_sequence + ACTIVATION_MARGIN_BYTES

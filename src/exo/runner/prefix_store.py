@@ -16,6 +16,7 @@ import os
 import queue
 import struct
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,8 @@ from exo.engine.prefix_cache import Arrays, MemoryStore, PrefixCache, message_st
 log = logging.getLogger(__name__)
 
 SUFFIX = ".safetensors"
+RESCAN_S = 2.0  # a disk tier re-reads its directory (which other instances of the model share) this often at most
+STALE_TMP_S = 600.0  # a temporary file untouched this long is a write cut short (a live one is seconds old)
 # safetensors dtype names <-> MLX dtypes, and the numpy dtype their bytes are read as
 _DTYPES: dict[str, tuple[Any, Any]] = {
     "F32": (mx.float32, np.float32), "F16": (mx.float16, np.float16), "BF16": (mx.bfloat16, np.uint16),
@@ -71,7 +74,8 @@ def write_entry(path: Path, prepared: Prepared) -> int:
     header["__metadata__"] = {"exo.blake2b": digest.hexdigest(), "format": "exo-prefix-cache"}
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    tmp = path.with_name(path.name + ".tmp")
+    # Named per writer: two instances of a model share the directory and may write the same entry at once.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
@@ -82,7 +86,8 @@ def write_entry(path: Path, prepared: Prepared) -> int:
 
 
 def read_entry(path: Path) -> Arrays:
-    """The arrays of a file ``write_entry`` wrote; CorruptEntry if anything does not check out."""
+    """The arrays of a file ``write_entry`` wrote; CorruptEntry if anything does not check out,
+    FileNotFoundError if it is gone."""
     try:
         data = path.read_bytes()
         (length,) = struct.unpack("<Q", data[:8])
@@ -100,7 +105,7 @@ def read_entry(path: Path) -> Arrays:
             a = mx.array(values)
             out[name] = a.view(mx.bfloat16) if mlx_dtype == mx.bfloat16 else a
         return out
-    except CorruptEntry:
+    except (CorruptEntry, FileNotFoundError):
         raise
     except Exception as e:  # noqa: BLE001 - truncated, garbled, unreadable: all the same to a cache
         raise CorruptEntry(f"{path.name}: {type(e).__name__}: {e}") from e
@@ -116,7 +121,13 @@ class TierCounts:
 
 class DiskTier:
     """Entries as files in ``root`` (one per key), least recently used out once ``budget_bytes`` is passed.
-    Recency survives a restart through the files' modification times."""
+    Recency survives a restart through the files' modification times.
+
+    The directory is the model's (its namespace), so a restarted runner and a second instance of the model
+    on the node use the same files: an entry one wrote is a hit in the other, and one that the other
+    deleted (evicted) is an ordinary miss here, not a corrupt one. The index is this process's view of
+    the directory, re-read at most every ``rescan_s`` seconds before evicting, so every file counts once
+    against the budget whoever wrote it, and the least recently used (by mtime) goes first."""
 
     def __init__(self, root: Path, budget_bytes: int) -> None:
         self.root = root
@@ -125,50 +136,66 @@ class DiskTier:
         self._files: OrderedDict[str, int] = OrderedDict()  # key -> size, least recent first
         self.bytes = 0
         self.counts = TierCounts()
+        self.rescan_s = RESCAN_S
+        self._scanned = 0.0
         self._lock = threading.Lock()
-        found = []
-        for f in root.iterdir():
-            if f.name.endswith(".tmp"):
-                f.unlink(missing_ok=True)  # a write cut short
-            elif f.name.endswith(SUFFIX):
-                st = f.stat()
-                found.append((st.st_mtime_ns, _key(f.name), st.st_size))
-        for _, key, size in sorted(found):
-            self._files[key] = size
-            self.bytes += size
+        self._scan()
         self._evict()
+
+    def _scan(self) -> None:
+        """The index from the directory as it is now (ordered by mtime)."""
+        found = []
+        now = time.time()
+        for f in self.root.iterdir():
+            try:
+                st = f.stat()
+            except FileNotFoundError:  # removed meanwhile (by another instance)
+                continue
+            if f.name.endswith(".tmp"):
+                if now - st.st_mtime > STALE_TMP_S:  # a write cut short (a live one may be another instance's)
+                    f.unlink(missing_ok=True)
+            elif f.name.endswith(SUFFIX):
+                found.append((st.st_mtime_ns, _key(f.name), st.st_size))
+        with self._lock:
+            self._files = OrderedDict((key, size) for _, key, size in sorted(found))
+            self.bytes = sum(self._files.values())
+            self._scanned = time.monotonic()
 
     def _path(self, key: str) -> Path:
         return self.root / (key.replace("/", "__") + SUFFIX)
 
     def has(self, key: str) -> bool:
-        return key in self._files
+        return key in self._files or self._path(key).is_file()  # (written by another instance since the scan)
 
     def keys(self) -> list[str]:
         with self._lock:
             return list(self._files)
 
     def get(self, key: str) -> Arrays | None:
-        with self._lock:
-            if key not in self._files:
-                self.counts.misses += 1
-                return None
         path = self._path(key)
         try:
             arrays = read_entry(path)
+        except FileNotFoundError:  # never written, or deleted by another instance: a miss like any other
+            with self._lock:
+                self.bytes -= self._files.pop(key, 0)
+                self.counts.misses += 1
+            return None
         except CorruptEntry as e:
             log.warning("prefix cache: dropping %s", e)
             self.counts.corrupt += 1
             self.counts.misses += 1
             self.remove(key)
             return None
-        with self._lock:
-            if key in self._files:
-                self._files.move_to_end(key)
         try:
             os.utime(path)
+            size = path.stat().st_size
         except OSError:
-            pass
+            size = None  # gone meanwhile: what was read checked out, and the index forgets it
+        with self._lock:
+            self.bytes -= self._files.pop(key, 0)
+            if size is not None:
+                self._files[key] = size
+                self.bytes += size
         self.counts.hits += 1
         return arrays
 
@@ -192,6 +219,8 @@ class DiskTier:
         self._path(key).unlink(missing_ok=True)
 
     def _evict(self) -> None:
+        if time.monotonic() - self._scanned >= self.rescan_s:
+            self._scan()  # what other instances wrote or deleted meanwhile
         while True:
             with self._lock:
                 if self.bytes <= self.budget_bytes or not self._files:
@@ -277,18 +306,34 @@ class TieredStore:
     def figures(self) -> dict[str, int]:
         """Bytes held and counters per tier (what the runner reports)."""
         out = {"ram_bytes": self.ram.bytes, "ram_entries": len(self.ram), "ram_hits": self.ram_counts.hits,
-               "ram_evictions": self.ram_counts.evictions}
+               "ram_evictions": self.ram_counts.evictions, "ram_budget_bytes": self.ram.budget_bytes}
         if self.disk is not None:
             c = self.disk.counts
             out.update(disk_bytes=self.disk.bytes, disk_hits=c.hits, disk_evictions=c.evictions,
-                       disk_corrupt=c.corrupt)
+                       disk_corrupt=c.corrupt, disk_budget_bytes=self.disk.budget_bytes)
         return out
 
 
-def open_prefix_cache(loaded: Any, settings: Any, layers: tuple[int, int] | None = None) -> PrefixCache | None:
-    """The prefix cache a runner's engine uses, per the node's settings (None: turned off)."""
+def ram_budget(settings: Any, reserve_bytes: int, available_bytes: int | None = None) -> int:
+    """The RAM tier's budget: ``prefix_cache_ram_bytes``, shrunk to what the node has free once the instance
+    holds what placement counted for it. ``available_bytes``: the node's available memory now, with the
+    instance's weights loaded (None: as the OS says, within ``memory_budget_bytes``, like placement reads
+    it); ``reserve_bytes``: what the instance will still take (its KV budget and activation margin)."""
+    if available_bytes is None:
+        from exo.cluster.system import memory
+
+        available_bytes = memory(settings.memory_budget_bytes).available_bytes
+    return max(0, min(settings.prefix_cache_ram_bytes, available_bytes - reserve_bytes))
+
+
+def open_prefix_cache(loaded: Any, settings: Any, layers: tuple[int, int] | None = None, *,
+                      ram_bytes: int | None = None) -> PrefixCache | None:
+    """The prefix cache a runner's engine uses, per the node's settings (None: turned off); ``ram_bytes``:
+    the RAM tier's budget (None: ``prefix_cache_ram_bytes``; a runner passes ``ram_budget``'s)."""
     if not settings.prefix_cache_enabled or settings.prefix_cache_ram_bytes + settings.prefix_cache_disk_bytes == 0:
         return None
+    if ram_bytes is None:
+        ram_bytes = settings.prefix_cache_ram_bytes
     ns = namespace(loaded, layers)
     disk = None
     if settings.prefix_cache_disk_bytes > 0:
@@ -296,7 +341,7 @@ def open_prefix_cache(loaded: Any, settings: Any, layers: tuple[int, int] | None
             disk = DiskTier(Path(settings.home) / "prefix-cache" / ns, settings.prefix_cache_disk_bytes)
         except OSError as e:
             log.warning("prefix cache: no disk tier (%s)", e)
-    store = TieredStore(settings.prefix_cache_ram_bytes, disk)
+    store = TieredStore(ram_bytes, disk)
     return PrefixCache(store, ns, block_tokens=settings.prefix_cache_block_tokens,
                        stride_tokens=settings.prefix_cache_stride_tokens,
                        message_starts=message_starts(loaded.tokenizer))

@@ -94,7 +94,17 @@ class RunnerState:
                 shard=self.shard,
                 generations=snap["generations"],
                 ring_port=self.ring_port,
+                prefix_cache=prefix_cache_figures(self.engine),
             )
+
+
+def prefix_cache_figures(engine: Engine | None) -> pb.PrefixCacheFigures | None:
+    """The engine's prefix cache figures as the runner's status carries them (None: it has none)."""
+    cache = getattr(engine, "prefix_cache", None)
+    if cache is None:
+        return None
+    figures = cache.figures()
+    return pb.PrefixCacheFigures(**{f.name: int(figures.get(f.name, 0)) for f in pb.PrefixCacheFigures.DESCRIPTOR.fields})
 
 
 class RunnerServicer(pb_grpc.RunnerServicer):

@@ -289,7 +289,7 @@ class ModelSummary(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., name: _Optional[str] = ..., arch: _Optional[str] = ..., context_length: _Optional[int] = ..., mtp_available: _Optional[bool] = ..., mtp_reason: _Optional[str] = ..., default_k: _Optional[int] = ..., max_k: _Optional[int] = ..., owned_by: _Optional[str] = ...) -> None: ...
 
 class Instance(_message.Message):
-    __slots__ = ("instance_id", "model_id", "model_ref", "node_id", "state", "progress", "stage", "shard", "failure", "restarts", "pid", "created_unix", "updated_unix", "model", "on_demand", "queue_depth", "running", "group_id", "stages", "ring_port", "owner_node", "download", "download_id")
+    __slots__ = ("instance_id", "model_id", "model_ref", "node_id", "state", "progress", "stage", "shard", "failure", "restarts", "pid", "created_unix", "updated_unix", "model", "on_demand", "queue_depth", "running", "group_id", "stages", "ring_port", "owner_node", "download", "download_id", "prefix_cache")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_REF_FIELD_NUMBER: _ClassVar[int]
@@ -313,6 +313,7 @@ class Instance(_message.Message):
     OWNER_NODE_FIELD_NUMBER: _ClassVar[int]
     DOWNLOAD_FIELD_NUMBER: _ClassVar[int]
     DOWNLOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     model_id: str
     model_ref: str
@@ -336,7 +337,8 @@ class Instance(_message.Message):
     owner_node: str
     download: DownloadProgress
     download_id: str
-    def __init__(self, instance_id: _Optional[str] = ..., model_id: _Optional[str] = ..., model_ref: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., progress: _Optional[float] = ..., stage: _Optional[str] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., restarts: _Optional[int] = ..., pid: _Optional[int] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ..., model: _Optional[_Union[ModelSummary, _Mapping]] = ..., on_demand: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., group_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StagePlacement, _Mapping]]] = ..., ring_port: _Optional[int] = ..., owner_node: _Optional[str] = ..., download: _Optional[_Union[DownloadProgress, _Mapping]] = ..., download_id: _Optional[str] = ...) -> None: ...
+    prefix_cache: PrefixCacheFigures
+    def __init__(self, instance_id: _Optional[str] = ..., model_id: _Optional[str] = ..., model_ref: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., progress: _Optional[float] = ..., stage: _Optional[str] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., restarts: _Optional[int] = ..., pid: _Optional[int] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ..., model: _Optional[_Union[ModelSummary, _Mapping]] = ..., on_demand: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., group_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StagePlacement, _Mapping]]] = ..., ring_port: _Optional[int] = ..., owner_node: _Optional[str] = ..., download: _Optional[_Union[DownloadProgress, _Mapping]] = ..., download_id: _Optional[str] = ..., prefix_cache: _Optional[_Union[PrefixCacheFigures, _Mapping]] = ...) -> None: ...
 
 class UnloadInstanceRequest(_message.Message):
     __slots__ = ("instance_id",)
@@ -535,7 +537,7 @@ class RunnerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RunnerStatus(_message.Message):
-    __slots__ = ("instance_id", "state", "progress", "stage", "error", "model", "queue_depth", "running", "pid", "shard", "generations", "ring_port")
+    __slots__ = ("instance_id", "state", "progress", "stage", "error", "model", "queue_depth", "running", "pid", "shard", "generations", "ring_port", "prefix_cache")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
@@ -548,6 +550,7 @@ class RunnerStatus(_message.Message):
     SHARD_FIELD_NUMBER: _ClassVar[int]
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     RING_PORT_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     state: InstanceState
     progress: float
@@ -560,4 +563,29 @@ class RunnerStatus(_message.Message):
     shard: Shard
     generations: int
     ring_port: int
-    def __init__(self, instance_id: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., progress: _Optional[float] = ..., stage: _Optional[str] = ..., error: _Optional[str] = ..., model: _Optional[_Union[ModelSummary, _Mapping]] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., pid: _Optional[int] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., generations: _Optional[int] = ..., ring_port: _Optional[int] = ...) -> None: ...
+    prefix_cache: PrefixCacheFigures
+    def __init__(self, instance_id: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., progress: _Optional[float] = ..., stage: _Optional[str] = ..., error: _Optional[str] = ..., model: _Optional[_Union[ModelSummary, _Mapping]] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., pid: _Optional[int] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., generations: _Optional[int] = ..., ring_port: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheFigures, _Mapping]] = ...) -> None: ...
+
+class PrefixCacheFigures(_message.Message):
+    __slots__ = ("lookups", "hits", "prompt_tokens", "cached_tokens", "ram_bytes", "ram_budget_bytes", "disk_bytes", "disk_budget_bytes", "ram_evictions", "disk_evictions")
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RAM_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RAM_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    DISK_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    lookups: int
+    hits: int
+    prompt_tokens: int
+    cached_tokens: int
+    ram_bytes: int
+    ram_budget_bytes: int
+    disk_bytes: int
+    disk_budget_bytes: int
+    ram_evictions: int
+    disk_evictions: int
+    def __init__(self, lookups: _Optional[int] = ..., hits: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., ram_bytes: _Optional[int] = ..., ram_budget_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_budget_bytes: _Optional[int] = ..., ram_evictions: _Optional[int] = ..., disk_evictions: _Optional[int] = ...) -> None: ...
