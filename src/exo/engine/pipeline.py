@@ -273,6 +273,9 @@ def serve_stage(
             h = model.stage_hidden(x, cache)
         if forward_header:
             link.send(message, stage.next)  # the next stage reads it while this one computes
+        # The wire carries ``dtype`` (every stage's receive expects it): a layer that computes in float32
+        # (bfloat16 MoE experts on a CPU without bf16 gather_mm) would otherwise send twice the bytes.
+        h = h if h.dtype == dtype else h.astype(dtype)
         mx.eval(h, *[c.state for c in cache if c.state is not None])
         link.send(h, stage.next)
         if on_step is not None:
