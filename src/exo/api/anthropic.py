@@ -22,7 +22,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .completions import ChatGeneration, Part, Reasoning, cached_tokens, prepare_chat
 from .config import CONFIG, METRICS, SERVICE
-from .dialects import anthropic_error_type, arguments_object, end_stream, hoist_system, invalid, unsupported
+from .dialects import (
+    anthropic_error_type,
+    arguments_object,
+    end_stream,
+    hoist_system,
+    invalid,
+    relay,
+    unsupported,
+)
 from .errors import api_error_from
 from .parsing import read_json, validate
 from .schemas import MAX_STOP_SEQUENCES
@@ -389,12 +397,7 @@ async def _stream(request: web.Request, generation: ChatGeneration, answer: _Ans
         async def ping() -> None:
             await response.write(_sse("ping", {"type": "ping"}))
 
-        first = await generation.first_keeping_alive(ping, KEEPALIVE_S)
-        await response.write(b"".join(answer.add(p) for p in first))
-        while not generation.finished:
-            events = b"".join(answer.add(p) for p in await generation.next())
-            if events:
-                await response.write(events)
+        await relay(response, generation, answer.add, ping, KEEPALIVE_S)
         await response.write(answer.ending())
     except ConnectionError:  # the client went away between our writes
         return response

@@ -119,3 +119,15 @@ async def end_stream(response: web.StreamResponse, last: bytes = b"") -> web.Str
     except ConnectionError:
         pass
     return response
+
+
+async def relay(response: web.StreamResponse, generation: Any, add: Any,
+                keepalive: Any, keepalive_s: float) -> None:
+    """A dialect's stream body: the first pieces (``keepalive()`` written every ``keepalive_s`` while the
+    prompt is read), then every later piece, each translated by ``add`` into the dialect's event bytes."""
+    first = await generation.first_keeping_alive(keepalive, keepalive_s)
+    await response.write(b"".join(add(p) for p in first))
+    while not generation.finished:
+        events = b"".join(add(p) for p in await generation.next())
+        if events:
+            await response.write(events)

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .completions import ChatGeneration, Part, Reasoning, cached_tokens
 from .config import METRICS
-from .dialects import arguments_object, end_stream, hoist_system, invalid, unsupported
+from .dialects import arguments_object, end_stream, hoist_system, invalid, relay, unsupported
 from .errors import APIError, api_error_from
 from .parsing import read_json, validate
 from .tools import Arguments, CallStart, Content
@@ -484,12 +484,7 @@ async def _stream(
         async def in_progress() -> None:
             await response.write(answer._event("response.in_progress", response=answer.response("in_progress")))
 
-        first = await generation.first_keeping_alive(in_progress, KEEPALIVE_S)
-        await response.write(b"".join(answer.add(p) for p in first))
-        while not generation.finished:
-            events = b"".join(answer.add(p) for p in await generation.next())
-            if events:
-                await response.write(events)
+        await relay(response, generation, answer.add, in_progress, KEEPALIVE_S)
         done = answer.finish()
         final = answer.response("completed")
         await _store(request, answer.req, final, answer, conversation)
