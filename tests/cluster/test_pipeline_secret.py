@@ -66,7 +66,9 @@ def test_a_pipeline_with_the_cluster_secret_forms_decodes_and_leaves_no_port_ope
     a, b = daemons
     start_all(daemons, [d.address for d in daemons])
     try:
-        wait_for(lambda: a.node_ids() == {a.node_id, b.node_id}, 30, "the two nodes with the secret to meet")
+        # Both views: a pipeline placed while b has not yet seen a is broken at once ("stage 0's node left").
+        wait_for(lambda: a.node_ids() == b.node_ids() == {a.node_id, b.node_id}, 30,
+                 "the two nodes with the secret to meet")
         created = a.post("/v1/instances", {"model": card, "nodes": [a.node_id, b.node_id], "wait": True})
         assert created.status_code == 201, created.text
         instance = created.json()["instance"]
