@@ -183,7 +183,8 @@ def test_a_doorbell_takes_only_a_connection_that_proves_the_secret(monkeypatch) 
             except Exception as e:  # noqa: BLE001 - what the stray saw, checked below
                 other_failed.append(e)
 
-        threading.Thread(target=other_secret, daemon=True).start()
+        other_thread = threading.Thread(target=other_secret, daemon=True)
+        other_thread.start()
         member = socket.create_connection(address)
         member_done: list[BaseException | None] = []
         member_thread = threading.Thread(
@@ -197,6 +198,7 @@ def test_a_doorbell_takes_only_a_connection_that_proves_the_secret(monkeypatch) 
             assert taken.recv(1) == b"\x01"  # the one taken is the member's
             for stray in (silent, garbage):
                 assert _until_closed(stray) == group.NONCE_BYTES  # the challenge, then closed
+            other_thread.join(10)  # the refusal reaches the other-secret side on its own thread: wait for it
     assert len(other_failed) == 1 and isinstance(other_failed[0], ConnectionError), other_failed
 
 
