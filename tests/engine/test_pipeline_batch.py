@@ -19,7 +19,7 @@ import pytest
 from exo.engine import Engine, EngineConfig, SamplingParams, load_checkpoint
 from exo.engine import pipeline as pipeline_module
 from exo.engine.adaptive import DepthCosts
-from exo.engine.batch import BatchDecoder
+from exo.engine.batch import BatchDecoder, BatchLanes
 
 from .test_batch import CHUNK, TEXTS, _solo
 from .test_pipeline import _QueueLink
@@ -125,13 +125,15 @@ def _requests(engine: Engine, specs: list[dict]) -> list:
     return out
 
 
-def _drive(engine: Engine, requests, join_at, cancel=None, chunk: int = CHUNK):
+def _drive(engine: Engine, requests, join_at, cancel=None, chunk: int = CHUNK, lanes: int | None = None):
     """Decode ``requests`` in one pipelined batch as the device queue does: request i arrives before step
     ``join_at[i]``, prefills one chunk of ``chunk`` tokens per batch step while the batch decodes, and joins
     after its first token; ``cancel``: {i: step} ends request i from that step on. Every member's invariants
-    are checked between steps. Returns per request (token ids, text, finish reason, stats)."""
+    are checked between steps. ``lanes``: micro-batches (``BatchLanes``: each lane its own slot on the stages,
+    a lane's step evaluated on the leader while the next lane's runs on stage 0). Returns per request (token
+    ids, text, finish reason, stats)."""
     cancel = cancel or {}
-    batch = BatchDecoder(engine)
+    batch = BatchDecoder(engine) if lanes is None else BatchLanes(engine, lanes)
     out = {i: ([], [], None, None) for i in range(len(requests))}
     index: dict[int, int] = {}
     clock = [0]
@@ -176,7 +178,8 @@ def _drive(engine: Engine, requests, join_at, cancel=None, chunk: int = CHUNK):
             for run, chunks in batch.step():
                 for c in chunks:
                     take(index[id(run)], c)
-            batch.check_invariants()
+            for lane in batch.lanes if lanes is not None else [batch]:
+                lane.check_invariants()
         clock[0] += 1
     return {i: (tokens, "".join(text), finish, stats) for i, (tokens, text, finish, stats) in out.items()}
 
@@ -203,15 +206,16 @@ JOINS = dict(join_at=[0, 0, 2, 3, 6])
 SPECS = [dict(max_tokens=m, length=n) for m, n in zip((20, 7, 16, 12, 5), (None, 30, 30, None, 17), strict=True)]
 
 
+@pytest.mark.parametrize("lanes", [None, 2], ids=["one-batch", "micro-batches"])
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
 @pytest.mark.parametrize("mtp", ["off", "k2", "k1-k3"])
-def test_a_pipelined_batch_decodes_every_member_as_its_single_node_solo(checkpoint, pipelined, arch, mtp):
+def test_a_pipelined_batch_decodes_every_member_as_its_single_node_solo(checkpoint, pipelined, arch, mtp, lanes):
     engine, pipe = pipelined(arch)
     depth = {"off": [None] * 5, "k2": [2] * 5, "k1-k3": [1, 3, None, 3, 1]}[mtp]
     specs = [dict(spec, **({"mtp_k": k, "native_mtp": "on"} if k else {"native_mtp": "off"}))
              for spec, k in zip(SPECS, depth, strict=True)]
     requests = _requests(engine, specs)
-    got = _drive(engine, requests, **JOINS)
+    got = _drive(engine, requests, **JOINS, lanes=lanes)
     _check(_whole(checkpoint(arch, dtype="float32")), requests, got)
     assert max(got[0][3].batch_sizes) >= 3  # members decoded together
     if mtp != "off":

@@ -386,7 +386,16 @@ def default_lanes(engine: Engine) -> int:
     the last step's outputs (``_plain_emit``), one lane is as fast or faster at every size measured on a
     2-core x86-64 CPU (exo-demo, ms a step, one lane vs two: 10.3 vs 14.5 at 4 sequences, 12.6 vs 14.4 at 8,
     21.8 vs 21.1 at 16, 43.0 vs 56.7 at 32; bench/batch_steps.py@3c719fd): MLX's ``async_eval`` feeds the lanes'
-    streams one after the other, and building two graphs costs the host twice."""
+    streams one after the other, and building two graphs costs the host twice.
+
+    A pipelined model's batch decodes in one lane too. Lanes there are micro-batches (``BatchLanes.step``
+    evaluates each lane's step as soon as it is built, so the leader computes one lane's layers while the other
+    stages compute the next lane's), and as many as stages measured slower on this 2-core CPU: exo-demo over
+    two stages through ``exo serve``, 8 clients 308 tok/s in two lanes against 483-490 in one, 32 clients 338
+    against 602-705 (bench/results/cpu-2core-pipeline-batching-2026-11-28.txt): each lane's step is a round
+    trip of its own through the stages and a graph of its own for the leader's host thread, and the two
+    stages' processes already keep both cores busy. ``EXO_BATCH_LANES`` turns them on where stages have
+    machines of their own."""
     if engine.config.batch_lanes is not None:
         return max(1, engine.config.batch_lanes)
     return 1
@@ -431,6 +440,16 @@ class BatchLanes:
         together = len(self)
         for lane in busy:
             lane.together = together
+        if self.engine.forward.stages > 1:
+            # Micro-batches through a pipeline: a lane's step is evaluated as soon as it is built, so this
+            # process computes its layers of one lane while the next lane's step (sent when it is built) runs
+            # on the other stages; the first lane's next step then goes out while this one computes the last.
+            prepared = []
+            for lane in busy:
+                prepared.append(lane.prepare())
+                if prepared[-1].arrays:
+                    mx.async_eval(prepared[-1].arrays)
+            return [result for p in prepared for result in p.finish()]
         prepared = [lane.prepare() for lane in busy]
         arrays = [a for p in prepared for a in p.arrays]
         if arrays:
