@@ -79,6 +79,7 @@ class _Pipeline:
             threading.Thread(target=serve, args=(r,), daemon=True).start()
         self.forward = pipeline_module.PipelineForward(
             leader.model, pipeline_module.StageSpec(n - 1, n, *ranges[-1]), self.links[-1])
+        self.stage_models = [stage.model for stage in stages]
         self.stage_model, self.leader_model = stages[0].model, leader.model
         self.engine = Engine(leader, config, forward=self.forward)
 
@@ -472,4 +473,9 @@ def test_a_wide_batch_through_three_stages_passes_its_op_records_and_ids_on(chec
 
     assert max(lengths) > INLINE  # some message's op records did not fit in its header...
     assert any(n > INLINE and n != HEADER_LEN for n in sent)  # ...and followed it
+    # Every stage's memory figures reach the leader through the middle stage.
+    from exo.engine.batch import stage_bytes
+    from exo.engine.forward import cache_rates
+
+    assert stage_bytes(engine) == [cache_rates(m) for m in (*pipe.stage_models, pipe.leader_model)]
     _no_slots_left(pipe)
