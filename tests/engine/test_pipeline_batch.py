@@ -15,6 +15,7 @@ import queue
 import threading
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from exo.engine import Engine, EngineConfig, SamplingParams, load_checkpoint
@@ -29,19 +30,29 @@ SPLIT = (2, 4)  # the fixtures' 4 layers: stage 0 holds 0-1, the leader 2-3
 
 
 class _Link(_QueueLink):
-    """The in-process link, where a lost peer stays lost: once a receive found the other stage gone, every
-    later one raises at once (as a closed doorbell does: runner/group.py)."""
+    """The in-process link (numpy copies between threads), bfloat16 too (as 16-bit words), where a lost peer
+    stays lost: once a receive found the other stage gone, every later one raises at once (as a closed
+    doorbell does: runner/group.py)."""
 
     lost: BaseException | None = None
+
+    def send(self, x, dst: int) -> None:
+        mx.eval(x)
+        self.sent.append(x.nbytes)
+        bf16 = x.dtype == mx.bfloat16
+        self.queues[(self.rank, dst)].put((np.array(x.view(mx.uint16) if bf16 else x), bf16))
 
     def recv(self, shape, dtype, src: int):
         if self.lost is not None:
             raise RuntimeError("the other stage failed") from self.lost
-        try:
-            return super().recv(shape, dtype, src)
-        except RuntimeError as e:
-            self.lost = e.__cause__ or e
-            raise
+        message = self.queues[(src, self.rank)].get(timeout=60)
+        if isinstance(message, BaseException):
+            self.lost = message
+            raise RuntimeError("the other stage failed") from message
+        x, bf16 = message
+        out = mx.array(x).view(mx.bfloat16) if bf16 else mx.array(x)
+        assert tuple(out.shape) == tuple(shape) and out.dtype == dtype, (out.shape, shape, out.dtype, dtype)
+        return out
 
 
 class _Pipeline:
@@ -58,7 +69,7 @@ class _Pipeline:
         if not eos:
             leader = dataclasses.replace(leader, eos_token_ids=frozenset())
         queues = {(r, (r + 1) % n): queue.Queue() for r in range(n)}
-        self.links = [_QueueLink(r, queues) for r in range(n - 1)] + [_Link(n - 1, queues)]
+        self.links = [_Link(r, queues) for r in range(n)]
         self.errors: list[BaseException] = []
         self.all_slots = [pipeline_module.StageSlots(stage.model, r) for r, stage in enumerate(stages)]
         self.slots = self.all_slots[0]
@@ -478,4 +489,34 @@ def test_a_wide_batch_through_three_stages_passes_its_op_records_and_ids_on(chec
     from exo.engine.forward import cache_rates
 
     assert stage_bytes(engine) == [cache_rates(m) for m in (*pipe.stage_models, pipe.leader_model)]
+    _no_slots_left(pipe)
+
+
+def test_a_stage_that_does_not_lead_rolls_back_its_batched_attention_per_member(pipelined, monkeypatch):
+    """exo-demo split 0-3 | 4-7 puts attention layer 3 on stage 0: its left-padded batch KV is rolled back per
+    member (each one's rejected rows rolled into its left padding), filtered and extended there as on the
+    leader, and every member's output is still its single-node solo output."""
+    from exo.cards import bundled_model_dir
+
+    stage_rollbacks: list[list[int]] = []  # the per-member kept counts stage 0 applied
+    real = pipeline_module.keep_rows_per_sequence
+
+    def spy(cache, rows, kept):
+        if threading.current_thread() is not threading.main_thread():
+            stage_rollbacks.append(list(kept))
+        real(cache, rows, kept)
+
+    monkeypatch.setattr(pipeline_module, "keep_rows_per_sequence", spy)
+    path = bundled_model_dir("exo-demo")
+    engine, pipe = pipelined("exo-demo", path=path, split=(4, 8))
+    assert any(not layer.is_linear for layer in pipe.stage_model.stage_layers)  # attention on stage 0
+    specs = [dict(max_tokens=m, mtp_k=k, native_mtp="on") for m, k in zip((24, 12, 18, 9, 20), (3, 2, 3, 1, 2),
+                                                                            strict=True)]
+    requests = _requests(engine, specs)
+    got = _drive(engine, requests, join_at=[0, 0, 2, 3, 5])
+    _check(_whole(path), requests, got)
+    drafted = sum(s.drafted_tokens for _, _, _, s in got.values())
+    accepted = sum(s.accepted_tokens for _, _, _, s in got.values())
+    assert 0 < accepted < drafted  # rows were rejected, so rolled back per member on both stages
+    assert any(len(set(kept)) > 1 for kept in stage_rollbacks)  # members kept different counts on stage 0
     _no_slots_left(pipe)
