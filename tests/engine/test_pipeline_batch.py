@@ -657,9 +657,10 @@ def _serve_until_closed(device, seconds: float) -> None:
 
 
 def test_the_service_ends_the_group_when_a_stage_is_lost_mid_batch(pipelined):
-    """Through the runner's service: stage 0 dies while a batch decodes; every call gets a clear
-    ``model_unavailable`` error (a stage was lost: retry), the group is marked broken (the runner exits
-    ``EXIT_GROUP_LOST`` and the daemons place the instance anew) and the service closes the device itself."""
+    """Through the runner's service: stage 0 dies while a batch decodes and a request waits; every call, the
+    waiting one too, gets a clear ``model_unavailable`` error (a stage was lost: retry), the group is marked
+    broken (the runner exits ``EXIT_GROUP_LOST`` and the daemons place the instance anew) and the service
+    closes the device itself."""
     from exo.runner.device import Device
 
     steps = [0]
@@ -672,15 +673,18 @@ def test_the_service_ends_the_group_when_a_stage_is_lost_mid_batch(pipelined):
     engine, pipe = pipelined("qwen3_5", on_step=die, batch_prefill_chunk=4)
     pipe.lost = True
     sizes: list[int] = []
-    device = Device(8, max_batch=4, on_batch=sizes.append)
+    device = Device(8, max_batch=3, on_batch=sizes.append)
     state, servicer = _leader_service(engine, device)
-    calls = [_Call(servicer, _generate(engine, i, 60)) for i in range(3)]
+    calls = [_Call(servicer, _generate(engine, i, 60)) for i in range(4)]
     _serve_until_closed(device, 120)  # the service closes it when the pipeline fails
     assert all(call.ended.wait(30) for call in calls)
     assert state.group_broken and max(sizes) >= 2
+    started = [call for call in calls if call.chunks[0].HasField("started")]
+    assert len(started) == 3, [call.chunks[0] for call in calls]
     for call in calls:
-        assert call.chunks[0].HasField("started") and call.error is not None, call.chunks
-        assert call.error.type == "model_unavailable" and "stage" in call.error.message, call.error
+        assert call.error is not None and call.error.type == "model_unavailable", call.chunks
+        assert "pipeline stage" in call.error.message, call.error
+        assert ("mid-generation" if call in started else "before this request ran") in call.error.message
 
 
 def test_the_service_keeps_the_group_when_it_shuts_down_with_requests_waiting(pipelined):

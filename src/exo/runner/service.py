@@ -143,10 +143,12 @@ class RunnerServicer(pb_grpc.RunnerServicer):
                     thinking=item.thinking)))
             elif isinstance(item, Failed):
                 error = item.error
-                if self.state.pipelined and started and pipeline_failed(engine):
-                    # A stage (or the link to it) went away, or a call through the stages failed mid-way.
+                if self.state.pipelined and pipeline_failed(engine):
+                    # A stage (or the link to it) went away, or a call through the stages failed mid-way: this
+                    # request (running, or waiting and dropped as the group ends) can be retried elsewhere.
+                    when = "mid-generation" if started else "before this request ran"
                     error = NodeUnavailableError(
-                        f"a pipeline stage of {request.model} was lost mid-generation ({type(error).__name__}: "
+                        f"a pipeline stage of {request.model} was lost {when} ({type(error).__name__}: "
                         f"{error}); the instance is placed anew: retry shortly"
                     )
                 out.put(error_to_pb(error))
