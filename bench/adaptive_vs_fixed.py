@@ -1,7 +1,7 @@
 """Adaptive depth against fixed depths, strictly alternating: the pairs ``exo bench`` cannot isolate.
 
     python bench/adaptive_vs_fixed.py [MODEL] [--max-tokens 160] [--repeats 6] [--depths 0 1 2 3] [--control]
-        [--raw-timings] [--tracker NAME=VALUE ...] [--policy NAME=VALUE ...] [--save FILE] [--pool FILE ...]
+        [--reference FILE] [--tracker NAME=VALUE ...] [--policy NAME=VALUE ...] [--save FILE] [--pool FILE ...]
 
 For each repeat and each of ``exo bench``'s prompts, greedy, EOS ignored: adaptive depth, then every fixed
 depth in ``--depths`` (0: plain decoding), the order of the whole group rotated by one each time and drawn
@@ -18,9 +18,10 @@ order like the rest) and prints the same median ratio between the two runs of on
 own noise floor on this host, in the same run (on H200s whose speed swings within seconds, two runs of one
 fixed depth read 0.976-1.008x each other over 48-80 groups).
 
-``--raw-timings`` adds "adaptive raw": a second engine on the same checkpoint whose adaptive policy keeps raw
-seconds per depth and probes single rounds from K = 0 (``DepthPolicy.track_drift`` and ``explore_deeper``
-off: the policy as it was before either).
+``--reference FILE`` adds "adaptive reference": a second engine on the same checkpoint whose policy is FILE's
+``DepthPolicy`` (an ``adaptive.py`` of another commit: ``git show 676179e:src/exo/engine/adaptive.py > old.py``),
+built on that engine's warm-up costs and seeded with its warm-up acceptance as the engine seeds its own: two
+policies judged request by request in one run.
 
 ``--control`` also prints adaptive over the mean of a fixed depth's two runs in its group ("both runs"): a
 reference with half the noise of either run.
@@ -45,6 +46,7 @@ import argparse
 import ast
 import collections
 import dataclasses
+import importlib.util
 import json
 import os
 import random
@@ -65,7 +67,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--depths", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--control", action="store_true", help="each fixed depth twice a group: the noise floor")
-    parser.add_argument("--raw-timings", action="store_true")
+    parser.add_argument("--reference", metavar="FILE", help="an 'adaptive reference' engine: FILE's DepthPolicy")
     parser.add_argument("--tracker", nargs="*", default=[], metavar="NAME=VALUE",
                         help="an 'adaptive variant' engine whose acceptance tracker has these fields")
     parser.add_argument("--policy", nargs="*", default=[], metavar="NAME=VALUE",
@@ -96,7 +98,7 @@ def main() -> None:
         other = load(args.model)
         other.loaded = dataclasses.replace(other.loaded, eos_token_ids=frozenset())
         trace = os.environ.get(TRACE_ENV)
-        if trace:  # its policy traces to a file of its own: FILE.raw, FILE.variant
+        if trace:  # its policy traces to a file of its own: FILE.reference, FILE.variant
             os.environ[TRACE_ENV] = f"{trace}.{name.split()[-1]}"
         policy = other._adaptive_policy()
         if trace:
@@ -105,9 +107,9 @@ def main() -> None:
         configs.insert(1, (name, None))
         return policy
 
-    if args.raw_timings:
-        policy = second_engine("adaptive raw")
-        policy.track_drift = policy.explore_deeper = False
+    if args.reference:
+        second_engine("adaptive reference")
+        reference(engines["adaptive reference"], args.reference)
     if args.tracker or args.policy:
         variant = second_engine("adaptive variant")
         for target, items in ((variant.tracker, args.tracker), (variant, args.policy)):
@@ -147,6 +149,20 @@ def main() -> None:
         with open(args.save, "w") as f:
             json.dump(run_info, f)
     report([run_info])
+
+
+def reference(engine, path: str) -> None:
+    """Gives ``engine`` the ``DepthPolicy`` of the module at ``path``, warmed up as ``Engine`` warms its own."""
+    spec = importlib.util.spec_from_file_location("adaptive_reference", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through it
+    spec.loader.exec_module(module)
+    costs, config = engine.costs(), engine.config
+    policy = module.DepthPolicy(costs=costs, max_k=config.max_k, default_k=config.default_k)
+    if config.warm_acceptance and module.can_pay_off(costs, config.max_k):
+        policy.tracker.absorb(engine.warm_acceptance())
+    engine._policy, engine._policy_key = policy, (config.max_k, config.default_k)
 
 
 def median_line(ratios: list[float]) -> str:
