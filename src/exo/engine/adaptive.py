@@ -286,7 +286,7 @@ class RoundCosts:
         warm-up cost times the glue, the median of fitted over warm-up cost of the depths paired with plain
         decoding (a round costs more than its parts timed alone, by a factor much alike from depth to depth),
         so that a depth not timed yet is not taken at the warm-up's optimism."""
-        warm = [math.log(self.prior.round_cost(k)) for k in range(1, self.prior.max_k + 1)]
+        warm = [math.log(max(1.0, self.prior.round_cost(k))) for k in range(1, self.prior.max_k + 1)]  # a forced depth's: 0
         fit = self._fit_logs(warm)
         glue = [x - w for k, (x, w) in enumerate(zip(fit, warm, strict=True), start=1) if self.paired(k, 0)]
         if not glue:
