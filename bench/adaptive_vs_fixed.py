@@ -21,7 +21,9 @@ fixed depth read 0.976-1.008x each other over 48-80 groups).
 ``--reference FILE`` adds "adaptive reference": a second engine on the same checkpoint whose policy is FILE's
 ``DepthPolicy`` (an ``adaptive.py`` of another commit: ``git show 676179e:src/exo/engine/adaptive.py > old.py``),
 built on that engine's warm-up costs and seeded with its warm-up acceptance as the engine seeds its own: two
-policies judged request by request in one run.
+policies judged request by request in one run. With ``--fixed-reference`` each fixed depth K >= 1 runs a second
+time as "k=K reference", its forced-depth policy an object of FILE's class (the engine builds it through
+``generate.DepthPolicy``, patched for those requests): whether a forced depth's speed moved with the policy.
 
 ``--control`` also prints adaptive over the mean of a fixed depth's two runs in its group ("both runs"): a
 reference with half the noise of either run.
@@ -46,16 +48,20 @@ import argparse
 import ast
 import collections
 import dataclasses
+import importlib
 import importlib.util
 import json
 import os
 import random
 import statistics
 import sys
+from unittest import mock
 
 from exo.engine import GenerationRequest, SamplingParams, load
 from exo.engine.adaptive import TRACE_ENV, DepthPolicy
 from exo.engine.bench import DEFAULT_PROMPTS, encode_prompt
+
+generate = importlib.import_module("exo.engine.generate")  # the module (its DepthPolicy, patched by --fixed-reference)
 
 BOOTSTRAP = 2000  # resamples behind each median's interval
 
@@ -68,6 +74,8 @@ def main() -> None:
     parser.add_argument("--depths", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--control", action="store_true", help="each fixed depth twice a group: the noise floor")
     parser.add_argument("--reference", metavar="FILE", help="an 'adaptive reference' engine: FILE's DepthPolicy")
+    parser.add_argument("--fixed-reference", action="store_true",
+                        help="with --reference: each fixed depth K >= 1 also as 'k=K reference', under FILE's class")
     parser.add_argument("--tracker", nargs="*", default=[], metavar="NAME=VALUE",
                         help="an 'adaptive variant' engine whose acceptance tracker has these fields")
     parser.add_argument("--policy", nargs="*", default=[], metavar="NAME=VALUE",
@@ -107,9 +115,13 @@ def main() -> None:
         configs.insert(1, (name, None))
         return policy
 
+    reference_class = None
     if args.reference:
         second_engine("adaptive reference")
-        reference(engines["adaptive reference"], args.reference)
+        reference_class = reference(engines["adaptive reference"], args.reference)
+        if args.fixed_reference:  # each fixed depth again, its fixed policy the reference's class
+            configs += [(f"{name} reference", k) for name, k in configs if k]
+            engines.update({f"{name} reference": engines["adaptive reference"] for name, k in configs if k})
     if args.tracker or args.policy:
         variant = second_engine("adaptive variant")
         for target, items in ((variant.tracker, args.tracker), (variant, args.policy)):
@@ -123,7 +135,11 @@ def main() -> None:
             prompt, max_tokens=max_tokens, sampling=SamplingParams(temperature=0),
             native_mtp="off" if k == 0 else "on", mtp_k=None if k in (None, 0) else k,
         )
-        stats = engines[name].complete(request).stats
+        if reference_class is not None and k and name.endswith(" reference"):
+            with mock.patch.object(generate, "DepthPolicy", reference_class):
+                stats = engines[name].complete(request).stats
+        else:
+            stats = engines[name].complete(request).stats
         if k is None and max_tokens == args.max_tokens:
             histogram[name].update(stats.k_histogram)  # rounds per depth (K = 0: plain tokens)
         return stats.decode_tokens_per_s
@@ -151,8 +167,9 @@ def main() -> None:
     report([run_info])
 
 
-def reference(engine, path: str) -> None:
-    """Gives ``engine`` the ``DepthPolicy`` of the module at ``path``, warmed up as ``Engine`` warms its own."""
+def reference(engine, path: str) -> type:
+    """Gives ``engine`` the ``DepthPolicy`` of the module at ``path``, warmed up as ``Engine`` warms its own;
+    returns that class."""
     spec = importlib.util.spec_from_file_location("adaptive_reference", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -163,6 +180,7 @@ def reference(engine, path: str) -> None:
     if config.warm_acceptance and module.can_pay_off(costs, config.max_k):
         policy.tracker.absorb(engine.warm_acceptance())
     engine._policy, engine._policy_key = policy, (config.max_k, config.default_k)
+    return module.DepthPolicy
 
 
 def median_line(ratios: list[float]) -> str:
@@ -192,6 +210,10 @@ def report(runs: list[dict]) -> None:
     adaptive = [name for name in names if name.startswith("adaptive")]
     for a in adaptive[1:]:
         print(f"  {a} / adaptive: " + median_line([x / y for x, y in zip(tps[a], tps["adaptive"], strict=True)]))
+    for name in names:  # --fixed-reference: a forced depth under this commit's policy class and the reference's
+        base = name.removesuffix(" reference")
+        if base != name and not name.startswith("adaptive") and base in tps:
+            print(f"  {base} / {name}: " + median_line([x / y for x, y in zip(tps[base], tps[name], strict=True)]))
     for name in names:
         if name.startswith("adaptive") or name.endswith(" again"):
             continue
