@@ -28,14 +28,10 @@ time as "k=K reference", its forced-depth policy an object of FILE's class (the 
 ``--control`` also prints adaptive over the mean of a fixed depth's two runs in its group ("both runs"): a
 reference with half the noise of either run.
 
-``--tracker idle_forget=1 revert_weight=0`` adds "adaptive variant": another engine on the same checkpoint whose
-policy's acceptance tracker has those fields set (``AcceptanceTracker``; these two: the tracker before its
-estimates reverted to the long-run rate): two settings of the tracker judged request by request in one run.
-
-``--policy probe_far_max=512`` does the same with the depth policy's fields (``DepthPolicy``; this one: the
-probe backoff as before FAR_MISS); with ``--tracker`` too, one variant has both. Values are Python literals
-(``--policy can_draft=True entry_gain=100.0 _probe_every=1000000000``: an engine that tracks the head and never
-drafts, the cost of adaptive's plain decoding without its probes).
+``--policy NAME=VALUE ...`` adds "adaptive variant": another engine on the same checkpoint whose depth policy has
+those fields (``DepthPolicy``), ``--tracker NAME=VALUE ...`` the same for its acceptance tracker; values are Python
+literals (``--policy can_draft=True entry_gain=100.0 probe_every=1000000000``: an engine that tracks the head and
+never drafts, the cost of adaptive's plain decoding without its probes).
 
 ``--save FILE`` writes the run's tokens/s per group as JSON; ``--pool FILE ...`` prints the figures of several
 saved runs pooled (their groups side by side) and runs nothing. Every median comes with a 90% bootstrap
