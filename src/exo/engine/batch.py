@@ -48,9 +48,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache
 
-from .batch_cache import batch_cache, keep_rows_per_sequence
 from .generate import Engine, GenerationChunk, SequenceState, verify_round
 from .models.layers import vector_matmul
 from .verify import verify_logits
@@ -58,21 +57,20 @@ from .verify import verify_logits
 BATCH_HEAD_WINDOW = 4  # head rows an adaptive member keeps waiting while its batch decodes plainly
 
 
-def sequence_bytes(engine: Engine) -> tuple[int, int]:
-    """(bytes of attention KV per token, bytes of recurrent state per sequence) of ``engine``'s model,
-    measured once on a one-token forward (on the device thread) and kept on the engine."""
-    measured = getattr(engine, "_sequence_bytes", None)
+def stage_bytes(engine: Engine) -> list[tuple[int, int]]:
+    """Per stage of ``engine``'s model (one on a single node; a pipeline's leader last): (bytes of attention
+    KV per token, bytes of recurrent state per sequence), each measured where its layers are, once (on the
+    device thread), and kept on the engine."""
+    measured = getattr(engine, "_stage_bytes", None)
     if measured is None:
-        cache = engine.forward.new_cache()
-        mx.eval(engine.forward.hidden(mx.array([[0]], dtype=mx.uint32), cache))
-        per_token = per_sequence = 0
-        for c in cache:
-            if isinstance(c, KVCache):
-                per_token += (c.keys.nbytes + c.values.nbytes) // c.keys.shape[2]
-            else:
-                per_sequence += sum(a.nbytes for a in c.cache if a is not None)
-        measured = engine._sequence_bytes = (per_token, per_sequence)  # type: ignore[attr-defined]
+        measured = engine._stage_bytes = engine.forward.memory_rates()  # type: ignore[attr-defined]
     return measured
+
+
+def sequence_bytes(engine: Engine) -> tuple[int, int]:
+    """(bytes of attention KV per token, bytes of recurrent state per sequence) of the layers in this process
+    (the whole model on a single node; a pipeline's leader: its stage's)."""
+    return stage_bytes(engine)[-1]
 
 
 def batch_bytes(horizons: list[int], per_token: int, per_sequence: int) -> int:
@@ -85,14 +83,15 @@ def batch_bytes(horizons: list[int], per_token: int, per_sequence: int) -> int:
 
 def batch_fits(engine: Engine, horizons: list[int], budget_tokens: int) -> bool:
     """Whether runs with these horizons may decode together within ``budget_tokens`` tokens of the model's
-    KV (a lone run always may: its own context limit bounds it)."""
+    KV on every stage (each stage's memory holds its own layers' KV budget, as placement reserved it; a lone
+    run always may: its own context limit bounds it)."""
     if len(horizons) < 2:
         return True
-    per_token, per_sequence = sequence_bytes(engine)
-    if per_token == 0:  # no attention layer: only the fixed states, which max_batch bounds
-        return True
-    return batch_bytes(horizons, per_token, per_sequence) <= budget_tokens * per_token
-
+    for per_token, per_sequence in stage_bytes(engine):
+        # A stage without attention layers holds only the fixed states, which max_batch bounds.
+        if per_token and batch_bytes(horizons, per_token, per_sequence) > budget_tokens * per_token:
+            return False
+    return True
 
 
 Results = list[tuple[SequenceState, list[GenerationChunk]]]
@@ -111,8 +110,6 @@ class BatchDecoder:
     steps run on (None: the default one)."""
 
     def __init__(self, engine: Engine, stream: mx.Stream | None = None) -> None:
-        if engine.forward.stages != 1:
-            raise ValueError("pipelined models do not batch yet")
         self.engine = engine
         self.stream = stream
         # Runs decoding together with this one's (its lanes' too: BatchLanes), what a run's stats count;
@@ -134,13 +131,10 @@ class BatchDecoder:
         if run.engine is not self.engine:
             raise ValueError("a batch decodes the runs of one engine")
         if not run.batchable:
-            raise ValueError("this run cannot decode in a batch (grammar, logprobs or a pipelined model)")
-        cache = [batch_cache(c) for c in run.join_batch()]  # its head cache and waiting head rows stay its own
-        if not self.runs:
-            self.cache = cache
-        else:
-            for mine, theirs in zip(self.cache, cache, strict=True):
-                mine.extend(theirs)
+            raise ValueError("this run cannot decode in a batch (grammar or logprobs)")
+        # Its backbone caches become the batch's last row, wherever the layers are (a pipeline's stages
+        # mirror it); its head cache and waiting head rows stay its own.
+        self.cache = self.engine.forward.join(self.cache or None, run.join_batch())
         self.runs.append(run)
         self._quiet = False
 
@@ -166,11 +160,11 @@ class BatchDecoder:
             if not self.engine.config.batch_invariant:
                 prepared = self._prepare()
             else:
-                self.engine.model.set_batch_invariant(True)
+                self.engine.forward.set_batch_invariant(True)
                 try:
                     prepared = self._prepare()
                 finally:
-                    self.engine.model.set_batch_invariant(False)
+                    self.engine.forward.set_batch_invariant(False)
 
         def finish() -> Results:
             with self._on_stream():
@@ -341,7 +335,7 @@ class BatchDecoder:
         # The solo round's own scoring (``generate.verify_round``), the batch's caches rolled back per member.
         decisions = verify_round(runs, drafts, engine.forward, self.cache,
                                  lambda hidden: self._logits(hidden, verify=True),
-                                 lambda cache, rows, kept: keep_rows_per_sequence(cache, rows, kept))
+                                 engine.forward.rollback_per_sequence)
         seconds = time.perf_counter() - start
         for run, decision in zip(runs, decisions, strict=True):
             run.observe_batched_round(decision)
@@ -362,13 +356,14 @@ class BatchDecoder:
             self._keep(keep)
 
     def _keep(self, keep: list[int]) -> None:
+        """The members at ``keep`` stay (in that order); the batch's caches follow, wherever the layers are
+        (the last one leaving drops them)."""
         self.runs = [self.runs[i] for i in keep]
         if not keep:
-            self.cache = []
+            cache, self.cache = self.cache, []
+            self.engine.forward.end(cache)
             return
-        index = mx.array(keep)
-        for c in self.cache:
-            c.filter(index)
+        self.engine.forward.filter(self.cache, keep)
 
 
 _LANES = threading.local()  # each thread's lane streams past the first (MLX streams belong to their thread)
@@ -391,7 +386,16 @@ def default_lanes(engine: Engine) -> int:
     the last step's outputs (``_plain_emit``), one lane is as fast or faster at every size measured on a
     2-core x86-64 CPU (exo-demo, ms a step, one lane vs two: 10.3 vs 14.5 at 4 sequences, 12.6 vs 14.4 at 8,
     21.8 vs 21.1 at 16, 43.0 vs 56.7 at 32; bench/batch_steps.py@3c719fd): MLX's ``async_eval`` feeds the lanes'
-    streams one after the other, and building two graphs costs the host twice."""
+    streams one after the other, and building two graphs costs the host twice.
+
+    A pipelined model's batch decodes in one lane too. Lanes there are micro-batches (``BatchLanes.step``
+    evaluates each lane's step as soon as it is built, so the leader computes one lane's layers while the other
+    stages compute the next lane's), and as many as stages measured slower on this 2-core CPU: exo-demo over
+    two stages through ``exo serve``, 8 clients 308 tok/s in two lanes against 483-490 in one, 32 clients 338
+    against 602-705 (bench/results/cpu-2core-pipeline-batching-2026-11-28.txt): each lane's step is a round
+    trip of its own through the stages and a graph of its own for the leader's host thread, and the two
+    stages' processes already keep both cores busy. ``EXO_BATCH_LANES`` turns them on where stages have
+    machines of their own."""
     if engine.config.batch_lanes is not None:
         return max(1, engine.config.batch_lanes)
     return 1
@@ -436,6 +440,16 @@ class BatchLanes:
         together = len(self)
         for lane in busy:
             lane.together = together
+        if self.engine.forward.stages > 1:
+            # Micro-batches through a pipeline: a lane's step is evaluated as soon as it is built, so this
+            # process computes its layers of one lane while the next lane's step (sent when it is built) runs
+            # on the other stages; the first lane's next step then goes out while this one computes the last.
+            prepared = []
+            for lane in busy:
+                prepared.append(lane.prepare())
+                if prepared[-1].arrays:
+                    mx.async_eval(prepared[-1].arrays)
+            return [result for p in prepared for result in p.finish()]
         prepared = [lane.prepare() for lane in busy]
         arrays = [a for p in prepared for a in p.arrays]
         if arrays:
