@@ -580,3 +580,20 @@ def test_mtp_that_cannot_pay_off_against_pipelined_plain_decoding_never_probes()
     policy = DepthPolicy(costs, max_k=1, default_k=1)
     assert not policy.mtp_can_pay_off
     assert policy.choose() == 0 and policy.plain_budget() == 1 << 30
+
+
+def test_a_batch_bucket_probes_plain_decoding_for_a_pair_s_worth_of_steps():
+    """A batch's plain steps come one timing each (a solo burst averages its tokens): a bucket's plain probe runs
+    PAIR_SAMPLES steps, enough for a pair's median, and the round after it is paired with them."""
+    policy = DepthPolicy(WARM, max_k=3, default_k=3, plain_samples=PAIR_SAMPLES)
+    assert policy.choose() == 3
+    for _ in range(PROBE_FIRST):
+        policy.observe_round(3, 3, 0.025)  # drafts landing: K = 3 pays at 2.5
+    probe = []
+    while (k := policy.choose()) == 0:
+        probe.append(k)
+        policy.observe_plain(1, 0.010)
+    assert len(probe) == PAIR_SAMPLES and k == 3
+    for _ in range(PAIR_SAMPLES):
+        policy.observe_round(3, 3, 0.025)  # drafts landing: K = 3 pays at 2.5
+    assert policy.estimator.round_cost(3) == pytest.approx(2.5, rel=0.05)
