@@ -59,16 +59,20 @@ MESSAGE_START_TOKENS = ("<|im_start|>",)
 # A prompt ending at most this many tokens after its last message start ends in a generation header: its last
 # snapshot is the header's start (one snapshot a turn, not two; the next turn prefills the header again).
 HEADER_TOKENS = 16
+# A summary lists this many of the most recently used snapshots (16 bytes each on the wire) and keys (8 each).
+SUMMARY_HEADS = 256
+SUMMARY_KEYS = 64
 
 Arrays = dict[str, mx.array]
 
 
 class PrefixStore(Protocol):
-    """Where a prefix cache keeps its entries (arrays already evaluated)."""
+    """Where a prefix cache keeps its entries (arrays already evaluated); ``group``: the request's
+    ``prompt_cache_key`` group, whose entries the store keeps and evicts together (``MemoryStore``)."""
 
-    def get(self, key: str) -> Arrays | None: ...
+    def get(self, key: str, group: str | None = None) -> Arrays | None: ...
 
-    def put(self, key: str, arrays: Arrays) -> None: ...
+    def put(self, key: str, arrays: Arrays, group: str | None = None) -> Any: ...
 
     def has(self, key: str) -> bool: ...
 
@@ -80,21 +84,55 @@ def nbytes(arrays: Arrays) -> int:
 
 
 class MemoryStore:
-    """Entries in memory, least recently used out first once ``budget_bytes`` is exceeded."""
+    """Entries in memory, least recently used out first once ``budget_bytes`` is exceeded.
+
+    Entries stored or read with a ``group`` (a hash of the request's ``prompt_cache_key``) are kept and
+    dropped together: the group is one unit of the LRU order (its recency: its last use), and evicting it
+    drops all its entries (a conversation's blocks and snapshots are worth little apart: a snapshot
+    restores only with every block before it). An entry belongs to the group that used it last; entries
+    used without a group are units of their own (plain LRU)."""
 
     def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes
-        self._entries: OrderedDict[str, Arrays] = OrderedDict()
+        self._entries: dict[str, Arrays] = {}
         self._sizes: dict[str, int] = {}
+        # unit -> its entries (least recent first); a unit is ("g", group) or ("k", key) for an ungrouped entry
+        self._units: OrderedDict[tuple[str, str], OrderedDict[str, None]] = OrderedDict()
+        self._unit_of: dict[str, tuple[str, str]] = {}
         self.bytes = 0
         self.evictions = 0
         self._lock = threading.Lock()
 
-    def get(self, key: str) -> Arrays | None:
+    def _touch(self, key: str, group: str | None) -> None:
+        unit = ("g", group) if group else self._unit_of.get(key, ("k", key))
+        old = self._unit_of.get(key)
+        if old is not None and old != unit:
+            members = self._units[old]
+            members.pop(key, None)
+            if not members:
+                del self._units[old]
+        members = self._units.get(unit)
+        if members is None:
+            members = self._units[unit] = OrderedDict()
+        members[key] = None
+        members.move_to_end(key)
+        self._units.move_to_end(unit)
+        self._unit_of[key] = unit
+
+    def _drop(self, key: str) -> None:
+        del self._entries[key]
+        self.bytes -= self._sizes.pop(key)
+        unit = self._unit_of.pop(key)
+        members = self._units[unit]
+        members.pop(key, None)
+        if not members:
+            del self._units[unit]
+
+    def get(self, key: str, group: str | None = None) -> Arrays | None:
         with self._lock:
             arrays = self._entries.get(key)
             if arrays is not None:
-                self._entries.move_to_end(key)
+                self._touch(key, group)
             return arrays
 
     def has(self, key: str) -> bool:
@@ -102,33 +140,35 @@ class MemoryStore:
 
     def keys(self) -> list[str]:
         with self._lock:
-            return list(self._entries)
+            return [key for members in self._units.values() for key in members]
 
-    def put(self, key: str, arrays: Arrays) -> list[str]:
+    def put(self, key: str, arrays: Arrays, group: str | None = None) -> list[str]:
         """Returns the keys evicted to make room."""
         size = nbytes(arrays)
         evicted: list[str] = []
         with self._lock:
             if key in self._entries:
-                self.bytes -= self._sizes.pop(key)
-                del self._entries[key]
+                self._drop(key)
             if size > self.budget_bytes:
                 return evicted
             self._entries[key] = arrays
             self._sizes[key] = size
             self.bytes += size
+            self._touch(key, group)
             while self.bytes > self.budget_bytes:
-                old, _ = self._entries.popitem(last=False)
-                self.bytes -= self._sizes.pop(old)
-                self.evictions += 1
-                evicted.append(old)
+                _, members = next(iter(self._units.items()))
+                # The least recent unit goes whole; the one in use (the only one left) loses its oldest entries.
+                victims = list(members) if len(self._units) > 1 else [next(iter(members))]
+                for old in victims:
+                    self._drop(old)
+                    self.evictions += 1
+                    evicted.append(old)
         return evicted
 
     def remove(self, key: str) -> None:
         with self._lock:
             if key in self._entries:
-                del self._entries[key]
-                self.bytes -= self._sizes.pop(key)
+                self._drop(key)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -174,6 +214,49 @@ def block_chain(tokens: Sequence[int], block: int, ns: str) -> list[bytes]:
 def snapshot_key(p: int, chain: list[bytes], tokens: Sequence[int], block: int) -> str:
     m = p // block
     return f"s-{p}-{_digest(chain[m], _token_bytes(tokens[m * block : p])).hex()}"
+
+
+def head_hash(name: str) -> int:
+    """A snapshot key's hash as a summary carries it (its first 64 bits)."""
+    return int(name.rsplit("-", 1)[1][:16], 16)
+
+
+def key_hash(prompt_cache_key: str) -> int:
+    """A ``prompt_cache_key`` as a summary and a store's groups carry it (64 bits of its hash)."""
+    return int.from_bytes(_digest(b"prompt_cache_key", prompt_cache_key.encode("utf-8", "surrogatepass"))[:8], "big")
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What a prefix cache holds, compactly (a runner's status carries it to every router of the cluster):
+    its namespace and block size, the most recently used snapshots as (position, 64 bits of the key's hash),
+    and the most recent ``prompt_cache_key`` hashes it served."""
+
+    namespace: str
+    block_tokens: int
+    heads: tuple[tuple[int, int], ...] = ()
+    keys: tuple[int, ...] = ()
+
+
+def held_prefix(tokens: Sequence[int], summary: Summary, chains: dict[tuple[str, int], list[bytes]] | None = None) -> int:
+    """The longest prefix of ``tokens`` that ``summary`` lists a snapshot of (0: none): the prompt's blocks
+    hashed the way the cache hashes them, then every listed position checked against the prompt's key there.
+    ``chains``: hash chains already computed for other summaries (per namespace and block size)."""
+    n = len(tokens)
+    heads = [(p, h) for p, h in summary.heads if 0 < p < n]
+    if not heads:
+        return 0
+    memo = chains if chains is not None else {}
+    chain = memo.get((summary.namespace, summary.block_tokens))
+    if chain is None:
+        chain = memo[(summary.namespace, summary.block_tokens)] = block_chain(tokens, summary.block_tokens, summary.namespace)
+    best = 0
+    for p, h in sorted(heads, reverse=True):
+        if p <= best:
+            break
+        if head_hash(snapshot_key(p, chain, tokens, summary.block_tokens)) == h:
+            best = p
+    return best
 
 
 def message_starts(tokenizer: Any) -> frozenset[int]:
@@ -232,9 +315,43 @@ class PrefixCache:
         self.stats = PrefixStats()
         # Snapshot positions held (or once held): the candidates a prompt's lookup hashes.
         self._lengths: set[int] = set()
+        # The summary's parts (most recent last): snapshot names -> their positions; prompt_cache_key hashes.
+        self._recent: OrderedDict[str, int] = OrderedDict()
+        self._recent_keys: OrderedDict[int, None] = OrderedDict()
+        self._summary_lock = threading.Lock()
         for key in store.keys():
             if key.startswith(f"{ns}/s-"):
-                self._lengths.add(int(key.split("-", 2)[1]))
+                p = int(key.split("-", 2)[1])
+                self._lengths.add(p)
+                self._note(key[len(ns) + 1 :], p)
+
+    def _note(self, name: str, p: int) -> None:
+        with self._summary_lock:
+            self._recent[name] = p
+            self._recent.move_to_end(name)
+            while len(self._recent) > SUMMARY_HEADS:
+                self._recent.popitem(last=False)
+
+    def note_key(self, prompt_cache_key: str | None) -> str | None:
+        """A request's ``prompt_cache_key``: kept for the summary; returns its store group (None: none)."""
+        if not prompt_cache_key:
+            return None
+        h = key_hash(prompt_cache_key)
+        with self._summary_lock:
+            self._recent_keys[h] = None
+            self._recent_keys.move_to_end(h)
+            while len(self._recent_keys) > SUMMARY_KEYS:
+                self._recent_keys.popitem(last=False)
+        return f"{h:016x}"
+
+    def summary(self) -> Summary:
+        """What this cache holds, for routers (``Summary``); snapshots evicted since are left out. Safe from
+        another thread than the one generating."""
+        with self._summary_lock:
+            recent = list(self._recent.items())
+            keys = tuple(self._recent_keys)
+        heads = tuple((p, head_hash(name)) for name, p in recent if self.store.has(self.key(name)))
+        return Summary(self.ns, self.block, heads, keys)
 
     def figures(self) -> dict[str, int]:
         """Counters of this cache and its store's figures (bytes and counters per tier)."""
@@ -250,8 +367,9 @@ class PrefixCache:
     def key(self, name: str) -> str:
         return f"{self.ns}/{name}"
 
-    def plan(self, tokens: Sequence[int], need_head: bool) -> PrefillPlan:
-        """The restore point and snapshot edges for a prompt."""
+    def plan(self, tokens: Sequence[int], need_head: bool, cache_key: str | None = None) -> PrefillPlan:
+        """The restore point and snapshot edges for a prompt (``cache_key``: its ``prompt_cache_key``)."""
+        group = self.note_key(cache_key)
         tokens = list(tokens)
         chain = block_chain(tokens, self.block, self.ns)
         self.stats.lookups += 1
@@ -272,7 +390,7 @@ class PrefixCache:
                 found = (p, name)
                 break
         edges = snapshot_edges(tokens, self.starts, self.stride, self.min_snapshot)
-        return PrefillPlan(self, tokens, chain, found, edges, need_head)
+        return PrefillPlan(self, tokens, chain, found, edges, need_head, group=group)
 
 
 @dataclass
@@ -293,6 +411,7 @@ class PrefillPlan:
     found: tuple[int, str] | None
     edges: list[int]
     need_head: bool
+    group: str | None = None  # the store group of the request's prompt_cache_key
     restored: int = 0
     _taken: list[_Edge] = field(default_factory=list)
 
@@ -308,13 +427,14 @@ class PrefillPlan:
         p, name = self.found
         c = self.cache
         m = p // c.block
-        snapshot = c.store.get(c.key(name))
-        blocks = [c.store.get(c.key(f"b-{self.chain[b].hex()}")) for b in range(1, m + 1)]
+        g = self.group
+        snapshot = c.store.get(c.key(name), g)
+        blocks = [c.store.get(c.key(f"b-{self.chain[b].hex()}"), g) for b in range(1, m + 1)]
         heads: list[Arrays | None] = []
         head_tail = None
         if self.need_head and head_cache is not None:
-            heads = [c.store.get(c.key(f"h-{self.chain[b].hex()}")) for b in range(1, m + 1)]
-            head_tail = c.store.get(c.key("sh" + name[1:]))
+            heads = [c.store.get(c.key(f"h-{self.chain[b].hex()}"), g) for b in range(1, m + 1)]
+            head_tail = c.store.get(c.key("sh" + name[1:]), g)
             if head_tail is None or any(h is None for h in heads):
                 return None
         if snapshot is None or any(b is None for b in blocks):
@@ -334,6 +454,7 @@ class PrefillPlan:
                 parts.append((head_tail["k"], head_tail["v"]))
             _set_kv(head_cache, parts, p - 1)
         self.restored = p
+        c._note(name, p)
         c.stats.hits += 1
         c.stats.cached_tokens += p
         return snapshot["hidden"]
@@ -398,13 +519,14 @@ class PrefillPlan:
             if head is not None and not store.has(hkey):
                 entries.append((hkey, _head_slice(head, max(lo - 1, 0), p - 1) if p - 1 > max(lo - 1, 0) else {}))
             c._lengths.add(p)
+            c._note(name, p)
         self._taken = []
         if not entries:
             return 0
         mx.eval([a for _, arrays in entries for a in arrays.values()])
         total = 0
         for key, arrays in entries:
-            store.put(key, arrays)
+            store.put(key, arrays, self.group)
             total += nbytes(arrays)
         c.stats.captured_bytes += total
         return total
@@ -456,12 +578,13 @@ class NoPlan:
         return 0
 
 
-def plan_for(cache: PrefixCache | None, tokens: Sequence[int], need_head: bool, stages: int) -> PrefillPlan | NoPlan:
+def plan_for(cache: PrefixCache | None, tokens: Sequence[int], need_head: bool, stages: int,
+             cache_key: str | None = None) -> PrefillPlan | NoPlan:
     """The plan a run's prefill follows (pipelines keep no prefix cache yet: each stage would restore its own
     layers, and the leader settle on the prefix all of them hold)."""
     if cache is None or stages != 1:
         return NoPlan()
-    return cache.plan(tokens, need_head)
+    return cache.plan(tokens, need_head, cache_key)
 
 
 def restore_prefix(cache: PrefixCache | None, state: Any) -> None:
@@ -470,7 +593,8 @@ def restore_prefix(cache: PrefixCache | None, state: Any) -> None:
     prefill's chunk edges and the capture after its first token."""
     if state.output.finish is not None:  # cancelled during the engine's warm-up
         return
-    plan = plan_for(cache, state.request.prompt_tokens, state.track_head, state.forward.stages)
+    plan = plan_for(cache, state.request.prompt_tokens, state.track_head, state.forward.stages,
+                    getattr(state.request, "cache_key", None))
     state._prefix = plan
     if isinstance(plan, NoPlan) or plan.found is None:
         return
