@@ -1,6 +1,6 @@
 """Two real daemons on 127.0.0.1, one instance of exo-demo on each: a request goes to the instance holding its
 longest cached prefix (an agent's next turn to the instance that served the one before, through either
-node's API), one whose prefix no instance holds to its ``prompt_cache_key``'s instance, and otherwise as
+node's API, at once or later), one whose prefix no instance holds to its ``prompt_cache_key``'s instance, and otherwise as
 before (the least loaded, then the node's own)."""
 
 from __future__ import annotations
@@ -101,7 +101,14 @@ def test_the_next_turn_goes_where_its_prefix_is_and_a_key_keeps_its_instance(pai
     wait_for(lambda: _view(a, ib)["prefix_cache"]["held_prefixes"] >= 2, 20, "A to see B's new entries")
     # ... and its next request, whose prefix nobody holds (another system prompt), follows it through A.
     moved = [{"role": "system", "content": _system("the allocator")}, {"role": "user", "content": "Why slow?"}]
-    assert _chat(a, moved, prompt_cache_key="session-7")["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    reply = _chat(a, moved, prompt_cache_key="session-7")
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    count[ib] += 1
+    # Its next turn at once, without the key, through A: before B's summary reaches A (~2.5 s), A's router
+    # remembers what it sent B's instance.
+    follow = moved + [{"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+                      {"role": "user", "content": "Tool result: 3 allocations per call"}]
+    assert _chat(a, follow)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     count[ib] += 1
     _settled(pair[:2], (ia, ib), count)
     # Without the key the same kind of request stays on A's own instance.

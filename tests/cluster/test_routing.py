@@ -52,3 +52,23 @@ def test_without_a_held_prefix_the_key_then_the_load_then_our_own():
     foreign = _candidate("a", held=(9, 21), ns="other")
     foreign.located.instance.prefix_summary.namespace = "ns"
     assert choose([foreign], TOKENS, None).held_tokens == 0
+
+
+def test_the_router_reads_its_own_recent_decisions_as_held(monkeypatch):
+    from exo.cluster import routing
+
+    chat = [1] + [7] * 99 + [1] + list(range(200, 289)) + [1] + [9] * 5  # messages start at 0, 100 and 190
+    reported = _candidate("b").located.instance.prefix_summary
+    heads = routing.stored_heads(chat, routing.summary_from_pb(reported), frozenset({1}), 0)
+    assert [p for p, _ in heads] == [100, 190]  # the system part's end, the generation header
+    recent = routing.Recent()
+    a, b = _candidate("a", ours=True), _candidate("b")
+    assert _pick([a, b], tokens=chat) == "a"
+    recent.add("b", heads, pc.key_hash("k"))
+    nxt = chat[:190] + [1] + [3] * 40 + [1] + [9] * 5  # the next turn
+    choice = choose([a, b], nxt, None, recent)
+    assert choice.located.instance.instance_id == "b" and choice.held_tokens == 190
+    assert _pick([a, b], tokens=[1] + [4] * 120, key="k") == "a"  # (no recent: nothing says b has the key)
+    assert choose([a, b], [1] + [4] * 120, "k", recent).located.instance.instance_id == "b"  # by key
+    monkeypatch.setattr(routing.time, "monotonic", lambda: 1e12)  # long after: the summaries have caught up
+    assert choose([a, b], nxt, None, recent).located.instance.instance_id == "a"

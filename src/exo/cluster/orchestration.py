@@ -46,6 +46,7 @@ from exo.engine import (
     ModelNotAvailableError,
     ResolvedModel,
 )
+from exo.engine.prefix_cache import key_hash, message_starts
 from exo.engine.prompt import prompt_tokens, tokenize
 from exo.engine.resolve import DEFAULT_MODEL
 from exo.metrics import Metrics
@@ -141,6 +142,8 @@ class ClusterModelService:
         # count_tokens' tokenizers: (model id, its directory) -> the tokenizer, loaded in this process
         self._tokenizers: OrderedDict[tuple[str, str], tuple[Any, threading.Lock]] = OrderedDict()
         self._tokenizers_lock = threading.Lock()
+        self._recent_routes = routing.Recent()  # what this node's router sent where lately
+        self._message_starts: dict[str, frozenset[int]] = {}  # model id -> its chat templates' message starts
 
     # -- lifecycle (the app's startup and cleanup hooks) ------------------------------------------------------
     async def start(self) -> None:
@@ -743,17 +746,24 @@ class ClusterModelService:
         """Several ready instances: the one holding the prompt's longest cached prefix (``routing``). Runs in a
         worker thread (it tokenizes the prompt)."""
         tokens = None
-        if any(c.located.instance.prefix_summary.positions for c in candidates):
-            here = self._tokenizer_here(model_id)
-            if here is not None:
-                tokenizer, lock = here
-                prompt, params = request_from_pb(request)  # as the runner reads it
-                try:
-                    with lock:
-                        tokens = prompt_tokens(tokenizer, prompt, params)
-                except Exception:  # noqa: BLE001 - a prompt the owner will refuse: any instance answers that
-                    tokens = None
-        choice = routing.choose(candidates, tokens, request.prompt_cache_key or None)
+        starts: frozenset[int] = frozenset()
+        here = self._tokenizer_here(model_id)
+        if here is not None:
+            tokenizer, lock = here
+            prompt, params = request_from_pb(request)  # as the runner reads it
+            try:
+                with lock:
+                    tokens = prompt_tokens(tokenizer, prompt, params)
+                    starts = self._message_starts.get(model_id) or self._message_starts.setdefault(
+                        model_id, message_starts(tokenizer))
+            except Exception:  # noqa: BLE001 - a prompt the owner will refuse: any instance answers that
+                tokens = None
+        key = request.prompt_cache_key or None
+        choice = routing.choose(candidates, tokens, key, self._recent_routes)
+        # Until its summary says so (~2.5 s), read what the chosen instance will store as held.
+        reported = routing.summary_from_pb(choice.located.instance.prefix_summary)
+        heads = routing.stored_heads(tokens, reported, starts, self.settings.prefix_cache_stride_tokens) if tokens else []
+        self._recent_routes.add(choice.located.instance.instance_id, heads, key_hash(key) if key else None)
         log.debug("routed to %s on %s: %d cached tokens%s", choice.located.instance.instance_id,
                   choice.located.node_id[:8], choice.held_tokens, " (prompt_cache_key)" if choice.by_key else "")
         return choice.located
