@@ -39,7 +39,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -367,16 +367,10 @@ class PrefixCache:
     def key(self, name: str) -> str:
         return f"{self.ns}/{name}"
 
-    def plan(self, tokens: Sequence[int], need_head: bool, cache_key: str | None = None) -> PrefillPlan:
-        """The restore point and snapshot edges for a prompt (``cache_key``: its ``prompt_cache_key``)."""
-        group = self.note_key(cache_key)
-        tokens = list(tokens)
-        chain = block_chain(tokens, self.block, self.ns)
-        self.stats.lookups += 1
-        self.stats.prompt_tokens += len(tokens)
-        found = None
-        # At least the last prompt token is fed (SequenceState.restore): a snapshot at a prompt's end serves
-        # the prompts that extend it.
+    def held(self, tokens: Sequence[int], chain: list[bytes], need_head: bool) -> Iterator[tuple[int, str]]:
+        """The snapshots of ``tokens`` this cache holds with every block before them (and, ``need_head``,
+        the MTP head's parts), deepest first, as (position, snapshot name). At least the last prompt token is
+        fed (SequenceState.restore): a snapshot at a prompt's end serves the prompts that extend it."""
         for p in sorted((p for p in self._lengths if p < len(tokens)), reverse=True):
             name = snapshot_key(p, chain, tokens, self.block)
             if not self.store.has(self.key(name)):
@@ -387,9 +381,27 @@ class PrefixCache:
                 needed += [self.key(f"h-{chain[b].hex()}") for b in range(1, m + 1)]
                 needed.append(self.key("sh" + name[1:]))
             if all(self.store.has(k) for k in needed):
-                found = (p, name)
-                break
-        edges = snapshot_edges(tokens, self.starts, self.stride, self.min_snapshot)
+                yield p, name
+
+    def plan(self, tokens: Sequence[int], need_head: bool, cache_key: str | None = None, *,
+             within: Callable[[list[int]], int] | None = None, edges: list[int] | None = None) -> PrefillPlan:
+        """The restore point and snapshot edges for a prompt (``cache_key``: its ``prompt_cache_key``).
+        A pipeline's stages: ``within`` settles on a position among those this stage holds (the leader asks the
+        other stages, 0: none), ``edges`` are the leader's (a stage has no tokenizer to find message starts)."""
+        group = self.note_key(cache_key)
+        tokens = list(tokens)
+        chain = block_chain(tokens, self.block, self.ns)
+        self.stats.lookups += 1
+        self.stats.prompt_tokens += len(tokens)
+        found = None
+        if within is None:
+            found = next(self.held(tokens, chain, need_head), None)
+        else:
+            held = dict(self.held(tokens, chain, need_head))
+            p = within(sorted(held, reverse=True))
+            found = (p, held[p]) if p in held else None
+        if edges is None:
+            edges = snapshot_edges(tokens, self.starts, self.stride, self.min_snapshot)
         return PrefillPlan(self, tokens, chain, found, edges, need_head, group=group)
 
 
@@ -579,12 +591,68 @@ class NoPlan:
 
 
 def plan_for(cache: PrefixCache | None, tokens: Sequence[int], need_head: bool, stages: int,
-             cache_key: str | None = None) -> PrefillPlan | NoPlan:
-    """The plan a run's prefill follows (pipelines keep no prefix cache yet: each stage would restore its own
-    layers, and the leader settle on the prefix all of them hold)."""
-    if cache is None or stages != 1:
+             cache_key: str | None = None, forward: Any = None) -> PrefillPlan | NoPlan:
+    """The plan a run's prefill follows. A pipeline's leader (``forward``: its ``PipelineForward``) asks the
+    other stages which of the positions it holds they hold too (``prefix_lookup``: every stage keeps its
+    own layers' part under its own namespace) and settles on the deepest all of them hold."""
+    if cache is None:
         return NoPlan()
-    return cache.plan(tokens, need_head, cache_key)
+    if stages == 1:
+        return cache.plan(tokens, need_head, cache_key)
+    lookup = getattr(forward, "prefix_lookup", None)
+    if lookup is None:
+        return NoPlan()
+    return cache.plan(tokens, need_head, cache_key, within=lambda held: max(lookup(list(tokens), held), default=0))
+
+
+class StagePrefix:
+    """The prefix cache of a pipeline stage that does not lead (``serve_stage``), for one sequence at a time:
+    ``lookup`` (which of the leader's positions this stage holds), ``begin`` (restore the settled position
+    into fresh caches, or nothing), then ``step`` after every forward step of the prefill (keeps the
+    recurrent states at the leader's snapshot edges, stores the blocks and snapshots once the prompt is in),
+    ``end`` (the request is over)."""
+
+    def __init__(self, cache: PrefixCache | None) -> None:
+        self.cache = cache
+        self.tokens: list[int] = []
+        self.plan: PrefillPlan | None = None
+        self.position = 0
+
+    def lookup(self, tokens: list[int], candidates: list[int]) -> list[int]:
+        self.tokens, self.plan = list(tokens), None
+        if self.cache is None or not candidates:
+            return []
+        chain = block_chain(self.tokens, self.cache.block, self.cache.ns)
+        held = {p for p, _ in self.cache.held(self.tokens, chain, False)}
+        return [p for p in candidates if p in held]
+
+    def begin(self, caches: list[Any], position: int, edges: list[int], group: str | None) -> bool:
+        """Restore ``position`` (0: none) of the prompt of the last ``lookup`` into ``caches`` (fresh); False
+        when it cannot (evicted, unreadable since): the leader then starts every stage from 0."""
+        self.plan, self.position = None, 0
+        if self.cache is None:
+            return position == 0
+        plan = self.cache.plan(self.tokens, False, within=lambda held: position, edges=edges)
+        plan.group = group
+        if position:
+            if plan.found is None or plan.restore(caches, None) is None:
+                return False
+        self.plan, self.position = plan, position
+        return True
+
+    def step(self, rows: int, caches: list[Any], hidden: mx.array) -> None:
+        """After a forward step of ``rows`` (its caches evaluated)."""
+        if self.plan is None:
+            return
+        self.position += rows
+        self.plan.reached(self.position, caches, hidden)
+        if self.position >= self.plan.n:
+            if self.position == self.plan.n:  # the prompt, no more: store it
+                self.plan.capture(caches, None)
+            self.plan = None
+
+    def end(self) -> None:
+        self.plan, self.tokens, self.position = None, [], 0
 
 
 def restore_prefix(cache: PrefixCache | None, state: Any) -> None:
@@ -593,15 +661,27 @@ def restore_prefix(cache: PrefixCache | None, state: Any) -> None:
     prefill's chunk edges and the capture after its first token."""
     if state.output.finish is not None:  # cancelled during the engine's warm-up
         return
-    plan = plan_for(cache, state.request.prompt_tokens, state.track_head, state.forward.stages,
-                    getattr(state.request, "cache_key", None))
+    forward = state.forward
+    plan = plan_for(cache, state.request.prompt_tokens, state.track_head, forward.stages,
+                    getattr(state.request, "cache_key", None), forward)
     state._prefix = plan
-    if isinstance(plan, NoPlan) or plan.found is None:
+    if isinstance(plan, NoPlan):
         return
-    caches = state.forward.new_cache()
+    caches = forward.new_cache()
     head_cache = KVCache() if state.track_head else None
+    if forward.stages > 1:
+        # Every stage restores the settled position (or, where one cannot, all start from 0 again), and
+        # learns the leader's snapshot edges: each stores its part of the prompt at the same block edges.
+        p = plan.found[0] if plan.found is not None else 0
+        if not forward.prefix_begin(p, plan.edges, plan.group):  # (0 always succeeds)
+            plan.found = None
+            forward.prefix_begin(0, plan.edges, plan.group)
+    if plan.found is None:
+        return
     hidden = plan.restore(caches, head_cache)
     if hidden is None:
+        if forward.stages > 1:  # the leader's own part went missing: every stage starts from 0
+            forward.prefix_begin(0, plan.edges, plan.group)
         return
     if head_cache is None:
         state.restore(plan.restored, caches)
