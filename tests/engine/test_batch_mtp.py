@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from exo.engine import Engine, EngineConfig, SamplingParams
-from exo.engine import batch as batch_module
+from exo.engine import forward as forward_module
 from exo.engine.adaptive import DepthCosts
 from exo.engine.generate import _Run
 
@@ -23,7 +23,7 @@ def rounds(monkeypatch):
     many tokens a member's verdict decided and how many its output took (fewer: it ended inside them)."""
     kept: list[list[int]] = []
     emitted: list[tuple[int, int]] = []
-    keep_rows = batch_module.keep_rows_per_sequence
+    keep_rows = forward_module.keep_rows_per_sequence
     emit = _Run.emit
 
     def spy_keep(cache, rows, counts):
@@ -35,7 +35,7 @@ def rounds(monkeypatch):
         emitted.append((len(decision.emitted), added))
         return added
 
-    monkeypatch.setattr(batch_module, "keep_rows_per_sequence", spy_keep)
+    monkeypatch.setattr(forward_module, "keep_rows_per_sequence", spy_keep)
     monkeypatch.setattr(_Run, "emit", spy_emit)
     return kept, emitted
 

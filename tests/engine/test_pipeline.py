@@ -299,8 +299,9 @@ class _QueueLink:
 @pytest.mark.parametrize("moe", ["route_locked", "batched", "safe"])
 def test_serve_stage_applies_the_headers_verify_mode_and_a_round_moves_header_and_hiddens(checkpoint, moe):
     """A stage that does not lead runs a verify step in the MoE mode its header carries (the leader's), plain
-    steps with none; per round the leader sends the 68-byte header (the rows' ids inline) and receives
-    (K+1) x H activations: 68 B + (K+1) x H x dtype bytes cross the boundary (bench/pipeline.py's figures)."""
+    steps with none; per round the leader sends the 256-byte header (the rows' ids and the previous round's
+    rollback inline) and receives (K+1) x H activations: 256 B + (K+1) x H x dtype bytes cross the boundary
+    (bench/pipeline.py's figures)."""
     import mlx.core as mx
 
     from exo.engine.models.layers import SparseMoeBlock
@@ -350,10 +351,10 @@ def test_serve_stage_applies_the_headers_verify_mode_and_a_round_moves_header_an
             rows = mx.array([[3 + i for i in range(k + 1)]], dtype=mx.uint32)
             mx.eval(forward.hidden(rows, cache, verify=True))
             forward.rollback(cache, k + 1, 1)  # the next step carries the rollback to stage 0
-            assert links[1].sent[sent:] == [4 * HEADER_LEN] == [68]
+            assert links[1].sent[sent:] == [4 * HEADER_LEN] == [256]
             assert forward.bytes_received - received == (k + 1) * hidden_bytes
             assert links[0].sent[-1] == (k + 1) * hidden_bytes
-            assert sum(links[1].sent[sent:]) + links[0].sent[-1] == 68 + (k + 1) * hidden_bytes
+            assert sum(links[1].sent[sent:]) + links[0].sent[-1] == 256 + (k + 1) * hidden_bytes
         mx.eval(forward.hidden(mx.array([[4]], dtype=mx.uint32), cache))  # a plain step
         forward.end(cache)
     finally:

@@ -10,11 +10,16 @@ import pytest
 from exo.engine import load_checkpoint
 from exo.engine.forward import MOE_MODES
 from exo.engine.pipeline import (
+    DROP,
+    FILTER,
     HEADER_LEN,
+    HEADER_NAMES,
     HEADER_VERSION,
-    NO_ROLLBACK,
+    JOIN,
     OP_END,
     OP_SHUTDOWN,
+    ROLLBACK,
+    Op,
     StageSpec,
     StepHeader,
     StepHeaderError,
@@ -23,37 +28,58 @@ from exo.engine.pipeline import (
 from exo.engine.verify import VerifyMode
 
 HEADERS = [
-    StepHeader.forward(0, 20, None, None),  # a prefill chunk: its ids follow the header
-    StepHeader.forward(1, 1, None, None, (42,)),
-    StepHeader.forward(7, 3, VerifyMode("batched", per_row_attention=True), (4, 2), (1, 2, 3)),
-    StepHeader.forward(2**31 - 1, 8, VerifyMode("safe"), (8, 0), tuple(range(100, 108))),
-    StepHeader(OP_END, 12),
+    StepHeader.forward(0, 0, 1, 200, None),  # a prefill chunk: its ids follow the header
+    StepHeader.forward(1, 0, 1, 1, None, tokens=(42,)),
+    StepHeader.forward(7, 3, 1, 3, VerifyMode("batched", per_row_attention=True), (Op(ROLLBACK, 3, (4, 2)),), (1, 2, 3)),
+    StepHeader.forward(2**31 - 1, 5, 1, 8, VerifyMode("safe"), (Op(ROLLBACK, 5, (8, 0)),), tuple(range(100, 108))),
+    # A batch of 4 at K = 2 after a round and a member leaving: every record and the 12 ids inline.
+    StepHeader.forward(9, 2, 3, 3, VerifyMode("route_locked"),
+                       (Op(ROLLBACK, 2, (3, 1, 3, 0, 2)), Op(FILTER, 2, (0, 1, 3)), Op(JOIN, 2, (6,))),
+                       tuple(range(9)), invariant=True),
+    # 64 members: too many ids for the header, they follow it.
+    StepHeader.forward(10, 2, 64, 1, None, (Op(DROP, 4),)),
+    StepHeader(OP_END, 12, slot=7, ops=(Op(ROLLBACK, 7, (2, 1)),)),
     StepHeader(OP_SHUTDOWN, 13),
 ]
 
 
-@pytest.mark.parametrize("header", HEADERS, ids=lambda h: f"op{h.op}-rows{h.rows}")
+@pytest.mark.parametrize("header", HEADERS, ids=lambda h: f"op{h.op}-{h.batch}x{h.rows}-ops{len(h.ops)}")
 def test_a_header_survives_the_wire(header):
     message = header.encode()
-    assert message.dtype == mx.int32 and message.shape == (HEADER_LEN,)
+    assert message.dtype == mx.int32 and message.shape == (HEADER_LEN,) and header.ops_message() is None
     assert StepHeader.decode(message.tolist()) == header
     if header.tokens:  # the leader's path: the ids as a (lazy) array, not read back to the host
         inline = header.encode(mx.array([list(header.tokens)], dtype=mx.uint32))
         assert inline.tolist() == message.tolist()
 
 
+def test_op_records_that_do_not_fit_follow_the_header():
+    """A rollback of a batch of 60 (60 kept counts) does not fit in the header: its records follow it, and the
+    step's ids (which fit alone) follow too, to the first stage."""
+    ops = (Op(ROLLBACK, 1, (3, *[i % 4 for i in range(60)])), Op(FILTER, 1, tuple(range(59))))
+    header = StepHeader.forward(4, 1, 59, 1, None, ops, ())
+    assert not header.ops_inline and not header.tokens_inline
+    message, records = header.encode(), header.ops_message()
+    assert records is not None and records.shape == (header.ops_length,) == (3 + 61 + 3 + 59,)
+    assert StepHeader.ops_length_of(message.tolist()) == header.ops_length
+    assert StepHeader.decode(message.tolist(), records.tolist()) == header
+    with pytest.raises(StepHeaderError, match="followed it"):
+        StepHeader.decode(message.tolist())
+    with pytest.raises(StepHeaderError, match="followed it"):
+        StepHeader.decode(message.tolist(), records.tolist()[:-1])
+
+
 def test_every_moe_mode_round_trips():
     for mode in MOE_MODES:
-        header = StepHeader.forward(3, 2, VerifyMode(mode), None, (5, 6))
+        header = StepHeader.forward(3, 0, 1, 2, VerifyMode(mode), (), (5, 6))
         decoded = StepHeader.decode(header.encode().tolist())
-        assert decoded.verify_mode == VerifyMode(mode) and decoded.keep_rows == NO_ROLLBACK
+        assert decoded.verify_mode == VerifyMode(mode) and not decoded.ops
 
 
 def _fields(**changes) -> list[int]:
-    values = StepHeader.forward(0, 2, None, None, (5, 6)).encode().tolist()
-    names = ["version", "op", "step", "rows", "verify", "moe", "per_row", "keep_rows", "keep_kept"]
+    values = StepHeader.forward(0, 0, 1, 2, None, (), (5, 6)).encode().tolist()
     for name, value in changes.items():
-        values[names.index(name)] = value
+        values[HEADER_NAMES.index(name)] = value
     return values
 
 
@@ -62,15 +88,34 @@ def _fields(**changes) -> list[int]:
     ({"version": 0}, "version"),
     ({"op": 9}, "unknown step op"),
     ({"rows": 0}, "malformed"),
+    ({"batch": 0}, "malformed"),
+    ({"slot": -1}, "malformed"),
     ({"verify": 1}, "malformed"),  # a verify step without its MoE mode
     ({"moe": len(MOE_MODES) + 1, "verify": 1}, "malformed"),
-    ({"keep_rows": 2, "keep_kept": 3}, "malformed"),
+    ({"invariant": 2}, "malformed"),
+    ({"ops": 2}, "malformed op record|truncated"),  # the ids read as records
 ])
 def test_a_header_this_stage_cannot_act_on_is_a_typed_error(changes, match):
     with pytest.raises(StepHeaderError, match=match):
         StepHeader.decode(_fields(**changes))
     with pytest.raises(StepHeaderError, match="int32"):
         StepHeader.decode(_fields()[:-1])
+
+
+@pytest.mark.parametrize("record", [
+    [9, 0, 0],  # an unknown code
+    [ROLLBACK, 0, 1, 3],  # a rollback without kept counts
+    [ROLLBACK, 0, 3, 2, 1, 3],  # a sequence keeping more rows than the call had
+    [JOIN, 0, 1, 0],  # a slot joining itself
+    [JOIN, 0, 0],
+    [FILTER, 0, 0],  # a filter keeping nothing (the batch ends with DROP / END)
+    [FILTER, 0, 2, 1, 1],  # a row kept twice
+    [DROP, 0, 1, 5],
+    [ROLLBACK, 0, 5, 1],  # truncated
+])
+def test_an_op_record_this_stage_cannot_act_on_is_a_typed_error(record):
+    with pytest.raises(StepHeaderError, match="op record"):
+        Op.parse(record)
 
 
 class _ScriptedLink:
@@ -91,18 +136,23 @@ class _ScriptedLink:
 
 
 @pytest.mark.parametrize("bad, match", [
-    (StepHeader.forward(2, 1, None, None, (9,)), "step 2 arrived, expected step 1"),  # step 1 was lost
-    (StepHeader.forward(0, 1, None, None, (9,)), "step 0 arrived, expected step 1"),  # step 0 again
-    (StepHeader.forward(1, 1, None, None, (9,)).encode().tolist(), "version"),
+    (StepHeader.forward(2, 0, 1, 1, None, tokens=(9,)), "step 2 arrived, expected step 1"),  # step 1 was lost
+    (StepHeader.forward(0, 0, 1, 1, None, tokens=(9,)), "step 0 arrived, expected step 1"),  # step 0 again
+    (StepHeader.forward(1, 0, 1, 1, None, tokens=(9,)).encode().tolist(), "version"),
+    (StepHeader.forward(1, 0, 2, 1, None, tokens=(9, 9)), "2 sequences on slot 0 of 1"),  # slot 0 is no batch
+    (StepHeader.forward(1, 1, 1, 1, None, (Op(ROLLBACK, 1, (2, 1)),), (9,)), "does not hold"),  # nothing on slot 1
+    (StepHeader.forward(1, 0, 1, 1, None, (Op(ROLLBACK, 0, (2, 1, 1)),), (9,)), "2 sequences on slot 0 of 1"),
+    (StepHeader.forward(1, 0, 1, 1, None, (Op(FILTER, 0, (0,)),), (9,)), "not a batch"),
+    (StepHeader.forward(1, 3, 1, 1, None, (Op(JOIN, 3, (2,)),), (9,)), "does not hold"),
 ])
-def test_a_stage_fed_a_skipped_step_or_another_version_stops_before_computing(checkpoint, bad, match):
+def test_a_stage_fed_a_skipped_step_another_version_or_a_slot_it_lacks_stops_before_computing(checkpoint, bad, match):
     loaded = load_checkpoint(checkpoint("qwen3_5", dtype="float32"), layers=(0, 2))
     if isinstance(bad, list):
         bad[0] = HEADER_VERSION + 1
         message = mx.array(bad, dtype=mx.int32)
     else:
         message = bad.encode()
-    link = _ScriptedLink([StepHeader.forward(0, 2, None, None, (5, 6)).encode(), message])
+    link = _ScriptedLink([StepHeader.forward(0, 0, 1, 2, None, tokens=(5, 6)).encode(), message])
     with pytest.raises(StepHeaderError, match=match):
         serve_stage(loaded.model, StageSpec(0, 2, 0, 2), link)
     assert link.sent == [(1, 2, loaded.model.hidden_size)]  # step 0's hiddens; nothing for the bad step
@@ -111,12 +161,53 @@ def test_a_stage_fed_a_skipped_step_or_another_version_stops_before_computing(ch
 def test_a_stage_follows_the_steps_in_order_through_end_and_shutdown(checkpoint):
     loaded = load_checkpoint(checkpoint("qwen3_5", dtype="float32"), layers=(0, 2))
     link = _ScriptedLink([
-        StepHeader.forward(0, 2, None, None, (5, 6)).encode(),
-        StepHeader.forward(1, 1, None, None, (7,)).encode(),
-        StepHeader(OP_END, 2).encode(),
-        StepHeader.forward(3, 1, None, None, (5,)).encode(),
+        StepHeader.forward(0, 0, 1, 2, None, tokens=(5, 6)).encode(),
+        StepHeader.forward(1, 0, 1, 1, None, tokens=(7,)).encode(),
+        StepHeader(OP_END, 2, slot=0).encode(),
+        StepHeader.forward(3, 1, 1, 1, None, tokens=(5,)).encode(),
         StepHeader(OP_SHUTDOWN, 4).encode(),
     ])
     serve_stage(loaded.model, StageSpec(0, 2, 0, 2), link)
     h = loaded.model.hidden_size
     assert link.sent == [(1, 2, h), (1, 1, h), (1, 1, h)] and not link.messages
+
+
+def test_a_stage_mirrors_the_leaders_batch_operations_on_its_own_caches(checkpoint):
+    """Two sequences prefill on slots of their own, join batch slot 2, step together, roll back per sequence
+    after a verify call, the first leaves (a filter) and the batch ends: the stage's hiddens for the batch
+    equal those of its one-node twin doing the same operations directly (``LocalForward``), and a slot that
+    ended holds nothing."""
+    from exo.engine.forward import LocalForward
+
+    loaded = load_checkpoint(checkpoint("qwen3_5", dtype="float32"), layers=(0, 2))
+    twin = LocalForward(load_checkpoint(checkpoint("qwen3_5", dtype="float32"), layers=(0, 2)).model)
+    h = loaded.model.hidden_size
+    a, b = [5, 6, 7], [8, 9]
+    messages = [
+        StepHeader.forward(0, 0, 1, 3, None, tokens=tuple(a)).encode(),
+        StepHeader.forward(1, 1, 1, 2, None, tokens=tuple(b)).encode(),
+        StepHeader.forward(2, 2, 2, 1, None, (Op(JOIN, 2, (0,)), Op(JOIN, 2, (1,))), (10, 11)).encode(),
+        StepHeader.forward(3, 2, 2, 3, VerifyMode("route_locked"), (), (12, 13, 14, 15, 16, 17)).encode(),
+        StepHeader.forward(4, 2, 1, 1, None, (Op(ROLLBACK, 2, (3, 1, 3)), Op(FILTER, 2, (1,))), (18,)).encode(),
+        StepHeader(OP_END, 5, slot=2).encode(),
+        StepHeader(OP_SHUTDOWN, 6).encode(),
+    ]
+    sent: list[mx.array] = []
+
+    class Recording(_ScriptedLink):
+        def send(self, x, dst: int) -> None:
+            super().send(x, dst)
+            sent.append(x)
+
+    serve_stage(loaded.model, StageSpec(0, 2, 0, 2), Recording(messages))
+    ca, cb = twin.new_cache(), twin.new_cache()
+    twin_out = [twin.hidden(mx.array([a], dtype=mx.uint32), ca), twin.hidden(mx.array([b], dtype=mx.uint32), cb)]
+    batch = twin.join(twin.join(None, ca), cb)
+    twin_out.append(twin.hidden(mx.array([[10], [11]], dtype=mx.uint32), batch))
+    twin_out.append(twin.hidden(mx.array([[12, 13, 14], [15, 16, 17]], dtype=mx.uint32), batch, verify=True))
+    twin.rollback_per_sequence(batch, 3, [1, 3])
+    twin.filter(batch, [1])
+    twin_out.append(twin.hidden(mx.array([[18]], dtype=mx.uint32), batch))
+    assert [tuple(x.shape) for x in sent] == [(1, 3, h), (1, 2, h), (2, 1, h), (2, 3, h), (1, 1, h)]
+    for got, want in zip(sent, twin_out, strict=True):
+        assert mx.array_equal(got, want).item()

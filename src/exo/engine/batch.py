@@ -50,7 +50,6 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from .batch_cache import batch_cache, keep_rows_per_sequence
 from .generate import Engine, GenerationChunk, SequenceState, verify_round
 from .models.layers import vector_matmul
 from .verify import verify_logits
@@ -71,6 +70,7 @@ def sequence_bytes(engine: Engine) -> tuple[int, int]:
                 per_token += (c.keys.nbytes + c.values.nbytes) // c.keys.shape[2]
             else:
                 per_sequence += sum(a.nbytes for a in c.cache if a is not None)
+        engine.forward.end(cache)
         measured = engine._sequence_bytes = (per_token, per_sequence)  # type: ignore[attr-defined]
     return measured
 
@@ -111,8 +111,6 @@ class BatchDecoder:
     steps run on (None: the default one)."""
 
     def __init__(self, engine: Engine, stream: mx.Stream | None = None) -> None:
-        if engine.forward.stages != 1:
-            raise ValueError("pipelined models do not batch yet")
         self.engine = engine
         self.stream = stream
         # Runs decoding together with this one's (its lanes' too: BatchLanes), what a run's stats count;
@@ -134,13 +132,10 @@ class BatchDecoder:
         if run.engine is not self.engine:
             raise ValueError("a batch decodes the runs of one engine")
         if not run.batchable:
-            raise ValueError("this run cannot decode in a batch (grammar, logprobs or a pipelined model)")
-        cache = [batch_cache(c) for c in run.join_batch()]  # its head cache and waiting head rows stay its own
-        if not self.runs:
-            self.cache = cache
-        else:
-            for mine, theirs in zip(self.cache, cache, strict=True):
-                mine.extend(theirs)
+            raise ValueError("this run cannot decode in a batch (grammar or logprobs)")
+        # Its backbone caches become the batch's last row, wherever the layers are (a pipeline's stages
+        # mirror it); its head cache and waiting head rows stay its own.
+        self.cache = self.engine.forward.join(self.cache or None, run.join_batch())
         self.runs.append(run)
         self._quiet = False
 
@@ -166,11 +161,11 @@ class BatchDecoder:
             if not self.engine.config.batch_invariant:
                 prepared = self._prepare()
             else:
-                self.engine.model.set_batch_invariant(True)
+                self.engine.forward.set_batch_invariant(True)
                 try:
                     prepared = self._prepare()
                 finally:
-                    self.engine.model.set_batch_invariant(False)
+                    self.engine.forward.set_batch_invariant(False)
 
         def finish() -> Results:
             with self._on_stream():
@@ -341,7 +336,7 @@ class BatchDecoder:
         # The solo round's own scoring (``generate.verify_round``), the batch's caches rolled back per member.
         decisions = verify_round(runs, drafts, engine.forward, self.cache,
                                  lambda hidden: self._logits(hidden, verify=True),
-                                 lambda cache, rows, kept: keep_rows_per_sequence(cache, rows, kept))
+                                 engine.forward.rollback_per_sequence)
         seconds = time.perf_counter() - start
         for run, decision in zip(runs, decisions, strict=True):
             run.observe_batched_round(decision)
@@ -362,13 +357,14 @@ class BatchDecoder:
             self._keep(keep)
 
     def _keep(self, keep: list[int]) -> None:
+        """The members at ``keep`` stay (in that order); the batch's caches follow, wherever the layers are
+        (the last one leaving drops them)."""
         self.runs = [self.runs[i] for i in keep]
         if not keep:
-            self.cache = []
+            cache, self.cache = self.cache, []
+            self.engine.forward.end(cache)
             return
-        index = mx.array(keep)
-        for c in self.cache:
-            c.filter(index)
+        self.engine.forward.filter(self.cache, keep)
 
 
 _LANES = threading.local()  # each thread's lane streams past the first (MLX streams belong to their thread)

@@ -7,10 +7,12 @@ process that holds the last stage.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import mlx.core as mx
 
+from .batch_cache import batch_cache, keep_rows_per_sequence
 from .models.backbone import SpeculativeBackbone
 from .models.layers import MoEVerifyMode, RollbackArraysCache
 from .verify import VerifyMode
@@ -51,7 +53,26 @@ class Forward(Protocol):
         ...
 
     def end(self, cache: list[Any]) -> None:
-        """The request is over (finished, cancelled or failed): nothing of it may survive anywhere."""
+        """The request (or batch) is over (finished, cancelled or failed): nothing of these caches may survive
+        anywhere."""
+        ...
+
+    # -- what a batch (engine/batch.py) does to its caches, everywhere the backbone's layers are -----------
+    def join(self, batch: list[Any] | None, member: list[Any]) -> list[Any]:
+        """One sequence's caches (at a step boundary) join ``batch`` (None: the batch is made of them) as its
+        last row; returns the batch's caches. ``member`` is the batch's from now on."""
+        ...
+
+    def filter(self, cache: list[Any], keep: Sequence[int]) -> None:
+        """A batch keeps these rows, in this order (members left; at least one stays: else ``end``)."""
+        ...
+
+    def rollback_per_sequence(self, cache: list[Any], rows: int, kept: Sequence[int]) -> None:
+        """After a batched verify call of ``rows`` rows per sequence, sequence b keeps its first ``kept[b]``."""
+        ...
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Around a batch's step: every layer computes each sequence's rows as its solo step would."""
         ...
 
 
@@ -110,3 +131,22 @@ class LocalForward:
 
     def end(self, cache: list[Any]) -> None:
         """Nothing to do: the caches die with the request."""
+
+    def join(self, batch: list[Any] | None, member: list[Any]) -> list[Any]:
+        theirs = [batch_cache(c) for c in member]
+        if not batch:
+            return theirs
+        for mine, c in zip(batch, theirs, strict=True):
+            mine.extend(c)
+        return batch
+
+    def filter(self, cache: list[Any], keep: Sequence[int]) -> None:
+        index = mx.array(list(keep))
+        for c in cache:
+            c.filter(index)
+
+    def rollback_per_sequence(self, cache: list[Any], rows: int, kept: Sequence[int]) -> None:
+        keep_rows_per_sequence(cache, rows, kept)
+
+    def set_batch_invariant(self, on: bool) -> None:
+        self.model.set_batch_invariant(on)

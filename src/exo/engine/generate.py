@@ -656,8 +656,9 @@ class SequenceState:
     @property
     def batchable(self) -> bool:
         """Whether a batch (exo.engine.batch: batched plain steps and batched MTP rounds) can carry this run
-        (grammars and logprobs stay solo, and so do pipelined models)."""
-        return self.matcher is None and self.top_logprobs is None and self.forward.stages == 1
+        (grammars and logprobs stay solo). A pipelined model batches as one node does: its forward mirrors the
+        batch's cache operations on every stage."""
+        return self.matcher is None and self.top_logprobs is None
 
     def _handover(self) -> bool:
         """Asked to leave the solo loop for a batch (``GenerationRequest.yield_to_batch``)."""
@@ -896,19 +897,27 @@ class SequenceState:
         # Finished, cancelled, failed or abandoned: a pipeline's other stages drop the request too. When the
         # loop failed, that error is the one to report: a failure of ``end`` (the stages are likely down for
         # the same reason) is logged, never raised in its place.
+        # A run handed over to a batch keeps its caches for it (``join_batch``): nothing ends then.
         try:
             yield from self._stream()
         except Exception:
             try:
-                self.forward.end(self.cache)
+                self.release()
             except Exception:
                 log.exception("ending the request on the pipeline failed after the generation failed")
             raise
         except BaseException:  # closed (GeneratorExit) or interrupted: no error of the loop's to keep
-            self.forward.end(self.cache)
+            self.release()
             raise
         else:
-            self.forward.end(self.cache)
+            if not self.handed_over:
+                self.release()
+
+    def release(self) -> None:
+        """The request is over: its backbone caches are dropped wherever the layers are (``forward.end``: a
+        pipeline's stages drop its slot; this process's die with the sequence). A sequence whose caches a batch
+        holds has none of its own left (``join_batch``)."""
+        self.forward.end(self.cache)
 
     def begin(self, chunk: int | None = None) -> Iterator[GenerationChunk]:
         """``prefill`` whole, then ``first_token``: the sequence is then at a step boundary."""

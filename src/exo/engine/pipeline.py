@@ -25,29 +25,46 @@ runner builds on ``mx.distributed`` (ring backend over TCP: ``exo.runner.group.R
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import mlx.core as mx
 
+from .batch_cache import batch_cache, keep_rows_per_sequence
 from .forward import MOE_MODES, keep_rows, verify_call
 from .models.backbone import SpeculativeBackbone
 from .verify import VerifyMode
 
 log = logging.getLogger(__name__)
 
-# The step header: a fixed int32 [HEADER_LEN] message (``StepHeader``): 9 named fields, then up to INLINE_TOKENS
-# token ids (a decode step's or a verify round's rows travel in the header itself: one message per step; a
-# longer prefill chunk follows it). ``version`` changes with the layout; ``step`` counts the leader's messages
+# The step header: a fixed int32 [HEADER_LEN] message (``StepHeader``): HEADER_FIELDS named fields, then an inline
+# area of INLINE ints. Every message names the cache slot it acts on (a stage holds one set of caches per slot:
+# a solo sequence's, a batch's; the leader assigns the ids). Cache operations the leader did on its own layers
+# since its last message (``Op``: a rollback, a member joining a batch, members leaving it, a slot dropped)
+# travel with the next message as a variable-length list of records and every stage applies them in order
+# before the message's own action; the records and then the step's token ids fill the inline area, and what
+# does not fit follows the header (the records as an int32 message every stage passes on, the ids as a uint32
+# message to the first stage only). ``version`` changes with the layout; ``step`` counts the leader's messages
 # since the group formed, so a stage that misses or repeats one stops instead of computing on the wrong input.
 OP_FORWARD, OP_END, OP_SHUTDOWN = 1, 2, 3
-HEADER_VERSION = 1
-HEADER_FIELDS = 9
-INLINE_TOKENS = 8
-HEADER_LEN = HEADER_FIELDS + INLINE_TOKENS
+HEADER_VERSION = 2
+HEADER_NAMES = ("version", "op", "step", "slot", "batch", "rows", "verify", "moe", "per_row", "invariant", "ops")
+HEADER_FIELDS = len(HEADER_NAMES)
+INLINE = 53  # ints after the fields: a 64-int32 (256-byte) header
+HEADER_LEN = HEADER_FIELDS + INLINE
+INLINE_TOKENS = INLINE  # the most token ids a header carries (with no op records)
 NO_ROLLBACK = -1
+MAX_SLOT = 2**31 - 1
+
+# Cache operations (``Op.code``); a record on the wire is [code, slot, n, *args] (n = len(args)):
+ROLLBACK = 1  # args [rows, kept_0..kept_{B-1}]: the slot's last verify call of ``rows`` rows per sequence keeps kept_b of sequence b
+JOIN = 2  # args [member]: slot ``member``'s (one sequence's) caches join batch ``slot`` as its last row (made from them when new); ``member`` is dropped
+FILTER = 3  # args [i_0..i_{n-1}]: batch ``slot`` keeps these rows, in this order (n >= 1)
+DROP = 4  # no args: the slot's caches are dropped (a request, or a batch, is over)
+OP_CODES = (ROLLBACK, JOIN, FILTER, DROP)
 
 
 class StepHeaderError(RuntimeError):
@@ -56,64 +73,144 @@ class StepHeaderError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Op:
+    """One cache operation the leader did on its own layers, for every other stage to mirror on its own."""
+
+    code: int
+    slot: int
+    args: tuple[int, ...] = ()
+
+    def ints(self) -> list[int]:
+        return [self.code, self.slot, len(self.args), *self.args]
+
+    @staticmethod
+    def parse(values: list[int]) -> tuple[Op, ...]:
+        """Op records -> ops; ``StepHeaderError`` for an unknown code, a wrong length or arguments out of range."""
+        ops, i = [], 0
+        while i < len(values):
+            if i + 3 > len(values):
+                raise StepHeaderError(f"a truncated op record at {i} of {values}")
+            code, slot, n = values[i : i + 3]
+            args = tuple(values[i + 3 : i + 3 + n])
+            if code not in OP_CODES or not 0 <= slot <= MAX_SLOT or n < 0 or len(args) != n:
+                raise StepHeaderError(f"malformed op record {values[i : i + 3 + max(n, 0)]}")
+            if (code == ROLLBACK and (n < 2 or any(not 0 <= k <= args[0] for k in args[1:]))
+                    or code == JOIN and (n != 1 or not 0 <= args[0] <= MAX_SLOT or args[0] == slot)
+                    or code == FILTER and (n < 1 or min(args) < 0 or len(set(args)) != n)
+                    or code == DROP and n != 0):
+                raise StepHeaderError(f"malformed op record {values[i : i + 3 + n]}")
+            ops.append(Op(code, slot, args))
+            i += 3 + n
+        return tuple(ops)
+
+
+def _op_ints(ops: tuple[Op, ...]) -> list[int]:
+    return [v for op in ops for v in op.ints()]
+
+
+@dataclass(frozen=True)
 class StepHeader:
-    """What the leader decided for one step, as every stage reads it. ``moe``: 0 for a plain step, else
-    1 + the index of the verify call's MoE mode in ``MOE_MODES``; ``keep_rows``/``keep_kept``: the previous
-    verify call's rows and how many of them to keep (``NO_ROLLBACK``: none owed); ``tokens``: the step's ids
-    when ``rows <= INLINE_TOKENS`` (the first stage's input), else empty."""
+    """What the leader decided for one step, as every stage reads it. ``slot``: the caches it runs on;
+    ``batch`` x ``rows``: the step's rows (sequences x rows each); ``moe``: 0 for a plain step, else 1 + the
+    index of the verify call's MoE mode in ``MOE_MODES``; ``invariant``: the batch-invariant layers
+    (``EngineConfig.batch_invariant``); ``ops``: the cache operations to apply first; ``tokens``: the step's
+    ids when they fit in the header (the first stage's input), else empty (they follow it)."""
 
     op: int
     step: int
+    slot: int = 0
+    batch: int = 1
     rows: int = 0
     verify: bool = False
     moe: int = 0
     per_row: bool = False
-    keep_rows: int = NO_ROLLBACK
-    keep_kept: int = NO_ROLLBACK
+    invariant: bool = False
+    ops: tuple[Op, ...] = ()
     tokens: tuple[int, ...] = ()
     version: int = HEADER_VERSION
 
     @classmethod
-    def forward(cls, step: int, rows: int, verify: VerifyMode | None, rollback: tuple[int, int] | None,
-                tokens: tuple[int, ...] = ()) -> StepHeader:
-        keep, kept = rollback if rollback is not None else (NO_ROLLBACK, NO_ROLLBACK)
+    def forward(cls, step: int, slot: int, batch: int, rows: int, verify: VerifyMode | None,
+                ops: tuple[Op, ...] = (), tokens: tuple[int, ...] = (), invariant: bool = False) -> StepHeader:
         moe = 0 if verify is None else MOE_MODES.index(verify.moe) + 1
-        return cls(OP_FORWARD, step, rows, verify is not None, moe, bool(verify is not None and verify.per_row_attention),
-                   keep, kept, tokens)
+        return cls(OP_FORWARD, step, slot, batch, rows, verify is not None, moe,
+                   bool(verify is not None and verify.per_row_attention), invariant, ops, tokens)
+
+    @property
+    def ops_length(self) -> int:
+        return sum(3 + len(op.args) for op in self.ops)
+
+    @property
+    def ops_inline(self) -> bool:
+        """Whether the op records travel in the header (else in an int32 message right after it)."""
+        return self.ops_length <= INLINE
+
+    @property
+    def tokens_inline(self) -> bool:
+        """Whether the step's ids travel in the header (else a uint32 message to the first stage follows)."""
+        return (self.op == OP_FORWARD and self.ops_inline
+                and self.ops_length + self.batch * self.rows <= INLINE)
 
     def fields(self) -> list[int]:
-        return [self.version, self.op, self.step, self.rows, int(self.verify), self.moe, int(self.per_row),
-                self.keep_rows, self.keep_kept]
+        return [self.version, self.op, self.step, self.slot, self.batch, self.rows, int(self.verify), self.moe,
+                int(self.per_row), int(self.invariant), self.ops_length]
 
     def encode(self, inline: mx.array | None = None) -> mx.array:
         """The int32 [HEADER_LEN] message. ``inline``: the step's ids as an array (kept lazy: the leader's
-        drafts need not be read back to the host to be sent), instead of ``tokens``."""
-        if inline is None:
-            inline = mx.array(list(self.tokens), dtype=mx.int32)
-        inline = inline.reshape(-1).astype(mx.int32)
-        if inline.shape[0] > INLINE_TOKENS:
-            raise ValueError(f"{inline.shape[0]} token ids inline, at most {INLINE_TOKENS}")
-        padding = mx.zeros((INLINE_TOKENS - inline.shape[0],), dtype=mx.int32)
-        return mx.concatenate([mx.array(self.fields(), dtype=mx.int32), inline, padding])
+        drafts need not be read back to the host to be sent), instead of ``tokens``; it is used only when
+        the ids fit (``tokens_inline``)."""
+        parts = [mx.array(self.fields() + (_op_ints(self.ops) if self.ops_inline else []), dtype=mx.int32)]
+        used = self.ops_length if self.ops_inline else 0
+        if self.tokens_inline:
+            ids = inline if inline is not None else mx.array(list(self.tokens), dtype=mx.int32)
+            ids = ids.reshape(-1).astype(mx.int32)
+            if ids.shape[0] != self.batch * self.rows:
+                raise ValueError(f"{ids.shape[0]} token ids for a step of {self.batch} x {self.rows} rows")
+            parts.append(ids)
+            used += ids.shape[0]
+        elif self.tokens:
+            raise ValueError(f"{len(self.tokens)} token ids do not fit in the header: they follow it")
+        parts.append(mx.zeros((INLINE - used,), dtype=mx.int32))
+        return mx.concatenate(parts)
+
+    def ops_message(self) -> mx.array | None:
+        """The op records that do not fit in the header (sent right after it, passed on by every stage)."""
+        return None if self.ops_inline else mx.array(_op_ints(self.ops), dtype=mx.int32)
 
     @classmethod
-    def decode(cls, values: list[int]) -> StepHeader:
-        """A received message -> the header; ``StepHeaderError`` for another version, an unknown op or fields
-        out of range (never a guess)."""
+    def decode(cls, values: list[int], ops: list[int] | None = None) -> StepHeader:
+        """A received message -> the header; ``ops``: the op records that followed it (when they did not fit).
+        ``StepHeaderError`` for another version, an unknown op or fields out of range (never a guess)."""
         if len(values) != HEADER_LEN:
             raise StepHeaderError(f"a step header of {len(values)} int32, expected {HEADER_LEN}")
-        version, op, step, rows, verify, moe, per_row, keep, kept = values[:HEADER_FIELDS]
+        version, op, step, slot, batch, rows, verify, moe, per_row, invariant, ops_length = values[:HEADER_FIELDS]
         if version != HEADER_VERSION:
             raise StepHeaderError(f"step header version {version}, this stage speaks {HEADER_VERSION}: "
                                   "every stage of a pipeline must run the same exo version")
         if op not in (OP_FORWARD, OP_END, OP_SHUTDOWN):
             raise StepHeaderError(f"unknown step op {op} (step {step})")
-        if op == OP_FORWARD and (rows < 1 or verify not in (0, 1) or not 0 <= moe <= len(MOE_MODES)
-                                 or bool(verify) != (moe > 0) or per_row not in (0, 1)
-                                 or (keep != NO_ROLLBACK and not 0 <= kept <= keep)):
-            raise StepHeaderError(f"malformed forward step header {values[:HEADER_FIELDS]}")
-        inline = values[HEADER_FIELDS : HEADER_FIELDS + rows] if op == OP_FORWARD and rows <= INLINE_TOKENS else []
-        return cls(op, step, rows, bool(verify), moe, bool(per_row), keep, kept, tuple(inline), version)
+        if (not 0 <= slot <= MAX_SLOT or ops_length < 0 or invariant not in (0, 1)
+                or op == OP_FORWARD and (rows < 1 or batch < 1 or verify not in (0, 1) or not 0 <= moe <= len(MOE_MODES)
+                                         or bool(verify) != (moe > 0) or per_row not in (0, 1))):
+            raise StepHeaderError(f"malformed step header {values[:HEADER_FIELDS]}")
+        area = values[HEADER_FIELDS:]
+        inline_ops = ops_length <= INLINE
+        if inline_ops:
+            records = area[:ops_length]
+        elif ops is None or len(ops) != ops_length:
+            raise StepHeaderError(f"a step header announces {ops_length} ints of op records, "
+                                  f"{'none' if ops is None else len(ops)} followed it")
+        else:
+            records = ops
+        header = cls(op, step, slot, batch, rows, bool(verify), moe, bool(per_row), bool(invariant), Op.parse(records))
+        if header.tokens_inline:
+            header = dataclasses.replace(header, tokens=tuple(area[ops_length : ops_length + batch * rows]))
+        return header
+
+    @staticmethod
+    def ops_length_of(values: list[int]) -> int:
+        """The op records' length a raw header announces (to receive them when they follow it)."""
+        return values[HEADER_NAMES.index("ops")] if len(values) == HEADER_LEN else 0
 
     @property
     def verify_mode(self) -> VerifyMode | None:
@@ -171,8 +268,29 @@ def hidden_dtype(model: SpeculativeBackbone) -> mx.Dtype:
     return layer.input_layernorm.weight.dtype
 
 
+class StageCaches(list):  # noqa: FURB189 - a list the loop and the batch use as any cache list
+    """One slot's caches of this process's layers: the list the loop and a batch hold, with the slot id the
+    other stages know the same sequence's (or batch's) caches by."""
+
+    def __init__(self, caches: list[Any], slot: int) -> None:
+        super().__init__(caches)
+        self.slot = slot
+
+
+def _slot(cache: list[Any]) -> int:
+    slot = getattr(cache, "slot", None)
+    if slot is None:
+        raise ValueError("these caches were not made by this pipeline's forward (no slot)")
+    return slot
+
+
 class PipelineForward:
-    """The leader's (last stage's) view of the backbone: a ``Forward`` whose calls run every stage."""
+    """The leader's (last stage's) view of the backbone: a ``Forward`` whose calls run every stage.
+
+    Every cache list it hands out (``new_cache``, ``join``) is a ``StageCaches`` with a slot id; the other
+    stages keep their own layers' caches under the same id. Cache operations (a rollback, a join, a filter)
+    run on the leader's layers at once and are owed to the other stages, which apply them, in order, when
+    the next message arrives (no message of their own: a step stays one message each way)."""
 
     def __init__(self, model: SpeculativeBackbone, stage: StageSpec, link: Link,
                  verify: VerifyMode | None = None) -> None:
@@ -184,26 +302,26 @@ class PipelineForward:
         self.verify = verify or VerifyMode()
         self.stages = stage.world_size
         self.dtype = hidden_dtype(model)
-        self._rollback: tuple[int, int] | None = None  # owed to the other stages, sent with the next step
+        self._ops: list[Op] = []  # owed to the other stages, sent with the next message
         self.bytes_sent = 0  # by this stage, for the benchmark's per-round figures
         self.bytes_received = 0
         self._step = 0  # the next step header's number: every stage expects them in order from 0
+        self._slots = 0  # the next slot id
+        self._invariant = False
 
-    def new_cache(self) -> list[Any]:
-        return self.model.make_cache()
+    def new_cache(self) -> StageCaches:
+        return StageCaches(self.model.make_cache(), self._new_slot())
 
     def hidden(self, tokens: mx.array, cache: list[Any], *, verify: bool = False) -> mx.array:
-        rows = int(tokens.shape[-1])
-        inline = rows <= INLINE_TOKENS
-        header = StepHeader.forward(self._next_step(), rows, self.verify if verify else None, self._rollback)
-        self._rollback = None
-        self.link.send(header.encode(tokens if inline else None), 0)
-        if not inline:  # a prefill chunk's ids follow the header (the first stage reads the row count)
+        batch, rows = (int(n) for n in tokens.shape)
+        header = StepHeader.forward(self._next_step(), _slot(cache), batch, rows, self.verify if verify else None,
+                                    self._take_ops(), invariant=self._invariant)
+        self._send_header(header, tokens if header.tokens_inline else None)
+        if not header.tokens_inline:  # a prefill chunk's (or a wide batch's) ids follow the header
             self.link.send(tokens.reshape(-1).astype(mx.uint32), 0)
-            self.bytes_sent += 4 * rows
-        h = self.link.recv((1, rows, self.model.hidden_size), self.dtype, self.stage.previous)
-        self.bytes_sent += 4 * HEADER_LEN
-        self.bytes_received += rows * self.model.hidden_size * self.dtype.size
+            self.bytes_sent += 4 * batch * rows
+        h = self.link.recv((batch, rows, self.model.hidden_size), self.dtype, self.stage.previous)
+        self.bytes_received += batch * rows * self.model.hidden_size * self.dtype.size
         if not verify:
             return self.model.stage_hidden(h, cache)
         with verify_call(self.model, cache, self.verify):
@@ -211,25 +329,143 @@ class PipelineForward:
 
     def rollback(self, cache: list[Any], rows: int, kept: int) -> None:
         keep_rows(cache, rows, kept)
-        self._rollback = (rows, kept)
+        self._ops.append(Op(ROLLBACK, _slot(cache), (rows, kept)))
+
+    def rollback_per_sequence(self, cache: list[Any], rows: int, kept: Sequence[int]) -> None:
+        keep_rows_per_sequence(cache, rows, kept)
+        self._ops.append(Op(ROLLBACK, _slot(cache), (rows, *kept)))
+
+    def join(self, batch: list[Any] | None, member: list[Any]) -> list[Any]:
+        theirs = [batch_cache(c) for c in member]
+        if not batch:
+            batch = StageCaches(theirs, self._new_slot())
+        else:
+            for mine, c in zip(batch, theirs, strict=True):
+                mine.extend(c)
+        self._ops.append(Op(JOIN, _slot(batch), (_slot(member),)))
+        return batch
+
+    def filter(self, cache: list[Any], keep: Sequence[int]) -> None:
+        index = mx.array(list(keep))
+        for c in cache:
+            c.filter(index)
+        self._ops.append(Op(FILTER, _slot(cache), tuple(keep)))
+
+    def set_batch_invariant(self, on: bool) -> None:
+        self.model.set_batch_invariant(on)
+        self._invariant = on
 
     def end(self, cache: list[Any]) -> None:
-        self._rollback = None
-        self.link.send(StepHeader(OP_END, self._next_step()).encode(), 0)
+        """The slot's caches are dropped everywhere (a cache list without a slot, one a batch took over, has
+        nothing to drop)."""
+        slot = getattr(cache, "slot", None)
+        if slot is None:
+            return
+        self._send_header(StepHeader(OP_END, self._next_step(), slot, ops=self._take_ops()))
 
     def shutdown(self) -> None:
         """Tell the other stages to return from ``serve_stage`` (the group is closing)."""
-        self.link.send(StepHeader(OP_SHUTDOWN, self._next_step()).encode(), 0)
+        self._ops = []
+        self._send_header(StepHeader(OP_SHUTDOWN, self._next_step()))
+
+    def _send_header(self, header: StepHeader, inline: mx.array | None = None) -> None:
+        self.link.send(header.encode(inline), 0)
+        self.bytes_sent += 4 * HEADER_LEN
+        ops = header.ops_message()
+        if ops is not None:
+            self.link.send(ops, 0)
+            self.bytes_sent += 4 * ops.shape[0]
+
+    def _take_ops(self) -> tuple[Op, ...]:
+        ops, self._ops = tuple(self._ops), []
+        return ops
+
+    def _new_slot(self) -> int:
+        slot, self._slots = self._slots, (self._slots + 1) % (MAX_SLOT + 1)
+        return slot
 
     def _next_step(self) -> int:
         step, self._step = self._step, self._step + 1
         return step
 
 
+class StageSlots:
+    """A serving stage's caches, by slot: one sequence's (``batch`` 1) or a batch's (``BatchKVCache`` rows)."""
+
+    def __init__(self, model: SpeculativeBackbone, rank: int) -> None:
+        self.model, self.rank = model, rank
+        self.caches: dict[int, list[Any]] = {}
+        self.sizes: dict[int, int] = {}  # a batch slot's sequences; absent: a one-sequence slot
+
+    def _get(self, slot: int, what: str) -> list[Any]:
+        cache = self.caches.get(slot)
+        if cache is None:
+            raise StepHeaderError(f"pipeline stage {self.rank}: {what} on slot {slot}, which it does not hold")
+        return cache
+
+    def apply(self, op: Op) -> None:
+        if op.code == DROP:
+            self.drop(op.slot)
+        elif op.code == ROLLBACK:
+            cache = self._get(op.slot, "a rollback")
+            rows, kept = op.args[0], op.args[1:]
+            size = self.sizes.get(op.slot)
+            if len(kept) != (size or 1):
+                raise StepHeaderError(f"pipeline stage {self.rank}: a rollback of {len(kept)} sequences on slot "
+                                      f"{op.slot} of {size or 1}")
+            if size is None:
+                keep_rows(cache, rows, kept[0])
+            else:
+                keep_rows_per_sequence(cache, rows, kept)
+        elif op.code == JOIN:
+            member = op.args[0]
+            if member in self.sizes:
+                raise StepHeaderError(f"pipeline stage {self.rank}: slot {member} is a batch; only a sequence joins one")
+            theirs = [batch_cache(c) for c in self._get(member, "a join")]
+            del self.caches[member]
+            if op.slot in self.caches:
+                if op.slot not in self.sizes:
+                    raise StepHeaderError(f"pipeline stage {self.rank}: a join into slot {op.slot}, not a batch")
+                for mine, c in zip(self.caches[op.slot], theirs, strict=True):
+                    mine.extend(c)
+                self.sizes[op.slot] += 1
+            else:
+                self.caches[op.slot], self.sizes[op.slot] = theirs, 1
+        elif op.code == FILTER:
+            cache = self._get(op.slot, "a filter")
+            size = self.sizes.get(op.slot)
+            if size is None or max(op.args) >= size:
+                raise StepHeaderError(f"pipeline stage {self.rank}: rows {list(op.args)} of slot {op.slot} "
+                                      f"({'not a batch' if size is None else f'{size} sequences'})")
+            index = mx.array(list(op.args))
+            for c in cache:
+                c.filter(index)
+            self.sizes[op.slot] = len(op.args)
+
+    def forward_cache(self, header: StepHeader) -> list[Any]:
+        cache = self.caches.get(header.slot)
+        if cache is None:
+            if header.batch != 1:
+                raise StepHeaderError(f"pipeline stage {self.rank}: a step of {header.batch} sequences on a new slot")
+            cache = self.caches[header.slot] = self.model.make_cache()
+        elif header.batch != self.sizes.get(header.slot, 1):
+            raise StepHeaderError(f"pipeline stage {self.rank}: a step of {header.batch} sequences on slot "
+                                  f"{header.slot} of {self.sizes.get(header.slot, 1)}")
+        return cache
+
+    def drop(self, slot: int) -> None:
+        """Nothing of the slot survives (a slot never used, or dropped already, is no error: a request may end
+        before its first step)."""
+        self.caches.pop(slot, None)
+        self.sizes.pop(slot, None)
+
+
 def serve_stage(
-    model: SpeculativeBackbone, stage: StageSpec, link: Link, *, on_step: Callable[[], None] | None = None
+    model: SpeculativeBackbone, stage: StageSpec, link: Link, *, on_step: Callable[[], None] | None = None,
+    slots: StageSlots | None = None,
 ) -> None:
-    """A stage that does not lead: run steps until the leader shuts the group down.
+    """A stage that does not lead: run steps until the leader shuts the group down. ``slots``: the table of
+    caches it keeps (by default a new one; tests pass theirs to see what it holds).
 
     Raises what the link raises when a member of the group is lost (the caller ends the process: the
     group is disposable and is formed anew).
@@ -239,40 +475,53 @@ def serve_stage(
     dtype = hidden_dtype(model)
     hidden_size = model.hidden_size
     forward_header = stage.next != stage.world_size - 1  # the leader knows the header: it wrote it
-    cache = model.make_cache()
+    slots = slots if slots is not None else StageSlots(model, stage.rank)
     expected = 0  # the step number the next header must carry
     while True:
         message = link.recv((HEADER_LEN,), mx.int32, stage.previous)
         mx.eval(message)
-        header = StepHeader.decode(message.tolist())
+        values = message.tolist()
+        ops_message = None
+        ops_length = StepHeader.ops_length_of(values)
+        if ops_length > INLINE:
+            ops_message = link.recv((ops_length,), mx.int32, stage.previous)
+            mx.eval(ops_message)
+        header = StepHeader.decode(values, ops_message.tolist() if ops_message is not None else None)
         if header.step != expected:
             raise StepHeaderError(f"pipeline stage {stage.rank}: step {header.step} arrived, expected step {expected} "
                                   "(a message was lost or repeated)")
         expected += 1
-        if header.op in (OP_END, OP_SHUTDOWN):
-            if forward_header:
-                link.send(message, stage.next)
-            if header.op == OP_SHUTDOWN:
-                return
-            cache = model.make_cache()  # nothing of a request survives it
+        if forward_header:  # the next stage reads them while this one computes
+            link.send(message, stage.next)
+            if ops_message is not None:
+                link.send(ops_message, stage.next)
+        for op in header.ops:
+            slots.apply(op)
+        if header.op == OP_SHUTDOWN:
+            return
+        if header.op == OP_END:
+            slots.drop(header.slot)  # nothing of a request survives it
             continue
-        rows = header.rows
-        if header.keep_rows != NO_ROLLBACK:
-            keep_rows(cache, header.keep_rows, header.keep_kept)
-        if stage.first and rows <= INLINE_TOKENS:
-            x = mx.array(list(header.tokens), dtype=mx.uint32)[None]
+        cache = slots.forward_cache(header)
+        batch, rows = header.batch, header.rows
+        if stage.first and header.tokens_inline:
+            x = mx.array(list(header.tokens), dtype=mx.uint32).reshape(batch, rows)
         elif stage.first:
-            x = link.recv((rows,), mx.uint32, stage.previous)[None]
+            x = link.recv((batch * rows,), mx.uint32, stage.previous).reshape(batch, rows)
         else:
-            x = link.recv((1, rows, hidden_size), dtype, stage.previous)
-        verify = header.verify_mode
-        if verify is not None:
-            with verify_call(model, cache, verify):
+            x = link.recv((batch, rows, hidden_size), dtype, stage.previous)
+        if header.invariant:
+            model.set_batch_invariant(True)
+        try:
+            verify = header.verify_mode
+            if verify is not None:
+                with verify_call(model, cache, verify):
+                    h = model.stage_hidden(x, cache)
+            else:
                 h = model.stage_hidden(x, cache)
-        else:
-            h = model.stage_hidden(x, cache)
-        if forward_header:
-            link.send(message, stage.next)  # the next stage reads it while this one computes
+        finally:
+            if header.invariant:
+                model.set_batch_invariant(False)
         # The wire carries ``dtype`` (every stage's receive expects it): a layer that computes in float32
         # (bfloat16 MoE experts on a CPU without bf16 gather_mm) would otherwise send twice the bytes.
         h = h if h.dtype == dtype else h.astype(dtype)

@@ -466,6 +466,7 @@ class Device:
                 try:
                     if next(chunks, None) is not None:  # one prefill chunk done, more to come: decode steps first
                         if new.cancelled():
+                            new.release()  # a pipeline's stages drop its caches too
                             job.consume(new.final_chunk())
                             leave(job)
                         else:
@@ -474,12 +475,14 @@ class Device:
                     for chunk in new.first_token():
                         job.consume(chunk)
                     if new.output.finish is not None:
+                        new.release()
                         job.consume(new.final_chunk())
                         leave(job)
                     else:
                         batch.add(new)
                         members[id(new)] = job
                 except Exception as e:
+                    _release(new)
                     leave(job, e)
             if prefilling:
                 batch.interleaved()  # prefill ran on the device: this round's time is not a round's alone
@@ -529,3 +532,12 @@ class Device:
         with self._cv:
             running = len(self.active)
             return {"queue_depth": self._waiting_bounded, "running": running, "generations": self.generations}
+
+
+def _release(run: SequenceState) -> None:
+    """A newcomer that failed before it joined: its caches dropped where it can be (a failed pipeline's
+    stages may be gone: then the group is formed anew anyway)."""
+    try:
+        run.release()
+    except Exception:  # noqa: BLE001 - the newcomer's own error is the one reported
+        log.exception("could not drop a failed newcomer's caches")

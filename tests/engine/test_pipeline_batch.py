@@ -1,0 +1,291 @@
+"""Continuous batching through a pipeline (engine/batch.py over engine/pipeline.py): the batch's one loop runs
+on the leader with a ``PipelineForward`` as its backbone, and every other stage mirrors the batch's cache
+operations (joins, filters, per-sequence rollbacks) on its own layers' caches, by slot. Stage 0 serves steps
+on a thread of this process over an in-process link (as tests/engine/test_pipeline.py's), on genuine tiny
+checkpoints. Every member of a pipelined batch gets exactly its single-node solo output: greedy with native MTP
+off, at forced depths and adaptive, members joining (newcomers prefilling in chunks between the batch's steps)
+and leaving; seeded sampling reproduces the solo samples; a stop, max_tokens or a cancellation ends one member
+and leaves the others exact."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import queue
+import threading
+
+import pytest
+
+from exo.engine import Engine, EngineConfig, SamplingParams, load_checkpoint
+from exo.engine import pipeline as pipeline_module
+from exo.engine.adaptive import DepthCosts
+from exo.engine.batch import BatchDecoder
+
+from .test_batch import CHUNK, TEXTS, _solo
+from .test_pipeline import _QueueLink
+
+SPLIT = (2, 4)  # the fixtures' 4 layers: stage 0 holds 0-1, the leader 2-3
+
+
+class _Pipeline:
+    """Stage 0 serving on a thread (parked once it returns: a thread that ran MLX may abort the process as it
+    exits), the leader's engine here. ``slots``: stage 0's slot table (what it holds)."""
+
+    def __init__(self, path, eos: bool, config: EngineConfig) -> None:
+        first = load_checkpoint(path, layers=(0, SPLIT[0]))
+        leader = load_checkpoint(path, layers=SPLIT)
+        if not eos:
+            leader = dataclasses.replace(leader, eos_token_ids=frozenset())
+        queues = {(0, 1): queue.Queue(), (1, 0): queue.Queue()}
+        self.links = [_QueueLink(0, queues), _QueueLink(1, queues)]
+        self.errors: list[BaseException] = []
+        self.slots = pipeline_module.StageSlots(first.model, 0)
+        self.done, park = threading.Event(), threading.Event()
+
+        def stage0() -> None:
+            try:
+                pipeline_module.serve_stage(first.model, pipeline_module.StageSpec(0, 2, 0, SPLIT[0]), self.links[0],
+                                            slots=self.slots)
+            except BaseException as e:  # noqa: BLE001 - reported by the test
+                self.errors.append(e)
+                queues[(0, 1)].put(e)
+            self.done.set()
+            park.wait()
+
+        threading.Thread(target=stage0, daemon=True).start()
+        self.forward = pipeline_module.PipelineForward(
+            leader.model, pipeline_module.StageSpec(1, 2, SPLIT[0], SPLIT[1]), self.links[1])
+        self.engine = Engine(leader, config, forward=self.forward)
+
+    def close(self) -> None:
+        self.forward.shutdown()
+        assert self.done.wait(60)
+        assert not self.errors, self.errors
+
+
+@pytest.fixture
+def pipelined(checkpoint):
+    """``pipelined(arch, eos=False, **config)`` -> (the pipelined leader's engine, the pipeline)."""
+    made: list[_Pipeline] = []
+
+    def make(arch: str, eos: bool = False, **config) -> tuple[Engine, _Pipeline]:
+        pipe = _Pipeline(checkpoint(arch, dtype="float32"), eos, EngineConfig(prefill_chunk=CHUNK, **config))
+        made.append(pipe)
+        return pipe.engine, pipe
+
+    yield make
+    for pipe in made:
+        pipe.close()
+
+
+@functools.cache
+def _whole(path, eos: bool = False) -> Engine:
+    loaded = load_checkpoint(path)
+    if not eos:
+        loaded = dataclasses.replace(loaded, eos_token_ids=frozenset())
+    return Engine(loaded, EngineConfig(prefill_chunk=CHUNK))
+
+
+def _prompt(engine: Engine, i: int, length: int | None = None) -> list[int]:
+    ids = list(engine.loaded.tokenizer.encode(TEXTS[i % len(TEXTS)]))
+    while length is not None and len(ids) < length:
+        ids += ids
+    return ids[:length] if length is not None else ids
+
+
+def _requests(engine: Engine, specs: list[dict]) -> list:
+    from exo.engine import GenerationRequest
+
+    out = []
+    for i, spec in enumerate(specs):
+        spec = dict(spec)
+        prompt = _prompt(engine, i, spec.pop("length", None))
+        out.append(GenerationRequest(prompt, max_tokens=spec.pop("max_tokens", 16), **spec))
+    return out
+
+
+def _drive(engine: Engine, requests, join_at, cancel=None, chunk: int = CHUNK):
+    """Decode ``requests`` in one pipelined batch as the device queue does: request i arrives before step
+    ``join_at[i]``, prefills one chunk of ``chunk`` tokens per batch step while the batch decodes, and joins
+    after its first token; ``cancel``: {i: step} ends request i from that step on. Every member's invariants
+    are checked between steps. Returns per request (token ids, text, finish reason, stats)."""
+    cancel = cancel or {}
+    batch = BatchDecoder(engine)
+    out = {i: ([], [], None, None) for i in range(len(requests))}
+    index: dict[int, int] = {}
+    clock = [0]
+    pending = set(range(len(requests)))
+    prefilling: list = []
+
+    def take(i, chunk):
+        tokens, text, _, _ = out[i]
+        tokens.extend(chunk.token_ids)
+        text.append(chunk.text)
+        if chunk.finish_reason is not None:
+            out[i] = (tokens, text, chunk.finish_reason, chunk.stats)
+
+    while pending or prefilling or len(batch):
+        for i in sorted(pending):
+            if join_at[i] <= clock[0]:
+                pending.discard(i)
+                request = requests[i]
+                if i in cancel:
+                    request = dataclasses.replace(request, should_stop=lambda at=cancel[i]: clock[0] >= at)
+                run = engine.start(request)
+                index[id(run)] = i
+                prefilling.append((i, run, run.prefill(chunk)))
+        still = []
+        for i, run, chunks in prefilling:
+            if next(chunks, None) is not None:  # a chunk done, more to come: the batch steps first
+                if run.cancelled():  # as the device queue does: it leaves, its caches dropped everywhere
+                    run.release()
+                    take(i, run.final_chunk())
+                else:
+                    still.append((i, run, chunks))
+                continue
+            for c in run.first_token():
+                take(i, c)
+            if run.output.finish is not None:
+                run.release()
+                take(i, run.final_chunk())
+            else:
+                batch.add(run)
+        prefilling = still
+        if len(batch):
+            for run, chunks in batch.step():
+                for c in chunks:
+                    take(index[id(run)], c)
+            batch.check_invariants()
+        clock[0] += 1
+    return {i: (tokens, "".join(text), finish, stats) for i, (tokens, text, finish, stats) in out.items()}
+
+
+def _check(whole: Engine, requests, got, finish: str | None = "length") -> None:
+    for i, request in enumerate(requests):
+        solo = _solo(whole, dataclasses.replace(request, should_stop=None))
+        tokens, text, reason, stats = got[i]
+        assert tokens == solo.token_ids, f"request {i}"
+        assert text == solo.text and reason == solo.finish_reason, f"request {i}"
+        if finish is not None:
+            assert reason == finish, f"request {i}"
+        assert stats.mode == "pipeline" and stats.stages == 2 and stats.completion_tokens == len(tokens)
+
+
+def _no_slots_left(pipe: _Pipeline) -> None:
+    """Every request and batch that ended dropped its caches on stage 0 too (nothing leaks)."""
+    assert not pipe.slots.caches and not pipe.slots.sizes
+
+
+# Prompts of 30 tokens (four chunks of 8) join while the others decode; budgets differ, so members leave at
+# different steps.
+JOINS = dict(join_at=[0, 0, 2, 3, 6])
+SPECS = [dict(max_tokens=m, length=n) for m, n in zip((20, 7, 16, 12, 5), (None, 30, 30, None, 17), strict=True)]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("mtp", ["off", "k2", "k1-k3"])
+def test_a_pipelined_batch_decodes_every_member_as_its_single_node_solo(checkpoint, pipelined, arch, mtp):
+    engine, pipe = pipelined(arch)
+    depth = {"off": [None] * 5, "k2": [2] * 5, "k1-k3": [1, 3, None, 3, 1]}[mtp]
+    specs = [dict(spec, **({"mtp_k": k, "native_mtp": "on"} if k else {"native_mtp": "off"}))
+             for spec, k in zip(SPECS, depth, strict=True)]
+    requests = _requests(engine, specs)
+    got = _drive(engine, requests, **JOINS)
+    _check(_whole(checkpoint(arch, dtype="float32")), requests, got)
+    assert max(got[0][3].batch_sizes) >= 3  # members decoded together
+    if mtp != "off":
+        drafting = [s for _, _, _, s in got.values() if s.enabled]
+        assert all(s.rounds > 0 for s in drafting)
+        # Drafts were rejected (rows rolled back per member on both stages) and accepted.
+        assert 0 < sum(s.accepted_tokens for s in drafting) < sum(s.drafted_tokens for s in drafting)
+    _no_slots_left(pipe)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_adaptive_depth_in_a_pipelined_batch_switches_between_plain_steps_and_rounds(checkpoint, pipelined, arch):
+    """With costs that say drafting pays (as on a GPU), the pipelined batch crosses between batched plain
+    steps and rounds; every member stays exact."""
+    engine, pipe = pipelined(arch)
+    engine._costs = DepthCosts(beta=(1.2, 1.3, 1.4), delta=(0.01, 0.02, 0.03), device="test", plain_s=1.0, stages=2)
+    requests = _requests(engine, [dict(max_tokens=40), dict(max_tokens=30, length=30), dict(max_tokens=35)])
+    got = _drive(engine, requests, join_at=[0, 0, 3])
+    _check(_whole(checkpoint(arch, dtype="float32")), requests, got)
+    for _, _, _, stats in got.values():
+        assert stats.enabled and stats.rounds > 0 and stats.k_histogram.get(0, 0) > 0
+    _no_slots_left(pipe)
+
+
+def test_seeded_sampling_and_penalties_in_a_pipelined_batch_reproduce_the_solo_samples(checkpoint, pipelined):
+    engine, pipe = pipelined("qwen3_5")
+    samplings = [
+        SamplingParams(temperature=0.9, seed=1),
+        SamplingParams(temperature=0.0, presence_penalty=2.0, frequency_penalty=2.0, repetition_penalty=5.0),
+        SamplingParams(temperature=1.2, top_p=0.9, seed=2, repetition_penalty=1.3),
+        SamplingParams(temperature=0.9, top_k=20, seed=1),  # the same seed as the first: its own stream
+    ]
+    specs = [dict(max_tokens=20, sampling=s, native_mtp="off") for s in samplings]
+    specs += [dict(max_tokens=20, sampling=SamplingParams(temperature=0.8, seed=7), mtp_k=2, native_mtp="on")]
+    requests = _requests(engine, specs)
+    got = _drive(engine, requests, join_at=[0, 0, 1, 2, 3])
+    whole = _whole(checkpoint("qwen3_5", dtype="float32"))
+    for i, request in enumerate(requests):
+        # Plain members against plain solo sampling; the drafting one against its solo MTP samples at K = 2.
+        solo = whole.complete(request) if request.mtp_k else _solo(whole, request)
+        assert got[i][0] == solo.token_ids, f"request {i}"
+    assert got[4][3].rounds > 0
+    _no_slots_left(pipe)
+
+
+def test_a_stop_max_tokens_or_cancellation_ends_one_member_and_leaves_the_others_exact(checkpoint, pipelined):
+    path = checkpoint("qwen3_5", dtype="float32")
+    engine, pipe = pipelined("qwen3_5", eos=True)
+    whole, free = _whole(path, eos=True), _whole(path)
+    full = _solo(free, _requests(free, [dict(max_tokens=24)])[0]).text
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    specs = [
+        dict(max_tokens=24, stop=[stop], mtp_k=3, native_mtp="on"),  # a stop string inside an accepted run
+        dict(max_tokens=20, mtp_k=2, native_mtp="on", ignore_eos=True),  # cancelled at step 4
+        dict(max_tokens=9, native_mtp="off", ignore_eos=True),  # max_tokens
+        dict(max_tokens=1, native_mtp="off"),  # done at its first token: never joins
+        dict(max_tokens=30, native_mtp="off", length=30, ignore_eos=True),  # cancelled while it prefills
+        dict(max_tokens=22, mtp_k=1, native_mtp="on"),
+    ]
+    requests = _requests(engine, specs)
+    got = _drive(engine, requests, join_at=[0, 0, 0, 1, 2, 2], cancel={1: 4, 4: 3})
+    for i in (0, 2, 3, 5):
+        solo = _solo(whole, requests[i])
+        assert got[i][:3] == (solo.token_ids, solo.text, solo.finish_reason), f"request {i}"
+    assert got[0][2] == "stop" and stop not in got[0][1]
+    assert got[2][2] == "length" and len(got[2][0]) == 9
+    for i in (1, 4):
+        tokens, _, finish, _ = got[i]
+        assert finish == "cancelled", f"request {i}"
+        assert tokens == _solo(whole, requests[i]).token_ids[: len(tokens)]
+    assert len(got[4][0]) == 0  # it never reached its first token
+    _no_slots_left(pipe)
+
+
+def test_a_solo_pipelined_run_hands_over_to_a_batch_and_both_stay_exact(checkpoint, pipelined):
+    """The solo loop leaves at a step boundary (``yield_to_batch``) with its caches on both stages; they become
+    the batch's first row, and a newcomer joins it."""
+    engine, pipe = pipelined("qwen3_5")
+    calls: list[int] = []
+    first, second = _requests(engine, [dict(max_tokens=30, mtp_k=2, native_mtp="on"), dict(max_tokens=12)])
+    first = dataclasses.replace(first, yield_to_batch=lambda: calls.append(1) or len(calls) >= 5)
+    run = engine.start(first)
+    streamed = [t for chunk in run.stream() for t in chunk.token_ids]
+    assert run.handed_over and run.output.finish is None and 1 <= len(streamed) < 30
+    batch = BatchDecoder(engine)
+    batch.add(run)
+    other = engine.start(second)
+    other_tokens = [t for chunk in other.begin() for t in chunk.token_ids]
+    batch.add(other)
+    while len(batch):
+        for r, chunks in batch.step():
+            for chunk in chunks:
+                (streamed if r is run else other_tokens).extend(chunk.token_ids)
+        batch.check_invariants()
+    whole = _whole(checkpoint("qwen3_5", dtype="float32"))
+    assert streamed == _solo(whole, dataclasses.replace(first, yield_to_batch=None)).token_ids
+    assert other_tokens == _solo(whole, second).token_ids
+    _no_slots_left(pipe)
