@@ -252,11 +252,23 @@ def test_keys_depend_on_every_token_and_the_namespace():
     assert pc.snapshot_key(13, a, tokens, 8) != pc.snapshot_key(13, a, tokens[:12] + [7] + tokens[13:], 8)
 
 
-def test_pipelines_keep_no_prefix_cache_yet():
+def test_a_pipeline_plan_settles_on_what_the_stages_hold():
+    # (tests/engine/test_prefix_cache_pipeline.py runs it through a pipeline)
     cache = pc.PrefixCache(pc.MemoryStore(1 << 20), "ns", block_tokens=4)
-    assert isinstance(pc.plan_for(cache, list(range(20)), False, stages=2), pc.NoPlan)
-    assert isinstance(pc.plan_for(cache, list(range(20)), False, stages=1), pc.PrefillPlan)
-    assert isinstance(pc.plan_for(None, list(range(20)), False, stages=1), pc.NoPlan)
+    tokens = list(range(20))
+    assert isinstance(pc.plan_for(cache, tokens, False, stages=2), pc.NoPlan)  # a forward that cannot ask
+    assert isinstance(pc.plan_for(cache, tokens, False, stages=1), pc.PrefillPlan)
+    assert isinstance(pc.plan_for(None, tokens, False, stages=1), pc.NoPlan)
+    chain = pc.block_chain(tokens, 4, "ns")
+    for p in (6, 9, 13):
+        for b in range(1, p // 4 + 1):
+            cache.store.put(cache.key(f"b-{chain[b].hex()}"), {"x": mx.zeros((1,))})
+        cache.store.put(cache.key(pc.snapshot_key(p, chain, tokens, 4)), {"x": mx.zeros((1,))})
+        cache._lengths.add(p)
+    asked = []
+    plan = pc.plan_for(cache, tokens, False, stages=2, lookup=lambda held: asked.append(held) or [6, 9])
+    assert asked == [[13, 9, 6]] and plan.found is not None and plan.found[0] == 9
+    assert pc.plan_for(cache, tokens, False, stages=2, lookup=lambda held: []).found is None
 
 
 def test_snapshot_edges():

@@ -35,6 +35,7 @@ first token is out.
 from __future__ import annotations
 
 import array
+import functools
 import hashlib
 import json
 import threading
@@ -591,18 +592,17 @@ class NoPlan:
 
 
 def plan_for(cache: PrefixCache | None, tokens: Sequence[int], need_head: bool, stages: int,
-             cache_key: str | None = None, forward: Any = None) -> PrefillPlan | NoPlan:
-    """The plan a run's prefill follows. A pipeline's leader (``forward``: its ``PipelineForward``) asks the
-    other stages which of the positions it holds they hold too (``prefix_lookup``: every stage keeps its
-    own layers' part under its own namespace) and settles on the deepest all of them hold."""
+             cache_key: str | None = None, lookup: Callable[[list[int]], list[int]] | None = None) -> PrefillPlan | NoPlan:
+    """The plan a run's prefill follows. A pipeline's leader asks the other stages which of the positions it
+    holds they hold too (``lookup``: ``PipelineForward.prefix_lookup``; every stage keeps its own layers' part
+    under its own namespace) and settles on the deepest all of them hold."""
     if cache is None:
         return NoPlan()
     if stages == 1:
         return cache.plan(tokens, need_head, cache_key)
-    lookup = getattr(forward, "prefix_lookup", None)
     if lookup is None:
         return NoPlan()
-    return cache.plan(tokens, need_head, cache_key, within=lambda held: max(lookup(list(tokens), held), default=0))
+    return cache.plan(tokens, need_head, cache_key, within=lambda held: max(lookup(held), default=0))
 
 
 class StagePrefix:
@@ -662,26 +662,29 @@ def restore_prefix(cache: PrefixCache | None, state: Any) -> None:
     if state.output.finish is not None:  # cancelled during the engine's warm-up
         return
     forward = state.forward
-    plan = plan_for(cache, state.request.prompt_tokens, state.track_head, forward.stages,
-                    getattr(state.request, "cache_key", None), forward)
+    tokens = list(state.request.prompt_tokens)
+    caches = state.cache  # fresh (a pipeline's: the slot the other stages restore into too)
+    lookup = None
+    if forward.stages > 1 and hasattr(forward, "prefix_lookup"):
+        lookup = functools.partial(forward.prefix_lookup, caches, tokens)
+    plan = plan_for(cache, tokens, state.track_head, forward.stages, getattr(state.request, "cache_key", None), lookup)
     state._prefix = plan
     if isinstance(plan, NoPlan):
         return
-    caches = forward.new_cache()
     head_cache = KVCache() if state.track_head else None
-    if forward.stages > 1:
+    if lookup is not None:
         # Every stage restores the settled position (or, where one cannot, all start from 0 again), and
         # learns the leader's snapshot edges: each stores its part of the prompt at the same block edges.
         p = plan.found[0] if plan.found is not None else 0
-        if not forward.prefix_begin(p, plan.edges, plan.group):  # (0 always succeeds)
+        if not forward.prefix_begin(caches, p, plan.edges, plan.group):  # (0 always succeeds)
             plan.found = None
-            forward.prefix_begin(0, plan.edges, plan.group)
+            forward.prefix_begin(caches, 0, plan.edges, plan.group)
     if plan.found is None:
         return
     hidden = plan.restore(caches, head_cache)
     if hidden is None:
-        if forward.stages > 1:  # the leader's own part went missing: every stage starts from 0
-            forward.prefix_begin(0, plan.edges, plan.group)
+        if lookup is not None:  # the leader's own part went missing: every stage starts from 0
+            forward.prefix_begin(caches, 0, plan.edges, plan.group)
         return
     if head_cache is None:
         state.restore(plan.restored, caches)
