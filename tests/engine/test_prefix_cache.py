@@ -360,3 +360,22 @@ def test_a_requests_prompt_cache_key_groups_its_entries(checkpoint):
     assert hit.stats.cached_tokens > 0
     _same(hit, _complete(cold, p2, native_mtp="off"))
     assert ("g", f"{pc.key_hash('session-2'):016x}") in store._units
+
+
+def test_only_a_run_that_feeds_the_head_stores_the_last_hidden(checkpoint):
+    # A snapshot holds no hidden: a run without the head never computes a chunk's last hidden (the last layer's
+    # output of a chunk before the prompt's last is never evaluated), and evaluating it for the snapshot cost
+    # seconds a turn on this CPU. The head's tail (sh-) holds it: a run feeding the head computed it anyway.
+    path = checkpoint("qwen3_5", dtype="float32")
+    warm, cold = _engine(path, cached=True), _engine(path, cached=False)
+    p1, p2 = _prompt(warm, TURN1), _prompt(warm, TURN2)
+    _complete(warm, p1, native_mtp="off")
+    store = warm.prefix_cache.store
+    entries = {k.split("/", 1)[1].split("-", 1)[0]: store.get(k) for k in store.keys()}
+    assert "s" in entries and "sh" not in entries and all("hidden" not in e for e in entries.values())
+    _complete(warm, p1, mtp_k=2)  # the head's parts, with the hidden
+    tails = [store.get(k) for k in store.keys() if k.split("/", 1)[1].startswith("sh-")]
+    assert tails and all(t["hidden"].shape[:2] == (1, 1) for t in tails)
+    hit = _complete(warm, p2, mtp_k=2)
+    assert hit.stats.cached_tokens > 0
+    _same(hit, _complete(cold, p2, mtp_k=2))

@@ -12,10 +12,11 @@ What is kept, per model and stage (``namespace``) in a ``PrefixStore`` (a key ->
   of the tokens up to its end).
 - ``s-<p>-<hash>``: a snapshot at prompt position p (the state after tokens [0, p)): every GatedDeltaNet
   layer's conv window and recurrent state (a recurrent state cannot be cut at an arbitrary token, so only
-  positions where one was taken can be restored), the KV of the tokens after the last full block, and the
-  post-norm hidden of position p - 1 (its logits give the next token when the whole prompt is cached;
-  the head pairs it with token p).
-- ``sh-<p>-<hash>``: the head's entries after the last full block, up to p - 1.
+  positions where one was taken can be restored) and the KV of the tokens after the last full block.
+- ``sh-<p>-<hash>``: the head's entries after the last full block, up to p - 1, and the post-norm hidden of
+  position p - 1 (the head pairs it with token p). Kept here, not in the snapshot: only a run that feeds the
+  head computes a chunk's last hidden at all (otherwise the last layer's output of a chunk that is not the
+  prompt's last is never evaluated, and evaluating it for a snapshot cost seconds a turn on this CPU).
 
 Snapshots are taken where the prefill stops anyway or is made to stop (``snapshot_edges``): the start of
 the last message, i.e. the generation header (where the next turn continues: it resends everything before
@@ -50,7 +51,7 @@ from mlx_lm.models.cache import KVCache
 
 from .models.layers import RollbackArraysCache
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the hidden of p - 1 moved from the snapshot to the head's tail
 BLOCK_TOKENS = 256
 STRIDE_TOKENS = 8192
 MIN_SNAPSHOT_TOKENS = 64  # a snapshot of a shorter prefix costs more than the prefill it saves
@@ -426,17 +427,18 @@ class PrefillPlan:
     need_head: bool
     group: str | None = None  # the store group of the request's prompt_cache_key
     restored: int = 0
+    head_row: mx.array | None = None  # the restored prefix's last hidden, for the head
     _taken: list[_Edge] = field(default_factory=list)
 
     @property
     def n(self) -> int:
         return len(self.tokens)
 
-    def restore(self, caches: list[Any], head_cache: KVCache | None) -> mx.array | None:
-        """Fill fresh ``caches`` (and the head's, when the run drafts) with the found prefix; returns the
-        hidden of its last position [1, 1, H] (None: nothing restored, prefill from 0)."""
+    def restore(self, caches: list[Any], head_cache: KVCache | None) -> bool:
+        """Fill fresh ``caches`` (and the head's, when the run drafts: then ``head_row`` is the hidden of the
+        prefix's last position [1, 1, H]) with the found prefix. False: nothing restored, prefill from 0."""
         if self.found is None:
-            return None
+            return False
         p, name = self.found
         c = self.cache
         m = p // c.block
@@ -448,10 +450,10 @@ class PrefillPlan:
         if self.need_head and head_cache is not None:
             heads = [c.store.get(c.key(f"h-{self.chain[b].hex()}"), g) for b in range(1, m + 1)]
             head_tail = c.store.get(c.key("sh" + name[1:]), g)
-            if head_tail is None or any(h is None for h in heads):
-                return None
+            if head_tail is None or "hidden" not in head_tail or any(h is None for h in heads):
+                return False
         if snapshot is None or any(b is None for b in blocks):
-            return None  # evicted (or unreadable) since the lookup: prefill it all
+            return False  # evicted (or unreadable) since the lookup: prefill it all
         for i, layer_cache in enumerate(caches):
             if isinstance(layer_cache, RollbackArraysCache):
                 layer_cache[0] = snapshot[f"c{i}"]
@@ -466,11 +468,13 @@ class PrefillPlan:
             if "k" in head_tail:
                 parts.append((head_tail["k"], head_tail["v"]))
             _set_kv(head_cache, parts, p - 1)
+        if head_tail is not None:
+            self.head_row = head_tail["hidden"]
         self.restored = p
         c._note(name, p)
         c.stats.hits += 1
         c.stats.cached_tokens += p
-        return snapshot["hidden"]
+        return True
 
     def spans(self, start: int, n: int, chunk: int) -> Iterator[tuple[int, int]]:
         """The prefill's chunks from ``start`` (the restored prefix) to ``n``, also ending at every snapshot
@@ -521,7 +525,7 @@ class PrefillPlan:
             lo = (p // block) * block
             key = c.key(name)
             if not store.has(key):
-                arrays: Arrays = {"hidden": _copy(edge.hidden)}
+                arrays: Arrays = {}
                 for i, gdn in enumerate(edge.gdn):
                     if gdn is not None:
                         arrays[f"c{i}"], arrays[f"r{i}"] = _copy(gdn[0]), _copy(gdn[1])
@@ -529,8 +533,9 @@ class PrefillPlan:
                     arrays.update(_kv_slice(caches, attention, lo, p))
                 entries.append((key, arrays))
             hkey = c.key("sh" + name[1:])
-            if head is not None and not store.has(hkey):
-                entries.append((hkey, _head_slice(head, max(lo - 1, 0), p - 1) if p - 1 > max(lo - 1, 0) else {}))
+            if head is not None and not store.has(hkey):  # (the head consumed this chunk's hiddens: computed)
+                tail = _head_slice(head, max(lo - 1, 0), p - 1) if p - 1 > max(lo - 1, 0) else {}
+                entries.append((hkey, {**tail, "hidden": _copy(edge.hidden)}))
             c._lengths.add(p)
             c._note(name, p)
         self._taken = []
@@ -635,7 +640,7 @@ class StagePrefix:
         plan = self.cache.plan(self.tokens, False, within=lambda held: position, edges=edges)
         plan.group = group
         if position:
-            if plan.found is None or plan.restore(caches, None) is None:
+            if plan.found is None or not plan.restore(caches, None):
                 return False
         self.plan, self.position = plan, position
         return True
@@ -681,12 +686,11 @@ def restore_prefix(cache: PrefixCache | None, state: Any) -> None:
             forward.prefix_begin(caches, 0, plan.edges, plan.group)
     if plan.found is None:
         return
-    hidden = plan.restore(caches, head_cache)
-    if hidden is None:
+    if not plan.restore(caches, head_cache):
         if lookup is not None:  # the leader's own part went missing: every stage starts from 0
             forward.prefix_begin(caches, 0, plan.edges, plan.group)
         return
     if head_cache is None:
         state.restore(plan.restored, caches)
     else:
-        state.restore(plan.restored, caches, head_cache, hidden)
+        state.restore(plan.restored, caches, head_cache, plan.head_row)
