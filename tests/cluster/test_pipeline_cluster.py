@@ -245,11 +245,11 @@ def test_pipeline_sampling_is_single_node_mtp_sampling(quartet, sources):
         assert a.delete(f"/v1/instances/{created.json()['instance']['id']}").status_code == 200
 
 
-@pytest.mark.parametrize("card", ["pipe-dense", "pipe-next"])
-def test_a_pipelines_next_request_restores_its_prefix_on_every_stage(quartet, sources, card):
+def test_a_pipelines_next_request_restores_its_prefix_on_every_stage(quartet, sources):
     """The prefix cache through real stage runners: the same prompt again restores all of it but its last
     token on both stages (each its own layers' part), and decodes as one node does, MTP off and on."""
     a, b, c, _ = quartet
+    card = "pipe-next"
     created = a.post("/v1/instances", {"model": card, "nodes": [c.node_id, b.node_id], "wait": True})
     assert created.status_code == 201, created.text
     instance = created.json()["instance"]
@@ -269,3 +269,34 @@ def test_a_pipelines_next_request_restores_its_prefix_on_every_stage(quartet, so
         assert a.delete(f"/v1/instances/{instance['id']}").status_code == 200
     wait_for(lambda: not [i for i in a.get("/v1/instances").json()["instances"]
                           if i["model"] == card and i["state"] != "gone"], 30, "the pipeline to be deleted")
+
+
+def test_concurrent_requests_to_a_pipeline_decode_as_one_batch_like_one_node(quartet, sources):
+    """Requests sent at once to a 2-stage instance batch on its leader (continuous batching through the
+    pipeline: every stage mirrors the batch's caches); each one's text is still single-node plain decoding's,
+    with native MTP off, forced and adaptive."""
+    import concurrent.futures
+
+    a, b, c, _ = quartet
+    created = a.post("/v1/instances", {"model": "pipe-dense", "nodes": [b.node_id, c.node_id], "wait": True})
+    assert created.status_code == 201, created.text
+    try:
+        engine = single_node(sources["pipe-dense"])
+        prompts = [PROMPT, "The quick brown fox", "import numpy as np\nx = np.", "1, 2, 3,", PROMPT[:20], "Once upon"]
+        modes = [{"enabled": False}, {"k": 2}, None, {"k": 1}, {"enabled": False}, {"k": 3}]
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(
+                lambda pm: complete(a, "pipe-dense", prompt=pm[0], max_tokens=24,
+                                    **({"native_mtp": pm[1]} if pm[1] is not None else {})),
+                zip(prompts, modes, strict=True)))
+        sizes = []
+        for prompt, mode, result in zip(prompts, modes, results, strict=True):
+            ids = engine.loaded.tokenizer.encode(prompt)
+            plain = engine.complete(GenerationRequest(ids, max_tokens=24, native_mtp="off"))
+            assert result["choices"][0]["text"] == plain.text, (prompt, mode)
+            stats = result["usage"]["native_mtp"]
+            assert stats["mode"] == "pipeline" and stats["stages"] == 2, stats
+            sizes += [int(n) for n in stats["batch_sizes"]]
+        assert sizes and max(sizes) >= 2, sizes  # they decoded together
+    finally:
+        assert a.delete(f"/v1/instances/{created.json()['instance']['id']}").status_code == 200

@@ -19,7 +19,7 @@ import pytest
 from exo.engine import Engine, EngineConfig, SamplingParams, load_checkpoint
 from exo.engine import pipeline as pipeline_module
 from exo.engine.adaptive import DepthCosts
-from exo.engine.batch import BatchDecoder
+from exo.engine.batch import BatchDecoder, BatchLanes
 
 from .test_batch import CHUNK, TEXTS, _solo
 from .test_pipeline import _QueueLink
@@ -27,25 +27,42 @@ from .test_pipeline import _QueueLink
 SPLIT = (2, 4)  # the fixtures' 4 layers: stage 0 holds 0-1, the leader 2-3
 
 
+class _Link(_QueueLink):
+    """The in-process link, where a lost peer stays lost: once a receive found the other stage gone, every
+    later one raises at once (as a closed doorbell does: runner/group.py)."""
+
+    lost: BaseException | None = None
+
+    def recv(self, shape, dtype, src: int):
+        if self.lost is not None:
+            raise RuntimeError("the other stage failed") from self.lost
+        try:
+            return super().recv(shape, dtype, src)
+        except RuntimeError as e:
+            self.lost = e.__cause__ or e
+            raise
+
+
 class _Pipeline:
     """Stage 0 serving on a thread (parked once it returns: a thread that ran MLX may abort the process as it
     exits), the leader's engine here. ``slots``: stage 0's slot table (what it holds)."""
 
-    def __init__(self, path, eos: bool, config: EngineConfig) -> None:
-        first = load_checkpoint(path, layers=(0, SPLIT[0]))
-        leader = load_checkpoint(path, layers=SPLIT)
+    def __init__(self, path, eos: bool, config: EngineConfig, split: tuple[int, int] = SPLIT,
+                 on_step=None) -> None:
+        first = load_checkpoint(path, layers=(0, split[0]))
+        leader = load_checkpoint(path, layers=split)
         if not eos:
             leader = dataclasses.replace(leader, eos_token_ids=frozenset())
         queues = {(0, 1): queue.Queue(), (1, 0): queue.Queue()}
-        self.links = [_QueueLink(0, queues), _QueueLink(1, queues)]
+        self.links = [_QueueLink(0, queues), _Link(1, queues)]
         self.errors: list[BaseException] = []
         self.slots = pipeline_module.StageSlots(first.model, 0)
         self.done, park = threading.Event(), threading.Event()
 
         def stage0() -> None:
             try:
-                pipeline_module.serve_stage(first.model, pipeline_module.StageSpec(0, 2, 0, SPLIT[0]), self.links[0],
-                                            slots=self.slots)
+                pipeline_module.serve_stage(first.model, pipeline_module.StageSpec(0, 2, 0, split[0]), self.links[0],
+                                            slots=self.slots, on_step=on_step)
             except BaseException as e:  # noqa: BLE001 - reported by the test
                 self.errors.append(e)
                 queues[(0, 1)].put(e)
@@ -54,13 +71,16 @@ class _Pipeline:
 
         threading.Thread(target=stage0, daemon=True).start()
         self.forward = pipeline_module.PipelineForward(
-            leader.model, pipeline_module.StageSpec(1, 2, SPLIT[0], SPLIT[1]), self.links[1])
+            leader.model, pipeline_module.StageSpec(1, 2, split[0], split[1]), self.links[1])
+        self.stage_model, self.leader_model = first.model, leader.model
         self.engine = Engine(leader, config, forward=self.forward)
 
     def close(self) -> None:
         self.forward.shutdown()
         assert self.done.wait(60)
-        assert not self.errors, self.errors
+        assert not self.errors or self.lost, self.errors
+
+    lost = False  # a test killed stage 0 on purpose
 
 
 @pytest.fixture
@@ -68,8 +88,9 @@ def pipelined(checkpoint):
     """``pipelined(arch, eos=False, **config)`` -> (the pipelined leader's engine, the pipeline)."""
     made: list[_Pipeline] = []
 
-    def make(arch: str, eos: bool = False, **config) -> tuple[Engine, _Pipeline]:
-        pipe = _Pipeline(checkpoint(arch, dtype="float32"), eos, EngineConfig(prefill_chunk=CHUNK, **config))
+    def make(arch: str, eos: bool = False, path=None, split=SPLIT, on_step=None, **config) -> tuple[Engine, _Pipeline]:
+        path = path or checkpoint(arch, dtype="float32")
+        pipe = _Pipeline(path, eos, EngineConfig(prefill_chunk=CHUNK, **config), split, on_step)
         made.append(pipe)
         return pipe.engine, pipe
 
@@ -104,13 +125,15 @@ def _requests(engine: Engine, specs: list[dict]) -> list:
     return out
 
 
-def _drive(engine: Engine, requests, join_at, cancel=None, chunk: int = CHUNK):
+def _drive(engine: Engine, requests, join_at, cancel=None, chunk: int = CHUNK, lanes: int | None = None):
     """Decode ``requests`` in one pipelined batch as the device queue does: request i arrives before step
     ``join_at[i]``, prefills one chunk of ``chunk`` tokens per batch step while the batch decodes, and joins
     after its first token; ``cancel``: {i: step} ends request i from that step on. Every member's invariants
-    are checked between steps. Returns per request (token ids, text, finish reason, stats)."""
+    are checked between steps. ``lanes``: micro-batches (``BatchLanes``: each lane its own slot on the stages,
+    a lane's step evaluated on the leader while the next lane's runs on stage 0). Returns per request (token
+    ids, text, finish reason, stats)."""
     cancel = cancel or {}
-    batch = BatchDecoder(engine)
+    batch = BatchDecoder(engine) if lanes is None else BatchLanes(engine, lanes)
     out = {i: ([], [], None, None) for i in range(len(requests))}
     index: dict[int, int] = {}
     clock = [0]
@@ -155,7 +178,8 @@ def _drive(engine: Engine, requests, join_at, cancel=None, chunk: int = CHUNK):
             for run, chunks in batch.step():
                 for c in chunks:
                     take(index[id(run)], c)
-            batch.check_invariants()
+            for lane in batch.lanes if lanes is not None else [batch]:
+                lane.check_invariants()
         clock[0] += 1
     return {i: (tokens, "".join(text), finish, stats) for i, (tokens, text, finish, stats) in out.items()}
 
@@ -182,15 +206,16 @@ JOINS = dict(join_at=[0, 0, 2, 3, 6])
 SPECS = [dict(max_tokens=m, length=n) for m, n in zip((20, 7, 16, 12, 5), (None, 30, 30, None, 17), strict=True)]
 
 
+@pytest.mark.parametrize("lanes", [None, 2], ids=["one-batch", "micro-batches"])
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
 @pytest.mark.parametrize("mtp", ["off", "k2", "k1-k3"])
-def test_a_pipelined_batch_decodes_every_member_as_its_single_node_solo(checkpoint, pipelined, arch, mtp):
+def test_a_pipelined_batch_decodes_every_member_as_its_single_node_solo(checkpoint, pipelined, arch, mtp, lanes):
     engine, pipe = pipelined(arch)
     depth = {"off": [None] * 5, "k2": [2] * 5, "k1-k3": [1, 3, None, 3, 1]}[mtp]
     specs = [dict(spec, **({"mtp_k": k, "native_mtp": "on"} if k else {"native_mtp": "off"}))
              for spec, k in zip(SPECS, depth, strict=True)]
     requests = _requests(engine, specs)
-    got = _drive(engine, requests, **JOINS)
+    got = _drive(engine, requests, **JOINS, lanes=lanes)
     _check(_whole(checkpoint(arch, dtype="float32")), requests, got)
     assert max(got[0][3].batch_sizes) >= 3  # members decoded together
     if mtp != "off":
@@ -289,3 +314,120 @@ def test_a_solo_pipelined_run_hands_over_to_a_batch_and_both_stay_exact(checkpoi
     assert streamed == _solo(whole, dataclasses.replace(first, yield_to_batch=None)).token_ids
     assert other_tokens == _solo(whole, second).token_ids
     _no_slots_left(pipe)
+
+
+# -- the device queue of a pipelined leader ---------------------------------------------------------------
+
+
+class _Client:
+    """One generation job on the device queue and what it received."""
+
+    def __init__(self, device, engine: Engine, i: int, max_tokens: int, **params) -> None:
+        from exo.engine.prompt import GenerateParams, Prompt
+        from exo.runner.device import GenerationJob
+
+        self.prompt = _prompt(engine, i, 20 if i % 2 else None)
+        self.params = GenerateParams(max_tokens=max_tokens, default_max_tokens=max_tokens, **params)
+        self.items: list = []
+        self.finish: str | None = None
+        self.stats = None
+        self.job = GenerationJob(device, lambda: engine, Prompt(token_ids=self.prompt), self.params, self.items.append,
+                                 timeout_s=600, on_done=self._done)
+
+    def _done(self, finish, stats, *_) -> None:
+        self.finish, self.stats = finish, stats
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for item in self.items if hasattr(item, "token_ids") for t in item.token_ids]
+
+
+def _serve(device, clients: list[_Client]) -> None:
+    """Serve on this thread until every client's job has ended."""
+    for client in clients:
+        done = client._done
+
+        def on_done(*args, done=done) -> None:
+            done(*args)
+            if all(c.finish is not None for c in clients):
+                device.close()
+
+        client.job.on_done = on_done
+        device.submit(client.job)
+    device.serve()
+
+
+def test_a_pipelined_leaders_device_queue_batches_its_generations(checkpoint, pipelined):
+    """Generations waiting on a pipelined leader decode as one batch, as on a single node: the running one
+    hands over at a step boundary, newcomers prefill in chunks between the batch's steps and join, and each
+    gets its single-node solo output (greedy plain and drafting, seeded sampling)."""
+    from exo.engine import GenerationRequest
+    from exo.runner.device import Device, Started
+
+    path = checkpoint("qwen3_5", dtype="float32")
+    engine, pipe = pipelined("qwen3_5", batch_prefill_chunk=4)
+    sizes: list[int] = []
+    device = Device(8, max_batch=4, on_batch=sizes.append)
+    params = [dict(native_mtp="off"), dict(mtp_k=2), dict(sampling=SamplingParams(temperature=0.8, seed=3),
+                                                           native_mtp="off"),
+              dict(mtp_k=1), dict(native_mtp="off")]
+    clients = [_Client(device, engine, i, 10 + i, **p) for i, p in enumerate(params)]
+    _serve(device, clients)
+    whole = _whole(path)
+    for i, client in enumerate(clients):
+        assert isinstance(client.items[0], Started) and client.finish == "length", client.items
+        request = GenerationRequest(client.prompt, max_tokens=client.params.max_tokens,
+                                    sampling=client.params.sampling, native_mtp="off")
+        assert client.tokens == whole.complete(request).token_ids, f"client {i}"
+        assert client.stats.batch_sizes and client.stats.mode == "pipeline", f"client {i}"
+    assert max(sizes) == 4 and device.generations == 5
+    _no_slots_left(pipe)
+
+
+def test_admission_counts_every_stages_memory(pipelined):
+    """Each stage measures its own layers' cache rates (``OP_MEASURE``), and a batch is admitted only where
+    every stage's KV budget holds it: exo-demo split 0-5 | 6-7 puts five GatedDeltaNet states per attention
+    layer on stage 0 against one on the leader, so stage 0 refuses a pair the leader alone would admit."""
+    from exo.cards import bundled_model_dir
+    from exo.engine.batch import batch_bytes, batch_fits, stage_bytes
+    from exo.engine.forward import cache_rates
+
+    engine, pipe = pipelined("exo-demo", path=bundled_model_dir("exo-demo"), split=(6, 8))
+    rates = stage_bytes(engine)
+    assert rates == [cache_rates(pipe.stage_model), cache_rates(pipe.leader_model)]
+    (stage_token, stage_sequence), (leader_token, leader_sequence) = rates
+    assert stage_token == leader_token > 0 and stage_sequence == 5 * leader_sequence > 0
+    budget = 1000
+    assert batch_bytes([100, 100], leader_token, leader_sequence) <= budget * leader_token  # the leader: fits
+    assert batch_bytes([100, 100], stage_token, stage_sequence) > budget * stage_token  # stage 0: does not
+    assert not batch_fits(engine, [100, 100], budget)
+    assert batch_fits(engine, [100, 100], 4 * budget)
+    assert batch_fits(engine, [4000], 1)  # a lone run always runs
+    _no_slots_left(pipe)
+
+
+def test_a_stage_lost_mid_batch_ends_every_member_with_an_error(checkpoint, pipelined):
+    """Stage 0 dies while a batch decodes (and a newcomer prefills): every generation on the device gets a
+    ``Failed`` and ends "error" (the runner then places the instance anew: runner/service.py), none hangs."""
+    from exo.runner.device import Device, Failed
+
+    steps = [0]
+
+    def die() -> None:
+        steps[0] += 1
+        if steps[0] == 40:
+            raise ConnectionError("stage 0's machine went away")
+
+    engine, pipe = pipelined("qwen3_5", on_step=die, batch_prefill_chunk=4)
+    pipe.lost = True
+    sizes: list[int] = []
+    device = Device(8, max_batch=4, on_batch=sizes.append)
+    clients = [_Client(device, engine, i, 60, native_mtp="off" if i % 2 else "auto", mtp_k=None if i % 2 else 2)
+               for i in range(5)]
+    _serve(device, clients)
+    assert max(sizes) >= 2  # it died while a batch ran
+    for i, client in enumerate(clients):
+        assert client.finish == "error", f"client {i}: {client.finish}"
+        failures = [item for item in client.items if isinstance(item, Failed)]
+        assert len(failures) == 1 and "stage failed" in str(failures[0].error), client.items
+    assert isinstance(pipe.errors[0], ConnectionError)

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache
 
 from .generate import Engine, GenerationChunk, SequenceState, verify_round
 from .models.layers import vector_matmul
@@ -57,22 +57,20 @@ from .verify import verify_logits
 BATCH_HEAD_WINDOW = 4  # head rows an adaptive member keeps waiting while its batch decodes plainly
 
 
-def sequence_bytes(engine: Engine) -> tuple[int, int]:
-    """(bytes of attention KV per token, bytes of recurrent state per sequence) of ``engine``'s model,
-    measured once on a one-token forward (on the device thread) and kept on the engine."""
-    measured = getattr(engine, "_sequence_bytes", None)
+def stage_bytes(engine: Engine) -> list[tuple[int, int]]:
+    """Per stage of ``engine``'s model (one on a single node; a pipeline's leader last): (bytes of attention
+    KV per token, bytes of recurrent state per sequence), each measured where its layers are, once (on the
+    device thread), and kept on the engine."""
+    measured = getattr(engine, "_stage_bytes", None)
     if measured is None:
-        cache = engine.forward.new_cache()
-        mx.eval(engine.forward.hidden(mx.array([[0]], dtype=mx.uint32), cache))
-        per_token = per_sequence = 0
-        for c in cache:
-            if isinstance(c, KVCache):
-                per_token += (c.keys.nbytes + c.values.nbytes) // c.keys.shape[2]
-            else:
-                per_sequence += sum(a.nbytes for a in c.cache if a is not None)
-        engine.forward.end(cache)
-        measured = engine._sequence_bytes = (per_token, per_sequence)  # type: ignore[attr-defined]
+        measured = engine._stage_bytes = engine.forward.memory_rates()  # type: ignore[attr-defined]
     return measured
+
+
+def sequence_bytes(engine: Engine) -> tuple[int, int]:
+    """(bytes of attention KV per token, bytes of recurrent state per sequence) of the layers in this process
+    (the whole model on a single node; a pipeline's leader: its stage's)."""
+    return stage_bytes(engine)[-1]
 
 
 def batch_bytes(horizons: list[int], per_token: int, per_sequence: int) -> int:
@@ -85,14 +83,15 @@ def batch_bytes(horizons: list[int], per_token: int, per_sequence: int) -> int:
 
 def batch_fits(engine: Engine, horizons: list[int], budget_tokens: int) -> bool:
     """Whether runs with these horizons may decode together within ``budget_tokens`` tokens of the model's
-    KV (a lone run always may: its own context limit bounds it)."""
+    KV on every stage (each stage's memory holds its own layers' KV budget, as placement reserved it; a lone
+    run always may: its own context limit bounds it)."""
     if len(horizons) < 2:
         return True
-    per_token, per_sequence = sequence_bytes(engine)
-    if per_token == 0:  # no attention layer: only the fixed states, which max_batch bounds
-        return True
-    return batch_bytes(horizons, per_token, per_sequence) <= budget_tokens * per_token
-
+    for per_token, per_sequence in stage_bytes(engine):
+        # A stage without attention layers holds only the fixed states, which max_batch bounds.
+        if per_token and batch_bytes(horizons, per_token, per_sequence) > budget_tokens * per_token:
+            return False
+    return True
 
 
 Results = list[tuple[SequenceState, list[GenerationChunk]]]
@@ -387,7 +386,16 @@ def default_lanes(engine: Engine) -> int:
     the last step's outputs (``_plain_emit``), one lane is as fast or faster at every size measured on a
     2-core x86-64 CPU (exo-demo, ms a step, one lane vs two: 10.3 vs 14.5 at 4 sequences, 12.6 vs 14.4 at 8,
     21.8 vs 21.1 at 16, 43.0 vs 56.7 at 32; bench/batch_steps.py@3c719fd): MLX's ``async_eval`` feeds the lanes'
-    streams one after the other, and building two graphs costs the host twice."""
+    streams one after the other, and building two graphs costs the host twice.
+
+    A pipelined model's batch decodes in one lane too. Lanes there are micro-batches (``BatchLanes.step``
+    evaluates each lane's step as soon as it is built, so the leader computes one lane's layers while the other
+    stages compute the next lane's), and as many as stages measured slower on this 2-core CPU: exo-demo over
+    two stages through ``exo serve``, 8 clients 308 tok/s in two lanes against 483-490 in one, 32 clients 338
+    against 602-705 (bench/results/cpu-2core-pipeline-batching-2026-11-28.txt): each lane's step is a round
+    trip of its own through the stages and a graph of its own for the leader's host thread, and the two
+    stages' processes already keep both cores busy. ``EXO_BATCH_LANES`` turns them on where stages have
+    machines of their own."""
     if engine.config.batch_lanes is not None:
         return max(1, engine.config.batch_lanes)
     return 1
@@ -432,6 +440,16 @@ class BatchLanes:
         together = len(self)
         for lane in busy:
             lane.together = together
+        if self.engine.forward.stages > 1:
+            # Micro-batches through a pipeline: a lane's step is evaluated as soon as it is built, so this
+            # process computes its layers of one lane while the next lane's step (sent when it is built) runs
+            # on the other stages; the first lane's next step then goes out while this one computes the last.
+            prepared = []
+            for lane in busy:
+                prepared.append(lane.prepare())
+                if prepared[-1].arrays:
+                    mx.async_eval(prepared[-1].arrays)
+            return [result for p in prepared for result in p.finish()]
         prepared = [lane.prepare() for lane in busy]
         arrays = [a for p in prepared for a in p.arrays]
         if arrays:

@@ -57,6 +57,11 @@ class Forward(Protocol):
         anywhere."""
         ...
 
+    def memory_rates(self) -> list[tuple[int, int]]:
+        """Per stage (one on a single node; the leader last): (bytes of attention KV per token, bytes of
+        recurrent state per sequence) of that stage's layers, measured there on a one-token forward."""
+        ...
+
     # -- what a batch (engine/batch.py) does to its caches, everywhere the backbone's layers are -----------
     def join(self, batch: list[Any] | None, member: list[Any]) -> list[Any]:
         """One sequence's caches (at a step boundary) join ``batch`` (None: the batch is made of them) as its
@@ -108,6 +113,22 @@ def keep_rows(cache: list[Any], rows: int, kept: int) -> None:
             c.trim(rows - kept)
 
 
+def cache_rates(model: SpeculativeBackbone) -> tuple[int, int]:
+    """(bytes of attention KV per token, bytes of recurrent state per sequence) of ``model``'s layers (a
+    stage's), measured on a one-token forward of caches made for it and dropped after."""
+    x = (mx.array([[0]], dtype=mx.uint32) if model.first_stage
+         else mx.zeros((1, 1, model.hidden_size), dtype=model.stage_layers[0].input_layernorm.weight.dtype))
+    cache = model.make_cache()
+    mx.eval(model.stage_hidden(x, cache))
+    per_token = per_sequence = 0
+    for c in cache:
+        if isinstance(c, RollbackArraysCache):
+            per_sequence += sum(a.nbytes for a in c.cache if a is not None)
+        else:
+            per_token += (c.keys.nbytes + c.values.nbytes) // c.keys.shape[2]
+    return per_token, per_sequence
+
+
 class LocalForward:
     """The whole backbone in this process."""
 
@@ -131,6 +152,9 @@ class LocalForward:
 
     def end(self, cache: list[Any]) -> None:
         """Nothing to do: the caches die with the request."""
+
+    def memory_rates(self) -> list[tuple[int, int]]:
+        return [cache_rates(self.model)]
 
     def join(self, batch: list[Any] | None, member: list[Any]) -> list[Any]:
         theirs = [batch_cache(c) for c in member]

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 
 from .batch_cache import batch_cache, keep_rows_per_sequence
-from .forward import MOE_MODES, keep_rows, verify_call
+from .forward import MOE_MODES, cache_rates, keep_rows, verify_call
 from .models.backbone import SpeculativeBackbone
 from .prefix_cache import PrefixCache, StagePrefix
 from .verify import VerifyMode
@@ -50,15 +50,18 @@ log = logging.getLogger(__name__)
 # does not fit follows the header (the records as an int32 message every stage passes on, the ids as a uint32
 # message to the first stage only). ``version`` changes with the layout; ``step`` counts the leader's messages
 # since the group formed, so a stage that misses or repeats one stops instead of computing on the wrong input.
-OP_FORWARD, OP_END, OP_SHUTDOWN = 1, 2, 3
+OP_FORWARD, OP_END, OP_SHUTDOWN, OP_MEASURE = 1, 2, 3, 4
+# OP_MEASURE: every stage measures its layers' cache rates (``forward.cache_rates``) and passes every stage's so far
+# on to the next, as int32 [4 x stages before and itself] (each figure as high and low 30 bits): the leader gets
+# each stage's memory per token and per sequence (a batch's admission counts every stage's memory).
 # The prefix cache's round trips (``PipelineForward.prefix_lookup`` / ``prefix_begin``): the header is followed by an
 # int32 [rows] payload that every stage reads, updates and passes on; the stage before the leader sends the leader
 # the payload alone. LOOKUP: [n, tokens(n), m, candidates(m)], each stage sets the positions it does not hold to
 # -1. BEGIN: [ok, position, has_group, group as 4 x 16 bits, e, edges(e)], each stage restores ``position`` into
 # the slot's fresh caches (0: none) and clears ``ok`` if it cannot.
-OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN = 4, 5
-OPS = (OP_FORWARD, OP_END, OP_SHUTDOWN, OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN)
-HEADER_VERSION = 3
+OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN = 5, 6
+HEADER_OPS = (OP_FORWARD, OP_END, OP_SHUTDOWN, OP_MEASURE, OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN)
+HEADER_VERSION = 3  # 3: the prefix cache's ops
 HEADER_NAMES = ("version", "op", "step", "slot", "batch", "rows", "verify", "moe", "per_row", "invariant", "ops")
 HEADER_FIELDS = len(HEADER_NAMES)
 INLINE = 53  # ints after the fields: a 64-int32 (256-byte) header
@@ -73,6 +76,15 @@ JOIN = 2  # args [member]: slot ``member``'s (one sequence's) caches join batch 
 FILTER = 3  # args [i_0..i_{n-1}]: batch ``slot`` keeps these rows, in this order (n >= 1)
 DROP = 4  # no args: the slot's caches are dropped (a request, or a batch, is over)
 OP_CODES = (ROLLBACK, JOIN, FILTER, DROP)
+
+
+def _pack_rates(rates: tuple[int, int]) -> list[int]:
+    return [v for rate in rates for v in (rate >> 30, rate & ((1 << 30) - 1))]
+
+
+def _unpack_rates(values: list[int]) -> list[tuple[int, int]]:
+    numbers = [(values[i] << 30) | values[i + 1] for i in range(0, len(values), 2)]
+    return [(numbers[i], numbers[i + 1]) for i in range(0, len(numbers), 2)]
 
 
 class StepHeaderError(RuntimeError):
@@ -195,7 +207,7 @@ class StepHeader:
         if version != HEADER_VERSION:
             raise StepHeaderError(f"step header version {version}, this stage speaks {HEADER_VERSION}: "
                                   "every stage of a pipeline must run the same exo version")
-        if op not in OPS:
+        if op not in HEADER_OPS:
             raise StepHeaderError(f"unknown step op {op} (step {step})")
         if (not 0 <= slot <= MAX_SLOT or ops_length < 0 or invariant not in (0, 1)
                 or op in (OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN) and (rows < 1 or batch != 1)
@@ -363,6 +375,13 @@ class PipelineForward:
     def set_batch_invariant(self, on: bool) -> None:
         self.model.set_batch_invariant(on)
         self._invariant = on
+
+    def memory_rates(self) -> list[tuple[int, int]]:
+        """Every stage's (KV bytes per token, state bytes per sequence), each measured by that stage on its own
+        layers (``OP_MEASURE``), the leader's last."""
+        self._send_header(StepHeader(OP_MEASURE, self._next_step(), ops=self._take_ops()))
+        figures = self.link.recv((4 * (self.stages - 1),), mx.int32, self.stage.previous).tolist()
+        return [*_unpack_rates(figures), cache_rates(self.model)]
 
     def end(self, cache: list[Any]) -> None:
         """The slot's caches are dropped everywhere (a cache list without a slot, one a batch took over, has
@@ -549,6 +568,10 @@ def serve_stage(
             mx.eval(payload)
             link.send(mx.array(_prefix_step(header, payload.tolist(), slots, prefixes, prefix_cache), dtype=mx.int32),
                       stage.next)
+            continue
+        if header.op == OP_MEASURE:
+            before = link.recv((4 * stage.rank,), mx.int32, stage.previous).tolist() if not stage.first else []
+            link.send(mx.array(before + _pack_rates(cache_rates(model)), dtype=mx.int32), stage.next)
             continue
         cache = slots.forward_cache(header)
         batch, rows = header.batch, header.rows
