@@ -1012,7 +1012,7 @@ class RemoteGenerationStream(BatchedStream):
                 try:
                     self.service._last_used[located.instance.instance_id] = time.monotonic()
                     self._open(located)
-                except NodeUnavailableError as e:
+                except Exception as e:  # noqa: BLE001 - what generate() would have raised: the handler's error
                     self._items.put_nowait(Failed(e))
                     finish = "rejected"
                     return
