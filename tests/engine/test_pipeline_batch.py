@@ -14,6 +14,8 @@ import functools
 import queue
 import threading
 
+import mlx.core as mx
+import numpy as np
 import pytest
 
 from exo.engine import Engine, EngineConfig, SamplingParams, load_checkpoint
@@ -28,56 +30,73 @@ SPLIT = (2, 4)  # the fixtures' 4 layers: stage 0 holds 0-1, the leader 2-3
 
 
 class _Link(_QueueLink):
-    """The in-process link, where a lost peer stays lost: once a receive found the other stage gone, every
-    later one raises at once (as a closed doorbell does: runner/group.py)."""
+    """The in-process link (numpy copies between threads), bfloat16 too (as 16-bit words), where a lost peer
+    stays lost: once a receive found the other stage gone, every later one raises at once (as a closed
+    doorbell does: runner/group.py)."""
 
     lost: BaseException | None = None
+
+    def send(self, x, dst: int) -> None:
+        mx.eval(x)
+        self.sent.append(x.nbytes)
+        bf16 = x.dtype == mx.bfloat16
+        self.queues[(self.rank, dst)].put((np.array(x.view(mx.uint16) if bf16 else x), bf16))
 
     def recv(self, shape, dtype, src: int):
         if self.lost is not None:
             raise RuntimeError("the other stage failed") from self.lost
-        try:
-            return super().recv(shape, dtype, src)
-        except RuntimeError as e:
-            self.lost = e.__cause__ or e
-            raise
+        message = self.queues[(src, self.rank)].get(timeout=60)
+        if isinstance(message, BaseException):
+            self.lost = message
+            raise RuntimeError("the other stage failed") from message
+        x, bf16 = message
+        out = mx.array(x).view(mx.bfloat16) if bf16 else mx.array(x)
+        assert tuple(out.shape) == tuple(shape) and out.dtype == dtype, (out.shape, shape, out.dtype, dtype)
+        return out
 
 
 class _Pipeline:
-    """Stage 0 serving on a thread (parked once it returns: a thread that ran MLX may abort the process as it
-    exits), the leader's engine here. ``slots``: stage 0's slot table (what it holds)."""
+    """The stages but the last serving on threads of their own (parked once they return: a thread that ran MLX
+    may abort the process as it exits), the leader's engine here. ``split``: the stages' end layers (the
+    fixtures' 4 layers: (2, 4) is 0-1 | 2-3). ``slots``: each serving stage's slot table (what it holds)."""
 
-    def __init__(self, path, eos: bool, config: EngineConfig, split: tuple[int, int] = SPLIT,
+    def __init__(self, path, eos: bool, config: EngineConfig, split: tuple[int, ...] = SPLIT,
                  on_step=None) -> None:
-        first = load_checkpoint(path, layers=(0, split[0]))
-        leader = load_checkpoint(path, layers=split)
+        n = len(split)
+        ranges = [(split[r - 1] if r else 0, split[r]) for r in range(n)]
+        stages = [load_checkpoint(path, layers=ranges[r]) for r in range(n - 1)]
+        leader = load_checkpoint(path, layers=ranges[-1])
         if not eos:
             leader = dataclasses.replace(leader, eos_token_ids=frozenset())
-        queues = {(0, 1): queue.Queue(), (1, 0): queue.Queue()}
-        self.links = [_QueueLink(0, queues), _Link(1, queues)]
+        queues = {(r, (r + 1) % n): queue.Queue() for r in range(n)}
+        self.links = [_Link(r, queues) for r in range(n)]
         self.errors: list[BaseException] = []
-        self.slots = pipeline_module.StageSlots(first.model, 0)
-        self.done, park = threading.Event(), threading.Event()
+        self.all_slots = [pipeline_module.StageSlots(stage.model, r) for r, stage in enumerate(stages)]
+        self.slots = self.all_slots[0]
+        self.done = [threading.Event() for _ in stages]
+        park = threading.Event()
 
-        def stage0() -> None:
+        def serve(r: int) -> None:
             try:
-                pipeline_module.serve_stage(first.model, pipeline_module.StageSpec(0, 2, 0, split[0]), self.links[0],
-                                            slots=self.slots, on_step=on_step)
+                pipeline_module.serve_stage(stages[r].model, pipeline_module.StageSpec(r, n, *ranges[r]), self.links[r],
+                                            slots=self.all_slots[r], on_step=on_step if r == 0 else None)
             except BaseException as e:  # noqa: BLE001 - reported by the test
                 self.errors.append(e)
-                queues[(0, 1)].put(e)
-            self.done.set()
+                queues[(r, r + 1)].put(e)
+            self.done[r].set()
             park.wait()
 
-        threading.Thread(target=stage0, daemon=True).start()
+        for r in range(n - 1):
+            threading.Thread(target=serve, args=(r,), daemon=True).start()
         self.forward = pipeline_module.PipelineForward(
-            leader.model, pipeline_module.StageSpec(1, 2, split[0], split[1]), self.links[1])
-        self.stage_model, self.leader_model = first.model, leader.model
+            leader.model, pipeline_module.StageSpec(n - 1, n, *ranges[-1]), self.links[-1])
+        self.stage_models = [stage.model for stage in stages]
+        self.stage_model, self.leader_model = stages[0].model, leader.model
         self.engine = Engine(leader, config, forward=self.forward)
 
     def close(self) -> None:
         self.forward.shutdown()
-        assert self.done.wait(60)
+        assert all(done.wait(60) for done in self.done)
         assert not self.errors or self.lost, self.errors
 
     lost = False  # a test killed stage 0 on purpose
@@ -89,6 +108,7 @@ def pipelined(checkpoint):
     made: list[_Pipeline] = []
 
     def make(arch: str, eos: bool = False, path=None, split=SPLIT, on_step=None, **config) -> tuple[Engine, _Pipeline]:
+        """``split``: the stages' end layers (SPLIT: two stages)."""
         path = path or checkpoint(arch, dtype="float32")
         pipe = _Pipeline(path, eos, EngineConfig(prefill_chunk=CHUNK, **config), split, on_step)
         made.append(pipe)
@@ -184,7 +204,7 @@ def _drive(engine: Engine, requests, join_at, cancel=None, chunk: int = CHUNK, l
     return {i: (tokens, "".join(text), finish, stats) for i, (tokens, text, finish, stats) in out.items()}
 
 
-def _check(whole: Engine, requests, got, finish: str | None = "length") -> None:
+def _check(whole: Engine, requests, got, finish: str | None = "length", stages: int = 2) -> None:
     for i, request in enumerate(requests):
         solo = _solo(whole, dataclasses.replace(request, should_stop=None))
         tokens, text, reason, stats = got[i]
@@ -192,12 +212,13 @@ def _check(whole: Engine, requests, got, finish: str | None = "length") -> None:
         assert text == solo.text and reason == solo.finish_reason, f"request {i}"
         if finish is not None:
             assert reason == finish, f"request {i}"
-        assert stats.mode == "pipeline" and stats.stages == 2 and stats.completion_tokens == len(tokens)
+        assert stats.mode == "pipeline" and stats.stages == stages and stats.completion_tokens == len(tokens)
 
 
 def _no_slots_left(pipe: _Pipeline) -> None:
     """Every request and batch that ended dropped its caches on stage 0 too (nothing leaks)."""
-    assert not pipe.slots.caches and not pipe.slots.sizes
+    for slots in pipe.all_slots:
+        assert not slots.caches and not slots.sizes
 
 
 # Prompts of 30 tokens (four chunks of 8) join while the others decode; budgets differ, so members leave at
@@ -431,3 +452,71 @@ def test_a_stage_lost_mid_batch_ends_every_member_with_an_error(checkpoint, pipe
         failures = [item for item in client.items if isinstance(item, Failed)]
         assert len(failures) == 1 and "stage failed" in str(failures[0].error), client.items
     assert isinstance(pipe.errors[0], ConnectionError)
+
+
+def test_a_wide_batch_through_three_stages_passes_its_op_records_and_ids_on(checkpoint, pipelined):
+    """48 members at K = 3 over three stages (0 | 1 | 2-3): a round's ids follow its header to the first
+    stage, and when members leave right after a round the op records (a rollback of 30-odd counts and a
+    filter) outgrow the header and follow it too, passed on by the middle stage; every member stays exact."""
+    engine, pipe = pipelined("qwen3_5", split=(1, 2, 4))
+    sent: list[int] = []
+    send = pipe.forward.link.send
+
+    def spy(x, dst):
+        sent.append(x.shape[0] if x.ndim == 1 and x.dtype == mx.int32 else 0)
+        send(x, dst)
+
+    pipe.forward.link.send = spy
+    lengths: list[int] = []
+    take = pipe.forward._take_ops
+
+    def spy_ops():
+        ops = take()
+        lengths.append(sum(3 + len(op.args) for op in ops))
+        return ops
+
+    pipe.forward._take_ops = spy_ops
+    specs = [dict(max_tokens=6 + (i % 3), mtp_k=3, native_mtp="on") for i in range(48)]
+    requests = _requests(engine, specs)
+    got = _drive(engine, requests, join_at=[0] * 48)
+    _check(_whole(checkpoint("qwen3_5", dtype="float32")), requests, got, stages=3)
+    from exo.engine.pipeline import HEADER_LEN, INLINE
+
+    assert max(lengths) > INLINE  # some message's op records did not fit in its header...
+    assert any(n > INLINE and n != HEADER_LEN for n in sent)  # ...and followed it
+    # Every stage's memory figures reach the leader through the middle stage.
+    from exo.engine.batch import stage_bytes
+    from exo.engine.forward import cache_rates
+
+    assert stage_bytes(engine) == [cache_rates(m) for m in (*pipe.stage_models, pipe.leader_model)]
+    _no_slots_left(pipe)
+
+
+def test_a_stage_that_does_not_lead_rolls_back_its_batched_attention_per_member(pipelined, monkeypatch):
+    """exo-demo split 0-3 | 4-7 puts attention layer 3 on stage 0: its left-padded batch KV is rolled back per
+    member (each one's rejected rows rolled into its left padding), filtered and extended there as on the
+    leader, and every member's output is still its single-node solo output."""
+    from exo.cards import bundled_model_dir
+
+    stage_rollbacks: list[list[int]] = []  # the per-member kept counts stage 0 applied
+    real = pipeline_module.keep_rows_per_sequence
+
+    def spy(cache, rows, kept):
+        if threading.current_thread() is not threading.main_thread():
+            stage_rollbacks.append(list(kept))
+        real(cache, rows, kept)
+
+    monkeypatch.setattr(pipeline_module, "keep_rows_per_sequence", spy)
+    path = bundled_model_dir("exo-demo")
+    engine, pipe = pipelined("exo-demo", path=path, split=(4, 8))
+    assert any(not layer.is_linear for layer in pipe.stage_model.stage_layers)  # attention on stage 0
+    specs = [dict(max_tokens=m, mtp_k=k, native_mtp="on") for m, k in zip((24, 12, 18, 9, 20), (3, 2, 3, 1, 2),
+                                                                            strict=True)]
+    requests = _requests(engine, specs)
+    got = _drive(engine, requests, join_at=[0, 0, 2, 3, 5])
+    _check(_whole(path), requests, got)
+    drafted = sum(s.drafted_tokens for _, _, _, s in got.values())
+    accepted = sum(s.accepted_tokens for _, _, _, s in got.values())
+    assert 0 < accepted < drafted  # rows were rejected, so rolled back per member on both stages
+    assert any(len(set(kept)) > 1 for kept in stage_rollbacks)  # members kept different counts on stage 0
+    _no_slots_left(pipe)

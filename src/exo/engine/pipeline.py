@@ -19,6 +19,11 @@ round, the row count, the verify flag) with K + 1 token ids on the way to the fi
 states [K + 1, H] between consecutive stages. Nothing is gathered to every stage, logits never leave the
 leader. Every stage rolls back its own attention KV and GatedDeltaNet state (``forward.keep_rows``).
 
+A batch (``engine/batch.py``) runs through the same calls with B sequences per step ([B, K + 1] ids, [B, K + 1, H]
+hiddens). Every stage keeps its caches by slot (a sequence's, a batch's: ``StageSlots``), and the batch's cache
+operations on the leader (a member joining, members leaving, per-member rollback) travel as op records in the
+next message, which every stage applies to its own layers' caches before the step (``Op``, ``StepHeader``).
+
 No sockets here: the stages talk through a ``Link`` (send / recv of MLX arrays between ranks), which the
 runner builds on ``mx.distributed`` (ring backend over TCP: ``exo.runner.group.RingLink``).
 """
