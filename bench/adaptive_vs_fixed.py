@@ -1,7 +1,7 @@
 """Adaptive depth against fixed depths, strictly alternating: the pairs ``exo bench`` cannot isolate.
 
     python bench/adaptive_vs_fixed.py [MODEL] [--max-tokens 160] [--repeats 6] [--depths 0 1 2 3] [--control]
-        [--raw-timings] [--tracker NAME=VALUE ...] [--policy NAME=VALUE ...] [--save FILE] [--pool FILE ...]
+        [--reference FILE] [--tracker NAME=VALUE ...] [--policy NAME=VALUE ...] [--save FILE] [--pool FILE ...]
 
 For each repeat and each of ``exo bench``'s prompts, greedy, EOS ignored: adaptive depth, then every fixed
 depth in ``--depths`` (0: plain decoding), the order of the whole group rotated by one each time and drawn
@@ -18,21 +18,20 @@ order like the rest) and prints the same median ratio between the two runs of on
 own noise floor on this host, in the same run (on H200s whose speed swings within seconds, two runs of one
 fixed depth read 0.976-1.008x each other over 48-80 groups).
 
-``--raw-timings`` adds "adaptive raw": a second engine on the same checkpoint whose adaptive policy keeps raw
-seconds per depth and probes single rounds from K = 0 (``DepthPolicy.track_drift`` and ``explore_deeper``
-off: the policy as it was before either).
+``--reference FILE`` adds "adaptive reference": a second engine on the same checkpoint whose policy is FILE's
+``DepthPolicy`` (an ``adaptive.py`` of another commit: ``git show 676179e:src/exo/engine/adaptive.py > old.py``),
+built on that engine's warm-up costs and seeded with its warm-up acceptance as the engine seeds its own: two
+policies judged request by request in one run. With ``--fixed-reference`` each fixed depth K >= 1 runs a second
+time as "k=K reference", its forced-depth policy an object of FILE's class (the engine builds it through
+``generate.DepthPolicy``, patched for those requests): whether a forced depth's speed moved with the policy.
 
 ``--control`` also prints adaptive over the mean of a fixed depth's two runs in its group ("both runs"): a
 reference with half the noise of either run.
 
-``--tracker idle_forget=1 revert_weight=0`` adds "adaptive variant": another engine on the same checkpoint whose
-policy's acceptance tracker has those fields set (``AcceptanceTracker``; these two: the tracker before its
-estimates reverted to the long-run rate): two settings of the tracker judged request by request in one run.
-
-``--policy probe_far_max=512`` does the same with the depth policy's fields (``DepthPolicy``; this one: the
-probe backoff as before FAR_MISS); with ``--tracker`` too, one variant has both. Values are Python literals
-(``--policy can_draft=True entry_gain=100.0 _probe_every=1000000000``: an engine that tracks the head and never
-drafts, the cost of adaptive's plain decoding without its probes).
+``--policy NAME=VALUE ...`` adds "adaptive variant": another engine on the same checkpoint whose depth policy has
+those fields (``DepthPolicy``), ``--tracker NAME=VALUE ...`` the same for its acceptance tracker; values are Python
+literals (``--policy can_draft=True entry_gain=100.0 probe_every=1000000000``: an engine that tracks the head and
+never drafts, the cost of adaptive's plain decoding without its probes).
 
 ``--save FILE`` writes the run's tokens/s per group as JSON; ``--pool FILE ...`` prints the figures of several
 saved runs pooled (their groups side by side) and runs nothing. Every median comes with a 90% bootstrap
@@ -45,15 +44,20 @@ import argparse
 import ast
 import collections
 import dataclasses
+import importlib
+import importlib.util
 import json
 import os
 import random
 import statistics
 import sys
+from unittest import mock
 
 from exo.engine import GenerationRequest, SamplingParams, load
 from exo.engine.adaptive import TRACE_ENV, DepthPolicy
 from exo.engine.bench import DEFAULT_PROMPTS, encode_prompt
+
+generate = importlib.import_module("exo.engine.generate")  # the module (its DepthPolicy, patched by --fixed-reference)
 
 BOOTSTRAP = 2000  # resamples behind each median's interval
 
@@ -65,7 +69,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--depths", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--control", action="store_true", help="each fixed depth twice a group: the noise floor")
-    parser.add_argument("--raw-timings", action="store_true")
+    parser.add_argument("--reference", metavar="FILE", help="an 'adaptive reference' engine: FILE's DepthPolicy")
+    parser.add_argument("--fixed-reference", action="store_true",
+                        help="with --reference: each fixed depth K >= 1 also as 'k=K reference', under FILE's class")
     parser.add_argument("--tracker", nargs="*", default=[], metavar="NAME=VALUE",
                         help="an 'adaptive variant' engine whose acceptance tracker has these fields")
     parser.add_argument("--policy", nargs="*", default=[], metavar="NAME=VALUE",
@@ -96,7 +102,7 @@ def main() -> None:
         other = load(args.model)
         other.loaded = dataclasses.replace(other.loaded, eos_token_ids=frozenset())
         trace = os.environ.get(TRACE_ENV)
-        if trace:  # its policy traces to a file of its own: FILE.raw, FILE.variant
+        if trace:  # its policy traces to a file of its own: FILE.reference, FILE.variant
             os.environ[TRACE_ENV] = f"{trace}.{name.split()[-1]}"
         policy = other._adaptive_policy()
         if trace:
@@ -105,9 +111,13 @@ def main() -> None:
         configs.insert(1, (name, None))
         return policy
 
-    if args.raw_timings:
-        policy = second_engine("adaptive raw")
-        policy.track_drift = policy.explore_deeper = False
+    reference_class = None
+    if args.reference:
+        second_engine("adaptive reference")
+        reference_class = reference(engines["adaptive reference"], args.reference)
+        if args.fixed_reference:  # each fixed depth again, its fixed policy the reference's class
+            configs += [(f"{name} reference", k) for name, k in configs if k]
+            engines.update({f"{name} reference": engines["adaptive reference"] for name, k in configs if k})
     if args.tracker or args.policy:
         variant = second_engine("adaptive variant")
         for target, items in ((variant.tracker, args.tracker), (variant, args.policy)):
@@ -121,7 +131,11 @@ def main() -> None:
             prompt, max_tokens=max_tokens, sampling=SamplingParams(temperature=0),
             native_mtp="off" if k == 0 else "on", mtp_k=None if k in (None, 0) else k,
         )
-        stats = engines[name].complete(request).stats
+        if reference_class is not None and k and name.endswith(" reference"):
+            with mock.patch.object(generate, "DepthPolicy", reference_class):
+                stats = engines[name].complete(request).stats
+        else:
+            stats = engines[name].complete(request).stats
         if k is None and max_tokens == args.max_tokens:
             histogram[name].update(stats.k_histogram)  # rounds per depth (K = 0: plain tokens)
         return stats.decode_tokens_per_s
@@ -147,6 +161,22 @@ def main() -> None:
         with open(args.save, "w") as f:
             json.dump(run_info, f)
     report([run_info])
+
+
+def reference(engine, path: str) -> type:
+    """Gives ``engine`` the ``DepthPolicy`` of the module at ``path``, warmed up as ``Engine`` warms its own;
+    returns that class."""
+    spec = importlib.util.spec_from_file_location("adaptive_reference", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through it
+    spec.loader.exec_module(module)
+    costs, config = engine.costs(), engine.config
+    policy = module.DepthPolicy(costs=costs, max_k=config.max_k, default_k=config.default_k)
+    if config.warm_acceptance and module.can_pay_off(costs, config.max_k):
+        policy.tracker.absorb(engine.warm_acceptance())
+    engine._policy, engine._policy_key = policy, (config.max_k, config.default_k)
+    return module.DepthPolicy
 
 
 def median_line(ratios: list[float]) -> str:
@@ -176,6 +206,10 @@ def report(runs: list[dict]) -> None:
     adaptive = [name for name in names if name.startswith("adaptive")]
     for a in adaptive[1:]:
         print(f"  {a} / adaptive: " + median_line([x / y for x, y in zip(tps[a], tps["adaptive"], strict=True)]))
+    for name in names:  # --fixed-reference: a forced depth under this commit's policy class and the reference's
+        base = name.removesuffix(" reference")
+        if base != name and not name.startswith("adaptive") and base in tps:
+            print(f"  {base} / {name}: " + median_line([x / y for x, y in zip(tps[base], tps[name], strict=True)]))
     for name in names:
         if name.startswith("adaptive") or name.endswith(" again"):
             continue

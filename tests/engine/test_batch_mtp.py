@@ -100,7 +100,7 @@ def test_adaptive_depth_in_a_batch_switches_between_plain_steps_and_rounds(check
         assert stats.rounds > 0 and stats.k_histogram.get(0, 0) > 0  # both kinds of steps
         assert stats.reason is None
     bucket = engine.batch_policy().bucket(3)
-    assert bucket._median(0) is not None and bucket._rounds_run > 0
+    assert bucket.estimator.plain_s() is not None and bucket.rounds_run > 0
 
 
 def test_members_with_different_depths_share_a_round(checkpoint):
