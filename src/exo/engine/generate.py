@@ -163,6 +163,8 @@ class GenerationRequest:
     thinking: bool = False
     # End-of-sequence tokens are ordinary tokens: the generation runs to max_tokens (or a stop string).
     ignore_eos: bool = False
+    # OpenAI's prompt_cache_key: the prefix cache keeps (and evicts) the entries of one key together.
+    cache_key: str | None = None
     # Polled between decode steps / speculative rounds of a solo generation that could join a batch
     # (``SequenceState.batchable``); True ends the solo stream early, without a final chunk, and leaves the run
     # at a step boundary for a ``BatchDecoder`` to take over (``SequenceState.handed_over``).
