@@ -379,3 +379,122 @@ def test_only_a_run_that_feeds_the_head_stores_the_last_hidden(checkpoint):
     hit = _complete(warm, p2, mtp_k=2)
     assert hit.stats.cached_tokens > 0
     _same(hit, _complete(cold, p2, mtp_k=2))
+
+
+# -- the reply: a sequence that ended keeps its generated part ---------------------------------------------
+REPLY_TOKENS = 40  # more than two blocks of BLOCK
+TOOL = [("user", "Tool result: def main(): return 42\n" * 3)]
+
+
+def _next_turn(engine: Engine, reply_text: str) -> list[int]:
+    """Turn 2 as an agent sends it: turn 1's messages, the reply rendered by the template, a tool result."""
+    return _prompt(engine, TURN1 + [("assistant", reply_text)] + TOOL)
+
+
+def _output_lengths(engine: Engine, prompt: list[int]) -> list[int]:
+    """Snapshot positions held past ``prompt`` (a reply's end)."""
+    return sorted(p for p in engine.prefix_cache._lengths if p > len(prompt))
+
+
+@pytest.mark.parametrize("mtp", [dict(native_mtp="off"), dict(mtp_k=2)])
+def test_the_next_turn_restores_through_the_reply(checkpoint, mtp):
+    path = checkpoint("qwen3_5", dtype="float32")
+    warm, cold = _engine(path, cached=True), _engine(path, cached=False)
+    p1 = _prompt(warm, TURN1)
+    first = _complete(warm, p1, max_tokens=REPLY_TOKENS, **mtp)
+    assert first.finish_reason == "length"
+    p2 = _next_turn(warm, first.text)
+    assert p2[: len(p1) + REPLY_TOKENS] == p1 + first.token_ids  # (this template renders the reply as generated)
+    second = _complete(warm, p2, max_tokens=20, **mtp)
+    # Restored through the reply: every position its caches held (the last token is never fed, except where
+    # a speculative round fed it before its run was cut at max_tokens).
+    assert second.stats.cached_tokens in (len(p1) + REPLY_TOKENS - 1, len(p1) + REPLY_TOKENS)
+    _same(second, _complete(cold, p2, max_tokens=20, **mtp))
+
+
+@pytest.mark.parametrize("mtp_k", [0, 2])
+def test_a_reply_decoded_in_a_batch_is_stored_from_its_row(checkpoint, mtp_k):
+    path = checkpoint("qwen3_5", dtype="float32")
+    warm, cold = _engine(path, cached=True), _engine(path, cached=False)
+    p1, p3 = _prompt(warm, TURN1), _prompt(warm, OTHER)
+    batch = BatchDecoder(warm)
+    tokens: dict[int, list[int]] = {}
+    runs = {}
+    # Different prompt lengths and budgets: the rows are padded differently and leave at different steps.
+    for i, (prompt, budget) in enumerate(((p3, REPLY_TOKENS - 13), (p1, REPLY_TOKENS))):
+        run = warm.start(GenerationRequest(prompt, max_tokens=budget, sampling=SamplingParams(temperature=0.0),
+                                           mtp_k=mtp_k))
+        tokens[i] = [t for chunk in run.begin() if chunk is not None for t in chunk.token_ids]
+        runs[id(run)] = i
+        batch.add(run)
+    while len(batch):
+        for run, chunks in batch.step():
+            for chunk in chunks:
+                tokens[runs[id(run)]].extend(chunk.token_ids)
+        if len(batch):
+            batch.check_invariants()
+    assert len(_output_lengths(warm, p3)) >= 1 and len(tokens[1]) == REPLY_TOKENS
+    text = warm.loaded.tokenizer.decode(tokens[1])
+    p2 = _next_turn(warm, text)
+    hit = _complete(warm, p2, max_tokens=20, mtp_k=mtp_k)
+    assert hit.stats.cached_tokens > len(p1)
+    assert hit.token_ids == _complete(cold, p2, max_tokens=20, mtp_k=mtp_k).token_ids
+
+
+def test_a_cancelled_or_abandoned_run_stores_nothing_of_its_reply(checkpoint):
+    path = checkpoint("qwen3_5", dtype="float32")
+    warm = _engine(path, cached=True)
+    p1 = _prompt(warm, TURN1)
+    sampling = SamplingParams(temperature=0.0)
+    # Cancelled after more than a block of its reply, alone.
+    count = [0]
+
+    def stop() -> bool:
+        count[0] += 1
+        return count[0] > 30
+
+    chunks = list(warm.generate(GenerationRequest(p1, max_tokens=REPLY_TOKENS, sampling=sampling, should_stop=stop)))
+    assert chunks[-1].finish_reason == "cancelled" and sum(len(c.token_ids) for c in chunks) > BLOCK + 1
+    # Abandoned by its consumer (a client gone) after 30 tokens, alone.
+    stream = warm.generate(GenerationRequest(p1, max_tokens=REPLY_TOKENS, sampling=sampling))
+    got = 0
+    for chunk in stream:
+        got += len(chunk.token_ids)
+        if got > 30:
+            break
+    stream.close()
+    # In a batch: one member cancelled, one whose consumer failed (taken out), one failed batch (dropped).
+    for leave in ("cancel", "remove", "drop"):
+        batch = BatchDecoder(warm)
+        flag = [False]
+        run = warm.start(GenerationRequest(p1, max_tokens=REPLY_TOKENS, sampling=sampling,
+                                           native_mtp="off", should_stop=lambda flag=flag: flag[0]))
+        list(run.begin())
+        batch.add(run)
+        steps = 0
+        while len(batch) and steps < 20:  # (a token a step)
+            batch.step()
+            steps += 1
+        if leave == "cancel":
+            flag[0] = True
+            batch.step()
+            assert run.output.finish == "cancelled"
+        elif leave == "remove":
+            batch.remove(run)
+        else:
+            batch.drop()
+        assert not len(batch)
+    assert _output_lengths(warm, p1) == []
+    # The same run let to finish stores its reply (so the above would have).
+    list(warm.generate(GenerationRequest(p1, max_tokens=REPLY_TOKENS, sampling=sampling, native_mtp="off")))
+    assert _output_lengths(warm, p1) == [len(p1) + REPLY_TOKENS - 1]
+
+
+def test_a_reply_shorter_than_a_block_is_not_stored(checkpoint):
+    path = checkpoint("qwen3_5", dtype="float32")
+    warm = _engine(path, cached=True)
+    p1 = _prompt(warm, TURN1)
+    _complete(warm, p1, max_tokens=BLOCK)  # the caches hold BLOCK - 1 of its tokens
+    assert _output_lengths(warm, p1) == []
+    _complete(warm, p1, max_tokens=BLOCK + 1)
+    assert _output_lengths(warm, p1) == [len(p1) + BLOCK]

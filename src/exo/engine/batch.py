@@ -50,6 +50,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
+from .batch_cache import batch_row
 from .generate import Engine, GenerationChunk, SequenceState, verify_round
 from .models.layers import vector_matmul
 from .verify import verify_logits
@@ -298,7 +299,7 @@ class BatchDecoder:
             self.engine.batch_policy().observe_plain(size, seconds)
         self._after_plain = True
         if len(keep) < size:
-            self._keep(keep)
+            self._keep(keep, ended=True)
         return out
 
     def _logits(self, hidden: mx.array, *, verify: bool = False) -> mx.array:
@@ -323,7 +324,7 @@ class BatchDecoder:
             if run.output.finish is not None:
                 chunks.append(run.final_chunk())
         if len(keep) < len(runs):
-            self._keep(keep)
+            self._keep(keep, ended=True)
         return out
 
     # -- speculative rounds --------------------------------------------------------------------------------
@@ -359,17 +360,31 @@ class BatchDecoder:
             if not _ended(run, chunks):
                 keep.append(i)
         if len(keep) < size:
-            self._keep(keep)
+            self._keep(keep, ended=True)
 
-    def _keep(self, keep: list[int]) -> None:
+    def _keep(self, keep: list[int], ended: bool = False) -> None:
         """The members at ``keep`` stay (in that order); the batch's caches follow, wherever the layers are
-        (the last one leaving drops them)."""
+        (the last one leaving drops them). ``ended``: the others leave at the end of a step (finished or
+        cancelled, not failed): the finished ones store their reply first (``_store_ended``)."""
+        if ended:
+            self._store_ended(keep)
         self.runs = [self.runs[i] for i in keep]
         if not keep:
             cache, self.cache = self.cache, []
             self.engine.forward.end(cache)
             return
         self.engine.forward.filter(self.cache, keep)
+
+    def _store_ended(self, keep: list[int]) -> None:
+        """Members that finished (not cancelled) keep their reply in the prefix cache: each one's row of the
+        batch's caches (``batch_row``) goes to ``SequenceState.store_end`` before the filter drops it. Only
+        where the engine has a prefix cache (taking a row costs a read of its padding)."""
+        if self.engine.prefix_cache is None or self.engine.forward.stages > 1:
+            return
+        kept = set(keep)
+        for i, run in enumerate(self.runs):
+            if i not in kept and run.output.finish in ("stop", "length"):
+                run.store_end(batch_row(self.cache, i))
 
 
 _LANES = threading.local()  # each thread's lane streams past the first (MLX streams belong to their thread)

@@ -39,6 +39,29 @@ def batch_cache(cache: Any) -> Any:
     raise TypeError(f"cannot batch a {type(cache).__name__}")
 
 
+def batch_row(cache: list[Any], index: int) -> list[Any]:
+    """Row ``index`` of a batch's caches as one sequence's caches (views, nothing copied): attention KV
+    without the row's left padding (``KVCache``, offset its own positions), the row's GatedDeltaNet state.
+    What a member leaving the batch stores in the prefix cache before ``filter`` drops its row."""
+    pad: int | None = None
+    out: list[Any] = []
+    for c in cache:
+        if isinstance(c, RollbackArraysCache):
+            row = RollbackArraysCache()
+            row.cache = [c[0][index : index + 1], c[1][index : index + 1]]
+        elif isinstance(c, BatchKVCache):
+            if pad is None:
+                pad = int(c.left_padding[index].item())  # every attention layer pads alike
+            row = KVCache()
+            row.keys = c.keys[index : index + 1, :, pad : c._idx]
+            row.values = c.values[index : index + 1, :, pad : c._idx]
+            row.offset = c._idx - pad
+        else:
+            raise TypeError(f"cannot take a row of a {type(c).__name__}")
+        out.append(row)
+    return out
+
+
 def keep_rows_per_sequence(cache: list[Any], rows: int, kept: Sequence[int]) -> None:
     """After a batched verify call of ``rows`` rows per sequence, keep the first ``kept[b]`` rows of
     sequence b (0..rows) in every layer's cache."""

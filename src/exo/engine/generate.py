@@ -748,6 +748,33 @@ class SequenceState:
         else:
             self.head_skipped = tokens
 
+    def store_end(self, cache: list[Any] | None = None) -> int:
+        """A sequence that ended normally (finish "stop" or "length"; never a cancelled or failed one) keeps
+        its generated part in the prefix cache (``PrefillPlan.capture_end``): the next turn resends this
+        prompt and the reply. ``cache``: its caches where a batch holds them (its row: ``batch_cache.batch_row``);
+        None: its own. The head's entries go too where it was fed every position (no gap), its waiting rows but
+        the last taken in first. Returns the bytes stored (0: nothing, e.g. a reply shorter than a block)."""
+        if self.output.finish not in ("stop", "length") or self.forward.stages > 1:
+            return 0  # (a pipeline's other stages hold their layers of the reply and cannot store it yet)
+        caches = self.cache if cache is None else cache
+        positions = next((c.offset for c in caches if isinstance(c, KVCache)), None)
+        fed = [*self.request.prompt_tokens, *self.output.tokens]
+        # The caches hold the prompt, then the output's tokens in order, the last one never fed; past a finish
+        # inside an accepted run they hold drafts after it too: then the state at the end is not this reply's.
+        if positions is None or positions > len(fed):
+            return 0
+        head = None
+        waiting = self.head_rows_waiting
+        if self.track_head and self.head_skipped == 0 and waiting and self.head_cache.offset + waiting == positions:
+            hidden = mx.concatenate(self._head_hidden, axis=1)
+            tokens = mx.concatenate(self._head_tokens)
+            if waiting > 1:
+                assert self.head is not None
+                self.head(self.model.embed(tokens[None, :-1]), hidden[:, :-1], self.head_cache)
+            self._head_hidden, self._head_tokens = [hidden[:, -1:]], [tokens[-1:]]
+            head = (self.head_cache, hidden[:, -1:])
+        return self._prefix.capture_end(fed[:positions], caches, head)
+
     def check_invariants(self, positions: int | None = None) -> None:
         """Assert the invariants (class docstring) of a started, unfinished sequence at a step boundary;
         ``positions``: the caches' positions when a batch holds them (its row's), else read here."""
@@ -970,7 +997,9 @@ class SequenceState:
                 yield from self._plain_burst(budget, stretch=True)
             else:
                 yield from self._speculative_round(k)
-        yield self.final_chunk()
+        final = self.final_chunk()
+        self.store_end()  # (a finished reply, not a cancelled one: ``store_end`` checks)
+        yield final
 
     def final_chunk(self) -> GenerationChunk:
         """The last chunk (the run has finished): what is left of the output, the finish reason, stats."""

@@ -505,46 +505,92 @@ class PrefillPlan:
         """After the prefill (the caches hold the prompt, the head its n - 1 entries when it drafts): store
         the prompt's blocks and the snapshots taken that are not held yet. Returns the bytes stored."""
         c = self.cache
-        store = c.store
         block = c.block
         n = self.n
         head = head_cache if self.need_head and head_cache is not None and head_cache.offset == n - 1 else None
-        entries: list[tuple[str, Arrays]] = []
-        attention = [i for i, lc in enumerate(caches) if not isinstance(lc, RollbackArraysCache)]
-        for b in range(1, n // block + 1):
-            key = c.key(f"b-{self.chain[b].hex()}")
-            lo, hi = (b - 1) * block, b * block
-            if not store.has(key):
-                entries.append((key, _kv_slice(caches, attention, lo, hi)))
-            hkey = c.key(f"h-{self.chain[b].hex()}")
-            if head is not None and not store.has(hkey):
-                entries.append((hkey, _head_slice(head, max(lo - 1, 0), hi - 1)))
+        entries = self._block_entries(self.chain, n // block, caches, head)
         for edge in self._taken:
-            p = edge.p
-            name = snapshot_key(p, self.chain, self.tokens, block)
-            lo = (p // block) * block
-            key = c.key(name)
-            if not store.has(key):
-                arrays: Arrays = {}
-                for i, gdn in enumerate(edge.gdn):
-                    if gdn is not None:
-                        arrays[f"c{i}"], arrays[f"r{i}"] = _copy(gdn[0]), _copy(gdn[1])
-                if p > lo:
-                    arrays.update(_kv_slice(caches, attention, lo, p))
-                entries.append((key, arrays))
-            hkey = c.key("sh" + name[1:])
-            if head is not None and not store.has(hkey):  # (the head consumed this chunk's hiddens: computed)
-                tail = _head_slice(head, max(lo - 1, 0), p - 1) if p - 1 > max(lo - 1, 0) else {}
-                entries.append((hkey, {**tail, "hidden": _copy(edge.hidden)}))
-            c._lengths.add(p)
-            c._note(name, p)
+            name = snapshot_key(edge.p, self.chain, self.tokens, block)
+            entries += self._snapshot_entries(edge.p, name, edge.gdn, caches, head, edge.hidden)
+            c._lengths.add(edge.p)
+            c._note(name, edge.p)
         self._taken = []
+        return self._put(entries)
+
+    def capture_end(self, fed: Sequence[int], caches: list[Any], head: tuple[KVCache, mx.array] | None = None) -> int:
+        """A sequence that ended normally (its reply done): store what its caches hold past the prompt, so the
+        next turn (this prompt, the reply as the template renders it, a tool result) restores through the reply.
+        ``fed``: the tokens the caches hold (prompt + output, the last output token never fed: at most as many
+        as the caches' positions); ``caches``: the sequence's (a batch member's row: ``batch_cache.batch_row``);
+        ``head``: the head's cache holding entries 0..len(fed)-2 and the hidden [1, 1, H] of the last fed
+        position, where the run fed the head all along. Stores the blocks not held (the reply's) and a snapshot
+        at the end: the recurrent state after the last fed token, which the next prompt shares where it
+        renders the reply with the same tokens (a lookup's key covers every token before a snapshot, so a
+        re-rendered reply that differs simply misses it). Skipped for a reply shorter than a block (its
+        snapshot would weigh more than the prefill it saves). Returns the bytes stored."""
+        c = self.cache
+        block = c.block
+        p = len(fed)
+        if p - self.n < block or list(fed[: self.n]) != self.tokens:
+            return 0
+        chain = list(self.chain)
+        for b in range(len(chain) - 1, p // block):
+            chain.append(_digest(chain[-1], _token_bytes(fed[b * block : (b + 1) * block])))
+        head_cache = head[0] if head is not None and head[0].offset == p - 1 else None
+        entries = self._block_entries(chain, p // block, caches, head_cache)
+        name = snapshot_key(p, chain, fed, block)
+        gdn = [(lc[0], lc[1]) if isinstance(lc, RollbackArraysCache) else None for lc in caches]
+        entries += self._snapshot_entries(p, name, gdn, caches, head_cache, head[1] if head_cache is not None else None)  # type: ignore[index]
+        c._lengths.add(p)
+        c._note(name, p)
+        return self._put(entries)
+
+    def _block_entries(self, chain: list[bytes], blocks: int, caches: list[Any], head: KVCache | None) -> list[tuple[str, Arrays]]:
+        """The attention KV (and the head's entries) of blocks 1..``blocks`` the store does not hold."""
+        c = self.cache
+        attention = [i for i, lc in enumerate(caches) if not isinstance(lc, RollbackArraysCache)]
+        entries: list[tuple[str, Arrays]] = []
+        for b in range(1, blocks + 1):
+            key = c.key(f"b-{chain[b].hex()}")
+            lo, hi = (b - 1) * c.block, b * c.block
+            if not c.store.has(key):
+                entries.append((key, _kv_slice(caches, attention, lo, hi)))
+            hkey = c.key(f"h-{chain[b].hex()}")
+            if head is not None and not c.store.has(hkey):
+                entries.append((hkey, _head_slice(head, max(lo - 1, 0), hi - 1)))
+        return entries
+
+    def _snapshot_entries(self, p: int, name: str, gdn: list[tuple[mx.array, mx.array] | None], caches: list[Any],
+                          head: KVCache | None, hidden: mx.array | None) -> list[tuple[str, Arrays]]:
+        """A snapshot at ``p`` (the recurrent states ``gdn``, the KV after the last full block) and the head's
+        tail (with ``hidden``, position p - 1's), where not held."""
+        c = self.cache
+        attention = [i for i, lc in enumerate(caches) if not isinstance(lc, RollbackArraysCache)]
+        lo = (p // c.block) * c.block
+        entries: list[tuple[str, Arrays]] = []
+        key = c.key(name)
+        if not c.store.has(key):
+            arrays: Arrays = {}
+            for i, state in enumerate(gdn):
+                if state is not None:
+                    arrays[f"c{i}"], arrays[f"r{i}"] = _copy(state[0]), _copy(state[1])
+            if p > lo:
+                arrays.update(_kv_slice(caches, attention, lo, p))
+            entries.append((key, arrays))
+        hkey = c.key("sh" + name[1:])
+        if head is not None and hidden is not None and not c.store.has(hkey):  # (the head consumed these hiddens: computed)
+            tail = _head_slice(head, max(lo - 1, 0), p - 1) if p - 1 > max(lo - 1, 0) else {}
+            entries.append((hkey, {**tail, "hidden": _copy(hidden)}))
+        return entries
+
+    def _put(self, entries: list[tuple[str, Arrays]]) -> int:
         if not entries:
             return 0
+        c = self.cache
         mx.eval([a for _, arrays in entries for a in arrays.values()])
         total = 0
         for key, arrays in entries:
-            store.put(key, arrays, self.group)
+            c.store.put(key, arrays, self.group)
             total += nbytes(arrays)
         c.stats.captured_bytes += total
         return total
@@ -593,6 +639,9 @@ class NoPlan:
         pass
 
     def capture(self, caches: list[Any], head_cache: KVCache | None) -> int:
+        return 0
+
+    def capture_end(self, fed: Sequence[int], caches: list[Any], head: tuple[KVCache, mx.array] | None = None) -> int:
         return 0
 
 
