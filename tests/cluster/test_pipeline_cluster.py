@@ -248,17 +248,33 @@ def test_pipeline_sampling_is_single_node_mtp_sampling(quartet, sources):
 def test_concurrent_requests_to_a_pipeline_decode_as_one_batch_like_one_node(quartet, sources):
     """Requests sent at once to a 2-stage instance batch on its leader (continuous batching through the
     pipeline: every stage mirrors the batch's caches); each one's text is still single-node plain decoding's,
-    with native MTP off, forced and adaptive."""
+    with native MTP off, forced and adaptive. A client streaming among them goes away mid-stream: the others
+    are unharmed, and the instance (the same one, never placed anew) serves the next request."""
     import concurrent.futures
 
     a, b, c, _ = quartet
     created = a.post("/v1/instances", {"model": "pipe-dense", "nodes": [b.node_id, c.node_id], "wait": True})
     assert created.status_code == 201, created.text
+    instance_id = created.json()["instance"]["id"]
+
+    def goes_away() -> int:
+        body = {"model": "pipe-dense", "prompt": LONG, "max_tokens": 400, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        with httpx.stream("POST", a.url + "/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            seen = 0
+            for line in response.iter_lines():
+                seen += line.startswith("data: {")
+                if seen >= 4:
+                    break
+        return seen
+
     try:
         engine = single_node(sources["pipe-dense"])
         prompts = [PROMPT, "The quick brown fox", "import numpy as np\nx = np.", "1, 2, 3,", PROMPT[:20], "Once upon"]
         modes = [{"enabled": False}, {"k": 2}, None, {"k": 1}, {"enabled": False}, {"k": 3}]
-        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        with concurrent.futures.ThreadPoolExecutor(len(prompts) + 1) as pool:
+            leaving = pool.submit(goes_away)
             results = list(pool.map(
                 lambda pm: complete(a, "pipe-dense", prompt=pm[0], max_tokens=24,
                                     **({"native_mtp": pm[1]} if pm[1] is not None else {})),
@@ -272,5 +288,11 @@ def test_concurrent_requests_to_a_pipeline_decode_as_one_batch_like_one_node(qua
             assert stats["mode"] == "pipeline" and stats["stages"] == 2, stats
             sizes += [int(n) for n in stats["batch_sizes"]]
         assert sizes and max(sizes) >= 2, sizes  # they decoded together
+        assert leaving.result() >= 4
+        assert a.get(f"/v1/instances/{instance_id}").json()["state"] == "ready"
+        after = complete(a, "pipe-dense", prompt=PROMPT, max_tokens=24, native_mtp={"k": 2})
+        ids = engine.loaded.tokenizer.encode(PROMPT)
+        assert after["choices"][0]["text"] == engine.complete(GenerationRequest(ids, max_tokens=24, native_mtp="off")).text
+        assert a.get(f"/v1/instances/{instance_id}").json()["state"] == "ready"
     finally:
-        assert a.delete(f"/v1/instances/{created.json()['instance']['id']}").status_code == 200
+        assert a.delete(f"/v1/instances/{instance_id}").status_code == 200

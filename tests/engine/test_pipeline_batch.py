@@ -22,6 +22,7 @@ from exo.engine import Engine, EngineConfig, SamplingParams, load_checkpoint
 from exo.engine import pipeline as pipeline_module
 from exo.engine.adaptive import DepthCosts
 from exo.engine.batch import BatchDecoder, BatchLanes
+from exo.runner.device import pipeline_failed
 
 from .test_batch import CHUNK, TEXTS, _solo
 from .test_pipeline import _QueueLink
@@ -95,7 +96,8 @@ class _Pipeline:
         self.engine = Engine(leader, config, forward=self.forward)
 
     def close(self) -> None:
-        self.forward.shutdown()
+        if not self.lost:  # a forward that failed refuses every call (the stages may be out of step)
+            self.forward.shutdown()
         assert all(done.wait(60) for done in self.done)
         assert not self.errors or self.lost, self.errors
 
@@ -452,6 +454,72 @@ def test_a_stage_lost_mid_batch_ends_every_member_with_an_error(checkpoint, pipe
         failures = [item for item in client.items if isinstance(item, Failed)]
         assert len(failures) == 1 and "stage failed" in str(failures[0].error), client.items
     assert isinstance(pipe.errors[0], ConnectionError)
+    assert pipeline_failed(engine)  # the runner's service then ends the group: it is placed anew
+
+
+def test_a_members_consumer_failing_ends_it_alone_and_the_pipeline_serves_on(checkpoint, pipelined):
+    """A consumer that raises (its client's stream broke) ends that request alone, at a step boundary, with
+    every stage in step: a batch member mid-batch, a newcomer at its first token and a solo run each get their
+    error, their caches are dropped on stage 0 too, the other members get their single-node solo output, the
+    pipeline has not failed (the runner's service keeps the group: ``pipeline_failed``), and the next request
+    through it is exact."""
+    from exo.runner.device import Device, Failed
+
+    engine, pipe = pipelined("qwen3_5", batch_prefill_chunk=4)
+    whole = _whole(checkpoint("qwen3_5", dtype="float32"))
+
+    def breaks(client: _Client, at: int, device: Device, batched: bool) -> None:
+        """``client``'s consumer raises at its ``at``-th chunk of output (``batched``: while others decode too)."""
+        seen = [0]
+
+        def emit(item) -> None:
+            if hasattr(item, "token_ids") and (not batched or len(device.active) > 1):
+                seen[0] += 1
+                if seen[0] == at:
+                    raise ConnectionError(f"client {id(client)}'s stream broke")
+            client.items.append(item)
+
+        client.job.emit = emit
+
+    def check_broken(client: _Client) -> None:
+        assert client.finish == "error", client.finish
+        failures = [item for item in client.items if isinstance(item, Failed)]
+        assert len(failures) == 1 and isinstance(failures[0].error, ConnectionError), client.items
+        assert client.tokens == _solo_tokens(client)[: len(client.tokens)]
+
+    def _solo_tokens(client: _Client) -> list[int]:
+        from exo.engine import GenerationRequest
+
+        return whole.complete(GenerationRequest(client.prompt, max_tokens=client.params.max_tokens,
+                                                native_mtp="off")).token_ids
+
+    sizes: list[int] = []
+    device = Device(8, max_batch=4, on_batch=sizes.append)
+    clients = [_Client(device, engine, i, 14, **p) for i, p in
+               enumerate([dict(mtp_k=2), dict(native_mtp="off"), dict(native_mtp="off"), dict(mtp_k=1)])]
+    breaks(clients[1], 3, device, batched=True)  # a member, mid-batch
+    breaks(clients[3], 1, device, batched=True)  # a newcomer, at its first token
+    _serve(device, clients)
+    assert max(sizes) >= 3
+    check_broken(clients[1])
+    check_broken(clients[3])
+    for client in (clients[0], clients[2]):
+        assert client.finish == "length" and client.tokens == _solo_tokens(client)
+    assert not pipeline_failed(engine) and not pipe.errors
+    _no_slots_left(pipe)
+    # A solo run's consumer breaks; then the next request: exact, through the same pipeline.
+    device = Device(8, max_batch=4)
+    alone = _Client(device, engine, 0, 12, native_mtp="off")
+    breaks(alone, 2, device, batched=False)
+    _serve(device, [alone])
+    check_broken(alone)
+    _no_slots_left(pipe)
+    device = Device(8, max_batch=4)
+    following = _Client(device, engine, 2, 12, mtp_k=2)
+    _serve(device, [following])
+    assert following.finish == "length" and following.tokens == _solo_tokens(following)
+    assert not pipeline_failed(engine) and not pipe.errors
+    _no_slots_left(pipe)
 
 
 def test_a_wide_batch_through_three_stages_passes_its_op_records_and_ids_on(checkpoint, pipelined):
@@ -520,3 +588,125 @@ def test_a_stage_that_does_not_lead_rolls_back_its_batched_attention_per_member(
     assert 0 < accepted < drafted  # rows were rejected, so rolled back per member on both stages
     assert any(len(set(kept)) > 1 for kept in stage_rollbacks)  # members kept different counts on stage 0
     _no_slots_left(pipe)
+
+
+# -- the runner's service on a pipelined leader --------------------------------------------------------------
+
+
+class _Call:
+    """One Generate call on the runner's servicer, on a thread of its own (the call's gRPC context, the outer
+    edge, is this object: it only takes the callbacks run when the call ends). ``on_chunk``: called with each
+    chunk streamed."""
+
+    def __init__(self, servicer, request, on_chunk=None) -> None:
+        self.chunks: list = []
+        self.callbacks: list = []
+        self.on_chunk = on_chunk or (lambda chunk: None)
+        self.ended = threading.Event()
+        threading.Thread(target=self._run, args=(servicer, request), daemon=True).start()
+
+    def add_callback(self, callback) -> bool:
+        self.callbacks.append(callback)
+        return True
+
+    def _run(self, servicer, request) -> None:
+        try:
+            for chunk in servicer.Generate(request, self):
+                if not chunk.heartbeat:
+                    self.chunks.append(chunk)
+                    self.on_chunk(chunk)
+        finally:
+            self.ended.set()
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for chunk in self.chunks for t in chunk.token_ids]
+
+    @property
+    def error(self):
+        errors = [chunk.error for chunk in self.chunks if chunk.HasField("error")]
+        assert len(errors) <= 1, errors
+        return errors[0] if errors else None
+
+
+def _leader_service(engine: Engine, device):
+    """The runner's state and servicer of a pipelined leader (the last of two stages), ready with ``engine``."""
+    from exo.runner.service import RunnerServicer, RunnerState
+    from exo.wire.proto_gen import node_pb2 as pb
+
+    state = RunnerState("pipelined", pb.Shard(start_layer=SPLIT[0], end_layer=SPLIT[1], rank=1, world_size=2))
+    state.ready(pb.ModelSummary(model_id="qwen3_5"), engine)
+    return state, RunnerServicer(state, device)
+
+
+def _generate(engine: Engine, i: int, max_tokens: int, **fields):
+    from exo.wire.proto_gen import node_pb2 as pb
+
+    return pb.GenerateRequest(model="qwen3_5", token_ids=pb.TokenIds(ids=_prompt(engine, i)), max_tokens=max_tokens,
+                              native_mtp="off", **fields)
+
+
+def _serve_until_closed(device, seconds: float) -> None:
+    """Serve on this thread until the device is closed (by what the test exercises); closed anyway after
+    ``seconds`` so a test that fails does not hang."""
+    watchdog = threading.Timer(seconds, device.close)
+    watchdog.daemon = True
+    watchdog.start()
+    device.serve()
+    watchdog.cancel()
+
+
+def test_the_service_ends_the_group_when_a_stage_is_lost_mid_batch(pipelined):
+    """Through the runner's service: stage 0 dies while a batch decodes and a request waits; every call, the
+    waiting one too, gets a clear ``model_unavailable`` error (a stage was lost: retry), the group is marked
+    broken (the runner exits ``EXIT_GROUP_LOST`` and the daemons place the instance anew) and the service
+    closes the device itself."""
+    from exo.runner.device import Device
+
+    steps = [0]
+
+    def die() -> None:
+        steps[0] += 1
+        if steps[0] == 30:
+            raise ConnectionError("stage 0's machine went away")
+
+    engine, pipe = pipelined("qwen3_5", on_step=die, batch_prefill_chunk=4)
+    pipe.lost = True
+    sizes: list[int] = []
+    device = Device(8, max_batch=3, on_batch=sizes.append)
+    state, servicer = _leader_service(engine, device)
+    calls = [_Call(servicer, _generate(engine, i, 60)) for i in range(4)]
+    _serve_until_closed(device, 120)  # the service closes it when the pipeline fails
+    assert all(call.ended.wait(30) for call in calls)
+    assert state.group_broken and max(sizes) >= 2
+    started = [call for call in calls if call.chunks[0].HasField("started")]
+    assert len(started) == 3, [call.chunks[0] for call in calls]
+    for call in calls:
+        assert call.error is not None and call.error.type == "model_unavailable", call.chunks
+        assert "pipeline stage" in call.error.message, call.error
+        assert ("mid-generation" if call in started else "before this request ran") in call.error.message
+
+
+def test_the_service_keeps_the_group_when_it_shuts_down_with_requests_waiting(pipelined):
+    """SIGTERM while a pipelined batch decodes and a request waits (``Device.close``): the waiting request gets
+    its shutdown error and the running ones end cancelled, but nothing failed in the pipeline, so the group is
+    not marked broken: the runner shuts the stages down in step (the fixture's ``close`` checks they return
+    cleanly) instead of leaving them to find a lost link."""
+    from exo.runner.device import Device
+
+    engine, pipe = pipelined("qwen3_5", batch_prefill_chunk=4)
+    device = Device(8, max_batch=2)
+    state, servicer = _leader_service(engine, device)
+
+    def close_once_one_waits(chunk) -> None:
+        if device.waiting and len(device.active) == 2:  # two decode together, the third waits
+            device.close()  # what the runner's SIGTERM handler does
+
+    calls = [_Call(servicer, _generate(engine, i, 200), on_chunk=close_once_one_waits) for i in range(3)]
+    _serve_until_closed(device, 120)
+    assert all(call.ended.wait(30) for call in calls)
+    finishes = sorted(call.chunks[-1].finish_reason or call.error.type for call in calls)
+    assert finishes == ["cancelled", "cancelled", "model_unavailable"], [call.chunks[-1] for call in calls]
+    waiting = next(call for call in calls if call.error is not None)
+    assert "shutting down" in waiting.error.message and not waiting.tokens
+    assert not state.group_broken and not pipeline_failed(engine)

@@ -200,6 +200,12 @@ class BatchDecoder:
         self._step_tokens = None
         self._keep([i for i in range(len(self.runs)) if i != index])
 
+    def drop(self) -> None:
+        """Every run leaves at once, with no final chunk (the batch's step failed: they end with its error);
+        the batch's caches are dropped wherever the layers are."""
+        self._step_tokens = None
+        self._keep([])
+
     def cancel_all(self) -> list[tuple[SequenceState, GenerationChunk]]:
         """End every run now (the device shuts down): each one's final chunk, finish "cancelled"."""
         out = []
@@ -438,6 +444,11 @@ class BatchLanes:
     def interleaved(self) -> None:
         for lane in self.lanes:
             lane.interleaved()
+
+    def drop(self) -> None:
+        """``BatchDecoder.drop`` in every lane."""
+        for lane in self.lanes:
+            lane.drop()
 
     def step(self) -> Results:
         """Every lane's step (``BatchDecoder.step``), their plain steps evaluated at once."""

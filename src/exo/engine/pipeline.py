@@ -31,6 +31,7 @@ runner builds on ``mx.distributed`` (ring backend over TCP: ``exo.runner.group.R
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -88,6 +89,30 @@ def _unpack_rates(values: list[int]) -> list[tuple[int, int]]:
 class StepHeaderError(RuntimeError):
     """A step header this stage cannot act on (another version, a step out of order, an unknown op): the
     stages disagree about where they are, so the stage stops (its group is formed anew) rather than compute."""
+
+
+class PipelineBrokenError(RuntimeError):
+    """A call on a pipeline that failed before (``PipelineForward.broken``): its stages may be out of step, so
+    nothing more crosses to them; the group is formed anew."""
+
+
+def _one_exchange(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A ``PipelineForward`` call that acts on every stage: once one raised (a stage or the link to it lost, or
+    anything else mid-call), where the other stages are is unknown, so the forward is ``broken`` and refuses
+    every later call (``PipelineBrokenError``) rather than send into a pipeline that may be out of step."""
+
+    @functools.wraps(method)
+    def call(self: PipelineForward, *args: Any, **kwargs: Any) -> Any:
+        if self.broken is not None:
+            raise PipelineBrokenError(f"the pipeline failed earlier ({type(self.broken).__name__}: {self.broken}); "
+                                      "its group is formed anew") from self.broken
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException as e:
+            self.broken = e
+            raise
+
+    return call
 
 
 @dataclass(frozen=True)
@@ -308,7 +333,10 @@ class PipelineForward:
     Every cache list it hands out (``new_cache``, ``join``) is a ``StageCaches`` with a slot id; the other
     stages keep their own layers' caches under the same id. Cache operations (a rollback, a join, a filter)
     run on the leader's layers at once and are owed to the other stages, which apply them, in order, when
-    the next message arrives (no message of their own: a step stays one message each way)."""
+    the next message arrives (no message of their own: a step stays one message each way).
+
+    A call that raises breaks the forward for good (``broken``): the stages may be out of step. Anything that
+    fails between calls (the leader's own evaluation, a consumer of the output) leaves them in step."""
 
     def __init__(self, model: SpeculativeBackbone, stage: StageSpec, link: Link,
                  verify: VerifyMode | None = None) -> None:
@@ -326,10 +354,12 @@ class PipelineForward:
         self._step = 0  # the next step header's number: every stage expects them in order from 0
         self._slots = 0  # the next slot id
         self._invariant = False
+        self.broken: BaseException | None = None  # what a call raised: the stages may be out of step since
 
     def new_cache(self) -> StageCaches:
         return StageCaches(self.model.make_cache(), self._new_slot())
 
+    @_one_exchange
     def hidden(self, tokens: mx.array, cache: list[Any], *, verify: bool = False) -> mx.array:
         batch, rows = (int(n) for n in tokens.shape)
         header = StepHeader.forward(self._next_step(), _slot(cache), batch, rows, self.verify if verify else None,
@@ -345,14 +375,17 @@ class PipelineForward:
         with verify_call(self.model, cache, self.verify):
             return self.model.stage_hidden(h, cache)
 
+    @_one_exchange
     def rollback(self, cache: list[Any], rows: int, kept: int) -> None:
         keep_rows(cache, rows, kept)
         self._ops.append(Op(ROLLBACK, _slot(cache), (rows, kept)))
 
+    @_one_exchange
     def rollback_per_sequence(self, cache: list[Any], rows: int, kept: Sequence[int]) -> None:
         keep_rows_per_sequence(cache, rows, kept)
         self._ops.append(Op(ROLLBACK, _slot(cache), (rows, *kept)))
 
+    @_one_exchange
     def join(self, batch: list[Any] | None, member: list[Any]) -> list[Any]:
         theirs = [batch_cache(c) for c in member]
         if not batch:
@@ -363,6 +396,7 @@ class PipelineForward:
         self._ops.append(Op(JOIN, _slot(batch), (_slot(member),)))
         return batch
 
+    @_one_exchange
     def filter(self, cache: list[Any], keep: Sequence[int]) -> None:
         index = mx.array(list(keep))
         for c in cache:
@@ -373,6 +407,7 @@ class PipelineForward:
         self.model.set_batch_invariant(on)
         self._invariant = on
 
+    @_one_exchange
     def memory_rates(self) -> list[tuple[int, int]]:
         """Every stage's (KV bytes per token, state bytes per sequence), each measured by that stage on its own
         layers (``OP_MEASURE``), the leader's last."""
@@ -380,6 +415,7 @@ class PipelineForward:
         figures = self.link.recv((4 * (self.stages - 1),), mx.int32, self.stage.previous).tolist()
         return [*_unpack_rates(figures), cache_rates(self.model)]
 
+    @_one_exchange
     def end(self, cache: list[Any]) -> None:
         """The slot's caches are dropped everywhere (a cache list without a slot, one a batch took over, has
         nothing to drop)."""
@@ -388,6 +424,7 @@ class PipelineForward:
             return
         self._send_header(StepHeader(OP_END, self._next_step(), slot, ops=self._take_ops()))
 
+    @_one_exchange
     def shutdown(self) -> None:
         """Tell the other stages to return from ``serve_stage`` (the group is closing)."""
         self._ops = []

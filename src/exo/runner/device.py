@@ -35,12 +35,14 @@ from exo.wire.errors import QueueFullError, RequestTimeoutError
 
 if TYPE_CHECKING:  # the engine (mlx-lm, transformers: seconds) is imported by the load, not before Status serves
     from exo.engine import Engine, NativeMTPStats
+    from exo.engine.batch import BatchLanes
     from exo.engine.generate import GenerationChunk, SequenceState
     from exo.engine.prompt import GenerateParams, GenerationRequest, Prompt
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Device", "Failed", "GenerationJob", "Job", "QueueFullError", "RequestTimeoutError", "Started"]
+__all__ = ["Device", "Failed", "GenerationJob", "Job", "QueueFullError", "RequestTimeoutError", "Started",
+           "pipeline_failed"]
 
 
 @dataclass(frozen=True)
@@ -196,11 +198,23 @@ class GenerationJob:
         run = self.begin(lambda: self.device._batch_wanted(self))
         if run is None:
             return
+        stream = run.stream()
+        failure: Exception | None = None
         try:
-            for chunk in run.stream():
-                self.consume(chunk)
-        except Exception as e:
-            self.fail(e)
+            for chunk in stream:
+                try:
+                    self.consume(chunk)
+                except Exception as e:  # this request's consumer broke (its client's stream): it alone ends
+                    failure = e
+                    break
+        except Exception as e:  # the generation failed (a pipeline's forward says whether its stages are in step)
+            failure = e
+        if failure is not None:
+            try:
+                stream.close()  # the loop stopped at a step boundary: its caches are dropped on every stage
+            except Exception:  # noqa: BLE001 - the request's own error is the one reported
+                log.exception("could not end a failed generation")
+            self.fail(failure)
         if run.handed_over:
             self.handed_over = run
         else:
@@ -449,6 +463,16 @@ class Device:
                     self.active.remove(job)
                     self.generations += 1
 
+        def fail_all(error: BaseException) -> None:
+            """The batch failed (a step, or a member's leaving): every member and newcomer ends with ``error``."""
+            for _, new, _ in prefilling:
+                _release(new)
+            _drop(batch)
+            for member in members.values():
+                leave(member, error)
+            for job, _, _ in prefilling:
+                leave(job, error)
+
         while True:
             horizons = [m.horizon for m in members.values()] + [job.horizon for job, _, _ in prefilling]
             room = self.max_batch - len(batch) - len(prefilling)
@@ -459,32 +483,49 @@ class Device:
                         self.active.remove(job)
                         self.generations += 1
                 elif new.engine is not batch.engine or not new.batchable:
+                    _release(new)
                     leave(job, RuntimeError("the model changed under a running batch; retry"))
                 else:
                     prefilling.append((job, new, new.prefill(new.engine.config.batch_prefill_chunk)))
             still: list[tuple[GenerationJob, SequenceState, Iterator[int]]] = []
             for job, new, chunks in prefilling:
+                # The engine's part (the newcomer's prefill, its first token, its end) and its consumer's part
+                # apart: a consumer that raises ends its request alone, with every stage in step.
                 try:
                     if next(chunks, None) is not None:  # one prefill chunk done, more to come: decode steps first
                         if new.cancelled():
                             new.release()  # a pipeline's stages drop its caches too
-                            job.consume(new.final_chunk())
-                            leave(job)
+                            last = [new.final_chunk()]
                         else:
                             still.append((job, new, chunks))
-                        continue
-                    for chunk in new.first_token():
-                        job.consume(chunk)
-                    if new.output.finish is not None:
-                        new.release()
-                        job.consume(new.final_chunk())
-                        leave(job)
+                            continue
                     else:
-                        batch.add(new)
-                        members[id(new)] = job
+                        last = list(new.first_token())
+                        if new.output.finish is not None:
+                            new.release()
+                            last.append(new.final_chunk())
                 except Exception as e:
                     _release(new)
                     leave(job, e)
+                    continue
+                try:
+                    for chunk in last:
+                        job.consume(chunk)
+                except Exception as e:  # its stream broke: it alone leaves
+                    if new.output.finish is None:
+                        _release(new)
+                    leave(job, e)
+                    continue
+                if new.output.finish is not None:
+                    leave(job)
+                    continue
+                try:
+                    batch.add(new)
+                except Exception as e:
+                    _release(new)
+                    leave(job, e)
+                    continue
+                members[id(new)] = job
             if prefilling:
                 batch.interleaved()  # prefill ran on the device: this round's time is not a round's alone
             prefilling = still
@@ -495,10 +536,7 @@ class Device:
             try:
                 results = batch.step()
             except Exception as e:
-                for member in members.values():
-                    leave(member, e)
-                for job, _, _ in prefilling:
-                    leave(job, e)
+                fail_all(e)
                 return
             self._on_batch(len(results))
             for ended, chunks in results:
@@ -507,10 +545,14 @@ class Device:
                     for chunk in chunks:
                         job.consume(chunk)
                 except Exception as e:  # this member's stream broke: it alone leaves, the others go on
-                    if ended.output.finish is None:
-                        batch.remove(ended)
                     del members[id(ended)]
                     leave(job, e)
+                    if ended.output.finish is None:
+                        try:
+                            batch.remove(ended)  # (a pipeline's stages drop its rows too)
+                        except Exception as e:
+                            fail_all(e)
+                            return
                     continue
                 if ended.output.finish is not None:
                     del members[id(ended)]
@@ -535,9 +577,29 @@ class Device:
             return {"queue_depth": self._waiting_bounded, "running": running, "generations": self.generations}
 
 
+def pipeline_failed(engine: Engine | None) -> bool:
+    """Whether ``engine`` runs through a pipeline that failed (``PipelineForward.broken``: a call through its
+    stages raised, so they may be out of step): its group must be formed anew. A failure confined to one
+    request (its consumer, its input, the leader's own evaluation) leaves the pipeline in step, and serving."""
+    return engine is not None and getattr(engine.forward, "broken", None) is not None
+
+
+def _drop(batch: BatchLanes) -> None:
+    """A batch whose step failed: its caches dropped wherever the layers are (not through a pipeline that
+    failed: its group is formed anew)."""
+    if pipeline_failed(batch.engine):
+        return
+    try:
+        batch.drop()
+    except Exception:  # noqa: BLE001 - the step's own error is the one reported
+        log.exception("could not drop a failed batch's caches")
+
+
 def _release(run: SequenceState) -> None:
-    """A newcomer that failed before it joined: its caches dropped where it can be (a failed pipeline's
-    stages may be gone: then the group is formed anew anyway)."""
+    """A newcomer that failed before it joined: its caches dropped wherever the layers are (not through a
+    pipeline that failed: its group is formed anew)."""
+    if pipeline_failed(run.engine):
+        return
     try:
         run.release()
     except Exception:  # noqa: BLE001 - the newcomer's own error is the one reported

@@ -133,7 +133,7 @@ def _stage_main(spec_file: str, rank: int) -> None:
                             "bytes_sent": after[0] - before[0], "bytes_received": after[1] - before[1],
                             "logprobs": logprobs})
     finally:
-        if forward is not None:
+        if forward is not None and forward.broken is None:  # a failed pipeline refuses (its error is raised)
             forward.shutdown()
     sent = forward.bytes_sent if forward is not None else 0
     received = forward.bytes_received if forward is not None else 0

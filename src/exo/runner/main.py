@@ -216,7 +216,7 @@ def _serve_stage(args: argparse.Namespace, state: RunnerState, device: object, l
     log.info("ready: %s, leading a pipeline of %d stages", args.model_id, stage.world_size)
     stopping[0] = _close_on_term(device)
     device.serve()  # type: ignore[attr-defined]  # until SIGTERM, or a generation that broke the group
-    if state.group_broken:
+    if state.group_broken or forward.broken is not None:  # the stages may be out of step: no shutdown message
         return EXIT_GROUP_LOST
     try:
         forward.shutdown()

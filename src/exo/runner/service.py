@@ -21,7 +21,7 @@ from exo.wire.proto_gen import node_pb2 as pb
 from exo.wire.proto_gen import node_pb2_grpc as pb_grpc
 from exo.wire.runner import HEARTBEAT_S, MAX_MESSAGE_BYTES
 
-from .device import Device, Failed, GenerationJob, QueueFullError, Started
+from .device import Device, Failed, GenerationJob, QueueFullError, Started, pipeline_failed
 
 if TYPE_CHECKING:
     from exo.engine import Engine
@@ -39,7 +39,7 @@ class RunnerState:
         self.shard = shard
         self.ring_port = ring_port
         self.pipelined = shard.world_size > 1
-        self.group_broken = False  # a pipelined generation failed: the group must be formed anew
+        self.group_broken = False  # the pipeline failed (``device.pipeline_failed``): the group must be formed anew
         self._hosts: list[str] | None = None
         self._hosts_set = threading.Event()
         self._lock = threading.Lock()
@@ -143,10 +143,12 @@ class RunnerServicer(pb_grpc.RunnerServicer):
                     thinking=item.thinking)))
             elif isinstance(item, Failed):
                 error = item.error
-                if self.state.pipelined and started:
-                    # Once a pipelined generation runs, a failure is a stage (or the link to it) going away.
+                if self.state.pipelined and pipeline_failed(engine):
+                    # A stage (or the link to it) went away, or a call through the stages failed mid-way: this
+                    # request (running, or waiting and dropped as the group ends) can be retried elsewhere.
+                    when = "mid-generation" if started else "before this request ran"
                     error = NodeUnavailableError(
-                        f"a pipeline stage of {request.model} was lost mid-generation ({type(error).__name__}: "
+                        f"a pipeline stage of {request.model} was lost {when} ({type(error).__name__}: "
                         f"{error}); the instance is placed anew: retry shortly"
                     )
                 out.put(error_to_pb(error))
@@ -154,8 +156,9 @@ class RunnerServicer(pb_grpc.RunnerServicer):
                 out.put(chunk_to_pb(item))  # type: ignore[arg-type]
 
         def on_done(finish: str, *_: object) -> None:
-            if self.state.pipelined and finish == "error":
-                # The other stages are mid-step or gone: this group is over; the daemon forms a new one.
+            # Only the pipeline's own failure ends the group (its stages are gone or may be out of step: the
+            # daemon forms a new one); a request that failed alone (its consumer, its input) leaves it serving.
+            if self.state.pipelined and pipeline_failed(engine):
                 self.state.group_broken = True
                 self.device.close()
             out.put(DONE)
