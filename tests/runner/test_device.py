@@ -32,7 +32,8 @@ def engine(checkpoint) -> Engine:
 class Client:
     """One generation job and what it received."""
 
-    def __init__(self, device: Device, engine: Engine, i: int, *, max_tokens: int = 12, hook=None, **params):
+    def __init__(self, device: Device, engine: Engine, i: int, *, max_tokens: int = 12, hook=None, batch_key: str = "",
+                 **params):
         self.engine = engine
         self.prompt = engine.loaded.tokenizer.encode(TEXTS[i % len(TEXTS)])
         self.params = GenerateParams(max_tokens=max_tokens, default_max_tokens=max_tokens, **params)
@@ -41,7 +42,7 @@ class Client:
         self.stats = None
         self.job = GenerationJob(
             device, lambda: engine, Prompt(token_ids=self.prompt), self.params, self.items.append,
-            timeout_s=600, on_done=self._done, step_hook=hook,
+            timeout_s=600, on_done=self._done, step_hook=hook, batch_key=batch_key,
         )
 
     def _done(self, finish, stats, queue_s, device_s) -> None:
@@ -126,7 +127,7 @@ def test_generations_that_cannot_batch_keep_fifo_order(engine):
     order: list[int] = []
     clients = [
         Client(device, engine, 0, hook=lambda job: order.append(0)),
-        Client(device, engine, 1, logprobs=2, hook=lambda job: order.append(1)),  # logprobs: alone
+        Client(device, engine, 1, batch_key="another model", hook=lambda job: order.append(1)),  # alone
         Client(device, engine, 2, hook=lambda job: order.append(2)),
     ]
     for client in clients:
@@ -136,6 +137,54 @@ def test_generations_that_cannot_batch_keep_fifo_order(engine):
     assert [c.stats.batch_sizes for c in clients] == [{}, {}, {}]
     assert order == sorted(order)
     assert [c.tokens for c in clients] == [c.solo() for c in clients]
+
+
+def test_constrained_and_logprob_generations_arriving_later_join_the_running_batch(checkpoint):
+    """What coding agents send (a forced tool call / a JSON schema) and a logprobs request, arriving while
+    others decode, join their batch instead of waiting for it to drain; each gets its solo output."""
+    from exo.engine.constraints import ConstraintSpec
+    from exo.engine.prompt import generation_request
+
+    engine = Engine(load_checkpoint(checkpoint("qwen3_5", dtype="float32")), EngineConfig(prefill_chunk=8, batch_prefill_chunk=4))
+    device = Device(8, max_batch=4, on_batch=(sizes := []).append)
+    schema = ConstraintSpec(json_schema={"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    late: list[Client] = []
+
+    def arrive(job: GenerationJob) -> None:
+        if job.steps == 3 and not late:  # the first two decode together by now
+            late.extend([Client(device, engine, 2, max_tokens=30, constraint=schema, native_mtp="off"),
+                         Client(device, engine, 3, max_tokens=12, logprobs=2, native_mtp="off", ignore_eos=True)])
+            for client in late:
+                device.submit(client.job)
+                watch(client)
+
+    clients = [Client(device, engine, 0, max_tokens=40, hook=arrive, native_mtp="off", ignore_eos=True),
+               Client(device, engine, 1, max_tokens=40, native_mtp="off", ignore_eos=True)]
+
+    def watch(client: Client) -> None:
+        done = client.job.on_done
+
+        def on_done(*args) -> None:
+            done(*args)
+            if all(c.finish is not None for c in clients + late):
+                device.close()
+
+        client.job.on_done = on_done
+
+    for client in clients:
+        device.submit(client.job)
+        watch(client)
+    device.serve()
+    assert len(late) == 2 and max(sizes) == 4
+    for i, client in enumerate(clients + late):
+        request = generation_request(engine, Prompt(token_ids=client.prompt), client.params, None)
+        solo = engine.complete(request)
+        assert client.finish == solo.finish_reason and client.tokens == solo.token_ids, f"client {i}"
+        assert max(client.stats.batch_sizes) == 4, f"client {i} decoded in the batch of four"
+    assert late[0].finish == "stop"  # the grammar ended it
+    lps = [e for item in late[1].items if getattr(item, "logprobs", None) for e in item.logprobs]
+    assert [e.logprob for e in lps] == [e.logprob for e in engine.complete(
+        generation_request(engine, Prompt(token_ids=late[1].prompt), late[1].params, None)).logprobs]
 
 
 def test_cancelling_one_member_leaves_the_batch_running(engine):

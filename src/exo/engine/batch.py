@@ -131,8 +131,6 @@ class BatchDecoder:
         """A run at a step boundary (after ``begin()`` or a handover, not finished) joins the batch."""
         if run.engine is not self.engine:
             raise ValueError("a batch decodes the runs of one engine")
-        if not run.batchable:
-            raise ValueError("this run cannot decode in a batch (grammar or logprobs)")
         # Its backbone caches become the batch's last row, wherever the layers are (a pipeline's stages
         # mirror it); its head cache and waiting head rows stay its own.
         self.cache = self.engine.forward.join(self.cache or None, run.join_batch())
@@ -250,27 +248,36 @@ class BatchDecoder:
         logits = self._logits(hidden)[:, -1]  # [B, V]
         greedy: mx.array | None = None
         following: list[mx.array] = []
+        lp_rows: list[Any] = []
         for i, run in enumerate(runs):
-            if run.params.greedy and not run.processors:  # one argmax for all of them: what ``choose`` takes
+            if _bare_greedy(run):  # one argmax for all of them: what ``choose`` takes
                 if greedy is None:
                     greedy = mx.argmax(logits, axis=-1).astype(mx.uint32)
                 following.append(greedy[i : i + 1])
+                lp_rows.append(None)
                 run.wait_for_head(hidden[i : i + 1], following[i])
             else:
-                following.append(run.choose(logits[i : i + 1], hidden[i : i + 1])[0])
+                # Under a grammar ``choose`` reads the member's pending token (the last step's output) for its
+                # mask: this step's graph waits for the last step there, as a solo constrained step does.
+                token, rows = run.choose(logits[i : i + 1], hidden[i : i + 1])
+                following.append(token)
+                lp_rows.append(rows)
             if self._adaptive(run):
                 # While the batch decodes plainly its members' heads are not fed (a head row costs about a
                 # layer of the backbone per token, for nothing until a round): only the last few rows wait,
                 # so a round drafts from recent context after a gap in the head's.
                 run.keep_head_window(BATCH_HEAD_WINDOW)
         # The step's tokens in one array too, an output of the same evaluation (the next step's input row).
-        all_greedy = greedy is not None and all(run.params.greedy and not run.processors for run in runs)
+        all_greedy = greedy is not None and all(_bare_greedy(run) for run in runs)
         tokens = greedy if all_greedy else mx.concatenate([t.reshape(1) for t in following])
         self._step_tokens = (tokens, following)
-        return _Prepared([*following, tokens], lambda: self._plain_emit(fed, following, start, timed, fed_last))
+        logprobs = [a for rows in lp_rows if rows is not None for a in rows.arrays()]  # evaluated with the step
+        return _Prepared([*following, tokens, *logprobs],
+                         lambda: self._plain_emit(fed, following, lp_rows, start, timed, fed_last))
 
     def _plain_emit(
-        self, fed: list[mx.array], following: list[mx.array], start: float, timed: bool, fed_last: mx.array | None
+        self, fed: list[mx.array], following: list[mx.array], lp_rows: list[Any], start: float, timed: bool,
+        fed_last: mx.array | None,
     ) -> Results:
         runs = self.runs
         size = len(runs)
@@ -291,7 +298,7 @@ class BatchDecoder:
                 chunks.extend(run.emit_pending(values[i]))
             if not _ended(run, chunks):
                 keep.append(i)
-                run.computed(following[i], self.together or size)
+                run.computed(following[i], self.together or size, lp_rows[i])
             out.append((run, chunks))
         if any(self._adaptive(run) for run in runs):
             # A pipelined step's time is the previous step's compute: measured only after a plain step.
@@ -481,6 +488,11 @@ class BatchLanes:
         if arrays:
             mx.async_eval(arrays)
         return [result for p in prepared for result in p.finish()]
+
+
+def _bare_greedy(run: SequenceState) -> bool:
+    """A member whose plain token is the row's argmax: no penalties, grammar or logprobs to apply."""
+    return run.params.greedy and not run.processors and run.matcher is None and run.top_logprobs is None
 
 
 def _ended(run: SequenceState, chunks: list[GenerationChunk]) -> bool:

@@ -649,16 +649,18 @@ class SequenceState:
         self.batch_rounds = 0
         self.pending_emitted = True
         self._pending_batch = 0  # the size of the batch step that computed ``pending_token``
+        self._pending_lp: _LogprobRows | None = None  # its logprobs (a batched plain step's), until emitted
         self.started = self.first_time = 0.0
         self._first: tuple[mx.array, _LogprobRows | None] | None = None
         self._prefix: PrefillPlan | NoPlan = NoPlan()
 
     @property
     def batchable(self) -> bool:
-        """Whether a batch (exo.engine.batch: batched plain steps and batched MTP rounds) can carry this run
-        (grammars and logprobs stay solo). A pipelined model batches as one node does: its forward mirrors the
-        batch's cache operations on every stage."""
-        return self.matcher is None and self.top_logprobs is None
+        """Whether a batch (exo.engine.batch: batched plain steps and batched MTP rounds) can carry this run:
+        every run can (grammars and logprobs included: ``choose`` and ``decide`` apply them per sequence). A
+        pipelined model batches as one node does: its forward mirrors the batch's cache operations on every
+        stage."""
+        return True
 
     def _handover(self) -> bool:
         """Asked to leave the solo loop for a batch (``GenerationRequest.yield_to_batch``)."""
@@ -678,12 +680,16 @@ class SequenceState:
         cache, self.cache = self.cache, []
         return cache
 
-    def computed(self, token: mx.array, batch_size: int) -> None:
-        """A batched plain step fed the pending token (emitted) and computed ``token``, the new pending one."""
+    def computed(self, token: mx.array, batch_size: int, lp_rows: _LogprobRows | None = None) -> None:
+        """A batched plain step fed the pending token (emitted) and computed ``token``, the new pending one
+        (``lp_rows``: its logprobs, evaluated with the step). The grammar consumes it when its value is read
+        (``_consume_pending``: the next step's mask, or a round's drafts)."""
         assert self.pending_emitted
         self._plain_next = False
         self.pending_token = token
         self.pending_emitted = False
+        self._pending_consumed = False
+        self._pending_lp = lp_rows
         self._pending_batch = batch_size
         if self.processors:
             self.history = mx.concatenate([self.history, token])
@@ -694,7 +700,8 @@ class SequenceState:
         assert not self.pending_emitted
         self.batch_sizes[self._pending_batch] = self.batch_sizes.get(self._pending_batch, 0) + 1
         self.recorder.plain_steps(1)
-        self.output.add(token)
+        lp, self._pending_lp = self._pending_lp, None
+        self.output.add(token, self._logprob_entry(lp, 0, token))
         self.pending_emitted = True
         yield from self.drain()
 

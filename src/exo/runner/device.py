@@ -9,8 +9,8 @@ each joins after its own prefill, interleaved chunk by chunk with the batch's st
 ``EngineConfig.batch_prefill_chunk`` tokens: a long prompt holds the running streams for a chunk at a time),
 and leaves when it ends. A generation joins only while the batch stays within the instance's KV budget (``kv_budget_tokens``,
 estimated by ``exo.engine.batch.batch_fits`` from each member's prompt + max_tokens); one that does not fit
-waits at the head of the queue until members leave (FIFO: nothing behind it overtakes it). Generations under a grammar or with logprobs, a load, or another model's generation at the head of
-the queue wait until the batch has drained (FIFO). A runner serves the queue on its MAIN thread (``Device.serve``); an in-process service
+waits at the head of the queue until members leave (FIFO: nothing behind it overtakes it). Generations under a grammar or with logprobs batch like any other; a load, or another model's
+generation at the head of the queue waits until the batch has drained (FIFO). A runner serves the queue on its MAIN thread (``Device.serve``); an in-process service
 (``exo.api.local``) on a parked daemon thread (``Device.start_thread``). Generation jobs count against
 a bounded queue (``max_queue`` waiting): submitting to a full queue raises ``QueueFullError`` at once, so
 the caller can answer 429 before anything starts. A job talks back through its ``emit`` callback:
@@ -127,8 +127,9 @@ class GenerationJob:
 
     @property
     def batchable(self) -> bool:
-        """Whether this generation can decode in a batch (grammars and logprobs run alone)."""
-        return self.params.constraint is None and self.params.logprobs is None
+        """Whether this generation can decode in a batch: every one can (grammars and logprobs apply per
+        sequence in a batch's steps)."""
+        return True
 
     def prepare(self, engine: Engine) -> int:
         """On the device thread, before it runs: tokenize against ``engine`` (once; ``begin`` reuses it) and
