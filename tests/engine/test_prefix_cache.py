@@ -498,3 +498,20 @@ def test_a_reply_shorter_than_a_block_is_not_stored(checkpoint):
     assert _output_lengths(warm, p1) == []
     _complete(warm, p1, max_tokens=BLOCK + 1)
     assert _output_lengths(warm, p1) == [len(p1) + BLOCK]
+
+
+def test_a_drafting_turn_restores_a_reply_stored_without_the_heads_parts(checkpoint):
+    """A reply whose run did not feed the head every row (MTP off here; an adaptive run's plain stretches) is
+    stored without the head's parts; a drafting next turn that holds the head's parts of the prompt before it
+    still restores through the reply (its head then has a gap) rather than prefilling it again, and its output
+    is the cold one."""
+    path = checkpoint("qwen3_5", dtype="float32")
+    warm, cold = _engine(path, cached=True), _engine(path, cached=False)
+    p1 = _prompt(warm, TURN1)
+    _complete(warm, p1, max_tokens=2, mtp_k=2)  # the prompt, with the head's parts
+    first = _complete(warm, p1, max_tokens=REPLY_TOKENS, native_mtp="off")
+    assert not any(k.split("/", 1)[1].startswith(f"sh-{len(p1) + REPLY_TOKENS - 1}-") for k in warm.prefix_cache.store.keys())
+    p2 = _next_turn(warm, first.text)
+    second = _complete(warm, p2, max_tokens=20, mtp_k=2)
+    assert second.stats.cached_tokens == len(p1) + REPLY_TOKENS - 1
+    assert second.token_ids == _complete(cold, p2, max_tokens=20, mtp_k=2).token_ids

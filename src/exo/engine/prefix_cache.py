@@ -396,15 +396,24 @@ class PrefixCache:
         self.stats.lookups += 1
         self.stats.prompt_tokens += len(tokens)
         found = None
+        head = need_head
         if within is None:
             found = next(self.held(tokens, chain, need_head), None)
+            if need_head and found is not None:
+                # A reply's end is stored without the head's parts where the head skipped rows (an adaptive run's
+                # plain stretches): restoring it without them (the head starts with a gap: drafts land less at
+                # first, the output is the same) beats prefilling the reply again when it is a block or more past
+                # the deepest snapshot held with them. (None held with them: prefill, the head gets it all.)
+                bare = next(self.held(tokens, chain, False), None)
+                if bare is not None and bare[0] - found[0] >= self.block:
+                    found, head = bare, False
         else:
             held = dict(self.held(tokens, chain, need_head))
             p = within(sorted(held, reverse=True))
             found = (p, held[p]) if p in held else None
         if edges is None:
             edges = snapshot_edges(tokens, self.starts, self.stride, self.min_snapshot)
-        return PrefillPlan(self, tokens, chain, found, edges, need_head, group=group)
+        return PrefillPlan(self, tokens, chain, found, edges, need_head, group=group, found_head=head)
 
 
 @dataclass
@@ -426,6 +435,7 @@ class PrefillPlan:
     edges: list[int]
     need_head: bool
     group: str | None = None  # the store group of the request's prompt_cache_key
+    found_head: bool = True  # whether the head's parts of ``found`` are restored too (when ``need_head``)
     restored: int = 0
     head_row: mx.array | None = None  # the restored prefix's last hidden, for the head
     _taken: list[_Edge] = field(default_factory=list)
@@ -447,7 +457,7 @@ class PrefillPlan:
         blocks = [c.store.get(c.key(f"b-{self.chain[b].hex()}"), g) for b in range(1, m + 1)]
         heads: list[Arrays | None] = []
         head_tail = None
-        if self.need_head and head_cache is not None:
+        if self.need_head and self.found_head and head_cache is not None:
             heads = [c.store.get(c.key(f"h-{self.chain[b].hex()}"), g) for b in range(1, m + 1)]
             head_tail = c.store.get(c.key("sh" + name[1:]), g)
             if head_tail is None or "hidden" not in head_tail or any(h is None for h in heads):
@@ -739,7 +749,7 @@ def restore_prefix(cache: PrefixCache | None, state: Any) -> None:
         if lookup is not None:  # the leader's own part went missing: every stage starts from 0
             forward.prefix_begin(caches, 0, plan.edges, plan.group)
         return
-    if head_cache is None:
+    if head_cache is None or plan.head_row is None:
         state.restore(plan.restored, caches)
     else:
         state.restore(plan.restored, caches, head_cache, plan.head_row)
