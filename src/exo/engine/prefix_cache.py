@@ -23,14 +23,17 @@ the last message, i.e. the generation header (where the next turn continues: it 
 it), the start of the second message (the end of the system + tools part, where conversations diverge),
 the end of a prompt that is not a chat, and every ``stride_tokens``.
 A restore goes to the deepest snapshot whose blocks are all held, with the head's parts too when the
-run drafts; the run then prefills only the rest. Captured after the prefill, from the prompt's positions
-only (never a generated, let alone an accepted-but-unemitted, position).
+run drafts; the run then prefills only the rest. Captured after the prefill, from the prompt's positions;
+and when a sequence ends normally (``capture_end``: finish stop or length, a reply of a block or more), its
+reply's blocks and a snapshot at its end, the positions its caches hold of prompt + output (never an
+accepted-but-unemitted position past a finish): an agent's next turn resends the reply.
 
 The hook: ``Engine.start`` ends with ``restore_prefix``, which looks the prompt up (``PrefixCache.plan``)
 and hands the restored caches to the new sequence through its seam (``SequenceState.restore``), so a solo
 run, a batch newcomer and constrained or logprobs runs all get it; the sequence keeps the plan
 (``PrefillPlan``) for its prefill's chunk edges (``spans``, ``reached``) and calls ``capture`` once its
-first token is out.
+first token is out; ``SequenceState.store_end`` calls ``capture_end`` where a sequence ends (the solo loop; a
+batch member leaving, from its row: ``BatchDecoder._store_ended``).
 """
 
 from __future__ import annotations
