@@ -52,6 +52,22 @@ def test_cached_tokens_on_chat_and_completions(make_server, model_dir, reference
     server.wait_for(lambda: len(list((server.home / "prefix-cache").rglob("*.safetensors"))) > 3)
 
 
+def test_the_next_turn_restores_through_the_reply(make_server, model_dir, reference):
+    # An agent's next turn resends the reply: kept when turn 1 ended (a reply of a block or more), so turn 2
+    # prefills only what follows it, and replies as a cold engine does.
+    server = make_server(model_dir, env={"EXO_PREFIX_CACHE_BLOCK_TOKENS": "16"})
+    client = server.openai()
+    first = client.chat.completions.create(model=server.model, messages=TURN1, temperature=0, max_tokens=40)
+    reply = first.choices[0].message.content
+    turn2 = TURN1 + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Tool result: no such file"}]
+    p1, p2 = _ids(reference, TURN1), _ids(reference, turn2)
+    generated = first.usage.completion_tokens
+    assert generated > 16 and p2[: len(p1) + generated - 1] == p1 + reference.tokenizer.encode(reply)[: generated - 1]
+    second = client.chat.completions.create(model=server.model, messages=turn2, temperature=0, max_tokens=12)
+    assert second.usage.prompt_tokens_details.cached_tokens >= len(p1) + generated - 1
+    assert second.choices[0].message.content == reference(p2, max_tokens=12).text
+
+
 def test_cache_off_reports_zero(make_server, model_dir):
     server = make_server(model_dir, env={"EXO_PREFIX_CACHE_ENABLED": "0"})
     client = server.openai()
