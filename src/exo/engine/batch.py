@@ -1,24 +1,25 @@
 """Continuous batching: decode steps and native-MTP rounds for several generation runs of one model at once.
 
-A run (``SequenceState``) prefills and emits its first token alone (``SequenceState.begin``: the same computation as a solo
-request, so its first token is the solo one), or leaves a solo loop at a step boundary
-(``GenerationRequest.yield_to_batch``). ``BatchDecoder.add`` then moves its caches into the batch's
-(``batch_cache``: attention KV into mlx-lm's left-padded ``BatchKVCache``, GatedDeltaNet state a row of a
-``RollbackArraysCache``); its MTP head cache and the (hidden, token) rows waiting for the head stay its
-own. Each ``step`` is then, for every run at once, one of:
+Every generation decodes here: a solo request is a batch of one (``SequenceState.stream``, the device queue).
+A run (``SequenceState``) prefills and emits its first token alone (``SequenceState.begin``: its first token
+is the solo one), then ``BatchDecoder.add`` takes it. A lone member is stepped on its own caches under its own
+``DepthPolicy`` (``_prepare_lone``: the rules of a solo request); a second member moves both into the batch's
+caches (``batch_cache``: attention KV into mlx-lm's left-padded ``BatchKVCache``, GatedDeltaNet state a row
+of a ``RollbackArraysCache``); each member's MTP head cache and the (hidden, token) rows waiting for its head
+stay its own. Each ``step`` is then, for every run at once, one of:
 
-- a plain step (K = 0): ONE backbone call over a row per run; each row penalised and sampled with its
-  own run's parameters and PRNG key stream (a seed reproduces the solo samples). Plain steps are
+- a plain step (K = 0): ONE backbone call over a row per run; each row penalised, masked by its grammar and
+  sampled with its own run's parameters and PRNG key stream (a seed reproduces the solo samples), its
+  logprobs evaluated with the step. Plain steps are
   pipelined like a solo plain burst: a step's next tokens are computed while the host emits the tokens
   fed to it (a run that finishes has one wasted row computed after its last token). Meanwhile an
   adaptive run's head is not fed (only its last ``BATCH_HEAD_WINDOW`` rows wait): a head row costs about a
   backbone layer per token, which a batch that decodes plainly would pay for nothing; a later round
   drafts from a head with a gap in its context (exo-demo: acceptance 1.000 -> 0.984 after 60 tokens);
-- a speculative round: each run drafts with the head (``SequenceState._draft``, its own head cache), ONE verify
-  call of [B, K+1] rows (GatedDeltaNet recording every row's state, MoE routing locked: the solo verify
-  call's semantics), then per run its own verdict (``SequenceState._decide``: greedy argmax match, or its own
-  Leviathan/Chen test with its own parameters, penalties and keys), ``SequenceState._accept`` and ``SequenceState._emit``
-  (the solo loop's own acceptance and emission), and the caches rolled back per run
+- a speculative round: each run drafts with the head (``SequenceState.draft``, its own head cache), ONE verify
+  call of [B, K+1] rows (GatedDeltaNet recording every row's state, MoE routing locked), then per run its
+  own verdict (``SequenceState.decide``: greedy argmax match, or its own Leviathan/Chen test with its own
+  parameters, penalties, grammar and keys), ``commit`` and ``emit``, and the caches rolled back per run
   (``batch_cache.keep_rows_per_sequence``: runs accept different counts). A run whose depth is below the
   round's (a forced smaller K, MTP off for it, a near tie to decode plainly) fills its rows past its
   drafts with its pending token, and keeps none of them.

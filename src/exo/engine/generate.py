@@ -1,4 +1,6 @@
-"""The generation loop: plain decoding and native-MTP speculative decoding, one loop for both.
+"""Generation: the sequence state and the pieces of plain decoding and native-MTP speculative decoding. The
+loop that drives them is ``engine.batch.BatchDecoder``: a solo request (``SequenceState.stream``) is a batch
+of one.
 
 State between rounds: the backbone caches hold every position before ``pending_token`` (the last
 emitted token, not yet fed to the backbone). The MTP head's cache holds an entry for every position
@@ -16,7 +18,7 @@ A speculative round at depth K:
      cache trimmed to its verified entries; the verified hiddens of the accepted rows wait for the head;
   5. emit the accepted tokens one by one, stopping exactly at EOS, a stop string or max_tokens.
 K = 0 is plain decoding, pipelined like mlx-lm's generate_step (the next step's graph is built before
-the current token is read back).
+the current token is read back): ``BatchDecoder``'s plain step, one row per member.
 """
 
 from __future__ import annotations
@@ -572,10 +574,12 @@ class _Decision:
 
 
 class SequenceState:
-    """One generation request's decoding state: the one object the solo loop, a batch (engine/batch.py) and a
-    pipeline's leader drive. Its fields change only through its own methods.
+    """One generation request's decoding state: the one object the decode loop (engine/batch.py: a batch of
+    one for a solo request, of several, a pipeline's leader's) drives. Its fields change only through its own
+    methods.
 
-    Fields: ``cache`` (the backbone's caches; [] while a batch holds them), ``pending_token`` (the last
+    Fields: ``cache`` (the backbone's caches: its own while it decodes alone; [] once a batch of several holds
+    them), ``pending_token`` (the last
     token chosen, [1] uint32), ``pending_emitted`` (whether it is in ``output`` yet), the head state
     (``head_cache``; ``_head_hidden``/``_head_tokens``, the (hidden, next token) rows waiting for the head;
     ``head_skipped``, rows dropped unseen), ``output`` (tokens, text, finish), ``history`` (the completion

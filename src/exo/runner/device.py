@@ -272,7 +272,7 @@ class Device:
     ) -> None:
         """``max_batch``: generations decoding together at most (1: one at a time); ``kv_budget_tokens``:
         the KV a batch may hold together (None: ``CONTEXT_BUDGET_TOKENS``); ``on_batch``: called with the
-        batch size after every batched decode step."""
+        batch size after every decode step (1: a generation alone)."""
         self.max_queue = max_queue
         self.max_batch = max(1, max_batch)
         self.kv_budget_tokens = kv_budget_tokens or CONTEXT_BUDGET_TOKENS
