@@ -7,6 +7,7 @@ import dataclasses
 import functools
 
 import pytest
+from mlx_lm.models.cache import BatchKVCache
 
 from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, load_checkpoint
 from exo.engine.batch import BatchDecoder, BatchLanes, default_lanes
@@ -182,21 +183,26 @@ def test_cancelling_one_sequence_leaves_the_others_running(checkpoint):
 
 
 @pytest.mark.parametrize("compiled", ["cuda", "always"], ids=["gdn-ops", "gdn-compiled"])
-def test_a_solo_run_hands_over_to_a_batch_at_a_step_boundary(checkpoint, compiled, monkeypatch):
+def test_a_lone_member_s_own_caches_become_a_batch_row_when_a_second_joins(checkpoint, compiled, monkeypatch):
+    """A batch of one steps on its member's own caches (no batch conversion: a solo request's speed); a second
+    member makes them the batch's first row mid-generation, and both stay exact."""
     monkeypatch.setattr(layers, "COMPILED_ROWS", compiled)  # the caches a compiled solo step leaves, batched on
     engine = _engine(checkpoint("qwen3_5", dtype="float32"))
-    calls = []
-    first = dataclasses.replace(
-        _request(engine, 0, max_tokens=30), yield_to_batch=lambda: calls.append(1) or len(calls) >= 6
-    )
+    first = _request(engine, 0, max_tokens=30)
     run = engine.start(first)
-    streamed = [t for chunk in run.stream() for t in chunk.token_ids]
-    assert run.handed_over and run.output.finish is None and 1 <= len(streamed) < 30
+    streamed = [t for chunk in run.begin() for t in chunk.token_ids]
     batch = BatchDecoder(engine)
     batch.add(run)
+    for _ in range(5):
+        for _, chunks in batch.step():
+            streamed += [t for chunk in chunks for t in chunk.token_ids]
+        batch.check_invariants()
+    assert run.cache and not any(isinstance(c, BatchKVCache) for c in run.cache), "a lone member keeps its caches"
+    assert run.output.finish is None and 1 <= len(streamed) < 30
     other = engine.start(_request(engine, 3, max_tokens=10))
     other_tokens = [t for chunk in other.begin() if chunk is not None for t in chunk.token_ids]
     batch.add(other)
+    assert not run.cache  # the batch's first row now
     finals = {}
     while len(batch):
         for r, chunks in batch.step():
@@ -204,7 +210,8 @@ def test_a_solo_run_hands_over_to_a_batch_at_a_step_boundary(checkpoint, compile
                 (streamed if r is run else other_tokens).extend(chunk.token_ids)
                 if chunk.finish_reason:
                     finals[id(r)] = chunk
-    assert streamed == _solo(engine, dataclasses.replace(first, yield_to_batch=None)).token_ids
+        batch.check_invariants()
+    assert streamed == _solo(engine, first).token_ids
     assert other_tokens == _solo(engine, _request(engine, 3, max_tokens=10)).token_ids
     assert finals[id(run)].stats.completion_tokens == 30
 

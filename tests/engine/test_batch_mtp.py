@@ -5,8 +5,6 @@ seeded sampling reproduces the solo MTP samples."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from exo.engine import Engine, EngineConfig, SamplingParams
@@ -160,22 +158,22 @@ def test_cancelling_one_member_leaves_the_others_drafting(checkpoint):
         assert got[i][0] == _solo(engine, requests[i]).token_ids and got[i][2] == "length"
 
 
-def test_a_solo_mtp_run_hands_over_with_its_head_state(checkpoint):
-    """A run that drafted alone joins a batch at a round boundary with its head cache and waiting rows, and
-    goes on drafting there."""
+def test_a_lone_mtp_member_keeps_its_head_state_when_a_second_joins(checkpoint):
+    """A member that drafted alone (a batch of one, on its own caches) becomes a batch's row at a round
+    boundary with its head cache and waiting rows, and goes on drafting there."""
     from exo.engine.batch import BatchDecoder
 
     engine = _engine(checkpoint("qwen3_5", dtype="float32"))
-    calls = []
-    first = dataclasses.replace(
-        _request(engine, 0, max_tokens=30, mtp_k=2), yield_to_batch=lambda: calls.append(1) or len(calls) >= 4
-    )
+    first = _request(engine, 0, max_tokens=30, mtp_k=2)
     run = engine.start(first)
-    streamed = [t for chunk in run.stream() for t in chunk.token_ids]
-    assert run.handed_over and run.recorder.rounds > 0
-    solo_rounds = run.recorder.rounds
+    streamed = [t for chunk in run.begin() for t in chunk.token_ids]
     batch = BatchDecoder(engine)
     batch.add(run)
+    for _ in range(3):
+        for _, chunks in batch.step():
+            streamed += [t for chunk in chunks for t in chunk.token_ids]
+    assert run.recorder.rounds == 3 and run.cache and run.output.finish is None
+    solo_rounds = run.recorder.rounds
     other = engine.start(_request(engine, 3, max_tokens=10, mtp_k=2))
     other_tokens = [t for chunk in other.begin() if chunk is not None for t in chunk.token_ids]
     batch.add(other)
@@ -186,7 +184,7 @@ def test_a_solo_mtp_run_hands_over_with_its_head_state(checkpoint):
                 (streamed if r is run else other_tokens).extend(chunk.token_ids)
                 if chunk.finish_reason:
                     finals[id(r)] = chunk.stats
-    assert streamed == _solo(engine, dataclasses.replace(first, yield_to_batch=None)).token_ids
+    assert streamed == _solo(engine, first).token_ids
     assert other_tokens == _solo(engine, _request(engine, 3, max_tokens=10)).token_ids
     stats = finals[id(run)]
     assert stats.rounds > solo_rounds and stats.acceptance_rate > 0.3  # the head kept its context

@@ -18,8 +18,8 @@ from exo.engine import (
     adaptive,
     load_checkpoint,
 )
-from exo.engine.adaptive import AcceptanceTracker, DepthCosts
-from exo.engine.generate import PLAIN_TIMED_MIN, WARM_ROUNDS
+from exo.engine.adaptive import PLAIN_TIMED_MIN, AcceptanceTracker, DepthCosts
+from exo.engine.generate import WARM_ROUNDS
 from exo.engine.models import layers
 
 ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_6_moe", "qwen3_next")
@@ -660,7 +660,8 @@ def test_the_sequence_state_s_invariants_hold_between_every_chunk(dense, fields)
 def test_a_broken_invariant_is_caught(dense):
     engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK))
     run = engine.start(GenerationRequest(_prompt(dense, 11), max_tokens=8, mtp_k=2))
-    next(run.stream())
+    stream = run.stream()  # held: a closed stream drops the sequence's caches
+    next(stream)
     run.check_invariants()
     for c in run.cache:
         if hasattr(c, "trim"):

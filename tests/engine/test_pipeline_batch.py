@@ -313,18 +313,19 @@ def test_a_stop_max_tokens_or_cancellation_ends_one_member_and_leaves_the_others
     _no_slots_left(pipe)
 
 
-def test_a_solo_pipelined_run_hands_over_to_a_batch_and_both_stay_exact(checkpoint, pipelined):
-    """The solo loop leaves at a step boundary (``yield_to_batch``) with its caches on both stages; they become
-    the batch's first row, and a newcomer joins it."""
+def test_a_lone_pipelined_member_becomes_a_batch_row_and_both_stay_exact(checkpoint, pipelined):
+    """A batch of one steps on its member's own caches on both stages; a newcomer makes them the batch's first
+    row (every stage mirrors it) and joins it."""
     engine, pipe = pipelined("qwen3_5")
-    calls: list[int] = []
     first, second = _requests(engine, [dict(max_tokens=30, mtp_k=2, native_mtp="on"), dict(max_tokens=12)])
-    first = dataclasses.replace(first, yield_to_batch=lambda: calls.append(1) or len(calls) >= 5)
     run = engine.start(first)
-    streamed = [t for chunk in run.stream() for t in chunk.token_ids]
-    assert run.handed_over and run.output.finish is None and 1 <= len(streamed) < 30
+    streamed = [t for chunk in run.begin() for t in chunk.token_ids]
     batch = BatchDecoder(engine)
     batch.add(run)
+    for _ in range(4):
+        for _, chunks in batch.step():
+            streamed += [t for chunk in chunks for t in chunk.token_ids]
+    assert run.cache and run.output.finish is None and 1 <= len(streamed) < 30
     other = engine.start(second)
     other_tokens = [t for chunk in other.begin() for t in chunk.token_ids]
     batch.add(other)
@@ -334,7 +335,7 @@ def test_a_solo_pipelined_run_hands_over_to_a_batch_and_both_stay_exact(checkpoi
                 (streamed if r is run else other_tokens).extend(chunk.token_ids)
         batch.check_invariants()
     whole = _whole(checkpoint("qwen3_5", dtype="float32"))
-    assert streamed == _solo(whole, dataclasses.replace(first, yield_to_batch=None)).token_ids
+    assert streamed == _solo(whole, first).token_ids
     assert other_tokens == _solo(whole, second).token_ids
     _no_slots_left(pipe)
 

@@ -1,24 +1,25 @@
 """Continuous batching: decode steps and native-MTP rounds for several generation runs of one model at once.
 
-A run (``SequenceState``) prefills and emits its first token alone (``SequenceState.begin``: the same computation as a solo
-request, so its first token is the solo one), or leaves a solo loop at a step boundary
-(``GenerationRequest.yield_to_batch``). ``BatchDecoder.add`` then moves its caches into the batch's
-(``batch_cache``: attention KV into mlx-lm's left-padded ``BatchKVCache``, GatedDeltaNet state a row of a
-``RollbackArraysCache``); its MTP head cache and the (hidden, token) rows waiting for the head stay its
-own. Each ``step`` is then, for every run at once, one of:
+Every generation decodes here: a solo request is a batch of one (``SequenceState.stream``, the device queue).
+A run (``SequenceState``) prefills and emits its first token alone (``SequenceState.begin``: its first token
+is the solo one), then ``BatchDecoder.add`` takes it. A lone member is stepped on its own caches under its own
+``DepthPolicy`` (``_prepare_lone``: the rules of a solo request); a second member moves both into the batch's
+caches (``batch_cache``: attention KV into mlx-lm's left-padded ``BatchKVCache``, GatedDeltaNet state a row
+of a ``RollbackArraysCache``); each member's MTP head cache and the (hidden, token) rows waiting for its head
+stay its own. Each ``step`` is then, for every run at once, one of:
 
-- a plain step (K = 0): ONE backbone call over a row per run; each row penalised and sampled with its
-  own run's parameters and PRNG key stream (a seed reproduces the solo samples). Plain steps are
+- a plain step (K = 0): ONE backbone call over a row per run; each row penalised, masked by its grammar and
+  sampled with its own run's parameters and PRNG key stream (a seed reproduces the solo samples), its
+  logprobs evaluated with the step. Plain steps are
   pipelined like a solo plain burst: a step's next tokens are computed while the host emits the tokens
   fed to it (a run that finishes has one wasted row computed after its last token). Meanwhile an
   adaptive run's head is not fed (only its last ``BATCH_HEAD_WINDOW`` rows wait): a head row costs about a
   backbone layer per token, which a batch that decodes plainly would pay for nothing; a later round
   drafts from a head with a gap in its context (exo-demo: acceptance 1.000 -> 0.984 after 60 tokens);
-- a speculative round: each run drafts with the head (``SequenceState._draft``, its own head cache), ONE verify
-  call of [B, K+1] rows (GatedDeltaNet recording every row's state, MoE routing locked: the solo verify
-  call's semantics), then per run its own verdict (``SequenceState._decide``: greedy argmax match, or its own
-  Leviathan/Chen test with its own parameters, penalties and keys), ``SequenceState._accept`` and ``SequenceState._emit``
-  (the solo loop's own acceptance and emission), and the caches rolled back per run
+- a speculative round: each run drafts with the head (``SequenceState.draft``, its own head cache), ONE verify
+  call of [B, K+1] rows (GatedDeltaNet recording every row's state, MoE routing locked), then per run its
+  own verdict (``SequenceState.decide``: greedy argmax match, or its own Leviathan/Chen test with its own
+  parameters, penalties, grammar and keys), ``commit`` and ``emit``, and the caches rolled back per run
   (``batch_cache.keep_rows_per_sequence``: runs accept different counts). A run whose depth is below the
   round's (a forced smaller K, MTP off for it, a near tie to decode plainly) fills its rows past its
   drafts with its pending token, and keeps none of them.
@@ -50,8 +51,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
+from .adaptive import PLAIN_TIMED_MIN
 from .batch_cache import batch_row
-from .generate import Engine, GenerationChunk, SequenceState, verify_round
+from .generate import HEAD_FLUSH_ROWS, HEAD_WINDOW, Engine, GenerationChunk, SequenceState, verify_round
 from .models.layers import vector_matmul
 from .verify import verify_logits
 
@@ -99,6 +101,16 @@ Results = list[tuple[SequenceState, list[GenerationChunk]]]
 
 
 @dataclass
+class _Burst:
+    """A lone member's stretch of plain steps its depth policy chose (K = 0), timed as one."""
+
+    budget: int  # plain steps before the policy chooses again
+    stretch: bool  # the policy chose K = 0 (not one step after a near tie): the head keeps a window only
+    start: float
+    steps: int = 0
+
+
+@dataclass
 class _Prepared:
     """A step whose graph is built: evaluate ``arrays`` (none: it has run), then ``finish()`` emits."""
 
@@ -118,6 +130,10 @@ class BatchDecoder:
         self.together: int | None = None
         self.runs: list[SequenceState] = []
         self.cache: list[Any] = []
+        # Whether ``cache`` is a batch's (mlx-lm's BatchKVCache, rows per member): a lone member's own caches
+        # are stepped on where they are (a batch of one costs what a solo loop did) until a second joins.
+        self._batched = False
+        self._burst: _Burst | None = None  # a lone member's plain stretch under way
         # Timing of steps for the batch depth policy: the previous step was a plain one (a pipelined plain
         # step's time is the previous step's compute), and nothing else ran on the device since.
         self._after_plain = False
@@ -128,12 +144,23 @@ class BatchDecoder:
         return len(self.runs)
 
     def add(self, run: SequenceState) -> None:
-        """A run at a step boundary (after ``begin()`` or a handover, not finished) joins the batch."""
+        """A run at a step boundary (after ``begin()``, not finished) joins the batch."""
         if run.engine is not self.engine:
             raise ValueError("a batch decodes the runs of one engine")
-        # Its backbone caches become the batch's last row, wherever the layers are (a pipeline's stages
-        # mirror it); its head cache and waiting head rows stay its own.
-        self.cache = self.engine.forward.join(self.cache or None, run.join_batch())
+        run.check_joinable()
+        self._end_burst()
+        forward = self.engine.forward
+        if not self.runs:
+            # A lone member: the batch steps on its own caches (they stay its ``cache``) until a second joins.
+            self.cache = run.cache
+        else:
+            if not self._batched:
+                # A second member: the lone one's caches become the batch's first row, wherever the layers
+                # are (a pipeline's stages mirror it).
+                self.cache = forward.join(None, self.runs[0].hand_caches())
+                self._batched = True
+            # Its backbone caches become the batch's last row; its head cache and waiting head rows stay its own.
+            self.cache = forward.join(self.cache, run.hand_caches())
         self.runs.append(run)
         self._quiet = False
 
@@ -156,7 +183,7 @@ class BatchDecoder:
         if not self.runs:
             return _Prepared([], list)
         with self._on_stream():
-            if not self.engine.config.batch_invariant:
+            if not self.engine.config.batch_invariant or not self._batched:  # one member's caches: a solo step
                 prepared = self._prepare()
             else:
                 self.engine.forward.set_batch_invariant(True)
@@ -174,9 +201,16 @@ class BatchDecoder:
     def _on_stream(self) -> contextlib.AbstractContextManager[Any]:
         return mx.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
+    def _lone(self) -> bool:
+        """One member decoding alone, on its own caches: its own depth policy drives it, as a solo request."""
+        return not self._batched and len(self.runs) == 1 and (self.together or 1) == 1
+
     def _prepare(self) -> _Prepared:
         start = time.perf_counter()
         timed, self._quiet = self._quiet, True
+        if self._lone():
+            return self._prepare_lone(start)
+        self._end_burst()
         batch_k = self._batch_depth(len(self.runs))
         if max(self._depth(run, batch_k) for run in self.runs) == 0:
             return self._plain_step(start, timed)
@@ -188,6 +222,10 @@ class BatchDecoder:
     def check_invariants(self) -> None:
         """Every member's ``SequenceState.check_invariants``, its positions read from its row of the batch's
         attention KV (``offset``: its own positions, left padding excluded)."""
+        if not self._batched:
+            for run in self.runs:
+                run.check_invariants()  # its own caches
+            return
         kv = next((c for c in self.cache if isinstance(c, BatchKVCache)), None)
         offsets = kv.offset.tolist() if kv is not None else [None] * len(self.runs)
         assert len(offsets) == len(self.runs)
@@ -205,6 +243,7 @@ class BatchDecoder:
         """Every run leaves at once, with no final chunk (the batch's step failed: they end with its error);
         the batch's caches are dropped wherever the layers are."""
         self._step_tokens = None
+        self._burst = None
         self._keep([])
 
     def cancel_all(self) -> list[tuple[SequenceState, GenerationChunk]]:
@@ -237,6 +276,7 @@ class BatchDecoder:
         """The graph of a plain step (``following``: each run's next token); its ``finish`` emits the tokens
         fed to it while the step computes."""
         runs = self.runs
+        burst = self._burst if self._lone() else None
         fed = [r.pending_token for r in runs]
         # The last plain step's tokens, when this one feeds on all of them (no member joined, left or ran a
         # round since): its input row, and what ``_plain_emit`` reads back in one transfer.
@@ -262,7 +302,12 @@ class BatchDecoder:
                 token, rows = run.choose(logits[i : i + 1], hidden[i : i + 1])
                 following.append(token)
                 lp_rows.append(rows)
-            if self._adaptive(run):
+            if burst is not None:
+                if burst.stretch and self._adaptive(run):
+                    run.keep_head_window(HEAD_WINDOW)  # the solo rule (generate.HEAD_WINDOW says why)
+                elif run.head_rows_waiting >= HEAD_FLUSH_ROWS:
+                    run.flush_head_async()
+            elif self._adaptive(run):
                 # While the batch decodes plainly its members' heads are not fed (a head row costs about a
                 # layer of the backbone per token, for nothing until a round): only the last few rows wait,
                 # so a round drafts from recent context after a gap in the head's.
@@ -272,15 +317,18 @@ class BatchDecoder:
         tokens = greedy if all_greedy else mx.concatenate([t.reshape(1) for t in following])
         self._step_tokens = (tokens, following)
         logprobs = [a for rows in lp_rows if rows is not None for a in rows.arrays()]  # evaluated with the step
+        if burst is not None:
+            burst.steps += 1
         return _Prepared([*following, tokens, *logprobs],
-                         lambda: self._plain_emit(fed, following, lp_rows, start, timed, fed_last))
+                         lambda: self._plain_emit(fed, following, lp_rows, start, timed, fed_last, burst is not None))
 
     def _plain_emit(
         self, fed: list[mx.array], following: list[mx.array], lp_rows: list[Any], start: float, timed: bool,
-        fed_last: mx.array | None,
+        fed_last: mx.array | None, lone: bool = False,
     ) -> Results:
         runs = self.runs
         size = len(runs)
+        counted = 0 if lone else self.together or size  # a lone member's tokens are no batch's
         # The tokens fed to this step, read while it runs: from the arrays an earlier evaluation computed (the
         # last step's outputs, a first token), not from this step's graph (its input row): MLX signals the
         # arrays of one ``async_eval`` together, at its end, so reading an array of this step waited for all
@@ -298,9 +346,9 @@ class BatchDecoder:
                 chunks.extend(run.emit_pending(values[i]))
             if not _ended(run, chunks):
                 keep.append(i)
-                run.computed(following[i], self.together or size, lp_rows[i])
+                run.computed(following[i], counted, lp_rows[i])
             out.append((run, chunks))
-        if any(self._adaptive(run) for run in runs):
+        if not lone and any(self._adaptive(run) for run in runs):
             # A pipelined step's time is the previous step's compute: measured only after a plain step.
             seconds = time.perf_counter() - start if timed and self._after_plain else None
             self.engine.batch_policy().observe_plain(size, seconds)
@@ -347,9 +395,11 @@ class BatchDecoder:
         for run, depth in zip(runs, depths, strict=True):
             drafts.append(run.draft(depth))
         # The solo round's own scoring (``generate.verify_round``), the batch's caches rolled back per member.
-        decisions = verify_round(runs, drafts, engine.forward, self.cache,
+        forward = engine.forward
+        decisions = verify_round(runs, drafts, forward, self.cache,
                                  lambda hidden: self._logits(hidden, verify=True),
-                                 engine.forward.rollback_per_sequence)
+                                 forward.rollback_per_sequence if self._batched
+                                 else lambda cache, rows, kept: forward.rollback(cache, rows, kept[0]))
         seconds = time.perf_counter() - start
         for run, decision in zip(runs, decisions, strict=True):
             run.observe_batched_round(decision)
@@ -373,11 +423,20 @@ class BatchDecoder:
         """The members at ``keep`` stay (in that order); the batch's caches follow, wherever the layers are
         (the last one leaving drops them). ``ended``: the others leave at the end of a step (finished or
         cancelled, not failed): the finished ones store their reply first (``_store_ended``)."""
+        if len(keep) < len(self.runs):
+            self._end_burst()
         if ended:
             self._store_ended(keep)
-        self.runs = [self.runs[i] for i in keep]
+        runs, self.runs = self.runs, [self.runs[i] for i in keep]
+        if not self._batched:
+            if not keep:
+                self.cache = []
+                for run in runs:
+                    run.release()  # the lone member's own caches
+            return
         if not keep:
             cache, self.cache = self.cache, []
+            self._batched = False
             self.engine.forward.end(cache)
             return
         self.engine.forward.filter(self.cache, keep)
@@ -391,7 +450,72 @@ class BatchDecoder:
         kept = set(keep)
         for i, run in enumerate(self.runs):
             if i not in kept and run.output.finish in ("stop", "length"):
-                run.store_end(batch_row(self.cache, i))
+                run.store_end(batch_row(self.cache, i) if self._batched else None)  # (a lone one: its own)
+
+    # -- a lone member: the solo loop's rules ----------------------------------------------------------
+    def _prepare_lone(self, start: float) -> _Prepared:
+        """A step of a lone member under its own ``DepthPolicy``, as a solo request decodes: plain stretches of
+        the policy's budget (pipelined, timed as one), speculative rounds timed alone, one plain step after a
+        near tie."""
+        run = self.runs[0]
+        if not run.pending_emitted and len(run.output.tokens) + 1 >= run.output.max_tokens:
+            out = self._settle()  # the pending token is the last one: no step computes past it
+            return _Prepared([], lambda: out)
+        burst = self._burst
+        if burst is not None and burst.steps >= burst.budget:
+            self._end_burst()
+            burst = None
+        if burst is None:
+            if run.near_tie:
+                self._burst = _Burst(1, False, start)
+            else:
+                policy = run.policy
+                k = policy.choose() if policy is not None else 0
+                if run.track_head and policy is not None and not policy.mtp_can_pay_off:
+                    run.stop_head()
+                if k > 0:
+                    out = self._settle()  # a round feeds on emitted tokens
+                    if self.runs:
+                        self._lone_round(run, k, out)
+                    return _Prepared([], lambda: out)
+                self._burst = _Burst(policy.plain_budget() if policy is not None else 1 << 30, True, start)
+        return self._plain_step(start, False)
+
+    def _end_burst(self) -> None:
+        """A lone member's plain stretch ends (its budget ran, it ended, or a second member joined): its depth
+        policy observes it, timed when long enough to be mostly pipelined steps (``PLAIN_TIMED_MIN``)."""
+        burst, self._burst = self._burst, None
+        if burst is None or not self.runs:
+            return
+        policy = self.runs[0].policy
+        if policy is not None:
+            timed = burst.steps >= PLAIN_TIMED_MIN  # shorter: mostly the pipeline filling, not plain tokens
+            policy.observe_plain(burst.steps, time.perf_counter() - burst.start if timed else None)
+
+    def _lone_round(self, run: SequenceState, k: int, out: Results) -> None:
+        """A lone member's speculative round (the batched round's pieces at one row, on its own caches),
+        timed for its own depth policy from after the head's catch-up on a plain stretch."""
+        start = time.perf_counter()
+        run.round_started(start)
+        forward = self.engine.forward
+        drafts = run.draft(k, time_after_catch_up=True)
+        run._mark("draft_build")
+        (decision,) = verify_round(
+            [run], [drafts], forward, self.cache,
+            lambda hidden: verify_logits(self.engine.model, hidden, self.engine.verify_mode),
+            lambda cache, rows, kept: forward.rollback(cache, rows, kept[0]), run._mark,
+        )
+        assert run.policy is not None
+        run.policy.observe_round(k, decision.accepted, time.perf_counter() - (drafts.timed_from or start))
+        run._mark("rollback")
+        run.emit(decision)
+        run._mark("emit")
+        run.round_ended()
+        self._after_plain = False
+        chunks = out[0][1]
+        chunks.extend(run.drain())
+        if _ended(run, chunks):
+            self._keep([], ended=True)
 
 
 _LANES = threading.local()  # each thread's lane streams past the first (MLX streams belong to their thread)

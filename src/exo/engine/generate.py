@@ -1,4 +1,6 @@
-"""The generation loop: plain decoding and native-MTP speculative decoding, one loop for both.
+"""Generation: the sequence state and the pieces of plain decoding and native-MTP speculative decoding. The
+loop that drives them is ``engine.batch.BatchDecoder``: a solo request (``SequenceState.stream``) is a batch
+of one.
 
 State between rounds: the backbone caches hold every position before ``pending_token`` (the last
 emitted token, not yet fed to the backbone). The MTP head's cache holds an entry for every position
@@ -16,7 +18,7 @@ A speculative round at depth K:
      cache trimmed to its verified entries; the verified hiddens of the accepted rows wait for the head;
   5. emit the accepted tokens one by one, stopping exactly at EOS, a stop string or max_tokens.
 K = 0 is plain decoding, pipelined like mlx-lm's generate_step (the next step's graph is built before
-the current token is read back).
+the current token is read back): ``BatchDecoder``'s plain step, one row per member.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from .adaptive import (
-    PLAIN_TIMED_MIN,
     AcceptanceTracker,
     BatchDepthPolicy,
     DepthCosts,
@@ -61,7 +62,7 @@ from .sampling import (
     select_token,
 )
 from .stats import NativeMTPStats, StatsRecorder
-from .verify import VerifyMode, VerifyRows, probe, verify_logits
+from .verify import VerifyMode, VerifyRows, probe
 
 log = logging.getLogger(__name__)
 
@@ -165,10 +166,6 @@ class GenerationRequest:
     ignore_eos: bool = False
     # OpenAI's prompt_cache_key: the prefix cache keeps (and evicts) the entries of one key together.
     cache_key: str | None = None
-    # Polled between decode steps / speculative rounds of a solo generation that could join a batch
-    # (``SequenceState.batchable``); True ends the solo stream early, without a final chunk, and leaves the run
-    # at a step boundary for a ``BatchDecoder`` to take over (``SequenceState.handed_over``).
-    yield_to_batch: Callable[[], bool] | None = None
     # Polled through the engine's one-time warm-up that the first adaptive request waits on (round costs, the
     # head's warm acceptance); True ends the request before it starts ("cancelled"). None: ``should_stop``.
     stop_warmup: Callable[[], bool] | None = None
@@ -579,10 +576,12 @@ class _Decision:
 
 
 class SequenceState:
-    """One generation request's decoding state: the one object the solo loop, a batch (engine/batch.py) and a
-    pipeline's leader drive. Its fields change only through its own methods.
+    """One generation request's decoding state: the one object the decode loop (engine/batch.py: a batch of
+    one for a solo request, of several, a pipeline's leader's) drives. Its fields change only through its own
+    methods.
 
-    Fields: ``cache`` (the backbone's caches; [] while a batch holds them), ``pending_token`` (the last
+    Fields: ``cache`` (the backbone's caches: its own while it decodes alone; [] once a batch of several holds
+    them), ``pending_token`` (the last
     token chosen, [1] uint32), ``pending_emitted`` (whether it is in ``output`` yet), the head state
     (``head_cache``; ``_head_hidden``/``_head_tokens``, the (hidden, next token) rows waiting for the head;
     ``head_skipped``, rows dropped unseen), ``output`` (tokens, text, finish), ``history`` (the completion
@@ -641,10 +640,8 @@ class SequenceState:
         self.top_logprobs = request.logprobs
         max_k = policy.max_k if policy is not None else 0
         self.recorder = StatsRecorder(max(max_k, 1))
-        # Batching (exo.engine.batch): the run left its solo loop for a batch; tokens it decoded in a
-        # batch, per batch size; speculative rounds it ran in a batch; whether ``pending_token`` was added
-        # to the output yet.
-        self.handed_over = False
+        # Batching (exo.engine.batch): tokens it decoded in a batch of several, per batch size; speculative rounds
+        # it ran in one; whether ``pending_token`` was added to the output yet.
         self.batch_sizes: dict[int, int] = {}
         self.batch_rounds = 0
         self.pending_emitted = True
@@ -662,28 +659,38 @@ class SequenceState:
         stage."""
         return True
 
-    def _handover(self) -> bool:
-        """Asked to leave the solo loop for a batch (``GenerationRequest.yield_to_batch``)."""
-        ask = self.request.yield_to_batch
-        return ask is not None and self.batchable and ask()
-
     @property
     def near_tie(self) -> bool:
         """A near tie left the next position to a plain step (cleared by the next step or round)."""
         return self._plain_next
 
     # -- what a batch does to a member (engine/batch.py) ---------------------------------------------
-    def join_batch(self) -> list[Any]:
-        """At a step boundary: hand this sequence's backbone caches to a batch (its head state stays here)."""
+    def check_joinable(self) -> None:
+        """A sequence joins a batch at a step boundary: started, unfinished, its pending token emitted."""
         if self.output.finish is not None or self.pending_token is None or not self.pending_emitted:
             raise ValueError("only a started, unfinished sequence at a step boundary can join a batch")
+
+    def hand_caches(self) -> list[Any]:
+        """Hand this sequence's backbone caches to a batch's (a batch of one steps on them where they are; a
+        second member makes them a batch's row): its head state stays here."""
         cache, self.cache = self.cache, []
         return cache
 
+    def stop_head(self) -> None:
+        """Measured rounds showed drafting cannot pay off here: the head is fed no more."""
+        self.track_head = False
+        self._head_hidden, self._head_tokens = [], []
+
+    def flush_head_async(self) -> None:
+        """Long plain stretches of a lone sequence: its head cache kept current in batches, off the token path."""
+        out = self._flush_head()
+        mx.async_eval(out, self.head_cache.state)
+
     def computed(self, token: mx.array, batch_size: int, lp_rows: _LogprobRows | None = None) -> None:
         """A batched plain step fed the pending token (emitted) and computed ``token``, the new pending one
-        (``lp_rows``: its logprobs, evaluated with the step). The grammar consumes it when its value is read
-        (``_consume_pending``: the next step's mask, or a round's drafts)."""
+        (``lp_rows``: its logprobs, evaluated with the step; ``batch_size``: the batch's size for the stats, 0
+        for a lone sequence). The grammar consumes it when its value is read (``_consume_pending``: the next
+        step's mask, or a round's drafts)."""
         assert self.pending_emitted
         self._plain_next = False
         self.pending_token = token
@@ -698,7 +705,8 @@ class SequenceState:
         """Emit the pending token a batched plain step computed (``token``: its value), counted by the size
         of that step; yields the chunks it makes showable."""
         assert not self.pending_emitted
-        self.batch_sizes[self._pending_batch] = self.batch_sizes.get(self._pending_batch, 0) + 1
+        if self._pending_batch:
+            self.batch_sizes[self._pending_batch] = self.batch_sizes.get(self._pending_batch, 0) + 1
         self.recorder.plain_steps(1)
         lp, self._pending_lp = self._pending_lp, None
         self.output.add(token, self._logprob_entry(lp, 0, token))
@@ -903,17 +911,6 @@ class SequenceState:
         token, logprobs = select_token(logits, self.params, self.keys)
         return token.astype(mx.uint32), logprobs
 
-    def _plain_step(self) -> tuple[mx.array, _LogprobRows | None]:
-        assert self.pending_token is not None
-        hidden = self.forward.hidden(self.pending_token.reshape(1, 1), self.cache)
-        token, lp_rows = self.choose(self.model.logits(hidden)[:, -1], hidden)
-        self.pending_token = token
-        self.pending_emitted = False
-        self._pending_consumed = False
-        if self.processors:
-            self.history = mx.concatenate([self.history, token])
-        return token, lp_rows
-
     def choose(self, logits: mx.array, hidden: mx.array) -> tuple[mx.array, _LogprobRows | None]:
         """Decide a plain step's token (lazily) from its logits [1, V], in the one order every plain step
         of every path takes (the first token, a solo step, a batch member's step): penalties over the history,
@@ -928,30 +925,47 @@ class SequenceState:
 
     # -- the loop ------------------------------------------------------------------------------------
     def stream(self) -> Iterator[GenerationChunk]:
-        # Finished, cancelled, failed or abandoned: a pipeline's other stages drop the request too. When the
-        # loop failed, that error is the one to report: a failure of ``end`` (the stages are likely down for
-        # the same reason) is logged, never raised in its place.
-        # A run handed over to a batch keeps its caches for it (``join_batch``): nothing ends then.
+        """The whole generation alone: ``begin``, then a batch of one (``exo.engine.batch.BatchDecoder``: the
+        one decode loop, whose lone member steps on its own caches under its own depth policy) until it ends.
+        Finished, cancelled, failed or abandoned: its caches are dropped wherever the layers are (a pipeline's
+        other stages too). When the loop failed, that error is the one reported: a failure of ``end`` (the
+        stages are likely down for the same reason) is logged, never raised in its place."""
+        from .batch import BatchDecoder  # the batch drives sequences: it imports this module
+
+        batch = BatchDecoder(self.engine)
         try:
-            yield from self._stream()
+            if self.output.finish is None:  # else stopped during the engine's warm-up (``Engine.start``)
+                yield from self.begin()
+            if self.output.finish is not None:
+                self.release()
+                yield self.final_chunk()
+                return
+            batch.add(self)
+            while len(batch):
+                for _, chunks in batch.step():
+                    yield from chunks
         except Exception:
             try:
-                self.release()
+                self._drop(batch)
             except Exception:
                 log.exception("ending the request on the pipeline failed after the generation failed")
             raise
         except BaseException:  # closed (GeneratorExit) or interrupted: no error of the loop's to keep
-            self.release()
+            self._drop(batch)
             raise
+
+    def _drop(self, batch: Any) -> None:
+        if len(batch):
+            batch.drop()
         else:
-            if not self.handed_over:
-                self.release()
+            self.release()
 
     def release(self) -> None:
         """The request is over: its backbone caches are dropped wherever the layers are (``forward.end``: a
-        pipeline's stages drop its slot; this process's die with the sequence). A sequence whose caches a batch
-        holds has none of its own left (``join_batch``)."""
-        self.forward.end(self.cache)
+        pipeline's stages drop its slot; this process's die with the sequence), once. A sequence whose caches
+        a batch holds has none of its own left (``hand_caches``)."""
+        cache, self.cache = self.cache, []
+        self.forward.end(cache)
 
     def begin(self, chunk: int | None = None) -> Iterator[GenerationChunk]:
         """``prefill`` whole, then ``first_token``: the sequence is then at a step boundary."""
@@ -979,35 +993,6 @@ class SequenceState:
         # The prompt's blocks and snapshots (engine/prefix_cache.py), before any decode step moves the caches on.
         self._prefix.capture(self.cache, self.head_cache if self.track_head else None)
 
-    def _stream(self) -> Iterator[GenerationChunk]:
-        if self.output.finish is not None:  # stopped during the engine's warm-up (``Engine.start``)
-            yield self.final_chunk()
-            return
-        yield from self.begin()
-        while self.output.finish is None:
-            if self.cancelled():
-                break
-            if self._handover():
-                self.handed_over = True
-                return
-            if self._plain_next:
-                self._plain_next = False
-                yield from self._plain_burst(1)
-                continue
-            k = self.policy.choose() if self.policy is not None else 0
-            if self.track_head and self.policy is not None and not self.policy.mtp_can_pay_off:
-                # Measured rounds showed drafting cannot pay off here: stop feeding the head.
-                self.track_head = False
-                self._head_hidden, self._head_tokens = [], []
-            if k == 0:
-                budget = self.policy.plain_budget() if self.policy is not None else 1 << 30
-                yield from self._plain_burst(budget, stretch=True)
-            else:
-                yield from self._speculative_round(k)
-        final = self.final_chunk()
-        self.store_end()  # (a finished reply, not a cancelled one: ``store_end`` checks)
-        yield final
-
     def final_chunk(self) -> GenerationChunk:
         """The last chunk (the run has finished): what is left of the output, the finish reason, stats."""
         assert self.output.finish is not None
@@ -1031,40 +1016,15 @@ class SequenceState:
             if chunk is not None:
                 yield chunk
 
-    def _plain_burst(self, budget: int, stretch: bool = False) -> Iterator[GenerationChunk]:
-        """Up to ``budget`` plain tokens, pipelined. ``stretch``: the adaptive policy chose K = 0 (not one
-        plain token after a near tie): the head keeps only its last ``HEAD_WINDOW`` rows waiting."""
-        window = stretch and self.policy is not None and self.policy.fixed_k is None
-        remaining = min(budget, self.output.max_tokens - len(self.output.tokens))
-        start = time.perf_counter()
-        emitted = 0
-        token, lp = self._plain_step()
-        mx.async_eval(token, *(lp.arrays() if lp is not None else ()))
-        while True:
-            emitted += 1
-            following = following_lp = None
-            if emitted < remaining and not self._handover():
-                # Built before this token is read back (the graph is pipelined); under a grammar the step
-                # needs the token's value for its mask, which it computes while the device runs the step.
-                following, following_lp = self._plain_step()
-                mx.async_eval(following, *(following_lp.arrays() if following_lp is not None else ()))
-            value = token.item()
-            self.output.add(value, self._logprob_entry(lp, 0, value))
-            self.pending_emitted = following is None  # else the pending token is ``following``, not out yet
-            yield from self.drain()
-            if window:
-                self.keep_head_window(HEAD_WINDOW)
-            elif len(self._head_hidden) >= HEAD_FLUSH_ROWS:
-                # Long plain stretches: keep the head cache current in batches, off the token path.
-                out = self._flush_head()
-                mx.async_eval(out, self.head_cache.state)
-            if self.output.finish is not None or following is None or self.cancelled():
-                break
-            token, lp = following, following_lp
-        self.recorder.plain_steps(emitted)
-        if self.policy is not None:
-            timed = emitted >= PLAIN_TIMED_MIN  # shorter: mostly the pipeline filling, not plain tokens
-            self.policy.observe_plain(emitted, time.perf_counter() - start if timed else None)
+    def round_started(self, start: float) -> None:
+        """A lone round starts at ``start`` (its phase timer, EXO_ENGINE_PROFILE=1): the time since the round
+        before counts as "between" (the caller's share reading the chunks, the loop's own, plain steps)."""
+        if self._phases is not None and self._round_end:
+            self._phases["between"] = self._phases.get("between", 0.0) + start - self._round_end
+        self._phase_start = start
+
+    def round_ended(self) -> None:
+        self._round_end = time.perf_counter()
 
     def _mark(self, phase: str) -> None:
         """Accumulates wall time per phase of speculative rounds (EXO_ENGINE_PROFILE=1)."""
@@ -1073,31 +1033,6 @@ class SequenceState:
         now = time.perf_counter()
         self._phases[phase] = self._phases.get(phase, 0.0) + now - self._phase_start
         self._phase_start = now
-
-    def _speculative_round(self, k: int) -> Iterator[GenerationChunk]:
-        """One round alone: draft, verify [pending, d1..dK], decide, roll back, emit. A batch
-        (exo.engine.batch) runs the same pieces per member around ONE verify call of all of them."""
-        assert self.head is not None and self.pending_token is not None
-        start = time.perf_counter()
-        if self._phases is not None and self._round_end:
-            # From the end of the round before to this one: the caller's share (reading the chunks) and the
-            # loop's (the depth policy's choice, cancellation); plain steps too, where some ran in between.
-            self._phases["between"] = self._phases.get("between", 0.0) + start - self._round_end
-        self._phase_start = start
-        drafts = self.draft(k, time_after_catch_up=True)
-        self._mark("draft_build")
-        (decision,) = verify_round(
-            [self], [drafts], self.forward, self.cache,
-            lambda hidden: verify_logits(self.model, hidden, self.engine.verify_mode),
-            lambda cache, rows, kept: self.forward.rollback(cache, rows, kept[0]), self._mark,
-        )
-        assert self.policy is not None
-        self.policy.observe_round(k, decision.accepted, time.perf_counter() - (drafts.timed_from or start))
-        self._mark("rollback")
-        self.emit(decision)
-        self._mark("emit")
-        self._round_end = time.perf_counter()
-        yield from self.drain()
 
     # -- the pieces of a speculative round (alone, or a member's share of a batched round) -------------
     def draft(self, k: int, time_after_catch_up: bool = False) -> _Drafts:

@@ -32,8 +32,8 @@ The hook: ``Engine.start`` ends with ``restore_prefix``, which looks the prompt 
 and hands the restored caches to the new sequence through its seam (``SequenceState.restore``), so a solo
 run, a batch newcomer and constrained or logprobs runs all get it; the sequence keeps the plan
 (``PrefillPlan``) for its prefill's chunk edges (``spans``, ``reached``) and calls ``capture`` once its
-first token is out; ``SequenceState.store_end`` calls ``capture_end`` where a sequence ends (the solo loop; a
-batch member leaving, from its row: ``BatchDecoder._store_ended``).
+first token is out; ``SequenceState.store_end`` calls ``capture_end`` where a sequence ends (a member leaving the one
+decode loop, ``BatchDecoder._store_ended``: a lone member's own caches, a batched one's row).
 """
 
 from __future__ import annotations

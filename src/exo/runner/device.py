@@ -1,13 +1,12 @@
 """The device queue: ONE thread runs every MLX call (loads and generations), jobs in FIFO order.
 
-MLX work never runs on an event loop or a gRPC handler thread. A generation runs alone (today's loop,
-native MTP included) until a generation that can share the device waits at the head of the queue; then
-the running one leaves its loop at the next step boundary and the two, and every such generation that
-arrives while they run (up to ``max_batch``), decode together in one batch (``exo.engine.batch``: batched
-plain steps, or batched native-MTP rounds where drafting pays at that batch size or a request forces a depth):
-each joins after its own prefill, interleaved chunk by chunk with the batch's steps (chunks of
-``EngineConfig.batch_prefill_chunk`` tokens: a long prompt holds the running streams for a chunk at a time),
-and leaves when it ends. A generation joins only while the batch stays within the instance's KV budget (``kv_budget_tokens``,
+MLX work never runs on an event loop or a gRPC handler thread. Every generation decodes in a batch
+(``exo.engine.batch``) from its first token: alone, a batch of one (stepped on the request's own caches under
+its own depth policy, as fast as a solo loop); every generation of the same model that arrives while it runs
+(up to ``max_batch``) joins it (batched plain steps, or batched native-MTP rounds where drafting pays at that
+batch size or a request forces a depth): each joins after its own prefill, interleaved chunk by chunk with the
+batch's steps (chunks of ``EngineConfig.batch_prefill_chunk`` tokens: a long prompt holds the running streams
+for a chunk at a time), and leaves when it ends. A generation joins only while the batch stays within the instance's KV budget (``kv_budget_tokens``,
 estimated by ``exo.engine.batch.batch_fits`` from each member's prompt + max_tokens); one that does not fit
 waits at the head of the queue until members leave (FIFO: nothing behind it overtakes it). Generations under a grammar or with logprobs batch like any other; a load, or another model's
 generation at the head of the queue waits until the batch has drained (FIFO). A runner serves the queue on its MAIN thread (``Device.serve``); an in-process service
@@ -115,7 +114,6 @@ class GenerationJob:
         self._cancel = threading.Event()
         # Generations batch with others of the same key (the same model on this device).
         self.batch_key = batch_key
-        self.handed_over: SequenceState | None = None  # the run, when it left its solo loop for a batch
         # The engine's request, tokenized ahead on the device thread to weigh the job for a batch.
         self._prepared: tuple[Engine, GenerationRequest | Exception] | None = None
         self.engine: Engine | None = None  # the engine it runs on, once begun
@@ -193,34 +191,11 @@ class GenerationJob:
             self.on_done(finish, stats, queue_s, device_s)
 
     def run(self) -> None:
-        """Alone on the device; when the device asks (a batch could form) and the run can, it stops at a
-        step boundary and ``handed_over`` holds the run for the device's batch."""
-        run = self.begin(lambda: self.device._batch_wanted(self))
-        if run is None:
-            return
-        stream = run.stream()
-        failure: Exception | None = None
-        try:
-            for chunk in stream:
-                try:
-                    self.consume(chunk)
-                except Exception as e:  # this request's consumer broke (its client's stream): it alone ends
-                    failure = e
-                    break
-        except Exception as e:  # the generation failed (a pipeline's forward says whether its stages are in step)
-            failure = e
-        if failure is not None:
-            try:
-                stream.close()  # the loop stopped at a step boundary: its caches are dropped on every stage
-            except Exception:  # noqa: BLE001 - the request's own error is the one reported
-                log.exception("could not end a failed generation")
-            self.fail(failure)
-        if run.handed_over:
-            self.handed_over = run
-        else:
-            self.end()
+        """On the device: a batch from its first token (``Device.serve_generations``), which every generation
+        that arrives while it runs joins."""
+        self.device.serve_generations(self)
 
-    def begin(self, yield_to_batch: Callable[[], bool] | None = None) -> SequenceState | None:
+    def begin(self) -> SequenceState | None:
         """Leave the queue for the device: the engine's validated run (``Started`` emitted), or None when
         the job ended here (cancelled, timed out, rejected: reported)."""
         from exo.engine.prompt import generation_request
@@ -245,7 +220,6 @@ class GenerationJob:
             else:
                 request = generation_request(engine, self.prompt, self.params, self.should_stop)
             self.horizon = len(request.prompt_tokens) + request.max_tokens
-            request.yield_to_batch = yield_to_batch
             request.stop_warmup = self.stopped
             run = engine.start(request)
         except Exception as e:
@@ -298,7 +272,7 @@ class Device:
     ) -> None:
         """``max_batch``: generations decoding together at most (1: one at a time); ``kv_budget_tokens``:
         the KV a batch may hold together (None: ``CONTEXT_BUDGET_TOKENS``); ``on_batch``: called with the
-        batch size after every batched decode step."""
+        batch size after every decode step (1: a generation alone)."""
         self.max_queue = max_queue
         self.max_batch = max(1, max_batch)
         self.kv_budget_tokens = kv_budget_tokens or CONTEXT_BUDGET_TOKENS
@@ -384,8 +358,6 @@ class Device:
                 self.active.append(job)
             try:
                 job.run()
-                if isinstance(job, GenerationJob) and job.handed_over is not None:
-                    self._serve_batch(job, job.handed_over)
             except Exception:  # a job reports its own errors; this keeps the device alive
                 log.exception("device job failed")
             finally:
@@ -399,18 +371,6 @@ class Device:
                     self._job_seconds = 0.8 * self._job_seconds + 0.2 * (time.perf_counter() - start)
 
     # -- batching ------------------------------------------------------------------------------------------
-    def _batch_wanted(self, job: GenerationJob) -> bool:
-        """Polled by a solo generation between steps: a generation that could share the device waits."""
-        if self.max_batch < 2 or not self._jobs:  # the common case, read without the lock: one per token
-            return False
-        with self._cv:  # the queue changes under other threads (submit, cancel)
-            if not self._jobs:
-                return False
-            head = self._jobs[0]
-        if not self._joins(head, job.batch_key) or job.engine is None:
-            return False
-        return self._fits(job.engine, [job.horizon, head.prepare(job.engine)])  # type: ignore[attr-defined]
-
     def _fits(self, engine: Engine, horizons: list[int]) -> bool:
         from exo.engine.batch import batch_fits
 
@@ -443,16 +403,18 @@ class Device:
                 self._on_depth(self._waiting_bounded)
         return admitted
 
-    def _serve_batch(self, first: GenerationJob, run: SequenceState) -> None:
-        """Decode ``first`` (handed over at a step boundary) with every generation that joins, until all
-        have ended. Newcomers prefill one chunk per step, between the batch's decode steps."""
+    def serve_generations(self, first: GenerationJob) -> None:
+        """Decode ``first`` in a batch with every generation that joins, until all have ended. ``first``
+        prefills in the engine's solo chunks; newcomers to a batch under way prefill one chunk per step, between
+        the batch's decode steps."""
         from exo.engine.batch import BatchLanes
 
-        first.handed_over = None
+        run = first.begin()
+        if run is None:
+            return
         batch = BatchLanes(run.engine)
-        members: dict[int, GenerationJob] = {id(run): first}
-        batch.add(run)
-        prefilling: list[tuple[GenerationJob, SequenceState, Iterator[int]]] = []
+        members: dict[int, GenerationJob] = {}
+        prefilling: list[tuple[GenerationJob, SequenceState, Iterator[int]]] = [(first, run, run.prefill())]
 
         def leave(job: GenerationJob, failed: BaseException | None = None) -> None:
             if failed is not None:
@@ -486,7 +448,7 @@ class Device:
                     _release(new)
                     leave(job, RuntimeError("the model changed under a running batch; retry"))
                 else:
-                    prefilling.append((job, new, new.prefill(new.engine.config.batch_prefill_chunk)))
+                    prefilling.append((job, new, new.prefill(new.engine.config.batch_prefill_chunk)))  # smaller chunks
             still: list[tuple[GenerationJob, SequenceState, Iterator[int]]] = []
             for job, new, chunks in prefilling:
                 # The engine's part (the newcomer's prefill, its first token, its end) and its consumer's part
