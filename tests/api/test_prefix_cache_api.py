@@ -59,3 +59,27 @@ def test_cache_off_reports_zero(make_server, model_dir):
         response = client.chat.completions.create(model=server.model, messages=TURN1, temperature=0, max_tokens=4)
         assert response.usage.prompt_tokens_details.cached_tokens == 0
     assert server.metric("exo_prefix_cache_lookups_total", model=server.model) == 0
+
+
+def test_prompt_cache_key_is_never_an_error_and_groups_the_entries(make_server, model_dir):
+    # Codex sends one on Responses and chat completions; any value is a hint, never a 400. It reaches the
+    # prefix cache: the summary the runner reports lists it (the router's key affinity), and the RAM tier
+    # keeps its entries in one group.
+    from exo.engine import prefix_cache as pc
+
+    server = make_server(model_dir, env={"EXO_PREFIX_CACHE_BLOCK_TOKENS": "16"})
+    client = server.openai()
+    keys = ["session-1", "k" * 5000, 42, {"conversation": 7}, "", None]
+    for key in keys:
+        extra = {"prompt_cache_key": key}
+        chat = client.chat.completions.create(model=server.model, messages=TURN1, max_tokens=2, extra_body=extra)
+        assert chat.choices[0].finish_reason == "length"
+        text = client.completions.create(model=server.model, prompt="def f(x):", max_tokens=2, extra_body=extra)
+        assert text.choices[0].finish_reason == "length"
+        answer = client.responses.create(model=server.model, input="Hi", max_output_tokens=2, extra_body=extra)
+        assert answer.status in ("completed", "incomplete")
+    engine = server.service._engines[server.model]
+    summary = engine.prefix_cache.summary()
+    assert set(summary.keys) == {pc.key_hash(k) for k in ("session-1", "k" * 5000, "42", '{"conversation": 7}')}
+    groups = {unit[1] for unit in engine.prefix_cache.store.ram._units if unit[0] == "g"}
+    assert f"{pc.key_hash('session-1'):016x}" in groups

@@ -206,13 +206,13 @@ def test_the_stream_repeats_in_progress_while_the_prompt_is_read(demo, monkeypat
 
 
 def test_prompt_cache_key_reaches_the_chat_path(client):
-    # Codex sends one on every request: the chat's prefix-cache hint, validated there like chat completions'.
+    # Codex sends one on every request: the chat's prefix-cache hint.
     from exo.api.responses import ResponsesRequest, chat_body
 
     req = ResponsesRequest.model_validate({"model": "exo-demo", "input": "Hi", "prompt_cache_key": "session-1"})
     assert chat_body(req, [{"role": "user", "content": "Hi"}])["prompt_cache_key"] == "session-1"
     answer = client.responses.create(model="exo-demo", input="Hi", max_output_tokens=4, prompt_cache_key="session-1")
     assert answer.status in ("completed", "incomplete")
-    with pytest.raises(openai.BadRequestError) as e:  # beyond the chat field's bound: the chat's 400
-        client.responses.create(model="exo-demo", input="Hi", max_output_tokens=4, prompt_cache_key="k" * 1025)
-    assert "prompt_cache_key" in str(e.value.body)
+    # A hint is never an error, however long (tests/api/test_prefix_cache_api.py: any value).
+    long = client.responses.create(model="exo-demo", input="Hi", max_output_tokens=4, prompt_cache_key="k" * 5000)
+    assert long.status in ("completed", "incomplete")

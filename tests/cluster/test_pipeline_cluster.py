@@ -245,6 +245,32 @@ def test_pipeline_sampling_is_single_node_mtp_sampling(quartet, sources):
         assert a.delete(f"/v1/instances/{created.json()['instance']['id']}").status_code == 200
 
 
+def test_a_pipelines_next_request_restores_its_prefix_on_every_stage(quartet, sources):
+    """The prefix cache through real stage runners: the same prompt again restores all of it but its last
+    token on both stages (each its own layers' part), and decodes as one node does, MTP off and on."""
+    a, b, c, _ = quartet
+    card = "pipe-next"
+    created = a.post("/v1/instances", {"model": card, "nodes": [c.node_id, b.node_id], "wait": True})
+    assert created.status_code == 201, created.text
+    instance = created.json()["instance"]
+    try:
+        engine = single_node(sources[card])
+        text = PROMPT * 3
+        prompt = engine.loaded.tokenizer.encode(text)
+        assert len(prompt) > 64  # a snapshot at its last token is worth taking
+        plain = engine.complete(GenerationRequest(prompt, max_tokens=MAX_TOKENS, native_mtp="off"))
+        # A run that drafts needs the head's cache too, which only a run that drafted stored.
+        for i, (mtp, hit) in enumerate(((({"enabled": False}), False), ({"enabled": False}, True), ({"k": 2}, False),
+                                        ({"k": 2}, True))):
+            result = complete(a, card, prompt=text, native_mtp=mtp)
+            assert result["choices"][0]["text"] == plain.text, (i, mtp)
+            assert result["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(prompt) - 1 if hit else 0), i
+    finally:
+        assert a.delete(f"/v1/instances/{instance['id']}").status_code == 200
+    wait_for(lambda: not [i for i in a.get("/v1/instances").json()["instances"]
+                          if i["model"] == card and i["state"] != "gone"], 30, "the pipeline to be deleted")
+
+
 def test_concurrent_requests_to_a_pipeline_decode_as_one_batch_like_one_node(quartet, sources):
     """Requests sent at once to a 2-stage instance batch on its leader (continuous batching through the
     pipeline: every stage mirrors the batch's caches); each one's text is still single-node plain decoding's,

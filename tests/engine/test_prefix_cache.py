@@ -252,11 +252,23 @@ def test_keys_depend_on_every_token_and_the_namespace():
     assert pc.snapshot_key(13, a, tokens, 8) != pc.snapshot_key(13, a, tokens[:12] + [7] + tokens[13:], 8)
 
 
-def test_pipelines_keep_no_prefix_cache_yet():
+def test_a_pipeline_plan_settles_on_what_the_stages_hold():
+    # (tests/engine/test_prefix_cache_pipeline.py runs it through a pipeline)
     cache = pc.PrefixCache(pc.MemoryStore(1 << 20), "ns", block_tokens=4)
-    assert isinstance(pc.plan_for(cache, list(range(20)), False, stages=2), pc.NoPlan)
-    assert isinstance(pc.plan_for(cache, list(range(20)), False, stages=1), pc.PrefillPlan)
-    assert isinstance(pc.plan_for(None, list(range(20)), False, stages=1), pc.NoPlan)
+    tokens = list(range(20))
+    assert isinstance(pc.plan_for(cache, tokens, False, stages=2), pc.NoPlan)  # a forward that cannot ask
+    assert isinstance(pc.plan_for(cache, tokens, False, stages=1), pc.PrefillPlan)
+    assert isinstance(pc.plan_for(None, tokens, False, stages=1), pc.NoPlan)
+    chain = pc.block_chain(tokens, 4, "ns")
+    for p in (6, 9, 13):
+        for b in range(1, p // 4 + 1):
+            cache.store.put(cache.key(f"b-{chain[b].hex()}"), {"x": mx.zeros((1,))})
+        cache.store.put(cache.key(pc.snapshot_key(p, chain, tokens, 4)), {"x": mx.zeros((1,))})
+        cache._lengths.add(p)
+    asked = []
+    plan = pc.plan_for(cache, tokens, False, stages=2, lookup=lambda held: asked.append(held) or [6, 9])
+    assert asked == [[13, 9, 6]] and plan.found is not None and plan.found[0] == 9
+    assert pc.plan_for(cache, tokens, False, stages=2, lookup=lambda held: []).found is None
 
 
 def test_snapshot_edges():
@@ -268,3 +280,102 @@ def test_snapshot_edges():
     plan = pc.PrefillPlan(None, tokens, [], None, [4, 7, 16, 32, 38], False)  # type: ignore[arg-type]
     assert list(plan.spans(0, 39, 10)) == [(0, 4), (4, 7), (7, 16), (16, 26), (26, 32), (32, 38), (38, 39)]
     assert list(plan.spans(7, 39, 100)) == [(7, 16), (16, 32), (32, 38), (38, 39)]
+
+
+def test_a_summary_lets_a_router_find_the_held_prefix(checkpoint):
+    # What a runner reports (PrefixCache.summary) and what the cluster's router computes from a prompt
+    # (held_prefix) agree with what a lookup then restores.
+    path = checkpoint("qwen3_5", dtype="float32")
+    warm = _engine(path, cached=True)
+    p1, p2, p3 = _prompt(warm, TURN1), _prompt(warm, TURN2), _prompt(warm, OTHER, system="Another system. " * 6)
+    assert pc.held_prefix(p2, warm.prefix_cache.summary()) == 0
+    _complete(warm, p1, native_mtp="off")
+    summary = warm.prefix_cache.summary()
+    assert summary.namespace == warm.prefix_cache.ns and summary.block_tokens == BLOCK and summary.heads
+    held = pc.held_prefix(p2, summary)
+    assert held > 0 and _complete(warm, p2, native_mtp="off").stats.cached_tokens == held
+    assert pc.held_prefix(p3, summary) == 0  # another system prompt: nothing held
+    assert pc.held_prefix(p2, pc.Summary("other-model", BLOCK, summary.heads)) == 0  # another namespace
+    # Entries evicted since are left out of the summary.
+    for key in warm.prefix_cache.store.keys():
+        warm.prefix_cache.store.remove(key)
+    assert warm.prefix_cache.summary().heads == ()
+
+
+def test_the_summary_is_bounded_and_lists_the_keys_served(monkeypatch):
+    monkeypatch.setattr(pc, "SUMMARY_HEADS", 3)
+    monkeypatch.setattr(pc, "SUMMARY_KEYS", 2)
+    cache = pc.PrefixCache(pc.MemoryStore(1 << 20), "ns", block_tokens=4)
+    for p in range(5, 10):
+        name = f"s-{p}-{p:032x}"
+        cache.store.put(cache.key(name), {"x": mx.zeros((1,))})
+        cache._note(name, p)
+    assert [p for p, _ in cache.summary().heads] == [7, 8, 9]
+    for key in ("a", "b", "c", None, ""):
+        cache.note_key(key)
+    assert cache.summary().keys == (pc.key_hash("b"), pc.key_hash("c"))
+
+
+def _entry(n: int) -> dict[str, mx.array]:
+    return {"x": mx.zeros((n,), dtype=mx.uint8)}
+
+
+def test_memory_store_evicts_a_prompt_cache_key_group_together():
+    store = pc.MemoryStore(100)
+    for key in ("a1", "a2", "a3"):
+        store.put(key, _entry(20), group="A")
+    store.put("b1", _entry(20), group="B")
+    store.get("a1", group="A")  # A was used after B: B goes first, whole
+    store.put("c1", _entry(30), group="C")
+    assert sorted(store.keys()) == ["a1", "a2", "a3", "c1"] and store.bytes == 90 and store.evictions == 1
+    store.put("c2", _entry(30), group="C")  # A is the least recent group now: all of it goes
+    assert sorted(store.keys()) == ["c1", "c2"] and store.evictions == 4
+    # A group larger than the budget loses its oldest entries only.
+    for i in range(3):
+        store.put(f"c{i + 3}", _entry(30), group="C")
+    assert store.keys() == ["c3", "c4", "c5"] and store.bytes == 90
+    # Without groups: plain LRU, entry by entry.
+    plain = pc.MemoryStore(60)
+    for key in ("x", "y", "z"):
+        plain.put(key, _entry(20))
+    plain.get("x")
+    plain.put("w", _entry(20))
+    assert sorted(plain.keys()) == ["w", "x", "z"]
+    # An entry used under another group moves to it.
+    plain.get("z", group="G")
+    plain.put("v", _entry(20))
+    assert sorted(plain.keys()) == ["v", "w", "z"]
+
+
+def test_a_requests_prompt_cache_key_groups_its_entries(checkpoint):
+    path = checkpoint("qwen3_5", dtype="float32")
+    warm, cold = _engine(path, cached=True), _engine(path, cached=False)
+    p1, p2 = _prompt(warm, TURN1), _prompt(warm, TURN2)
+    _complete(warm, p1, cache_key="session-1", native_mtp="off")
+    store = warm.prefix_cache.store
+    group = ("g", f"{pc.key_hash('session-1'):016x}")
+    assert set(store._units) == {group} and len(store._units[group]) == len(store)
+    assert warm.prefix_cache.summary().keys == (pc.key_hash("session-1"),)
+    hit = _complete(warm, p2, cache_key="session-2", native_mtp="off")  # restored entries move to its key
+    assert hit.stats.cached_tokens > 0
+    _same(hit, _complete(cold, p2, native_mtp="off"))
+    assert ("g", f"{pc.key_hash('session-2'):016x}") in store._units
+
+
+def test_only_a_run_that_feeds_the_head_stores_the_last_hidden(checkpoint):
+    # A snapshot holds no hidden: a run without the head never computes a chunk's last hidden (the last layer's
+    # output of a chunk before the prompt's last is never evaluated), and evaluating it for the snapshot cost
+    # seconds a turn on this CPU. The head's tail (sh-) holds it: a run feeding the head computed it anyway.
+    path = checkpoint("qwen3_5", dtype="float32")
+    warm, cold = _engine(path, cached=True), _engine(path, cached=False)
+    p1, p2 = _prompt(warm, TURN1), _prompt(warm, TURN2)
+    _complete(warm, p1, native_mtp="off")
+    store = warm.prefix_cache.store
+    entries = {k.split("/", 1)[1].split("-", 1)[0]: store.get(k) for k in store.keys()}
+    assert "s" in entries and "sh" not in entries and all("hidden" not in e for e in entries.values())
+    _complete(warm, p1, mtp_k=2)  # the head's parts, with the hidden
+    tails = [store.get(k) for k in store.keys() if k.split("/", 1)[1].startswith("sh-")]
+    assert tails and all(t["hidden"].shape[:2] == (1, 1) for t in tails)
+    hit = _complete(warm, p2, mtp_k=2)
+    assert hit.stats.cached_tokens > 0
+    _same(hit, _complete(cold, p2, mtp_k=2))

@@ -87,7 +87,8 @@ async def create_instance(request: web.Request) -> web.Response:
     service = _service(request)
     arrived = time.monotonic()
     model_id = await asyncio.to_thread(service.model_id, body.model)
-    located, plan = await service.create_instance(model_id, body.node, min_nodes=body.min_nodes, nodes=body.nodes)
+    located, plan = await service.create_instance(model_id, body.node, min_nodes=body.min_nodes, nodes=body.nodes,
+                                                  replica=body.replica)
     if body.wait:
         remaining = request.app[CONFIG].load_timeout_s - (time.monotonic() - arrived)
         try:

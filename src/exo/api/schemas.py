@@ -9,6 +9,7 @@ response_format and logprobs are implemented (``api/tools.py``, ``engine/constra
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -220,6 +221,13 @@ class JSONSchemaFormat(BaseModel):
 ResponseFormat = Annotated[TextFormat | JSONObjectFormat | JSONSchemaFormat, Field(discriminator="type")]
 
 
+def cache_key_text(value: Any) -> str | None:
+    """A ``prompt_cache_key`` as sent -> the key (a string as is; another value's JSON; null or "": none)."""
+    if value is None or value == "":
+        return None
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+
+
 class GenerationFields(BaseModel):
     """Fields shared by both generation endpoints (OpenAI names, exo's engine limits)."""
 
@@ -246,10 +254,16 @@ class GenerationFields(BaseModel):
     stream_options: StreamOptions | None = None
     n: int | None = Field(default=None, ge=1, le=1, description="only 1 is supported")
     user: str | None = Field(default=None, description="accepted for compatibility; not used")
-    prompt_cache_key: str | None = Field(
-        default=None, max_length=1024,
-        description="OpenAI's prompt-cache hint: accepted; exo's prefix cache matches prompts by their tokens",
+    prompt_cache_key: Any = Field(
+        default=None,
+        description="OpenAI's prompt-cache hint (any value, never an error; not a string: its JSON is the key): "
+        "requests of one key go to the same instance when none holds their prefix, and the prefix cache keeps "
+        "one key's entries together. Prompts are matched by their tokens whatever the key",
     )
+
+    def cache_key(self) -> str | None:
+        """``prompt_cache_key`` as the key it stands for (None: none)."""
+        return cache_key_text(self.prompt_cache_key)
     native_mtp: NativeMTPOptions | None = None
     ignore_eos: bool | None = Field(
         default=None,
@@ -351,6 +365,11 @@ class InstanceCreate(BaseModel):
     nodes: list[str] | None = Field(
         default=None, min_length=1, max_length=64,
         description="exactly these node ids, as the pipeline's stages in this order (the last one leads)",
+    )
+    replica: bool = Field(
+        default=False,
+        description="place another instance of a model that already has one (requests then go to the instance "
+        "holding their longest cached prefix: docs/prefix-cache.md); default: a model has one instance",
     )
 
     def check_combinations(self) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import socket
 import threading
@@ -45,15 +46,17 @@ from exo.engine import (
     ModelNotAvailableError,
     ResolvedModel,
 )
-from exo.engine.prompt import tokenize
+from exo.engine.prefix_cache import key_hash, message_starts
+from exo.engine.prompt import prompt_tokens, tokenize
 from exo.engine.resolve import DEFAULT_MODEL
 from exo.metrics import Metrics
 from exo.settings import Settings
-from exo.wire.convert import chunk_from_pb, error_from_pb, generate_request
+from exo.wire.convert import chunk_from_pb, error_from_pb, generate_request, request_from_pb
 from exo.wire.proto_gen import node_pb2 as pb
 
 from . import pipelines as pipes
 from . import placement as pl
+from . import routing
 from .listing import card_info, model_rows
 from .models import LocalModels
 from .node import ClusterNode, MTPSwitch, new_instance_id
@@ -139,6 +142,8 @@ class ClusterModelService:
         # count_tokens' tokenizers: (model id, its directory) -> the tokenizer, loaded in this process
         self._tokenizers: OrderedDict[tuple[str, str], tuple[Any, threading.Lock]] = OrderedDict()
         self._tokenizers_lock = threading.Lock()
+        self._recent_routes = routing.Recent()  # what this node's router sent where lately
+        self._message_starts: dict[str, frozenset[int]] = {}  # model id -> its chat templates' message starts
 
     # -- lifecycle (the app's startup and cleanup hooks) ------------------------------------------------------
     async def start(self) -> None:
@@ -723,16 +728,61 @@ class ClusterModelService:
                 self._tokenizers.popitem(last=False)
             return kept
 
+    def _candidates(self, model_id: str) -> list[routing.Candidate]:
+        """The model's ready instances (pipelines: their leaders), with their load as last reported or as this
+        node's own streams to them say, whichever is more."""
+        single, pipelines = self.instances()
+        ready = [loc for loc in single if loc.instance.model_id == model_id]
+        ready += [self._pipeline_located(p) for p in pipelines if p.model_id == model_id]
+        ready = [loc for loc in ready if loc.instance.state == pb.INSTANCE_STATE_READY]
+        streams: dict[str, int] = {}
+        for stream in self._streams:
+            streams[stream.instance_id] = streams.get(stream.instance_id, 0) + 1
+        return [routing.Candidate(loc, max(loc.instance.queue_depth + loc.instance.running,
+                                           streams.get(loc.instance.instance_id, 0)), loc.node_id == self.node_id)
+                for loc in ready]
+
+    def _route(self, model_id: str, candidates: list[routing.Candidate], request: pb.GenerateRequest) -> Located:
+        """Several ready instances: the one holding the prompt's longest cached prefix (``routing``). Runs in a
+        worker thread (it tokenizes the prompt)."""
+        tokens = None
+        starts: frozenset[int] = frozenset()
+        here = self._tokenizer_here(model_id)
+        if here is not None:
+            tokenizer, lock = here
+            prompt, params = request_from_pb(request)  # as the runner reads it
+            try:
+                with lock:
+                    tokens = prompt_tokens(tokenizer, prompt, params)
+                    starts = self._message_starts.get(model_id) or self._message_starts.setdefault(
+                        model_id, message_starts(tokenizer))
+            except Exception:  # noqa: BLE001 - a prompt the owner will refuse: any instance answers that
+                tokens = None
+        key = request.prompt_cache_key or None
+        choice = routing.choose(candidates, tokens, key, self._recent_routes)
+        # Until its summary says so (~2.5 s), read what the chosen instance will store as held.
+        reported = routing.summary_from_pb(choice.located.instance.prefix_summary)
+        heads = routing.stored_heads(tokens, reported, starts, self.settings.prefix_cache_stride_tokens) if tokens else []
+        self._recent_routes.add(choice.located.instance.instance_id, heads, key_hash(key) if key else None)
+        log.debug("routed to %s on %s: %d cached tokens%s", choice.located.instance.instance_id,
+                  choice.located.node_id[:8], choice.held_tokens, " (prompt_cache_key)" if choice.by_key else "")
+        return choice.located
+
     def generate(
         self, model_id: str, prompt: Prompt, params: GenerateParams, *, timeout_s: float, arrived: float
     ) -> RemoteGenerationStream:
-        located = self._live(model_id)
-        if located is None or located.instance.state != pb.INSTANCE_STATE_READY:
+        candidates = self._candidates(model_id)
+        if not candidates:
             raise NodeUnavailableError(f"no ready instance of {model_id} in the cluster (it went away)")
         remaining = max(0.001, arrived + timeout_s - time.monotonic())
+        located = candidates[0].located
         request = generate_request(model_id, located.instance.instance_id, prompt, params, remaining)
-        self._last_used[located.instance.instance_id] = time.monotonic()
-        stream = RemoteGenerationStream(self, located, request, timeout_s=timeout_s, arrived=arrived)
+        route = None
+        if len(candidates) > 1:
+            route = functools.partial(self._route, model_id, candidates, request)
+        else:
+            self._last_used[located.instance.instance_id] = time.monotonic()
+        stream = RemoteGenerationStream(self, located, request, timeout_s=timeout_s, arrived=arrived, route=route)
         self._streams.add(stream)
         return stream
 
@@ -768,13 +818,13 @@ class ClusterModelService:
 
     # -- instances (POST/GET/DELETE /v1/instances) ---------------------------------------------------------------
     def plan(self, model_id: str, node: str | None = None, *, min_nodes: int = 1,
-             nodes: list[str] | None = None) -> pl.Placement:
+             nodes: list[str] | None = None, replica: bool = False) -> pl.Placement:
         return pl.placement(self.requirement(model_id), self.capacities(), self.existing(), node=node,
-                            min_nodes=min_nodes, nodes_in_order=nodes, links=self.links())
+                            min_nodes=min_nodes, nodes_in_order=nodes, links=self.links(), replica=replica)
 
     async def create_instance(self, model_id: str, node: str | None = None, *, min_nodes: int = 1,
-                              nodes: list[str] | None = None) -> tuple[Located, pl.Placement]:
-        plan = self.plan(model_id, node, min_nodes=min_nodes, nodes=nodes)
+                              nodes: list[str] | None = None, replica: bool = False) -> tuple[Located, pl.Placement]:
+        plan = self.plan(model_id, node, min_nodes=min_nodes, nodes=nodes, replica=replica)
         located = await self.place(plan, on_demand=False)
         self._routes[model_id] = located
         return located, plan
@@ -915,10 +965,12 @@ class RemoteGenerationStream(BatchedStream):
         *,
         timeout_s: float,
         arrived: float,
+        route: Callable[[], Located] | None = None,
     ) -> None:
         self.id = request.request_id
         self.service = service
         self.model_id = request.model
+        self.instance_id = located.instance.instance_id
         self.timeout_s = timeout_s
         self.deadline = arrived + timeout_s
         self.finished = False
@@ -926,22 +978,45 @@ class RemoteGenerationStream(BatchedStream):
         self._items: asyncio.Queue[Any] = asyncio.Queue()
         self._pending: list[Any] = []
         self._error = None
+        self._request = request
+        self._default = located
+        self._call: grpc.aio.UnaryStreamCall | None = None
+        self._where = "this node"
+        if route is None:
+            self._open(located)
+        self._task = asyncio.get_running_loop().create_task(self._pump(route))
+
+    def _open(self, located: Located) -> None:
+        self.instance_id = self._request.instance_id = located.instance.instance_id
         remaining = max(0.001, self.deadline - time.monotonic())
-        self._call = service.open_call(located, request, remaining + DEADLINE_GRACE_S)
-        where = "this node" if located.node_id == service.node_id else f"node {located.node_id[:8]}"
-        self._where = where
-        self._task = asyncio.get_running_loop().create_task(self._pump())
+        self._call = self.service.open_call(located, self._request, remaining + DEADLINE_GRACE_S)
+        self._where = "this node" if located.node_id == self.service.node_id else f"node {located.node_id[:8]}"
 
     def cancel(self) -> None:
-        self._call.cancel()
+        if self._call is not None:
+            self._call.cancel()
         self._task.cancel()
         self.service._streams.discard(self)
 
-    async def _pump(self) -> None:
+    async def _pump(self, route: Callable[[], Located] | None = None) -> None:
         # The finish reason for the metrics, as a runner's job counts it: "rejected" only before the stream
         # started (the request never ran), "error" after, "cancelled" when the client went away (cancel()).
         finish, stats, started = "error", None, False
         try:
+            if route is not None:  # several instances: the choice tokenizes the prompt, off the event loop
+                located = self._default
+                try:
+                    located = await asyncio.to_thread(route)
+                except Exception:  # noqa: BLE001 - routing is a hint: the default candidate serves
+                    log.exception("routing failed; sending to the default instance")
+                try:
+                    self.service._last_used[located.instance.instance_id] = time.monotonic()
+                    self._open(located)
+                except Exception as e:  # noqa: BLE001 - what generate() would have raised: the handler's error
+                    self._items.put_nowait(Failed(e))
+                    finish = "rejected"
+                    return
+            assert self._call is not None
             while True:
                 try:
                     async with asyncio.timeout(STREAM_IDLE_S):  # no task per read (unlike wait_for)

@@ -271,6 +271,7 @@ def placement(
     nodes_in_order: Sequence[str] | None = None,
     min_nodes: int = 1,
     links: Mapping[tuple[str, str], float] | None = None,
+    replica: bool = False,
 ) -> Placement:
     """Where ``model`` runs, or raises a ``PlacementError`` saying why it cannot.
 
@@ -278,7 +279,8 @@ def placement(
     in this order. ``min_nodes``: spread over at least this many nodes even if fewer would do.
     ``existing``: the cluster's instances; one of the same model that is loading or ready means the model
     is already placed (AlreadyPlacedError). ``links``: round-trip times (ms) between node ids, to order
-    the stages along the fastest links.
+    the stages along the fastest links. ``replica``: place another instance of a model that has one (the
+    memory the others take still counts).
     """
     req = model if isinstance(model, ModelRequirement) else ModelRequirement.from_card(model)
     if node is not None and (nodes_in_order or min_nodes > 1):
@@ -286,7 +288,7 @@ def placement(
     if min_nodes < 1:
         raise InvalidPlacementRequest(f"min_nodes must be >= 1, got {min_nodes}")
     for inst in existing:
-        if inst.model_id == req.model_id and inst.state in LIVE_STATES:
+        if inst.model_id == req.model_id and inst.state in LIVE_STATES and not replica:
             raise AlreadyPlacedError(inst)
     known = [n.node_id for n in nodes]
     free = _free_memory(nodes, existing)

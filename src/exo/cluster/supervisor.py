@@ -598,6 +598,8 @@ class InstanceSupervisor:
                       queue_depth=status.queue_depth, running=status.running)
             if status.HasField("prefix_cache") and entry.info.prefix_cache != status.prefix_cache:
                 entry.info.prefix_cache.CopyFrom(status.prefix_cache)  # figures, no transition: no notice
+            if status.HasField("prefix_summary") and entry.info.prefix_summary != status.prefix_summary:
+                entry.info.prefix_summary.CopyFrom(status.prefix_summary)  # for routing: no notice either
 
         elif status.state == pb.INSTANCE_STATE_LOADING:
             self._set(entry, stage=status.stage, progress=status.progress)

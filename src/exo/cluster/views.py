@@ -116,6 +116,10 @@ def instance_json(inst: pb.Instance, node_id: str, self_id: str) -> dict[str, An
         "stages": [stage_json(inst, node_id)],
         # Its weights were not on the node: the download that fetches them (null: nothing was downloaded).
         "download": instance_download_json(inst),
+        # Its prefix cache (null: none): the node card's figures for this instance alone, and how many cached
+        # prefixes its summary lists to the routers (docs/prefix-cache.md).
+        "prefix_cache": {**figures, "held_prefixes": len(inst.prefix_summary.positions)}
+        if (figures := prefix_cache_json([inst])) is not None else None,
     }
 
 

@@ -42,6 +42,7 @@ import mlx.core as mx
 from .batch_cache import batch_cache, keep_rows_per_sequence
 from .forward import MOE_MODES, cache_rates, keep_rows, verify_call
 from .models.backbone import SpeculativeBackbone
+from .prefix_cache import PrefixCache, StagePrefix
 from .verify import VerifyMode
 
 log = logging.getLogger(__name__)
@@ -56,11 +57,17 @@ log = logging.getLogger(__name__)
 # message to the first stage only). ``version`` changes with the layout; ``step`` counts the leader's messages
 # since the group formed, so a stage that misses or repeats one stops instead of computing on the wrong input.
 OP_FORWARD, OP_END, OP_SHUTDOWN, OP_MEASURE = 1, 2, 3, 4
-HEADER_OPS = (OP_FORWARD, OP_END, OP_SHUTDOWN, OP_MEASURE)
 # OP_MEASURE: every stage measures its layers' cache rates (``forward.cache_rates``) and passes every stage's so far
 # on to the next, as int32 [4 x stages before and itself] (each figure as high and low 30 bits): the leader gets
 # each stage's memory per token and per sequence (a batch's admission counts every stage's memory).
-HEADER_VERSION = 2
+# The prefix cache's round trips (``PipelineForward.prefix_lookup`` / ``prefix_begin``): the header is followed by an
+# int32 [rows] payload that every stage reads, updates and passes on; the stage before the leader sends the leader
+# the payload alone. LOOKUP: [n, tokens(n), m, candidates(m)], each stage sets the positions it does not hold to
+# -1. BEGIN: [ok, position, has_group, group as 4 x 16 bits, e, edges(e)], each stage restores ``position`` into
+# the slot's fresh caches (0: none) and clears ``ok`` if it cannot.
+OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN = 5, 6
+HEADER_OPS = (OP_FORWARD, OP_END, OP_SHUTDOWN, OP_MEASURE, OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN)
+HEADER_VERSION = 3  # 3: the prefix cache's ops
 HEADER_NAMES = ("version", "op", "step", "slot", "batch", "rows", "verify", "moe", "per_row", "invariant", "ops")
 HEADER_FIELDS = len(HEADER_NAMES)
 INLINE = 53  # ints after the fields: a 64-int32 (256-byte) header
@@ -233,6 +240,7 @@ class StepHeader:
         if op not in HEADER_OPS:
             raise StepHeaderError(f"unknown step op {op} (step {step})")
         if (not 0 <= slot <= MAX_SLOT or ops_length < 0 or invariant not in (0, 1)
+                or op in (OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN) and (rows < 1 or batch != 1)
                 or op == OP_FORWARD and (rows < 1 or batch < 1 or verify not in (0, 1) or not 0 <= moe <= len(MOE_MODES)
                                          or bool(verify) != (moe > 0) or per_row not in (0, 1))):
             raise StepHeaderError(f"malformed step header {values[:HEADER_FIELDS]}")
@@ -425,6 +433,35 @@ class PipelineForward:
         self._send_header(StepHeader(OP_END, self._next_step(), slot, ops=self._take_ops()))
 
     @_one_exchange
+    def prefix_lookup(self, cache: list[Any], tokens: Sequence[int], candidates: Sequence[int]) -> list[int]:
+        """Of ``candidates`` (prompt positions whose snapshot the leader holds), those every other stage
+        holds too for ``tokens``, the prompt of the sequence of ``cache`` (its slot): every stage keeps the
+        prompt for its own stores."""
+        payload = [len(tokens), *tokens, len(candidates), *candidates]
+        reply = self._round_trip(OP_PREFIX_LOOKUP, _slot(cache), payload)
+        return [p for p in reply[2 + len(tokens):] if p >= 0]
+
+    @_one_exchange
+    def prefix_begin(self, cache: list[Any], position: int, edges: Sequence[int], group: str | None) -> bool:
+        """Every other stage restores ``position`` (0: nothing) of the prompt its last ``prefix_lookup`` sent
+        into the slot's fresh caches, and stores the prompt's blocks and its snapshots at ``edges`` (the
+        leader's) after the prefill, in ``group``. False: some stage could not restore (the caller starts
+        them all from 0)."""
+        g = int(group, 16) if group else 0
+        payload = [1, position, int(group is not None), *((g >> s) & 0xFFFF for s in (48, 32, 16, 0)),
+                   len(edges), *edges]
+        return self._round_trip(OP_PREFIX_BEGIN, _slot(cache), payload)[0] == 1
+
+    def _round_trip(self, op: int, slot: int, payload: list[int]) -> list[int]:
+        self._send_header(StepHeader(op, self._next_step(), slot, 1, len(payload), ops=self._take_ops()))
+        self.link.send(mx.array(payload, dtype=mx.int32), 0)
+        self.bytes_sent += 4 * len(payload)
+        reply = self.link.recv((len(payload),), mx.int32, self.stage.previous)
+        mx.eval(reply)
+        self.bytes_received += 4 * len(payload)
+        return reply.tolist()
+
+    @_one_exchange
     def shutdown(self) -> None:
         """Tell the other stages to return from ``serve_stage`` (the group is closing)."""
         self._ops = []
@@ -524,10 +561,12 @@ class StageSlots:
 
 def serve_stage(
     model: SpeculativeBackbone, stage: StageSpec, link: Link, *, on_step: Callable[[], None] | None = None,
-    slots: StageSlots | None = None,
+    slots: StageSlots | None = None, prefix_cache: PrefixCache | None = None,
 ) -> None:
     """A stage that does not lead: run steps until the leader shuts the group down. ``slots``: the table of
-    caches it keeps (by default a new one; tests pass theirs to see what it holds).
+    caches it keeps (by default a new one; tests pass theirs to see what it holds). ``prefix_cache``: this
+    stage's (its layers', under its own namespace): the leader's LOOKUP and BEGIN messages restore from it and
+    the prefill's steps store into it (``StagePrefix``, one per slot).
 
     Raises what the link raises when a member of the group is lost (the caller ends the process: the
     group is disposable and is formed anew).
@@ -538,6 +577,7 @@ def serve_stage(
     hidden_size = model.hidden_size
     forward_header = stage.next != stage.world_size - 1  # the leader knows the header: it wrote it
     slots = slots if slots is not None else StageSlots(model, stage.rank)
+    prefixes: dict[int, StagePrefix] = {}  # slot -> its sequence's use of the prefix cache
     expected = 0  # the step number the next header must carry
     while True:
         message = link.recv((HEADER_LEN,), mx.int32, stage.previous)
@@ -559,10 +599,19 @@ def serve_stage(
                 link.send(ops_message, stage.next)
         for op in header.ops:
             slots.apply(op)
+            if op.code in (DROP, JOIN):  # a sequence's prefill is over once it joins a batch
+                prefixes.pop(op.slot if op.code == DROP else op.args[0], None)
         if header.op == OP_SHUTDOWN:
             return
         if header.op == OP_END:
             slots.drop(header.slot)  # nothing of a request survives it
+            prefixes.pop(header.slot, None)
+            continue
+        if header.op in (OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN):
+            payload = link.recv((header.rows,), mx.int32, stage.previous)
+            mx.eval(payload)
+            link.send(mx.array(_prefix_step(header, payload.tolist(), slots, prefixes, prefix_cache), dtype=mx.int32),
+                      stage.next)
             continue
         if header.op == OP_MEASURE:
             before = link.recv((4 * stage.rank,), mx.int32, stage.previous).tolist() if not stage.first else []
@@ -593,5 +642,36 @@ def serve_stage(
         h = h if h.dtype == dtype else h.astype(dtype)
         mx.eval(h, *[c.state for c in cache if c.state is not None])
         link.send(h, stage.next)
+        prefix = prefixes.get(header.slot)
+        if prefix is not None:
+            prefix.step(rows, cache, h)
         if on_step is not None:
             on_step()
+
+
+def _prefix_step(header: StepHeader, values: list[int], slots: StageSlots, prefixes: dict[int, StagePrefix],
+                 cache: PrefixCache | None) -> list[int]:
+    """A stage's part of a LOOKUP or BEGIN round trip: the payload it passes on (``OP_PREFIX_LOOKUP``)."""
+    try:
+        if header.op == OP_PREFIX_LOOKUP:
+            n = values[0]
+            tokens, m = values[1 : 1 + n], values[1 + n]
+            candidates = values[2 + n : 2 + n + m]
+            if len(candidates) != m or len(values) != 2 + n + m:
+                raise ValueError("lengths")
+            prefix = prefixes[header.slot] = StagePrefix(cache)
+            held = set(prefix.lookup(tokens, [p for p in candidates if p >= 0]))
+            return values[: 2 + n] + [p if p in held else -1 for p in candidates]
+        ok, position, has_group, *g, e = values[:8]
+        edges = values[8:]
+        if len(edges) != e or has_group not in (0, 1) or position < 0:
+            raise ValueError("lengths")
+        prefix = prefixes.get(header.slot)
+        if ok != 1 or prefix is None:
+            return [0, *values[1:]]  # (a BEGIN without its LOOKUP: the leader starts every stage from 0)
+        group = f"{(g[0] << 48) | (g[1] << 32) | (g[2] << 16) | g[3]:016x}" if has_group else None
+        slots.drop(header.slot)
+        caches = slots.caches[header.slot] = slots.model.make_cache()
+        return [int(prefix.begin(caches, position, edges, group)), *values[1:]]
+    except (ValueError, IndexError):
+        raise StepHeaderError(f"pipeline stage {slots.rank}: a malformed prefix payload of {len(values)} ints") from None

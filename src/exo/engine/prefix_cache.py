@@ -12,10 +12,11 @@ What is kept, per model and stage (``namespace``) in a ``PrefixStore`` (a key ->
   of the tokens up to its end).
 - ``s-<p>-<hash>``: a snapshot at prompt position p (the state after tokens [0, p)): every GatedDeltaNet
   layer's conv window and recurrent state (a recurrent state cannot be cut at an arbitrary token, so only
-  positions where one was taken can be restored), the KV of the tokens after the last full block, and the
-  post-norm hidden of position p - 1 (its logits give the next token when the whole prompt is cached;
-  the head pairs it with token p).
-- ``sh-<p>-<hash>``: the head's entries after the last full block, up to p - 1.
+  positions where one was taken can be restored) and the KV of the tokens after the last full block.
+- ``sh-<p>-<hash>``: the head's entries after the last full block, up to p - 1, and the post-norm hidden of
+  position p - 1 (the head pairs it with token p). Kept here, not in the snapshot: only a run that feeds the
+  head computes a chunk's last hidden at all (otherwise the last layer's output of a chunk that is not the
+  prompt's last is never evaluated, and evaluating it for a snapshot cost seconds a turn on this CPU).
 
 Snapshots are taken where the prefill stops anyway or is made to stop (``snapshot_edges``): the start of
 the last message, i.e. the generation header (where the next turn continues: it resends everything before
@@ -35,11 +36,12 @@ first token is out.
 from __future__ import annotations
 
 import array
+import functools
 import hashlib
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -49,7 +51,7 @@ from mlx_lm.models.cache import KVCache
 
 from .models.layers import RollbackArraysCache
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the hidden of p - 1 moved from the snapshot to the head's tail
 BLOCK_TOKENS = 256
 STRIDE_TOKENS = 8192
 MIN_SNAPSHOT_TOKENS = 64  # a snapshot of a shorter prefix costs more than the prefill it saves
@@ -59,16 +61,20 @@ MESSAGE_START_TOKENS = ("<|im_start|>",)
 # A prompt ending at most this many tokens after its last message start ends in a generation header: its last
 # snapshot is the header's start (one snapshot a turn, not two; the next turn prefills the header again).
 HEADER_TOKENS = 16
+# A summary lists this many of the most recently used snapshots (16 bytes each on the wire) and keys (8 each).
+SUMMARY_HEADS = 256
+SUMMARY_KEYS = 64
 
 Arrays = dict[str, mx.array]
 
 
 class PrefixStore(Protocol):
-    """Where a prefix cache keeps its entries (arrays already evaluated)."""
+    """Where a prefix cache keeps its entries (arrays already evaluated); ``group``: the request's
+    ``prompt_cache_key`` group, whose entries the store keeps and evicts together (``MemoryStore``)."""
 
-    def get(self, key: str) -> Arrays | None: ...
+    def get(self, key: str, group: str | None = None) -> Arrays | None: ...
 
-    def put(self, key: str, arrays: Arrays) -> None: ...
+    def put(self, key: str, arrays: Arrays, group: str | None = None) -> Any: ...
 
     def has(self, key: str) -> bool: ...
 
@@ -80,21 +86,55 @@ def nbytes(arrays: Arrays) -> int:
 
 
 class MemoryStore:
-    """Entries in memory, least recently used out first once ``budget_bytes`` is exceeded."""
+    """Entries in memory, least recently used out first once ``budget_bytes`` is exceeded.
+
+    Entries stored or read with a ``group`` (a hash of the request's ``prompt_cache_key``) are kept and
+    dropped together: the group is one unit of the LRU order (its recency: its last use), and evicting it
+    drops all its entries (a conversation's blocks and snapshots are worth little apart: a snapshot
+    restores only with every block before it). An entry belongs to the group that used it last; entries
+    used without a group are units of their own (plain LRU)."""
 
     def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes
-        self._entries: OrderedDict[str, Arrays] = OrderedDict()
+        self._entries: dict[str, Arrays] = {}
         self._sizes: dict[str, int] = {}
+        # unit -> its entries (least recent first); a unit is ("g", group) or ("k", key) for an ungrouped entry
+        self._units: OrderedDict[tuple[str, str], OrderedDict[str, None]] = OrderedDict()
+        self._unit_of: dict[str, tuple[str, str]] = {}
         self.bytes = 0
         self.evictions = 0
         self._lock = threading.Lock()
 
-    def get(self, key: str) -> Arrays | None:
+    def _touch(self, key: str, group: str | None) -> None:
+        unit = ("g", group) if group else self._unit_of.get(key, ("k", key))
+        old = self._unit_of.get(key)
+        if old is not None and old != unit:
+            members = self._units[old]
+            members.pop(key, None)
+            if not members:
+                del self._units[old]
+        members = self._units.get(unit)
+        if members is None:
+            members = self._units[unit] = OrderedDict()
+        members[key] = None
+        members.move_to_end(key)
+        self._units.move_to_end(unit)
+        self._unit_of[key] = unit
+
+    def _drop(self, key: str) -> None:
+        del self._entries[key]
+        self.bytes -= self._sizes.pop(key)
+        unit = self._unit_of.pop(key)
+        members = self._units[unit]
+        members.pop(key, None)
+        if not members:
+            del self._units[unit]
+
+    def get(self, key: str, group: str | None = None) -> Arrays | None:
         with self._lock:
             arrays = self._entries.get(key)
             if arrays is not None:
-                self._entries.move_to_end(key)
+                self._touch(key, group)
             return arrays
 
     def has(self, key: str) -> bool:
@@ -102,33 +142,35 @@ class MemoryStore:
 
     def keys(self) -> list[str]:
         with self._lock:
-            return list(self._entries)
+            return [key for members in self._units.values() for key in members]
 
-    def put(self, key: str, arrays: Arrays) -> list[str]:
+    def put(self, key: str, arrays: Arrays, group: str | None = None) -> list[str]:
         """Returns the keys evicted to make room."""
         size = nbytes(arrays)
         evicted: list[str] = []
         with self._lock:
             if key in self._entries:
-                self.bytes -= self._sizes.pop(key)
-                del self._entries[key]
+                self._drop(key)
             if size > self.budget_bytes:
                 return evicted
             self._entries[key] = arrays
             self._sizes[key] = size
             self.bytes += size
+            self._touch(key, group)
             while self.bytes > self.budget_bytes:
-                old, _ = self._entries.popitem(last=False)
-                self.bytes -= self._sizes.pop(old)
-                self.evictions += 1
-                evicted.append(old)
+                _, members = next(iter(self._units.items()))
+                # The least recent unit goes whole; the one in use (the only one left) loses its oldest entries.
+                victims = list(members) if len(self._units) > 1 else [next(iter(members))]
+                for old in victims:
+                    self._drop(old)
+                    self.evictions += 1
+                    evicted.append(old)
         return evicted
 
     def remove(self, key: str) -> None:
         with self._lock:
             if key in self._entries:
-                del self._entries[key]
-                self.bytes -= self._sizes.pop(key)
+                self._drop(key)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -174,6 +216,49 @@ def block_chain(tokens: Sequence[int], block: int, ns: str) -> list[bytes]:
 def snapshot_key(p: int, chain: list[bytes], tokens: Sequence[int], block: int) -> str:
     m = p // block
     return f"s-{p}-{_digest(chain[m], _token_bytes(tokens[m * block : p])).hex()}"
+
+
+def head_hash(name: str) -> int:
+    """A snapshot key's hash as a summary carries it (its first 64 bits)."""
+    return int(name.rsplit("-", 1)[1][:16], 16)
+
+
+def key_hash(prompt_cache_key: str) -> int:
+    """A ``prompt_cache_key`` as a summary and a store's groups carry it (64 bits of its hash)."""
+    return int.from_bytes(_digest(b"prompt_cache_key", prompt_cache_key.encode("utf-8", "surrogatepass"))[:8], "big")
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What a prefix cache holds, compactly (a runner's status carries it to every router of the cluster):
+    its namespace and block size, the most recently used snapshots as (position, 64 bits of the key's hash),
+    and the most recent ``prompt_cache_key`` hashes it served."""
+
+    namespace: str
+    block_tokens: int
+    heads: tuple[tuple[int, int], ...] = ()
+    keys: tuple[int, ...] = ()
+
+
+def held_prefix(tokens: Sequence[int], summary: Summary, chains: dict[tuple[str, int], list[bytes]] | None = None) -> int:
+    """The longest prefix of ``tokens`` that ``summary`` lists a snapshot of (0: none): the prompt's blocks
+    hashed the way the cache hashes them, then every listed position checked against the prompt's key there.
+    ``chains``: hash chains already computed for other summaries (per namespace and block size)."""
+    n = len(tokens)
+    heads = [(p, h) for p, h in summary.heads if 0 < p < n]
+    if not heads:
+        return 0
+    memo = chains if chains is not None else {}
+    chain = memo.get((summary.namespace, summary.block_tokens))
+    if chain is None:
+        chain = memo[(summary.namespace, summary.block_tokens)] = block_chain(tokens, summary.block_tokens, summary.namespace)
+    best = 0
+    for p, h in sorted(heads, reverse=True):
+        if p <= best:
+            break
+        if head_hash(snapshot_key(p, chain, tokens, summary.block_tokens)) == h:
+            best = p
+    return best
 
 
 def message_starts(tokenizer: Any) -> frozenset[int]:
@@ -232,9 +317,43 @@ class PrefixCache:
         self.stats = PrefixStats()
         # Snapshot positions held (or once held): the candidates a prompt's lookup hashes.
         self._lengths: set[int] = set()
+        # The summary's parts (most recent last): snapshot names -> their positions; prompt_cache_key hashes.
+        self._recent: OrderedDict[str, int] = OrderedDict()
+        self._recent_keys: OrderedDict[int, None] = OrderedDict()
+        self._summary_lock = threading.Lock()
         for key in store.keys():
             if key.startswith(f"{ns}/s-"):
-                self._lengths.add(int(key.split("-", 2)[1]))
+                p = int(key.split("-", 2)[1])
+                self._lengths.add(p)
+                self._note(key[len(ns) + 1 :], p)
+
+    def _note(self, name: str, p: int) -> None:
+        with self._summary_lock:
+            self._recent[name] = p
+            self._recent.move_to_end(name)
+            while len(self._recent) > SUMMARY_HEADS:
+                self._recent.popitem(last=False)
+
+    def note_key(self, prompt_cache_key: str | None) -> str | None:
+        """A request's ``prompt_cache_key``: kept for the summary; returns its store group (None: none)."""
+        if not prompt_cache_key:
+            return None
+        h = key_hash(prompt_cache_key)
+        with self._summary_lock:
+            self._recent_keys[h] = None
+            self._recent_keys.move_to_end(h)
+            while len(self._recent_keys) > SUMMARY_KEYS:
+                self._recent_keys.popitem(last=False)
+        return f"{h:016x}"
+
+    def summary(self) -> Summary:
+        """What this cache holds, for routers (``Summary``); snapshots evicted since are left out. Safe from
+        another thread than the one generating."""
+        with self._summary_lock:
+            recent = list(self._recent.items())
+            keys = tuple(self._recent_keys)
+        heads = tuple((p, head_hash(name)) for name, p in recent if self.store.has(self.key(name)))
+        return Summary(self.ns, self.block, heads, keys)
 
     def figures(self) -> dict[str, int]:
         """Counters of this cache and its store's figures (bytes and counters per tier)."""
@@ -250,15 +369,10 @@ class PrefixCache:
     def key(self, name: str) -> str:
         return f"{self.ns}/{name}"
 
-    def plan(self, tokens: Sequence[int], need_head: bool) -> PrefillPlan:
-        """The restore point and snapshot edges for a prompt."""
-        tokens = list(tokens)
-        chain = block_chain(tokens, self.block, self.ns)
-        self.stats.lookups += 1
-        self.stats.prompt_tokens += len(tokens)
-        found = None
-        # At least the last prompt token is fed (SequenceState.restore): a snapshot at a prompt's end serves
-        # the prompts that extend it.
+    def held(self, tokens: Sequence[int], chain: list[bytes], need_head: bool) -> Iterator[tuple[int, str]]:
+        """The snapshots of ``tokens`` this cache holds with every block before them (and, ``need_head``,
+        the MTP head's parts), deepest first, as (position, snapshot name). At least the last prompt token is
+        fed (SequenceState.restore): a snapshot at a prompt's end serves the prompts that extend it."""
         for p in sorted((p for p in self._lengths if p < len(tokens)), reverse=True):
             name = snapshot_key(p, chain, tokens, self.block)
             if not self.store.has(self.key(name)):
@@ -269,10 +383,28 @@ class PrefixCache:
                 needed += [self.key(f"h-{chain[b].hex()}") for b in range(1, m + 1)]
                 needed.append(self.key("sh" + name[1:]))
             if all(self.store.has(k) for k in needed):
-                found = (p, name)
-                break
-        edges = snapshot_edges(tokens, self.starts, self.stride, self.min_snapshot)
-        return PrefillPlan(self, tokens, chain, found, edges, need_head)
+                yield p, name
+
+    def plan(self, tokens: Sequence[int], need_head: bool, cache_key: str | None = None, *,
+             within: Callable[[list[int]], int] | None = None, edges: list[int] | None = None) -> PrefillPlan:
+        """The restore point and snapshot edges for a prompt (``cache_key``: its ``prompt_cache_key``).
+        A pipeline's stages: ``within`` settles on a position among those this stage holds (the leader asks the
+        other stages, 0: none), ``edges`` are the leader's (a stage has no tokenizer to find message starts)."""
+        group = self.note_key(cache_key)
+        tokens = list(tokens)
+        chain = block_chain(tokens, self.block, self.ns)
+        self.stats.lookups += 1
+        self.stats.prompt_tokens += len(tokens)
+        found = None
+        if within is None:
+            found = next(self.held(tokens, chain, need_head), None)
+        else:
+            held = dict(self.held(tokens, chain, need_head))
+            p = within(sorted(held, reverse=True))
+            found = (p, held[p]) if p in held else None
+        if edges is None:
+            edges = snapshot_edges(tokens, self.starts, self.stride, self.min_snapshot)
+        return PrefillPlan(self, tokens, chain, found, edges, need_head, group=group)
 
 
 @dataclass
@@ -293,32 +425,35 @@ class PrefillPlan:
     found: tuple[int, str] | None
     edges: list[int]
     need_head: bool
+    group: str | None = None  # the store group of the request's prompt_cache_key
     restored: int = 0
+    head_row: mx.array | None = None  # the restored prefix's last hidden, for the head
     _taken: list[_Edge] = field(default_factory=list)
 
     @property
     def n(self) -> int:
         return len(self.tokens)
 
-    def restore(self, caches: list[Any], head_cache: KVCache | None) -> mx.array | None:
-        """Fill fresh ``caches`` (and the head's, when the run drafts) with the found prefix; returns the
-        hidden of its last position [1, 1, H] (None: nothing restored, prefill from 0)."""
+    def restore(self, caches: list[Any], head_cache: KVCache | None) -> bool:
+        """Fill fresh ``caches`` (and the head's, when the run drafts: then ``head_row`` is the hidden of the
+        prefix's last position [1, 1, H]) with the found prefix. False: nothing restored, prefill from 0."""
         if self.found is None:
-            return None
+            return False
         p, name = self.found
         c = self.cache
         m = p // c.block
-        snapshot = c.store.get(c.key(name))
-        blocks = [c.store.get(c.key(f"b-{self.chain[b].hex()}")) for b in range(1, m + 1)]
+        g = self.group
+        snapshot = c.store.get(c.key(name), g)
+        blocks = [c.store.get(c.key(f"b-{self.chain[b].hex()}"), g) for b in range(1, m + 1)]
         heads: list[Arrays | None] = []
         head_tail = None
         if self.need_head and head_cache is not None:
-            heads = [c.store.get(c.key(f"h-{self.chain[b].hex()}")) for b in range(1, m + 1)]
-            head_tail = c.store.get(c.key("sh" + name[1:]))
-            if head_tail is None or any(h is None for h in heads):
-                return None
+            heads = [c.store.get(c.key(f"h-{self.chain[b].hex()}"), g) for b in range(1, m + 1)]
+            head_tail = c.store.get(c.key("sh" + name[1:]), g)
+            if head_tail is None or "hidden" not in head_tail or any(h is None for h in heads):
+                return False
         if snapshot is None or any(b is None for b in blocks):
-            return None  # evicted (or unreadable) since the lookup: prefill it all
+            return False  # evicted (or unreadable) since the lookup: prefill it all
         for i, layer_cache in enumerate(caches):
             if isinstance(layer_cache, RollbackArraysCache):
                 layer_cache[0] = snapshot[f"c{i}"]
@@ -333,10 +468,13 @@ class PrefillPlan:
             if "k" in head_tail:
                 parts.append((head_tail["k"], head_tail["v"]))
             _set_kv(head_cache, parts, p - 1)
+        if head_tail is not None:
+            self.head_row = head_tail["hidden"]
         self.restored = p
+        c._note(name, p)
         c.stats.hits += 1
         c.stats.cached_tokens += p
-        return snapshot["hidden"]
+        return True
 
     def spans(self, start: int, n: int, chunk: int) -> Iterator[tuple[int, int]]:
         """The prefill's chunks from ``start`` (the restored prefix) to ``n``, also ending at every snapshot
@@ -387,7 +525,7 @@ class PrefillPlan:
             lo = (p // block) * block
             key = c.key(name)
             if not store.has(key):
-                arrays: Arrays = {"hidden": _copy(edge.hidden)}
+                arrays: Arrays = {}
                 for i, gdn in enumerate(edge.gdn):
                     if gdn is not None:
                         arrays[f"c{i}"], arrays[f"r{i}"] = _copy(gdn[0]), _copy(gdn[1])
@@ -395,16 +533,18 @@ class PrefillPlan:
                     arrays.update(_kv_slice(caches, attention, lo, p))
                 entries.append((key, arrays))
             hkey = c.key("sh" + name[1:])
-            if head is not None and not store.has(hkey):
-                entries.append((hkey, _head_slice(head, max(lo - 1, 0), p - 1) if p - 1 > max(lo - 1, 0) else {}))
+            if head is not None and not store.has(hkey):  # (the head consumed this chunk's hiddens: computed)
+                tail = _head_slice(head, max(lo - 1, 0), p - 1) if p - 1 > max(lo - 1, 0) else {}
+                entries.append((hkey, {**tail, "hidden": _copy(edge.hidden)}))
             c._lengths.add(p)
+            c._note(name, p)
         self._taken = []
         if not entries:
             return 0
         mx.eval([a for _, arrays in entries for a in arrays.values()])
         total = 0
         for key, arrays in entries:
-            store.put(key, arrays)
+            store.put(key, arrays, self.group)
             total += nbytes(arrays)
         c.stats.captured_bytes += total
         return total
@@ -456,12 +596,68 @@ class NoPlan:
         return 0
 
 
-def plan_for(cache: PrefixCache | None, tokens: Sequence[int], need_head: bool, stages: int) -> PrefillPlan | NoPlan:
-    """The plan a run's prefill follows (pipelines keep no prefix cache yet: each stage would restore its own
-    layers, and the leader settle on the prefix all of them hold)."""
-    if cache is None or stages != 1:
+def plan_for(cache: PrefixCache | None, tokens: Sequence[int], need_head: bool, stages: int,
+             cache_key: str | None = None, lookup: Callable[[list[int]], list[int]] | None = None) -> PrefillPlan | NoPlan:
+    """The plan a run's prefill follows. A pipeline's leader asks the other stages which of the positions it
+    holds they hold too (``lookup``: ``PipelineForward.prefix_lookup``; every stage keeps its own layers' part
+    under its own namespace) and settles on the deepest all of them hold."""
+    if cache is None:
         return NoPlan()
-    return cache.plan(tokens, need_head)
+    if stages == 1:
+        return cache.plan(tokens, need_head, cache_key)
+    if lookup is None:
+        return NoPlan()
+    return cache.plan(tokens, need_head, cache_key, within=lambda held: max(lookup(held), default=0))
+
+
+class StagePrefix:
+    """The prefix cache of a pipeline stage that does not lead (``serve_stage``), for one sequence at a time:
+    ``lookup`` (which of the leader's positions this stage holds), ``begin`` (restore the settled position
+    into fresh caches, or nothing), then ``step`` after every forward step of the prefill (keeps the
+    recurrent states at the leader's snapshot edges, stores the blocks and snapshots once the prompt is in),
+    ``end`` (the request is over)."""
+
+    def __init__(self, cache: PrefixCache | None) -> None:
+        self.cache = cache
+        self.tokens: list[int] = []
+        self.plan: PrefillPlan | None = None
+        self.position = 0
+
+    def lookup(self, tokens: list[int], candidates: list[int]) -> list[int]:
+        self.tokens, self.plan = list(tokens), None
+        if self.cache is None or not candidates:
+            return []
+        chain = block_chain(self.tokens, self.cache.block, self.cache.ns)
+        held = {p for p, _ in self.cache.held(self.tokens, chain, False)}
+        return [p for p in candidates if p in held]
+
+    def begin(self, caches: list[Any], position: int, edges: list[int], group: str | None) -> bool:
+        """Restore ``position`` (0: none) of the prompt of the last ``lookup`` into ``caches`` (fresh); False
+        when it cannot (evicted, unreadable since): the leader then starts every stage from 0."""
+        self.plan, self.position = None, 0
+        if self.cache is None:
+            return position == 0
+        plan = self.cache.plan(self.tokens, False, within=lambda held: position, edges=edges)
+        plan.group = group
+        if position:
+            if plan.found is None or not plan.restore(caches, None):
+                return False
+        self.plan, self.position = plan, position
+        return True
+
+    def step(self, rows: int, caches: list[Any], hidden: mx.array) -> None:
+        """After a forward step of ``rows`` (its caches evaluated)."""
+        if self.plan is None:
+            return
+        self.position += rows
+        self.plan.reached(self.position, caches, hidden)
+        if self.position >= self.plan.n:
+            if self.position == self.plan.n:  # the prompt, no more: store it
+                self.plan.capture(caches, None)
+            self.plan = None
+
+    def end(self) -> None:
+        self.plan, self.tokens, self.position = None, [], 0
 
 
 def restore_prefix(cache: PrefixCache | None, state: Any) -> None:
@@ -470,16 +666,31 @@ def restore_prefix(cache: PrefixCache | None, state: Any) -> None:
     prefill's chunk edges and the capture after its first token."""
     if state.output.finish is not None:  # cancelled during the engine's warm-up
         return
-    plan = plan_for(cache, state.request.prompt_tokens, state.track_head, state.forward.stages)
+    forward = state.forward
+    tokens = list(state.request.prompt_tokens)
+    caches = state.cache  # fresh (a pipeline's: the slot the other stages restore into too)
+    lookup = None
+    if forward.stages > 1 and hasattr(forward, "prefix_lookup"):
+        lookup = functools.partial(forward.prefix_lookup, caches, tokens)
+    plan = plan_for(cache, tokens, state.track_head, forward.stages, getattr(state.request, "cache_key", None), lookup)
     state._prefix = plan
-    if isinstance(plan, NoPlan) or plan.found is None:
+    if isinstance(plan, NoPlan):
         return
-    caches = state.forward.new_cache()
     head_cache = KVCache() if state.track_head else None
-    hidden = plan.restore(caches, head_cache)
-    if hidden is None:
+    if lookup is not None:
+        # Every stage restores the settled position (or, where one cannot, all start from 0 again), and
+        # learns the leader's snapshot edges: each stores its part of the prompt at the same block edges.
+        p = plan.found[0] if plan.found is not None else 0
+        if not forward.prefix_begin(caches, p, plan.edges, plan.group):  # (0 always succeeds)
+            plan.found = None
+            forward.prefix_begin(caches, 0, plan.edges, plan.group)
+    if plan.found is None:
+        return
+    if not plan.restore(caches, head_cache):
+        if lookup is not None:  # the leader's own part went missing: every stage starts from 0
+            forward.prefix_begin(caches, 0, plan.edges, plan.group)
         return
     if head_cache is None:
         state.restore(plan.restored, caches)
     else:
-        state.restore(plan.restored, caches, head_cache, hidden)
+        state.restore(plan.restored, caches, head_cache, plan.head_row)

@@ -91,6 +91,7 @@ class GenerateParams:
     constraint: ConstraintSpec | None = None  # the output must follow it (constrained decoding)
     logprobs: int | None = None  # report log-probabilities, with this many alternatives (0..20)
     ignore_eos: bool = False  # generate past end-of-sequence tokens, up to max_tokens
+    cache_key: str | None = None  # OpenAI's prompt_cache_key: a hint for the prefix cache and the router
 
 
 def renders_tools(tokenizer: Any) -> bool:
@@ -158,6 +159,16 @@ def tokenize(
     return ids
 
 
+def prompt_tokens(tokenizer: Any, prompt: Prompt, params: GenerateParams) -> list[int]:
+    """The prompt's tokens as a generation reads them (a constrained chat asks its template not to think;
+    the cluster's router hashes the same tokens)."""
+    kwargs = prompt.template_kwargs
+    if params.constraint is not None and prompt.messages is not None:
+        kwargs = {"enable_thinking": False, **kwargs}
+    return tokenize(tokenizer, messages=prompt.messages, text=prompt.text, token_ids=prompt.token_ids,
+                    template_kwargs=kwargs, tools=prompt.tools)
+
+
 def completion_budget(
     engine: Engine, prompt_tokens: int, max_tokens: int | None, default_max_tokens: int, param: str = "messages"
 ) -> int:
@@ -184,18 +195,8 @@ def generation_request(
     A constrained chat answer starts after any thinking: the template is asked not to think
     (``enable_thinking=False``, unless the request says otherwise) and a think block the generation prompt
     still opens is closed, so the grammar applies to the answer itself."""
-    kwargs = prompt.template_kwargs
     constrained_chat = params.constraint is not None and prompt.messages is not None
-    if constrained_chat:
-        kwargs = {"enable_thinking": False, **kwargs}
-    tokens = tokenize(
-        engine.loaded.tokenizer,
-        messages=prompt.messages,
-        text=prompt.text,
-        token_ids=prompt.token_ids,
-        template_kwargs=kwargs,
-        tools=prompt.tools,
-    )
+    tokens = prompt_tokens(engine.loaded.tokenizer, prompt, params)
     thinking = prompt.messages is not None and opens_think(engine.loaded.tokenizer, tokens)
     if constrained_chat and thinking:
         tokens += list(engine.loaded.tokenizer.encode(THINK_CLOSE, add_special_tokens=False))
@@ -227,4 +228,5 @@ def generation_request(
         logprobs=params.logprobs,
         thinking=thinking,
         ignore_eos=params.ignore_eos,
+        cache_key=params.cache_key,
     )

@@ -47,18 +47,59 @@ def ready_engine(loaded: LoadedModel, config: EngineConfig, settings: Settings |
     engine = Engine(loaded, config)
     engine.warmup()
     if settings is not None:
-        from .prefix_store import open_prefix_cache, ram_budget
-
-        try:
-            engine.prefix_cache = open_prefix_cache(loaded, settings, ram_bytes=ram_budget(settings, reserve_bytes(engine, settings)))
-        except Exception:  # noqa: BLE001 - the model serves without one
-            logging.getLogger(__name__).exception("prefix cache: not available")
-        if engine.prefix_cache is not None:
-            figures = engine.prefix_cache.figures()
-            logging.getLogger(__name__).info(
-                "prefix cache: RAM budget %d MiB (setting %d MiB), disk budget %d MiB", figures["ram_budget_bytes"] >> 20,
-                settings.prefix_cache_ram_bytes >> 20, figures.get("disk_budget_bytes", 0) >> 20)
+        attach_prefix_cache(engine, settings)
     return engine
+
+
+def attach_prefix_cache(engine: Engine, settings: Settings, layers: tuple[int, int] | None = None) -> None:
+    """The node's prefix cache for a warmed-up engine (a whole model, or a pipeline's leader: ``layers``, its
+    stage's), its RAM tier shrunk to fit (``reserve_bytes``). A failure leaves the model serving without one."""
+    from .prefix_store import open_prefix_cache, ram_budget
+
+    try:
+        engine.prefix_cache = open_prefix_cache(engine.loaded, settings, layers,
+                                                ram_bytes=ram_budget(settings, reserve_bytes(engine, settings)))
+    except Exception:  # noqa: BLE001 - the model serves without one
+        logging.getLogger(__name__).exception("prefix cache: not available")
+    _log_budget(engine.prefix_cache, settings)
+
+
+def stage_prefix_cache(loaded: LoadedModel, settings: Settings, layers: tuple[int, int], first: bool) -> Any:
+    """A pipeline stage's (not the leader's) prefix cache: its layers' part under its own namespace, its RAM tier
+    shrunk to fit what the stage will still take (its KV budget and state, measured on a one-token forward of
+    its layers, and the activation margin). None: turned off, or it failed (the stage then never restores and
+    the leader finds no prefix every stage holds)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from exo.cards.schema import CONTEXT_BUDGET_TOKENS
+    from exo.cluster.placement import ACTIVATION_MARGIN_BYTES
+
+    from .prefix_store import open_prefix_cache, ram_budget
+
+    try:
+        model = loaded.model
+        cache = model.make_cache()
+        x = mx.array([[0]], dtype=mx.uint32) if first else mx.zeros((1, 1, model.hidden_size),
+                                                                   dtype=model.stage_layers[0].input_layernorm.weight.dtype)
+        mx.eval(model.stage_hidden(x, cache))
+        per_token = sum((c.keys.nbytes + c.values.nbytes) // c.keys.shape[2] for c in cache if isinstance(c, KVCache))
+        per_sequence = sum(a.nbytes for c in cache if not isinstance(c, KVCache) for a in c.cache if a is not None)
+        reserve = per_token * (settings.kv_budget_tokens or CONTEXT_BUDGET_TOKENS) + per_sequence + ACTIVATION_MARGIN_BYTES
+        prefix_cache = open_prefix_cache(loaded, settings, layers, ram_bytes=ram_budget(settings, reserve))
+    except Exception:  # noqa: BLE001 - the stage serves without one
+        logging.getLogger(__name__).exception("prefix cache: not available")
+        return None
+    _log_budget(prefix_cache, settings)
+    return prefix_cache
+
+
+def _log_budget(cache: Any, settings: Settings) -> None:
+    if cache is not None:
+        figures = cache.figures()
+        logging.getLogger(__name__).info(
+            "prefix cache: RAM budget %d MiB (setting %d MiB), disk budget %d MiB", figures["ram_budget_bytes"] >> 20,
+            settings.prefix_cache_ram_bytes >> 20, figures.get("disk_budget_bytes", 0) >> 20)
 
 
 def reserve_bytes(engine: Engine, settings: Settings) -> int:

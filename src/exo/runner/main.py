@@ -141,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         _exit(server, 0)
     try:
         secret = settings.cluster_secret.get_secret_value() if settings.cluster_secret else None
-        code = _serve_stage(args, state, device, loaded, config, summary, stopping, secret)
+        code = _serve_stage(args, state, device, loaded, config, summary, stopping, secret, settings)
     except Exception as e:  # noqa: BLE001 - a lost member (or a bug) ends this member of the group
         state.fail(f"{type(e).__name__}: {e}")
         print(f"exo runner: pipeline stage {args.rank} of {args.model_id} left its group: {type(e).__name__}: {e}",
@@ -178,7 +178,8 @@ def _exit(server: object, code: int) -> None:
 
 
 def _serve_stage(args: argparse.Namespace, state: RunnerState, device: object, loaded: object, config: object,
-                 summary: pb.ModelSummary, stopping: list[Callable[[], bool]], secret: str | None) -> int:
+                 summary: pb.ModelSummary, stopping: list[Callable[[], bool]], secret: str | None,
+                 settings: Any) -> int:
     """A pipeline stage: join the group, then lead (the last stage: generations through the Runner service)
     or serve steps (the others). Returns the exit status."""
     from exo.downloads.heads import PENDING_SIDECAR, check_pending_head
@@ -196,9 +197,17 @@ def _serve_stage(args: argparse.Namespace, state: RunnerState, device: object, l
     link = join_group(hosts, args.rank, secret=secret)  # every member proves the cluster's secret
     log.info("stage %d of %d (layers %d-%d) joined %s", stage.rank, stage.world_size, stage.start_layer,
              stage.end_layer - 1, ",".join(hosts))
+    layers = (stage.start_layer, stage.end_layer)
     if not stage.last:
+        from .loading import stage_prefix_cache
+
+        prefix_cache = stage_prefix_cache(loaded, settings, layers, stage.first)  # type: ignore[arg-type]
         state.ready(summary, None)  # blocked in a receive until the leader shuts down: SIGTERM ends us at once
-        serve_stage(loaded.model, stage, link)  # type: ignore[attr-defined]
+        try:
+            serve_stage(loaded.model, stage, link, prefix_cache=prefix_cache)  # type: ignore[attr-defined]
+        finally:
+            if prefix_cache is not None and hasattr(prefix_cache.store, "close"):
+                prefix_cache.store.close()
         log.info("the group was shut down")
         return 0
     forward = PipelineForward(loaded.model, stage, link)  # the engine sets its verify mode (its probe)
@@ -212,10 +221,14 @@ def _serve_stage(args: argparse.Namespace, state: RunnerState, device: object, l
     engine = Engine(loaded, config, forward=forward)  # type: ignore[arg-type]
     state.update("warming up", 0.75)
     engine.warmup()
+    from .loading import attach_prefix_cache
+
+    attach_prefix_cache(engine, settings, layers)  # each stage restores its own layers' part (engine/prefix_cache.py)
     state.ready(summary, engine)
     log.info("ready: %s, leading a pipeline of %d stages", args.model_id, stage.world_size)
     stopping[0] = _close_on_term(device)
     device.serve()  # type: ignore[attr-defined]  # until SIGTERM, or a generation that broke the group
+    _close_prefix_cache(engine)
     if state.group_broken or forward.broken is not None:  # the stages may be out of step: no shutdown message
         return EXIT_GROUP_LOST
     try:

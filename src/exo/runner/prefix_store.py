@@ -257,8 +257,8 @@ class TieredStore:
             keys.update(self.disk.keys())
         return sorted(keys)
 
-    def get(self, key: str) -> Arrays | None:
-        arrays = self.ram.get(key)
+    def get(self, key: str, group: str | None = None) -> Arrays | None:
+        arrays = self.ram.get(key, group)
         if arrays is not None:
             self.ram_counts.hits += 1
             return arrays
@@ -268,16 +268,16 @@ class TieredStore:
         arrays = self.disk.get(key)
         if arrays is not None:
             mx.eval(list(arrays.values()))
-            self._ram_put(key, arrays)
+            self._ram_put(key, arrays, group)
         return arrays
 
-    def put(self, key: str, arrays: Arrays) -> None:
-        self._ram_put(key, arrays)
+    def put(self, key: str, arrays: Arrays, group: str | None = None) -> None:
+        self._ram_put(key, arrays, group)
         if self.disk is not None:
             self._writes.put((key, prepare(arrays)))
 
-    def _ram_put(self, key: str, arrays: Arrays) -> None:
-        evicted = self.ram.put(key, arrays)
+    def _ram_put(self, key: str, arrays: Arrays, group: str | None = None) -> None:
+        evicted = self.ram.put(key, arrays, group)
         self.ram_counts.evictions += len(evicted)
 
     def _write_loop(self) -> None:

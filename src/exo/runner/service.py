@@ -95,6 +95,7 @@ class RunnerState:
                 generations=snap["generations"],
                 ring_port=self.ring_port,
                 prefix_cache=prefix_cache_figures(self.engine),
+                prefix_summary=prefix_summary(self.engine),
             )
 
 
@@ -105,6 +106,16 @@ def prefix_cache_figures(engine: Engine | None) -> pb.PrefixCacheFigures | None:
         return None
     figures = cache.figures()
     return pb.PrefixCacheFigures(**{f.name: int(figures.get(f.name, 0)) for f in pb.PrefixCacheFigures.DESCRIPTOR.fields})
+
+
+def prefix_summary(engine: Engine | None) -> pb.PrefixSummary | None:
+    """What the engine's prefix cache holds, for the cluster's routers (None: it has none)."""
+    cache = getattr(engine, "prefix_cache", None)
+    if cache is None:
+        return None
+    s = cache.summary()
+    return pb.PrefixSummary(namespace=s.namespace, block_tokens=s.block_tokens, positions=[p for p, _ in s.heads],
+                            hashes=[h for _, h in s.heads], keys=list(s.keys))
 
 
 class RunnerServicer(pb_grpc.RunnerServicer):

@@ -289,7 +289,7 @@ class ModelSummary(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., name: _Optional[str] = ..., arch: _Optional[str] = ..., context_length: _Optional[int] = ..., mtp_available: _Optional[bool] = ..., mtp_reason: _Optional[str] = ..., default_k: _Optional[int] = ..., max_k: _Optional[int] = ..., owned_by: _Optional[str] = ...) -> None: ...
 
 class Instance(_message.Message):
-    __slots__ = ("instance_id", "model_id", "model_ref", "node_id", "state", "progress", "stage", "shard", "failure", "restarts", "pid", "created_unix", "updated_unix", "model", "on_demand", "queue_depth", "running", "group_id", "stages", "ring_port", "owner_node", "download", "download_id", "prefix_cache")
+    __slots__ = ("instance_id", "model_id", "model_ref", "node_id", "state", "progress", "stage", "shard", "failure", "restarts", "pid", "created_unix", "updated_unix", "model", "on_demand", "queue_depth", "running", "group_id", "stages", "ring_port", "owner_node", "download", "download_id", "prefix_cache", "prefix_summary")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_REF_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +314,7 @@ class Instance(_message.Message):
     DOWNLOAD_FIELD_NUMBER: _ClassVar[int]
     DOWNLOAD_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SUMMARY_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     model_id: str
     model_ref: str
@@ -338,7 +339,8 @@ class Instance(_message.Message):
     download: DownloadProgress
     download_id: str
     prefix_cache: PrefixCacheFigures
-    def __init__(self, instance_id: _Optional[str] = ..., model_id: _Optional[str] = ..., model_ref: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., progress: _Optional[float] = ..., stage: _Optional[str] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., restarts: _Optional[int] = ..., pid: _Optional[int] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ..., model: _Optional[_Union[ModelSummary, _Mapping]] = ..., on_demand: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., group_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StagePlacement, _Mapping]]] = ..., ring_port: _Optional[int] = ..., owner_node: _Optional[str] = ..., download: _Optional[_Union[DownloadProgress, _Mapping]] = ..., download_id: _Optional[str] = ..., prefix_cache: _Optional[_Union[PrefixCacheFigures, _Mapping]] = ...) -> None: ...
+    prefix_summary: PrefixSummary
+    def __init__(self, instance_id: _Optional[str] = ..., model_id: _Optional[str] = ..., model_ref: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., progress: _Optional[float] = ..., stage: _Optional[str] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., restarts: _Optional[int] = ..., pid: _Optional[int] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ..., model: _Optional[_Union[ModelSummary, _Mapping]] = ..., on_demand: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., group_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StagePlacement, _Mapping]]] = ..., ring_port: _Optional[int] = ..., owner_node: _Optional[str] = ..., download: _Optional[_Union[DownloadProgress, _Mapping]] = ..., download_id: _Optional[str] = ..., prefix_cache: _Optional[_Union[PrefixCacheFigures, _Mapping]] = ..., prefix_summary: _Optional[_Union[PrefixSummary, _Mapping]] = ...) -> None: ...
 
 class UnloadInstanceRequest(_message.Message):
     __slots__ = ("instance_id",)
@@ -423,7 +425,7 @@ class NodeSwitch(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., disabled_reason: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "instance_id", "messages", "text", "token_ids", "template_kwargs_json", "max_tokens", "default_max_tokens", "sampling", "stop", "native_mtp", "mtp_k", "timeout_s", "node_mtp", "tools_json", "constraint_json", "logprobs", "ignore_eos")
+    __slots__ = ("request_id", "model", "instance_id", "messages", "text", "token_ids", "template_kwargs_json", "max_tokens", "default_max_tokens", "sampling", "stop", "native_mtp", "mtp_k", "timeout_s", "node_mtp", "tools_json", "constraint_json", "logprobs", "ignore_eos", "prompt_cache_key")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -443,6 +445,7 @@ class GenerateRequest(_message.Message):
     CONSTRAINT_JSON_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_CACHE_KEY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     instance_id: str
@@ -462,7 +465,8 @@ class GenerateRequest(_message.Message):
     constraint_json: str
     logprobs: int
     ignore_eos: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., instance_id: _Optional[str] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., template_kwargs_json: _Optional[str] = ..., max_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., native_mtp: _Optional[str] = ..., mtp_k: _Optional[int] = ..., timeout_s: _Optional[float] = ..., node_mtp: _Optional[_Union[NodeSwitch, _Mapping]] = ..., tools_json: _Optional[str] = ..., constraint_json: _Optional[str] = ..., logprobs: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    prompt_cache_key: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., instance_id: _Optional[str] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., template_kwargs_json: _Optional[str] = ..., max_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., native_mtp: _Optional[str] = ..., mtp_k: _Optional[int] = ..., timeout_s: _Optional[float] = ..., node_mtp: _Optional[_Union[NodeSwitch, _Mapping]] = ..., tools_json: _Optional[str] = ..., constraint_json: _Optional[str] = ..., logprobs: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., prompt_cache_key: _Optional[str] = ...) -> None: ...
 
 class Started(_message.Message):
     __slots__ = ("prompt_tokens", "max_tokens", "queue_s", "thinking")
@@ -537,7 +541,7 @@ class RunnerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RunnerStatus(_message.Message):
-    __slots__ = ("instance_id", "state", "progress", "stage", "error", "model", "queue_depth", "running", "pid", "shard", "generations", "ring_port", "prefix_cache")
+    __slots__ = ("instance_id", "state", "progress", "stage", "error", "model", "queue_depth", "running", "pid", "shard", "generations", "ring_port", "prefix_cache", "prefix_summary")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
@@ -551,6 +555,7 @@ class RunnerStatus(_message.Message):
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     RING_PORT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SUMMARY_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     state: InstanceState
     progress: float
@@ -564,7 +569,22 @@ class RunnerStatus(_message.Message):
     generations: int
     ring_port: int
     prefix_cache: PrefixCacheFigures
-    def __init__(self, instance_id: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., progress: _Optional[float] = ..., stage: _Optional[str] = ..., error: _Optional[str] = ..., model: _Optional[_Union[ModelSummary, _Mapping]] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., pid: _Optional[int] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., generations: _Optional[int] = ..., ring_port: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheFigures, _Mapping]] = ...) -> None: ...
+    prefix_summary: PrefixSummary
+    def __init__(self, instance_id: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., progress: _Optional[float] = ..., stage: _Optional[str] = ..., error: _Optional[str] = ..., model: _Optional[_Union[ModelSummary, _Mapping]] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., pid: _Optional[int] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., generations: _Optional[int] = ..., ring_port: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheFigures, _Mapping]] = ..., prefix_summary: _Optional[_Union[PrefixSummary, _Mapping]] = ...) -> None: ...
+
+class PrefixSummary(_message.Message):
+    __slots__ = ("namespace", "block_tokens", "positions", "hashes", "keys")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    block_tokens: int
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    hashes: _containers.RepeatedScalarFieldContainer[int]
+    keys: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[str] = ..., block_tokens: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., hashes: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefixCacheFigures(_message.Message):
     __slots__ = ("lookups", "hits", "prompt_tokens", "cached_tokens", "ram_bytes", "ram_budget_bytes", "disk_bytes", "disk_budget_bytes", "ram_evictions", "disk_evictions")

@@ -1,0 +1,216 @@
+"""The prefix cache on a pipelined instance: every stage keeps its own layers' part (attention KV blocks and
+GatedDeltaNet snapshots of ITS layers, under its own namespace; the head's cache on the leader), the leader
+settles on the deepest snapshot every stage holds (a LOOKUP round trip) and every stage restores it (BEGIN),
+then stores its part of the prompt at the leader's block and snapshot edges. At temperature 0 a 2-stage reply
+with a cache hit equals a cold single node's token for token, native MTP off and on. Stage 0 serves on a
+thread of this process over an in-process link (tests/engine/test_pipeline.py's)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import queue
+import threading
+
+import pytest
+
+from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, load_checkpoint
+from exo.engine import pipeline as pl
+from exo.engine import prefix_cache as pc
+
+from .test_pipeline import _QueueLink
+
+BLOCK = 16
+CHUNK = 24
+SYSTEM = "You are a coding agent. Tools: read(path), write(path, text), run(cmd). " * 3
+TURN1 = [("user", "List the files in src and read main.py")]
+TURN2 = TURN1 + [("assistant", "I will call read(main.py)."), ("user", "Tool result: def main(): return 42\n" * 4)]
+OTHER = [("user", "Write a test for the parser module, please")]
+
+
+class _Link(_QueueLink):
+    """tests/engine/test_pipeline.py's link, carrying bfloat16 too (the demo model's activations) as its bits."""
+
+    def send(self, x, dst: int) -> None:
+        import mlx.core as mx
+
+        super().send(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x, dst)
+
+    def recv(self, shape, dtype, src: int):
+        import mlx.core as mx
+
+        if dtype == mx.bfloat16:
+            return super().recv(shape, mx.uint16, src).view(mx.bfloat16)
+        return super().recv(shape, dtype, src)
+
+
+class Forgetful(pc.MemoryStore):
+    """A store whose entries vanish between a lookup and the restore when ``forget`` is set (as one evicted
+    meanwhile by another instance sharing the disk tier)."""
+
+    forget = False
+
+    def get(self, key, group=None):
+        return None if self.forget else super().get(key, group)
+
+
+def _cache(loaded, layers) -> pc.PrefixCache:
+    return pc.PrefixCache(Forgetful(1 << 30), pc.namespace(loaded, layers), block_tokens=BLOCK, stride_tokens=0,
+                          message_starts=pc.message_starts(loaded.tokenizer) if loaded.tokenizer else frozenset(),
+                          min_snapshot_tokens=8)
+
+
+class _Pipeline:
+    def __init__(self, path, split: tuple[int, int]) -> None:
+        first = load_checkpoint(path, layers=(0, split[0]))
+        leader = dataclasses.replace(load_checkpoint(path, layers=split), eos_token_ids=frozenset())
+        queues = {(0, 1): queue.Queue(), (1, 0): queue.Queue()}
+        self.links = [_Link(0, queues), _Link(1, queues)]
+        self.errors: list[BaseException] = []
+        self.stage_cache = _cache(first, (0, split[0]))
+        self.done, park = threading.Event(), threading.Event()
+
+        def stage0() -> None:
+            try:
+                pl.serve_stage(first.model, pl.StageSpec(0, 2, 0, split[0]), self.links[0],
+                               prefix_cache=self.stage_cache)
+            except BaseException as e:  # noqa: BLE001 - reported by the test
+                self.errors.append(e)
+                queues[(0, 1)].put(e)
+            self.done.set()
+            park.wait()  # a thread that ran MLX may abort the process as it exits
+
+        threading.Thread(target=stage0, daemon=True).start()
+        self.forward = pl.PipelineForward(leader.model, pl.StageSpec(1, 2, *split), self.links[1])
+        self.engine = Engine(leader, EngineConfig(prefill_chunk=CHUNK), forward=self.forward)
+        self.engine.prefix_cache = _cache(leader, split)
+
+    def close(self) -> None:
+        self.forward.shutdown()
+        assert self.done.wait(60)
+        assert not self.errors, self.errors
+
+
+@pytest.fixture
+def pipeline():
+    made: list[_Pipeline] = []
+
+    def make(path, split):
+        made.append(_Pipeline(path, split))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def _path(checkpoint, arch):
+    if arch == "demo":  # 8 layers, attention at 3 and 7: stage 0 (0-3) holds an attention layer's KV blocks
+        from exo.cards import bundled_model_dir
+
+        return bundled_model_dir("exo-demo"), (4, 8)
+    return checkpoint(arch, dtype="float32"), (2, 4)
+
+
+@functools.cache
+def _single(path) -> Engine:
+    return Engine(dataclasses.replace(load_checkpoint(path), eos_token_ids=frozenset()), EngineConfig(prefill_chunk=CHUNK))
+
+
+def _prompt(engine: Engine, turns, system: str = SYSTEM) -> list[int]:
+    messages = [{"role": "system", "content": system}] + [{"role": r, "content": t} for r, t in turns]
+    return list(engine.loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def _complete(engine: Engine, prompt, **fields):
+    return engine.complete(GenerationRequest(prompt, max_tokens=12, sampling=SamplingParams(temperature=0.0), **fields))
+
+
+def _same_counts(a, b) -> None:
+    for name in ("rounds", "drafted_tokens", "accepted_tokens", "k_histogram"):
+        assert getattr(a.stats, name) == getattr(b.stats, name), name
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next", "demo"])
+@pytest.mark.parametrize("mtp", [dict(native_mtp="off"), dict(mtp_k=2)], ids=["mtp-off", "mtp-k2"])
+def test_a_pipelined_hit_equals_a_cold_single_node(checkpoint, pipeline, arch, mtp):
+    path, split = _path(checkpoint, arch)
+    pipe = pipeline(path, split)
+    warm, single = pipe.engine, _single(path)
+    p1, p2, p3 = _prompt(single, TURN1), _prompt(single, TURN2), _prompt(single, OTHER)
+    starts = [i for i, t in enumerate(p2) if t in warm.prefix_cache.starts]
+    # The pipeline cold (no cache on the leader: it asks the stages nothing), for the MTP counts.
+    cache, warm.prefix_cache = warm.prefix_cache, None
+    cold2, cold3 = _complete(warm, p2, **mtp), _complete(warm, p3, **mtp)
+    warm.prefix_cache = cache
+    assert pipe.stage_cache.stats.lookups == 0
+
+    first = _complete(warm, p1, **mtp)
+    assert first.stats.cached_tokens == 0 and first.token_ids == _complete(single, p1, **mtp).token_ids
+    assert pipe.stage_cache.stats.captured_bytes > 0  # stage 0 stored its layers' part
+    if arch == "demo":  # stage 0's attention layer: its KV blocks too
+        assert any(k.split("/", 1)[1].startswith("b-") and "k3" in pipe.stage_cache.store.get(k)
+                   for k in pipe.stage_cache.store.keys())
+
+    second = _complete(warm, p2, **mtp)  # the next turn: restored on both stages at turn 1's header
+    assert second.stats.cached_tokens == starts[2] > 0
+    assert second.token_ids == _complete(single, p2, **mtp).token_ids == cold2.token_ids
+    _same_counts(second, cold2)
+    other = _complete(warm, p3, **mtp)  # a new conversation: the system part
+    assert other.stats.cached_tokens == starts[1]
+    assert other.token_ids == _complete(single, p3, **mtp).token_ids == cold3.token_ids
+    _same_counts(other, cold3)
+    assert pipe.stage_cache.stats.hits == 2 and warm.prefix_cache.stats.hits == 2
+
+
+def test_the_leader_settles_on_what_every_stage_holds(checkpoint, pipeline):
+    path, split = _path(checkpoint, "qwen3_5")
+    pipe = pipeline(path, split)
+    warm, single = pipe.engine, _single(path)
+    p1, p2 = _prompt(single, TURN1), _prompt(single, TURN2)
+    _complete(warm, p1, native_mtp="off")
+    cold = _complete(single, p2, native_mtp="off")
+    # Stage 0 lost its part (evicted): the leader's own is no use alone; everything is prefilled.
+    stage_store = pipe.stage_cache.store
+    saved = {k: stage_store.get(k) for k in stage_store.keys()}
+    for k in saved:
+        stage_store.remove(k)
+    miss = _complete(warm, p2, native_mtp="off")
+    assert miss.stats.cached_tokens == 0 and miss.token_ids == cold.token_ids
+    for k, v in saved.items():
+        stage_store.put(k, v)
+    # Stage 0's entries vanish between the lookup and the restore: BEGIN fails there, every stage starts
+    # from 0 again.
+    stage_store.forget = True
+    vanished = _complete(warm, p2, native_mtp="off")
+    stage_store.forget = False
+    assert vanished.stats.cached_tokens == 0 and vanished.token_ids == cold.token_ids
+    # The leader's own entries vanish after the stages restored: they are told to start from 0.
+    warm.prefix_cache.store.forget = True
+    gone = _complete(warm, p2, native_mtp="off")
+    warm.prefix_cache.store.forget = False
+    assert gone.stats.cached_tokens == 0 and gone.token_ids == cold.token_ids
+    hit = _complete(warm, p2, native_mtp="off")
+    assert hit.stats.cached_tokens > 0 and hit.token_ids == cold.token_ids
+
+
+def test_prefix_headers_and_payloads_are_checked():
+    for op in (pl.OP_PREFIX_LOOKUP, pl.OP_PREFIX_BEGIN):
+        good = pl.StepHeader(op, 0, 3, 1, 5)
+        assert pl.StepHeader.decode(good.encode().tolist()) == good
+        for bad in (dict(rows=0), dict(batch=2)):
+            with pytest.raises(pl.StepHeaderError, match="malformed"):
+                pl.StepHeader.decode(dataclasses.replace(good, **bad).encode().tolist())
+    slots = pl.StageSlots(None, 0)
+    header = pl.StepHeader(pl.OP_PREFIX_LOOKUP, 0, 3, 1, 4)
+    with pytest.raises(pl.StepHeaderError, match="malformed prefix payload"):
+        pl._prefix_step(header, [5, 1, 2, 3], slots, {}, None)  # 5 tokens announced, 3 sent
+    begin = pl.StepHeader(pl.OP_PREFIX_BEGIN, 0, 3, 1, 9)
+    with pytest.raises(pl.StepHeaderError, match="malformed prefix payload"):
+        pl._prefix_step(begin, [1, 8, 0, 0, 0, 0, 0, 2, 4], slots, {}, None)  # 2 edges announced, 1 sent
+    # A BEGIN whose LOOKUP this stage never saw: it says it did not restore (the leader starts all from 0).
+    assert pl._prefix_step(begin, [1, 8, 0, 0, 0, 0, 0, 1, 4], slots, {}, None)[0] == 0
+    # A stage without a prefix cache holds nothing, and restores nothing but position 0.
+    prefixes: dict = {}
+    lookup = pl.StepHeader(pl.OP_PREFIX_LOOKUP, 0, 3, 1, 6)
+    assert pl._prefix_step(lookup, [2, 7, 7, 2, 1, 1], slots, prefixes, None) == [2, 7, 7, 2, -1, -1]
