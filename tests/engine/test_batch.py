@@ -268,3 +268,27 @@ def test_default_lanes_is_one_and_the_setting_chooses_more(checkpoint, monkeypat
     assert default_lanes(Engine(load_checkpoint(path), EngineConfig())) == 1
     assert default_lanes(Engine(load_checkpoint(path), EngineConfig(batch_lanes=3))) == 3
     assert len(BatchLanes(Engine(load_checkpoint(path), EngineConfig(batch_lanes=2))).lanes) == 2
+
+
+def test_a_solo_request_decodes_as_a_batch_of_one_on_its_own_caches(checkpoint, monkeypatch):
+    """``Engine.generate`` is a batch of one: the batch's plain step and round run it, on the request's own
+    caches (never converted to a batch's: ``forward.join`` is not called), one plain step per token after the
+    first and none computed past the last."""
+    engine = _engine(checkpoint("qwen3_5", dtype="float32"))
+    calls = {"plain": 0, "round": 0, "join": 0}
+
+    def counted(name, original):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return original(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(BatchDecoder, "_plain_step", counted("plain", BatchDecoder._plain_step))
+    monkeypatch.setattr(BatchDecoder, "_lone_round", counted("round", BatchDecoder._lone_round))
+    monkeypatch.setattr(engine.forward, "join", counted("join", engine.forward.join))
+    plain = engine.complete(_request(engine, 0, max_tokens=12, native_mtp="off"))
+    assert len(plain.token_ids) == 12 and calls == {"plain": 11, "round": 0, "join": 0}
+    drafted = engine.complete(_request(engine, 0, max_tokens=12, mtp_k=2))
+    assert drafted.token_ids == plain.token_ids
+    assert calls["round"] == drafted.stats.rounds > 0 and calls["join"] == 0
+    assert plain.stats.batch_sizes == {} and drafted.stats.batch_sizes == {}

@@ -293,7 +293,7 @@ class BatchDecoder:
             if _bare_greedy(run):  # one argmax for all of them: what ``choose`` takes
                 if greedy is None:
                     greedy = mx.argmax(logits, axis=-1).astype(mx.uint32)
-                following.append(greedy[i : i + 1])
+                following.append(greedy if len(runs) == 1 else greedy[i : i + 1])  # alone: no slice op
                 lp_rows.append(None)
                 run.wait_for_head(hidden[i : i + 1], following[i])
             else:
