@@ -19,6 +19,7 @@ from exo.engine.pipeline import (
     OP_END,
     OP_SHUTDOWN,
     ROLLBACK,
+    STORE_END,
     Op,
     StageSpec,
     StepHeader,
@@ -112,6 +113,9 @@ def test_a_header_this_stage_cannot_act_on_is_a_typed_error(changes, match):
     [FILTER, 0, 2, 1, 1],  # a row kept twice
     [DROP, 0, 1, 5],
     [ROLLBACK, 0, 5, 1],  # truncated
+    [STORE_END, 0, 1, -1],  # a stored reply of no tokens
+    [STORE_END, 0, 2, -2, 7],  # a row below -1 (a one-sequence slot)
+    [STORE_END, 0, 2, 0, -7],  # a negative token id
 ])
 def test_an_op_record_this_stage_cannot_act_on_is_a_typed_error(record):
     with pytest.raises(StepHeaderError, match="op record"):
@@ -144,6 +148,8 @@ class _ScriptedLink:
     (StepHeader.forward(1, 0, 1, 1, None, (Op(ROLLBACK, 0, (2, 1, 1)),), (9,)), "2 sequences on slot 0 of 1"),
     (StepHeader.forward(1, 0, 1, 1, None, (Op(FILTER, 0, (0,)),), (9,)), "not a batch"),
     (StepHeader.forward(1, 3, 1, 1, None, (Op(JOIN, 3, (2,)),), (9,)), "does not hold"),
+    (StepHeader.forward(1, 0, 1, 1, None, (Op(STORE_END, 0, (0, 9)),), (9,)), "not a batch"),  # a row of no batch
+    (StepHeader.forward(1, 1, 1, 1, None, (Op(STORE_END, 1, (-1, 9)),), (9,)), "does not hold"),
 ])
 def test_a_stage_fed_a_skipped_step_another_version_or_a_slot_it_lacks_stops_before_computing(checkpoint, bad, match):
     loaded = load_checkpoint(checkpoint("qwen3_5", dtype="float32"), layers=(0, 2))

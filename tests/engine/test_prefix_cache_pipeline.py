@@ -123,7 +123,8 @@ def _prompt(engine: Engine, turns, system: str = SYSTEM) -> list[int]:
 
 
 def _complete(engine: Engine, prompt, **fields):
-    return engine.complete(GenerationRequest(prompt, max_tokens=12, sampling=SamplingParams(temperature=0.0), **fields))
+    fields.setdefault("max_tokens", 12)
+    return engine.complete(GenerationRequest(prompt, sampling=SamplingParams(temperature=0.0), **fields))
 
 
 def _same_counts(a, b) -> None:
@@ -214,3 +215,66 @@ def test_prefix_headers_and_payloads_are_checked():
     prefixes: dict = {}
     lookup = pl.StepHeader(pl.OP_PREFIX_LOOKUP, 0, 3, 1, 6)
     assert pl._prefix_step(lookup, [2, 7, 7, 2, 1, 1], slots, prefixes, None) == [2, 7, 7, 2, -1, -1]
+
+
+# -- the reply: every stage keeps its layers' part (STORE_END) ---------------------------------------------
+REPLY_TOKENS = 40  # more than two blocks of BLOCK
+TOOL = [("user", "Tool result: def main(): return 42\n" * 3)]
+
+
+def _next_turn(engine: Engine, reply_text: str) -> list[int]:
+    return _prompt(engine, TURN1 + [("assistant", reply_text)] + TOOL)
+
+
+def _replies(cache: pc.PrefixCache, prompt: list[int]) -> set[int]:
+    return {p for p in cache._lengths if p > len(prompt)}
+
+
+@pytest.mark.parametrize("mtp", [dict(native_mtp="off"), dict(mtp_k=2)], ids=["mtp-off", "mtp-k2"])
+def test_a_pipelined_next_turn_restores_through_the_reply(checkpoint, pipeline, mtp):
+    path, split = _path(checkpoint, "qwen3_5")
+    pipe = pipeline(path, split)
+    warm, single = pipe.engine, _single(path)
+    p1 = _prompt(single, TURN1)
+    first = _complete(warm, p1, max_tokens=REPLY_TOKENS, **mtp)
+    assert first.finish_reason == "length"
+    # Stage 0 stored its layers' part of the reply at the leader's end too (without it the leader, which
+    # settles on what every stage holds, would restore the prompt only).
+    pipe.forward.memory_rates()  # (a round trip: stage 0 has applied what the last message carried)
+    assert _replies(pipe.stage_cache, p1) == _replies(warm.prefix_cache, p1) != set()
+    p2 = _next_turn(single, first.text)
+    assert p2[: len(p1) + REPLY_TOKENS] == p1 + first.token_ids
+    second = _complete(warm, p2, max_tokens=20, **mtp)
+    assert second.stats.cached_tokens in (len(p1) + REPLY_TOKENS - 1, len(p1) + REPLY_TOKENS)
+    assert second.token_ids == _complete(single, p2, max_tokens=20, **mtp).token_ids
+
+
+def test_a_pipelined_batch_member_stores_its_reply_from_its_row(checkpoint, pipeline):
+    from exo.engine.batch import BatchDecoder
+
+    path, split = _path(checkpoint, "qwen3_5")
+    pipe = pipeline(path, split)
+    warm, single = pipe.engine, _single(path)
+    p1, p3 = _prompt(single, TURN1), _prompt(single, OTHER)
+    batch = BatchDecoder(warm)
+    tokens: dict[int, list[int]] = {}
+    runs = {}
+    # p1's member ends first (its row is stored, then filtered out); p3's ends last (the batch's end).
+    for i, (prompt, budget) in enumerate(((p1, REPLY_TOKENS), (p3, REPLY_TOKENS + 13))):
+        run = warm.start(GenerationRequest(prompt, max_tokens=budget, sampling=SamplingParams(temperature=0.0),
+                                           native_mtp="off"))
+        tokens[i] = [t for chunk in run.begin() if chunk is not None for t in chunk.token_ids]
+        runs[id(run)] = i
+        batch.add(run)
+    while len(batch):
+        for run, chunks in batch.step():
+            for chunk in chunks:
+                tokens[runs[id(run)]].extend(chunk.token_ids)
+    assert len(tokens[0]) == REPLY_TOKENS and len(tokens[1]) == REPLY_TOKENS + 13
+    pipe.forward.memory_rates()  # (a round trip: stage 0 has applied what the last message carried)
+    for prompt in (p1, p3):
+        assert _replies(pipe.stage_cache, prompt) >= _replies(warm.prefix_cache, prompt) != set()
+    p2 = _next_turn(single, warm.loaded.tokenizer.decode(tokens[0]))
+    hit = _complete(warm, p2, max_tokens=20, native_mtp="off")
+    assert hit.stats.cached_tokens > len(p1) + BLOCK
+    assert hit.token_ids == _complete(single, p2, max_tokens=20, native_mtp="off").token_ids

@@ -52,7 +52,6 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
 from .adaptive import PLAIN_TIMED_MIN
-from .batch_cache import batch_row
 from .generate import HEAD_FLUSH_ROWS, HEAD_WINDOW, Engine, GenerationChunk, SequenceState, verify_round
 from .models.layers import vector_matmul
 from .verify import verify_logits
@@ -445,12 +444,12 @@ class BatchDecoder:
         """Members that finished (not cancelled) keep their reply in the prefix cache: each one's row of the
         batch's caches (``batch_row``) goes to ``SequenceState.store_end`` before the filter drops it. Only
         where the engine has a prefix cache (taking a row costs a read of its padding)."""
-        if self.engine.prefix_cache is None or self.engine.forward.stages > 1:
+        if self.engine.prefix_cache is None:
             return
         kept = set(keep)
         for i, run in enumerate(self.runs):
             if i not in kept and run.output.finish in ("stop", "length"):
-                run.store_end(batch_row(self.cache, i) if self._batched else None)  # (a lone one: its own)
+                run.store_end(batch=(self.cache, i) if self._batched else None)  # (a lone one: its own)
 
     # -- a lone member: the solo loop's rules ----------------------------------------------------------
     def _prepare_lone(self, start: float) -> _Prepared:

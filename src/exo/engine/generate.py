@@ -43,6 +43,7 @@ from .adaptive import (
     can_pay_off,
     trace_from_env,
 )
+from .batch_cache import batch_row
 from .constraints import ConstraintSpec, Grammar, Matcher, ToolFormat, compile_grammar
 from .costs import warmup_costs
 from .forward import Forward, LocalForward
@@ -763,14 +764,19 @@ class SequenceState:
         else:
             self.head_skipped = tokens
 
-    def store_end(self, cache: list[Any] | None = None) -> int:
+    def store_end(self, cache: list[Any] | None = None, batch: tuple[list[Any], int] | None = None) -> int:
         """A sequence that ended normally (finish "stop" or "length"; never a cancelled or failed one) keeps
         its generated part in the prefix cache (``PrefillPlan.capture_end``): the next turn resends this
         prompt and the reply. ``cache``: its caches where a batch holds them (its row: ``batch_cache.batch_row``);
-        None: its own. The head's entries go too where it was fed every position (no gap), its waiting rows but
-        the last taken in first. Returns the bytes stored (0: nothing, e.g. a reply shorter than a block)."""
-        if self.output.finish not in ("stop", "length") or self.forward.stages > 1:
-            return 0  # (a pipeline's other stages hold their layers of the reply and cannot store it yet)
+        ``batch``: (the batch's caches, its row) instead, which a pipeline's other stages need to find their
+        part; None: its own. On a pipeline every other stage stores its layers' part too (``forward.store_end``:
+        the tokens past the prompt, before the row is filtered out or the slot dropped). The head's entries go
+        too where it was fed every position (no gap), its waiting rows but the last taken in first. Returns the
+        bytes stored here (0: nothing, e.g. a reply shorter than a block)."""
+        if self.output.finish not in ("stop", "length"):
+            return 0
+        if batch is not None:
+            cache = batch_row(*batch)
         caches = self.cache if cache is None else cache
         positions = next((c.offset for c in caches if isinstance(c, KVCache)), None)
         fed = [*self.request.prompt_tokens, *self.output.tokens]
@@ -778,6 +784,11 @@ class SequenceState:
         # inside an accepted run they hold drafts after it too: then the state at the end is not this reply's.
         if positions is None or positions > len(fed):
             return 0
+        prompt = getattr(self._prefix, "n", None)  # (None: no plan, nothing to store on any stage)
+        if (self.forward.stages > 1 and prompt is not None and hasattr(self.forward, "store_end")
+                and positions - prompt >= self._prefix.cache.block):
+            owner, row = batch if batch is not None else (self.cache, -1)
+            self.forward.store_end(owner, row, fed[prompt:positions])
         head = None
         waiting = self.head_rows_waiting
         if self.track_head and self.head_skipped == 0 and waiting and self.head_cache.offset + waiting == positions:

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
-from .batch_cache import batch_cache, keep_rows_per_sequence
+from .batch_cache import batch_cache, batch_row, keep_rows_per_sequence
 from .forward import MOE_MODES, cache_rates, keep_rows, verify_call
 from .models.backbone import SpeculativeBackbone
 from .prefix_cache import PrefixCache, StagePrefix
@@ -67,7 +67,7 @@ OP_FORWARD, OP_END, OP_SHUTDOWN, OP_MEASURE = 1, 2, 3, 4
 # the slot's fresh caches (0: none) and clears ``ok`` if it cannot.
 OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN = 5, 6
 HEADER_OPS = (OP_FORWARD, OP_END, OP_SHUTDOWN, OP_MEASURE, OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN)
-HEADER_VERSION = 3  # 3: the prefix cache's ops
+HEADER_VERSION = 4  # 3: the prefix cache's ops; 4: STORE_END
 HEADER_NAMES = ("version", "op", "step", "slot", "batch", "rows", "verify", "moe", "per_row", "invariant", "ops")
 HEADER_FIELDS = len(HEADER_NAMES)
 INLINE = 53  # ints after the fields: a 64-int32 (256-byte) header
@@ -81,7 +81,11 @@ ROLLBACK = 1  # args [rows, kept_0..kept_{B-1}]: the slot's last verify call of 
 JOIN = 2  # args [member]: slot ``member``'s (one sequence's) caches join batch ``slot`` as its last row (made from them when new); ``member`` is dropped
 FILTER = 3  # args [i_0..i_{n-1}]: batch ``slot`` keeps these rows, in this order (n >= 1)
 DROP = 4  # no args: the slot's caches are dropped (a request, or a batch, is over)
-OP_CODES = (ROLLBACK, JOIN, FILTER, DROP)
+# args [row, *tokens]: a sequence ended normally; every stage stores its layers' part of the reply in its prefix cache
+# (``StagePrefix.store_end``): ``tokens`` are what its caches hold past the prompt it knows (the sequence's row
+# ``row`` of batch ``slot``, or the one-sequence slot itself when ``row`` is -1). Comes before the FILTER / DROP.
+STORE_END = 5
+OP_CODES = (ROLLBACK, JOIN, FILTER, DROP, STORE_END)
 
 
 def _pack_rates(rates: tuple[int, int]) -> list[int]:
@@ -147,7 +151,8 @@ class Op:
             if (code == ROLLBACK and (n < 2 or any(not 0 <= k <= args[0] for k in args[1:]))
                     or code == JOIN and (n != 1 or not 0 <= args[0] <= MAX_SLOT or args[0] == slot)
                     or code == FILTER and (n < 1 or min(args) < 0 or len(set(args)) != n)
-                    or code == DROP and n != 0):
+                    or code == DROP and n != 0
+                    or code == STORE_END and (n < 2 or args[0] < -1 or min(args[1:]) < 0)):
                 raise StepHeaderError(f"malformed op record {values[i : i + 3 + n]}")
             ops.append(Op(code, slot, args))
             i += 3 + n
@@ -411,6 +416,14 @@ class PipelineForward:
             c.filter(index)
         self._ops.append(Op(FILTER, _slot(cache), tuple(keep)))
 
+    @_one_exchange
+    def store_end(self, cache: list[Any], row: int, tokens: Sequence[int]) -> None:
+        """A sequence ended normally: every other stage stores its layers' part of the reply (``tokens``: what
+        the caches hold past the prompt) from the sequence's caches, ``row`` of the batch ``cache`` (-1: ``cache``
+        is the sequence's own). Owed, like a filter: it rides the next message, before the slot is filtered or
+        dropped (the leader stores its own part itself: ``SequenceState.store_end``)."""
+        self._ops.append(Op(STORE_END, _slot(cache), (row, *tokens)))
+
     def set_batch_invariant(self, on: bool) -> None:
         self.model.set_batch_invariant(on)
         self._invariant = on
@@ -540,6 +553,21 @@ class StageSlots:
             for c in cache:
                 c.filter(index)
             self.sizes[op.slot] = len(op.args)
+        elif op.code == STORE_END:
+            self._row(op.slot, op.args[0])  # (checked here; the stage's prefix cache stores it: serve_stage)
+
+    def _row(self, slot: int, row: int) -> list[Any]:
+        cache = self._get(slot, "a stored reply")
+        size = self.sizes.get(slot)
+        if (row == -1) != (size is None) or size is not None and row >= size:
+            raise StepHeaderError(f"pipeline stage {self.rank}: row {row} of slot {slot} "
+                                  f"({'not a batch' if size is None else f'{size} sequences'})")
+        return cache
+
+    def sequence(self, slot: int, row: int) -> list[Any]:
+        """One sequence's caches: the one-sequence slot's own (``row`` -1), or row ``row`` of a batch slot (views)."""
+        cache = self._row(slot, row)
+        return cache if row == -1 else batch_row(cache, row)
 
     def forward_cache(self, header: StepHeader) -> list[Any]:
         cache = self.caches.get(header.slot)
@@ -578,6 +606,7 @@ def serve_stage(
     forward_header = stage.next != stage.world_size - 1  # the leader knows the header: it wrote it
     slots = slots if slots is not None else StageSlots(model, stage.rank)
     prefixes: dict[int, StagePrefix] = {}  # slot -> its sequence's use of the prefix cache
+    rows_of: dict[int, list[StagePrefix | None]] = {}  # a batch slot -> its rows' (for their replies)
     expected = 0  # the step number the next header must carry
     while True:
         message = link.recv((HEADER_LEN,), mx.int32, stage.previous)
@@ -599,13 +628,13 @@ def serve_stage(
                 link.send(ops_message, stage.next)
         for op in header.ops:
             slots.apply(op)
-            if op.code in (DROP, JOIN):  # a sequence's prefill is over once it joins a batch
-                prefixes.pop(op.slot if op.code == DROP else op.args[0], None)
+            _follow_prefixes(op, slots, prefixes, rows_of)
         if header.op == OP_SHUTDOWN:
             return
         if header.op == OP_END:
             slots.drop(header.slot)  # nothing of a request survives it
             prefixes.pop(header.slot, None)
+            rows_of.pop(header.slot, None)
             continue
         if header.op in (OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN):
             payload = link.recv((header.rows,), mx.int32, stage.previous)
@@ -647,6 +676,34 @@ def serve_stage(
             prefix.step(rows, cache, h)
         if on_step is not None:
             on_step()
+
+
+def _follow_prefixes(op: Op, slots: StageSlots, prefixes: dict[int, StagePrefix],
+                     rows_of: dict[int, list[StagePrefix | None]]) -> None:
+    """Keep each sequence's ``StagePrefix`` with its caches (applied after ``slots.apply(op)``): a member joining a
+    batch takes its own along as its row, a filter reorders them, a drop ends them; STORE_END stores a reply."""
+    if op.code == DROP:
+        prefixes.pop(op.slot, None)
+        rows_of.pop(op.slot, None)
+    elif op.code == JOIN:
+        member = prefixes.pop(op.args[0], None)
+        if member is not None:
+            member.plan = None  # its prefill is over once it joins a batch
+        if slots.sizes[op.slot] == 1:
+            rows_of[op.slot] = []
+        rows_of.setdefault(op.slot, []).append(member)
+    elif op.code == FILTER:
+        rows = rows_of.get(op.slot, [])
+        rows_of[op.slot] = [rows[i] if i < len(rows) else None for i in op.args]
+    elif op.code == STORE_END:
+        row, tokens = op.args[0], list(op.args[1:])
+        if row == -1:
+            prefix = prefixes.get(op.slot)
+        else:
+            rows = rows_of.get(op.slot, [])
+            prefix = rows[row] if row < len(rows) else None
+        if prefix is not None:
+            prefix.store_end(tokens, slots.sequence(op.slot, row))
 
 
 def _prefix_step(header: StepHeader, values: list[int], slots: StageSlots, prefixes: dict[int, StagePrefix],

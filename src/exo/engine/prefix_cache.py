@@ -684,9 +684,10 @@ class StagePrefix:
         self.tokens: list[int] = []
         self.plan: PrefillPlan | None = None
         self.position = 0
+        self.stored: PrefillPlan | None = None  # the prompt's plan once it is in: the reply's end stores through it
 
     def lookup(self, tokens: list[int], candidates: list[int]) -> list[int]:
-        self.tokens, self.plan = list(tokens), None
+        self.tokens, self.plan, self.stored = list(tokens), None, None
         if self.cache is None or not candidates:
             return []
         chain = block_chain(self.tokens, self.cache.block, self.cache.ns)
@@ -716,10 +717,21 @@ class StagePrefix:
         if self.position >= self.plan.n:
             if self.position == self.plan.n:  # the prompt, no more: store it
                 self.plan.capture(caches, None)
+                self.stored = self.plan
             self.plan = None
 
+    def store_end(self, tokens: list[int], caches: list[Any]) -> int:
+        """The sequence ended normally (the leader's ``STORE_END``): store this stage's part of the reply
+        (``PrefillPlan.capture_end``), ``tokens`` being what ``caches`` (the sequence's) hold past the prompt.
+        Nothing where this stage did not store the prompt, or its caches hold another count of positions."""
+        if self.stored is None:
+            return 0
+        fed = [*self.tokens, *tokens]
+        positions = next((c.offset for c in caches if isinstance(c, KVCache)), len(fed))
+        return self.stored.capture_end(fed, caches) if positions == len(fed) else 0
+
     def end(self) -> None:
-        self.plan, self.tokens, self.position = None, [], 0
+        self.plan, self.tokens, self.position, self.stored = None, [], 0, None
 
 
 def restore_prefix(cache: PrefixCache | None, state: Any) -> None:
