@@ -33,7 +33,8 @@ and hands the restored caches to the new sequence through its seam (``SequenceSt
 run, a batch newcomer and constrained or logprobs runs all get it; the sequence keeps the plan
 (``PrefillPlan``) for its prefill's chunk edges (``spans``, ``reached``) and calls ``capture`` once its
 first token is out; ``SequenceState.store_end`` calls ``capture_end`` where a sequence ends (a member leaving the one
-decode loop, ``BatchDecoder._store_ended``: a lone member's own caches, a batched one's row).
+decode loop, ``BatchDecoder._store_ended``: a lone member's own caches, a batched one's row); on a pipeline the
+other stages store their part of it too (``StagePrefix.store_end``, the leader's STORE_END op record).
 """
 
 from __future__ import annotations
