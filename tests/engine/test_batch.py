@@ -284,7 +284,7 @@ def test_a_solo_request_decodes_as_a_batch_of_one_on_its_own_caches(checkpoint, 
         return wrapper
 
     monkeypatch.setattr(BatchDecoder, "_plain_step", counted("plain", BatchDecoder._plain_step))
-    monkeypatch.setattr(BatchDecoder, "_lone_round", counted("round", BatchDecoder._lone_round))
+    monkeypatch.setattr(BatchDecoder, "_round", counted("round", BatchDecoder._round))
     monkeypatch.setattr(engine.forward, "join", counted("join", engine.forward.join))
     plain = engine.complete(_request(engine, 0, max_tokens=12, native_mtp="off"))
     assert len(plain.token_ids) == 12 and calls == {"plain": 11, "round": 0, "join": 0}

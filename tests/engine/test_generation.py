@@ -261,6 +261,41 @@ def test_probes_catch_the_head_up_on_a_window_of_the_plain_stretch(dense):
     assert tokens == _greedy(engine, prompt, native_mtp="off", max_tokens=120).token_ids
 
 
+def test_a_plain_stretch_records_only_the_rows_its_head_window_keeps(dense, monkeypatch):
+    """An adaptive plain stretch of a budget longer than HEAD_WINDOW records no head row before its last
+    HEAD_WINDOW steps (they would be dropped unseen: recording them cost adaptive decoding against plain);
+    they count as skipped, the sequence's invariants hold at every chunk, the probe after it drafts from the
+    window, and the output stays plain decoding's."""
+    from exo.engine.generate import HEAD_WINDOW, SequenceState
+
+    engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK, warm_acceptance=False))
+    engine._costs = DepthCosts(beta=(1.45, 2.6, 3.7), delta=(0.01, 0.02, 0.03), device="test", plain_s=1.0)
+    policy = engine._adaptive_policy()
+    _sit_at_plain_decoding(policy)
+    policy.since_probe, policy.probe_every = 0, 3 * HEAD_WINDOW  # a first stretch of 96 plain tokens
+    rows: list[bool] = []  # per plain-step row offered to the head: recorded (True) or skipped
+    original = SequenceState.wait_for_head
+
+    def recorded(self, hidden, tokens):
+        rows.append(hidden is not None)
+        return original(self, hidden, tokens)
+
+    monkeypatch.setattr(SequenceState, "wait_for_head", recorded)
+    prompt = _prompt(dense, 10)
+    run = engine.start(GenerationRequest(prompt, max_tokens=120, native_mtp="on"))
+    tokens, final = [], None
+    for chunk in run.stream():
+        run.check_invariants()
+        tokens.extend(chunk.token_ids)
+        final = chunk
+    assert [k for k in final.stats.k_histogram if k > 0]  # probes ran after the stretch
+    first = rows.index(False)  # (the rows before: the prompt's and the first token's)
+    # The stretch's first 64 rows are never kept, its last window waits for the probe.
+    assert rows[first : first + 3 * HEAD_WINDOW] == [False] * (2 * HEAD_WINDOW) + [True] * HEAD_WINDOW
+    assert run.head_skipped >= 2 * HEAD_WINDOW
+    assert tokens == _greedy(engine, prompt, native_mtp="off", max_tokens=120).token_ids
+
+
 def test_verify_calls_start_evaluating_while_built_on_the_cpu(dense, monkeypatch):
     """On MLX's CPU backend a verify call is evaluated VERIFY_EVAL_EVERY layers at a time as it is built (its
     stream thread computes while the host builds the rest; a round's verify cannot overlap the previous

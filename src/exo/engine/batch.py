@@ -215,7 +215,7 @@ class BatchDecoder:
             return self._plain_step(start, timed)
         out = self._settle()  # waits for a plain step still running: the round's time starts after it
         if self.runs:
-            self._round(batch_k, out, time.perf_counter(), timed)
+            self._round([self._depth(run, batch_k) for run in self.runs], out, timed)
         return _Prepared([], lambda: out)
 
     def check_invariants(self) -> None:
@@ -289,21 +289,28 @@ class BatchDecoder:
         following: list[mx.array] = []
         lp_rows: list[Any] = []
         for i, run in enumerate(runs):
+            # A lone adaptive member's plain stretch: the head takes only its last HEAD_WINDOW rows (the solo rule,
+            # generate.HEAD_WINDOW says why), so the rows before them are never recorded (keeping and dropping a
+            # row per token cost adaptive decoding ~1.5% of plain on this CPU's plain stretches).
+            window = burst is not None and burst.stretch and self._adaptive(run)
+            skip = window and burst is not None and burst.budget - burst.steps > HEAD_WINDOW
+            row = None if skip else hidden if len(runs) == 1 else hidden[i : i + 1]  # alone: no slice op
             if _bare_greedy(run):  # one argmax for all of them: what ``choose`` takes
                 if greedy is None:
                     greedy = mx.argmax(logits, axis=-1).astype(mx.uint32)
                 following.append(greedy if len(runs) == 1 else greedy[i : i + 1])  # alone: no slice op
                 lp_rows.append(None)
-                run.wait_for_head(hidden[i : i + 1], following[i])
+                run.wait_for_head(row, following[i])
             else:
                 # Under a grammar ``choose`` reads the member's pending token (the last step's output) for its
                 # mask: this step's graph waits for the last step there, as a solo constrained step does.
-                token, rows = run.choose(logits[i : i + 1], hidden[i : i + 1])
+                token, rows = run.choose(logits[i : i + 1], row)
                 following.append(token)
                 lp_rows.append(rows)
             if burst is not None:
-                if burst.stretch and self._adaptive(run):
-                    run.keep_head_window(HEAD_WINDOW)  # the solo rule (generate.HEAD_WINDOW says why)
+                if window:
+                    if not skip:
+                        run.keep_head_window(HEAD_WINDOW)
                 elif run.head_rows_waiting >= HEAD_FLUSH_ROWS:
                     run.flush_head_async()
             elif self._adaptive(run):
@@ -382,36 +389,58 @@ class BatchDecoder:
         return out
 
     # -- speculative rounds --------------------------------------------------------------------------------
-    def _round(self, batch_k: int, out: Results, start: float, timed: bool) -> None:
-        """One speculative round of every run (``out``: each run's chunks so far, appended to)."""
+    def _round(self, depths: list[int], out: Results, timed: bool) -> None:
+        """One speculative round of every run, each drafting ``depths[i]`` (``out``: each run's chunks so far,
+        appended to). The pieces are the same for a lone member and a batch; only the depth policy's
+        bookkeeping differs: a lone member (``_lone()``) feeds its own ``DepthPolicy`` a round timed from after
+        its head's catch-up on a plain stretch (and the phase profile); a batch feeds each member's acceptance
+        tracker and the ``BatchDepthPolicy`` bucket a round timed only when typical."""
         engine, runs = self.engine, self.runs
         size = len(runs)
-        depths = [self._depth(run, batch_k) for run in runs]
+        lone = self._lone()
         k = max(depths)
-        # A round that first feeds the heads more than a window of rows is not a typical round's time.
+        start = time.perf_counter()
+        if lone:
+            runs[0].round_started(start)
+        # A batch's round that first feeds the heads more than a window of rows is not a typical round's time.
         catch_up = any(run.head_rows_waiting > max(k + 1, BATCH_HEAD_WINDOW) for run in runs)
-        drafts = []
-        for run, depth in zip(runs, depths, strict=True):
-            drafts.append(run.draft(depth))
+        drafts = [run.draft(depth, time_after_catch_up=lone) for run, depth in zip(runs, depths, strict=True)]
+        mark = runs[0]._mark if lone else None
+        if mark is not None:
+            mark("draft_build")
         # The solo round's own scoring (``generate.verify_round``), the batch's caches rolled back per member.
         forward = engine.forward
-        decisions = verify_round(runs, drafts, forward, self.cache,
-                                 lambda hidden: self._logits(hidden, verify=True),
-                                 forward.rollback_per_sequence if self._batched
-                                 else lambda cache, rows, kept: forward.rollback(cache, rows, kept[0]))
-        seconds = time.perf_counter() - start
-        for run, decision in zip(runs, decisions, strict=True):
-            run.observe_batched_round(decision)
-        if any(self._adaptive(run) for run in runs):
-            typical = timed and all(d == k for d in depths) and not catch_up
-            engine.batch_policy().observe_round(size, k, seconds if typical else None)
+        decisions = verify_round(
+            runs, drafts, forward, self.cache,
+            (lambda hidden: verify_logits(engine.model, hidden, engine.verify_mode)) if lone
+            else (lambda hidden: self._logits(hidden, verify=True)),
+            forward.rollback_per_sequence if self._batched
+            else lambda cache, rows, kept: forward.rollback(cache, rows, kept[0]),
+            mark,
+        )
+        end = time.perf_counter()
+        if lone:
+            policy = runs[0].policy
+            assert policy is not None
+            policy.observe_round(k, decisions[0].accepted, end - (drafts[0].timed_from or start))
+            runs[0]._mark("rollback")
+        else:
+            for run, decision in zip(runs, decisions, strict=True):
+                run.observe_batched_round(decision)
+            if any(self._adaptive(run) for run in runs):
+                typical = timed and all(d == k for d in depths) and not catch_up
+                engine.batch_policy().observe_round(size, k, end - start if typical else None)
         self._after_plain = False
         chunks_of = {id(run): chunks for run, chunks in out}
         keep: list[int] = []
         for i, (run, decision) in enumerate(zip(runs, decisions, strict=True)):
             chunks = chunks_of[id(run)]
             added = run.emit(decision)
-            run.counted_in_batch(self.together or size, added, decision)
+            if lone:
+                run._mark("emit")
+                run.round_ended()
+            else:
+                run.counted_in_batch(self.together or size, added, decision)
             chunks.extend(run.drain())
             if not _ended(run, chunks):
                 keep.append(i)
@@ -475,7 +504,7 @@ class BatchDecoder:
                 if k > 0:
                     out = self._settle()  # a round feeds on emitted tokens
                     if self.runs:
-                        self._lone_round(run, k, out)
+                        self._round([k], out, True)
                     return _Prepared([], lambda: out)
                 self._burst = _Burst(policy.plain_budget() if policy is not None else 1 << 30, True, start)
         return self._plain_step(start, False)
@@ -490,31 +519,6 @@ class BatchDecoder:
         if policy is not None:
             timed = burst.steps >= PLAIN_TIMED_MIN  # shorter: mostly the pipeline filling, not plain tokens
             policy.observe_plain(burst.steps, time.perf_counter() - burst.start if timed else None)
-
-    def _lone_round(self, run: SequenceState, k: int, out: Results) -> None:
-        """A lone member's speculative round (the batched round's pieces at one row, on its own caches),
-        timed for its own depth policy from after the head's catch-up on a plain stretch."""
-        start = time.perf_counter()
-        run.round_started(start)
-        forward = self.engine.forward
-        drafts = run.draft(k, time_after_catch_up=True)
-        run._mark("draft_build")
-        (decision,) = verify_round(
-            [run], [drafts], forward, self.cache,
-            lambda hidden: verify_logits(self.engine.model, hidden, self.engine.verify_mode),
-            lambda cache, rows, kept: forward.rollback(cache, rows, kept[0]), run._mark,
-        )
-        assert run.policy is not None
-        run.policy.observe_round(k, decision.accepted, time.perf_counter() - (drafts.timed_from or start))
-        run._mark("rollback")
-        run.emit(decision)
-        run._mark("emit")
-        run.round_ended()
-        self._after_plain = False
-        chunks = out[0][1]
-        chunks.extend(run.drain())
-        if _ended(run, chunks):
-            self._keep([], ended=True)
 
 
 _LANES = threading.local()  # each thread's lane streams past the first (MLX streams belong to their thread)

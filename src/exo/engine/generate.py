@@ -878,10 +878,16 @@ class SequenceState:
             top = tuple(TopLogprob(t, engine.token_bytes(t), max(v, LOGPROB_FLOOR)) for t, v in pairs)
         return TokenLogprob(token, engine.token_bytes(token), max(value, LOGPROB_FLOOR), top)
 
-    def wait_for_head(self, hidden: mx.array, tokens: mx.array) -> None:
-        if self.track_head:
-            self._head_hidden.append(hidden)
-            self._head_tokens.append(tokens.reshape(-1))
+    def wait_for_head(self, hidden: mx.array | None, tokens: mx.array) -> None:
+        """A plain step's row (``hidden`` [1, 1, H], its next ``tokens``) waits for the head; None: the head
+        never sees it (a plain stretch's row before its last window), counted in ``head_skipped``."""
+        if not self.track_head:
+            return
+        if hidden is None:
+            self.head_skipped += 1
+            return
+        self._head_hidden.append(hidden)
+        self._head_tokens.append(tokens.reshape(-1))
 
     def _flush_head(self) -> mx.array | None:
         """Commit the waiting (hidden, next token) rows to the head cache; returns the head output."""
@@ -922,7 +928,7 @@ class SequenceState:
         token, logprobs = select_token(logits, self.params, self.keys)
         return token.astype(mx.uint32), logprobs
 
-    def choose(self, logits: mx.array, hidden: mx.array) -> tuple[mx.array, _LogprobRows | None]:
+    def choose(self, logits: mx.array, hidden: mx.array | None) -> tuple[mx.array, _LogprobRows | None]:
         """Decide a plain step's token (lazily) from its logits [1, V], in the one order every plain step
         of every path takes (the first token, a solo step, a batch member's step): penalties over the history,
         the grammar's mask, sampling with this sequence's keys, the logprobs; its row (``hidden`` [1, 1, H],
