@@ -77,6 +77,12 @@ COMMON = dict(
 )
 
 
+# ChatML, as the bundled demo models render it (the real checkpoints' template, without tools and thinking).
+CHAT_TEMPLATE = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+                 "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+                 "{%- endif %}")
+
+
 def word_tokenizer(vocab_size: int, out: Path) -> None:
     """A tokenizer with ``vocab_size`` entries so every id the random model emits can be decoded."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -86,9 +92,12 @@ def word_tokenizer(vocab_size: int, out: Path) -> None:
     tok = Tokenizer(models.BPE(vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    # ChatML's markers are single tokens, as in the real tokenizers (the prefix cache finds messages by them)
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "chat_template": CHAT_TEMPLATE,  # so that `exo serve` can take chats (bench/agent_session.py)
     }))
 
 
