@@ -233,6 +233,15 @@ def test_grouped_entries_are_evicted_together_on_disk(tmp_path):
     assert sorted(f.name for f in (tmp_path / "d").iterdir()) == [f"ns__{k}.safetensors" for k in "cde"]
 
 
+def test_a_group_alone_over_the_disk_budget_loses_its_oldest_entries(tmp_path):
+    """As in RAM: the unit in use, when it is the only one, is cut from its oldest end, not dropped whole."""
+    one = _entry_bytes(tmp_path)
+    tier = DiskTier(tmp_path / "d", 2 * one)
+    for i in range(3):
+        tier.put(f"k{i}", prepare(_entry(i)), "g1")
+    assert tier.keys() == ["k1", "k2"] and tier.counts.evictions == 1
+    assert sorted(f.name for f in (tmp_path / "d").glob("*.group")) == ["k1.g1.group", "k2.g1.group"]
+
 def test_a_recently_used_group_outlives_an_older_ungrouped_entry_on_disk(tmp_path):
     """A group's recency is its most recent entry's (by mtime, as every rescan reads it): its old entries stay
     while a newer ungrouped entry goes."""
