@@ -145,11 +145,15 @@ def test_the_next_turn_after_a_restart_restores_from_disk(checkpoint, tmp_path):
     p2 = list(tokenizer.apply_chat_template(turn2, add_generation_prompt=True))
     greedy = dict(max_tokens=10, sampling=SamplingParams(temperature=0.0), mtp_k=2)
     first = engine(True)
-    first.complete(GenerationRequest(p1, **greedy))
+    first.complete(GenerationRequest(p1, cache_key="conv-1", **greedy))
     first.prefix_cache.store.close()  # the runner's graceful exit: writes finished
     restarted = engine(True)
     assert restarted.prefix_cache.store.ram.bytes == 0
-    hit = restarted.complete(GenerationRequest(p2, **greedy))
+    # Everything turn 1 stored is in its prompt_cache_key's group on disk, after the restart too.
+    disk = restarted.prefix_cache.store.disk
+    group = f"{pc.key_hash('conv-1'):016x}"
+    assert disk.keys() and all(disk.group_of(key) == group for key in disk.keys())
+    hit = restarted.complete(GenerationRequest(p2, cache_key="conv-1", **greedy))
     cold = engine(False).complete(GenerationRequest(p2, **greedy))
     header = max(i for i, t in enumerate(p1) if t in restarted.prefix_cache.starts)  # turn 1's generation header
     assert p2[: len(p1)] == p1 and hit.stats.cached_tokens == header
@@ -196,3 +200,161 @@ def test_a_served_engine_gets_the_shrunk_budget_and_reports_it(checkpoint, tmp_p
     figures = engine.prefix_cache.figures()
     assert figures["ram_budget_bytes"] == 3 << 20 and figures["disk_budget_bytes"] == settings.prefix_cache_disk_bytes
     engine.prefix_cache.store.close()
+
+
+# -- prompt_cache_key groups on disk (the RAM tier's rule, MemoryStore: tests/engine/test_prefix_cache*.py) --
+
+
+def _entry_bytes(tmp_path) -> int:
+    probe = DiskTier(tmp_path / "probe", 1 << 30)
+    probe.put("k", prepare(_entry(0)))
+    return probe.bytes
+
+
+def _age(tier: DiskTier, key: str, ns: int) -> None:
+    os.utime(tier._path(key), ns=(ns, ns))
+
+
+def _mtime(tier: DiskTier, key: str) -> int:
+    return tier._path(key).stat().st_mtime_ns
+
+
+def test_grouped_entries_are_evicted_together_on_disk(tmp_path):
+    one = _entry_bytes(tmp_path)
+    tier = DiskTier(tmp_path / "d", 4 * one)
+    tier.put("ns/a", prepare(_entry(0)), "g1")
+    tier.put("ns/b", prepare(_entry(1)), "g1")
+    tier.put("ns/c", prepare(_entry(2)))
+    tier.put("ns/d", prepare(_entry(3)))
+    assert sorted(f.name for f in (tmp_path / "d").glob("*.group")) == ["ns__a.g1.group", "ns__b.g1.group"]
+    tier.put("ns/e", prepare(_entry(4)))  # 5 > 4: the least recent unit is g1, which goes whole
+    assert tier.keys() == ["ns/c", "ns/d", "ns/e"]
+    assert tier.counts.evictions == 2 and tier.bytes == 3 * one
+    assert sorted(f.name for f in (tmp_path / "d").iterdir()) == [f"ns__{k}.safetensors" for k in "cde"]
+
+
+def test_a_group_alone_over_the_disk_budget_loses_its_oldest_entries(tmp_path):
+    """As in RAM: the unit in use, when it is the only one, is cut from its oldest end, not dropped whole."""
+    one = _entry_bytes(tmp_path)
+    tier = DiskTier(tmp_path / "d", 2 * one)
+    for i in range(3):
+        tier.put(f"k{i}", prepare(_entry(i)), "g1")
+    assert tier.keys() == ["k1", "k2"] and tier.counts.evictions == 1
+    assert sorted(f.name for f in (tmp_path / "d").glob("*.group")) == ["k1.g1.group", "k2.g1.group"]
+
+def test_a_recently_used_group_outlives_an_older_ungrouped_entry_on_disk(tmp_path):
+    """A group's recency is its most recent entry's (by mtime, as every rescan reads it): its old entries stay
+    while a newer ungrouped entry goes."""
+    one = _entry_bytes(tmp_path)
+    tier = DiskTier(tmp_path / "d", 3 * one)
+    tier.rescan_s = 0.0  # the order from the directory at every write
+    past = time.time_ns() - 100 * 10**9
+    for i, (key, group) in enumerate([("a", "g1"), ("u", None), ("b", "g1")]):
+        tier.put(key, prepare(_entry(i)), group)
+        _age(tier, key, past + i * 10**9)  # a < u < b
+    tier.put("c", prepare(_entry(3)))
+    assert not tier.has("u") and all(tier.has(k) for k in "abc")
+    assert tier.counts.evictions == 1 and tier.group_of("a") == "g1"
+
+
+def test_groups_survive_a_restart_and_a_second_instance_sees_them(tmp_path):
+    one = _entry_bytes(tmp_path)
+    d = tmp_path / "d"
+    d.mkdir()
+    write_entry(d / "old.safetensors", prepare(_entry(9)))  # written before groups: an entry of its own
+    other = DiskTier(d, 1 << 30)  # a second instance of the model, open all along
+    other.rescan_s = 0.0
+    first = DiskTier(d, 1 << 30)
+    past = time.time_ns() - 100 * 10**9
+    for i, (key, group) in enumerate([("x1", "g1"), ("y", None), ("x2", "g1")]):
+        first.put(key, prepare(_entry(i)), group)
+        _age(first, key, past + (i + 1) * 10**9)  # old < x1 < y < x2
+    _age(first, "old", past)
+    other.put("z", prepare(_entry(5)))  # (re-reads the directory)
+    assert other.group_of("x1") == other.group_of("x2") == "g1" and other.group_of("y") is None
+    restarted = DiskTier(d, 3 * one)  # 5 files > 3: old, then y go; g1 (x2 is newer than y) stays whole
+    assert sorted(restarted.keys()) == ["x1", "x2", "z"] and restarted.counts.evictions == 2
+    assert restarted.group_of("x1") == restarted.group_of("x2") == "g1"
+    assert _equal(restarted.get("x1", "g1"), _entry(0))
+    again = DiskTier(d, 3 * one)
+    assert again.group_of("x1") == "g1" and again.group_of("z") is None
+
+
+def test_an_ungrouped_file_from_before_groups_is_read(tmp_path):
+    write_entry(tmp_path / "ns__b-1.safetensors", prepare(_entry(1)))
+    tier = DiskTier(tmp_path, 1 << 30)
+    assert tier.has("ns/b-1") and tier.group_of("ns/b-1") is None
+    assert _equal(tier.get("ns/b-1", "g1"), _entry(1)) and tier.group_of("ns/b-1") == "g1"  # now in the user's group
+
+
+def test_an_entry_used_under_another_group_moves_to_it(tmp_path):
+    """A system prompt's blocks that a second conversation restores are that conversation's from then on: when
+    the first conversation's group is evicted, they stay (with the group that used them last)."""
+    one = _entry_bytes(tmp_path)
+    d = tmp_path / "d"
+    tier = DiskTier(d, 1 << 30)
+    past = time.time_ns() - 100 * 10**9
+    tier.put("sys", prepare(_entry(0)), "g1")
+    tier.put("a", prepare(_entry(1)), "g1")
+    _age(tier, "sys", past)
+    _age(tier, "a", past + 10**9)
+    assert _equal(tier.get("sys", "g2"), _entry(0))  # the second conversation restores the shared block
+    assert tier.group_of("sys") == "g2"
+    assert sorted(f.name for f in d.glob("*.group")) == ["a.g1.group", "sys.g2.group"]
+    assert tier.get("sys") is not None and tier.group_of("sys") == "g2"  # a use without a group keeps it
+    restarted = DiskTier(d, one)  # g1 (a) is the older unit: it goes, the shared block stays with g2
+    assert restarted.keys() == ["sys"] and restarted.group_of("sys") == "g2"
+    assert sorted(f.name for f in d.iterdir()) == ["sys.g2.group", "sys.safetensors"]
+
+
+def test_a_corrupt_file_in_a_group_is_a_miss_and_is_removed(tmp_path):
+    d = tmp_path / "d"
+    tier = DiskTier(d, 1 << 30)
+    tier.put("ns/a", prepare(_entry(0)), "g1")
+    tier.put("ns/b", prepare(_entry(1)), "g1")
+    path = tier._path("ns/a")
+    path.write_bytes(path.read_bytes()[:-100])
+    assert tier.get("ns/a", "g1") is None and tier.counts.corrupt == 1
+    assert not path.exists() and not (d / "ns__a.g1.group").exists() and not tier.has("ns/a")
+    assert tier.keys() == ["ns/b"] and _equal(tier.get("ns/b", "g1"), _entry(1))
+    restarted = DiskTier(d, 1 << 30)
+    assert restarted.keys() == ["ns/b"] and restarted.group_of("ns/b") == "g1"
+
+
+def test_a_marker_left_without_its_entry_or_superseded_is_swept(tmp_path):
+    """Markers another instance left (an entry it regrouped meanwhile, one whose entry went): the newest marker
+    of an entry names its group; older ones, and those of no entry, are deleted once stale."""
+    from exo.runner.prefix_store import STALE_MARKER_S
+
+    write_entry(tmp_path / "k.safetensors", prepare(_entry(0)))
+    old = time.time_ns() - int(2 * STALE_MARKER_S * 10**9)
+    for name, ns in [("k.g1.group", old), ("k.g2.group", old + 10**9), ("gone.g1.group", old), ("new.g1.group", None)]:
+        (tmp_path / name).touch()
+        if ns is not None:
+            os.utime(tmp_path / name, ns=(ns, ns))
+    tier = DiskTier(tmp_path, 1 << 30)
+    assert tier.keys() == ["k"] and tier.group_of("k") == "g2"
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["k.g2.group", "k.safetensors", "new.g1.group"]
+
+
+def test_the_tiered_store_passes_groups_to_the_disk(tmp_path):
+    """Stored, restored from disk, or served from RAM: the disk's copy joins the request's group (a RAM hit
+    also makes it the disk's most recent), so what RAM serves is not the first out of the disk."""
+    one = pc.nbytes(_entry(0))
+    store = TieredStore(4 * one, DiskTier(tmp_path, 1 << 30))
+    assert store.disk is not None
+    store.put("a", _entry(0), "g1")
+    store.put("b", _entry(1))
+    store.flush()
+    assert store.disk.group_of("a") == "g1" and store.disk.group_of("b") is None
+    past = time.time_ns() - 100 * 10**9
+    _age(store.disk, "b", past)
+    assert store.get("b", "g2") is not None and store.ram_counts.hits == 1  # from RAM
+    store.flush()
+    assert store.disk.group_of("b") == "g2" and _mtime(store.disk, "b") > past
+    store.close()
+    restarted = TieredStore(4 * one, DiskTier(tmp_path, 1 << 30))
+    assert restarted.disk is not None and restarted.disk.group_of("b") == "g2"
+    assert _equal(restarted.get("a", "g3"), _entry(0)) and restarted.disk.counts.hits == 1  # from disk
+    assert restarted.disk.group_of("a") == "g3"
+    restarted.close()

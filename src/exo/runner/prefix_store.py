@@ -1,5 +1,6 @@
 """The prefix cache's tiers on a runner: RAM with a byte budget, then disk under ``$EXO_HOME/prefix-cache``
-with its own, least recently used out first in each; the disk tier survives a restart.
+with its own, least recently used out first in each (a ``prompt_cache_key`` group's entries as one unit, in
+both); the disk tier survives a restart, groups included.
 
 Every entry (a dict of arrays, exo.engine.prefix_cache) is written to disk as it is stored (a writer
 thread: the device thread never waits for the disk), so an entry the RAM tier drops is still on disk and a
@@ -14,6 +15,7 @@ import json
 import logging
 import os
 import queue
+import re
 import struct
 import threading
 import time
@@ -32,6 +34,11 @@ log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
 RESCAN_S = 2.0  # a disk tier re-reads its directory (which other instances of the model share) this often at most
 STALE_TMP_S = 600.0  # a temporary file untouched this long is a write cut short (a live one is seconds old)
+GROUP_SUFFIX = ".group"  # an entry's group marker: "<entry's stem>.<group>.group", zero bytes
+# A marker superseded or left without its entry this long ago is deleted (a scan may list a new marker and
+# miss its entry, written just before it, or list two while another instance moves an entry between groups).
+STALE_MARKER_S = 60.0
+_GROUP_TOKEN = re.compile(r"[0-9A-Za-z_-]{1,64}")
 # safetensors dtype names <-> MLX dtypes, and the numpy dtype their bytes are read as
 _DTYPES: dict[str, tuple[Any, Any]] = {
     "F32": (mx.float32, np.float32), "F16": (mx.float16, np.float16), "BF16": (mx.bfloat16, np.uint16),
@@ -123,6 +130,15 @@ class DiskTier:
     """Entries as files in ``root`` (one per key), least recently used out once ``budget_bytes`` is passed.
     Recency survives a restart through the files' modification times.
 
+    Entries used with a ``group`` (a request's ``prompt_cache_key``, as ``MemoryStore`` keeps them) are one unit
+    of the least-recently-used order, as in RAM: a group's recency is its most recent entry's mtime, and
+    evicting it deletes all its files. An entry belongs to the group that used it last (an entry used without
+    one stays in its group); ungrouped entries are units of their own. An entry's group is on disk as a
+    zero-byte marker file beside it, ``<entry>.<group>.group``: the entry's own file, its name and what
+    ``has`` and ``get`` read stay as they are (files from before groups are ungrouped entries), and a marker
+    that loses its entry, or that a newer marker of the entry supersedes (two instances regrouping it at
+    once), only misplaces that entry in the order until a scan deletes it.
+
     The directory is the model's (its namespace), so a restarted runner and a second instance of the model
     on the node use the same files: an entry one wrote is a hit in the other, and one that the other
     deleted (evicted) is an ordinary miss here, not a corrupt one. The index is this process's view of
@@ -133,7 +149,11 @@ class DiskTier:
         self.root = root
         self.budget_bytes = budget_bytes
         root.mkdir(parents=True, exist_ok=True)
-        self._files: OrderedDict[str, int] = OrderedDict()  # key -> size, least recent first
+        self._sizes: dict[str, int] = {}
+        # unit -> its entries (least recent first), units least recent first; a unit is ("g", group token)
+        # or ("k", key) for an ungrouped entry (MemoryStore's order, over files)
+        self._units: OrderedDict[tuple[str, str], OrderedDict[str, None]] = OrderedDict()
+        self._unit_of: dict[str, tuple[str, str]] = {}
         self.bytes = 0
         self.counts = TierCounts()
         self.rescan_s = RESCAN_S
@@ -143,8 +163,9 @@ class DiskTier:
         self._evict()
 
     def _scan(self) -> None:
-        """The index from the directory as it is now (ordered by mtime)."""
+        """The index from the directory as it is now (ordered by mtime, grouped by the markers)."""
         found = []
+        markers: dict[str, list[tuple[int, str, Path]]] = {}
         now = time.time()
         for f in self.root.iterdir():
             try:
@@ -156,28 +177,98 @@ class DiskTier:
                     f.unlink(missing_ok=True)
             elif f.name.endswith(SUFFIX):
                 found.append((st.st_mtime_ns, _key(f.name), st.st_size))
+            elif f.name.endswith(GROUP_SUFFIX) and (marker := _marker_of(f.name)) is not None:
+                markers.setdefault(marker[0], []).append((st.st_mtime_ns, marker[1], f))
+        present = {key for _, key, _ in found}
+        groups: dict[str, str] = {}
+        for key, marks in markers.items():
+            marks.sort()
+            if key in present:
+                groups[key] = marks[-1][1]  # the newest marker: the group that used the entry last
+                marks.pop()
+            for mtime_ns, _, f in marks:  # superseded, or of an entry gone (a marker is made after its entry)
+                if now - mtime_ns / 1e9 > STALE_MARKER_S:
+                    f.unlink(missing_ok=True)
         with self._lock:
-            self._files = OrderedDict((key, size) for _, key, size in sorted(found))
-            self.bytes = sum(self._files.values())
+            self._sizes, self._units, self._unit_of, self.bytes = {}, OrderedDict(), {}, 0
+            for _, key, size in sorted(found):
+                self._index(key, size, groups.get(key))
             self._scanned = time.monotonic()
 
+    def _index(self, key: str, size: int, group: str | None) -> None:
+        """(Under the lock.) ``key`` as the most recently used entry, in ``group``'s unit (None: its own)."""
+        unit = ("g", group) if group else ("k", key)
+        old = self._unit_of.get(key)
+        if old is not None and old != unit:
+            self._leave(key, old)
+        members = self._units.get(unit)
+        if members is None:
+            members = self._units[unit] = OrderedDict()
+        members[key] = None
+        members.move_to_end(key)
+        self._units.move_to_end(unit)
+        self._unit_of[key] = unit
+        self.bytes += size - self._sizes.get(key, 0)
+        self._sizes[key] = size
+
+    def _leave(self, key: str, unit: tuple[str, str]) -> None:
+        members = self._units[unit]
+        members.pop(key, None)
+        if not members:
+            del self._units[unit]
+
+    def _forget(self, key: str) -> str | None:
+        """(Under the lock.) ``key`` out of the index; returns the group it was in."""
+        unit = self._unit_of.pop(key, None)
+        if unit is None:
+            return None
+        self._leave(key, unit)
+        self.bytes -= self._sizes.pop(key)
+        return unit[1] if unit[0] == "g" else None
+
+    def _group(self, key: str) -> str | None:
+        unit = self._unit_of.get(key)
+        return unit[1] if unit is not None and unit[0] == "g" else None
+
     def _path(self, key: str) -> Path:
-        return self.root / (key.replace("/", "__") + SUFFIX)
+        return self.root / (_stem(key) + SUFFIX)
+
+    def _marker(self, key: str, group: str) -> Path:
+        return self.root / f"{_stem(key)}.{group}{GROUP_SUFFIX}"
+
+    def _regroup(self, key: str, old: str | None, new: str | None) -> None:
+        """The entry's marker moved from group ``old`` to ``new`` (None: ungrouped). Best effort: a marker
+        that cannot be written leaves the entry ungrouped (an order, never a wrong state)."""
+        if old == new:
+            return
+        try:
+            if new is not None:
+                self._marker(key, new).touch()  # (an older marker of that group gets a new mtime: it is the newest)
+            if old is not None:
+                self._marker(key, old).unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("prefix cache: cannot group %s: %s", key, e)
 
     def has(self, key: str) -> bool:
-        return key in self._files or self._path(key).is_file()  # (written by another instance since the scan)
+        return key in self._unit_of or self._path(key).is_file()  # (written by another instance since the scan)
 
     def keys(self) -> list[str]:
         with self._lock:
-            return list(self._files)
+            return [key for members in self._units.values() for key in members]
 
-    def get(self, key: str) -> Arrays | None:
+    def group_of(self, key: str) -> str | None:
+        """The group (as a file name carries it: ``group_token``) ``key`` belongs to in this index."""
+        with self._lock:
+            return self._group(key)
+
+    def get(self, key: str, group: str | None = None) -> Arrays | None:
+        """The entry's arrays (None: a miss); ``group``: the using request's, which the entry joins."""
         path = self._path(key)
         try:
             arrays = read_entry(path)
         except FileNotFoundError:  # never written, or deleted by another instance: a miss like any other
             with self._lock:
-                self.bytes -= self._files.pop(key, 0)
+                self._forget(key)
                 self.counts.misses += 1
             return None
         except CorruptEntry as e:
@@ -186,20 +277,33 @@ class DiskTier:
             self.counts.misses += 1
             self.remove(key)
             return None
+        self._used(key, group)
+        self.counts.hits += 1
+        return arrays
+
+    def touch(self, key: str, group: str | None = None) -> None:
+        """``key`` was used (from the RAM tier) by a request of ``group``: it is the most recent, in that group."""
+        if self.has(key):
+            self._used(key, group)
+
+    def _used(self, key: str, group: str | None) -> None:
+        path = self._path(key)
         try:
             os.utime(path)
             size = path.stat().st_size
         except OSError:
-            size = None  # gone meanwhile: what was read checked out, and the index forgets it
+            size = None  # gone meanwhile: the index forgets it
+        token = group_token(group) if group else None
         with self._lock:
-            self.bytes -= self._files.pop(key, 0)
-            if size is not None:
-                self._files[key] = size
-                self.bytes += size
-        self.counts.hits += 1
-        return arrays
+            old = self._group(key)
+            if size is None:
+                self._forget(key)
+                return
+            new = token or old
+            self._index(key, size, new)
+        self._regroup(key, old, new)
 
-    def put(self, key: str, prepared: Prepared) -> None:
+    def put(self, key: str, prepared: Prepared, group: str | None = None) -> None:
         if sum(a.nbytes for _, a in prepared.values()) > self.budget_bytes:
             return
         try:
@@ -207,32 +311,61 @@ class DiskTier:
         except OSError as e:
             log.warning("prefix cache: cannot write %s: %s", key, e)
             return
+        token = group_token(group) if group else None
         with self._lock:
-            self.bytes -= self._files.pop(key, 0)
-            self._files[key] = size
-            self.bytes += size
+            old = self._group(key)
+            self._index(key, size, token)  # (stored without a group: an entry of its own, as in RAM)
+        self._regroup(key, old, token)  # (after the entry: a marker never names a file not yet there)
         self._evict()
 
     def remove(self, key: str) -> None:
         with self._lock:
-            self.bytes -= self._files.pop(key, 0)
+            group = self._forget(key)
         self._path(key).unlink(missing_ok=True)
+        if group is not None:
+            self._marker(key, group).unlink(missing_ok=True)
 
     def _evict(self) -> None:
         if time.monotonic() - self._scanned >= self.rescan_s:
             self._scan()  # what other instances wrote or deleted meanwhile
         while True:
             with self._lock:
-                if self.bytes <= self.budget_bytes or not self._files:
+                if self.bytes <= self.budget_bytes or not self._units:
                     return
-                key, size = self._files.popitem(last=False)
-                self.bytes -= size
-                self.counts.evictions += 1
-            self._path(key).unlink(missing_ok=True)
+                unit, members = next(iter(self._units.items()))
+                # The least recent unit goes whole; the one in use (the only one left) loses its oldest entries.
+                victims = list(members) if len(self._units) > 1 else [next(iter(members))]
+                for key in victims:
+                    self._forget(key)
+                    self.counts.evictions += 1
+            for key in victims:
+                self._path(key).unlink(missing_ok=True)
+                if unit[0] == "g":
+                    self._marker(key, unit[1]).unlink(missing_ok=True)
+
+
+def group_token(group: str) -> str:
+    """A group as a marker's name carries it: itself when it is plain (a PrefixCache's: 16 hex digits), else
+    a hash of it."""
+    if _GROUP_TOKEN.fullmatch(group):
+        return group
+    return hashlib.blake2b(group.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+
+
+def _stem(key: str) -> str:
+    return key.replace("/", "__")
 
 
 def _key(filename: str) -> str:
     return filename[: -len(SUFFIX)].replace("__", "/")
+
+
+def _marker_of(filename: str) -> tuple[str, str] | None:
+    """(key, group) of a marker's name, None if it is not one."""
+    stem, _, group = filename[: -len(GROUP_SUFFIX)].rpartition(".")
+    if not stem or not _GROUP_TOKEN.fullmatch(group):
+        return None
+    return stem.replace("__", "/"), group
 
 
 class TieredStore:
@@ -242,7 +375,9 @@ class TieredStore:
         self.ram = MemoryStore(ram_bytes)
         self.ram_counts = TierCounts()
         self.disk = disk
-        self._writes: queue.Queue[tuple[str, Prepared] | None] = queue.Queue()
+        # The writer's work: (key, prepared, group) to store, (key, None, group) for a RAM hit (the disk's copy is
+        # as recent, in the same group: what RAM serves is not the first out of the disk), None to stop.
+        self._writes: queue.Queue[tuple[str, Prepared | None, str | None] | None] = queue.Queue()
         self._writer: threading.Thread | None = None
         if disk is not None:
             self._writer = threading.Thread(target=self._write_loop, name="prefix-cache-writer", daemon=True)
@@ -261,11 +396,13 @@ class TieredStore:
         arrays = self.ram.get(key, group)
         if arrays is not None:
             self.ram_counts.hits += 1
+            if self.disk is not None:
+                self._writes.put((key, None, group))
             return arrays
         self.ram_counts.misses += 1
         if self.disk is None:
             return None
-        arrays = self.disk.get(key)
+        arrays = self.disk.get(key, group)
         if arrays is not None:
             mx.eval(list(arrays.values()))
             self._ram_put(key, arrays, group)
@@ -274,7 +411,7 @@ class TieredStore:
     def put(self, key: str, arrays: Arrays, group: str | None = None) -> None:
         self._ram_put(key, arrays, group)
         if self.disk is not None:
-            self._writes.put((key, prepare(arrays)))
+            self._writes.put((key, prepare(arrays), group))
 
     def _ram_put(self, key: str, arrays: Arrays, group: str | None = None) -> None:
         evicted = self.ram.put(key, arrays, group)
@@ -287,7 +424,11 @@ class TieredStore:
             try:
                 if item is None:
                     return
-                self.disk.put(*item)
+                key, prepared, group = item
+                if prepared is not None:
+                    self.disk.put(key, prepared, group)
+                else:
+                    self.disk.touch(key, group)
             except Exception:  # noqa: BLE001 - a cache write must never take the runner down
                 log.exception("prefix cache: write failed")
             finally:
