@@ -317,6 +317,16 @@ def test_a_stage_whose_store_raises_keeps_serving(checkpoint, pipeline, caplog):
     second = _complete(warm, p2, max_tokens=20, native_mtp="off")
     assert 0 < second.stats.cached_tokens < len(p1)
     assert second.token_ids == _complete(single, p2, max_tokens=20, native_mtp="off").token_ids
+    # The leader's own store raises: it stores nothing of the sequence and asks no stage to store its reply.
+    p3 = _prompt(single, OTHER)
+    warm.prefix_cache.store.put_error = MemoryError("the RAM tier is full")
+    other = _complete(warm, p3, max_tokens=REPLY_TOKENS, native_mtp="off")
+    warm.prefix_cache.store.put_error = None
+    pipe.forward.memory_rates()
+    assert warm.prefix_cache.stats.failures == 1 and stage.stats.failures == 2
+    assert other.token_ids == _complete(single, p3, max_tokens=REPLY_TOKENS, native_mtp="off").token_ids
+    fed = p3 + other.token_ids[:-1]  # (what the caches held at its end: the last token is never fed)
+    assert not stage.store.has(stage.key(pc.snapshot_key(len(fed), pc.block_chain(fed, BLOCK, stage.ns), fed, BLOCK)))
 
 
 def test_a_stage_whose_restore_raises_answers_not_restored(checkpoint, pipeline):
@@ -335,6 +345,12 @@ def test_a_stage_whose_restore_raises_answers_not_restored(checkpoint, pipeline)
     assert stage.stats.failures == 1 and warm.prefix_cache.stats.failures == 0
     hit = _complete(warm, p2, native_mtp="off")  # (stage 0 served on, and stored p2 in the miss)
     assert hit.stats.cached_tokens > len(p1) and hit.token_ids == cold.token_ids
+    # The leader's own read raises after stage 0 restored: every stage starts from 0 again.
+    warm.prefix_cache.store.get_error = OSError(5, "Input/output error")
+    gone = _complete(warm, p2, native_mtp="off")
+    warm.prefix_cache.store.get_error = None
+    assert gone.stats.cached_tokens == 0 and gone.token_ids == cold.token_ids
+    assert warm.prefix_cache.stats.failures == 1 and stage.stats.hits == 2
     # A stage's BEGIN whose restore fails on an entry that does not fit (a recurrent state missing) leaves the
     # slot's caches fresh, nothing half-restored (stage 0 idles in a receive meanwhile).
     slots, prefixes = pl.StageSlots(pipe.stage_model, 0), {}
