@@ -35,6 +35,10 @@ run, a batch newcomer and constrained or logprobs runs all get it; the sequence 
 first token is out; ``SequenceState.store_end`` calls ``capture_end`` where a sequence ends (a member leaving the one
 decode loop, ``BatchDecoder._store_ended``: a lone member's own caches, a batched one's row); on a pipeline the
 other stages store their part of it too (``StagePrefix.store_end``, the leader's STORE_END op record).
+
+A store that raises (out of memory or disk, an unreadable entry) is a miss or a skipped store, logged and counted
+(``PrefixCache.failed``), never a failed request or a stage that stops: a restore touches no cache before it has
+read everything, and a sequence whose store failed stores nothing more.
 """
 
 from __future__ import annotations
