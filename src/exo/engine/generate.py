@@ -773,7 +773,7 @@ class SequenceState:
         the tokens past the prompt, before the row is filtered out or the slot dropped). The head's entries go
         too where it was fed every position (no gap), its waiting rows but the last taken in first. Returns the
         bytes stored here (0: nothing, e.g. a reply shorter than a block, or a store that raised: logged and
-        counted, ``PrefixCache.failed``; the request's reply is never affected)."""
+        counted, ``PrefixCache.note_failure``; the request's reply is never affected)."""
         if self.output.finish not in ("stop", "length"):
             return 0
         if batch is not None:

@@ -596,7 +596,7 @@ def serve_stage(
     stage's (its layers', under its own namespace): the leader's LOOKUP and BEGIN messages restore from it and
     the prefill's steps store into it (``StagePrefix``, one per slot). A prefix cache that raises never ends the
     stage: a failed lookup holds nothing, a failed restore answers "not restored" (the leader starts every stage
-    from 0), a failed store drops the sequence's ``StagePrefix`` (logged and counted: ``PrefixCache.failed``).
+    from 0), a failed store drops the sequence's ``StagePrefix`` (logged and counted: ``PrefixCache.note_failure``).
 
     Raises what the link raises when a member of the group is lost (the caller ends the process: the
     group is disposable and is formed anew).

@@ -37,7 +37,7 @@ decode loop, ``BatchDecoder._store_ended``: a lone member's own caches, a batche
 other stages store their part of it too (``StagePrefix.store_end``, the leader's STORE_END op record).
 
 A store that raises (out of memory or disk, an unreadable entry) is a miss or a skipped store, logged and counted
-(``PrefixCache.failed``), never a failed request or a stage that stops: a restore touches no cache before it has
+(``PrefixCache.note_failure``), never a failed request or a stage that stops: a restore touches no cache before it has
 read everything, and a sequence whose store failed stores nothing more.
 """
 
@@ -382,7 +382,7 @@ class PrefixCache:
     def key(self, name: str) -> str:
         return f"{self.ns}/{name}"
 
-    def failed(self, what: str, error: BaseException) -> None:
+    def note_failure(self, what: str, error: BaseException) -> None:
         """A call on the store (or on what it returned) raised: the store may be out of memory or disk, or a
         tier broken; the cache is only ever a shortcut, so the caller takes a miss (or skips the store) and the
         request goes on exactly as a cold one. Counted (``figures``: ``failures``) and logged once a call."""
@@ -390,7 +390,8 @@ class PrefixCache:
         log.warning("prefix cache: %s failed, the request goes on without it (%s: %s)", what,
                     type(error).__name__, error, exc_info=error)
 
-    def _held(self, tokens: Sequence[int], chain: list[bytes], need_head: bool, deepest: bool = False) -> list[tuple[int, str]]:
+    def _held(self, tokens: Sequence[int], chain: list[bytes], need_head: bool,
+              deepest: bool = False) -> list[tuple[int, str]]:
         """``held`` as a list (``deepest``: the first only); a store that raises holds nothing."""
         try:
             if deepest:
@@ -398,7 +399,7 @@ class PrefixCache:
                 return [] if found is None else [found]
             return list(self.held(tokens, chain, need_head))
         except Exception as e:  # noqa: BLE001 - a cache that cannot be read is a miss
-            self.failed("a lookup", e)
+            self.note_failure("a lookup", e)
             return []
 
     def held(self, tokens: Sequence[int], chain: list[bytes], need_head: bool) -> Iterator[tuple[int, str]]:
@@ -457,7 +458,7 @@ class _Edge:
 
 def _storing(what: str, skipped: int | None = 0) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A ``PrefillPlan`` call that stores (or prepares a store): once one raised (the store out of memory or
-    disk, a tier broken), the plan is ``failed``: counted and logged once (``PrefixCache.failed``), and this and
+    disk, a tier broken), the plan is ``failed``: counted and logged once (``PrefixCache.note_failure``), and this and
     every later store of the sequence is skipped (returns ``skipped``: 0 bytes), never an error of the request."""
 
     def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -469,7 +470,7 @@ def _storing(what: str, skipped: int | None = 0) -> Callable[[Callable[..., Any]
                 return method(self, *args, **kwargs)
             except Exception as e:  # noqa: BLE001 - a cache that cannot store is skipped
                 self.failed, self._taken = True, []
-                self.cache.failed(what, e)
+                self.cache.note_failure(what, e)
                 return skipped
 
         return call
@@ -502,14 +503,14 @@ class PrefillPlan:
     def restore(self, caches: list[Any], head_cache: KVCache | None) -> bool:
         """Fill fresh ``caches`` (and the head's, when the run drafts: then ``head_row`` is the hidden of the
         prefix's last position [1, 1, H]) with the found prefix. False: nothing restored, prefill from 0 (the
-        entries are gone, or reading or joining them raised: ``PrefixCache.failed``). Everything is read and
+        entries are gone, or reading or joining them raised: ``PrefixCache.note_failure``). Everything is read and
         joined before any cache is touched, so on False the caches are as fresh as they came."""
         if self.found is None:
             return False
         try:
             fill = self._restored(caches, head_cache)
         except Exception as e:  # noqa: BLE001 - an unreadable entry (a tier that raised) is a miss
-            self.cache.failed("a restore", e)
+            self.cache.note_failure("a restore", e)
             return False
         if fill is None:
             return False  # evicted since the lookup: prefill it all
