@@ -521,11 +521,13 @@ def test_a_drafting_turn_restores_a_reply_stored_without_the_heads_parts(checkpo
 # -- a store that raises: a miss or a skipped store, never a failed request ---------------------------------
 class FailingStore(pc.MemoryStore):
     """The RAM tier, raising where a test says: ``put_error`` from a put of the entries ``failing`` names (the
-    tier out of memory, a disk full), ``get_error`` from every read (a disk tier failing); ``garble``: a read
-    snapshot lacks its last recurrent state (an entry that does not fit what restores it)."""
+    tier out of memory, a disk full), ``get_error`` from every read, ``has_error`` from every lookup of a key (a
+    disk tier failing); ``garble``: a read snapshot lacks its last recurrent state (an entry that does not fit
+    what restores it)."""
 
     put_error: BaseException | None = None
     get_error: BaseException | None = None
+    has_error: BaseException | None = None
     garble = False
 
     @staticmethod
@@ -536,6 +538,11 @@ class FailingStore(pc.MemoryStore):
         if self.put_error is not None and self.failing(key.split("/", 1)[1]):
             raise self.put_error
         return super().put(key, arrays, group)
+
+    def has(self, key):
+        if self.has_error is not None:
+            raise self.has_error
+        return super().has(key)
 
     def get(self, key, group=None):
         if self.get_error is not None:
@@ -585,13 +592,19 @@ def test_a_store_that_raises_is_a_miss_never_a_failed_request(checkpoint, caplog
         assert miss.stats.cached_tokens == 0
         _same(miss, cold2)
     assert cache.stats.failures == 4
+    # Looking keys up raises: the lookup holds nothing, the prefill keeps no snapshot (one failure each).
+    store.has_error = OSError(5, "Input/output error")
+    miss = _complete(warm, p2, max_tokens=20, mtp_k=2)
+    store.has_error = None
+    assert miss.stats.cached_tokens == 0 and cache.stats.failures == 6
+    _same(miss, cold2)
     # (The reply alone cannot show a half-restored state here: this small model's reply to a 200-token prompt
     # forgets its first recurrent states. So, directly: a restore that fails leaves fresh caches fresh.)
     plan, caches, head = cache.plan(p2, True), warm.model.make_cache(), KVCache()
     store.garble = True
     assert plan.found is not None and not plan.restore(caches, head)
     store.garble = False
-    assert cache.stats.failures == 5 and head.offset == 0 and plan.head_row is None
+    assert cache.stats.failures == 7 and head.offset == 0 and plan.head_row is None
     assert all(c.offset == 0 if isinstance(c, KVCache) else c[0] is None and c[1] is None for c in caches)
     hit = _complete(warm, p2, max_tokens=20, mtp_k=2)
     assert hit.stats.cached_tokens > len(p1)
