@@ -595,7 +595,9 @@ def test_a_store_that_raises_is_a_miss_never_a_failed_request(checkpoint, caplog
     # Looking keys up raises: the lookup holds nothing, the prefill keeps no snapshot (one failure each).
     store.has_error = OSError(5, "Input/output error")
     miss = _complete(warm, p2, max_tokens=20, mtp_k=2)
+    assert cache.summary().heads == ()  # (the runner's status carries it: it lists nothing rather than fail)
     store.has_error = None
+    assert cache.summary().heads != ()
     assert miss.stats.cached_tokens == 0 and cache.stats.failures == 6
     _same(miss, cold2)
     # (The reply alone cannot show a half-restored state here: this small model's reply to a 200-token prompt

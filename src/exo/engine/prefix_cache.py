@@ -360,11 +360,16 @@ class PrefixCache:
 
     def summary(self) -> Summary:
         """What this cache holds, for routers (``Summary``); snapshots evicted since are left out. Safe from
-        another thread than the one generating."""
+        another thread than the one generating. A store that raises lists none (the runner's status carries
+        this every second: it must not fail; the requests' own lookups log and count the store's failures)."""
         with self._summary_lock:
             recent = list(self._recent.items())
             keys = tuple(self._recent_keys)
-        heads = tuple((p, head_hash(name)) for name, p in recent if self.store.has(self.key(name)))
+        try:
+            heads = tuple((p, head_hash(name)) for name, p in recent if self.store.has(self.key(name)))
+        except Exception as e:  # noqa: BLE001 - a summary is a routing hint
+            log.debug("prefix cache: no summary (%s: %s)", type(e).__name__, e)
+            heads = ()
         return Summary(self.ns, self.block, heads, keys)
 
     def figures(self) -> dict[str, int]:
