@@ -18,6 +18,7 @@ from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, 
 from exo.engine import prefix_cache as pc
 from exo.engine.batch import BatchDecoder
 from exo.engine.constraints import ConstraintSpec
+from exo.metrics import Metrics
 
 BLOCK = 16
 CHUNK = 24  # prefill chunks that do not line up with the blocks
@@ -611,3 +612,7 @@ def test_a_store_that_raises_is_a_miss_never_a_failed_request(checkpoint, caplog
     hit = _complete(warm, p2, max_tokens=20, mtp_k=2)
     assert hit.stats.cached_tokens > len(p1)
     _same(hit, cold2)
+    # /metrics shows the count (from the generation's figures, as the API records them).
+    metrics = Metrics()
+    metrics.record_generation("m", hit.finish_reason, hit.stats)
+    assert 'exo_prefix_cache_failures{model="m"} 7.0' in metrics.render().decode()
