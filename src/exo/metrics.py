@@ -84,6 +84,11 @@ class Metrics:
             "exo_prefix_cache_evictions", "Entries the prefix cache dropped per tier since its runner started",
             ["model", "tier"], registry=r,
         )
+        self.prefix_failures = Gauge(
+            "exo_prefix_cache_failures", "Prefix cache calls that raised since its runner started (a store out of "
+            "memory or disk, an unreadable entry): each a miss or a skipped store, never a failed request",
+            ["model"], registry=r,
+        )
         self._prefix_totals: dict[str, list[int]] = {}
         self._lock = threading.Lock()
         self._mtp_totals: dict[str, list[int]] = {}
@@ -125,6 +130,8 @@ class Metrics:
             totals[1] += stats.cached_tokens
             if totals[0]:
                 self.prefix_hit_rate.labels(model).set(totals[1] / totals[0])
+        if "failures" in figures:
+            self.prefix_failures.labels(model).set(figures["failures"])
         for tier in ("ram", "disk"):
             if f"{tier}_bytes" in figures:
                 self.prefix_bytes.labels(model, tier).set(figures[f"{tier}_bytes"])

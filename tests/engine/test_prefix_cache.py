@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 
 import mlx.core as mx
 import pytest
@@ -17,6 +18,7 @@ from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, 
 from exo.engine import prefix_cache as pc
 from exo.engine.batch import BatchDecoder
 from exo.engine.constraints import ConstraintSpec
+from exo.metrics import Metrics
 
 BLOCK = 16
 CHUNK = 24  # prefill chunks that do not line up with the blocks
@@ -515,3 +517,102 @@ def test_a_drafting_turn_restores_a_reply_stored_without_the_heads_parts(checkpo
     second = _complete(warm, p2, max_tokens=20, mtp_k=2)
     assert second.stats.cached_tokens == len(p1) + REPLY_TOKENS - 1
     assert second.token_ids == _complete(cold, p2, max_tokens=20, mtp_k=2).token_ids
+
+
+# -- a store that raises: a miss or a skipped store, never a failed request ---------------------------------
+class FailingStore(pc.MemoryStore):
+    """The RAM tier, raising where a test says: ``put_error`` from a put of the entries ``failing`` names (the
+    tier out of memory, a disk full), ``get_error`` from every read, ``has_error`` from every lookup of a key (a
+    disk tier failing); ``garble``: a read snapshot lacks its last recurrent state (an entry that does not fit
+    what restores it)."""
+
+    put_error: BaseException | None = None
+    get_error: BaseException | None = None
+    has_error: BaseException | None = None
+    garble = False
+
+    @staticmethod
+    def failing(name: str) -> bool:
+        return True
+
+    def put(self, key, arrays, group=None):
+        if self.put_error is not None and self.failing(key.split("/", 1)[1]):
+            raise self.put_error
+        return super().put(key, arrays, group)
+
+    def has(self, key):
+        if self.has_error is not None:
+            raise self.has_error
+        return super().has(key)
+
+    def get(self, key, group=None):
+        if self.get_error is not None:
+            raise self.get_error
+        arrays = super().get(key, group)
+        if self.garble and arrays is not None and key.split("/", 1)[1].startswith("s-"):
+            last = max((k for k in arrays if k.startswith("r")), key=lambda k: int(k[1:]))
+            arrays = {k: v for k, v in arrays.items() if k != last}
+        return arrays
+
+
+def test_a_store_that_raises_is_a_miss_never_a_failed_request(checkpoint, caplog):
+    path = checkpoint("qwen3_5", dtype="float32")
+    warm, cold = _engine(path, cached=True), _engine(path, cached=False)
+    store = FailingStore(1 << 30)
+    cache = warm.prefix_cache = pc.PrefixCache(store, warm.prefix_cache.ns, block_tokens=BLOCK, stride_tokens=0,
+                                               message_starts=warm.prefix_cache.starts, min_snapshot_tokens=8)
+    p1 = _prompt(warm, TURN1)
+    cold1 = _complete(cold, p1, max_tokens=REPLY_TOKENS, mtp_k=2)
+    # The RAM tier is full: storing the prompt raises; the sequence stores nothing more (its reply neither).
+    store.put_error = MemoryError("the RAM tier is full")
+    with caplog.at_level(logging.WARNING, logger="exo.engine.prefix_cache"):
+        _same(_complete(warm, p1, max_tokens=REPLY_TOKENS, mtp_k=2), cold1)
+    assert cache.figures()["failures"] == 1 and len(store) == 0
+    assert [r.levelname for r in caplog.records if r.name == "exo.engine.prefix_cache"] == ["WARNING"]
+
+    # Storing the reply's end raises (its blocks went in): the prompt is kept, the next turn restores that.
+    def reply_end(name: str) -> bool:
+        return name.startswith("s-") and int(name.split("-")[1]) > len(p1)
+
+    store.failing = reply_end
+    first = _complete(warm, p1, max_tokens=REPLY_TOKENS, mtp_k=2)
+    _same(first, cold1)
+    assert cache.stats.failures == 2 and not any(reply_end(k.split("/", 1)[1]) for k in store.keys())
+    store.put_error = None
+    p2 = _next_turn(warm, first.text)
+    cold2 = _complete(cold, p2, max_tokens=20, mtp_k=2)
+    second = _complete(warm, p2, max_tokens=20, mtp_k=2)
+    assert 0 < second.stats.cached_tokens < len(p1)
+    _same(second, cold2)
+    # Reading raises (a disk tier failing), then a snapshot does not fit what restores it: each a miss, with
+    # nothing half-restored (the recurrent states before the missing one are not left in the caches).
+    for fault in ("get_error", "garble"):
+        setattr(store, fault, OSError(5, "Input/output error") if fault == "get_error" else True)
+        miss = _complete(warm, p2, max_tokens=20, mtp_k=2)
+        setattr(store, fault, FailingStore.get_error if fault == "get_error" else False)
+        assert miss.stats.cached_tokens == 0
+        _same(miss, cold2)
+    assert cache.stats.failures == 4
+    # Looking keys up raises: the lookup holds nothing, the prefill keeps no snapshot (one failure each).
+    store.has_error = OSError(5, "Input/output error")
+    miss = _complete(warm, p2, max_tokens=20, mtp_k=2)
+    assert cache.summary().heads == ()  # (the runner's status carries it: it lists nothing rather than fail)
+    store.has_error = None
+    assert cache.summary().heads != ()
+    assert miss.stats.cached_tokens == 0 and cache.stats.failures == 6
+    _same(miss, cold2)
+    # (The reply alone cannot show a half-restored state here: this small model's reply to a 200-token prompt
+    # forgets its first recurrent states. So, directly: a restore that fails leaves fresh caches fresh.)
+    plan, caches, head = cache.plan(p2, True), warm.model.make_cache(), KVCache()
+    store.garble = True
+    assert plan.found is not None and not plan.restore(caches, head)
+    store.garble = False
+    assert cache.stats.failures == 7 and head.offset == 0 and plan.head_row is None
+    assert all(c.offset == 0 if isinstance(c, KVCache) else c[0] is None and c[1] is None for c in caches)
+    hit = _complete(warm, p2, max_tokens=20, mtp_k=2)
+    assert hit.stats.cached_tokens > len(p1)
+    _same(hit, cold2)
+    # /metrics shows the count (from the generation's figures, as the API records them).
+    metrics = Metrics()
+    metrics.record_generation("m", hit.finish_reason, hit.stats)
+    assert 'exo_prefix_cache_failures{model="m"} 7.0' in metrics.render().decode()

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import queue
 import threading
 
 import pytest
+from mlx_lm.models.cache import KVCache
 
 from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, load_checkpoint
 from exo.engine import pipeline as pl
 from exo.engine import prefix_cache as pc
 
 from .test_pipeline import _QueueLink
+from .test_prefix_cache import FailingStore
 
 BLOCK = 16
 CHUNK = 24
@@ -44,9 +47,9 @@ class _Link(_QueueLink):
         return super().recv(shape, dtype, src)
 
 
-class Forgetful(pc.MemoryStore):
+class Forgetful(FailingStore):
     """A store whose entries vanish between a lookup and the restore when ``forget`` is set (as one evicted
-    meanwhile by another instance sharing the disk tier)."""
+    meanwhile by another instance sharing the disk tier); it raises where a test says (``FailingStore``)."""
 
     forget = False
 
@@ -68,6 +71,7 @@ class _Pipeline:
         self.links = [_Link(0, queues), _Link(1, queues)]
         self.errors: list[BaseException] = []
         self.stage_cache = _cache(first, (0, split[0]))
+        self.stage_model = first.model
         self.done, park = threading.Event(), threading.Event()
 
         def stage0() -> None:
@@ -278,3 +282,86 @@ def test_a_pipelined_batch_member_stores_its_reply_from_its_row(checkpoint, pipe
     hit = _complete(warm, p2, max_tokens=20, native_mtp="off")
     assert hit.stats.cached_tokens > len(p1) + BLOCK
     assert hit.token_ids == _complete(single, p2, max_tokens=20, native_mtp="off").token_ids
+
+
+# -- a stage's store that raises: the stage serves on, the reply is the cold one -----------------------------
+def test_a_stage_whose_store_raises_keeps_serving(checkpoint, pipeline, caplog):
+    path, split = _path(checkpoint, "qwen3_5")
+    pipe = pipeline(path, split)
+    warm, single = pipe.engine, _single(path)
+    stage = pipe.stage_cache
+    p1 = _prompt(single, TURN1)
+    cold1 = _complete(single, p1, max_tokens=REPLY_TOKENS, native_mtp="off")
+    # Stage 0's RAM tier is full: storing its part of the prompt raises there. It logs and counts it once, drops
+    # the sequence's StagePrefix (its reply is not stored either) and serves on.
+    stage.store.put_error = MemoryError("the RAM tier is full")
+    with caplog.at_level(logging.WARNING, logger="exo.engine.prefix_cache"):
+        first = _complete(warm, p1, max_tokens=REPLY_TOKENS, native_mtp="off")
+        pipe.forward.memory_rates()  # (a round trip: stage 0 has applied what the last message carried)
+    assert first.token_ids == cold1.token_ids
+    assert stage.stats.failures == 1 and not list(stage.store.keys()) and warm.prefix_cache.stats.failures == 0
+    assert len([r for r in caplog.records if r.name == "exo.engine.prefix_cache"]) == 1
+
+    # Storing its part of the reply raises (STORE_END): its part of the prompt stays.
+    def reply_end(name: str) -> bool:
+        return name.startswith("s-") and int(name.split("-")[1]) > len(p1)
+
+    stage.store.failing = reply_end
+    first = _complete(warm, p1, max_tokens=REPLY_TOKENS, native_mtp="off")
+    pipe.forward.memory_rates()
+    assert first.token_ids == cold1.token_ids and stage.stats.failures == 2
+    assert _replies(warm.prefix_cache, p1) and not any(reply_end(k.split("/", 1)[1]) for k in stage.store.keys())
+    # The next turn settles on what every stage holds: the prompt's header, not through the reply.
+    stage.store.put_error = None
+    p2 = _next_turn(single, first.text)
+    second = _complete(warm, p2, max_tokens=20, native_mtp="off")
+    assert 0 < second.stats.cached_tokens < len(p1)
+    assert second.token_ids == _complete(single, p2, max_tokens=20, native_mtp="off").token_ids
+    # The leader's own store raises: it stores nothing of the sequence and asks no stage to store its reply.
+    p3 = _prompt(single, OTHER)
+    warm.prefix_cache.store.put_error = MemoryError("the RAM tier is full")
+    other = _complete(warm, p3, max_tokens=REPLY_TOKENS, native_mtp="off")
+    warm.prefix_cache.store.put_error = None
+    pipe.forward.memory_rates()
+    assert warm.prefix_cache.stats.failures == 1 and stage.stats.failures == 2
+    assert other.token_ids == _complete(single, p3, max_tokens=REPLY_TOKENS, native_mtp="off").token_ids
+    fed = p3 + other.token_ids[:-1]  # (what the caches held at its end: the last token is never fed)
+    assert not stage.store.has(stage.key(pc.snapshot_key(len(fed), pc.block_chain(fed, BLOCK, stage.ns), fed, BLOCK)))
+
+
+def test_a_stage_whose_restore_raises_answers_not_restored(checkpoint, pipeline):
+    path, split = _path(checkpoint, "qwen3_5")
+    pipe = pipeline(path, split)
+    warm, single = pipe.engine, _single(path)
+    stage = pipe.stage_cache
+    p1, p2 = _prompt(single, TURN1), _prompt(single, TURN2)
+    _complete(warm, p1, native_mtp="off")
+    cold = _complete(single, p2, native_mtp="off")
+    # Stage 0's tier fails the read in BEGIN: it answers "not restored", every stage starts from 0.
+    stage.store.get_error = OSError(5, "Input/output error")
+    miss = _complete(warm, p2, native_mtp="off")
+    stage.store.get_error = None
+    assert miss.stats.cached_tokens == 0 and miss.token_ids == cold.token_ids
+    assert stage.stats.failures == 1 and warm.prefix_cache.stats.failures == 0
+    hit = _complete(warm, p2, native_mtp="off")  # (stage 0 served on, and stored p2 in the miss)
+    assert hit.stats.cached_tokens > len(p1) and hit.token_ids == cold.token_ids
+    # The leader's own read raises after stage 0 restored: every stage starts from 0 again.
+    warm.prefix_cache.store.get_error = OSError(5, "Input/output error")
+    gone = _complete(warm, p2, native_mtp="off")
+    warm.prefix_cache.store.get_error = None
+    assert gone.stats.cached_tokens == 0 and gone.token_ids == cold.token_ids
+    assert warm.prefix_cache.stats.failures == 1 and stage.stats.hits == 2
+    # A stage's BEGIN whose restore fails on an entry that does not fit (a recurrent state missing) leaves the
+    # slot's caches fresh, nothing half-restored (stage 0 idles in a receive meanwhile).
+    slots, prefixes = pl.StageSlots(pipe.stage_model, 0), {}
+    held = sorted(stage._lengths)
+    lookup = [len(p2), *p2, len(held), *held]
+    found = pl._prefix_step(pl.StepHeader(pl.OP_PREFIX_LOOKUP, 0, 7, 1, len(lookup)), lookup, slots, prefixes, stage)
+    position = max(found[2 + len(p2) :])
+    assert position > len(p1)
+    begin = [1, position, 0, 0, 0, 0, 0, 0]
+    stage.store.garble = True
+    answer = pl._prefix_step(pl.StepHeader(pl.OP_PREFIX_BEGIN, 1, 7, 1, len(begin)), begin, slots, prefixes, stage)
+    stage.store.garble = False
+    assert answer[0] == 0 and stage.stats.failures == 2
+    assert all(c.offset == 0 if isinstance(c, KVCache) else c[0] is None and c[1] is None for c in slots.caches[7])

@@ -772,7 +772,8 @@ class SequenceState:
         part; None: its own. On a pipeline every other stage stores its layers' part too (``forward.store_end``:
         the tokens past the prompt, before the row is filtered out or the slot dropped). The head's entries go
         too where it was fed every position (no gap), its waiting rows but the last taken in first. Returns the
-        bytes stored here (0: nothing, e.g. a reply shorter than a block)."""
+        bytes stored here (0: nothing, e.g. a reply shorter than a block, or a store that raised: logged and
+        counted, ``PrefixCache.note_failure``; the request's reply is never affected)."""
         if self.output.finish not in ("stop", "length"):
             return 0
         if batch is not None:
@@ -786,7 +787,7 @@ class SequenceState:
             return 0
         prompt = getattr(self._prefix, "n", None)  # (None: no plan, nothing to store on any stage)
         if (self.forward.stages > 1 and prompt is not None and hasattr(self.forward, "store_end")
-                and positions - prompt >= self._prefix.cache.block):
+                and positions - prompt >= self._prefix.cache.block and not self._prefix.failed):
             owner, row = batch if batch is not None else (self.cache, -1)
             self.forward.store_end(owner, row, fed[prompt:positions])
         head = None

@@ -594,7 +594,9 @@ def serve_stage(
     """A stage that does not lead: run steps until the leader shuts the group down. ``slots``: the table of
     caches it keeps (by default a new one; tests pass theirs to see what it holds). ``prefix_cache``: this
     stage's (its layers', under its own namespace): the leader's LOOKUP and BEGIN messages restore from it and
-    the prefill's steps store into it (``StagePrefix``, one per slot).
+    the prefill's steps store into it (``StagePrefix``, one per slot). A prefix cache that raises never ends the
+    stage: a failed lookup holds nothing, a failed restore answers "not restored" (the leader starts every stage
+    from 0), a failed store drops the sequence's ``StagePrefix`` (logged and counted: ``PrefixCache.note_failure``).
 
     Raises what the link raises when a member of the group is lost (the caller ends the process: the
     group is disposable and is formed anew).
@@ -674,6 +676,8 @@ def serve_stage(
         prefix = prefixes.get(header.slot)
         if prefix is not None:
             prefix.step(rows, cache, h)
+            if prefix.failed:  # its store raised (logged and counted): the sequence goes on without the cache
+                del prefixes[header.slot]
         if on_step is not None:
             on_step()
 
@@ -704,6 +708,11 @@ def _follow_prefixes(op: Op, slots: StageSlots, prefixes: dict[int, StagePrefix]
             prefix = rows[row] if row < len(rows) else None
         if prefix is not None:
             prefix.store_end(tokens, slots.sequence(op.slot, row))
+            if prefix.failed:  # its store raised (logged and counted): nothing more of it is stored
+                if row == -1:
+                    prefixes.pop(op.slot, None)
+                else:
+                    rows_of[op.slot][row] = None
 
 
 def _prefix_step(header: StepHeader, values: list[int], slots: StageSlots, prefixes: dict[int, StagePrefix],
@@ -729,6 +738,9 @@ def _prefix_step(header: StepHeader, values: list[int], slots: StageSlots, prefi
         group = f"{(g[0] << 48) | (g[1] << 32) | (g[2] << 16) | g[3]:016x}" if has_group else None
         slots.drop(header.slot)
         caches = slots.caches[header.slot] = slots.model.make_cache()
-        return [int(prefix.begin(caches, position, edges, group)), *values[1:]]
+        restored = prefix.begin(caches, position, edges, group)
+        if not restored:  # (a restore that failed touched nothing; fresh caches all the same, whatever failed)
+            slots.caches[header.slot] = slots.model.make_cache()
+        return [int(restored), *values[1:]]
     except (ValueError, IndexError):
         raise StepHeaderError(f"pipeline stage {slots.rank}: a malformed prefix payload of {len(values)} ints") from None

@@ -35,6 +35,10 @@ run, a batch newcomer and constrained or logprobs runs all get it; the sequence 
 first token is out; ``SequenceState.store_end`` calls ``capture_end`` where a sequence ends (a member leaving the one
 decode loop, ``BatchDecoder._store_ended``: a lone member's own caches, a batched one's row); on a pipeline the
 other stages store their part of it too (``StagePrefix.store_end``, the leader's STORE_END op record).
+
+A store that raises (out of memory or disk, an unreadable entry) is a miss or a skipped store, logged and counted
+(``PrefixCache.note_failure``), never a failed request or a stage that stops: a restore touches no cache before it has
+read everything, and a sequence whose store failed stores nothing more.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import array
 import functools
 import hashlib
 import json
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -54,6 +59,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from .models.layers import RollbackArraysCache
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2  # 2: the hidden of p - 1 moved from the snapshot to the head's tail
 BLOCK_TOKENS = 256
@@ -304,6 +311,7 @@ class PrefixStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     captured_bytes: int = 0
+    failures: int = 0  # store / read / lookup calls that raised: each a miss or a skipped store (``failed``)
 
 
 class PrefixCache:
@@ -352,17 +360,23 @@ class PrefixCache:
 
     def summary(self) -> Summary:
         """What this cache holds, for routers (``Summary``); snapshots evicted since are left out. Safe from
-        another thread than the one generating."""
+        another thread than the one generating. A store that raises lists none (the runner's status carries
+        this every second: it must not fail; the requests' own lookups log and count the store's failures)."""
         with self._summary_lock:
             recent = list(self._recent.items())
             keys = tuple(self._recent_keys)
-        heads = tuple((p, head_hash(name)) for name, p in recent if self.store.has(self.key(name)))
+        try:
+            heads = tuple((p, head_hash(name)) for name, p in recent if self.store.has(self.key(name)))
+        except Exception as e:  # noqa: BLE001 - a summary is a routing hint
+            log.debug("prefix cache: no summary (%s: %s)", type(e).__name__, e)
+            heads = ()
         return Summary(self.ns, self.block, heads, keys)
 
     def figures(self) -> dict[str, int]:
         """Counters of this cache and its store's figures (bytes and counters per tier)."""
         s = self.stats
-        out = {"lookups": s.lookups, "hits": s.hits, "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens}
+        out = {"lookups": s.lookups, "hits": s.hits, "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
+               "failures": s.failures}
         store_figures = getattr(self.store, "figures", None)
         if store_figures is not None:
             out.update(store_figures())
@@ -372,6 +386,26 @@ class PrefixCache:
 
     def key(self, name: str) -> str:
         return f"{self.ns}/{name}"
+
+    def note_failure(self, what: str, error: BaseException) -> None:
+        """A call on the store (or on what it returned) raised: the store may be out of memory or disk, or a
+        tier broken; the cache is only ever a shortcut, so the caller takes a miss (or skips the store) and the
+        request goes on exactly as a cold one. Counted (``figures``: ``failures``) and logged once a call."""
+        self.stats.failures += 1
+        log.warning("prefix cache: %s failed, the request goes on without it (%s: %s)", what,
+                    type(error).__name__, error, exc_info=error)
+
+    def _held(self, tokens: Sequence[int], chain: list[bytes], need_head: bool,
+              deepest: bool = False) -> list[tuple[int, str]]:
+        """``held`` as a list (``deepest``: the first only); a store that raises holds nothing."""
+        try:
+            if deepest:
+                found = next(self.held(tokens, chain, need_head), None)
+                return [] if found is None else [found]
+            return list(self.held(tokens, chain, need_head))
+        except Exception as e:  # noqa: BLE001 - a cache that cannot be read is a miss
+            self.note_failure("a lookup", e)
+            return []
 
     def held(self, tokens: Sequence[int], chain: list[bytes], need_head: bool) -> Iterator[tuple[int, str]]:
         """The snapshots of ``tokens`` this cache holds with every block before them (and, ``need_head``,
@@ -402,18 +436,18 @@ class PrefixCache:
         found = None
         head = need_head
         if within is None:
-            found = next(self.held(tokens, chain, need_head), None)
+            found = next(iter(self._held(tokens, chain, need_head, deepest=True)), None)
             if need_head and found is not None:
                 # A reply's end is stored without the head's parts where the head skipped rows (an adaptive run's
                 # plain stretches): restoring it without them (the head starts with a gap: drafts land less at
                 # first, the output is the same) beats prefilling the reply again when it is a block or more past
                 # the deepest snapshot held with them. (None held with them: prefill, the head gets it all.)
-                bare = next(self.held(tokens, chain, False), None)
+                bare = next(iter(self._held(tokens, chain, False, deepest=True)), None)
                 if bare is not None and bare[0] - found[0] >= self.block:
                     found, head = bare, False
         else:
-            held = dict(self.held(tokens, chain, need_head))
-            p = within(sorted(held, reverse=True))
+            held = dict(self._held(tokens, chain, need_head))
+            p = within(sorted(held, reverse=True))  # (a pipeline's lookup: what it raises is the pipeline's)
             found = (p, held[p]) if p in held else None
         if edges is None:
             edges = snapshot_edges(tokens, self.starts, self.stride, self.min_snapshot)
@@ -425,6 +459,28 @@ class _Edge:
     p: int
     gdn: list[tuple[mx.array, mx.array]]
     hidden: mx.array  # [1, 1, H] at position p - 1
+
+
+def _storing(what: str, skipped: int | None = 0) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A ``PrefillPlan`` call that stores (or prepares a store): once one raised (the store out of memory or
+    disk, a tier broken), the plan is ``failed``: counted and logged once (``PrefixCache.note_failure``), and this and
+    every later store of the sequence is skipped (returns ``skipped``: 0 bytes), never an error of the request."""
+
+    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def call(self: PrefillPlan, *args: Any, **kwargs: Any) -> Any:
+            if self.failed:
+                return skipped
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - a cache that cannot store is skipped
+                self.failed, self._taken = True, []
+                self.cache.note_failure(what, e)
+                return skipped
+
+        return call
+
+    return wrap
 
 
 @dataclass
@@ -442,6 +498,7 @@ class PrefillPlan:
     found_head: bool = True  # whether the head's parts of ``found`` are restored too (when ``need_head``)
     restored: int = 0
     head_row: mx.array | None = None  # the restored prefix's last hidden, for the head
+    failed: bool = False  # a store of this sequence raised: it stores nothing more (``_storing``)
     _taken: list[_Edge] = field(default_factory=list)
 
     @property
@@ -450,9 +507,31 @@ class PrefillPlan:
 
     def restore(self, caches: list[Any], head_cache: KVCache | None) -> bool:
         """Fill fresh ``caches`` (and the head's, when the run drafts: then ``head_row`` is the hidden of the
-        prefix's last position [1, 1, H]) with the found prefix. False: nothing restored, prefill from 0."""
+        prefix's last position [1, 1, H]) with the found prefix. False: nothing restored, prefill from 0 (the
+        entries are gone, or reading or joining them raised: ``PrefixCache.note_failure``). Everything is read and
+        joined before any cache is touched, so on False the caches are as fresh as they came."""
         if self.found is None:
             return False
+        try:
+            fill = self._restored(caches, head_cache)
+        except Exception as e:  # noqa: BLE001 - an unreadable entry (a tier that raised) is a miss
+            self.cache.note_failure("a restore", e)
+            return False
+        if fill is None:
+            return False  # evicted since the lookup: prefill it all
+        p, name = self.found
+        fill()
+        self.restored = p
+        c = self.cache
+        c._note(name, p)
+        c.stats.hits += 1
+        c.stats.cached_tokens += p
+        return True
+
+    def _restored(self, caches: list[Any], head_cache: KVCache | None) -> Callable[[], None] | None:
+        """Read the found prefix's entries and build what each cache will hold; returns what fills them (None:
+        an entry is missing). Raises what the store or a malformed entry raises, having touched nothing."""
+        assert self.found is not None
         p, name = self.found
         c = self.cache
         m = p // c.block
@@ -465,30 +544,37 @@ class PrefillPlan:
             heads = [c.store.get(c.key(f"h-{self.chain[b].hex()}"), g) for b in range(1, m + 1)]
             head_tail = c.store.get(c.key("sh" + name[1:]), g)
             if head_tail is None or "hidden" not in head_tail or any(h is None for h in heads):
-                return False
+                return None
         if snapshot is None or any(b is None for b in blocks):
-            return False  # evicted (or unreadable) since the lookup: prefill it all
+            return None
+        states: list[tuple[Any, mx.array, mx.array]] = []
+        kv: list[tuple[KVCache, tuple[mx.array, mx.array] | None]] = []
         for i, layer_cache in enumerate(caches):
             if isinstance(layer_cache, RollbackArraysCache):
-                layer_cache[0] = snapshot[f"c{i}"]
-                layer_cache[1] = snapshot[f"r{i}"]
+                states.append((layer_cache, snapshot[f"c{i}"], snapshot[f"r{i}"]))
             else:
                 parts = [(blk[f"k{i}"], blk[f"v{i}"]) for blk in blocks if blk is not None]
                 if f"k{i}" in snapshot:
                     parts.append((snapshot[f"k{i}"], snapshot[f"v{i}"]))
-                _set_kv(layer_cache, parts, p)
+                kv.append((layer_cache, _joined(parts, p)))
+        head_kv = None
         if head_tail is not None and head_cache is not None and p > 1:
             parts = [(h["k"], h["v"]) for h in heads if h is not None]
             if "k" in head_tail:
                 parts.append((head_tail["k"], head_tail["v"]))
-            _set_kv(head_cache, parts, p - 1)
-        if head_tail is not None:
-            self.head_row = head_tail["hidden"]
-        self.restored = p
-        c._note(name, p)
-        c.stats.hits += 1
-        c.stats.cached_tokens += p
-        return True
+            head_kv = _joined(parts, p - 1)
+
+        def fill() -> None:
+            for layer_cache, conv, recurrent in states:
+                layer_cache[0], layer_cache[1] = conv, recurrent
+            for layer_cache, joined in kv:
+                _set_kv(layer_cache, joined, p)
+            if head_cache is not None:
+                _set_kv(head_cache, head_kv, p - 1)
+            if head_tail is not None:
+                self.head_row = head_tail["hidden"]
+
+        return fill
 
     def spans(self, start: int, n: int, chunk: int) -> Iterator[tuple[int, int]]:
         """The prefill's chunks from ``start`` (the restored prefix) to ``n``, also ending at every snapshot
@@ -503,6 +589,7 @@ class PrefillPlan:
             yield start, end
             start = end
 
+    @_storing("keeping a snapshot", None)
     def reached(self, end: int, caches: list[Any], hidden: mx.array) -> None:
         """A prefill chunk ended at ``end`` with its hiddens ``hidden`` [1, T, H]: keep the GatedDeltaNet
         states there when ``end`` is a snapshot edge not held yet (references: the caches move on to new
@@ -515,6 +602,7 @@ class PrefillPlan:
         gdn = [(c[0], c[1]) if isinstance(c, RollbackArraysCache) else None for c in caches]
         self._taken.append(_Edge(end, gdn, hidden[:, -1:]))  # type: ignore[arg-type]
 
+    @_storing("storing a prompt")
     def capture(self, caches: list[Any], head_cache: KVCache | None) -> int:
         """After the prefill (the caches hold the prompt, the head its n - 1 entries when it drafts): store
         the prompt's blocks and the snapshots taken that are not held yet. Returns the bytes stored."""
@@ -531,6 +619,7 @@ class PrefillPlan:
         self._taken = []
         return self._put(entries)
 
+    @_storing("storing a reply")
     def capture_end(self, fed: Sequence[int], caches: list[Any], head: tuple[KVCache, mx.array] | None = None) -> int:
         """A sequence that ended normally (its reply done): store what its caches hold past the prompt, so the
         next turn (this prompt, the reply as the template renders it, a tool result) restores through the reply.
@@ -627,14 +716,21 @@ def _head_slice(head: KVCache, lo: int, hi: int) -> Arrays:
     return {"k": _copy(head.keys[..., lo:hi, :]), "v": _copy(head.values[..., lo:hi, :])}
 
 
-def _set_kv(cache: KVCache, parts: list[tuple[mx.array, mx.array]], length: int) -> None:
+def _joined(parts: list[tuple[mx.array, mx.array]], length: int) -> tuple[mx.array, mx.array] | None:
+    """Keys and values of ``length`` positions from their parts in order (None: no parts)."""
     if not parts:
-        return
+        return None
     keys = mx.concatenate([k for k, _ in parts], axis=2) if len(parts) > 1 else parts[0][0]
     values = mx.concatenate([v for _, v in parts], axis=2) if len(parts) > 1 else parts[0][1]
-    if keys.shape[2] != length:
+    if keys.shape[2] != length or values.shape[2] != length:
         raise ValueError(f"restored {keys.shape[2]} positions, expected {length}")
-    cache.keys, cache.values, cache.offset = keys, values, length
+    return keys, values
+
+
+def _set_kv(cache: KVCache, joined: tuple[mx.array, mx.array] | None, length: int) -> None:
+    if joined is not None:
+        cache.keys, cache.values = joined
+        cache.offset = length
 
 
 # -- the generation loop's hook ---------------------------------------------------------------------------
@@ -644,6 +740,7 @@ class NoPlan:
     """No prefix cache: prefill everything in regular chunks, capture nothing."""
 
     restored = 0
+    failed = False
 
     def spans(self, start: int, n: int, chunk: int) -> Iterator[tuple[int, int]]:
         for begin in range(start, n, chunk):
@@ -692,12 +789,13 @@ class StagePrefix:
         if self.cache is None or not candidates:
             return []
         chain = block_chain(self.tokens, self.cache.block, self.cache.ns)
-        held = {p for p, _ in self.cache.held(self.tokens, chain, False)}
+        held = {p for p, _ in self.cache._held(self.tokens, chain, False)}
         return [p for p in candidates if p in held]
 
     def begin(self, caches: list[Any], position: int, edges: list[int], group: str | None) -> bool:
         """Restore ``position`` (0: none) of the prompt of the last ``lookup`` into ``caches`` (fresh); False
-        when it cannot (evicted, unreadable since): the leader then starts every stage from 0."""
+        when it cannot (evicted since, or the store raised reading it: ``PrefillPlan.restore``, which leaves
+        ``caches`` untouched then): the leader then starts every stage from 0."""
         self.plan, self.position = None, 0
         if self.cache is None:
             return position == 0
@@ -720,6 +818,13 @@ class StagePrefix:
                 self.plan.capture(caches, None)
                 self.stored = self.plan
             self.plan = None
+
+    @property
+    def failed(self) -> bool:
+        """A store of this sequence raised (``PrefillPlan.failed``): ``serve_stage`` drops it, the sequence goes
+        on without the prefix cache (the leader's next lookup finds this stage holding less)."""
+        plan = self.plan or self.stored
+        return plan is not None and plan.failed
 
     def store_end(self, tokens: list[int], caches: list[Any]) -> int:
         """The sequence ended normally (the leader's ``STORE_END``): store this stage's part of the reply
@@ -762,7 +867,7 @@ def restore_prefix(cache: PrefixCache | None, state: Any) -> None:
     if plan.found is None:
         return
     if not plan.restore(caches, head_cache):
-        if lookup is not None:  # the leader's own part went missing: every stage starts from 0
+        if lookup is not None:  # the leader's own part went missing or unreadable: every stage starts from 0
             forward.prefix_begin(caches, 0, plan.edges, plan.group)
         return
     if head_cache is None or plan.head_row is None:
