@@ -16,7 +16,8 @@ from mlx_lm.models.qwen3_next import Qwen3NextMLP
 
 from exo.engine import GenerationRequest, kernels, load
 from exo.engine.kernels import bits_equal, gated_delta_inputs
-from exo.engine.models.layers import CpuEmbedding, CpuLinear, CpuMLP, GatedDeltaNet
+from exo.engine.models import layers
+from exo.engine.models.layers import Attention, CpuEmbedding, CpuLinear, CpuMLP, GatedDeltaNet
 
 on_x86_linux = sys.platform == "linux" and platform.machine() == "x86_64"
 needs_kernel = pytest.mark.skipif(not on_x86_linux, reason="exo's CPU kernel is for x86-64 Linux")
@@ -247,7 +248,12 @@ def test_the_engine_runs_its_layers_on_the_kernels_with_plain_mlx_outputs(linear
     assert CpuMLP in classes and all(m.cpu_silu is not None for m in deltas)
     kernel_layers = [m for _, m in model.named_modules() if type(m) in (CpuLinear, CpuEmbedding)]
     assert all("_exo_packed" in m.__dict__ for m in kernel_layers)  # packed at load, not in a step
-    ids = engine.loaded.tokenizer.encode("def fibonacci(n):")
+    head_modules = list(engine.loaded.head.named_modules()) if engine.loaded.head is not None else []
+    attention = [m for _, m in [*model.named_modules(), *head_modules] if isinstance(m, Attention)]
+    assert len(attention) == 3 and all(m.cpu_linear is not None for m in attention)  # the backbone's 2, the head's
+    # long enough for the attention kernel (its scores per key head past CPU_ATTENTION_MIN_SCORES)
+    ids = engine.loaded.tokenizer.encode("def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)\n" * 6)
+    assert 2 * len(ids) ** 2 >= layers.CPU_ATTENTION_MIN_SCORES
     request = GenerationRequest(ids, max_tokens=24, native_mtp="off")
     with_kernel = engine.complete(request).token_ids
     logits = model(mx.array([ids]))
@@ -265,9 +271,39 @@ def test_the_engine_runs_its_layers_on_the_kernels_with_plain_mlx_outputs(linear
             module.__class__ = nn.Linear
     for module in deltas:  # and mlx-lm's gated delta ops, MLX's silu
         del module.cpu_gated_delta, module.cpu_silu
+    for module in attention:  # and MLX's attention
+        module.cpu_linear = None
     plain_logits = model(mx.array([ids]))
     assert _bits(logits) == _bits(plain_logits)
     assert engine.complete(request).token_ids == with_kernel
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "b,h,hk,t,length,d,mask",
+    # exo-demo's prefill chunk at an offset (2 query heads a key head) and its decode step; more rows than a
+    # query block, from position 0; Qwen3.5-9B's heads (16 and 4 of 256) and 27B's ratio (6:1); a batch's
+    # boolean masks (left padding) shared by the heads or per head, its decode step; one head each
+    [(1, 2, 1, 40, 3000, 64, "causal"), (1, 2, 1, 1, 3000, 64, None), (1, 2, 1, 600, 600, 64, "causal"),
+     (1, 16, 4, 9, 700, 256, "causal"), (1, 24, 4, 3, 200, 128, "causal"), (3, 4, 2, 7, 400, 64, "shared"),
+     (3, 4, 2, 1, 1100, 64, "per-head"), (2, 1, 1, 30, 90, 64, "causal")],
+)
+def test_attention_is_bit_identical_to_mlx(b, h, hk, t, length, d, mask):
+    """``cpu_attention`` (the two products on the linear kernel) against ``mx.fast.scaled_dot_product_attention``
+    on MLX's CPU backend, bit for bit; and each layer's dispatch takes it on these shapes."""
+    assert layers.cpu_attention_matches()
+    key = mx.random.key(t * length + d)
+    kq, kk, kv, km = mx.random.split(key, 4)
+    q = mx.random.normal((b, h, t, d), key=kq).astype(mx.bfloat16)
+    k = mx.random.normal((b, hk, length, d), key=kk).astype(mx.bfloat16)
+    v = mx.random.normal((b, hk, length, d), key=kv).astype(mx.bfloat16)
+    m = {"shared": lambda: mx.random.uniform(shape=(b, 1, t, length), key=km) > 0.2,
+         "per-head": lambda: mx.random.uniform(shape=(b, h, t, length), key=km) > 0.2}.get(mask, lambda: mask)()
+    assert layers._cpu_attention_fits(q, k, v, None, m)
+    scale = d**-0.5
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=m)
+    got = layers.cpu_attention(kernels.cpu_linear(), q, k, v, scale, m)
+    assert got.shape == want.shape and _bits(got) == _bits(want)
 
 
 @needs_kernel

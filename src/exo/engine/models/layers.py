@@ -180,7 +180,7 @@ def use_cpu_kernels(module: nn.Module) -> bool:
     """Give ``module``'s bias-free linear layers, embedding tables and dense MLPs their CPU-kernel class, and
     its GatedDeltaNet layers the CPU recurrence and conv activation; False (nothing changed) where the kernels do not apply or are
     not built (``kernels.status()`` says why)."""
-    from ..kernels import cpu_gated_delta, cpu_linear_packed, cpu_silu
+    from ..kernels import cpu_gated_delta, cpu_linear, cpu_linear_packed, cpu_silu
 
     linear = cpu_linear_packed()
     if linear is None:
@@ -197,6 +197,10 @@ def use_cpu_kernels(module: nn.Module) -> bool:
         elif isinstance(leaf, (GatedDeltaNet, NextGatedDeltaNet)):
             leaf.cpu_gated_delta = cpu_gated_delta()  # its recurrence (``_recurrence``)
             leaf.cpu_silu = cpu_silu()  # its conv's activation (``_mix``)
+        elif isinstance(leaf, Qwen3NextAttention) and cpu_attention_matches():
+            if type(leaf) is Qwen3NextAttention:
+                leaf.__class__ = Attention  # (the MTP head's layer: the same parameters, exo's call)
+            leaf.cpu_linear = cpu_linear()  # its attention's two products (``cpu_attention``)
         if type(leaf) in (CpuLinear, CpuEmbedding) and leaf.weight.dtype == mx.bfloat16 and leaf.weight.ndim == 2:
             object.__setattr__(leaf, "_exo_packed", _Packed(leaf.weight))  # packed now, not in a step
     return True
@@ -585,6 +589,90 @@ def check_expert_sort(blocks: list[SparseMoeBlock]) -> float:
     return difference
 
 
+QUERY_BLOCK = 256  # query rows per product in ``cpu_attention`` (the bits do not depend on it: each row alone)
+# Scores per key head below which MLX's own call is faster (its one batched product vs a call per sequence and
+# key head): measured 8 decode rows at 1k keys 1.98 -> 1.67 ms, at 512 keys 0.97 -> 1.14 ms.
+CPU_ATTENTION_MIN_SCORES = 2048
+
+
+def cpu_attention(linear: Callable[[mx.array, mx.array], mx.array], queries: mx.array, keys: mx.array,
+                  values: mx.array, scale: float, mask: Any) -> mx.array:
+    """``mx.fast.scaled_dot_product_attention`` for bfloat16 on MLX's CPU backend, computed as that backend
+    computes it (its fallback: queries times ``scale`` in their dtype, scores = q k^T, a causal or boolean
+    mask as the dtype's minimum, a precise softmax, scores v), with the two products on exo's ``linear``
+    kernel (``kernels.cpu_linear``: the bits of MLX's product). MLX multiplies bfloat16 there with a scalar
+    loop (~5 GFLOP/s on x86-64), so on long contexts attention was most of a prefill chunk's time and grew
+    with every cached token: at 8k keys and 512 queries of exo-demo's shape 533 -> 312 ms a layer, a decode
+    step's 2.0 -> 1.0 ms (bench/prefix_phases.py --attention). The same bits: ``cpu_attention_matches``
+    checks it against MLX's own call before a model uses it, and tests/engine/test_kernels.py on more shapes.
+
+    queries [B, H, T, D], keys and values [B, Hk, L, D] (H a multiple of Hk: each key head serves H / Hk query
+    heads, whose T rows each are stacked into one product); mask None, "causal" or a boolean array that
+    broadcasts to [B, H, T, L]."""
+    B, H, T, D = queries.shape
+    Hk, L = keys.shape[1], keys.shape[2]
+    rep = H // Hk
+    q = mx.multiply(mx.array(scale, queries.dtype), queries)
+    causal = isinstance(mask, str)
+    low = mx.array(mx.finfo(queries.dtype).min, queries.dtype)
+    outputs = []
+    for b in range(B):
+        for h in range(Hk):
+            v_t = mx.contiguous(values[b, h].T)  # [D, L]: weights @ v as linear(weights, v^T)
+            if mask is None or causal:
+                group_mask = None
+            else:  # [1 or H, T, L] of this sequence -> this key head's query heads
+                m = mask[b if mask.shape[0] > 1 else 0] if mask.ndim == 4 else mask
+                group_mask = m[h * rep : (h + 1) * rep] if m.ndim == 3 and m.shape[0] == H else m
+            parts = []
+            for t in range(0, T, QUERY_BLOCK):  # a block of rows at a time: what its scores take stays in cache
+                u = min(t + QUERY_BLOCK, T)
+                rows = q[b, h * rep : (h + 1) * rep, t:u].reshape(rep * (u - t), D)
+                scores = linear(rows, keys[b, h]).reshape(rep, u - t, L)
+                if causal:  # the queries are the last T of the L positions
+                    scores = mx.where(mx.arange(L - T + t, L - T + u)[:, None] >= mx.arange(L)[None], scores, low)
+                elif group_mask is not None:
+                    scores = mx.where(group_mask[..., t:u, :] if group_mask.shape[-2] > 1 else group_mask, scores, low)
+                # MLX's precise softmax of bfloat16 is this, computing each exp once instead of twice
+                weights = mx.softmax(scores.astype(mx.float32), axis=-1).astype(queries.dtype)
+                parts.append(linear(weights.reshape(rep * (u - t), L), v_t).reshape(rep, u - t, D))
+            outputs.append(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1))
+    return mx.stack(outputs).reshape(B, H, T, D)
+
+
+def _cpu_attention_fits(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask: Any) -> bool:
+    B, H, T, _ = queries.shape
+    Hk, L = keys.shape[1], keys.shape[2]
+    return (queries.dtype == keys.dtype == values.dtype == mx.bfloat16 and not hasattr(cache, "bits")
+            and H % Hk == 0 and H // Hk * T * L >= CPU_ATTENTION_MIN_SCORES
+            and (mask is None or mask == "causal" if isinstance(mask, (str, type(None))) else mask.dtype == mx.bool_))
+
+
+@cache
+def cpu_attention_matches() -> bool:
+    """Whether ``cpu_attention`` gives MLX's own attention's bits here (grouped heads, causal at an offset,
+    a boolean mask, one query): checked once per process before any layer uses it (a later MLX may compute
+    its fallback otherwise: then MLX's own call stays)."""
+    from ..kernels import cpu_linear
+
+    linear = cpu_linear()
+    if linear is None:
+        return False
+    key = mx.random.key(41)
+    with mx.stream(mx.cpu):
+        for B, H, Hk, T, L, mask in ((1, 4, 2, 5, 37, "causal"), (2, 2, 1, 1, 19, None), (2, 2, 2, 3, 11, "bool")):
+            kq, kk, kv, km, key = mx.random.split(key, 5)
+            q = mx.random.normal((B, H, T, 64), key=kq).astype(mx.bfloat16)
+            k = mx.random.normal((B, Hk, L, 64), key=kk).astype(mx.bfloat16)
+            v = mx.random.normal((B, Hk, L, 64), key=kv).astype(mx.bfloat16)
+            m = (mx.random.uniform(shape=(B, 1, T, L), key=km) > 0.3) if mask == "bool" else mask
+            want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=m)
+            got = cpu_attention(linear, q, k, v, 0.125, m)
+            if not mx.array_equal(want.view(mx.uint16), got.view(mx.uint16)).item():
+                return False
+    return True
+
+
 class Attention(Qwen3NextAttention):
     """Qwen3.5 / Qwen3.6 / Qwen3-Next full attention whose verify call can attend row by row.
 
@@ -597,24 +685,34 @@ class Attention(Qwen3NextAttention):
 
     per_row: bool = False  # set by the engine around verify calls only
     per_sequence: bool = False  # batch-invariant batch steps: each sequence alone, as its solo step
+    cpu_linear: Callable[[mx.array, mx.array], mx.array] | None = None  # set by ``use_cpu_kernels``
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask: Any) -> mx.array:
+        """mlx-lm's ``scaled_dot_product_attention``, on exo's CPU kernel where it is set (the same bits)."""
+        if self.cpu_linear is not None and _cpu_attention_fits(queries, keys, values, cache, mask):
+            return cpu_attention(self.cpu_linear, queries, keys, values, self.scale, mask)
+        return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         B, L, _ = x.shape
         if self.per_sequence and B > 1 and isinstance(cache, BatchKVCache):
             return self._per_sequence(x, cache)
-        if not self.per_row or L == 1 or cache is None:
+        if cache is None:
             return super().__call__(x, mask, cache)
+        if not self.per_row or L == 1:
+            if self.cpu_linear is None:
+                return super().__call__(x, mask, cache)
+            queries, keys, values, gate = self._project(x, cache)  # the stock call's, then its attention here
+            output = self.attend(queries, keys, values, cache, mask).transpose(0, 2, 1, 3).reshape(B, L, -1)
+            return self.o_proj(output * mx.sigmoid(gate))
         queries, keys, values, gate = self._project(x, cache)
         before = keys.shape[2] - L
         # A batch's mask (left padding, mlx-lm's BatchKVCache) carries over row by row; alone, a row attends
         # to every key up to itself, which needs none.
         row_mask = mask if isinstance(mask, mx.array) else None
         rows = [
-            scaled_dot_product_attention(
-                queries[:, :, t : t + 1], keys[:, :, : before + t + 1], values[:, :, : before + t + 1],
-                cache=cache, scale=self.scale,
-                mask=row_mask[..., t : t + 1, : before + t + 1] if row_mask is not None else None,
-            )
+            self.attend(queries[:, :, t : t + 1], keys[:, :, : before + t + 1], values[:, :, : before + t + 1],
+                        cache, row_mask[..., t : t + 1, : before + t + 1] if row_mask is not None else None)
             for t in range(L)
         ]
         output = mx.concatenate(rows, axis=2).transpose(0, 2, 1, 3).reshape(B, L, -1)
@@ -649,15 +747,14 @@ class Attention(Qwen3NextAttention):
         for b in range(B):
             q, k, v = queries[b : b + 1], keys[b : b + 1, :, pads[b] :], values[b : b + 1, :, pads[b] :]
             if L == 1:
-                outputs.append(scaled_dot_product_attention(q, k, v, cache=None, scale=self.scale, mask=None))
+                outputs.append(self.attend(q, k, v, None, None))
             elif self.per_row:
                 before = end - pads[b] - L
                 outputs.append(mx.concatenate([
-                    scaled_dot_product_attention(q[:, :, t : t + 1], k[:, :, : before + t + 1], v[:, :, : before + t + 1],
-                                                 cache=None, scale=self.scale, mask=None)
+                    self.attend(q[:, :, t : t + 1], k[:, :, : before + t + 1], v[:, :, : before + t + 1], None, None)
                     for t in range(L)
                 ], axis=2))
             else:
-                outputs.append(scaled_dot_product_attention(q, k, v, cache=None, scale=self.scale, mask="causal"))
+                outputs.append(self.attend(q, k, v, None, "causal"))
         output = mx.concatenate(outputs).transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(output * mx.sigmoid(gate))
