@@ -11,7 +11,9 @@ Then, for MODEL's GatedDeltaNet heads, the recurrence of one layer over B sequen
 a decode step, a batch's step, prompts) by mlx-lm's ``gated_delta_ops`` and by ``kernels.cpu_gated_delta()``,
 with the same check of y and the state; and a prompt's prefill through MODEL's whole forward (``--prefill``
 lengths) with its GatedDeltaNet layers on the kernel and on mlx-lm's ops, alternating, with the same check
-of the hidden states.
+of the hidden states. Then MODEL's attention (``--attention TxL``: T queries over L keys) by MLX's
+``scaled_dot_product_attention`` and by ``layers.cpu_attention`` (its products on the linear kernel), and a
+prefill chunk deep in a prompt (``--chunk-at T@L``) through the whole forward with either, checked the same.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ def main() -> None:
     parser.add_argument("--delta", nargs="*", default=["1x1", "2x1", "8x1", "1x22", "1x512"],
                         help="BxT shapes of the gated delta comparison (none: skip it)")
     parser.add_argument("--prefill", type=int, nargs="*", default=[22, 512], help="prompt lengths (none: skip)")
+    parser.add_argument("--attention", nargs="*", default=["1x1024", "1x8192", "512x8192"],
+                        help="TxL: T queries over L keys, an attention layer of MODEL (none: skip)")
+    parser.add_argument("--chunk-at", nargs="*", default=["512@8192"],
+                        help="T@L: a T-token prefill chunk after L prompt tokens through MODEL's forward (none: skip)")
     args = parser.parse_args()
     linear = kernels.cpu_linear()
     if linear is None:
@@ -86,6 +92,70 @@ def main() -> None:
         gated_delta(engine, args.delta, args.iters)
     if args.prefill:
         prefill(engine, args.prefill)
+    if args.attention or args.chunk_at:
+        attention(engine, args.attention, args.chunk_at)
+
+
+def attention(engine, shapes: list[str], chunks: list[str]) -> None:
+    """MLX's scaled-dot-product attention vs ``layers.cpu_attention`` (its two products on the linear kernel), one
+    layer of MODEL's heads; then whole prefill chunks deep in a prompt with every attention layer on each."""
+    from exo.engine.models.layers import Attention, cpu_attention
+
+    modules = [m for _, m in engine.loaded.model.named_modules() if isinstance(m, Attention) and m.cpu_linear]
+    if not modules:
+        print("\nno attention layer takes the kernel here")
+        return
+    layer = modules[0]
+    h, hk, d = layer.num_attention_heads, layer.num_key_value_heads, layer.head_dim
+    print(f"\nattention, {h} query heads over {hk} key heads of {d}: MLX's vs exo's products, alternating")
+    print(f"{'T x L':>12} {'MLX ms':>9} {'exo ms':>9} {'ratio':>7}  same bits")
+    for shape in shapes:
+        t, length = (int(v) for v in shape.split("x"))
+        key = mx.random.key(t + length)
+        q, k, v = (mx.random.normal(s, key=kk).astype(mx.bfloat16) for s, kk in
+                   zip([(1, h, t, d), (1, hk, length, d), (1, hk, length, d)], mx.random.split(key, 3), strict=True))
+        mask = "causal" if t > 1 else None
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=layer.scale, mask=mask)
+        same = bits_equal(want, cpu_attention(layer.cpu_linear, q, k, v, layer.scale, mask))
+        iters = max(3, min(50, 2_000_000 // (t * length)))
+        t_mlx, t_exo = [], []
+        for _ in range(3):
+            t_mlx += timed(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=layer.scale, mask=mask), iters)  # noqa: B023
+            t_exo += timed(lambda: cpu_attention(layer.cpu_linear, q, k, v, layer.scale, mask), iters)  # noqa: B023
+        m, e = statistics.median(t_mlx) * 1e3, statistics.median(t_exo) * 1e3
+        print(f"{shape:>12} {m:9.2f} {e:9.2f} {m / e:6.2f}x  {same}")
+    if not chunks:
+        return
+    print(f"\na prefill chunk after a prompt's first L tokens, MODEL's whole forward with its {len(modules)} attention "
+          f"layers on MLX's vs exo's products (alternating)")
+    print(f"{'T @ L':>12} {'MLX ms':>9} {'exo ms':>9} {'ratio':>7}  same bits")
+    linear = layer.cpu_linear
+    vocab = engine.loaded.model.text_model.embed_tokens.weight.shape[0]
+    for spec in chunks:
+        t, length = (int(v) for v in spec.split("@"))
+        prompt = mx.random.randint(0, vocab, (1, length + t), key=mx.random.key(length)).astype(mx.uint32)
+        def run(on: bool, prompt=prompt, length=length) -> tuple[float, mx.array]:
+            for m in modules:
+                m.cpu_linear = linear if on else None
+            cache = engine.forward.new_cache()  # the first L tokens, untimed
+            for start in range(0, length, 2048):
+                mx.eval(engine.forward.hidden(prompt[:, start : min(start + 2048, length)], cache), [c.state for c in cache])
+            begin = time.perf_counter()
+            hidden = engine.forward.hidden(prompt[:, length:], cache)
+            mx.eval(hidden, [c.state for c in cache])
+            return time.perf_counter() - begin, hidden
+
+        t_mlx, t_exo, same = [], [], True
+        for _ in range(3):
+            a, x = run(False)
+            b, y = run(True)
+            t_mlx.append(a)
+            t_exo.append(b)
+            same = same and bits_equal(x, y)
+        m, e = statistics.median(t_mlx) * 1e3, statistics.median(t_exo) * 1e3
+        print(f"{spec:>12} {m:9.1f} {e:9.1f} {m / e:6.2f}x  {same}")
+    for m in modules:
+        m.cpu_linear = linear
 
 
 def prefill(engine, lengths: list[int]) -> None:

@@ -602,9 +602,12 @@ def cpu_attention(linear: Callable[[mx.array, mx.array], mx.array], queries: mx.
     mask as the dtype's minimum, a precise softmax, scores v), with the two products on exo's ``linear``
     kernel (``kernels.cpu_linear``: the bits of MLX's product). MLX multiplies bfloat16 there with a scalar
     loop (~5 GFLOP/s on x86-64), so on long contexts attention was most of a prefill chunk's time and grew
-    with every cached token: at 8k keys and 512 queries of exo-demo's shape 533 -> 312 ms a layer, a decode
-    step's 2.0 -> 1.0 ms (bench/prefix_phases.py --attention). The same bits: ``cpu_attention_matches``
+    with every cached token (what a prefix-cache hit still prefills sits after them): exo-demo's layer at 512
+    queries over 8k keys 1010 -> 428 ms, a 512-token chunk after 8k prompt tokens through its whole forward
+    2.40 -> 1.01 s, a decode step's attention at 8k keys 3.5 -> 2.2 ms (``bench/cpu_kernels.py --attention
+    --chunk-at``, bench/results/cpu-2core-attention-2026-11-28.txt). The same bits: ``cpu_attention_matches``
     checks it against MLX's own call before a model uses it, and tests/engine/test_kernels.py on more shapes.
+    The products' work grows with the keys; the softmax between them (MLX's, scalar ``exp``) is now most of it.
 
     queries [B, H, T, D], keys and values [B, Hk, L, D] (H a multiple of Hk: each key head serves H / Hk query
     heads, whose T rows each are stacked into one product); mask None, "causal" or a boolean array that
