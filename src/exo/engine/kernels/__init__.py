@@ -5,7 +5,8 @@ MLX has no SIMD code:
 
 - ``linear``: a bfloat16 ``x @ w.T``, bit-identical to MLX's product and 2.8-4.8x faster on a decode step's
   linear layers at 1-32 rows (bench/cpu_kernels.py); ``linear_packed`` the same product from w packed once
-  (``pack_linear``) so that a call transposes nothing, what the engine's layers use;
+  (``pack_linear``) so that a call transposes nothing, what the engine's layers use; attention's two products
+  run on ``linear`` too (``models.layers.cpu_attention``);
 - ``silu``: ``nn.silu`` and mlx-lm's ``swiglu`` for bfloat16 as MLX's compiled kernels compute them (the same
   bits for every input), vectorised with FMA where MLX's call libm's ``fmaf`` per coefficient of its exp;
 - ``gated_delta``: the GatedDeltaNet recurrence of mlx-lm's ``gated_delta_ops`` (its compiled step, row after
