@@ -56,6 +56,24 @@ def test_a_damaged_file_is_a_miss_and_is_removed(tmp_path, damage):
     assert tier.counts.corrupt == 1
 
 
+def test_running_out_of_memory_while_reading_keeps_the_file(tmp_path, monkeypatch):
+    """A read that runs out of memory says so (the cache counts it as a failed lookup); the file is sound, so
+    it stays and is read the next time."""
+    tier = DiskTier(tmp_path, 1 << 20)
+    arrays = _entry(5)
+    tier.put("ns/b-5", prepare(arrays))
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError
+
+    with monkeypatch.context() as m:
+        m.setattr("exo.runner.prefix_store.np.frombuffer", no_memory)  # the outer edge: the process's memory
+        with pytest.raises(MemoryError):
+            tier.get("ns/b-5")
+    assert tier._path("ns/b-5").exists() and tier.counts.corrupt == 0
+    assert _equal(tier.get("ns/b-5"), arrays)
+
+
 def test_disk_budget_least_recently_used_out_and_restart(tmp_path):
     size = DiskTier(tmp_path / "probe", 1 << 30)
     size.put("a", prepare(_entry(0)))

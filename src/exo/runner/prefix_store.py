@@ -112,7 +112,7 @@ def read_entry(path: Path) -> Arrays:
             a = mx.array(values)
             out[name] = a.view(mx.bfloat16) if mlx_dtype == mx.bfloat16 else a
         return out
-    except (CorruptEntry, FileNotFoundError):
+    except (CorruptEntry, FileNotFoundError, MemoryError):  # (out of memory: the file may well be sound)
         raise
     except Exception as e:  # noqa: BLE001 - truncated, garbled, unreadable: all the same to a cache
         raise CorruptEntry(f"{path.name}: {type(e).__name__}: {e}") from e
