@@ -74,6 +74,16 @@ def test_running_out_of_memory_while_reading_keeps_the_file(tmp_path, monkeypatc
     assert _equal(tier.get("ns/b-5"), arrays)
 
 
+def test_a_stray_file_in_the_cache_directory_is_never_a_snapshot(tmp_path):
+    """A restarted cache lists the snapshots on disk by their names; a file it did not write (named like one)
+    is skipped, not a crash at startup."""
+    tier = DiskTier(tmp_path, 1 << 20)
+    tier.put("ns/s-300-abc", prepare(_entry(6)))
+    tier.put("ns/s-bogus", prepare(_entry(7)))
+    cache = pc.PrefixCache(TieredStore(1 << 20, tier), "ns")
+    assert cache._lengths == {300} and cache.stats.failures == 0
+
+
 def test_disk_budget_least_recently_used_out_and_restart(tmp_path):
     size = DiskTier(tmp_path / "probe", 1 << 30)
     size.put("a", prepare(_entry(0)))

@@ -333,9 +333,17 @@ class PrefixCache:
         self._recent: OrderedDict[str, int] = OrderedDict()
         self._recent_keys: OrderedDict[int, None] = OrderedDict()
         self._summary_lock = threading.Lock()
-        for key in store.keys():
+        try:
+            held = store.keys()
+        except Exception as e:  # noqa: BLE001 - an unreadable store starts empty, as a cache may
+            self.note_failure("listing what the store holds", e)
+            held = []
+        for key in held:
             if key.startswith(f"{ns}/s-"):
-                p = int(key.split("-", 2)[1])
+                try:
+                    p = int(key.split("-", 2)[1])
+                except ValueError:  # not a snapshot this cache wrote (a stray file): never restored
+                    continue
                 self._lengths.add(p)
                 self._note(key[len(ns) + 1 :], p)
 
