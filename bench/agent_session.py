@@ -125,8 +125,7 @@ class Server:
         self.model_id = httpx.get(self.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         # The first request loads the model (and warms it) if --model did not already. A long prompt that
         # shares no prefix with the session (a new one per start, so the cache holds none of it): a backend
-        # that compiles kernels on first use (MLX CUDA) does so here, not in the session's first turn; on the
-        # GPU a "hi" left ~45 s of that in whichever server got turn 1 first.
+        # that compiles kernels on first use (MLX CUDA) does so here, not in the session's first turn.
         self.chat([{"role": "user", "content": self.warm_texts.pop(0) if self.warm_texts else "hi"}], 4)
 
     @property
