@@ -97,5 +97,6 @@ def test_prompt_cache_key_is_never_an_error_and_groups_the_entries(make_server, 
     engine = server.service._engines[server.model]
     summary = engine.prefix_cache.summary()
     assert set(summary.keys) == {pc.key_hash(k) for k in ("session-1", "k" * 5000, "42", '{"conversation": 7}')}
-    groups = {unit[1] for unit in engine.prefix_cache.store.ram._units if unit[0] == "g"}
+    ram = engine.prefix_cache.store.ram
+    groups = {ram.group_of(key) for key in ram.keys()}
     assert f"{pc.key_hash('session-1'):016x}" in groups

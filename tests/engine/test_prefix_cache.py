@@ -355,13 +355,13 @@ def test_a_requests_prompt_cache_key_groups_its_entries(checkpoint):
     p1, p2 = _prompt(warm, TURN1), _prompt(warm, TURN2)
     _complete(warm, p1, cache_key="session-1", native_mtp="off")
     store = warm.prefix_cache.store
-    group = ("g", f"{pc.key_hash('session-1'):016x}")
-    assert set(store._units) == {group} and len(store._units[group]) == len(store)
+    assert len(store.keys()) == len(store) > 0
+    assert {store.group_of(key) for key in store.keys()} == {f"{pc.key_hash('session-1'):016x}"}
     assert warm.prefix_cache.summary().keys == (pc.key_hash("session-1"),)
     hit = _complete(warm, p2, cache_key="session-2", native_mtp="off")  # restored entries move to its key
     assert hit.stats.cached_tokens > 0
     _same(hit, _complete(cold, p2, native_mtp="off"))
-    assert ("g", f"{pc.key_hash('session-2'):016x}") in store._units
+    assert f"{pc.key_hash('session-2'):016x}" in {store.group_of(key) for key in store.keys()}
 
 
 def test_only_a_run_that_feeds_the_head_stores_the_last_hidden(checkpoint):

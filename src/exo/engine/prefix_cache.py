@@ -96,34 +96,38 @@ def nbytes(arrays: Arrays) -> int:
     return sum(a.nbytes for a in arrays.values())
 
 
-class MemoryStore:
-    """Entries in memory, least recently used out first once ``budget_bytes`` is exceeded.
+class GroupedOrder:
+    """Keys and their sizes in least-recently-used order, by unit: the keys used with a ``group`` (a hash of
+    a request's ``prompt_cache_key``) are one unit, whose recency is its last use, and a key used without
+    one is a unit of its own. Both tiers keep their entries in one (``MemoryStore``, and the disk tier's
+    ``exo.runner.prefix_store.DiskTier``); their owner holds the lock."""
 
-    Entries stored or read with a ``group`` (a hash of the request's ``prompt_cache_key``) are kept and
-    dropped together: the group is one unit of the LRU order (its recency: its last use), and evicting it
-    drops all its entries (a conversation's blocks and snapshots are worth little apart: a snapshot
-    restores only with every block before it). An entry belongs to the group that used it last; entries
-    used without a group are units of their own (plain LRU)."""
-
-    def __init__(self, budget_bytes: int) -> None:
-        self.budget_bytes = budget_bytes
-        self._entries: dict[str, Arrays] = {}
-        self._sizes: dict[str, int] = {}
-        # unit -> its entries (least recent first); a unit is ("g", group) or ("k", key) for an ungrouped entry
+    def __init__(self) -> None:
+        self.sizes: dict[str, int] = {}
+        # unit -> its keys (least recent first), units least recent first; a unit is ("g", group) or ("k", key)
         self._units: OrderedDict[tuple[str, str], OrderedDict[str, None]] = OrderedDict()
         self._unit_of: dict[str, tuple[str, str]] = {}
         self.bytes = 0
-        self.evictions = 0
-        self._lock = threading.Lock()
 
-    def _touch(self, key: str, group: str | None) -> None:
-        unit = ("g", group) if group else self._unit_of.get(key, ("k", key))
+    def __contains__(self, key: str) -> bool:
+        return key in self._unit_of
+
+    def __len__(self) -> int:
+        return len(self._unit_of)
+
+    def keys(self) -> list[str]:
+        return [key for members in self._units.values() for key in members]
+
+    def group(self, key: str) -> str | None:
+        unit = self._unit_of.get(key)
+        return unit[1] if unit is not None and unit[0] == "g" else None
+
+    def use(self, key: str, size: int, group: str | None) -> None:
+        """``key`` (``size`` bytes) is the most recently used, in ``group``'s unit (None: a unit of its own)."""
+        unit = ("g", group) if group else ("k", key)
         old = self._unit_of.get(key)
         if old is not None and old != unit:
-            members = self._units[old]
-            members.pop(key, None)
-            if not members:
-                del self._units[old]
+            self._leave(key, old)
         members = self._units.get(unit)
         if members is None:
             members = self._units[unit] = OrderedDict()
@@ -131,21 +135,56 @@ class MemoryStore:
         members.move_to_end(key)
         self._units.move_to_end(unit)
         self._unit_of[key] = unit
+        self.bytes += size - self.sizes.get(key, 0)
+        self.sizes[key] = size
 
-    def _drop(self, key: str) -> None:
-        del self._entries[key]
-        self.bytes -= self._sizes.pop(key)
-        unit = self._unit_of.pop(key)
+    def forget(self, key: str) -> str | None:
+        """``key`` out of the order (no error if absent); returns the group it was in."""
+        unit = self._unit_of.pop(key, None)
+        if unit is None:
+            return None
+        self._leave(key, unit)
+        self.bytes -= self.sizes.pop(key)
+        return unit[1] if unit[0] == "g" else None
+
+    def _leave(self, key: str, unit: tuple[str, str]) -> None:
         members = self._units[unit]
         members.pop(key, None)
         if not members:
             del self._units[unit]
 
+    def victims(self) -> tuple[str | None, list[str]]:
+        """What to evict next and its group: the least recent unit whole, or, where it is the only one left (the
+        one in use), its oldest key."""
+        unit, members = next(iter(self._units.items()))
+        return (unit[1] if unit[0] == "g" else None), list(members) if len(self._units) > 1 else [next(iter(members))]
+
+
+class MemoryStore:
+    """Entries in memory, least recently used out first once ``budget_bytes`` is exceeded.
+
+    Entries stored or read with a ``group`` (a hash of the request's ``prompt_cache_key``) are kept and
+    dropped together: the group is one unit of the LRU order (its recency: its last use), and evicting it
+    drops all its entries (a conversation's blocks and snapshots are worth little apart: a snapshot
+    restores only with every block before it). An entry belongs to the group that used it last; entries
+    used without a group are units of their own (plain LRU); ``GroupedOrder`` keeps the order."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self._entries: dict[str, Arrays] = {}
+        self._order = GroupedOrder()
+        self.evictions = 0
+        self._lock = threading.Lock()
+
+    @property
+    def bytes(self) -> int:
+        return self._order.bytes
+
     def get(self, key: str, group: str | None = None) -> Arrays | None:
         with self._lock:
             arrays = self._entries.get(key)
-            if arrays is not None:
-                self._touch(key, group)
+            if arrays is not None:  # (read without a group: it stays in its own)
+                self._order.use(key, self._order.sizes[key], group or self._order.group(key))
             return arrays
 
     def has(self, key: str) -> bool:
@@ -153,35 +192,37 @@ class MemoryStore:
 
     def keys(self) -> list[str]:
         with self._lock:
-            return [key for members in self._units.values() for key in members]
+            return self._order.keys()
+
+    def group_of(self, key: str) -> str | None:
+        """The group ``key`` belongs to (None: none, or not held)."""
+        with self._lock:
+            return self._order.group(key)
 
     def put(self, key: str, arrays: Arrays, group: str | None = None) -> list[str]:
         """Returns the keys evicted to make room."""
         size = nbytes(arrays)
         evicted: list[str] = []
         with self._lock:
-            if key in self._entries:
-                self._drop(key)
             if size > self.budget_bytes:
+                self._drop(key)
                 return evicted
             self._entries[key] = arrays
-            self._sizes[key] = size
-            self.bytes += size
-            self._touch(key, group)
-            while self.bytes > self.budget_bytes:
-                _, members = next(iter(self._units.items()))
-                # The least recent unit goes whole; the one in use (the only one left) loses its oldest entries.
-                victims = list(members) if len(self._units) > 1 else [next(iter(members))]
-                for old in victims:
+            self._order.use(key, size, group)  # (stored without a group: an entry of its own)
+            while self._order.bytes > self.budget_bytes:
+                for old in self._order.victims()[1]:
                     self._drop(old)
                     self.evictions += 1
                     evicted.append(old)
         return evicted
 
+    def _drop(self, key: str) -> None:
+        self._entries.pop(key, None)
+        self._order.forget(key)
+
     def remove(self, key: str) -> None:
         with self._lock:
-            if key in self._entries:
-                self._drop(key)
+            self._drop(key)
 
     def __len__(self) -> int:
         return len(self._entries)

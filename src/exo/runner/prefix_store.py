@@ -19,7 +19,6 @@ import re
 import struct
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from exo.engine.prefix_cache import Arrays, MemoryStore, PrefixCache, message_starts, namespace
+from exo.engine.prefix_cache import Arrays, GroupedOrder, MemoryStore, PrefixCache, message_starts, namespace
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +148,7 @@ class DiskTier:
         self.root = root
         self.budget_bytes = budget_bytes
         root.mkdir(parents=True, exist_ok=True)
-        self._sizes: dict[str, int] = {}
-        # unit -> its entries (least recent first), units least recent first; a unit is ("g", group token)
-        # or ("k", key) for an ungrouped entry (MemoryStore's order, over files)
-        self._units: OrderedDict[tuple[str, str], OrderedDict[str, None]] = OrderedDict()
-        self._unit_of: dict[str, tuple[str, str]] = {}
-        self.bytes = 0
+        self._order = GroupedOrder()  # groups by their tokens (as the markers' names carry them)
         self.counts = TierCounts()
         self.rescan_s = RESCAN_S
         self._scanned = 0.0
@@ -190,45 +184,14 @@ class DiskTier:
                 if now - mtime_ns / 1e9 > STALE_MARKER_S:
                     f.unlink(missing_ok=True)
         with self._lock:
-            self._sizes, self._units, self._unit_of, self.bytes = {}, OrderedDict(), {}, 0
+            self._order = GroupedOrder()
             for _, key, size in sorted(found):
-                self._index(key, size, groups.get(key))
+                self._order.use(key, size, groups.get(key))
             self._scanned = time.monotonic()
 
-    def _index(self, key: str, size: int, group: str | None) -> None:
-        """(Under the lock.) ``key`` as the most recently used entry, in ``group``'s unit (None: its own)."""
-        unit = ("g", group) if group else ("k", key)
-        old = self._unit_of.get(key)
-        if old is not None and old != unit:
-            self._leave(key, old)
-        members = self._units.get(unit)
-        if members is None:
-            members = self._units[unit] = OrderedDict()
-        members[key] = None
-        members.move_to_end(key)
-        self._units.move_to_end(unit)
-        self._unit_of[key] = unit
-        self.bytes += size - self._sizes.get(key, 0)
-        self._sizes[key] = size
-
-    def _leave(self, key: str, unit: tuple[str, str]) -> None:
-        members = self._units[unit]
-        members.pop(key, None)
-        if not members:
-            del self._units[unit]
-
-    def _forget(self, key: str) -> str | None:
-        """(Under the lock.) ``key`` out of the index; returns the group it was in."""
-        unit = self._unit_of.pop(key, None)
-        if unit is None:
-            return None
-        self._leave(key, unit)
-        self.bytes -= self._sizes.pop(key)
-        return unit[1] if unit[0] == "g" else None
-
-    def _group(self, key: str) -> str | None:
-        unit = self._unit_of.get(key)
-        return unit[1] if unit is not None and unit[0] == "g" else None
+    @property
+    def bytes(self) -> int:
+        return self._order.bytes
 
     def _path(self, key: str) -> Path:
         return self.root / (_stem(key) + SUFFIX)
@@ -250,16 +213,16 @@ class DiskTier:
             log.warning("prefix cache: cannot group %s: %s", key, e)
 
     def has(self, key: str) -> bool:
-        return key in self._unit_of or self._path(key).is_file()  # (written by another instance since the scan)
+        return key in self._order or self._path(key).is_file()  # (written by another instance since the scan)
 
     def keys(self) -> list[str]:
         with self._lock:
-            return [key for members in self._units.values() for key in members]
+            return self._order.keys()
 
     def group_of(self, key: str) -> str | None:
         """The group (as a file name carries it: ``group_token``) ``key`` belongs to in this index."""
         with self._lock:
-            return self._group(key)
+            return self._order.group(key)
 
     def get(self, key: str, group: str | None = None) -> Arrays | None:
         """The entry's arrays (None: a miss); ``group``: the using request's, which the entry joins."""
@@ -268,7 +231,7 @@ class DiskTier:
             arrays = read_entry(path)
         except FileNotFoundError:  # never written, or deleted by another instance: a miss like any other
             with self._lock:
-                self._forget(key)
+                self._order.forget(key)
                 self.counts.misses += 1
             return None
         except CorruptEntry as e:
@@ -295,12 +258,12 @@ class DiskTier:
             size = None  # gone meanwhile: the index forgets it
         token = group_token(group) if group else None
         with self._lock:
-            old = self._group(key)
+            old = self._order.group(key)
             if size is None:
-                self._forget(key)
+                self._order.forget(key)
                 return
             new = token or old
-            self._index(key, size, new)
+            self._order.use(key, size, new)
         self._regroup(key, old, new)
 
     def put(self, key: str, prepared: Prepared, group: str | None = None) -> None:
@@ -313,14 +276,14 @@ class DiskTier:
             return
         token = group_token(group) if group else None
         with self._lock:
-            old = self._group(key)
-            self._index(key, size, token)  # (stored without a group: an entry of its own, as in RAM)
+            old = self._order.group(key)
+            self._order.use(key, size, token)  # (stored without a group: an entry of its own, as in RAM)
         self._regroup(key, old, token)  # (after the entry: a marker never names a file not yet there)
         self._evict()
 
     def remove(self, key: str) -> None:
         with self._lock:
-            group = self._forget(key)
+            group = self._order.forget(key)
         self._path(key).unlink(missing_ok=True)
         if group is not None:
             self._marker(key, group).unlink(missing_ok=True)
@@ -330,18 +293,17 @@ class DiskTier:
             self._scan()  # what other instances wrote or deleted meanwhile
         while True:
             with self._lock:
-                if self.bytes <= self.budget_bytes or not self._units:
+                if self.bytes <= self.budget_bytes or not len(self._order):
                     return
-                unit, members = next(iter(self._units.items()))
                 # The least recent unit goes whole; the one in use (the only one left) loses its oldest entries.
-                victims = list(members) if len(self._units) > 1 else [next(iter(members))]
+                group, victims = self._order.victims()
                 for key in victims:
-                    self._forget(key)
+                    self._order.forget(key)
                     self.counts.evictions += 1
             for key in victims:
                 self._path(key).unlink(missing_ok=True)
-                if unit[0] == "g":
-                    self._marker(key, unit[1]).unlink(missing_ok=True)
+                if group is not None:
+                    self._marker(key, group).unlink(missing_ok=True)
 
 
 def group_token(group: str) -> str:
