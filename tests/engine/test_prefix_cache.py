@@ -616,3 +616,11 @@ def test_a_store_that_raises_is_a_miss_never_a_failed_request(checkpoint, caplog
     metrics = Metrics()
     metrics.record_generation("m", hit.finish_reason, hit.stats)
     assert 'exo_prefix_cache_failures{model="m"} 7.0' in metrics.render().decode()
+    # ... and the runner's status carries it to the cluster's views (the dashboard's node card)
+    from exo.cluster.views import prefix_cache_json
+    from exo.runner.service import prefix_cache_figures
+    from exo.wire.proto_gen import node_pb2 as pb
+
+    figures = prefix_cache_figures(warm)
+    assert figures.failures == 7
+    assert prefix_cache_json([pb.Instance(prefix_cache=figures), pb.Instance(prefix_cache=figures)])["failures"] == 14

@@ -62,6 +62,7 @@ describe("NodeCard", () => {
         disk_budget_bytes: 16 * GB,
         ram_evictions: 0,
         disk_evictions: 0,
+        failures: 0,
       }),
     );
     const line = html.match(/<p[^>]*aria-label="Prefix cache"[^>]*>([\s\S]*?)<\/p>/)?.[1] ?? "";
@@ -70,6 +71,17 @@ describe("NodeCard", () => {
     expect(text).toContain("RAM 26.0 MB / 2.00 GB");
     expect(text).toContain("disk 28.0 MB / 16.0 GB");
     expect(line).toContain("33400 of 40000 prompt tokens restored; 11 of 12 requests hit");
+  });
+
+  it("shows the prefix cache's failures, only when there were some", () => {
+    const figures = {
+      lookups: 3, hits: 1, prompt_tokens: 900, cached_tokens: 300, token_hit_rate: 0.333, ram_bytes: MB,
+      ram_budget_bytes: GB, disk_bytes: 0, disk_budget_bytes: 0, ram_evictions: 0, disk_evictions: 0,
+    };
+    const line = (html: string) =>
+      (html.match(/<p[^>]*aria-label="Prefix cache"[^>]*>([\s\S]*?)<\/p>/)?.[1] ?? "").replace(/<[^>]*>/g, "");
+    expect(line(renderCard(node({ ...figures, failures: 2 })))).toContain("2 failures");
+    expect(line(renderCard(node({ ...figures, failures: 0 })))).not.toContain("failure");
   });
 
   it("shows no prefix cache line for a node without one", () => {

@@ -48,6 +48,8 @@ export interface PrefixCacheView {
   disk_budget_bytes: number;
   ram_evictions: number;
   disk_evictions: number;
+  /** calls on the cache that raised (out of memory or disk, an unreadable entry): each only a miss */
+  failures: number;
 }
 
 export interface LinkView {

@@ -587,7 +587,7 @@ class PrefixSummary(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., block_tokens: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., hashes: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefixCacheFigures(_message.Message):
-    __slots__ = ("lookups", "hits", "prompt_tokens", "cached_tokens", "ram_bytes", "ram_budget_bytes", "disk_bytes", "disk_budget_bytes", "ram_evictions", "disk_evictions")
+    __slots__ = ("lookups", "hits", "prompt_tokens", "cached_tokens", "ram_bytes", "ram_budget_bytes", "disk_bytes", "disk_budget_bytes", "ram_evictions", "disk_evictions", "failures")
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -598,6 +598,7 @@ class PrefixCacheFigures(_message.Message):
     DISK_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     RAM_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     DISK_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
     lookups: int
     hits: int
     prompt_tokens: int
@@ -608,4 +609,5 @@ class PrefixCacheFigures(_message.Message):
     disk_budget_bytes: int
     ram_evictions: int
     disk_evictions: int
-    def __init__(self, lookups: _Optional[int] = ..., hits: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., ram_bytes: _Optional[int] = ..., ram_budget_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_budget_bytes: _Optional[int] = ..., ram_evictions: _Optional[int] = ..., disk_evictions: _Optional[int] = ...) -> None: ...
+    failures: int
+    def __init__(self, lookups: _Optional[int] = ..., hits: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., ram_bytes: _Optional[int] = ..., ram_budget_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_budget_bytes: _Optional[int] = ..., ram_evictions: _Optional[int] = ..., disk_evictions: _Optional[int] = ..., failures: _Optional[int] = ...) -> None: ...
