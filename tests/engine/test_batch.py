@@ -40,10 +40,11 @@ def _solo(engine: Engine, request: GenerationRequest):
     return engine.complete(dataclasses.replace(request, native_mtp="off"))
 
 
-def _run_batch(engine: Engine, requests, join_at=None, cancel=None, lanes=None):
+def _run_batch(engine: Engine, requests, join_at=None, cancel=None, lanes=None, check=False):
     """Decode ``requests`` in one batch: request i joins before step ``join_at[i]``; ``cancel``: {i: step}
     ends request i from that step on. Returns per request (token ids, text, finish reason, stats).
-    ``lanes``: a ``BatchLanes`` of that many lanes, as the device queue decodes a batch."""
+    ``lanes``: a ``BatchLanes`` of that many lanes, as the device queue decodes a batch; ``check``: the
+    batch's invariants checked after every step."""
     join_at = join_at or [0] * len(requests)
     cancel = cancel or {}
     batch = BatchDecoder(engine) if lanes is None else BatchLanes(engine, lanes)
@@ -79,6 +80,8 @@ def _run_batch(engine: Engine, requests, join_at=None, cancel=None, lanes=None):
         for run, chunks in batch.step():
             for chunk in chunks:
                 take(index[id(run)], chunk)
+        if check and len(batch):
+            batch.check_invariants()
         clock[0] += 1
     return {i: (tokens, "".join(text), finish, stats) for i, (tokens, text, finish, stats) in out.items()}
 

@@ -20,6 +20,8 @@ from exo.engine.batch import BatchDecoder
 from exo.engine.constraints import ConstraintSpec
 from exo.metrics import Metrics
 
+from .test_batch import _run_batch
+
 BLOCK = 16
 CHUNK = 24  # prefill chunks that do not line up with the blocks
 ARCHS = ["qwen3_5", "qwen3_5_moe", "qwen3_6_moe", "qwen3_next"]
@@ -419,22 +421,10 @@ def test_a_reply_decoded_in_a_batch_is_stored_from_its_row(checkpoint, mtp_k):
     path = checkpoint("qwen3_5", dtype="float32")
     warm, cold = _engine(path, cached=True), _engine(path, cached=False)
     p1, p3 = _prompt(warm, TURN1), _prompt(warm, OTHER)
-    batch = BatchDecoder(warm)
-    tokens: dict[int, list[int]] = {}
-    runs = {}
     # Different prompt lengths and budgets: the rows are padded differently and leave at different steps.
-    for i, (prompt, budget) in enumerate(((p3, REPLY_TOKENS - 13), (p1, REPLY_TOKENS))):
-        run = warm.start(GenerationRequest(prompt, max_tokens=budget, sampling=SamplingParams(temperature=0.0),
-                                           mtp_k=mtp_k))
-        tokens[i] = [t for chunk in run.begin() if chunk is not None for t in chunk.token_ids]
-        runs[id(run)] = i
-        batch.add(run)
-    while len(batch):
-        for run, chunks in batch.step():
-            for chunk in chunks:
-                tokens[runs[id(run)]].extend(chunk.token_ids)
-        if len(batch):
-            batch.check_invariants()
+    requests = [GenerationRequest(prompt, max_tokens=budget, sampling=SamplingParams(temperature=0.0), mtp_k=mtp_k)
+                for prompt, budget in ((p3, REPLY_TOKENS - 13), (p1, REPLY_TOKENS))]
+    tokens = {i: out[0] for i, out in _run_batch(warm, requests, check=True).items()}
     assert len(_output_lengths(warm, p3)) >= 1 and len(tokens[1]) == REPLY_TOKENS
     text = warm.loaded.tokenizer.decode(tokens[1])
     p2 = _next_turn(warm, text)

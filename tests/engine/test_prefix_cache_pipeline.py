@@ -20,6 +20,7 @@ from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, 
 from exo.engine import pipeline as pl
 from exo.engine import prefix_cache as pc
 
+from .test_batch import _run_batch
 from .test_pipeline import _QueueLink
 from .test_prefix_cache import FailingStore
 
@@ -254,26 +255,15 @@ def test_a_pipelined_next_turn_restores_through_the_reply(checkpoint, pipeline, 
 
 
 def test_a_pipelined_batch_member_stores_its_reply_from_its_row(checkpoint, pipeline):
-    from exo.engine.batch import BatchDecoder
 
     path, split = _path(checkpoint, "qwen3_5")
     pipe = pipeline(path, split)
     warm, single = pipe.engine, _single(path)
     p1, p3 = _prompt(single, TURN1), _prompt(single, OTHER)
-    batch = BatchDecoder(warm)
-    tokens: dict[int, list[int]] = {}
-    runs = {}
     # p1's member ends first (its row is stored, then filtered out); p3's ends last (the batch's end).
-    for i, (prompt, budget) in enumerate(((p1, REPLY_TOKENS), (p3, REPLY_TOKENS + 13))):
-        run = warm.start(GenerationRequest(prompt, max_tokens=budget, sampling=SamplingParams(temperature=0.0),
-                                           native_mtp="off"))
-        tokens[i] = [t for chunk in run.begin() if chunk is not None for t in chunk.token_ids]
-        runs[id(run)] = i
-        batch.add(run)
-    while len(batch):
-        for run, chunks in batch.step():
-            for chunk in chunks:
-                tokens[runs[id(run)]].extend(chunk.token_ids)
+    requests = [GenerationRequest(prompt, max_tokens=budget, sampling=SamplingParams(temperature=0.0), native_mtp="off")
+                for prompt, budget in ((p1, REPLY_TOKENS), (p3, REPLY_TOKENS + 13))]
+    tokens = {i: out[0] for i, out in _run_batch(warm, requests).items()}
     assert len(tokens[0]) == REPLY_TOKENS and len(tokens[1]) == REPLY_TOKENS + 13
     pipe.forward.memory_rates()  # (a round trip: stage 0 has applied what the last message carried)
     for prompt in (p1, p3):
