@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-import functools
 import json
 
 import pytest
 
 from exo.cards import bundled_model_dir, load_catalog
 from exo.cli.main import main
-from exo.engine import Engine, EngineConfig, GenerationRequest, load, load_checkpoint
+from exo.engine import Engine, GenerationRequest, load
 from exo.engine.loader import inspect_head, read_config
+from tests.fixtures.engines import fresh_engine
 
 CODE_PROMPTS = ("def fibonacci(n):", "import os\n", "class Stack:\n    def __init__(self):\n")
 
 
-@functools.cache
 def _engine(name: str) -> Engine:
-    return Engine(load_checkpoint(bundled_model_dir(name)), EngineConfig(prefill_chunk=16))
+    return fresh_engine(bundled_model_dir(name), prefill_chunk=16)
 
 
 @pytest.mark.parametrize("name", ["exo-demo", "exo-demo-moe"])

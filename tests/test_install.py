@@ -128,4 +128,5 @@ def test_ci_goes_on_with_a_recent_enough_node_to_the_readme_command(tmp_path: Pa
         "python3 -m venv .venv",
         '.venv/bin/pip install -e .[dev] -c constraints.txt',
         ".venv/bin/python -m pytest -q",
+        ".venv/bin/python -m pytest -q -m arithmetic",  # (with EXO_CPU_KERNELS_ISA=avx2)
     ]

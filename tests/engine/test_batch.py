@@ -4,7 +4,6 @@ exactly its solo output (greedy, seeded sampling, penalties, stops), whatever el
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import pytest
 from mlx_lm.models.cache import BatchKVCache
@@ -12,6 +11,7 @@ from mlx_lm.models.cache import BatchKVCache
 from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, load_checkpoint
 from exo.engine.batch import BatchDecoder, BatchLanes, default_lanes
 from exo.engine.models import layers
+from tests.fixtures.engines import fresh_engine
 
 CHUNK = 8  # small prefill chunks: prompts cross chunk boundaries
 TEXTS = (
@@ -23,12 +23,8 @@ TEXTS = (
 )
 
 
-@functools.cache
 def _engine(path, eos: bool = False) -> Engine:
-    loaded = load_checkpoint(path)
-    if not eos:  # every generation runs its whole budget: fixed-length comparisons
-        loaded = dataclasses.replace(loaded, eos_token_ids=frozenset())
-    return Engine(loaded, EngineConfig(prefill_chunk=CHUNK))
+    return fresh_engine(path, eos, prefill_chunk=CHUNK)  # (eos False: every generation runs its whole budget)
 
 
 def _request(engine: Engine, i: int, **fields) -> GenerationRequest:

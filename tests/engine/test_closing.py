@@ -18,28 +18,28 @@ from hypothesis import strategies as st
 
 from exo.api.tools import ToolCallParser
 from exo.cards import bundled_model_dir
-from exo.engine import Engine, GenerationRequest, SamplingParams, load_checkpoint
+from exo.engine import Engine, GenerationRequest, SamplingParams
 from exo.engine.constraints import ConstraintSpec, ToolSpec
 from exo.engine.prompt import tokenize
+from tests.fixtures.engines import fresh_engine, loaded_model
 from tests.fixtures.schemas import BOUNDED, parameters
 
 FIVE = {"type": "object", "properties": {k: {"type": "string"} for k in ("first", "second", "third", "fourth", "fifth")},
         "required": ["first", "second", "third", "fourth", "fifth"]}
 
 
-@functools.cache
 def _engine() -> Engine:
-    return Engine(load_checkpoint(bundled_model_dir("exo-demo")))
+    return fresh_engine(bundled_model_dir("exo-demo"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def demo() -> Engine:
     return _engine()
 
 
 @functools.cache
 def _prompt(text: str) -> list[int]:
-    return tokenize(_engine().loaded.tokenizer, messages=[{"role": "user", "content": text}])
+    return tokenize(loaded_model(bundled_model_dir("exo-demo")).tokenizer, messages=[{"role": "user", "content": text}])
 
 
 def _check(spec: ConstraintSpec, text: str) -> None:

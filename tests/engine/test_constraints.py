@@ -9,7 +9,6 @@ full forward pass of the emitted sequence, and the same with MTP on and off.
 
 from __future__ import annotations
 
-import functools
 import json
 
 import jsonschema
@@ -19,10 +18,11 @@ import pytest
 from scipy.stats import chi2_contingency, chisquare
 
 from exo.cards import bundled_model_dir
-from exo.engine import Engine, GenerationRequest, SamplingParams, load_checkpoint
+from exo.engine import Engine, GenerationRequest, SamplingParams
 from exo.engine.constraints import ConstraintSpec, ToolSpec, compile_grammar
 from exo.engine.prompt import tokenize
 from exo.engine.sampling import filtered_logprobs
+from tests.fixtures.engines import fresh_engine
 
 WEATHER = {
     "type": "object",
@@ -48,9 +48,8 @@ SCHEMA = ConstraintSpec(json_schema=PERSON)
 PROMPTS = ("What is the weather in Paris?", "Tell me something.")
 
 
-@functools.cache
 def _engine(path) -> Engine:
-    return Engine(load_checkpoint(path))
+    return fresh_engine(path)
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,6 @@ layer the same whoever runs it), at every depth and adaptive, across the prefill
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
-import functools
 import json
 import os
 import queue
@@ -20,8 +18,9 @@ import numpy as np
 import pytest
 from scipy.stats import chi2_contingency
 
-from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, load_checkpoint
+from exo.engine import Engine, GenerationRequest, SamplingParams, load_checkpoint
 from exo.runner.local_pipeline import run_local_pipeline
+from tests.fixtures.engines import fresh_engine
 
 CHUNK = 8
 PROMPT_LENGTHS = (1, CHUNK - 1, CHUNK, 2 * CHUNK + 3)
@@ -35,12 +34,8 @@ def run_pipeline(tmp_path: Path, model: Path, stages: list[list[int]], requests:
     return run_local_pipeline(model, [tuple(s) for s in stages], requests, prefill_chunk=CHUNK, timeout_s=240)
 
 
-@functools.cache
 def _single_node(path: Path, ignore_eos: bool) -> Engine:
-    loaded = load_checkpoint(path)
-    if ignore_eos:
-        loaded = dataclasses.replace(loaded, eos_token_ids=frozenset())
-    return Engine(loaded, EngineConfig(prefill_chunk=CHUNK))
+    return fresh_engine(path, eos=not ignore_eos, prefill_chunk=CHUNK)
 
 
 def _prompt(engine: Engine, length: int) -> list[int]:

@@ -10,7 +10,6 @@ and leaves the others exact."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import queue
 import threading
 
@@ -23,6 +22,7 @@ from exo.engine import pipeline as pipeline_module
 from exo.engine.adaptive import DepthCosts
 from exo.engine.batch import BatchDecoder, BatchLanes
 from exo.runner.device import pipeline_failed
+from tests.fixtures.engines import fresh_engine
 
 from .test_batch import CHUNK, TEXTS, _solo
 from .test_pipeline import _QueueLink
@@ -121,12 +121,8 @@ def pipelined(checkpoint):
         pipe.close()
 
 
-@functools.cache
 def _whole(path, eos: bool = False) -> Engine:
-    loaded = load_checkpoint(path)
-    if not eos:
-        loaded = dataclasses.replace(loaded, eos_token_ids=frozenset())
-    return Engine(loaded, EngineConfig(prefill_chunk=CHUNK))
+    return fresh_engine(path, eos, prefill_chunk=CHUNK)
 
 
 def _prompt(engine: Engine, i: int, length: int | None = None) -> list[int]:

@@ -6,7 +6,6 @@ Qwen3-Next models, alone and joining a batch."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 
@@ -14,11 +13,13 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, load_checkpoint
+from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from exo.engine import prefix_cache as pc
 from exo.engine.batch import BatchDecoder
 from exo.engine.constraints import ConstraintSpec
+from exo.engine.replay import ReplayDrafter
 from exo.metrics import Metrics
+from tests.fixtures.engines import fresh_engine
 
 from .test_batch import _run_batch
 
@@ -28,15 +29,9 @@ ARCHS = ["qwen3_5", "qwen3_5_moe", "qwen3_6_moe", "qwen3_next"]
 SYSTEM = "You are a coding agent. Tools: read(path), write(path, text), run(cmd). " * 3
 
 
-@functools.cache
-def _loaded(path):
-    loaded = load_checkpoint(path)
-    return dataclasses.replace(loaded, eos_token_ids=frozenset())  # every reply runs its whole budget
-
-
 def _engine(path, cached: bool, budget: int = 1 << 30, stride: int = 0) -> Engine:
-    loaded = _loaded(path)
-    engine = Engine(loaded, EngineConfig(prefill_chunk=CHUNK))
+    engine = fresh_engine(path, eos=False, prefill_chunk=CHUNK)  # every reply runs its whole budget
+    loaded = engine.loaded
     if cached:
         engine.prefix_cache = pc.PrefixCache(
             pc.MemoryStore(budget), pc.namespace(loaded), block_tokens=BLOCK, stride_tokens=stride,
@@ -431,6 +426,75 @@ def test_a_reply_decoded_in_a_batch_is_stored_from_its_row(checkpoint, mtp_k):
     hit = _complete(warm, p2, max_tokens=20, mtp_k=mtp_k)
     assert hit.stats.cached_tokens > len(p1)
     assert hit.token_ids == _complete(cold, p2, max_tokens=20, mtp_k=mtp_k).token_ids
+
+
+def _replaying(engine: Engine, prompts: list[list[int]], tokens: int) -> Engine:
+    """``engine`` drafting each prompt's plain greedy reply at acceptance 1.0 (engine/replay.py): every round
+    of depth K accepts its K drafts and emits K + 1 tokens, whatever the CPU's arithmetic."""
+    plain = Engine(engine.loaded, EngineConfig(prefill_chunk=CHUNK))
+    continuations = {tuple(p): _complete(plain, p, max_tokens=tokens, native_mtp="off").token_ids for p in prompts}
+    engine.replay = ReplayDrafter(continuations, 1.0, engine.vocab_size)
+    return engine
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("batched", [False, True], ids=["solo", "batch"])
+def test_a_reply_ending_inside_an_accepted_run_is_kept(checkpoint, k, batched):
+    """A budget that ends the reply j tokens into a fully accepted run (j = 1..K): the caches roll back to the
+    finish and the reply is stored, alone and as a batch's member; the next turn restores through it and
+    equals a cold run."""
+    path = checkpoint("qwen3_5", dtype="float32")
+    rounds = 2 * BLOCK // (k + 1) + 1  # the reply covers more than two blocks
+    for j in range(1, k + 1):
+        warm, cold = _engine(path, cached=True), _engine(path, cached=False)
+        p1, p3 = _prompt(warm, TURN1), _prompt(warm, OTHER)
+        budget = 1 + (k + 1) * rounds + j  # the first token, whole rounds, then j of the next run's K + 1
+        _replaying(warm, [p1, p3], budget + 20)
+        request = GenerationRequest(p1, max_tokens=budget, sampling=SamplingParams(temperature=0.0), mtp_k=k)
+        if batched:  # beside a member that outlives it (its row leaves the batch's caches at the finish)
+            other = dataclasses.replace(request, prompt_tokens=p3, max_tokens=budget + 8)
+            first_tokens, _, finish, stats = _run_batch(warm, [request, other], check=True)[0]
+        else:
+            result = _complete(warm, p1, max_tokens=budget, mtp_k=k)
+            first_tokens, finish, stats = result.token_ids, result.finish_reason, result.stats
+        assert finish == "length" and len(first_tokens) == budget
+        # The finish fell inside an accepted run: every round accepted all K, the last one past the budget.
+        assert stats.rounds == rounds + 1 and stats.accepted_tokens == k * (rounds + 1), (stats.rounds, stats.accepted_tokens)
+        stored = _output_lengths(warm, p1)  # (a batch: the other member's entries too)
+        assert len(p1) + budget - 1 in stored and (batched or stored == [len(p1) + budget - 1])  # its last token never fed
+        p2 = _next_turn(warm, warm.loaded.tokenizer.decode(first_tokens))
+        assert p2[: len(p1) + budget] == p1 + first_tokens
+        _replaying(warm, [p1, p3, p2], 24)
+        _replaying(cold, [p2], 24)
+        second = _complete(warm, p2, max_tokens=12, mtp_k=k)
+        assert second.stats.cached_tokens == len(p1) + budget - 1
+        _same(second, _complete(cold, p2, max_tokens=12, mtp_k=k))
+
+
+def test_a_reply_stopped_by_eos_inside_an_accepted_run_is_kept(checkpoint):
+    """The same with the end an EOS token: the first token of a reply (past a block) that is new there is made
+    the EOS, at a depth K that puts it inside an accepted run rather than last in one."""
+    path = checkpoint("qwen3_5", dtype="float32")
+    base = _engine(path, cached=False)
+    prompts = [_prompt(base, turns) for turns in (TURN1, OTHER, TURN2)]
+    _replaying(base, prompts, 64)
+
+    def ends_inside(at: int, k: int) -> bool:  # output position ``at`` is a round's draft, not its last token
+        return (at - 1) % (k + 1) < k
+
+    found = [(p, at, k) for p in prompts for at, token in enumerate(base.replay.continuations[tuple(p)])
+             if at > BLOCK and token not in base.replay.continuations[tuple(p)][:at]
+             for k in (1, 2, 3) if ends_inside(at, k)]
+    assert found, "no reply of the fixture has a new token past a block"
+    p1, at, k = found[0]
+    reply = base.replay.continuations[tuple(p1)]
+    warm = Engine(dataclasses.replace(base.loaded, eos_token_ids=frozenset({reply[at]})), EngineConfig(prefill_chunk=CHUNK))
+    warm.prefix_cache = _engine(path, cached=True).prefix_cache
+    warm.replay = base.replay
+    first = _complete(warm, p1, max_tokens=64, mtp_k=k)
+    assert first.finish_reason == "stop" and first.token_ids == reply[: at + 1]
+    assert first.stats.accepted_tokens == k * first.stats.rounds  # every run accepted whole: the EOS cut the last
+    assert _output_lengths(warm, p1) == [len(p1) + at]  # the reply to its EOS, the EOS never fed
 
 
 def test_a_cancelled_or_abandoned_run_stores_nothing_of_its_reply(checkpoint):

@@ -8,7 +8,6 @@ thread of this process over an in-process link (tests/engine/test_pipeline.py's)
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import queue
 import threading
@@ -19,6 +18,8 @@ from mlx_lm.models.cache import KVCache
 from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, load_checkpoint
 from exo.engine import pipeline as pl
 from exo.engine import prefix_cache as pc
+from exo.engine.replay import ReplayDrafter
+from tests.fixtures.engines import fresh_engine
 
 from .test_batch import _run_batch
 from .test_pipeline import _QueueLink
@@ -117,9 +118,8 @@ def _path(checkpoint, arch):
     return checkpoint(arch, dtype="float32"), (2, 4)
 
 
-@functools.cache
 def _single(path) -> Engine:
-    return Engine(dataclasses.replace(load_checkpoint(path), eos_token_ids=frozenset()), EngineConfig(prefill_chunk=CHUNK))
+    return fresh_engine(path, eos=False, prefill_chunk=CHUNK)
 
 
 def _prompt(engine: Engine, turns, system: str = SYSTEM) -> list[int]:
@@ -252,6 +252,29 @@ def test_a_pipelined_next_turn_restores_through_the_reply(checkpoint, pipeline, 
     second = _complete(warm, p2, max_tokens=20, **mtp)
     assert second.stats.cached_tokens in (len(p1) + REPLY_TOKENS - 1, len(p1) + REPLY_TOKENS)
     assert second.token_ids == _complete(single, p2, max_tokens=20, **mtp).token_ids
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_a_pipelined_reply_ending_inside_an_accepted_run_is_kept_on_every_stage(checkpoint, pipeline, k):
+    """Every round accepts its K drafts (the plain reply replayed, engine/replay.py) and the budget ends the
+    reply one token into a run: the leader's rollback to the finish reaches stage 0 with the round's decision,
+    both stages store the reply to its end, and the next turn restores through it."""
+    path, split = _path(checkpoint, "qwen3_5")
+    pipe = pipeline(path, split)
+    warm, single = pipe.engine, _single(path)
+    p1 = _prompt(single, TURN1)
+    budget = 1 + (k + 1) * (2 * BLOCK // (k + 1) + 1) + 1
+    warm.replay = ReplayDrafter({tuple(p1): _complete(single, p1, max_tokens=budget + 8, native_mtp="off").token_ids},
+                                1.0, warm.vocab_size)
+    first = _complete(warm, p1, max_tokens=budget, mtp_k=k)
+    assert first.finish_reason == "length" and first.stats.accepted_tokens == k * first.stats.rounds
+    pipe.forward.memory_rates()  # (a round trip: stage 0 has applied what the last message carried)
+    assert _replies(pipe.stage_cache, p1) == _replies(warm.prefix_cache, p1) == {len(p1) + budget - 1}
+    p2 = _next_turn(single, first.text)
+    assert p2[: len(p1) + budget] == p1 + first.token_ids
+    second = _complete(warm, p2, max_tokens=20, native_mtp="off")
+    assert second.stats.cached_tokens == len(p1) + budget - 1
+    assert second.token_ids == _complete(single, p2, max_tokens=20, native_mtp="off").token_ids
 
 
 def test_a_pipelined_batch_member_stores_its_reply_from_its_row(checkpoint, pipeline):

@@ -12,14 +12,12 @@ of the verify call, the batch or a stage that rounds a quantized layer different
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import pytest
 from mlx.utils import tree_flatten
 
-from exo.engine import Engine, EngineConfig, GenerationRequest, load_checkpoint
+from exo.engine import Engine, GenerationRequest
 from exo.runner.local_pipeline import run_local_pipeline
+from tests.fixtures.engines import fresh_engine
 
 from .test_batch import _run_batch, _solo
 
@@ -35,11 +33,9 @@ TEXTS = ("def fibonacci(n):\n    if n < 2:", "The quick brown fox", "import nump
 CASES = [pytest.param(arch, layout, id=f"{arch}-{layout.split('_')[1]}") for arch in ARCHS for layout in LAYOUTS]
 
 
-@functools.cache
 def _engine(path) -> Engine:
     """Without an EOS every generation runs its whole budget: fixed-length comparisons."""
-    loaded = dataclasses.replace(load_checkpoint(path), eos_token_ids=frozenset())
-    return Engine(loaded, EngineConfig(prefill_chunk=CHUNK))
+    return fresh_engine(path, eos=False, prefill_chunk=CHUNK)
 
 
 def _prompt(engine: Engine) -> list[int]:

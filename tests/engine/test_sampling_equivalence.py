@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 from scipy.stats import chi2_contingency
 
-from exo.engine import Engine, GenerationRequest, SamplingParams, load_checkpoint
+from exo.engine import Engine, GenerationRequest, SamplingParams
+from tests.fixtures.engines import fresh_engine
 
 RUNS = 300
 LENGTH = 3  # token 0 comes from prefill; tokens 1 and 2 from speculative rounds
 
 
-@functools.cache
 def _engine(path) -> Engine:
-    return Engine(load_checkpoint(path))
+    return fresh_engine(path)
 
 
 @functools.cache

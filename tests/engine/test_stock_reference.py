@@ -13,13 +13,11 @@ experts in float32 there, and the stock model is compared with the same change (
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import mlx.core as mx
 import pytest
 
-from exo.engine import Engine, EngineConfig, GenerationRequest, load_checkpoint
+from exo.engine import Engine, GenerationRequest
+from tests.fixtures.engines import fresh_engine
 
 ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_6_moe", "qwen3_next")
 VARIANTS = {  # id: (layout, dtype)
@@ -58,9 +56,8 @@ def _stock_greedy(model, tokenizer, prompt: list[int]) -> list[int]:
                                                   sampler=make_sampler(temp=0.0))]
 
 
-@functools.cache
 def _engine(path) -> Engine:
-    return Engine(dataclasses.replace(load_checkpoint(path), eos_token_ids=frozenset()), EngineConfig())
+    return fresh_engine(path, eos=False)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

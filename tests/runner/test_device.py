@@ -4,24 +4,20 @@ member, and the queue bound while a batch runs."""
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import pytest
 
 from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, load_checkpoint
 from exo.engine.batch import batch_bytes, sequence_bytes
 from exo.engine.prompt import GenerateParams, Prompt
 from exo.runner.device import Device, Failed, GenerationJob, QueueFullError, Started
+from tests.fixtures.engines import fresh_engine
 
 TEXTS = ("def fibonacci(n):\n    if n < 2:", "The quick brown fox", "import numpy as np\nx = np.", "1, 2, 3,")
 
 
-@functools.cache
 def _engine(path) -> Engine:
-    loaded = dataclasses.replace(load_checkpoint(path), eos_token_ids=frozenset())  # fixed-length outputs
-    # prompts cross prefill chunks, solo and (smaller) joining a batch
-    return Engine(loaded, EngineConfig(prefill_chunk=8, batch_prefill_chunk=4))
+    # fixed-length outputs; prompts cross prefill chunks, solo and (smaller) joining a batch
+    return fresh_engine(path, eos=False, prefill_chunk=8, batch_prefill_chunk=4)
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ stay its own. Each ``step`` is then, for every run at once, one of:
 - a speculative round: each run drafts with the head (``SequenceState.draft``, its own head cache), ONE verify
   call of [B, K+1] rows (GatedDeltaNet recording every row's state, MoE routing locked), then per run its
   own verdict (``SequenceState.decide``: greedy argmax match, or its own Leviathan/Chen test with its own
-  parameters, penalties, grammar and keys), ``commit`` and ``emit``, and the caches rolled back per run
+  parameters, penalties, grammar and keys), ``commit`` (its tokens emitted), and the caches rolled back per run
   (``batch_cache.keep_rows_per_sequence``: runs accept different counts). A run whose depth is below the
   round's (a forced smaller K, MTP off for it, a near tie to decode plainly) fills its rows past its
   drafts with its pending token, and keeps none of them.
@@ -435,7 +435,7 @@ class BatchDecoder:
         keep: list[int] = []
         for i, (run, decision) in enumerate(zip(runs, decisions, strict=True)):
             chunks = chunks_of[id(run)]
-            added = run.emit(decision)
+            added = len(decision.emitted)  # (``commit`` emitted them)
             if lone:
                 run._mark("emit")
                 run.round_ended()

@@ -14,9 +14,10 @@ A speculative round at depth K:
   3. decide on device (greedy: argmax match; sampling: Leviathan/Chen ratio test) and read everything
      back with ONE host sync; with async draft evaluation the drafts are computed while the verify graph
      is being built;
-  4. roll back: attention KV trimmed to the accepted prefix, GatedDeltaNet state committed at it, head
-     cache trimmed to its verified entries; the verified hiddens of the accepted rows wait for the head;
-  5. emit the accepted tokens one by one, stopping exactly at EOS, a stop string or max_tokens.
+  4. emit the accepted tokens one by one, stopping exactly at EOS, a stop string or max_tokens;
+  5. roll back to the last token emitted (inside an accepted run where the request ended there): attention
+     KV trimmed, GatedDeltaNet state committed at it, head cache trimmed to its verified entries; the
+     verified hiddens of the kept rows wait for the head.
 K = 0 is plain decoding, pipelined like mlx-lm's generate_step (the next step's graph is built before
 the current token is read back): ``BatchDecoder``'s plain step, one row per member.
 """
@@ -50,6 +51,7 @@ from .forward import Forward, LocalForward
 from .loader import LoadedModel
 from .models.layers import MoEVerifyMode
 from .prefix_cache import NoPlan, PrefillPlan, PrefixCache, restore_prefix
+from .replay import ReplayDrafter, ReplayError
 from .sampling import (
     KeyStream,
     SamplingParams,
@@ -234,6 +236,9 @@ class Engine:
         self._grammars: dict[tuple[str, str], Grammar] = {}  # insertion order: least recently used first
         # Set by the runner (exo.runner.prefix_store) or a caller: prompts restore their cached prefixes.
         self.prefix_cache: PrefixCache | None = None
+        # Set by a benchmark or a test only (never by a setting or a request): rounds draft a known continuation
+        # at a chosen acceptance instead of the head's tokens (engine/replay.py).
+        self.replay: ReplayDrafter | None = None
 
     @property
     def model(self) -> Any:
@@ -602,8 +607,9 @@ class SequenceState:
     emits it; ``begin`` is both); a prefix cache calls ``restore`` before it, and ``prefill`` then feeds only
     the rest of the prompt.
     A round's pieces: ``draft`` (propose), the caller's verify call (score), ``decide`` (penalties, grammar
-    mask, acceptance test or sampling, logprobs, in that order), ``commit`` (head cache trimmed, grammar,
-    pending token; returns the verify rows the caller's backbone caches keep) and ``emit``."""
+    mask, acceptance test or sampling, logprobs, in that order) and ``commit`` (the tokens emitted up to the
+    request's end, head cache trimmed, grammar, pending token; returns the verify rows the caller's backbone
+    caches keep: one per token emitted)."""
 
     def __init__(self, engine: Engine, request: GenerationRequest, policy: DepthPolicy | None, reason: str | None):
         self.engine = engine
@@ -1101,6 +1107,12 @@ class SequenceState:
             if self.processors:
                 history = mx.concatenate([history, draft])
         draft_tokens = mx.concatenate(drafts)
+        replay = self.engine.replay
+        if replay is not None:  # a benchmark's known continuation (engine/replay.py): the head ran, its tokens go
+            if not params.greedy or matcher is not None:
+                raise ReplayError("a replayed continuation drafts for greedy, unconstrained requests only")
+            draft_tokens = mx.array(replay.drafts(self.request.prompt_tokens, len(self.output.tokens), k),
+                                    dtype=mx.uint32)
         if self.engine.config.async_draft_eval:
             mx.async_eval(draft_tokens, *draft_logprobs)
         else:
@@ -1145,9 +1157,12 @@ class SequenceState:
         return _Decision(drafts, verdict, lp_drafts, lp_replacements)
 
     def commit(self, decision: _Decision, hidden: mx.array) -> int:
-        """4. Host side, after the sync: the accepted drafts and the token after them, this run's state
-        rolled to them (head cache, grammar, pending token, penalty history, stats); ``hidden`` [1, k+1, H]
-        are its verify rows. Returns how many verify rows its backbone caches keep."""
+        """4-5. Host side, after the sync: the accepted drafts and the token after them go to the output one by
+        one, stopping exactly where the request ends (EOS, a stop string, max_tokens inside an accepted run),
+        and this run's state is rolled to the last token added (head cache, grammar, pending token, penalty
+        history, stats); ``hidden`` [1, k+1, H] are its verify rows. Returns how many verify rows its backbone
+        caches keep: one per token added, so a run that ends inside an accepted run keeps exactly its reply
+        (the prefix cache stores it) and never a draft past its finish."""
         k, verdict = decision.drafts.k, decision.verdict
         proposed = decision.drafts.tokens.tolist()
         accepted, decided = accepted_prefix(
@@ -1160,7 +1175,7 @@ class SequenceState:
             emitted = proposed[:accepted]
             self._plain_next = True
             self.recorder.near_tie_fallbacks += 1
-        kept_rows = len(emitted)
+        decision.accepted = accepted
         if k > 0:
             self.head_cache.trim(k - 1)
             self.recorder.round(k, accepted)
@@ -1168,24 +1183,26 @@ class SequenceState:
             self.matcher.rollback(k - accepted)
             if decided:
                 self.matcher.consume(emitted[-1])
+        emitted = emitted[: self._emit(decision, emitted)]  # (fewer where the output ended inside the run)
+        kept_rows = len(emitted)
         if emitted:
             emitted_array = mx.array(emitted, dtype=mx.uint32)
             self.wait_for_head(hidden[:, :kept_rows], emitted_array)  # row i is followed by emitted[i]
             self.pending_token = emitted_array[-1:]
-            self.pending_emitted = False  # ``emit`` adds it
             self._pending_consumed = True
             if self.processors:
                 self.history = mx.concatenate([self.history, emitted_array])
-        decision.accepted, decision.emitted = accepted, emitted
+        self.pending_emitted = True  # the pending token is the last decided one (or the sequence ended)
+        decision.emitted = emitted
         return kept_rows
 
-    def emit(self, decision: _Decision) -> int:
-        """5. Add the decided tokens to the output one by one, stopping exactly where the request ends
-        (EOS, a stop string, max_tokens inside an accepted run); returns how many were added."""
+    def _emit(self, decision: _Decision, emitted: list[int]) -> int:
+        """Add ``emitted`` to the output one by one, stopping exactly where the request ends; returns how
+        many were added."""
         lp_drafts, lp_replacements = decision.lp_drafts, decision.lp_replacements
         draft_values = lp_drafts.chosen.tolist() if lp_drafts is not None else None
         added = 0
-        for i, token in enumerate(decision.emitted):
+        for i, token in enumerate(emitted):
             entry = None
             if lp_replacements is not None:
                 # Row i's distribution; an accepted draft's value from the draft gather, the last token's
@@ -1196,7 +1213,6 @@ class SequenceState:
             added += 1
             if self.output.finish is not None:
                 break
-        self.pending_emitted = True  # the pending token is the last decided one (or the sequence ended)
         return added
 
     def _stats(self, ttft_s: float, decode_s: float) -> NativeMTPStats:
@@ -1264,9 +1280,10 @@ def verify_round(
     """The scored half of one speculative round of ``seqs`` (each with its ``drafts``), solo (one sequence)
     or batched: ONE verify call on rows [B, K+1] (the pending token, the drafts, then the pending token
     again up to the deepest sequence's K: never kept), ``logits_of`` its hiddens ([B, K+1, V]), each
-    sequence's ``decide`` on its own rows, ONE host sync, each one's ``commit``, and ``rollback(cache,
-    K + 1, kept)`` keeping each sequence's rows of the caches (``cache``: theirs, one sequence's or a
-    batch's). ``mark``: the phase timer. Emission is the caller's."""
+    sequence's ``decide`` on its own rows, ONE host sync, each one's ``commit`` (its tokens emitted), and
+    ``rollback(cache, K + 1, kept)`` keeping each sequence's rows of the caches up to its last emitted token
+    (``cache``: theirs, one sequence's or a batch's). ``mark``: the phase timer. The chunks are the caller's
+    to drain."""
     k = max(d.k for d in drafts)
     lines = []
     for seq, d in zip(seqs, drafts, strict=True):
