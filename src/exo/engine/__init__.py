@@ -69,6 +69,7 @@ def engine_config(resolved: ResolvedModel, settings: Settings, **overrides) -> E
         max_k=resolved.max_k,
         disabled_reason=f"native MTP is disabled ({where.get(source, 'settings')})",
         batch_invariant=settings.batch_invariant,
+        gdn_prefill=settings.gdn_prefill,
     )
     if settings.prefill_chunk is not None:
         values["prefill_chunk"] = settings.prefill_chunk

@@ -35,6 +35,8 @@ from mlx_lm.models.qwen3_next import (
     Qwen3NextSparseMoeBlock,
 )
 
+from .gated_delta_chunked import gated_delta_chunked_update
+
 MoEVerifyMode = Literal["route_locked", "batched", "safe"]
 
 
@@ -309,12 +311,32 @@ class RollbackArraysCache(ArraysCache):
         return [self._conv_input, *self._states]
 
 
+# -- how a prompt's rows go through the recurrence ------------------------------------------------------
+# ``auto``: the chunked (WY) form for a prompt chunk (T > 1 rows, not a recorded verify call) on MLX CUDA,
+# where mlx-lm's loop is T tiny compiled steps per layer (4,096 tokens of one 9B layer: 390 ms on an H200);
+# mlx-lm's Metal kernel on Apple GPUs and exo's kernel on the CPU stay (one fused pass over the rows there).
+# ``chunked``: the chunked form for every such call on any device (tests run it on the CPU; unmeasured on
+# Metal); ``loop``: never. A one-row decode step and a verify call's recorded rows never take it, so they
+# stay bit for bit what they were. Set per model by the engine (``EngineConfig.gdn_prefill``).
+GdnPrefill = Literal["auto", "chunked", "loop"]
+
+
+def chunked_prefill(mode: GdnPrefill, rows: int, on_cuda: bool) -> bool:
+    """Whether a non-recorded call of ``rows`` rows takes the chunked form."""
+    return rows > 1 and (mode == "chunked" or (mode == "auto" and on_cuda))
+
+
 def _recurrence(layer: Any, q, k, v, a, b, state, mask) -> tuple[mx.array, mx.array]:
     """The gated delta rule over the rows of one call: mlx-lm's ``gated_delta_update``, as stock decoding
     runs it (its Metal kernel on Apple GPUs; elsewhere its compiled step, which measured faster than MLX's
     fused ``mx.fast.gated_delta_update`` on an H100: 187 vs 279 us per one-row call). On MLX's CPU backend
     with exo's kernel built, the same values in one call (``kernels.gated_delta``: mlx-lm's step runs ~10
-    dispatched ops per row and layer; a prompt of T tokens ran T steps)."""
+    dispatched ops per row and layer; a prompt of T tokens ran T steps). A prompt chunk on MLX CUDA (or
+    wherever ``gdn_prefill`` is ``chunked``): the chunked form (``gated_delta_chunked``), equal up to float32
+    rounding."""
+    on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
+    if not layer.training and chunked_prefill(getattr(layer, "gdn_prefill", "auto"), q.shape[1], on_cuda):
+        return gated_delta_chunked_update(q, k, v, a, b, layer.A_log, layer.dt_bias, state, mask)
     kernel = getattr(layer, "cpu_gated_delta", None)  # exo's CPU kernel (``use_cpu_kernels``) where built
     if kernel is not None and mx.default_device() == mx.cpu and not layer.training:
         beta = mx.sigmoid(b)  # gated_delta_update's own inputs to its recurrence
