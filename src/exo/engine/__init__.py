@@ -25,6 +25,7 @@ from .generate import (
     NativeMTPUnavailableError,
 )
 from .loader import CheckpointError, LoadedModel, MTPHeadError, load_checkpoint
+from .memory import DeviceMemoryError
 from .models import UnsupportedModelError
 from .resolve import ModelNotAvailableError, ResolvedModel, resolve_model
 from .sampling import SamplingParams, SamplingParamsError
@@ -35,6 +36,7 @@ __all__ = [
     "ContextLengthError",
     "DepthCosts",
     "DepthPolicy",
+    "DeviceMemoryError",
     "Engine",
     "EngineConfig",
     "GenerationChunk",

@@ -49,6 +49,7 @@ from .constraints import ConstraintSpec, Grammar, Matcher, ToolFormat, compile_g
 from .costs import warmup_costs
 from .forward import Forward, LocalForward
 from .loader import LoadedModel
+from .memory import out_of_memory
 from .models.layers import GdnPrefill, MoEVerifyMode
 from .prefix_cache import NoPlan, PrefillPlan, PrefixCache, restore_prefix
 from .replay import ReplayDrafter, ReplayError
@@ -932,7 +933,8 @@ class SequenceState:
                 self.wait_for_head(hidden[:, :known], prompt[start + 1 : start + 1 + known])
                 self._flush_head()
             if end < n:
-                mx.eval([c.state for c in self.cache], self.head_cache.state)
+                with out_of_memory(f"prefilling a prompt of {n} tokens"):  # a typed error; the node serves on
+                    mx.eval([c.state for c in self.cache], self.head_cache.state)
                 yield end
         self._first = self.choose(self.model.logits(hidden[:, -1:])[:, -1], hidden[:, -1:])
 
@@ -1013,7 +1015,8 @@ class SequenceState:
         self._pending_consumed = False
         if self.processors:
             self.history = mx.concatenate([self.history, first])
-        mx.eval(first, *(lp.arrays() if lp is not None else ()))
+        with out_of_memory(f"prefilling a prompt of {len(self.request.prompt_tokens)} tokens"):  # its last chunk
+            mx.eval(first, *(lp.arrays() if lp is not None else ()))
         self.first_time = time.perf_counter()
         token = first.item()
         self.output.add(token, self._logprob_entry(lp, 0, token))

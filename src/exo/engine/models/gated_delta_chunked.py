@@ -37,7 +37,9 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-CHUNK = 64  # rows per chunk: the C x C products stay small, the sequential part is T / 64 steps
+# Rows per chunk: the C x C products stay small, the sequential part is T / C steps (bench/prefill.py --gdn-chunk
+# measures others).
+CHUNK = 64
 
 
 def log_decay(A_log: mx.array, a: mx.array, dt_bias: mx.array) -> mx.array:
@@ -159,8 +161,8 @@ def gated_delta_chunked_update(
     dt_bias: mx.array,
     state: mx.array | None = None,
     mask: mx.array | None = None,
-    chunk: int = CHUNK,
+    chunk: int | None = None,
 ) -> tuple[mx.array, mx.array]:
     """``gated_delta_chunked`` on the inputs mlx-lm's ``gated_delta_update`` takes (beta = sigmoid(b), the
     decay from A_log, a and dt_bias as its ``compute_g`` computes it)."""
-    return gated_delta_chunked(q, k, v, log_decay(A_log, a, dt_bias), mx.sigmoid(b), state, mask, chunk)
+    return gated_delta_chunked(q, k, v, log_decay(A_log, a, dt_bias), mx.sigmoid(b), state, mask, chunk or CHUNK)
