@@ -2,7 +2,9 @@
 where a prompt's time goes. Three phases in one process, each printing its own figures:
 
 1. ``layer``: the gated delta rule of one GatedDeltaNet layer (default: Qwen3.5-9B's, 16 key heads, 32 value
-   heads, head dim 128) over ``--layer-tokens`` rows of random bfloat16 inputs, alternating: mlx-lm's
+   heads, head dim 128) over ``--layer-tokens`` rows (each; a few rows show what one call costs whatever its
+   length: a prefix-cache snapshot edge cuts a prompt's prefill into such pieces) of random bfloat16 inputs,
+   alternating: mlx-lm's
    per-token step (``gated_delta_ops``: what stock runs on CUDA and the CPU), MLX's fused
    ``mx.fast.gated_delta_update``, exo's chunked form at each ``--gdn-chunk``, exo's CPU kernel (on the CPU)
    and mlx-lm's Metal kernel (on Apple GPUs). Each method's largest difference from the loop's outputs and
@@ -23,7 +25,7 @@ where a prompt's time goes. Three phases in one process, each printing its own f
    the engine's prefill for what its per-chunk host work adds.
 
     python bench/prefill.py MODEL [--tokens 4096 32768] [--prefill-chunk 2048 4096] [--phases layer model profile]
-    python bench/prefill.py exo-demo --device cpu --tokens 128 --layer-tokens 256 --layer-shape 2,4,64 --profile-tokens 256
+    python bench/prefill.py exo-demo --device cpu --tokens 128 --layer-tokens 256 8 --layer-shape 2,4,64 --profile-tokens 256
 
 On a small machine: a random checkpoint with few layers (``bench/make_random_model.py --layers 4``) and short
 prompts. Targets (the issue's, reported, never asserted): 9B 4-bit at 4,096 tokens >= 8,000 tokens/s and >= 20x
@@ -59,7 +61,8 @@ def main() -> None:
                         help="exo's prefill chunk(s) (EngineConfig.prefill_chunk)")
     parser.add_argument("--stock-max", type=int, default=4096, help="longest prompt stock mlx-lm prefills")
     parser.add_argument("--loop-max", type=int, default=4096, help="longest prompt exo prefills with the loop")
-    parser.add_argument("--layer-tokens", type=int, default=4096)
+    parser.add_argument("--layer-tokens", type=int, nargs="+", default=[4096, 64, 8],
+                        help="rows of the layer phase (short ones show a call's fixed cost)")
     parser.add_argument("--layer-shape", default="16,32,128", help="Hk,Hv,D of the layer phase")
     parser.add_argument("--gdn-chunk", type=int, nargs="+", default=[64], help="chunk sizes of the chunked form")
     parser.add_argument("--profile-tokens", type=int, default=8192)
@@ -69,7 +72,7 @@ def main() -> None:
         report.update(model=args.model, device=device_name(), mlx=mx.__version__)
         print(f"device: {device_name()} (MLX {mx.__version__}), model {args.model}")
         if "layer" in args.phases:
-            report["layer"] = layer_phase(args)
+            report["layer"] = [layer_phase(args, t) for t in args.layer_tokens]
         if {"model", "profile"} & set(args.phases):
             loaded = load_checkpoint(_resolve(args.model))
             loaded = dataclasses.replace(loaded, eos_token_ids=frozenset())
@@ -111,9 +114,8 @@ def _rel_err(got: tuple[mx.array, mx.array], want: tuple[mx.array, mx.array]) ->
 
 
 # -- 1. one layer -------------------------------------------------------------------------------------------
-def layer_phase(args: argparse.Namespace) -> dict[str, Any]:
+def layer_phase(args: argparse.Namespace, T: int) -> dict[str, Any]:
     hk, hv, d = (int(x) for x in args.layer_shape.split(","))
-    T = args.layer_tokens
     mx.random.seed(0)
     q, k = normalize_qk(mx.random.normal((1, T, hk, d)), mx.random.normal((1, T, hk, d)), inv_scale=d**-0.5, eps=1e-6)
     q, k, v = q.astype(mx.bfloat16), k.astype(mx.bfloat16), mx.random.normal((1, T, hv, d)).astype(mx.bfloat16)
@@ -145,7 +147,7 @@ def layer_phase(args: argparse.Namespace) -> dict[str, Any]:
         if reference is None:
             reference = out
     times: dict[str, list[float]] = defaultdict(list)
-    for _ in range(max(1, args.repeats)):
+    for _ in range(max(1, args.repeats) * (1 if T >= 1024 else 10)):
         for name, fn in methods.items():
             times[name].append(_timed(fn, 1)[0])
     print(f"\n[layer] the gated delta rule of one layer: Hk {hk}, Hv {hv}, D {d}, {T} tokens, bfloat16 in, "
