@@ -191,10 +191,11 @@ def test_greedy_output_with_the_chunked_prefill_equals_the_loop(checkpoint, arch
     holds: in float32 the two prefills differ by ~1e-6 of the values' scale, in bfloat16 by at most a
     rounding of a GatedDeltaNet output here and there, while the trained fixtures' greedy choices lead by far
     more than that (a near tie could flip on other weights: the GPU benchmark counts those,
-    bench/prefill.py). The first token's logits agree to 1e-3 (float32) / 5e-2 (bfloat16) of their scale."""
+    bench/prefill.py). The first token's logits agree to 1e-3 (float32) / 5e-2 (bfloat16) of their scale, and
+    the recurrent states differ (the chunked form ran)."""
     path = checkpoint(arch, dtype=dtype)
     prompt = list(range(3, 153))
-    replies, logits = {}, {}
+    replies, logits, states = {}, {}, {}
     for mode in ("loop", "chunked"):
         engine = fresh_engine(path, eos=False, prefill_chunk=64, gdn_prefill=mode)
         replies[mode] = (_greedy(engine, prompt).token_ids,
@@ -202,7 +203,9 @@ def test_greedy_output_with_the_chunked_prefill_equals_the_loop(checkpoint, arch
         cache = engine.model.make_cache()
         hidden = engine.model.hidden(mx.array(prompt)[None], cache)
         logits[mode] = engine.model.logits(hidden[:, -1:])
+        states[mode] = [c[1] for c in cache if isinstance(c, RollbackArraysCache)]
     assert replies["chunked"] == replies["loop"]
+    assert not all(mx.array_equal(a, b).item() for a, b in zip(states["chunked"], states["loop"], strict=True))
     _close(logits["chunked"], logits["loop"], tol=1e-3 if dtype == "float32" else 5e-2)
 
 
@@ -233,6 +236,8 @@ def test_a_snapshot_at_a_chunk_edge_restored_equals_a_cold_run(checkpoint, arch)
     cold_states, cold_prefilled = states(cold)
     assert (prefilled, cold_prefilled) == (128, 0)
     assert all(mx.array_equal(r, c).item() for r, c in zip(restored, cold_states, strict=True))
+    loop_states, _ = states(fresh_engine(path, eos=False, prefill_chunk=64, gdn_prefill="loop"))
+    assert not all(mx.array_equal(r, c).item() for r, c in zip(restored, loop_states, strict=True))  # chunked ran
     hit, cold_run = _greedy(warm, second), _greedy(cold, second)
     assert (hit.stats.cached_tokens, cold_run.stats.cached_tokens) == (128, 0)
     assert hit.token_ids == cold_run.token_ids
