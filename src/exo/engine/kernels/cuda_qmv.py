@@ -43,8 +43,14 @@ WARP = 32
 BITS = (4, 8)
 GROUPS = (32, 64, 128)
 
+# The headers MLX's qmv takes its arithmetic from (cutlass's converters and array operators, cute's bit sizes),
+# without cute/tensor.hpp: NVRTC compiles this in seconds, once per (bits, group, residue) and MLX version (MLX
+# keeps the PTX in its cache, MLX_PTX_CACHE_DIR).
 HEADER = r"""
-#include "mlx/backend/cuda/device/cute_dequant.cuh"
+#include <cute/numeric/numeric_types.hpp>
+#include <cutlass/array.h>
+#include <cutlass/numeric_conversion.h>
+#include <cuda/std/type_traits>
 #include <cooperative_groups/reduce.h>
 
 namespace exo_qmv {
