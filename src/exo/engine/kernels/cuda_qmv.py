@@ -47,6 +47,14 @@ GROUPS = (32, 64, 128)
 # without cute/tensor.hpp: NVRTC compiles this in seconds, once per (bits, group, residue) and MLX version (MLX
 # keeps the PTX in its cache, MLX_PTX_CACHE_DIR).
 HEADER = r"""
+// MLX's default header (its device utils, through libcu++) defines FP_NAN & co. as macros under NVRTC;
+// cutlass's NVRTC header declares them as enumerators (and then defines the same macros, the same values):
+// undefined first, or NVRTC stops at "expected an identifier".
+#undef FP_NAN
+#undef FP_INFINITE
+#undef FP_ZERO
+#undef FP_SUBNORMAL
+#undef FP_NORMAL
 #include <cute/numeric/numeric_types.hpp>
 #include <cutlass/array.h>
 #include <cutlass/numeric_conversion.h>
