@@ -6,7 +6,8 @@
 #   bash bench/gpu_session.sh install3 q9 PHASE.. (carry .gpu3)   }
 #   bash bench/gpu_session.sh grpc PHASE...       (carry .gpu4: grpcio, for exo serve)
 #   bash bench/gpu_session.sh PHASE...            (later calls while the machine stays warm)
-#   (prefill9, prefill35, agent9, phases9: issue 49's prefill and prefix-cache figures)
+#   (prefill9, prefill35, agent9, phases9, identity49: issue 49's prefill and prefix-cache figures, and greedy
+#   plain decoding against stock mlx-lm on the demos with the chunked prefill; EXO_GDN_PREFILL=loop: without)
 #
 # A call carries the tree (~28 MiB: the bundled demo models) plus what it names, at most 64 MiB: prepare.sh's
 # second part with grpcio beside it is over, so grpcio travels alone (`mkdir -p .gpu4 && mv .gpu2/grpcio-*.whl
@@ -66,6 +67,9 @@ for p in "$@"; do
     prefill9) phase prefill9 $PY bench/prefill.py "$Q9" $PREFILL9 ;;
     prefill35) phase prefill35 $PY bench/prefill.py "$Q35" --phases model profile $PREFILL35 ;;
     agent9) EXO_NATIVE_MTP_ENABLED=0 phase agent9 $PY bench/agent_session.py "$Q9" $AGENT9 ;;
+    identity49) for m in exo-demo exo-demo-moe; do
+            phase identity49 $PY -m exo.cli.main bench $m --baseline --check --repeats 1 --pairs 0 --max-tokens 64
+        done ;;
     phases9) phase phases9 $PY bench/prefix_phases.py "$Q9" ${AGENT9/--turns 10/--turns 4} ;;
     *) echo "unknown phase $p" >&2; exit 2 ;;
     esac
