@@ -90,6 +90,7 @@ def test_every_field_from_env(home: Path) -> None:
             EXO_BATCH_PREFILL_CHUNK="16",
             EXO_BATCH_INVARIANT="1",
             EXO_BATCH_LANES="3",
+            EXO_GDN_PREFILL="loop",
             EXO_OFFLINE="1",
             EXO_MEMORY_BUDGET_BYTES=str(16 << 30),
             EXO_PREFIX_CACHE_ENABLED="0",
