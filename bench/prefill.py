@@ -281,7 +281,8 @@ def _gdn_parts(parts: Parts, layer: Any, x: mx.array, cache: Any) -> mx.array:
     def conv() -> tuple[mx.array, ...]:
         window = cache[0] if cache[0] is not None else mx.zeros((B, layer.conv_kernel_size - 1, layer.conv_dim), qkv.dtype)
         conv_input = mx.concatenate([window, qkv], axis=1)
-        out = layers._silu(layer, layers._conv(layer, conv_input, False))
+        chunked_here = layers.chunked_prefill(getattr(layer, "gdn_prefill", "auto"), S, _on_cuda())
+        out = layers._silu(layer, layers._conv(layer, conv_input, False, chunked_here))
         q, k, v = [t.reshape(B, S, h, d) for t, h, d in zip(
             mx.split(out, [layer.key_dim, 2 * layer.key_dim], -1),
             [layer.num_k_heads, layer.num_k_heads, layer.num_v_heads],

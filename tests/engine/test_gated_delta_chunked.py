@@ -178,6 +178,19 @@ def test_the_layer_takes_the_chunked_form_for_a_prompt_only(checkpoint, arch):
         layer.gdn_prefill = "auto"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_shifted_conv_equals_the_layer_s_conv1d(checkpoint, dtype):
+    """The chunked path's conv (its taps' shifted rows summed in float32, rounded once) gives the layer's
+    ``conv1d`` bit for bit on this CPU (on a GPU up to the order of its float32 sums)."""
+    engine = fresh_engine(checkpoint("qwen3_5", dtype=dtype))
+    layer = next(layer.linear_attn for layer in engine.model.stage_layers if layer.is_linear)
+    mx.random.seed(7)
+    x = mx.random.normal((2, 130, layer.conv_dim)).astype(layer.conv1d.weight.dtype)
+    got, want = layers._shifted_conv(x, layer.conv1d), layer.conv1d(x)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert mx.array_equal(got, want).item()
+
+
 def _greedy(engine, prompt: list[int], max_tokens: int = 24):
     return engine.complete(GenerationRequest(prompt, max_tokens=max_tokens, native_mtp="off",
                                              sampling=SamplingParams(temperature=0.0)))
