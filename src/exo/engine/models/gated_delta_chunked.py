@@ -110,10 +110,11 @@ def gated_delta_chunked(
         q, k, v, log_g, beta = padded(q), padded(k), padded(v), padded(log_g), padded(beta)
 
     C = chunk
-    # Head-major, chunk-split layouts: key heads [B, Hk, 1, N, C, Dk], value heads [B, Hk, r, N, C, D].
-    qc = q.astype(f32).reshape(B, n, C, Hk, 1, Dk).transpose(0, 3, 4, 1, 2, 5)
-    kc = k.astype(f32).reshape(B, n, C, Hk, 1, Dk).transpose(0, 3, 4, 1, 2, 5)
-    vc = v.astype(f32).reshape(B, n, C, Hk, r, Dv).transpose(0, 3, 4, 1, 2, 5)
+    # Head-major, chunk-split layouts: key heads [B, Hk, 1, N, C, Dk], value heads [B, Hk, r, N, C, D]; the
+    # cast after the transpose writes them contiguous, so the products below take them without copies.
+    qc = q.reshape(B, n, C, Hk, 1, Dk).transpose(0, 3, 4, 1, 2, 5).astype(f32)
+    kc = k.reshape(B, n, C, Hk, 1, Dk).transpose(0, 3, 4, 1, 2, 5).astype(f32)
+    vc = v.reshape(B, n, C, Hk, r, Dv).transpose(0, 3, 4, 1, 2, 5).astype(f32)
     bc = beta.reshape(B, n, C, Hk, r).transpose(0, 3, 4, 1, 2)  # [B, Hk, r, N, C]
     gc = mx.cumsum(log_g.reshape(B, n, C, Hk, r).transpose(0, 3, 4, 1, 2), axis=-1)  # G_t in its chunk
 
