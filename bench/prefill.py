@@ -7,7 +7,8 @@ where a prompt's time goes. Three phases in one process, each printing its own f
    alternating: mlx-lm's
    per-token step (``gated_delta_ops``: what stock runs on CUDA and the CPU), MLX's fused
    ``mx.fast.gated_delta_update``, exo's chunked form at each ``--gdn-chunk``, exo's CPU kernel (on the CPU)
-   and mlx-lm's Metal kernel (on Apple GPUs). Each method's largest difference from the loop's outputs and
+   and mlx-lm's Metal kernel (on Apple GPUs), and the chunked form's parallel products alone (what its
+   chunk-to-chunk state steps add is the difference). Each method's largest difference from the loop's outputs and
    state, relative to their scale, is printed beside its time (on MLX CUDA this checks the float32
    tolerance of tests/engine/test_gated_delta_chunked.py on the device).
 2. ``model``: MODEL's whole prefill, stock mlx-lm (its model classes, 2048-token steps as its
@@ -131,6 +132,8 @@ def layer_phase(args: argparse.Namespace, T: int) -> dict[str, Any]:
         methods["mx.fast.gated_delta_update"] = lambda: tuple(mx.fast.gated_delta_update(q, k, v, g, beta, state))
     for c in args.gdn_chunk:
         methods[f"exo chunked (C={c})"] = lambda c=c: chunked.gated_delta_chunked(q, k, v, log_g, beta, state, None, c)
+        # its parallel part alone (the rest: the chunk-to-chunk state steps and the outputs' reads of them)
+        methods[f"C={c}: products only"] = lambda c=c: chunked.chunk_products(q, k, v, log_g, beta, None, c)
     if mx.default_device() == mx.cpu:
         from exo.engine import kernels
 
@@ -156,9 +159,11 @@ def layer_phase(args: argparse.Namespace, T: int) -> dict[str, Any]:
     base = statistics.median(times["mlx-lm per-token step"])
     for name, fn in methods.items():
         t = statistics.median(times[name])
-        err = _rel_err(fn(), reference)
-        rows.append(dict(method=name, ms=t * 1e3, tokens_per_s=T / t, vs_loop=base / t, error=err))
-        print(f"{name:>30} {t * 1e3:9.2f} {T / t:10.0f} {base / t:7.2f}x {err:9.2e}")
+        out = fn()
+        err = _rel_err(out, reference) if len(out) == 2 else None  # (a part has no outputs of its own)
+        rows.append(dict(method=name.strip(), ms=t * 1e3, tokens_per_s=T / t, vs_loop=base / t, error=err))
+        shown = f"{err:9.2e}" if err is not None else f"{'':>9}"
+        print(f"{name:>30} {t * 1e3:9.2f} {T / t:10.0f} {base / t:7.2f}x {shown}")
     return dict(tokens=T, shape=[hk, hv, d], rows=rows)
 
 

@@ -67,35 +67,16 @@ def _inverse_unit_lower(a: mx.array) -> mx.array:
     return inv.reshape(*lead, c, c)
 
 
-def gated_delta_chunked(
-    q: mx.array,
-    k: mx.array,
-    v: mx.array,
-    log_g: mx.array,
-    beta: mx.array,
-    state: mx.array | None = None,
-    mask: mx.array | None = None,
-    chunk: int = CHUNK,
-) -> tuple[mx.array, mx.array]:
-    """The gated delta rule over T rows in chunks of ``chunk`` (a power of two).
-
-    q, k: [B, T, Hk, Dk] (normalized and scaled as mlx-lm's ``normalize_qk`` leaves them); v: [B, T, Hv, Dv]
-    with Hv a multiple of Hk (value head h reads key head h // (Hv / Hk)); log_g: [B, T, Hv] (log of the
-    per-row scalar decay, ``log_decay``); beta: [B, T, Hv]; state: [B, Hv, Dv, Dk] (None: zeros); mask:
-    [B, T] bool (False: the row leaves the state unchanged and outputs 0). Returns y [B, T, Hv, Dv] in q's
-    dtype and the state after the last row, float32.
-    """
-    if chunk < 1 or chunk & (chunk - 1):
-        raise ValueError(f"chunk must be a power of two, not {chunk}")
+def chunk_products(
+    q: mx.array, k: mx.array, v: mx.array, log_g: mx.array, beta: mx.array, mask: mx.array | None, chunk: int
+) -> tuple[mx.array, ...]:
+    """The parallel part of ``gated_delta_chunked`` (every chunk at once): U~, W, the decayed keys that update
+    the state, each chunk's decay, the queries that read the chunk's starting state and the outputs' intra-chunk
+    part, laid out [B, Hk, Hv / Hk, N, C, D] (``bench/prefill.py`` times it apart from the state updates)."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[-2:]
-    if Hv % Hk:
-        raise ValueError(f"{Hv} value heads are not a multiple of {Hk} key heads")
     r = Hv // Hk
-    out_dtype = q.dtype
     f32 = mx.float32
-    if state is None:
-        state = mx.zeros((B, Hv, Dv, Dk), dtype=f32)
     beta = beta.astype(f32)
     log_g = log_g.astype(f32)
     if mask is not None:  # a masked row: no decay, no update
@@ -137,6 +118,40 @@ def gated_delta_chunked(
     last = gc[..., -1:]  # G_C per chunk
     k_out = mx.exp(last - gc)[..., None] * kc  # [.., C, Dk]
     g_last = mx.exp(last)[..., None]  # [B, Hk, r, N, 1, 1]
+    return u_free, w, k_out, g_last, q_state, y_free
+
+
+def gated_delta_chunked(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    log_g: mx.array,
+    beta: mx.array,
+    state: mx.array | None = None,
+    mask: mx.array | None = None,
+    chunk: int = CHUNK,
+) -> tuple[mx.array, mx.array]:
+    """The gated delta rule over T rows in chunks of ``chunk`` (a power of two).
+
+    q, k: [B, T, Hk, Dk] (normalized and scaled as mlx-lm's ``normalize_qk`` leaves them); v: [B, T, Hv, Dv]
+    with Hv a multiple of Hk (value head h reads key head h // (Hv / Hk)); log_g: [B, T, Hv] (log of the
+    per-row scalar decay, ``log_decay``); beta: [B, T, Hv]; state: [B, Hv, Dv, Dk] (None: zeros); mask:
+    [B, T] bool (False: the row leaves the state unchanged and outputs 0). Returns y [B, T, Hv, Dv] in q's
+    dtype and the state after the last row, float32.
+    """
+    if chunk < 1 or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two, not {chunk}")
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    if Hv % Hk:
+        raise ValueError(f"{Hv} value heads are not a multiple of {Hk} key heads")
+    r = Hv // Hk
+    out_dtype = q.dtype
+    f32 = mx.float32
+    if state is None:
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=f32)
+    u_free, w, k_out, g_last, q_state, y_free = chunk_products(q, k, v, log_g, beta, mask, chunk)
+    n, C = u_free.shape[3], chunk
 
     s = state.astype(f32).reshape(B, Hk, r, Dv, Dk)
     starts = []
