@@ -6,7 +6,8 @@ where a prompt's time goes. Three phases in one process, each printing its own f
    length: a prefix-cache snapshot edge cuts a prompt's prefill into such pieces) of random bfloat16 inputs,
    alternating: mlx-lm's
    per-token step (``gated_delta_ops``: what stock runs on CUDA and the CPU), MLX's fused
-   ``mx.fast.gated_delta_update``, exo's chunked form at each ``--gdn-chunk``, exo's CPU kernel (on the CPU)
+   ``mx.fast.gated_delta_update``, exo's chunked form at each ``--gdn-chunk`` (on MLX CUDA also with its state
+   steps in one CUDA kernel, ``gated_delta_states_cuda``), exo's CPU kernel (on the CPU)
    and mlx-lm's Metal kernel (on Apple GPUs), and the chunked form's parallel products alone (what its
    chunk-to-chunk state steps add is the difference). Each method's largest difference from the loop's outputs and
    state, relative to their scale, is printed beside its time (on MLX CUDA this checks the float32
@@ -49,6 +50,7 @@ from mlx_lm.models.gated_delta import compute_g, gated_delta_kernel, gated_delta
 from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, load_checkpoint
 from exo.engine.costs import device_name
 from exo.engine.models import gated_delta_chunked as chunked
+from exo.engine.models import gated_delta_states_cuda as states_cuda
 from exo.engine.models import layers
 
 
@@ -134,6 +136,9 @@ def layer_phase(args: argparse.Namespace, T: int) -> dict[str, Any]:
         methods[f"exo chunked (C={c})"] = lambda c=c: chunked.gated_delta_chunked(q, k, v, log_g, beta, state, None, c)
         # its parallel part alone (the rest: the chunk-to-chunk state steps and the outputs' reads of them)
         methods[f"C={c}: products only"] = lambda c=c: chunked.chunk_products(q, k, v, log_g, beta, None, c)
+        if states_cuda.applies(d, d):  # the state steps in one CUDA kernel instead of 3 products a chunk
+            methods[f"C={c}, CUDA state kernel"] = lambda c=c: chunked.gated_delta_chunked(
+                q, k, v, log_g, beta, state, None, c, state_kernel=True)
     if mx.default_device() == mx.cpu:
         from exo.engine import kernels
 
@@ -144,9 +149,14 @@ def layer_phase(args: argparse.Namespace, T: int) -> dict[str, Any]:
         methods["mlx-lm Metal kernel"] = lambda: gated_delta_kernel(q, k, v, g, beta, state)
     reference = None
     rows = []
-    for fn in methods.values():  # warm-up (compilation) and the reference
-        out = fn()
-        mx.eval(out)
+    for name, fn in list(methods.items()):  # warm-up (compilation) and the reference
+        try:
+            out = fn()
+            mx.eval(out)
+        except Exception as e:  # noqa: BLE001 - a method that cannot run here is reported and left out
+            print(f"[layer] {name}: {type(e).__name__}: {e}")
+            del methods[name]
+            continue
         if reference is None:
             reference = out
     times: dict[str, list[float]] = defaultdict(list)

@@ -130,6 +130,7 @@ def gated_delta_chunked(
     state: mx.array | None = None,
     mask: mx.array | None = None,
     chunk: int = CHUNK,
+    state_kernel: bool = False,
 ) -> tuple[mx.array, mx.array]:
     """The gated delta rule over T rows in chunks of ``chunk`` (a power of two).
 
@@ -137,7 +138,8 @@ def gated_delta_chunked(
     with Hv a multiple of Hk (value head h reads key head h // (Hv / Hk)); log_g: [B, T, Hv] (log of the
     per-row scalar decay, ``log_decay``); beta: [B, T, Hv]; state: [B, Hv, Dv, Dk] (None: zeros); mask:
     [B, T] bool (False: the row leaves the state unchanged and outputs 0). Returns y [B, T, Hv, Dv] in q's
-    dtype and the state after the last row, float32.
+    dtype and the state after the last row, float32. ``state_kernel``: the chunk-to-chunk state steps in one
+    CUDA kernel (``gated_delta_states_cuda``; MLX CUDA only, measured by ``bench/prefill.py``, not the default).
     """
     if chunk < 1 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two, not {chunk}")
@@ -154,12 +156,20 @@ def gated_delta_chunked(
     n, C = u_free.shape[3], chunk
 
     s = state.astype(f32).reshape(B, Hk, r, Dv, Dk)
-    starts = []
-    for c in range(n):  # the only sequential part: one state update per chunk
-        starts.append(s)
-        u = mx.addmm(u_free[..., c, :, :], w[..., c, :, :], s.swapaxes(-1, -2), alpha=-1.0)  # [B, Hk, r, C, Dv]
-        s = mx.addmm(g_last[..., c, :, :] * s, u.swapaxes(-1, -2), k_out[..., c, :, :])
-    before = mx.stack(starts, axis=3)  # [B, Hk, r, N, Dv, Dk]: each chunk's starting state
+    if state_kernel:
+        from .gated_delta_states_cuda import chunk_states
+
+        G = B * Hv
+        before, s = chunk_states(u_free.reshape(G, n, C, Dv), w.reshape(G, n, C, Dk), k_out.reshape(G, n, C, Dk),
+                                 g_last.reshape(G, n), s.reshape(G, Dv, Dk))
+        before, s = before.reshape(B, Hk, r, n, Dv, Dk), s.reshape(B, Hk, r, Dv, Dk)
+    else:
+        starts = []
+        for c in range(n):  # the only sequential part: one state update per chunk
+            starts.append(s)
+            u = mx.addmm(u_free[..., c, :, :], w[..., c, :, :], s.swapaxes(-1, -2), alpha=-1.0)  # [B, Hk, r, C, Dv]
+            s = mx.addmm(g_last[..., c, :, :] * s, u.swapaxes(-1, -2), k_out[..., c, :, :])
+        before = mx.stack(starts, axis=3)  # [B, Hk, r, N, Dv, Dk]: each chunk's starting state
     y = mx.addmm(y_free, q_state, before.swapaxes(-1, -2))  # [B, Hk, r, N, C, Dv]
     y = y.transpose(0, 3, 4, 1, 2, 5).reshape(B, n * C, Hv, Dv)[:, :T]
     if mask is not None:
