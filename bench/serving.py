@@ -119,6 +119,101 @@ async def load(url: str, clients: int, seconds: float, max_tokens: int, mtp: dic
     return out
 
 
+async def one_stream(session: aiohttp.ClientSession, url: str, topic: str, max_tokens: int,
+                     mtp: dict[str, Any] | None) -> dict[str, float]:
+    """One streamed chat completion: (sent -> first text) TTFT, (first -> last event) decode rate as the client
+    sees it, tokens / (sent -> last) and the runner's own decode rate for it (``usage.native_mtp``)."""
+    body = {"messages": [{"role": "user", "content": f"Write a short poem about {topic}."}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            **({"native_mtp": mtp} if mtp is not None else {})}
+    start = time.perf_counter()
+    first = last = None
+    usage: dict[str, Any] = {}
+    async with session.post(url + "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for raw in response.content:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"]["message"])
+            now = time.perf_counter()
+            if event.get("choices"):
+                first = first or now
+                last = now
+            if event.get("usage"):
+                usage = event["usage"]
+    assert first is not None and last is not None and usage
+    n = usage["completion_tokens"]
+    return {"ttft_s": first - start, "decode_tok_s": (n - 1) / (last - first) if last > first else float("nan"),
+            "request_tok_s": n / (last - start), "runner_decode_tok_s": usage["native_mtp"]["decode_tokens_per_s"],
+            "tokens": n}
+
+
+def engine_vs_client(model: str, url: str, requests: int, max_tokens: int, mtp: dict[str, Any] | None) -> dict[str, Any]:
+    """The engine alone (in this process: a fresh engine on the same checkpoint, as `exo bench` runs it) against
+    one client through `exo serve` (the server idle otherwise), the same chat requests, alternating."""
+    from exo.engine import GenerationRequest, SamplingParams, resolve_model
+    from exo.engine.prompt import GenerateParams, Prompt, generation_request
+    from exo.runner.loading import load_for_serving, ready_engine
+    from exo.settings import load_settings
+
+    settings = load_settings()
+    loaded, config = load_for_serving(resolve_model(model), settings)
+    engine = ready_engine(loaded, config)
+    fields: dict[str, Any] = {}
+    if mtp is not None and mtp.get("enabled") is False:
+        fields["native_mtp"] = "off"
+    elif mtp is not None and "k" in mtp:
+        fields["mtp_k"] = mtp["k"]
+    rows: dict[str, list[dict[str, float]]] = {"engine": [], "client": []}
+
+    async def run() -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+            for i in range(requests + 1):  # the first pair warms both sides
+                topic = TOPICS[i % len(TOPICS)]
+                prompt = Prompt(messages=[{"role": "user", "content": f"Write a short poem about {topic}."}])
+                params = GenerateParams(max_tokens=max_tokens, default_max_tokens=max_tokens,
+                                        sampling=SamplingParams(temperature=0.0), **fields)
+                start = time.perf_counter()
+                request: GenerationRequest = generation_request(engine, prompt, params)
+                stats = None
+                n = 0
+                for chunk in engine.generate(request):
+                    n += len(chunk.token_ids)
+                    stats = chunk.stats or stats
+                wall = time.perf_counter() - start
+                assert stats is not None
+                client = await one_stream(session, url, topic, max_tokens, mtp)
+                if i:
+                    rows["engine"].append({"decode_tok_s": stats.decode_tokens_per_s, "request_tok_s": n / wall,
+                                           "ttft_s": stats.ttft_ms / 1000})
+                    rows["client"].append(client)
+
+    asyncio.run(run())
+    med = {side: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for side, rs in rows.items()}
+    return {"requests": requests, **med,
+            "client_decode_vs_engine": med["client"]["decode_tok_s"] / med["engine"]["decode_tok_s"],
+            "client_request_vs_engine_request": med["client"]["request_tok_s"] / med["engine"]["request_tok_s"],
+            "client_request_vs_engine_decode": med["client"]["request_tok_s"] / med["engine"]["decode_tok_s"],
+            "runner_decode_vs_engine": med["client"]["runner_decode_tok_s"] / med["engine"]["decode_tok_s"]}
+
+
+def print_engine_vs_client(r: dict[str, Any], max_tokens: int) -> None:
+    e, c = r["engine"], r["client"]
+    print(f"\nengine alone vs one client through exo serve ({max_tokens}-token chat completions, {r['requests']} of each, "
+          "alternating; medians)")
+    print(f"  engine alone:  decode {e['decode_tok_s']:7.1f} tok/s, request {e['request_tok_s']:7.1f} tok/s "
+          f"(prefill included), TTFT {1000 * e['ttft_s']:.0f} ms")
+    print(f"  one client:    decode {c['decode_tok_s']:7.1f} tok/s as streamed, request {c['request_tok_s']:7.1f} tok/s "
+          f"(sent -> last token), TTFT {1000 * c['ttft_s']:.0f} ms; the runner's engine decoded at "
+          f"{c['runner_decode_tok_s']:.1f}")
+    print(f"  client / engine: decode {r['client_decode_vs_engine']:.3f}x, request {r['client_request_vs_engine_request']:.3f}x, "
+          f"request vs the engine's decode {r['client_request_vs_engine_decode']:.3f}x; the runner's decode vs the "
+          f"engine's {r['runner_decode_vs_engine']:.3f}x")
+
+
 def quantile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -141,6 +236,11 @@ def main() -> None:
     parser.add_argument("--mtp", default="adaptive", help=f"comma-separated request modes: {', '.join(MTP_MODES)}")
     parser.add_argument("--lanes", type=int, nargs="+", default=None,
                         help="a batching server per lane count (EXO_BATCH_LANES); default: one, with the node's default")
+    parser.add_argument("--no-one-at-a-time", dest="one_at_a_time", action="store_false",
+                        help="skip the EXO_MAX_BATCH=1 server (its column of ratios then reads '-')")
+    parser.add_argument("--engine-vs-client", type=int, default=0, metavar="N",
+                        help="first, N requests of the engine alone (in this process) against N of one client through "
+                        "the batching server, alternating, in the first --mtp mode")
     args = parser.parse_args()
     modes = args.mtp.split(",")
     unknown = [m for m in modes if m not in MTP_MODES]
@@ -151,7 +251,7 @@ def main() -> None:
         processes = []
         homes = []
         try:
-            configs = [("one at a time", 1, None)] + (
+            configs = ([("one at a time", 1, None)] if args.one_at_a_time else []) + (
                 [("batching", args.max_batch, None)] if args.lanes is None
                 else [(f"batching L={lanes}", args.max_batch, lanes) for lanes in args.lanes]
             )
@@ -167,6 +267,11 @@ def main() -> None:
                 processes.append(start_server(args.model, port, free_port(), home=home.name))
                 servers[name] = f"http://127.0.0.1:{port}"
                 asyncio.run(warm(servers[name], args.max_tokens))
+            if args.engine_vs_client:
+                batching = next(url for name, url in servers.items() if name != "one at a time")
+                versus = engine_vs_client(args.model, batching, args.engine_vs_client, args.max_tokens, MTP_MODES[modes[0]])
+                print_engine_vs_client(versus, args.max_tokens)
+                report["engine_vs_client"] = versus
             rows: dict[tuple[str, str, int], dict[str, Any]] = {}
             repeats: dict[tuple[str, str, int], list[float]] = {}  # tok/s of every repeat
             for repeat in range(args.repeats):
@@ -192,19 +297,22 @@ def main() -> None:
                     for name in servers:
                         r = rows[mode, name, n]
                         one = rows[mode, name, args.clients[0]]["tok_s"]
-                        base = rows[mode, "one at a time", n]["tok_s"]
+                        base = rows.get((mode, "one at a time", n), {}).get("tok_s")
+                        versus_base = f"{r['tok_s'] / base:15.2f}x" if base else f"{'-':>16s}"
                         accept = f"{r['accepted'] / r['drafted']:.2f}" if r["drafted"] else "-"
                         per_round = f"{1 + r['accepted'] / r['rounds']:.2f}" if r["rounds"] else "-"
                         print(f"{mode:8s} {name:14s} {n:7d} {r['completed']:9d} {r['errors']:6d} {quantile(r['ttft'], 0.5):8.2f}s "
                               f"{quantile(r['ttft'], 0.99):8.2f}s {r['tok_s']:7.1f} {r['tok_s'] / one:10.2f}x "
-                              f"{r['tok_s'] / base:15.2f}x {r['batched']:12d} {r['max_batch']:9d} "
+                              f"{versus_base} {r['batched']:12d} {r['max_batch']:9d} "
                               f"{quantile(r['request_s'], 0.5):8.3f}s {accept:>6s} {per_round:>9s}")
             # Greedy output must not depend on what else runs: every response for a topic, on either server
-            # and in any batch, against the one-at-a-time server's first response for it.
+            # and in any batch, against the one-at-a-time server's first response for it (without that server:
+            # the first server's at the first client count).
             reference: dict[str, str] = {}
+            solo = [("one at a time", n) for n in args.clients] if args.one_at_a_time else [(next(iter(servers)), args.clients[0])]
             for mode in modes:
-                for n in args.clients:
-                    for topic, texts in rows[mode, "one at a time", n]["texts"].items():
+                for name, n in solo:
+                    for topic, texts in rows[mode, name, n]["texts"].items():
                         reference.setdefault(topic, texts[0])
             same = total = 0
             for r in rows.values():

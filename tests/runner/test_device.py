@@ -25,6 +25,12 @@ def engine(checkpoint) -> Engine:
     return _engine(checkpoint("qwen3_5", dtype="float32"))
 
 
+@pytest.fixture
+def roomy(checkpoint) -> Engine:
+    """Prefill budgets that take every prompt here at once: the four waiting ones are admitted in one step."""
+    return fresh_engine(checkpoint("qwen3_5", dtype="float32"), eos=False, prefill_chunk=128, batch_prefill_chunk=64)
+
+
 class Client:
     """One generation job and what it received."""
 
@@ -69,7 +75,8 @@ def _serve(device: Device, clients: list[Client]) -> None:
     device.serve()
 
 
-def test_waiting_generations_decode_as_one_batch_with_their_solo_output(engine):
+def test_waiting_generations_decode_as_one_batch_with_their_solo_output(roomy):
+    engine = roomy
     sizes: list[int] = []
     device = Device(8, max_batch=4, on_batch=sizes.append)
     samplings = [SamplingParams(), SamplingParams(temperature=0.8, seed=3), SamplingParams(presence_penalty=1.0),
@@ -90,14 +97,16 @@ def test_waiting_generations_decode_as_one_batch_with_their_solo_output(engine):
         # The first four decoded together; the fifth joined when one left (and may have ended alone: a lone
         # member's tokens are no batch's).
         assert client.stats.batch_sizes or i == 4, f"client {i} never ran in a batch"
-    assert max(sizes) == 4 and device.generations == 5 and device.snapshot()["running"] == 0
+    # The four that waited were admitted and prefilled in the first step: they decoded together from it.
+    assert sizes[0] == 4 and max(sizes) == 4 and device.generations == 5 and device.snapshot()["running"] == 0
     assert max(clients[4].stats.batch_sizes, default=1) <= 4
 
 
-def test_waiting_generations_with_native_mtp_run_batched_rounds(engine):
+def test_waiting_generations_with_native_mtp_run_batched_rounds(roomy):
     """Generations that draft (a forced depth here; adaptive ones as their batch size pays) keep drafting in
     the batch: one verify call for all, each member's own verdict. Greedy members get their solo plain
     tokens, a seeded one its solo MTP samples."""
+    engine = roomy
     sizes: list[int] = []
     device = Device(8, max_batch=4, on_batch=sizes.append)
     samplings = [SamplingParams(), SamplingParams(temperature=0.8, seed=3), SamplingParams(presence_penalty=1.0),

@@ -910,15 +910,21 @@ class SequenceState:
         """THE entry of a prompt into the sequence's caches: ``prompt[prefilled:]`` (``restore`` may have
         put the rest there) through the backbone in chunks of ``chunk`` tokens (None:
         ``EngineConfig.prefill_chunk``), each chunk's rows with a known next token priming the head. Yields
-        the positions in the caches after each chunk but the last (a batch decodes steps there); ends with
-        the first token chosen (lazily), which ``first_token`` emits."""
+        the positions in the caches after each chunk but the last (a batch decodes steps there; ``send(n)``
+        instead of ``next`` makes the next chunk ``n`` tokens: the device's scheduler sizes each step's
+        chunks); ends with the first token chosen (lazily), which ``first_token`` emits. A chunk that is not
+        the last is scheduled on the device (``async_eval``), not waited for: what runs after it (a batch's
+        step, another newcomer's chunk) is built while it computes."""
         if self.pending_token is not None or self._first is not None:
             raise RuntimeError("a sequence is prefilled once")
         self.started = time.perf_counter()
         prompt = mx.array(list(self.request.prompt_tokens), dtype=mx.uint32)
         n = prompt.shape[0]
         chunk = max(1, chunk or self.engine.config.prefill_chunk)
-        for start, end in self._prefix.spans(self.prefilled, n, chunk):  # edges at the prefix cache's snapshots
+        start = self.prefilled
+        scheduled: list[Any] = []  # the last chunk's states in flight: at most two chunks' work is outstanding
+        while start < n:
+            _, end = next(self._prefix.spans(start, n, chunk))  # it ends at a prefix cache's snapshot edge too
             hidden = self.forward.hidden(prompt[None, start:end], self.cache)
             self._prefix.reached(end, self.cache, hidden)
             # Rows whose next token is known prime the head now, chunk by chunk.
@@ -927,8 +933,12 @@ class SequenceState:
                 self.wait_for_head(hidden[:, :known], prompt[start + 1 : start + 1 + known])
                 self._flush_head()
             if end < n:
-                mx.eval([c.state for c in self.cache], self.head_cache.state)
-                yield end
+                states = [[c.state for c in self.cache], self.head_cache.state]
+                mx.async_eval(states)
+                mx.eval(scheduled)  # the chunk before (this one keeps computing): a long prompt's memory stays bounded
+                scheduled = states
+                chunk = max(1, (yield end) or chunk)
+            start = end
         self._first = self.choose(self.model.logits(hidden[:, -1:])[:, -1], hidden[:, -1:])
 
     def sample(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
