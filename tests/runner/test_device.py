@@ -102,6 +102,33 @@ def test_waiting_generations_decode_as_one_batch_with_their_solo_output(roomy):
     assert max(clients[4].stats.batch_sizes, default=1) <= 4
 
 
+def test_generations_admitted_in_one_step_prefill_as_rows_of_one_call(roomy, monkeypatch):
+    """Waiting generations whose prompts fit the step's budget are admitted in one step and prefill as rows of
+    one backbone call (``engine.batch_prefill``); a prompt longer than what is left of the budget prefills in
+    chunks of its own. Every one gets its solo output."""
+    from exo.engine import batch_prefill
+
+    engine = roomy
+    groups: list[int] = []
+    together = batch_prefill.prefill_together
+
+    def watched(runs) -> None:
+        groups.append(len(runs))
+        together(runs)
+
+    monkeypatch.setattr(batch_prefill, "prefill_together", watched)
+    device = Device(8, max_batch=8, on_batch=(sizes := []).append)
+    clients = [Client(device, engine, i, max_tokens=12, native_mtp="off") for i in range(5)]
+    clients[4].prompt = engine.loaded.tokenizer.encode(TEXTS[0] * 8)  # > 128 tokens: its own chunks
+    clients[4].job.prompt = Prompt(token_ids=clients[4].prompt)
+    for client in clients:
+        device.submit(client.job)
+    _serve(device, clients)
+    assert groups == [4] and sizes[0] == 4
+    for i, client in enumerate(clients):
+        assert client.finish == "length" and client.tokens == client.solo(), f"client {i}"
+
+
 def test_waiting_generations_with_native_mtp_run_batched_rounds(roomy):
     """Generations that draft (a forced depth here; adaptive ones as their batch size pays) keep drafting in
     the batch: one verify call for all, each member's own verdict. Greedy members get their solo plain

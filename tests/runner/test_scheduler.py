@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from exo.runner.scheduler import Chunk, Scheduler, StepPlan, Waiting
+from exo.runner.scheduler import Chunk, Scheduler, StepPlan, Waiting, shared_call
 
 
 def kv_room(tokens: int):
@@ -61,14 +61,14 @@ def test_with_members_decoding_the_step_budget_goes_to_the_oldest_newcomer_first
     assert s.members == {"a": 74}
     plan = s.plan([gen("b", 600), gen("c", 100)])
     # b takes the whole step budget; c, behind it, waits (nothing overtakes b's prefill).
-    assert plan == StepPlan(admit=("b",), prefill=(Chunk("b", 256),), decode=True, held="step_tokens")
+    assert plan == StepPlan(admit=("b",), prefill=(Chunk("b", 256),), decode=True, held="step_tokens", budget=256)
     run_step(s, plan)
     plan = s.plan([gen("c", 100)])
-    assert plan == StepPlan(admit=(), prefill=(Chunk("b", 256),), decode=True, held="step_tokens")
+    assert plan == StepPlan(admit=(), prefill=(Chunk("b", 256),), decode=True, held="step_tokens", budget=256)
     run_step(s, plan)
     # b's last 88 tokens, and c is admitted with what is left of the budget.
     plan = s.plan([gen("c", 100)])
-    assert plan == StepPlan(admit=("c",), prefill=(Chunk("b", 88), Chunk("c", 100)), decode=True)
+    assert plan == StepPlan(admit=("c",), prefill=(Chunk("b", 88), Chunk("c", 100)), decode=True, budget=256)
     run_step(s, plan)
     assert set(s.members) == {"a", "b", "c"} and not s.newcomers
 
@@ -78,7 +78,7 @@ def test_room_in_the_batch_counts_members_and_newcomers():
     plan = s.plan(gen(k, 10) for k in "abcde")
     assert plan.admit == ("a", "b", "c") and plan.held == "max_batch"
     run_step(s, plan)
-    assert s.plan([gen("d", 10)]) == StepPlan(decode=True, held="max_batch")
+    assert s.plan([gen("d", 10)]) == StepPlan(decode=True, held="max_batch", budget=256)
     s.left("b")
     assert s.plan([gen("d", 10)]).admit == ("d",)
 
@@ -89,7 +89,7 @@ def test_the_kv_budget_holds_the_head_and_nothing_behind_it_overtakes():
     # a and b fit (2 x 100); "big" (264) does not fit beside them; "small" behind it would, but waits (FIFO).
     assert plan.admit == ("a", "b") and plan.held == "kv_budget"
     run_step(s, plan)
-    assert s.plan([gen("big", 200), gen("small", 1)]) == StepPlan(decode=True, held="kv_budget")
+    assert s.plan([gen("big", 200), gen("small", 1)]) == StepPlan(decode=True, held="kv_budget", budget=256)
     s.left("a")
     s.left("b")
     # Alone, a generation always runs, whatever its size.
@@ -102,7 +102,7 @@ def test_a_job_that_cannot_join_stops_admissions_until_the_batch_drains():
     plan = s.plan([gen("a", 10), load, gen("b", 10)])
     assert plan.admit == ("a",) and plan.held == "drain"
     run_step(s, plan)
-    assert s.plan([load, gen("b", 10)]) == StepPlan(decode=True, held="drain")
+    assert s.plan([load, gen("b", 10)]) == StepPlan(decode=True, held="drain", budget=256)
     s.left("a")
     assert s.plan([load]).idle  # drained: the device serves the load next
 
@@ -168,3 +168,17 @@ def test_a_running_stream_never_waits_more_than_the_step_budget_and_every_newcom
                     s.left(key)
     assert not queue and not len(s)
     assert admitted == [f"r{i}" for i in range(40)]
+
+
+@pytest.mark.parametrize(
+    ("whole", "budget", "group"),
+    [
+        ([("a", 20), ("b", 30), ("c", 25)], 2048, ["a", "b", "c"]),  # padded 3 x 30
+        ([("a", 20), ("b", 30), ("c", 25)], 80, ["a", "b"]),  # c would pad the call to 3 x 30 = 90
+        ([("a", 20), ("b", 200), ("c", 25)], 100, ["a", "c"]),  # b alone would pad it to 2 x 200: it goes alone
+        ([("a", 20)], 2048, []),  # one prompt prefills on its own
+        ([("a", 100), ("b", 100)], 150, []),  # no two fit together
+    ],
+)
+def test_whole_prompts_prefill_in_one_call_while_its_padded_size_fits_the_budget(whole, budget, group):
+    assert shared_call(whole, budget) == group

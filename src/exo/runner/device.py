@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from exo.cards.schema import CONTEXT_BUDGET_TOKENS
 from exo.wire.errors import QueueFullError, RequestTimeoutError
 
-from .scheduler import Scheduler, Waiting
+from .scheduler import Scheduler, Waiting, shared_call
 
 if TYPE_CHECKING:  # the engine (mlx-lm, transformers: seconds) is imported by the load, not before Status serves
     from exo.engine import Engine, NativeMTPStats
@@ -410,6 +410,7 @@ class Device:
         scheduler (``runner.scheduler``) plans it, newcomers admitted from the head of the queue and prefilled
         in chunks under the step's token budget, then a decode step of the members."""
         from exo.engine.batch import BatchLanes
+        from exo.engine.batch_prefill import can_prefill_together, prefill_together
 
         run = first.begin()
         if run is None:
@@ -478,18 +479,34 @@ class Device:
                     newcomers[job] = _Newcomer(new)
                     scheduler.begun(job, len(new.request.prompt_tokens) - new.prefilled)
             fed = {chunk.key: chunk.tokens for chunk in plan.prefill}
+            # Newcomers whose whole prompt this step feeds from its start go through the backbone as rows of
+            # one call (``engine.batch_prefill``: each row its solo prefill), as many as the budget pads to.
+            together = shared_call(((job, len(n.run.request.prompt_tokens)) for job, n in newcomers.items()
+                                    if job in fed and n.fresh and n.run.whole_prompt_in(fed[job])),
+                                   plan.budget) if can_prefill_together(engine) else []
             for job in list(newcomers):
-                newcomer = newcomers[job]
+                newcomer = newcomers.get(job)
+                if newcomer is None:  # it failed in the shared call of the newcomers before it
+                    continue
                 if job not in fed:  # no room in this step's budget: it may have left meanwhile
                     if job.stopped():
                         newcomer.run.output.finish = "cancelled"
                         drop_newcomer(job)
                     continue
+                if together and job is together[0]:
+                    try:
+                        prefill_together([newcomers[j].run for j in together])
+                    except Exception as e:  # every one of them fails: the batch's members are untouched
+                        for j in together:
+                            drop_newcomer(j, e)
+                        continue
+                    for j in together:
+                        newcomers[j].prefilled()
                 # The engine's part (the newcomer's chunk, its first token, its end) and its consumer's part
                 # apart: a consumer that raises ends its request alone, with every stage in step.
                 new = newcomer.run
                 try:
-                    scheduler.fed(job, newcomer.feed(fed[job]))
+                    scheduler.fed(job, newcomer.feed(fed[job]) if newcomer.more else fed[job])
                     if newcomer.more:  # a chunk done, more to come: the batch steps first
                         if new.cancelled():
                             drop_newcomer(job)
@@ -581,6 +598,16 @@ class _Newcomer:
         self.position = run.prefilled  # prompt positions in its caches
         self.more = True  # prompt tokens are left to feed
         self._chunks: Generator[int, int | None, None] | None = None
+
+    @property
+    def fresh(self) -> bool:
+        """Nothing of its prompt fed yet."""
+        return self._chunks is None and self.more
+
+    def prefilled(self) -> None:
+        """Its whole prompt went in with others' (``engine.batch_prefill``): its first token is next."""
+        self.more = False
+        self.position = len(self.run.request.prompt_tokens)
 
     def feed(self, tokens: int) -> int:
         """The next chunk of at most ``tokens`` prompt tokens (``SequenceState.prefill``: shorter at a prefix

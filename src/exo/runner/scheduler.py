@@ -67,6 +67,7 @@ class StepPlan:
     prefill: tuple[Chunk, ...] = ()
     decode: bool = False
     held: Held | None = None
+    budget: int = 0  # the step's prefill budget (what ``prefill`` holds at most)
 
     @property
     def idle(self) -> bool:
@@ -134,7 +135,8 @@ class Scheduler:
             horizons.append(job.horizon)
             budget -= take
             self.newcomers[job.key] = _Newcomer(job.horizon, max(1, job.prompt))
-        return StepPlan(tuple(admit), tuple(chunks), bool(self.members), held)
+        return StepPlan(tuple(admit), tuple(chunks), bool(self.members), held,
+                        self.step_tokens if self.members else self.idle_tokens)
 
     def begun(self, key: Hashable, remaining: int) -> None:
         """An admitted newcomer began: ``remaining`` prompt tokens are left to prefill (a prefix cache restored
@@ -154,3 +156,17 @@ class Scheduler:
         """A member or newcomer ended (finished, cancelled, failed or rejected)."""
         self.members.pop(key, None)
         self.newcomers.pop(key, None)
+
+
+def shared_call(whole: Iterable[tuple[Hashable, int]], budget: int) -> list[Hashable]:
+    """Of the newcomers whose whole prompts a step feeds (``whole``: (key, prompt tokens), oldest first), those
+    that prefill as rows of one backbone call (``engine.batch_prefill``): in order, each that keeps the call's
+    padded size (rows x the longest prompt) within the step's ``budget``; none unless two or more (one alone
+    prefills as it always does)."""
+    group: list[Hashable] = []
+    longest = 0
+    for key, tokens in whole:
+        if (len(group) + 1) * max(longest, tokens) <= budget:
+            group.append(key)
+            longest = max(longest, tokens)
+    return group if len(group) > 1 else []
