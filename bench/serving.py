@@ -31,7 +31,14 @@ import time
 from typing import Any
 
 import aiohttp
-from common import add_common_arguments, free_port, report_to, start_server  # bench/ is this script's folder
+from common import (  # bench/ is this script's folder
+    add_common_arguments,
+    device_trace,
+    format_trace,
+    free_port,
+    report_to,
+    start_server,
+)
 
 TOPICS = (
     "the sea", "a lighthouse", "autumn leaves", "a cat", "the moon", "a city at night", "rain", "mountains",
@@ -113,6 +120,7 @@ async def load(url: str, clients: int, seconds: float, max_tokens: int, mtp: dic
     }
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        out["window"] = (time.monotonic(), time.monotonic() + seconds)  # the device trace's clock
         until = time.perf_counter() + seconds
         await asyncio.gather(*(client(session, url, i, max_tokens, until, out, mtp) for i in range(clients)))
     out["tok_s"] = out["tokens"] / seconds
@@ -248,6 +256,7 @@ def main() -> None:
         parser.error(f"unknown --mtp mode(s) {unknown}: choose from {list(MTP_MODES)}")
     with report_to(args.json) as report:
         servers = {}
+        traces: dict[str, str] = {}  # each server's runners' device trace (runner.device.DeviceTrace)
         processes = []
         homes = []
         try:
@@ -264,7 +273,9 @@ def main() -> None:
                 home = tempfile.TemporaryDirectory()
                 homes.append(home)
                 port = free_port()
+                traces[name] = os.environ["EXO_DEVICE_TRACE"] = os.path.join(home.name, "device-trace")
                 processes.append(start_server(args.model, port, free_port(), home=home.name))
+                os.environ.pop("EXO_DEVICE_TRACE")
                 servers[name] = f"http://127.0.0.1:{port}"
                 asyncio.run(warm(servers[name], args.max_tokens))
             if args.engine_vs_client:
@@ -279,6 +290,7 @@ def main() -> None:
                     for n in args.clients:
                         for name, url in servers.items():
                             r = asyncio.run(load(url, n, args.seconds, args.max_tokens, MTP_MODES[mode]))
+                            r["device"] = device_trace(traces[name], *r["window"])
                             repeats.setdefault((mode, name, n), []).append(r["tok_s"])
                             if repeat == 0:
                                 rows[mode, name, n] = r
@@ -286,7 +298,7 @@ def main() -> None:
                                 for topic, texts in r["texts"].items():
                                     rows[mode, name, n]["texts"].setdefault(topic, []).extend(texts)
                             print(f"  ran {mode:8s} {name:13s} clients={n:3d}: {r['completed']} completed, "
-                                  f"{r['tok_s']:.1f} tok/s", flush=True)
+                                  f"{r['tok_s']:.1f} tok/s; {format_trace(r['device'])}", flush=True)
             print(f"\nmodel {args.model}, {args.max_tokens}-token streamed chat completions, {args.seconds:.0f} s per row, "
                   f"temperature 0, {os.cpu_count()} CPUs")
             print(f"{'mtp':8s} {'server':14s} {'clients':>7s} {'completed':>9s} {'errors':>6s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
@@ -323,7 +335,7 @@ def main() -> None:
             print(f"\nresponses identical to the one-at-a-time output of their prompt: {same}/{total}")
             report.update(model=args.model, max_tokens=args.max_tokens, seconds=args.seconds, repeats=args.repeats,
                           rows=[{"mtp": mode, "server": name, "clients": n,
-                                 **{k: v for k, v in r.items() if k not in ("texts", "ttft", "request_s")},
+                                 **{k: v for k, v in r.items() if k not in ("texts", "ttft", "request_s", "window")},
                                  "ttft_p50_s": quantile(r["ttft"], 0.5), "ttft_p99_s": quantile(r["ttft"], 0.99)}
                                 for (mode, name, n), r in rows.items()],
                           identical_to_one_at_a_time=[same, total], tok_s_per_repeat=[

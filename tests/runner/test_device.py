@@ -239,6 +239,29 @@ def test_cancelling_one_member_leaves_the_batch_running(engine):
         assert client.finish == "length" and client.tokens == client.solo()
 
 
+def test_a_member_whose_client_goes_away_frees_its_row_at_the_next_step(roomy):
+    """A client that disconnects mid-batch (its call's end cancels its job) leaves before the next step: that
+    step is one row smaller, and the others decode on to their solo output."""
+    engine = roomy
+    sizes: list[int] = []
+
+    def stepped(size: int) -> None:
+        sizes.append(size)
+        if len(sizes) == 5:
+            clients[1].job.cancel()  # between two steps, as the gRPC call's end does from its thread
+
+    device = Device(8, max_batch=4, on_batch=stepped)
+    clients = [Client(device, engine, i, max_tokens=20, native_mtp="off") for i in range(3)]
+    for client in clients:
+        device.submit(client.job)
+    _serve(device, clients)
+    assert sizes[:6] == [3, 3, 3, 3, 3, 2]
+    cancelled = clients[1].tokens
+    assert clients[1].finish == "cancelled" and 0 < len(cancelled) < 20 and cancelled == clients[1].solo()[: len(cancelled)]
+    for client in (clients[0], clients[2]):
+        assert client.finish == "length" and client.tokens == client.solo()
+
+
 def test_queue_bound_while_a_batch_runs(engine):
     device = Device(2, max_batch=2)
     clients: list[Client] = []

@@ -291,6 +291,7 @@ class Device:
         self.running: Job | None = None
         self.generations = 0
         self._job_seconds = 1.0  # moving average of a generation's duration, for Retry-After
+        self._trace = DeviceTrace.from_env()
 
     @property
     def waiting(self) -> int:
@@ -421,6 +422,7 @@ class Device:
         scheduler = Scheduler(self.max_batch, lambda horizons: self._fits(engine, horizons),
                               step_tokens=config.batch_prefill_chunk, idle_tokens=config.prefill_chunk)
         members: dict[int, GenerationJob] = {}  # id(run) -> its job
+        runs: dict[int, SequenceState] = {}  # id(run) -> the run
         newcomers: dict[GenerationJob, _Newcomer] = {}
         pending: list[Waiting] = [Waiting(first, True, first.horizon, len(run.request.prompt_tokens))]
 
@@ -459,12 +461,15 @@ class Device:
             for job in newcomers:
                 leave(job, error)
 
+        trace = self._trace
         while True:
+            lap = trace.step()
             with self._cv:
                 waiting = itertools.chain(pending, () if self._closed else self._waiting(first.batch_key, engine))
                 plan = scheduler.plan(waiting)
                 self._take(tuple(job for job in plan.admit if job is not first))
             pending = []
+            lap("plan")
             for job in plan.admit:
                 new = run if job is first else job.begin()
                 if new is None:  # ended there (cancelled, timed out, rejected: reported)
@@ -540,9 +545,32 @@ class Device:
                     continue
                 scheduler.joined(job)
                 members[id(new)] = job
+                runs[id(new)] = new
             if plan.prefill:
                 batch.interleaved()  # prefill ran on the device: this round's time is not a round's alone
+            lap("prefill", admitted=len(plan.admit), held=plan.held, prefill_tokens=sum(c.tokens for c in plan.prefill),
+                together=len(together), members=len(batch))
+            # A member whose client went away (or whose deadline passed) since the last step leaves before the
+            # next one: its row is not computed again.
+            for key, job in list(members.items()):
+                if job.stopped():
+                    ended = runs.pop(key)
+                    del members[key]
+                    try:
+                        batch.remove(ended)  # (a pipeline's stages drop its rows too)
+                    except Exception as e:
+                        leave(job, e)
+                        fail_all(e)
+                        return
+                    ended.output.finish = "cancelled"
+                    try:
+                        job.consume(ended.final_chunk())
+                    except Exception as e:  # its stream is gone anyway
+                        leave(job, e)
+                        continue
+                    leave(job)
             if not len(batch):
+                lap("emit", stepped=0)
                 if len(scheduler):
                     continue
                 return
@@ -551,6 +579,7 @@ class Device:
             except Exception as e:
                 fail_all(e)
                 return
+            lap("step")
             self._on_batch(len(results))
             for ended, chunks in results:
                 job = members[id(ended)]
@@ -559,6 +588,7 @@ class Device:
                         job.consume(chunk)
                 except Exception as e:  # this member's stream broke: it alone leaves, the others go on
                     del members[id(ended)]
+                    runs.pop(id(ended), None)
                     leave(job, e)
                     if ended.output.finish is None:
                         try:
@@ -569,7 +599,9 @@ class Device:
                     continue
                 if ended.output.finish is not None:
                     del members[id(ended)]
+                    runs.pop(id(ended), None)
                     leave(job)
+            lap("emit", stepped=len(results))
 
     def start_thread(self, name: str = "exo-device") -> threading.Thread:
         """Serve on a new daemon thread that is parked, never ended, once ``close()`` returns: a thread
@@ -588,6 +620,59 @@ class Device:
         with self._cv:
             running = len(self.active)
             return {"queue_depth": self._waiting_bounded, "running": running, "generations": self.generations}
+
+
+class DeviceTrace:
+    """Where the device thread's time goes, step by step (``EXO_DEVICE_TRACE=DIR``: off unless set): one JSON line
+    per step of a batch in ``DIR/device-<pid>.jsonl`` with its start (``time.monotonic()``, comparable across
+    processes), the seconds of each phase (``plan``: the scheduler and tokenizing the queue's head; ``prefill``:
+    beginning the admitted, their chunks and first tokens; ``step``: the members' decode step; ``emit``: their
+    tokens to their streams) and what it carried. For benchmarks (bench/serving.py reads it back)."""
+
+    def __init__(self, path: str | None) -> None:
+        self._file = open(path, "a", buffering=1 << 16) if path else None  # noqa: SIM115 - open for the process
+        self._flushed = time.monotonic()
+
+    @classmethod
+    def from_env(cls) -> DeviceTrace:
+        import os
+
+        folder = os.environ.get("EXO_DEVICE_TRACE")
+        if not folder:
+            return cls(None)
+        os.makedirs(folder, exist_ok=True)
+        return cls(os.path.join(folder, f"device-{os.getpid()}.jsonl"))
+
+    def step(self) -> Callable[..., None]:
+        """A new step: returns ``lap(phase, **fields)``, which closes the phase (the last, "emit", writes the line)."""
+        if self._file is None:
+            return _no_lap
+        start = last = time.monotonic()
+        line: dict[str, Any] = {"t": start}
+
+        def lap(phase: str, **fields: Any) -> None:
+            nonlocal last
+            now = time.monotonic()
+            line[phase] = now - last
+            line.update(fields)
+            last = now
+            if phase == "emit":
+                self._write(line)
+
+        return lap
+
+    def _write(self, line: dict[str, Any]) -> None:
+        import json
+
+        assert self._file is not None
+        self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+        if line["t"] - self._flushed > 1.0:
+            self._file.flush()
+            self._flushed = line["t"]
+
+
+def _no_lap(phase: str, **fields: Any) -> None:
+    pass
 
 
 class _Newcomer:
