@@ -127,6 +127,8 @@ def device_trace(folder: str | None, start: float, end: float) -> dict[str, Any]
         "steps": len(decode), "steps_per_s": len(decode) / window,
         "mean_batch": sum(line["stepped"] for line in decode) / max(1, len(decode)),
         "step_ms_p50": 1000 * steps[len(steps) // 2] if steps else 0.0,
+        "step_ms_max": 1000 * steps[-1] if steps else 0.0,
+        "prefill_ms_max": 1000 * max((line.get("prefill", 0.0) for line in lines), default=0.0),
         "longest_gap_s": max(gaps, default=0.0),
         "prefill_tokens": sum(line.get("prefill_tokens", 0) for line in lines),
         "shared_prefills": sum(1 for line in lines if line.get("together")),
@@ -141,5 +143,6 @@ def format_trace(t: dict[str, Any] | None) -> str:
         return "device: no decode step"
     share = " ".join(f"{k} {100 * v:.0f}%" for k, v in t["share"].items())
     return (f"device: {t['steps']} steps ({t['steps_per_s']:.1f}/s, batch {t['mean_batch']:.1f}, step p50 "
-            f"{t['step_ms_p50']:.1f} ms), longest gap between steps {t['longest_gap_s']:.2f} s, {t['prefill_tokens']} "
-            f"prompt tokens ({t['shared_prefills']} shared calls); time: {share}")
+            f"{t['step_ms_p50']:.1f} ms, max {t['step_ms_max']:.0f} ms), longest gap between steps "
+            f"{t['longest_gap_s']:.2f} s, {t['prefill_tokens']} prompt tokens ({t['shared_prefills']} shared calls, "
+            f"a step's prefill at most {t['prefill_ms_max']:.0f} ms); time: {share}")

@@ -1,7 +1,7 @@
 """Many clients at once: continuous batching vs one generation at a time, through `exo serve`.
 
     python bench/serving.py [MODEL] [--clients 1 8 32] [--seconds 30] [--max-tokens 64] [--mtp off,k1,adaptive]
-                            [--lanes 1 2] [--repeats 3] [--json]
+                            [--lanes 1 2] [--repeats 3] [--engine-vs-client N] [--no-one-at-a-time] [--json]
 
 Starts two `exo serve --model MODEL` processes as users run them (the daemon relays to a runner
 subprocess over gRPC): one with EXO_MAX_BATCH=1 (requests strictly one at a time, as before batching)
@@ -16,7 +16,22 @@ the whole table once per native-MTP mode of the requests (``off``: ``{"enabled":
 depth, ``{"k": N}``; ``adaptive``: no field, the default), with the mean depth and acceptance the
 responses report; ratios compare rows of the same mode. ``--lanes`` starts a batching server per lane count
 (EXO_BATCH_LANES: ``engine.batch.BatchLanes``, a batch's plain steps split over streams that MLX's CPU
-backend runs on cores of their own) instead of one with the node's default.
+backend runs on cores of their own) instead of one with the node's default. ``--no-one-at-a-time`` skips the
+EXO_MAX_BATCH=1 server.
+
+Each row also says what the servers' device threads did in its window (``EXO_DEVICE_TRACE``,
+``runner.device.DeviceTrace``): decode steps per second, the mean batch, the step's median time, the longest
+stretch between two decode steps (a stall shows there), the prompt tokens prefilled (and in how many shared
+calls) and the share of the window the thread spent planning, prefilling, stepping, emitting, or idle.
+
+``--engine-vs-client N`` first runs N requests of the engine alone (in this process, a fresh engine on the same
+checkpoint, no prefix cache) against N of one client through the batching server (idle otherwise), the same
+chat requests alternating, and prints the medians: the engine's decode tok/s and its request tok/s (prefill
+included), the client's decode tok/s as streamed (first to last token), its request tok/s (sent to last
+token) and TTFT, and the runner's own decode tok/s for those requests (``usage.native_mtp``); then the
+ratios. The runner's decode against the engine's is what the serving loop costs; the client's decode against
+the runner's, what the relay costs; the request ratios add the per-request work (tokenizing, the prefix
+cache, prefill, HTTP).
 """
 
 from __future__ import annotations
