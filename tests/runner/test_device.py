@@ -410,6 +410,59 @@ def test_a_newcomer_prefills_in_batch_chunks_with_a_batch_step_between_them(engi
     assert all(b > a for a, b in zip(steps_between, steps_between[1:], strict=False)), steps_between
 
 
+def test_a_running_stream_waits_at_most_one_step_budget_of_prefill_whatever_arrives(engine, monkeypatch):
+    """Newcomers with long prompts keep arriving while a stream decodes: between two of its decode steps the
+    device prefills at most one step's budget (``batch_prefill_chunk`` tokens) of all of theirs together, so
+    the stream never stalls behind them; every newcomer still gets in (FIFO) and every output is its solo one."""
+    budget = engine.config.batch_prefill_chunk
+    calls: list[int] = []  # the tokens of every backbone call; -1 after each decode step of the batch
+    hidden = engine.forward.hidden
+
+    def watched(tokens, cache, **kw):
+        calls.append(int(tokens.shape[0]) * int(tokens.shape[1]))
+        return hidden(tokens, cache, **kw)
+
+    monkeypatch.setattr(engine.forward, "hidden", watched)
+    device = Device(16, max_batch=8, on_batch=lambda size: calls.append(-1))
+    late: list[Client] = []
+
+    def arrive(job: GenerationJob) -> None:
+        if 2 <= job.steps <= 7 and len(late) < job.steps - 1:  # a newcomer at each of its steps 2..7
+            client = Client(device, engine, len(late), max_tokens=6, native_mtp="off")
+            client.prompt = engine.loaded.tokenizer.encode(TEXTS[len(late) % len(TEXTS)] * 3)
+            client.job.prompt = Prompt(token_ids=client.prompt)
+            late.append(client)
+            device.submit(client.job)
+            watch(client)
+
+    clients = [Client(device, engine, 0, max_tokens=80, native_mtp="off", hook=arrive)]
+
+    def watch(client: Client) -> None:
+        done = client.job.on_done
+
+        def on_done(*args) -> None:
+            done(*args)
+            if all(c.finish is not None for c in clients + late):
+                device.close()
+
+        client.job.on_done = on_done
+
+    watch(clients[0])
+    device.submit(clients[0].job)
+    device.serve()
+    assert len(late) == 6
+    # Each step's calls are its prefill chunks, then its decode step's (the last before the -1): from the first
+    # step on (before it nothing decodes, and the first stream's prefill has the idle budget), a step's chunks
+    # hold at most the step budget.
+    steps = " ".join(map(str, calls)).split(" -1")
+    assert len(steps) > 20
+    for step in steps[1:-1]:
+        tokens = [int(t) for t in step.split()]
+        assert sum(tokens[:-1]) <= budget, calls
+    for client in clients + late:
+        assert client.finish == "length" and client.tokens == client.solo()
+
+
 def _serve_within(device: Device, clients: list[Client], seconds: float) -> None:
     """``_serve`` on a thread, given ``seconds`` for every client to end (a member left hanging fails the test
     instead of hanging it)."""
