@@ -12,9 +12,9 @@ not used. Then every sequence takes its row as its own caches (``SequenceState.p
 the shared buffers, the padding left out) and goes on as after its own prefill (snapshots for the prefix
 cache, the MTP head's rows, the first token).
 
-A host-bound device pays a forward's graph once for all of them rather than once each: on MLX CUDA a 9B's
-prefill steps its GatedDeltaNet layers token by token (~400 tok/s for one prompt), so 32 short prompts cost
-about one prompt's time together, where one after the other they cost 32. Only whole prompts from position
+A host-bound device pays a forward's graph once for all of them rather than once each: with GatedDeltaNet
+stepped token by token (mlx-lm's path on MLX CUDA, ~400 tok/s for one 9B prompt), 32 short prompts cost about
+one prompt's time together, where one after the other they cost 32. Only whole prompts from position
 0 go together (``SequenceState.whole_prompt_in``: nothing restored from the prefix cache, no snapshot edge
 inside), on a single node (a pipeline's stages would need each row's length: not carried).
 """
