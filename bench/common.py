@@ -95,7 +95,12 @@ def start_server(model: str | None, port: int, grpc_port: int, peers: str | None
                 await asyncio.sleep(0.2)
         raise RuntimeError("exo serve did not come up")
 
-    asyncio.run(wait())
+    try:
+        asyncio.run(wait())
+    except BaseException:  # not up: the caller has no handle on it to stop it
+        process.kill()
+        process.wait(30)
+        raise
     return process
 
 
