@@ -924,27 +924,62 @@ class SequenceState:
         """THE entry of a prompt into the sequence's caches: ``prompt[prefilled:]`` (``restore`` may have
         put the rest there) through the backbone in chunks of ``chunk`` tokens (None:
         ``EngineConfig.prefill_chunk``), each chunk's rows with a known next token priming the head. Yields
-        the positions in the caches after each chunk but the last (a batch decodes steps there); ends with
-        the first token chosen (lazily), which ``first_token`` emits."""
+        the positions in the caches after each chunk but the last (a batch decodes steps there; ``send(n)``
+        instead of ``next`` makes the next chunk ``n`` tokens: the device's scheduler sizes each step's
+        chunks); ends with the first token chosen (lazily), which ``first_token`` emits. A chunk that is not
+        the last is scheduled on the device (``async_eval``), not waited for: what runs after it (a batch's
+        step, another newcomer's chunk) is built while it computes."""
         if self.pending_token is not None or self._first is not None:
             raise RuntimeError("a sequence is prefilled once")
         self.started = time.perf_counter()
         prompt = mx.array(list(self.request.prompt_tokens), dtype=mx.uint32)
         n = prompt.shape[0]
         chunk = max(1, chunk or self.engine.config.prefill_chunk)
-        for start, end in self._prefix.spans(self.prefilled, n, chunk):  # edges at the prefix cache's snapshots
-            hidden = self.forward.hidden(prompt[None, start:end], self.cache)
-            self._prefix.reached(end, self.cache, hidden)
-            # Rows whose next token is known prime the head now, chunk by chunk.
-            known = min(end, n - 1) - start
-            if known > 0:
-                self.wait_for_head(hidden[:, :known], prompt[start + 1 : start + 1 + known])
-                self._flush_head()
+        start = self.prefilled
+        scheduled: list[Any] = []  # the last chunk's states in flight: at most two chunks' work is outstanding
+        while start < n:
+            _, end = next(self._prefix.spans(start, n, chunk))  # it ends at a prefix cache's snapshot edge too
+            self._fed(prompt, start, end, self.forward.hidden(prompt[None, start:end], self.cache))
             if end < n:
+                states = [[c.state for c in self.cache], self.head_cache.state]
                 with out_of_memory(f"prefilling a prompt of {n} tokens"):  # a typed error; the node serves on
-                    mx.eval([c.state for c in self.cache], self.head_cache.state)
-                yield end
-        self._first = self.choose(self.model.logits(hidden[:, -1:])[:, -1], hidden[:, -1:])
+                    mx.async_eval(states)
+                    mx.eval(scheduled)  # the chunk before (this one keeps computing): a long prompt's memory stays bounded
+                scheduled = states
+                chunk = max(1, (yield end) or chunk)
+            start = end
+
+    def _fed(self, prompt: mx.array, start: int, end: int, hidden: mx.array) -> None:
+        """After a chunk ``prompt[start:end]`` went through the backbone (``hidden`` [1, T, H]): a snapshot where
+        the prefix cache keeps one, its rows with a known next token to the head, and at the prompt's end the
+        first token chosen (lazily)."""
+        n = prompt.shape[0]
+        self._prefix.reached(end, self.cache, hidden)
+        known = min(end, n - 1) - start
+        if known > 0:
+            self.wait_for_head(hidden[:, :known], prompt[start + 1 : start + 1 + known])
+            self._flush_head()
+        if end == n:
+            self._first = self.choose(self.model.logits(hidden[:, -1:])[:, -1], hidden[:, -1:])
+
+    def whole_prompt_in(self, tokens: int) -> bool:
+        """Whether the prompt can enter the caches in one chunk of at most ``tokens`` tokens from position 0 (none
+        restored, no prefix-cache snapshot edge inside it): what ``prefill_with`` takes."""
+        n = len(self.request.prompt_tokens)
+        return (not self.started and self.pending_token is None and not self.prefilled and n <= tokens
+                and next(self._prefix.spans(0, n, n)) == (0, n))
+
+    def prefill_with(self, cache: list[Any], hidden: mx.array, started: float | None = None) -> None:
+        """``prefill`` done by a backbone call shared with other sequences (``engine.batch_prefill``): ``cache``
+        holds the whole prompt (it becomes this sequence's caches), ``hidden`` [1, n, H] is its rows, ``started``
+        when that call began. The rest is ``prefill``'s own (snapshots, the head, the first token chosen);
+        ``first_token`` follows."""
+        if not self.whole_prompt_in(len(self.request.prompt_tokens)):
+            raise RuntimeError("prefill_with() takes a whole prompt, from position 0, once")
+        self.started = started or time.perf_counter()
+        self.cache = cache
+        prompt = mx.array(list(self.request.prompt_tokens), dtype=mx.uint32)
+        self._fed(prompt, 0, prompt.shape[0], hidden)
 
     def sample(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
         token, logprobs = select_token(logits, self.params, self.keys)
