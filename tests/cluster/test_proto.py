@@ -74,7 +74,7 @@ def test_a_generate_request_carries_its_parameters_to_the_owner(ignore_eos):
 def test_a_final_chunk_carries_the_stop_string_that_matched(stop_sequence):
     """The runner's last chunk tells the API node which stop string ended the output (Anthropic's
     stop_sequence), and none when none did."""
-    from exo.engine.generate import GenerationChunk
+    from exo.engine.request import GenerationChunk
     from exo.wire.convert import chunk_from_pb, chunk_to_pb
 
     chunk = GenerationChunk("done", [1, 2], "stop", stop_sequence=stop_sequence)

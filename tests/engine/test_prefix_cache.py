@@ -120,15 +120,15 @@ def test_restored_caches_equal_a_cold_prefill(checkpoint, arch):
         run = engine.start(GenerationRequest(p2, max_tokens=4, mtp_k=1))
         for _ in run.prefill():  # the prompt's one entry; the first token is chosen, not yet emitted
             pass
-        token, _ = run._first
-        run._flush_head()
+        token = run.pending_token
+        run.head.flush()
         return run, token
 
     hit, hit_token = prefilled(warm)
     ref, ref_token = prefilled(cold)
     assert hit.prefilled > BLOCK
     assert hit_token.item() == ref_token.item()
-    for a, b in [*zip(hit.cache, ref.cache, strict=True), (hit.head_cache, ref.head_cache)]:
+    for a, b in [*zip(hit.cache, ref.cache, strict=True), (hit.head.cache, ref.head.cache)]:
         xs, ys = _arrays(a), _arrays(b)
         assert len(xs) == len(ys) > 0
         for x, y in zip(xs, ys, strict=True):

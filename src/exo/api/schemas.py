@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from exo.engine.generate import MAX_FORCED_K
+from exo.engine.request import MAX_FORCED_K
 from exo.engine.stats import NativeMTPStats
 
 from .errors import APIError

@@ -26,9 +26,10 @@ no depth can pay, probes grow rare. Where no depth could pay even at full accept
 (a compute-bound CPU), the policy never drafts or probes.
 
 In a batch (``BatchDepthPolicy``) one K serves every member of a round, chosen per batch-size bucket
-(1, 2, 3-4, 5-8, 9-16, 17+) by a ``DepthPolicy`` over that bucket's timings of batched steps and rounds, the
+(2, 3-4, 5-8, 9-16, 17+) by a ``DepthPolicy`` over that bucket's timings of batched steps and rounds, the
 solo policy's acceptance tracker shared; until its rounds are paired with its plain steps a bucket's costs
-are the solo warm-up's scaled by its measured rows-cost factor (``batch_costs``).
+are the solo warm-up's scaled by its measured rows-cost factor (``batch_costs``). A batch of one is a solo
+request: its bucket is the solo policy itself (``engine.depth`` applies the solo rules to it).
 
 Everything here is pure Python over numbers: table-tested in tests/engine/test_adaptive.py.
 """
@@ -586,15 +587,17 @@ class BatchDepthPolicy:
     _buckets: dict[int, DepthPolicy] = field(default_factory=dict, init=False)
 
     def bucket(self, size: int) -> DepthPolicy:
+        """The policy of batches of ``size``: the solo policy for a batch of one."""
         index = batch_bucket(size)
+        if index == 0:
+            return self.solo
         policy = self._buckets.get(index)
         if policy is None:
-            # A batch of one starts at the solo default depth, as a solo request does; larger ones on their
-            # estimates.
+            # A batch of several starts on its estimates (not the solo default depth), drafting only on a
+            # clear margin.
             policy = DepthPolicy(
-                costs=batch_costs(self.solo.costs, size), max_k=self.solo.max_k,
-                default_k=self.solo.default_k if index == 0 else 0, can_draft=self.solo.mtp_can_pay_off,
-                entry_gain=MIN_GAIN if index == 0 else BATCH_ENTRY_GAIN, plain_samples=PAIR_SAMPLES,
+                costs=batch_costs(self.solo.costs, size), max_k=self.solo.max_k, default_k=0,
+                can_draft=self.solo.mtp_can_pay_off, entry_gain=BATCH_ENTRY_GAIN, plain_samples=PAIR_SAMPLES,
             )
             policy.tracker = self.solo.tracker  # acceptance is the head's on the text, whatever the batch
             self._buckets[index] = policy
@@ -607,6 +610,8 @@ class BatchDepthPolicy:
         return plain / solo if plain and solo else None
 
     def choose(self, size: int) -> int:
+        if batch_bucket(size) == 0:
+            return self.solo.choose()
         if not self.solo.mtp_can_pay_off:
             return 0
         if size > 1 and not self.solo.drafting_pays():

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .constraints import ConstraintError, ConstraintSpec, ToolFormat, tool_format
-from .generate import ContextLengthError, Engine, GenerationRequest, GenerationRequestError, NativeMTPMode
+from .generate import Engine
+from .request import ContextLengthError, GenerationRequest, GenerationRequestError, NativeMTPMode
 from .sampling import SamplingParams
 
 # apply_chat_template arguments a request must not override through chat_template_kwargs.

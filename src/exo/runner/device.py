@@ -35,8 +35,9 @@ from exo.wire.errors import QueueFullError, RequestTimeoutError
 if TYPE_CHECKING:  # the engine (mlx-lm, transformers: seconds) is imported by the load, not before Status serves
     from exo.engine import Engine, NativeMTPStats
     from exo.engine.batch import BatchLanes
-    from exo.engine.generate import GenerationChunk, SequenceState
     from exo.engine.prompt import GenerateParams, GenerationRequest, Prompt
+    from exo.engine.request import GenerationChunk
+    from exo.engine.sequence import SequenceState
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from exo.engine import (
     SamplingParams,
 )
 from exo.engine.constraints import ConstraintSpec
-from exo.engine.generate import NativeMTPUnavailableError, TokenLogprob, TopLogprob
 from exo.engine.prompt import GenerateParams, Prompt, PromptError
+from exo.engine.request import NativeMTPUnavailableError, TokenLogprob, TopLogprob
 from exo.engine.sampling import SamplingParamsError
 
 from .errors import NodeUnavailableError, QueueFullError, RequestTimeoutError
