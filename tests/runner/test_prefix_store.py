@@ -208,8 +208,7 @@ def test_the_ram_budget_shrinks_to_what_the_node_has_free(tmp_path):
 def test_a_served_engine_gets_the_shrunk_budget_and_reports_it(checkpoint, tmp_path):
     """``ready_engine`` (the runner's and the local service's) counts the instance's KV budget and activation
     margin before the RAM tier: on a node whose memory is its weights + that + 3 MiB, the tier gets 3 MiB."""
-    from exo.cards.schema import CONTEXT_BUDGET_TOKENS
-    from exo.cluster.placement import ACTIVATION_MARGIN_BYTES
+    from exo.cards.schema import ACTIVATION_MARGIN_BYTES, CONTEXT_BUDGET_TOKENS
     from exo.engine.batch import sequence_bytes
     from exo.runner.loading import ready_engine, reserve_bytes
 

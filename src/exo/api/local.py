@@ -34,12 +34,13 @@ from exo.cluster.service import (
     ModelLoadTimeoutError,
     Prompt,
     RequestTimeoutError,
+    Started,
 )
 from exo.engine import Engine, NativeMTPStats, ResolvedModel
 from exo.engine.prompt import tokenize
 from exo.engine.resolve import DEFAULT_MODEL, resolve_model
 from exo.metrics import Metrics
-from exo.runner.device import Device, GenerationJob, Started
+from exo.runner.device import Device, GenerationJob
 from exo.runner.loading import load_for_serving, ready_engine
 from exo.settings import Settings
 

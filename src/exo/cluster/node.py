@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from exo import system
 from exo.cards import ModelCard, UnknownModelError
 from exo.downloads import HubConfig
 from exo.downloads.fetch import free_bytes
@@ -31,7 +32,6 @@ from exo.settings import Settings
 from exo.wire.proto_gen import node_pb2 as pb
 from exo.wire.proto_gen import node_pb2_grpc as pb_grpc
 
-from . import system
 from .auth import AuthInterceptor, ClusterAuth
 from .fetching import InstanceFetcher, node_downloads
 from .identity import NodeIdentity

@@ -31,9 +31,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from exo.cards import ModelCard
-from exo.cards.schema import CONTEXT_BUDGET_TOKENS
+from exo.cards.schema import ACTIVATION_MARGIN_BYTES, CONTEXT_BUDGET_TOKENS
 
-ACTIVATION_MARGIN_BYTES = 512 << 20
 LIVE_STATES = frozenset({"loading", "ready"})
 MAX_ORDERED_EXHAUSTIVELY = 7  # stages ordered by trying every order up to this many nodes, greedily beyond
 
