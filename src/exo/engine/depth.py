@@ -96,7 +96,7 @@ class StepDepth:
             run = runs[0]
             policy = run.policy
             if run.near_tie:
-                return Plan(1, 0, steps=1)
+                return Plan(1, 0, steps=1, policy=policy)
             if policy is None:
                 return Plan(1, 0, steps=UNBOUNDED)
             k = policy.choose()
