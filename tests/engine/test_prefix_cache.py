@@ -350,12 +350,12 @@ def test_a_requests_prompt_cache_key_groups_its_entries(checkpoint):
     path = checkpoint("qwen3_5", dtype="float32")
     warm, cold = _engine(path, cached=True), _engine(path, cached=False)
     p1, p2 = _prompt(warm, TURN1), _prompt(warm, TURN2)
-    _complete(warm, p1, cache_key="session-1", native_mtp="off")
+    _complete(warm, p1, prompt_cache_key="session-1", native_mtp="off")
     store = warm.prefix_cache.store
     assert len(store.keys()) == len(store) > 0
     assert {store.group_of(key) for key in store.keys()} == {f"{pc.key_hash('session-1'):016x}"}
     assert warm.prefix_cache.summary().keys == (pc.key_hash("session-1"),)
-    hit = _complete(warm, p2, cache_key="session-2", native_mtp="off")  # restored entries move to its key
+    hit = _complete(warm, p2, prompt_cache_key="session-2", native_mtp="off")  # restored entries move to its key
     assert hit.stats.cached_tokens > 0
     _same(hit, _complete(cold, p2, native_mtp="off"))
     assert f"{pc.key_hash('session-2'):016x}" in {store.group_of(key) for key in store.keys()}

@@ -92,7 +92,7 @@ def _params(
         constraint=constraint,
         logprobs=logprobs,
         ignore_eos=bool(req.ignore_eos),
-        cache_key=req.cache_key(),
+        prompt_cache_key=req.prompt_cache_key_text(),
     )
 
 

@@ -472,12 +472,12 @@ class PrefixCache:
             if all(self.store.has(k) for k in needed):
                 yield p, name
 
-    def plan(self, tokens: Sequence[int], need_head: bool, cache_key: str | None = None, *,
+    def plan(self, tokens: Sequence[int], need_head: bool, prompt_cache_key: str | None = None, *,
              within: Callable[[list[int]], int] | None = None, edges: list[int] | None = None) -> PrefillPlan:
-        """The restore point and snapshot edges for a prompt (``cache_key``: its ``prompt_cache_key``).
+        """The restore point and snapshot edges for a prompt (with its ``prompt_cache_key``).
         A pipeline's stages: ``within`` settles on a position among those this stage holds (the leader asks the
         other stages, 0: none), ``edges`` are the leader's (a stage has no tokenizer to find message starts)."""
-        group = self.note_key(cache_key)
+        group = self.note_key(prompt_cache_key)
         tokens = list(tokens)
         chain = block_chain(tokens, self.block, self.ns)
         self.stats.lookups += 1
@@ -806,17 +806,17 @@ class NoPlan:
 
 
 def plan_for(cache: PrefixCache | None, tokens: Sequence[int], need_head: bool, stages: int,
-             cache_key: str | None = None, lookup: Callable[[list[int]], list[int]] | None = None) -> PrefillPlan | NoPlan:
+             prompt_cache_key: str | None = None, lookup: Callable[[list[int]], list[int]] | None = None) -> PrefillPlan | NoPlan:
     """The plan a run's prefill follows. A pipeline's leader asks the other stages which of the positions it
     holds they hold too (``lookup``: ``PipelineForward.prefix_lookup``; every stage keeps its own layers' part
     under its own namespace) and settles on the deepest all of them hold."""
     if cache is None:
         return NoPlan()
     if stages == 1:
-        return cache.plan(tokens, need_head, cache_key)
+        return cache.plan(tokens, need_head, prompt_cache_key)
     if lookup is None:
         return NoPlan()
-    return cache.plan(tokens, need_head, cache_key, within=lambda held: max(lookup(held), default=0))
+    return cache.plan(tokens, need_head, prompt_cache_key, within=lambda held: max(lookup(held), default=0))
 
 
 class StagePrefix:
@@ -902,7 +902,7 @@ def restore_prefix(cache: PrefixCache | None, state: Any) -> None:
     if forward.stages > 1 and hasattr(forward, "prefix_lookup"):
         lookup = functools.partial(forward.prefix_lookup, caches, tokens)
     tracked = state.head.tracked
-    plan = plan_for(cache, tokens, tracked, forward.stages, getattr(state.request, "cache_key", None), lookup)
+    plan = plan_for(cache, tokens, tracked, forward.stages, getattr(state.request, "prompt_cache_key", None), lookup)
     state.prefix = plan
     if isinstance(plan, NoPlan):
         return

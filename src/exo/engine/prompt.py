@@ -92,7 +92,7 @@ class GenerateParams:
     constraint: ConstraintSpec | None = None  # the output must follow it (constrained decoding)
     logprobs: int | None = None  # report log-probabilities, with this many alternatives (0..20)
     ignore_eos: bool = False  # generate past end-of-sequence tokens, up to max_tokens
-    cache_key: str | None = None  # OpenAI's prompt_cache_key: a hint for the prefix cache and the router
+    prompt_cache_key: str | None = None  # a hint for the prefix cache and the router (None: none)
 
 
 def renders_tools(tokenizer: Any) -> bool:
@@ -229,5 +229,5 @@ def generation_request(
         logprobs=params.logprobs,
         thinking=thinking,
         ignore_eos=params.ignore_eos,
-        cache_key=params.cache_key,
+        prompt_cache_key=params.prompt_cache_key,
     )

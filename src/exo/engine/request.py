@@ -56,7 +56,7 @@ class GenerationRequest:
     # End-of-sequence tokens are ordinary tokens: the generation runs to max_tokens (or a stop string).
     ignore_eos: bool = False
     # OpenAI's prompt_cache_key: the prefix cache keeps (and evicts) the entries of one key together.
-    cache_key: str | None = None
+    prompt_cache_key: str | None = None
     # Polled through the engine's one-time warm-up that the first adaptive request waits on (round costs, the
     # head's warm acceptance); True ends the request before it starts ("cancelled"). None: ``should_stop``.
     stop_warmup: Callable[[], bool] | None = None

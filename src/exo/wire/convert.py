@@ -186,8 +186,8 @@ def generate_request(
     if params.logprobs is not None:
         request.logprobs = params.logprobs
     request.ignore_eos = params.ignore_eos
-    if params.cache_key:
-        request.prompt_cache_key = utf8_safe(params.cache_key)
+    if params.prompt_cache_key:
+        request.prompt_cache_key = utf8_safe(params.prompt_cache_key)
     return request
 
 
@@ -236,6 +236,6 @@ def request_from_pb(req: pb.GenerateRequest) -> tuple[Prompt, GenerateParams]:
         constraint=ConstraintSpec.from_json(req.constraint_json) if req.constraint_json else None,
         logprobs=req.logprobs if req.HasField("logprobs") else None,
         ignore_eos=req.ignore_eos,
-        cache_key=req.prompt_cache_key or None,
+        prompt_cache_key=req.prompt_cache_key or None,
     )
     return prompt, params
