@@ -466,6 +466,24 @@ def test_disabled_by_setting_runs_plain_with_a_reason(dense):
         _greedy(engine, _prompt(dense, 6), native_mtp="on")
 
 
+def test_the_node_s_switch_travels_with_the_request(dense):
+    """A node's native-MTP switch reaches the engine in the request (``GenerationRequest.mtp_switch``): it decides
+    for that request, over the engine's own setting both ways, and the engine's configuration never changes."""
+    from exo.engine.request import MTPSwitch
+
+    engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK))
+    config = engine.config
+    off = _greedy(engine, _prompt(dense, 6), mtp_k=2, mtp_switch=MTPSwitch(False, "switched off on this node"))
+    assert not off.stats.enabled and off.stats.reason == "switched off on this node"
+    with pytest.raises(NativeMTPUnavailableError, match="switched off"):
+        _greedy(engine, _prompt(dense, 6), native_mtp="on", mtp_switch=MTPSwitch(False, "switched off on this node"))
+    assert engine.config is config and _greedy(engine, _prompt(dense, 6), mtp_k=2).stats.rounds > 0
+    configured_off = Engine(dense, EngineConfig(prefill_chunk=CHUNK, native_mtp_enabled=False))
+    on = _greedy(configured_off, _prompt(dense, 6), mtp_k=2, mtp_switch=MTPSwitch(True))
+    assert on.stats.enabled and on.stats.rounds > 0 and on.token_ids == off.token_ids
+    assert not configured_off.config.native_mtp_enabled
+
+
 def test_off_per_request(dense):
     result = _greedy(Engine(dense), _prompt(dense, 6), native_mtp="off")
     assert not result.stats.enabled and "off" in result.stats.reason

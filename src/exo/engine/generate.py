@@ -9,7 +9,6 @@ depth of each step (``depth``, ``adaptive``), the batch that drives them all (``
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +35,7 @@ from .request import (
     GenerationChunk,
     GenerationRequest,
     GenerationResult,
+    MTPSwitch,
     NativeMTPMode,
     NativeMTPUnavailableError,
     TokenLogprob,
@@ -168,17 +168,16 @@ class Engine:
             out = self._token_bytes[token] = self.grammar_tokenizer.decode_bytes([token])
         return out
 
-    def set_native_mtp(self, enabled: bool, disabled_reason: str) -> None:
-        """The node-wide switch; call between generations (it applies from the next one on)."""
-        if (self.config.native_mtp_enabled, self.config.disabled_reason) != (enabled, disabled_reason):
-            self.config = dataclasses.replace(self.config, native_mtp_enabled=enabled, disabled_reason=disabled_reason)
-
     # -- native MTP availability -------------------------------------------------------------------
-    def mtp_unavailable_reason(self, mode: NativeMTPMode = "auto") -> str | None:
+    def mtp_unavailable_reason(self, mode: NativeMTPMode = "auto", switch: MTPSwitch | None = None) -> str | None:
+        """Why a request in ``mode`` cannot draft (None: it can); ``switch``: the serving node's switch, else
+        the engine's own setting decides."""
         if mode == "off":
             return "native MTP was turned off for this request"
-        if not self.config.native_mtp_enabled:
-            return self.config.disabled_reason
+        enabled, why = (switch.enabled, switch.disabled_reason) if switch is not None else (
+            self.config.native_mtp_enabled, self.config.disabled_reason)
+        if not enabled:
+            return why
         if self.loaded.head is None:
             return self.loaded.head_status.reason or "this model has no usable MTP head"
         return None
@@ -229,7 +228,7 @@ class Engine:
         """A validated run of ``request`` (nothing computed yet): ``stream()`` it alone, or hand it to a
         ``BatchDecoder`` (exo.engine.batch) once ``begin()`` has emitted its first token."""
         check_request(request, self.vocab_size, self.loaded.context_length)
-        reason = self.mtp_unavailable_reason(request.native_mtp)
+        reason = self.mtp_unavailable_reason(request.native_mtp, request.mtp_switch)
         if request.native_mtp == "on" and reason is not None:
             raise NativeMTPUnavailableError(f"native MTP cannot run: {reason}")
         policy = None

@@ -11,7 +11,7 @@ from typing import Any
 
 from .constraints import ConstraintError, ConstraintSpec, ToolFormat, tool_format
 from .generate import Engine
-from .request import ContextLengthError, GenerationRequest, GenerationRequestError, NativeMTPMode
+from .request import ContextLengthError, GenerationRequest, GenerationRequestError, MTPSwitch, NativeMTPMode
 from .sampling import SamplingParams
 
 # apply_chat_template arguments a request must not override through chat_template_kwargs.
@@ -93,6 +93,7 @@ class GenerateParams:
     logprobs: int | None = None  # report log-probabilities, with this many alternatives (0..20)
     ignore_eos: bool = False  # generate past end-of-sequence tokens, up to max_tokens
     prompt_cache_key: str | None = None  # a hint for the prefix cache and the router (None: none)
+    mtp_switch: MTPSwitch | None = None  # the serving node's native-MTP switch, set where the model lives
 
 
 def renders_tools(tokenizer: Any) -> bool:
@@ -230,4 +231,5 @@ def generation_request(
         thinking=thinking,
         ignore_eos=params.ignore_eos,
         prompt_cache_key=params.prompt_cache_key,
+        mtp_switch=params.mtp_switch,
     )

@@ -37,6 +37,15 @@ class ContextLengthError(GenerationRequestError):
         self.param = param
 
 
+@dataclass(frozen=True)
+class MTPSwitch:
+    """A node's native-MTP switch as a request carries it (the serving node's setting when the request reached
+    it): it decides for that request; the engine's configuration is never changed for it."""
+
+    enabled: bool
+    disabled_reason: str = "native MTP is disabled"
+
+
 @dataclass
 class GenerationRequest:
     prompt_tokens: Sequence[int]
@@ -60,6 +69,8 @@ class GenerationRequest:
     # Polled through the engine's one-time warm-up that the first adaptive request waits on (round costs, the
     # head's warm acceptance); True ends the request before it starts ("cancelled"). None: ``should_stop``.
     stop_warmup: Callable[[], bool] | None = None
+    # The serving node's native-MTP switch (None: the engine's own, ``EngineConfig.native_mtp_enabled``).
+    mtp_switch: MTPSwitch | None = None
 
 
 def check_request(request: GenerationRequest, vocab_size: int, context_length: int | None) -> None:

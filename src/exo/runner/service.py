@@ -175,8 +175,6 @@ class RunnerServicer(pb_grpc.RunnerServicer):
             out.put(DONE)
 
         def on_device() -> Engine:
-            if request.HasField("node_mtp"):  # the owning node's switch decides (we are between requests)
-                engine.set_native_mtp(request.node_mtp.enabled, request.node_mtp.disabled_reason)
             return engine
 
         prompt, params = request_from_pb(request)

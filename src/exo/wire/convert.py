@@ -20,7 +20,7 @@ from exo.engine import (
 )
 from exo.engine.constraints import ConstraintSpec
 from exo.engine.prompt import GenerateParams, Prompt, PromptError
-from exo.engine.request import NativeMTPUnavailableError, TokenLogprob, TopLogprob
+from exo.engine.request import MTPSwitch, NativeMTPUnavailableError, TokenLogprob, TopLogprob
 from exo.engine.sampling import SamplingParamsError
 
 from .errors import NodeUnavailableError, QueueFullError, RequestTimeoutError
@@ -237,5 +237,7 @@ def request_from_pb(req: pb.GenerateRequest) -> tuple[Prompt, GenerateParams]:
         logprobs=req.logprobs if req.HasField("logprobs") else None,
         ignore_eos=req.ignore_eos,
         prompt_cache_key=req.prompt_cache_key or None,
+        # The serving node's switch (its daemon adds it: ``ClusterNode.generate_local``).
+        mtp_switch=MTPSwitch(req.node_mtp.enabled, req.node_mtp.disabled_reason) if req.HasField("node_mtp") else None,
     )
     return prompt, params
