@@ -138,3 +138,34 @@ def test_an_error_after_the_stream_started_is_an_error_and_before_it_a_rejection
     assert mid == {"cancelled": 0, "error": 1, "rejected": 0, "timeout": 0}
     before = _finishes(service, [failed], disconnect=False)
     assert before == {"cancelled": 0, "error": 1, "rejected": 1, "timeout": 0}
+
+
+def test_a_routed_prompt_is_tokenized_once(service, checkpoint, monkeypatch):
+    """Routing among instances tokenizes the prompt as the runner would (``prompt_tokens``) and the request carries
+    those tokens (``rendered``): the runner reads them, it does not tokenize the prompt again."""
+    from exo.cluster import routing
+    from exo.cluster.views import Located
+    from exo.engine import Engine, load_checkpoint, resolve_model
+    from exo.engine import prompt as prompt_module
+    from exo.engine.prompt import GenerateParams, Prompt, generation_request, prompt_tokens
+    from exo.wire.convert import generate_request, request_from_pb
+    from exo.wire.proto_gen import node_pb2 as pb
+
+    path = checkpoint("qwen3_5")
+    model_id = service.register(resolve_model(str(path)))
+    prompt = Prompt(messages=[{"role": "user", "content": "Where is the prefix cache?"}])
+    params = GenerateParams(max_tokens=4, default_max_tokens=4)
+    request = generate_request(model_id, "", prompt, params, timeout_s=10.0)
+    candidates = [routing.Candidate(Located(node, pb.Instance(instance_id=f"i-{node}", model_id=model_id)), 0,
+                                    node == service.node_id) for node in (service.node_id, "another-node")]
+    service.router._route(model_id, candidates, prompt, params, request)
+    engine = Engine(load_checkpoint(path))
+    expected = prompt_tokens(engine.loaded.tokenizer, prompt, params)
+    assert list(request.rendered.ids) == expected
+    runner_prompt, runner_params = request_from_pb(type(request).FromString(request.SerializeToString()))
+
+    def tokenized_again(*args, **kwargs):
+        raise AssertionError("the runner tokenized a prompt that came with its tokens")
+
+    monkeypatch.setattr(prompt_module, "prompt_tokens", tokenized_again)
+    assert list(generation_request(engine, runner_prompt, runner_params).prompt_tokens) == expected

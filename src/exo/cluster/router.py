@@ -24,7 +24,7 @@ from exo.engine.prefix_cache import key_hash, message_starts
 from exo.engine.prompt import prompt_tokens, tokenize
 from exo.metrics import Metrics
 from exo.settings import Settings
-from exo.wire.convert import chunk_from_pb, error_from_pb, generate_request, request_from_pb
+from exo.wire.convert import chunk_from_pb, error_from_pb, generate_request
 from exo.wire.proto_gen import node_pb2 as pb
 
 from . import routing
@@ -126,15 +126,16 @@ class Router:
                                            streams.get(loc.instance.instance_id, 0)), loc.node_id == self.view.node_id)
                 for loc in ready]
 
-    def _route(self, model_id: str, candidates: list[routing.Candidate], request: pb.GenerateRequest) -> Located:
+    def _route(self, model_id: str, candidates: list[routing.Candidate], prompt: Prompt, params: GenerateParams,
+               request: pb.GenerateRequest) -> Located:
         """Several ready instances: the one holding the prompt's longest cached prefix (``routing``). Runs in a
-        worker thread (it tokenizes the prompt)."""
+        worker thread: it tokenizes the prompt as the runner would (``prompt_tokens``), and ``request`` then
+        carries those tokens (``rendered``), so the runner does not tokenize it again."""
         tokens = None
         starts: frozenset[int] = frozenset()
         here = self._tokenizer_here(model_id)
         if here is not None:
             tokenizer, lock = here
-            prompt, params = request_from_pb(request)  # as the runner reads it
             try:
                 with lock:
                     tokens = prompt_tokens(tokenizer, prompt, params)
@@ -142,7 +143,9 @@ class Router:
                         model_id, message_starts(tokenizer))
             except Exception:  # noqa: BLE001 - a prompt the owner will refuse: any instance answers that
                 tokens = None
-        key = request.prompt_cache_key or None
+        if tokens is not None:
+            request.rendered.CopyFrom(pb.TokenIds(ids=tokens))
+        key = request.prompt_cache_key or None  # as the runner reads it (made UTF-8 safe)
         choice = routing.choose(candidates, tokens, key, self._recent_routes)
         # Until its summary says so (~2.5 s), read what the chosen instance will store as held.
         reported = routing.summary_from_pb(choice.located.instance.prefix_summary)
@@ -163,7 +166,7 @@ class Router:
         request = generate_request(model_id, located.instance.instance_id, prompt, params, remaining)
         route = None
         if len(candidates) > 1:
-            route = functools.partial(self._route, model_id, candidates, request)
+            route = functools.partial(self._route, model_id, candidates, prompt, params, request)
         else:
             self.last_used[located.instance.instance_id] = time.monotonic()
         stream = RemoteGenerationStream(self, located, request, timeout_s=timeout_s, arrived=arrived, route=route)

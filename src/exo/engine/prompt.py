@@ -79,6 +79,9 @@ class Prompt:
     token_ids: list[int] | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     tools: list[dict[str, Any]] | None = None
+    # Its token ids as ``prompt_tokens`` renders them, where a router computed them already (the prompt is
+    # tokenized once on its way to the model); None: where the model lives tokenizes it.
+    rendered: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -198,7 +201,7 @@ def generation_request(
     (``enable_thinking=False``, unless the request says otherwise) and a think block the generation prompt
     still opens is closed, so the grammar applies to the answer itself."""
     constrained_chat = params.constraint is not None and prompt.messages is not None
-    tokens = prompt_tokens(engine.loaded.tokenizer, prompt, params)
+    tokens = list(prompt.rendered) if prompt.rendered is not None else prompt_tokens(engine.loaded.tokenizer, prompt, params)
     thinking = prompt.messages is not None and opens_think(engine.loaded.tokenizer, tokens)
     if constrained_chat and thinking:
         tokens += list(engine.loaded.tokenizer.encode(THINK_CLOSE, add_special_tokens=False))

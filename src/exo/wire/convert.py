@@ -174,6 +174,8 @@ def generate_request(
         request.text = utf8_safe(prompt.text or "")
     if prompt.template_kwargs:
         request.template_kwargs_json = json.dumps(prompt.template_kwargs)
+    if prompt.rendered is not None:
+        request.rendered.CopyFrom(pb.TokenIds(ids=prompt.rendered))
     if params.max_tokens is not None:
         # Beyond 2**63 - 1 no context fits either: the owner refuses it the same way.
         request.max_tokens = min(params.max_tokens, (1 << 63) - 1)
@@ -222,9 +224,10 @@ def request_from_pb(req: pb.GenerateRequest) -> tuple[Prompt, GenerateParams]:
         token_ids=list(req.token_ids.ids) if kind == "token_ids" else None,
         template_kwargs=json.loads(req.template_kwargs_json) if req.template_kwargs_json else {},
         tools=json.loads(req.tools_json) if req.tools_json else None,
+        rendered=list(req.rendered.ids) if req.HasField("rendered") else None,
     )
     if prompt.messages is None and prompt.token_ids is None and prompt.text is None:
-        prompt = Prompt(text="", template_kwargs=prompt.template_kwargs)
+        prompt = Prompt(text="", template_kwargs=prompt.template_kwargs, rendered=prompt.rendered)
     params = GenerateParams(
         max_tokens=req.max_tokens if req.HasField("max_tokens") else None,
         default_max_tokens=req.default_max_tokens,
