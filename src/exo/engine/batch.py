@@ -516,21 +516,12 @@ def lane_streams(lanes: int) -> list[mx.Stream | None]:
 def default_lanes(engine: Engine) -> int:
     """How many lanes a batch of ``engine``'s runs decodes in: ``EngineConfig.batch_lanes``, else one.
 
-    Two lanes paid on MLX's CPU backend while a plain step waited for its whole evaluation before the next
-    was built (8 sequences: 446 tok/s against one lane's 357); since a step emits from
-    the last step's outputs (``_plain_emit``), one lane is as fast or faster at every size measured on a
-    2-core x86-64 CPU (exo-demo, ms a step, one lane vs two: 10.3 vs 14.5 at 4 sequences, 12.6 vs 14.4 at 8,
-    21.8 vs 21.1 at 16, 43.0 vs 56.7 at 32; bench/batch_steps.py@3c719fd): MLX's ``async_eval`` feeds the lanes'
-    streams one after the other, and building two graphs costs the host twice.
-
-    A pipelined model's batch decodes in one lane too. Lanes there are micro-batches (``BatchLanes.step``
-    evaluates each lane's step as soon as it is built, so the leader computes one lane's layers while the other
-    stages compute the next lane's), and as many as stages measured slower on this 2-core CPU: exo-demo over
-    two stages through ``exo serve``, 8 clients 308 tok/s in two lanes against 483-490 in one, 32 clients 338
-    against 602-705 (bench/results/cpu-2core-pipeline-batching-2026-11-28.txt): each lane's step is a round
-    trip of its own through the stages and a graph of its own for the leader's host thread, and the two
-    stages' processes already keep both cores busy. ``EXO_BATCH_LANES`` turns them on where stages have
-    machines of their own."""
+    Since a step emits from the last step's outputs (``_plain_emit``), one lane is as fast or faster than two
+    on MLX's CPU backend: its ``async_eval`` feeds the lanes' streams one after the other, and building two
+    graphs costs the host twice. A pipelined model's batch decodes in one lane too: lanes there are
+    micro-batches (``BatchLanes.step`` evaluates each lane's step as soon as it is built), each lane's step a
+    round trip of its own through the stages and a graph of its own for the leader's host thread.
+    ``EXO_BATCH_LANES`` turns them on where stages have machines of their own (docs/performance.md, "The engine's constants")."""
     if engine.config.batch_lanes is not None:
         return max(1, engine.config.batch_lanes)
     return 1

@@ -34,8 +34,8 @@ if TYPE_CHECKING:
 # Head rows an adaptive run keeps waiting while its policy decodes plainly (K = 0); the rows before them never
 # reach the head. A probe first runs the head over the rows waiting since the last one: on a compute-bound
 # CPU a long catch-up cost as much as the probe round itself. The head's context then has a gap before its
-# last HEAD_WINDOW rows: at 32 its probes accepted as many drafts as with the whole stretch, at 8 fewer,
-# which biases the policy against drafting (docs/performance.md, "Head windows").
+# last HEAD_WINDOW rows: too short a window lands fewer drafts, which biases the policy against drafting
+# (docs/performance.md, "The engine's constants").
 HEAD_WINDOW = 32
 BATCH_HEAD_WINDOW = 4  # a batch decoding plainly feeds its members' heads nothing: a head row costs a layer
 HEAD_FLUSH_ROWS = 256  # a forced depth's plain stretch feeds its head in batches of this many rows

@@ -67,9 +67,7 @@ class EngineConfig:
     async_draft_eval: bool = True
     prefill_chunk: int = 2048
     # Tokens per prefill chunk of a run joining a running batch (runner.device): the batch decodes a step
-    # between chunks, so a long prompt holds its streams for a chunk, not for the whole prompt (exo-demo on a
-    # 2-core CPU, a 1657-token prompt in one 2048 chunk: 3.8 s without a token for 4 running streams; in
-    # chunks of 256: 0.8-1.1 s at most, bench/prefill_stall.py@3c719fd).
+    # between chunks, so a long prompt holds its streams for a chunk, not for the whole prompt (docs/performance.md, "The engine's constants").
     batch_prefill_chunk: int = 256
     # Batched steps compute each sequence as its solo step would (models.backbone.set_batch_invariant): every
     # linear row a one-row product, attention per sequence over its own unpadded keys, experts unsorted.
