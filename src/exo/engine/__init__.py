@@ -16,6 +16,7 @@ from exo.settings import Settings, load_settings
 from .adaptive import DepthCosts, DepthPolicy
 from .generate import Engine, EngineConfig
 from .loader import CheckpointError, LoadedModel, MTPHeadError, load_checkpoint
+from .memory import DeviceMemoryError
 from .models import UnsupportedModelError
 from .request import (
     ContextLengthError,
@@ -34,6 +35,7 @@ __all__ = [
     "ContextLengthError",
     "DepthCosts",
     "DepthPolicy",
+    "DeviceMemoryError",
     "Engine",
     "EngineConfig",
     "GenerationChunk",
@@ -68,6 +70,7 @@ def engine_config(resolved: ResolvedModel, settings: Settings, **overrides) -> E
         max_k=resolved.max_k,
         disabled_reason=f"native MTP is disabled ({where.get(source, 'settings')})",
         batch_invariant=settings.batch_invariant,
+        gdn_prefill=settings.gdn_prefill,
     )
     if settings.prefill_chunk is not None:
         values["prefill_chunk"] = settings.prefill_chunk

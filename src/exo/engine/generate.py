@@ -28,7 +28,7 @@ from .constraints import ConstraintSpec, Grammar, ToolFormat, compile_grammar
 from .costs import warmup_costs
 from .forward import Forward, LocalForward
 from .loader import LoadedModel
-from .models.layers import MoEVerifyMode
+from .models.layers import GdnPrefill, MoEVerifyMode
 from .prefix_cache import PrefixCache, restore_prefix
 from .replay import ReplayDrafter
 from .request import (
@@ -69,6 +69,9 @@ class EngineConfig:
     # Tokens per prefill chunk of a run joining a running batch (runner.device): the batch decodes a step
     # between chunks, so a long prompt holds its streams for a chunk, not for the whole prompt (docs/performance.md, "The engine's constants").
     batch_prefill_chunk: int = 256
+    # How GatedDeltaNet layers run a prompt chunk (models.layers.GdnPrefill): "auto" takes the chunked form on
+    # MLX CUDA only; "chunked" anywhere (tests force it on the CPU); "loop" never. Decode and verify rows never.
+    gdn_prefill: GdnPrefill = "auto"
     # Batched steps compute each sequence as its solo step would (models.backbone.set_batch_invariant): every
     # linear row a one-row product, attention per sequence over its own unpadded keys, experts unsorted.
     batch_invariant: bool = False
@@ -98,6 +101,8 @@ class Engine:
         self.loaded = loaded
         self.config = config or EngineConfig()
         self.forward = forward or LocalForward(loaded.model)
+        if hasattr(loaded.model, "set_gdn_prefill"):  # the model's layers take this engine's choice
+            loaded.model.set_gdn_prefill(self.config.gdn_prefill)
         self._verify: VerifyMode | None = None
         self.verify_probe: dict[str, bool] = {}
         self._costs: DepthCosts | None = None

@@ -27,6 +27,7 @@ from mlx_lm.models.cache import KVCache
 from .adaptive import DepthPolicy
 from .choice import Choice
 from .head_rows import HeadRows
+from .memory import out_of_memory
 from .output import LogprobRows, Output
 from .prefix_cache import NoPlan, PrefillPlan
 from .request import GenerationChunk, GenerationRequest, TokenLogprob
@@ -150,7 +151,8 @@ class SequenceState:
                 self.head.wait(hidden[:, :known], prompt[start + 1 : start + 1 + known])
                 self.head.flush()
             if end < n:
-                mx.eval([c.state for c in self.cache], self.head.cache.state)
+                with out_of_memory(f"prefilling a prompt of {n} tokens"):  # a typed error; the node serves on
+                    mx.eval([c.state for c in self.cache], self.head.cache.state)
                 yield end
         token, lp = self.choice.choose(self.model.logits(hidden[:, -1:])[:, -1])
         self.head.wait(hidden[:, -1:], token)
@@ -167,7 +169,8 @@ class SequenceState:
         assert first is not None
         self._pending_lp = None
         self.phase = Phase.EMITTED  # added to the output below, before anything else runs
-        mx.eval(first, *(lp.arrays() if lp is not None else ()))
+        with out_of_memory(f"prefilling a prompt of {len(self.request.prompt_tokens)} tokens"):  # its last chunk
+            mx.eval(first, *(lp.arrays() if lp is not None else ()))
         self.stats.first_time = time.perf_counter()
         token = first.item()
         self.output.add(token, self.entry(lp, 0, token))
