@@ -23,9 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from .completions import ChatGeneration, Part, Reasoning, cached_tokens, prepare_chat
 from .config import CONFIG, METRICS, SERVICE
 from .dialects import (
-    anthropic_error_type,
     arguments_object,
     end_stream,
+    error_body,
     hoist_system,
     invalid,
     relay,
@@ -404,6 +404,5 @@ async def _stream(request: web.Request, generation: ChatGeneration, answer: _Ans
     except Exception as e:  # noqa: BLE001 - headers are sent: Anthropic's error event ends the stream
         err = api_error_from(e)
         request.app[METRICS].errors.labels(err.code or str(err.status)).inc()
-        body = {"type": "error", "error": {"type": anthropic_error_type(err.status), "message": err.message}}
-        return await end_stream(response, _sse("error", body))
+        return await end_stream(response, _sse("error", error_body("anthropic", err)))
     return await end_stream(response)

@@ -28,15 +28,11 @@ from exo.downloads import (
     DownloadError,
     DownloadManager,
     DownloadNotFoundError,
-    HubUnavailableError,
-    InsufficientDiskError,
-    RepoNotFoundError,
 )
-from exo.downloads.errors import DownloadConflictError, InvalidRevisionError
 from exo.downloads.progress import Status
 
 from .config import OPENAPI
-from .errors import APIError
+from .errors import APIError, api_error_from
 from .parsing import read_json, validate
 
 DOWNLOADS = web.AppKey("downloads", DownloadManager)
@@ -164,23 +160,6 @@ def add_download_routes(
         _document(app[OPENAPI])
 
 
-def _error(exc: Exception) -> APIError:
-    message = str(exc.args[0]) if isinstance(exc, LookupError) and exc.args else str(exc)
-    if isinstance(exc, DownloadNotFoundError):
-        return APIError(404, message, param="id", code="download_not_found")
-    if isinstance(exc, RepoNotFoundError):
-        return APIError(404, message, param="model", code="repo_not_found")
-    if isinstance(exc, InvalidRevisionError):
-        return APIError(400, message, param="revision", code="invalid_value")
-    if isinstance(exc, InsufficientDiskError):
-        return APIError(507, message, type="server_error", code="insufficient_storage")
-    if isinstance(exc, DownloadConflictError):
-        return APIError(409, message, param="quantize_head", code="download_conflict")
-    if isinstance(exc, HubUnavailableError):
-        return APIError(503, message, type="server_error", code="hub_unavailable", headers={"Retry-After": "30"})
-    return APIError(502, message, type="server_error", code=getattr(exc, "code", "download_failed"))
-
-
 def _view(request: web.Request, view: dict[str, Any]) -> dict[str, Any]:
     cluster = request.app.get(CLUSTER_DOWNLOADS)
     return {**view, "node": cluster[0]() if cluster else None}
@@ -213,9 +192,7 @@ async def create_download(request: web.Request) -> web.Response:
             quantize_head=body.quantize_head,
         )
     except DownloadError as e:
-        if isinstance(e, LookupError) and not isinstance(e, RepoNotFoundError):
-            raise  # offline and missing files: the API's own "model not available" 404
-        raise _error(e) from None
+        raise api_error_from(e) from None  # the error table's row (offline and missing files: a 404)
     return web.json_response(_view(request, task.view()), status=201 if started else 200)
 
 
@@ -226,7 +203,7 @@ async def get_download(request: web.Request) -> web.Response:
         peer = _peer_download(request, request.match_info["id"])
         if peer is not None:
             return web.json_response(peer)
-        raise _error(e) from None
+        raise api_error_from(e) from None
     return web.json_response(_view(request, task.view()))
 
 
@@ -238,7 +215,7 @@ async def delete_download(request: web.Request) -> web.Response:
         peer = _peer_download(request, download_id)
         if peer is not None:
             raise _elsewhere(peer, "cancel it") from None
-        raise _error(e) from None
+        raise api_error_from(e) from None
     return web.json_response({"id": download_id, "object": "download.deleted", "cancelled": cancelled, "deleted": True})
 
 
@@ -249,7 +226,7 @@ async def download_events(request: web.Request) -> web.StreamResponse:
         peer = _peer_download(request, request.match_info["id"])
         if peer is not None:
             raise _elsewhere(peer, "follow it") from None
-        raise _error(e) from None
+        raise api_error_from(e) from None
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     sent: tuple[Any, ...] | None = None

@@ -14,10 +14,10 @@ import sys
 def serve_command(args: argparse.Namespace) -> int:
     from exo.api import build_cluster_app, run_app
     from exo.cluster.orchestration import ClusterModelService
-    from exo.cluster.placement import PlacementError
     from exo.cluster.supervisor import InstanceFailedError
     from exo.engine import resolve_model
     from exo.settings import load_settings
+    from exo.wire.errors import PlacementError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)

@@ -27,11 +27,20 @@ largest remainder, at least one layer each. ``nodes`` names the stages exactly, 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from exo.cards import ModelCard
 from exo.cards.schema import ACTIVATION_MARGIN_BYTES, CONTEXT_BUDGET_TOKENS
+from exo.wire.errors import (  # placement's errors live with the error table
+    AlreadyPlacedError,
+    InvalidPlacementRequest,
+    ModelNotOnDiskError,
+    NoDiskRoomError,
+    NoPlacementError,
+    TooFewNodesError,
+    UnknownNodeError,
+)
 
 LIVE_STATES = frozenset({"loading", "ready"})
 MAX_ORDERED_EXHAUSTIVELY = 7  # stages ordered by trying every order up to this many nodes, greedily beyond
@@ -209,52 +218,6 @@ class Placement:
     @property
     def stages(self) -> tuple[ShardAssignment, ...]:
         return self.shards
-
-
-class PlacementError(Exception):
-    """The model cannot be placed as asked."""
-
-
-class NoPlacementError(PlacementError):
-    """No node has room (or the weights); the message says what is missing."""
-
-    def __init__(self, message: str, *, needed_bytes: int = 0, best_node: str | None = None, best_free_bytes: int = 0):
-        super().__init__(message)
-        self.needed_bytes = needed_bytes
-        self.best_node = best_node
-        self.best_free_bytes = best_free_bytes
-
-
-class ModelNotOnDiskError(NoPlacementError):
-    """No node (or not the asked one) has the model's weights on its disk."""
-
-
-class TooFewNodesError(NoPlacementError):
-    """Fewer nodes hold the model (or the asked nodes are fewer) than the placement needs."""
-
-
-class NoDiskRoomError(NoPlacementError):
-    """Nodes with room in memory would have to download the weights and lack the disk for them."""
-
-
-class AlreadyPlacedError(PlacementError):
-    def __init__(self, existing: ExistingInstance) -> None:
-        super().__init__(
-            f"{existing.model_id} already has instance {existing.instance_id} ({existing.state}) on node "
-            f"{existing.node_id}; delete it first to place it elsewhere"
-        )
-        self.existing = existing
-
-
-class UnknownNodeError(PlacementError):
-    def __init__(self, node_id: str, known: Iterable[str]) -> None:
-        known = sorted(known)
-        super().__init__(f"no node {node_id!r} in the cluster; nodes: {', '.join(known) or 'none'}")
-        self.node_id = node_id
-
-
-class InvalidPlacementRequest(PlacementError):
-    """The request itself is contradictory (e.g. a node and a list of nodes)."""
 
 
 def gib(n: float) -> str:

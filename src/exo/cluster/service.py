@@ -16,7 +16,14 @@ from typing import Any, Literal, Protocol
 
 from exo.engine import GenerationChunk
 from exo.engine.prompt import GenerateParams, Prompt
-from exo.wire.errors import NodeUnavailableError, QueueFullError, RequestTimeoutError
+from exo.wire.errors import (
+    ClusterAuthError,
+    InstanceNotFoundError,
+    ModelLoadTimeoutError,
+    NodeUnavailableError,
+    QueueFullError,
+    RequestTimeoutError,
+)
 from exo.wire.stream import Failed, Started
 
 __all__ = [
@@ -28,18 +35,6 @@ __all__ = [
 ModelStatus = Literal["loaded", "local", "remote"]
 # A running generation notices its deadline by itself (should_stop); the handler waits this much longer.
 DEADLINE_GRACE_S = 5.0
-
-
-class ModelLoadTimeoutError(TimeoutError):
-    """A model is still loading after the load timeout; the load goes on in the background."""
-
-
-class InstanceNotFoundError(LookupError):
-    """No instance with that id in the cluster."""
-
-
-class ClusterAuthError(RuntimeError):
-    """Another node refused this node's calls (the cluster secrets differ)."""
 
 
 # -- what the handlers see -----------------------------------------------------------------------------

@@ -35,6 +35,7 @@ import grpc
 
 import exo
 from exo.launch import module_argv
+from exo.wire.errors import InstanceFailedError as InstanceFailedError  # with the error table
 from exo.wire.proto_gen import node_pb2 as pb
 from exo.wire.proto_gen import node_pb2_grpc as pb_grpc
 from exo.wire.runner import EXIT_GROUP_LOST, EXIT_LOAD_FAILED, MAX_MESSAGE_BYTES
@@ -55,17 +56,6 @@ _LIVE = (pb.INSTANCE_STATE_LOADING, pb.INSTANCE_STATE_READY)
 DownloadReport = Callable[[str, pb.DownloadProgress], None]
 # Downloads an instance's weights (reporting progress); the model to run once they are there.
 Fetch = Callable[[DownloadReport], Awaitable["ResolvedModel"]]
-
-
-class InstanceFailedError(RuntimeError):
-    """The instance failed (or is not ready); ``.instance`` is its snapshot, ``failure`` filled when known."""
-
-    def __init__(self, instance: pb.Instance, message: str | None = None) -> None:
-        if message is None:
-            why = instance.failure.message or "no diagnostics"
-            message = f"instance {instance.instance_id} of {instance.model_id} failed: {why}"
-        super().__init__(message)
-        self.instance = instance
 
 
 class UnknownInstanceError(LookupError):

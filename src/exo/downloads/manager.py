@@ -21,6 +21,7 @@ from typing import Any
 
 from exo.cards import Catalog, load_catalog
 from exo.settings import Settings
+from exo.wire.errors import DownloadNotFoundError as DownloadNotFoundError  # with the error table
 
 from .errors import DownloadCancelledError, DownloadConflictError, DownloadError, message
 from .fetch import DEFAULT_RESERVE_BYTES, DEFAULT_WORKERS
@@ -32,10 +33,6 @@ from .stages import Stage
 
 log = logging.getLogger(__name__)
 KEEP_FINISHED = 50
-
-
-class DownloadNotFoundError(LookupError):
-    """No download with that id on this node."""
 
 
 @dataclass

@@ -7,24 +7,19 @@ turns chunks back into the engine's ``GenerationChunk``), so both ends agree on 
 from __future__ import annotations
 
 import json
-import math
 import re
 import uuid
 
 from exo.engine import (
-    ContextLengthError,
-    DeviceMemoryError,
     GenerationChunk,
-    GenerationRequestError,
     NativeMTPStats,
     SamplingParams,
 )
 from exo.engine.constraints import ConstraintSpec
-from exo.engine.prompt import GenerateParams, Prompt, PromptError
-from exo.engine.request import MTPSwitch, NativeMTPUnavailableError, TokenLogprob, TopLogprob
-from exo.engine.sampling import SamplingParamsError
+from exo.engine.prompt import GenerateParams, Prompt
+from exo.engine.request import MTPSwitch, TokenLogprob, TopLogprob
 
-from .errors import NodeUnavailableError, QueueFullError, RequestTimeoutError
+from .errors import message_of, rebuild, row_of
 from .proto_gen import node_pb2 as pb
 
 INT32_MAX = (1 << 31) - 1
@@ -108,51 +103,19 @@ def error_chunk(type: str, message: str, *, param: str = "", retry_after_s: floa
 
 
 def error_to_pb(exc: BaseException) -> pb.GenerateChunk:
-    """A generation's failure as the chunk the API node turns back into the same HTTP error."""
-    message = str(exc.args[0]) if isinstance(exc, LookupError) and exc.args else str(exc)
-    if isinstance(exc, ContextLengthError):
-        return error_chunk("context_length_exceeded", message, param=exc.param or "")
-    if isinstance(exc, PromptError):
-        return error_chunk("prompt", message)
-    if isinstance(exc, NativeMTPUnavailableError):
-        return error_chunk("native_mtp_unavailable", message)
-    if isinstance(exc, GenerationRequestError):
-        return error_chunk("generation_request", message, param=getattr(exc, "param", "") or "")
-    if isinstance(exc, SamplingParamsError):
-        return error_chunk("sampling_params", message)
-    if isinstance(exc, QueueFullError):
-        return error_chunk("queue_full", message, retry_after_s=exc.retry_after_s)
-    if isinstance(exc, RequestTimeoutError):
-        return error_chunk("timeout", message)
-    if isinstance(exc, NodeUnavailableError):
-        return error_chunk("model_unavailable", message)
-    if isinstance(exc, DeviceMemoryError):
-        return error_chunk("device_memory", message)
-    return error_chunk("internal", f"{type(exc).__name__}: {message}")
+    """A generation's failure as the chunk the API node turns back into the same HTTP error (its row of
+    ``errors.ERRORS``; one without a wire name crosses as "internal", naming its type)."""
+    message = message_of(exc)
+    row = row_of(exc)
+    if row is None or row.wire is None:
+        return error_chunk("internal", f"{type(exc).__name__}: {message}")
+    return error_chunk(row.wire, message, param=getattr(exc, "param", "") or "",
+                       retry_after_s=getattr(exc, "retry_after_s", 0.0) or 0.0)
 
 
 def error_from_pb(err: pb.GenerateError) -> BaseException:
     """The owning node's error as the exception that gives the same HTTP answer here."""
-    message = err.message
-    if err.type == "context_length_exceeded":
-        return ContextLengthError(message, err.param or "messages")
-    if err.type == "prompt":
-        return PromptError(message)
-    if err.type == "sampling_params":
-        return SamplingParamsError(message)
-    if err.type == "native_mtp_unavailable":
-        return NativeMTPUnavailableError(message)
-    if err.type == "generation_request":
-        return GenerationRequestError(message, param=err.param or None)
-    if err.type == "queue_full":
-        return QueueFullError(0, max(1, math.ceil(err.retry_after_s)), message)
-    if err.type == "timeout":
-        return RequestTimeoutError(message)
-    if err.type == "model_unavailable":
-        return NodeUnavailableError(message)
-    if err.type == "device_memory":
-        return DeviceMemoryError(message)
-    return RuntimeError(message)
+    return rebuild(err)
 
 
 def generate_request(

@@ -1,11 +1,42 @@
-"""Errors that cross the wire: raised where a generation runs, answered the same way wherever it was asked.
+"""Every error a client can see, and the one table that answers each: code, HTTP status, type, retry.
 
-A runner reports them in a ``GenerateError`` (``convert.error_to_pb``); the API node turns that back into
-the same type (``convert.error_from_pb``), and the HTTP layer maps the type to a status. So a request
-gets the same answer whether its model runs in-process, on this node's runner or on another node.
+A failure is answered the same way wherever it was raised: in this process, on this node's runner or on
+another node. The runner reports it in a ``GenerateError`` under its row's ``wire`` name
+(``convert.error_to_pb``); the API node rebuilds the same exception (``convert.error_from_pb``) and the
+HTTP layer answers it from its row (``exo.api.errors.api_error_from``): the status, the OpenAI ``type``,
+the ``code`` and ``param`` a client acts on, and ``Retry-After``. Each dialect (OpenAI chat/completions,
+Responses, Anthropic Messages, Ollama) keeps its own error *shape* (``exo.api.dialects.error_body``) and
+takes status and type from here.
+
+The errors of the rooms above the wire (placement, the cluster service, downloads) live here too, so that
+this table can name them while every room that answers one (runner, cluster, api) can read it; their
+modules import them back under their old names.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from exo.cards import AmbiguousModelError, CardError, UnknownModelError
+from exo.engine.loader import CheckpointError
+from exo.engine.memory import DeviceMemoryError
+from exo.engine.models import UnsupportedModelError
+from exo.engine.prompt import PromptError
+from exo.engine.request import ContextLengthError, GenerationRequestError, NativeMTPUnavailableError
+from exo.engine.resolve import ModelNotAvailableError
+from exo.engine.sampling import SamplingParamsError
+from exo.settings import SettingsError
+
+from .proto_gen import node_pb2 as pb
+
+if TYPE_CHECKING:
+    from exo.cluster.placement import ExistingInstance
+
+
+# -- serving ---------------------------------------------------------------------------------------------
 
 
 class QueueFullError(RuntimeError):
@@ -24,3 +55,271 @@ class RequestTimeoutError(TimeoutError):
 
 class NodeUnavailableError(RuntimeError):
     """The node, runner or pipeline stage that serves an instance stopped answering, left, or is not ready."""
+
+
+# -- the cluster service ---------------------------------------------------------------------------------
+
+class ModelLoadTimeoutError(TimeoutError):
+    """A model is still loading after the load timeout; the load goes on in the background."""
+
+
+class InstanceNotFoundError(LookupError):
+    """No instance with that id in the cluster."""
+
+
+class ClusterAuthError(RuntimeError):
+    """Another node refused this node's calls (the cluster secrets differ)."""
+
+
+class InstanceFailedError(RuntimeError):
+    """The instance failed (or is not ready); ``.instance`` is its snapshot, ``failure`` filled when known."""
+
+    def __init__(self, instance: pb.Instance, message: str | None = None) -> None:
+        if message is None:
+            why = instance.failure.message or "no diagnostics"
+            message = f"instance {instance.instance_id} of {instance.model_id} failed: {why}"
+        super().__init__(message)
+        self.instance = instance
+
+
+# -- placement -------------------------------------------------------------------------------------------
+
+
+class PlacementError(Exception):
+    """The model cannot be placed as asked."""
+
+
+class NoPlacementError(PlacementError):
+    """No node has room (or the weights); the message says what is missing."""
+
+    def __init__(self, message: str, *, needed_bytes: int = 0, best_node: str | None = None, best_free_bytes: int = 0):
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.best_node = best_node
+        self.best_free_bytes = best_free_bytes
+
+
+class ModelNotOnDiskError(NoPlacementError):
+    """No node (or not the asked one) has the model's weights on its disk."""
+
+
+class TooFewNodesError(NoPlacementError):
+    """Fewer nodes hold the model (or the asked nodes are fewer) than the placement needs."""
+
+
+class NoDiskRoomError(NoPlacementError):
+    """Nodes with room in memory would have to download the weights and lack the disk for them."""
+
+
+class AlreadyPlacedError(PlacementError):
+    def __init__(self, existing: ExistingInstance) -> None:
+        super().__init__(
+            f"{existing.model_id} already has instance {existing.instance_id} ({existing.state}) on node "
+            f"{existing.node_id}; delete it first to place it elsewhere"
+        )
+        self.existing = existing
+
+
+class UnknownNodeError(PlacementError):
+    def __init__(self, node_id: str, known: Iterable[str]) -> None:
+        known = sorted(known)
+        super().__init__(f"no node {node_id!r} in the cluster; nodes: {', '.join(known) or 'none'}")
+        self.node_id = node_id
+
+
+class InvalidPlacementRequest(PlacementError):
+    """The request itself is contradictory (e.g. a node and a list of nodes)."""
+
+
+# -- downloads -------------------------------------------------------------------------------------------
+
+
+class DownloadNotFoundError(LookupError):
+    """No download with that id on this node."""
+
+
+class DownloadError(Exception):
+    """A download could not be done."""
+
+    code = "download_failed"
+
+
+class RepoNotFoundError(DownloadError, LookupError):
+    """The hub has no such repo or revision (or it is private or gated and the token does not open it)."""
+
+    code = "repo_not_found"
+
+
+class HubUnavailableError(DownloadError):
+    """The hub could not be reached, or answered with a server error."""
+
+    code = "hub_unavailable"
+
+
+class InvalidRevisionError(DownloadError, ValueError):
+    """A revision that is not a branch, tag or commit name (it would escape the cache's refs/)."""
+
+    code = "invalid_value"
+
+
+class OfflineFilesMissingError(DownloadError, ModelNotAvailableError):
+    """Offline (EXO_OFFLINE=1 / HF_HUB_OFFLINE=1) and the cache lacks files the download needs."""
+
+    code = "offline_files_missing"
+
+    def __init__(self, message: str, missing: list[str]) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+class InsufficientDiskError(DownloadError):
+    """Not enough free disk for what the download would write."""
+
+    code = "insufficient_disk"
+
+    def __init__(self, message: str, needed_bytes: int, free_bytes: int) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.free_bytes = free_bytes
+
+
+class DownloadCancelledError(DownloadError):
+    """The download was cancelled (its partial files are gone; finished files stay in the cache)."""
+
+    code = "cancelled"
+
+
+class DownloadConflictError(DownloadError):
+    """The model is already downloading with other head options (a download's options are fixed)."""
+
+    code = "download_conflict"
+
+    def __init__(self, message: str, download_id: str) -> None:
+        super().__init__(message)
+        self.download_id = download_id
+
+
+class CheckpointRejectedError(DownloadError, CheckpointError):
+    """The downloaded files do not form the checkpoint their config and index describe."""
+
+    code = "checkpoint_rejected"
+
+
+# -- the table -------------------------------------------------------------------------------------------
+
+
+Param = str | Callable[[BaseException], str | None] | None
+
+
+def _own_param(exc: BaseException) -> str | None:
+    return getattr(exc, "param", None) or None
+
+
+def _leading_word(exc: BaseException) -> str | None:
+    # The engine's sampling messages start with the parameter's name ("top_p must be in (0, 1], got 2").
+    return str(exc).split(" ", 1)[0] or None
+
+
+@dataclass(frozen=True)
+class ErrorRow:
+    """How one exception type is answered. ``code`` None: the exception's own ``code`` attribute."""
+
+    exception: type[BaseException]
+    code: str | None
+    status: int
+    type: str = "invalid_request_error"
+    param: Param = None  # the request field at fault: a name, or read from the exception
+    retry_after_s: int | None = None  # Retry-After; an exception's own ``retry_after_s`` wins
+    prefix: str = ""  # put before the message
+    wire: str | None = None  # its name in a GenerateError between nodes; None: it crosses as "internal"
+
+    def param_of(self, exc: BaseException) -> str | None:
+        return self.param(exc) if callable(self.param) else self.param
+
+    def code_of(self, exc: BaseException) -> str:
+        return self.code or getattr(exc, "code", None) or "internal_error"
+
+    def retry_after(self, exc: BaseException) -> int | None:
+        return getattr(exc, "retry_after_s", None) or self.retry_after_s
+
+
+_LOAD_FAILED = "the model could not be loaded: "
+
+# First match wins: a subclass's row comes before its base's.
+ERRORS: tuple[ErrorRow, ...] = (
+    ErrorRow(UnknownModelError, "model_not_found", 404, param="model"),
+    ErrorRow(AmbiguousModelError, "ambiguous_model", 400, param="model"),
+    ErrorRow(ModelNotAvailableError, "model_not_available", 404, param="model"),  # offline, files missing too
+    ErrorRow(UnsupportedModelError, "model_not_supported", 400, param="model"),
+    ErrorRow(ContextLengthError, "context_length_exceeded", 400, param=_own_param, wire="context_length_exceeded"),
+    ErrorRow(NativeMTPUnavailableError, "native_mtp_unavailable", 400, param="native_mtp",
+             wire="native_mtp_unavailable"),
+    ErrorRow(GenerationRequestError, "invalid_value", 400, param=_own_param, wire="generation_request"),
+    ErrorRow(SamplingParamsError, "invalid_value", 400, param=_leading_word, wire="sampling_params"),
+    ErrorRow(PromptError, "invalid_value", 400, wire="prompt"),
+    ErrorRow(SettingsError, "invalid_value", 400),
+    ErrorRow(QueueFullError, "queue_full", 429, type="rate_limit_error", wire="queue_full"),
+    ErrorRow(RequestTimeoutError, "request_timeout", 408, type="timeout_error", wire="timeout"),
+    ErrorRow(ModelLoadTimeoutError, "model_loading", 503, type="server_error", retry_after_s=5),
+    ErrorRow(InstanceNotFoundError, "instance_not_found", 404, param="id"),
+    ErrorRow(UnknownNodeError, "node_not_found", 404, param="node"),
+    ErrorRow(AlreadyPlacedError, "already_placed", 409, param="model"),
+    ErrorRow(InvalidPlacementRequest, "invalid_value", 400),
+    ErrorRow(TooFewNodesError, "too_few_nodes", 400, param="min_nodes"),
+    ErrorRow(ModelNotOnDiskError, "model_not_available", 404, param="model"),
+    ErrorRow(NoDiskRoomError, "insufficient_storage", 507, type="server_error", param="model"),
+    ErrorRow(DeviceMemoryError, "insufficient_memory", 507, type="server_error", wire="device_memory"),
+    ErrorRow(NoPlacementError, "insufficient_memory", 507, type="server_error", param="model"),
+    ErrorRow(ClusterAuthError, "cluster_auth", 502, type="server_error"),
+    ErrorRow(NodeUnavailableError, "node_unavailable", 503, type="server_error", retry_after_s=2,
+             wire="model_unavailable"),
+    ErrorRow(InstanceFailedError, "model_load_failed", 500, type="server_error", prefix=_LOAD_FAILED),
+    ErrorRow(DownloadNotFoundError, "download_not_found", 404, param="id"),
+    ErrorRow(RepoNotFoundError, "repo_not_found", 404, param="model"),
+    ErrorRow(InvalidRevisionError, "invalid_value", 400, param="revision"),
+    ErrorRow(InsufficientDiskError, "insufficient_storage", 507, type="server_error"),
+    ErrorRow(DownloadConflictError, "download_conflict", 409, param="quantize_head"),
+    ErrorRow(HubUnavailableError, "hub_unavailable", 503, type="server_error", retry_after_s=30),
+    ErrorRow(CheckpointError, "model_load_failed", 500, type="server_error", prefix=_LOAD_FAILED),
+    ErrorRow(CardError, "model_load_failed", 500, type="server_error", prefix=_LOAD_FAILED),
+    ErrorRow(DownloadError, None, 502, type="server_error"),  # the download's own code ("download_failed", ...)
+)
+# Anything else: a 500 that names the exception's type (and is logged).
+INTERNAL = ErrorRow(Exception, "internal_error", 500, type="server_error", prefix="internal server error: ")
+
+
+def row_of(exc: BaseException) -> ErrorRow | None:
+    """The row that answers ``exc``; None for an exception no row names (an internal error)."""
+    for row in ERRORS:
+        if isinstance(exc, row.exception):
+            return row
+    return None
+
+
+def message_of(exc: BaseException) -> str:
+    # LookupError subclasses keep their message in args[0] (str() would add quotes).
+    return str(exc.args[0]) if isinstance(exc, LookupError) and exc.args else str(exc)
+
+
+def by_wire(name: str) -> ErrorRow | None:
+    return _BY_WIRE.get(name)
+
+
+_BY_WIRE = {row.wire: row for row in ERRORS if row.wire}
+
+
+def rebuild(err: pb.GenerateError) -> BaseException:
+    """The exception a ``GenerateError`` stands for, as the node that raised it had it."""
+    row = by_wire(err.type)
+    message = err.message
+    if row is None:
+        return RuntimeError(message)
+    cls = row.exception
+    if issubclass(cls, ContextLengthError):
+        return cls(message, err.param or "messages")
+    if issubclass(cls, GenerationRequestError):
+        return cls(message, param=err.param or None)
+    if issubclass(cls, QueueFullError):
+        return cls(0, max(1, math.ceil(err.retry_after_s)), message)
+    return cls(message)
+
