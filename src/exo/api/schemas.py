@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from exo.engine.request import MAX_FORCED_K
+from exo.engine.request import MAX_FORCED_K, MAX_TOP_LOGPROBS
 from exo.engine.stats import NativeMTPStats
 
 from .errors import APIError
@@ -310,7 +310,7 @@ class ChatCompletionRequest(GenerationFields):
     )
     logprobs: bool | None = Field(default=None, description="log-probabilities of the output tokens")
     top_logprobs: int | None = Field(
-        default=None, ge=0, le=20, description="with logprobs: this many most likely alternatives per token"
+        default=None, ge=0, le=MAX_TOP_LOGPROBS, description="with logprobs: this many most likely alternatives per token"
     )
 
     def completion_budget(self) -> int | None:
@@ -330,7 +330,7 @@ class CompletionRequest(GenerationFields):
         description="text, a list of token ids, or a list holding one text"
     )
     logprobs: int | None = Field(
-        default=None, ge=0, le=20, description="log-probabilities of the output tokens, with this many alternatives"
+        default=None, ge=0, le=MAX_TOP_LOGPROBS, description="log-probabilities of the output tokens, with this many alternatives"
     )
 
     def prompt_value(self) -> str | list[int]:

@@ -11,7 +11,7 @@ from typing import Any
 
 from .constraints import ConstraintError, ConstraintSpec, ToolFormat, tool_format
 from .generate import Engine
-from .request import ContextLengthError, GenerationRequest, GenerationRequestError, MTPSwitch, NativeMTPMode
+from .request import GenerationRequest, GenerationRequestError, MTPSwitch, NativeMTPMode, check_budget
 from .sampling import SamplingParams
 
 # apply_chat_template arguments a request must not override through chat_template_kwargs.
@@ -177,18 +177,12 @@ def prompt_tokens(tokenizer: Any, prompt: Prompt, params: GenerateParams) -> lis
 def completion_budget(
     engine: Engine, prompt_tokens: int, max_tokens: int | None, default_max_tokens: int, param: str = "messages"
 ) -> int:
-    """max_tokens as asked, or the default bounded by the context; raises if it does not fit."""
+    """max_tokens as asked, or the default bounded by the context; raises (``check_budget``) if it does not fit."""
     limit = engine.loaded.context_length
     budget = max_tokens if max_tokens is not None else default_max_tokens
     if max_tokens is None and limit is not None:
         budget = min(budget, limit - prompt_tokens)
-    if limit is not None and (budget < 1 or prompt_tokens + budget > limit):
-        raise ContextLengthError(
-            f"this model's maximum context length is {limit} tokens, but {prompt_tokens + max(budget, 1)} were "
-            f"requested ({prompt_tokens} in the prompt, {max(budget, 1)} for the completion); shorten the "
-            "prompt or lower max_tokens",
-            param,
-        )
+    check_budget(prompt_tokens, budget, limit, param)
     return budget
 
 

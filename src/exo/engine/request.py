@@ -1,5 +1,8 @@
 """What a generation is asked and what it yields: the request, its chunks and result, and the errors of a
-request that cannot run. Validation lives here, in one place (``check_request``)."""
+request that cannot run. Validation lives here, in one place: ``check_request`` (``check_budget`` for
+prompt + max_tokens against the context, which ``prompt.completion_budget`` applies to a server's request
+as soon as its budget is known). The API's schemas declare the same bounds from these constants
+(``MAX_FORCED_K``, ``MAX_TOP_LOGPROBS``) so that a client reads them in the OpenAPI document."""
 
 from __future__ import annotations
 
@@ -73,24 +76,34 @@ class GenerationRequest:
     mtp_switch: MTPSwitch | None = None
 
 
+def check_budget(prompt_tokens: int, max_tokens: int, context_length: int | None, param: str = "messages") -> None:
+    """Raise where a completion of ``max_tokens`` after a prompt of ``prompt_tokens`` cannot run: the one
+    rule for the budget, whoever computed it (``prompt.completion_budget`` for a server's request, the
+    caller for a ``GenerationRequest`` built by hand). ``param`` names the prompt's field in the error."""
+    if context_length is not None and prompt_tokens + max(max_tokens, 1) > context_length:
+        asked = max(max_tokens, 1)
+        raise ContextLengthError(
+            f"this model's maximum context length is {context_length} tokens, but {prompt_tokens + asked} were "
+            f"requested ({prompt_tokens} in the prompt, {asked} for the completion); shorten the prompt or "
+            "lower max_tokens",
+            param,
+        )
+    if max_tokens < 1:
+        raise GenerationRequestError(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+
+
 def check_request(request: GenerationRequest, vocab_size: int, context_length: int | None) -> None:
     """Raise ``GenerationRequestError`` (``ContextLengthError``) where ``request`` cannot run on a model with
     this vocabulary and context."""
     if not request.prompt_tokens:
         raise GenerationRequestError("the prompt is empty")
-    if request.max_tokens < 1:
-        raise GenerationRequestError(f"max_tokens must be >= 1, got {request.max_tokens}")
+    check_budget(len(request.prompt_tokens), request.max_tokens, context_length)
     if request.mtp_k is not None and not 0 <= request.mtp_k <= MAX_FORCED_K:
         raise GenerationRequestError(f"the MTP depth must be in 0..{MAX_FORCED_K}, got {request.mtp_k}")
     if request.logprobs is not None and not 0 <= request.logprobs <= MAX_TOP_LOGPROBS:
         raise GenerationRequestError(f"top logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {request.logprobs}")
     if any(not 0 <= t < vocab_size for t in request.prompt_tokens):
         raise GenerationRequestError(f"prompt token ids must be in [0, {vocab_size})")
-    if context_length is not None and len(request.prompt_tokens) + request.max_tokens > context_length:
-        raise ContextLengthError(
-            f"the prompt ({len(request.prompt_tokens)} tokens) plus max_tokens ({request.max_tokens}) "
-            f"exceeds the model's context of {context_length} tokens"
-        )
 
 
 @dataclass(frozen=True)
