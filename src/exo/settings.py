@@ -66,7 +66,8 @@ class Settings(BaseModel):
     # its chunks (EngineConfig.batch_prefill_chunk). None: the engine's default (256).
     batch_prefill_chunk: int | None = Field(default=None, ge=1)
     # EXO_BATCH_INVARIANT=1: a batched request's greedy output never depends on what else runs in its batch
-    # (EngineConfig.batch_invariant). Costs up to 1.5x per batched step on an H100 (B = 32), so off by default;
+    # (EngineConfig.batch_invariant). It makes batched steps dearer on GPUs (docs/performance.md,
+    # "The code's reasons": ``EXO_BATCH_INVARIANT``), so off by default;
     # on MLX's CPU backend batched steps already equal solo ones.
     batch_invariant: bool = Field(default=False, strict=True)
     # How GatedDeltaNet layers run a prompt's rows (EngineConfig.gdn_prefill): "auto" = the chunked (WY) form

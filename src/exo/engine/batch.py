@@ -312,7 +312,7 @@ class BatchDecoder:
         for i, run in enumerate(runs):
             # While the policy decodes plainly an adaptive member's head takes only its last ``plan.window``
             # rows (engine.depth), so the rows before them are never recorded (keeping and dropping a row per
-            # token cost adaptive decoding ~1.5% of plain on a CPU's plain stretches).
+            # token costs adaptive decoding measurably on plain stretches: docs/performance.md, "The code's reasons").
             windowed = plan.windowed(run)
             skip = windowed and stretch.left > plan.window  # type: ignore[operator]
             row = None if skip else hidden if one else hidden[i : i + 1]  # alone: no slice op

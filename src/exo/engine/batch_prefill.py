@@ -13,8 +13,8 @@ the shared buffers, the padding left out) and goes on as after its own prefill (
 cache, the MTP head's rows, the first token).
 
 A host-bound device pays a forward's graph once for all of them rather than once each: with GatedDeltaNet
-stepped token by token (mlx-lm's path on MLX CUDA, ~400 tok/s for one 9B prompt), 32 short prompts cost about
-one prompt's time together, where one after the other they cost 32. Only whole prompts from position
+stepped token by token (mlx-lm's path on MLX CUDA, host-bound: docs/performance.md, "The code's reasons"), short prompts
+together cost about one prompt's time, where one after the other each costs its own. Only whole prompts from position
 0 go together (``SequenceState.whole_prompt_in``: nothing restored from the prefix cache, no snapshot edge
 inside), on a single node (a pipeline's stages would need each row's length: not carried).
 """

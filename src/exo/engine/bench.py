@@ -94,12 +94,12 @@ class BenchReport(BaseModel):
     adaptive_vs_best_fixed_quartiles: list[float] | None = None
     # The same in tight pairs (``pairs``): after the rounds, adaptive and that configuration alone, request after
     # request (order rotated), so each ratio compares moments a request apart, where a round of every
-    # configuration spans several (an H200 host's speed moved 1.5x within one run: the rounds' median read 0.93-0.97
-    # where tight pairs on the same kind of machine read 0.98-0.99, and 0.985 where adaptive ran plain's own code;
-    # on noisier hosts tight pairs still swing: the same rounds at 8 ms in one request, 14 ms in the next).
+    # configuration spans several (a host's speed moves within one run, and the rounds' median reads lower than
+    # tight pairs on the same kind of machine; on noisier hosts tight pairs still swing: docs/performance.md, "The code's reasons":
+    # ``exo bench``'s tight pairs).
     # Each group also runs that configuration a second time (the three in an order rotated by one a group): its
-    # second run over its first is the figure's noise floor on this host, in the same run (on an H200, 48 groups of
-    # bench/adaptive_vs_fixed.py --control: 0.976-1.008).
+    # second run over its first is the figure's noise floor on this host, in the same run (docs/performance.md, "The code's reasons":
+    # ``exo bench``'s noise floor).
     paired_groups: int = 0
     adaptive_vs_best_fixed_paired: float | None = None
     adaptive_vs_best_fixed_paired_quartiles: list[float] | None = None
@@ -184,8 +184,8 @@ def _run_bench(engine: Engine, prompts: Sequence[str], max_tokens: int, temperat
 
     # Warm-up: compile every path once so no configuration pays for kernel compilation, each fixed one over a
     # whole request of the longest prompt (MLX CUDA compiles kernels for longer contexts as they come: after
-    # 8-token warm-ups the first measured requests ran their plain tokens at 3.0 ms where later ones took 2.2
-    # on an H200, and adaptive depth, timing them live, took rounds for cheap). Adaptive's own is short: its
+    # short warm-ups the first measured requests ran their plain tokens slower than later ones, and adaptive
+    # depth, timing them live, took rounds for cheap: docs/performance.md, "The code's reasons"). Adaptive's own is short: its
     # learning on the first requests is part of what it is measured on.
     longest = max(encoded, key=len)
     for name, k, mode in configs:
@@ -209,8 +209,8 @@ def _run_bench(engine: Engine, prompts: Sequence[str], max_tokens: int, temperat
     for repeat in range(repeats):
         for index, tokens in enumerate(encoded):
             # Each round runs its configurations in a rotated order: on a host whose speed drifts within a
-            # run (an H100 host's plain decoding went from 119 to 66 tokens/s in one), no configuration always
-            # runs last, furthest from the stock run it is compared with.
+            # run (docs/performance.md, "The code's reasons": rotated rounds), no configuration always runs last, furthest from
+            # the stock run it is compared with.
             turn = repeat * len(encoded) + index
             order = slots[turn % len(slots):] + slots[: turn % len(slots)]
             stock_tps: float | None = None

@@ -4,8 +4,8 @@ beta(K): a (K+1)-row verify call of the backbone, relative to a one-row decode s
 delta(K): drafting K tokens with the MTP head (head layer + lm_head per token), same unit.
 The unit, one plain step built, computed and read back, is not what a plain token costs in the decode loop,
 which builds each step while the previous one computes: that is timed too (``plain_pipelined_s``), and the
-adaptive policy compares rounds with it (on this CPU and a host-bound H100 a step alone costs 1.1-1.2x a
-pipelined one: rounds judged in steps alone looked that much cheaper than plain decoding).
+adaptive policy compares rounds with it (a step alone costs more than a pipelined one, so against steps
+alone rounds looked cheaper than they are next to plain decoding: docs/performance.md, "The code's reasons").
 Measured on a short random context, verify calls rolled back after each timed call, every part timed once per
 repetition in turn after warm-up calls (the first calls compile kernels): a plain step is the fastest of its
 repetitions (other work on the machine only adds time), beta and delta the median over repetitions of each part
@@ -49,9 +49,8 @@ def device_name() -> str:
 Statistic = Callable[[list[float]], float]
 PIPELINED_STEPS = 8  # plain steps per timed burst of the pipelined decode loop
 # Warm-ups after the first while it says drafting cannot pay off at all: that verdict turns adaptive MTP off
-# for the engine's life, so a moment of interference must not decide it (on an H100, exo-demo-moe's warm-up
-# once timed a 2-row verify at 2.9 plain steps where its rounds then ran at 1.9: adaptive never drafted,
-# at 0.85x a fixed K = 2).
+# for the engine's life, so a moment of interference must not decide it (it once did on an H100:
+# docs/performance.md, "The code's reasons": ``CONFIRM_WARMUPS``).
 CONFIRM_WARMUPS = 2
 
 
@@ -73,9 +72,8 @@ def _interleaved(fns: dict[Any, Callable[[], None]], reps: int, warmup: int = 2)
 
 def ratio_of(parts: list[float], units: list[float]) -> float:
     """The median over repetitions of a part's time over the unit's timed beside it. On a host whose speed swings
-    within seconds (H200s: 1.5x), each part's fastest time (``min``) can come from another moment than the
-    unit's: an H200 warm-up once put a 2-row verify at 1.24 plain steps next to a 3-row one at 2.45 (live: ~1.9),
-    and adaptive depth then probed K = 1 over three rounds in every request."""
+    within seconds, each part's fastest time (``min``) can come from another moment than the unit's, and the
+    costs it gives can be far from the live ones (docs/performance.md, "The code's reasons": round costs as medians of ratios)."""
     return statistics.median(p / u for p, u in zip(parts, units, strict=True) if u > 0)
 
 

@@ -8,9 +8,8 @@ deadline of its own, so a join that does not complete within ``timeout_s`` ends 
 Beside the ring, each member opens one plain TCP connection to the next member: a doorbell. The ring
 backend's receive polls its socket in a busy loop until the message arrives, so a stage waiting for the
 others' layers would burn a core the whole time, and where the stages share cores (several on one
-machine, or a busy Mac) the computing stage loses them and every hop costs a scheduler time slice:
-measured on this 2-core machine, 4.3 ms per round trip of a small message through the ring alone, 0.16 ms
-with the doorbell. So a receive first blocks on the doorbell (sleeping in the kernel; a closed doorbell
+machine, or a busy Mac) the computing stage loses them and every hop costs a scheduler time slice
+(docs/performance.md, "The code's reasons": the ring's doorbell). So a receive first blocks on the doorbell (sleeping in the kernel; a closed doorbell
 means the peer is gone: ``GroupError`` at once) and only then takes the message from the ring.
 The doorbells carry TCP keepalive, so a member whose machine is unreachable (asleep, its network cut)
 is a ``GroupError`` within about 5 s as well.

@@ -3,8 +3,8 @@
 Three, for MLX's CPU backend on x86-64 with AVX2 (``cpu_linear.cpp``; AVX-512 where the CPU has it), where
 MLX has no SIMD code:
 
-- ``linear``: a bfloat16 ``x @ w.T``, bit-identical to MLX's product and 2.8-4.8x faster on a decode step's
-  linear layers at 1-32 rows (bench/cpu_kernels.py); ``linear_packed`` the same product from w packed once
+- ``linear``: a bfloat16 ``x @ w.T``, bit-identical to MLX's product and several times faster on a decode
+  step's linear layers (docs/performance.md, "The code's reasons": exo's CPU ``linear``); ``linear_packed`` the same product from w packed once
   (``pack_linear``) so that a call transposes nothing, what the engine's layers use; attention's two products
   run on ``linear`` too (``models.layers.cpu_attention``);
 - ``silu``: ``nn.silu`` and mlx-lm's ``swiglu`` for bfloat16 as MLX's compiled kernels compute them (the same
@@ -84,7 +84,7 @@ def cpu_linear() -> Linear | None:
 
 def cpu_linear_packed() -> LinearPacked | None:
     """The CPU ``linear_packed(x, wp, n)`` kernel: ``linear(x, w)`` for ``wp = pack_linear(w)``, ``n = w.shape[0]``
-    (no transposes of w per call: 1.3-2.7x ``linear`` on exo-demo's shapes at 1-22 rows, the same bits)."""
+    (no transposes of w per call, so faster than ``linear``, the same bits: docs/performance.md, "The code's reasons")."""
     module = _module()
     return None if module is None else module.linear_packed
 

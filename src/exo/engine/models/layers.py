@@ -42,12 +42,10 @@ MoEVerifyMode = Literal["route_locked", "batched", "safe"]
 
 # -- norms fused on MLX's CPU backend ------------------------------------------------------------------
 # MLX's CPU backend has no kernel for ``mx.fast.rms_norm``: each norm expands into ~10 elementwise ops
-# around a reduction, every one dispatched on its own; a decode step of exo-demo runs 39 norms, a quarter
-# of its 1252 ops, and on the CPU a small model's step costs mostly its ops' dispatch. Through
-# ``mx.compile`` the elementwise ops around the reduction fuse (895 ops a step): the same values, bit for
-# bit (tests/engine/test_layers.py); exo-demo's solo plain decoding went from 85 to 102 tok/s on a 2-core
-# x86 CPU. On a GPU the fused kernel
-# runs as it is. ``cpu_compatible`` (loader) gives a model these classes on the CPU backend.
+# around a reduction, every one dispatched on its own; a decode step runs one or two norms per layer, and on
+# the CPU a small model's step costs mostly its ops' dispatch. Through ``mx.compile`` the elementwise ops
+# around the reduction fuse: fewer ops a step, the same values bit for bit (tests/engine/test_layers.py;
+# the ops and tokens/s saved: docs/performance.md, "The code's reasons": fused norms on the CPU). On a GPU the fused kernel runs as it is. ``cpu_compatible`` (loader) gives a model these classes on the CPU backend.
 
 
 def _fused_on_cpu(fn: Any) -> Any:
@@ -104,7 +102,8 @@ def fuse_norms(module: nn.Module) -> None:
 
 # -- linear layers through exo's CPU kernel --------------------------------------------------------------
 # On MLX's CPU backend on x86-64, a bfloat16 matmul is simd_gemm, a scalar loop there: most of a small
-# model's decode step, and 8 rows of a batch cost 2.6x one row. ``kernels.cpu_linear`` computes the same
+# model's decode step, and its cost grows with every row of a batch (docs/performance.md, "The code's reasons": a bfloat16
+# matmul on MLX's CPU backend). ``kernels.cpu_linear`` computes the same
 # sums in the same order with AVX2 (bit-identical). ``cpu_compatible`` (loader) gives a model's bias-free
 # linear layers and embedding tables (``as_linear``: a tied lm_head) these classes where the kernel is built.
 
@@ -149,7 +148,8 @@ class CpuLinear(nn.Linear):
 
 class CpuMLP(Qwen3NextMLP):
     """mlx-lm's dense MLP whose ``swiglu`` runs on exo's CPU kernel (``kernels.silu``, the same bits) for bfloat16:
-    MLX's compiled swiglu calls libm's ``fmaf`` 7 times per value there (~10% of a batched step of exo-demo)."""
+    MLX's compiled swiglu calls libm's ``fmaf`` per coefficient of its exp there, a visible part of a batched
+    step (docs/performance.md, "The code's reasons": exo's swiglu kernel)."""
 
     kernel: Any = None
 
@@ -320,7 +320,8 @@ class RollbackArraysCache(ArraysCache):
 
 # -- how a prompt's rows go through the recurrence ------------------------------------------------------
 # ``auto``: the chunked (WY) form for a prompt chunk (T > 1 rows, not a recorded verify call) on MLX CUDA,
-# where mlx-lm's loop is T tiny compiled steps per layer (4,096 tokens of one 9B layer: 390 ms on an H200);
+# where mlx-lm's loop is T tiny compiled steps per layer, host-bound (docs/performance.md, "The code's reasons": the chunked
+# GatedDeltaNet prefill);
 # mlx-lm's Metal kernel on Apple GPUs and exo's kernel on the CPU stay (one fused pass over the rows there).
 # ``chunked``: the chunked form for every such call on any device (tests run it on the CPU; unmeasured on
 # Metal); ``loop``: never. A one-row decode step and a verify call's recorded rows never take it, so they
@@ -335,8 +336,8 @@ def chunked_prefill(mode: GdnPrefill, rows: int, on_cuda: bool) -> bool:
 
 def _recurrence(layer: Any, q, k, v, a, b, state, mask) -> tuple[mx.array, mx.array]:
     """The gated delta rule over the rows of one call: mlx-lm's ``gated_delta_update``, as stock decoding
-    runs it (its Metal kernel on Apple GPUs; elsewhere its compiled step, which measured faster than MLX's
-    fused ``mx.fast.gated_delta_update`` on an H100: 187 vs 279 us per one-row call). On MLX's CPU backend
+    runs it (its Metal kernel on Apple GPUs; elsewhere its compiled step, which is faster than MLX's fused
+    ``mx.fast.gated_delta_update`` on an H100: docs/performance.md, "The code's reasons"). On MLX's CPU backend
     with exo's kernel built, the same values in one call (``kernels.gated_delta``: mlx-lm's step runs ~10
     dispatched ops per row and layer; a prompt of T tokens ran T steps). A prompt chunk on MLX CUDA (or
     wherever ``gdn_prefill`` is ``chunked``): the chunked form (``gated_delta_chunked``), equal up to float32
@@ -386,9 +387,8 @@ def _conv(layer: Any, conv_input: mx.array, verify: bool, chunked: bool = False)
 
 def _shifted_conv(conv_input: mx.array, conv: nn.Module) -> mx.array:
     """The depthwise causal conv as a sum of its taps' shifted rows, in float32, rounded once: on an H200 MLX
-    CUDA's grouped ``conv1d`` (cuDNN, a plan per input length) took 22% of a 4,096-token 9B prefill with the
-    chunked recurrence (``bench/results/h200-mlx-cuda-prefill-9b-gdn-chunked-2026-11-28.txt``, its conv + q/k
-    norms part); a few elementwise passes do the same sums. Equal to ``conv1d`` up to the order of a few float32
+    CUDA's grouped ``conv1d`` (cuDNN, a plan per input length) was a large part of a long 9B prefill with the
+    chunked recurrence (docs/performance.md, "The code's reasons": the shifted-rows conv); a few elementwise passes do the same sums. Equal to ``conv1d`` up to the order of a few float32
     additions (one bfloat16 rounding at most)."""
     weight = conv.weight  # [channels, taps, 1]
     taps = weight.shape[1]
@@ -644,7 +644,7 @@ def check_expert_sort(blocks: list[SparseMoeBlock]) -> float:
 
 QUERY_BLOCK = 256  # query rows per product in ``cpu_attention`` (the bits do not depend on it: each row alone)
 # Scores per key head below which MLX's own call is faster (its one batched product vs a call per sequence and
-# key head): measured 8 decode rows at 1k keys 1.98 -> 1.67 ms, at 512 keys 0.97 -> 1.14 ms.
+# key head): docs/performance.md, "The code's reasons": ``CPU_ATTENTION_MIN_SCORES``.
 CPU_ATTENTION_MIN_SCORES = 2048
 
 
@@ -654,11 +654,9 @@ def cpu_attention(linear: Callable[[mx.array, mx.array], mx.array], queries: mx.
     computes it (its fallback: queries times ``scale`` in their dtype, scores = q k^T, a causal or boolean
     mask as the dtype's minimum, a precise softmax, scores v), with the two products on exo's ``linear``
     kernel (``kernels.cpu_linear``: the bits of MLX's product). MLX multiplies bfloat16 there with a scalar
-    loop (~5 GFLOP/s on x86-64), so on long contexts attention was most of a prefill chunk's time and grew
-    with every cached token (what a prefix-cache hit still prefills sits after them): exo-demo's layer at 512
-    queries over 8k keys 1010 -> 428 ms, a 512-token chunk after 8k prompt tokens through its whole forward
-    2.40 -> 1.01 s, a decode step's attention at 8k keys 3.5 -> 2.2 ms (``bench/cpu_kernels.py --attention
-    --chunk-at``, bench/results/cpu-2core-attention-2026-11-28.txt). The same bits: ``cpu_attention_matches``
+    loop, so on long contexts attention was most of a prefill chunk's time and grew with every cached token
+    (what a prefix-cache hit still prefills sits after them); what this saves: docs/performance.md, "The code's reasons":
+    ``cpu_attention``. The same bits: ``cpu_attention_matches``
     checks it against MLX's own call before a model uses it, and tests/engine/test_kernels.py on more shapes.
     The products' work grows with the keys; the softmax between them (MLX's, scalar ``exp``) is now most of it.
 
@@ -675,7 +673,7 @@ def cpu_attention(linear: Callable[[mx.array, mx.array], mx.array], queries: mx.
     for b in range(B):
         for h in range(Hk):
             # weights @ v as linear(weights, v^T), but for a decode step's row or two: transposing v costs more
-            # there than MLX's own product (1 row at 16k keys: 2.2 ms of a 6.5 ms call); the same bits either way
+            # there than MLX's own product (docs/performance.md, "The code's reasons"); the same bits either way
             v_t = mx.contiguous(values[b, h].T) if rep * min(T, QUERY_BLOCK) > 2 else None  # [D, L]
             if mask is None or causal:
                 group_mask = None
