@@ -12,44 +12,38 @@ with the daemon (``--parent-pid``: see ``exo.runner.main``).
 An instance whose weights the node lacks starts with ``fetch_and_start``: it is listed at once (LOADING,
 stage ``downloading``, its ``download`` progress), its monitor first awaits the download, then spawns
 the runner as ``start`` does; a failed download fails the instance with the reason.
+
+The supervisor is in three parts: this module (the instances' records, the public calls: queries, start,
+stop, kill, wait, generate), ``runner_watch.RunnerWatch`` (the monitor: Status polls, the silent runner
+killed, failures recorded, restarts) and ``runner_process.RunnerProcesses`` (one runner process: socket,
+command line, spawn, stderr tail, termination, the failure's message).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import hashlib
 import logging
 import os
 import shutil
-import signal
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
 
-import exo
 from exo.launch import module_argv
 from exo.wire.errors import InstanceFailedError as InstanceFailedError  # with the error table
 from exo.wire.proto_gen import node_pb2 as pb
-from exo.wire.proto_gen import node_pb2_grpc as pb_grpc
-from exo.wire.runner import EXIT_GROUP_LOST, EXIT_LOAD_FAILED, MAX_MESSAGE_BYTES
+
+from .runner_process import InstanceEntry
+from .runner_watch import RunnerWatch
 
 if TYPE_CHECKING:
     from exo.engine import ResolvedModel
 
 log = logging.getLogger(__name__)
-
-STDERR_TAIL_LINES = 20
-MAX_STDERR_LINE = 2000  # bytes of one stderr line kept in the tail
-# sun_path is 104 bytes on macOS, 108 on Linux (with its NUL); stay under both.
-MAX_SOCKET_PATH = 100
-_LOG_LINE_PREFIX = " runner "  # the runner's logging format: "<time> runner <id> LEVEL: message"
 
 _LIVE = (pb.INSTANCE_STATE_LOADING, pb.INSTANCE_STATE_READY)
 # Hands a download's id and progress to the instance waiting for it.
@@ -62,29 +56,7 @@ class UnknownInstanceError(LookupError):
     """No such instance on this node (never started, or stopped)."""
 
 
-@dataclass
-class _Entry:
-    info: pb.Instance  # node_id is filled at snapshot time
-    resolved: ResolvedModel | None  # None while its weights are downloading
-    socket_path: str
-    stderr: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES))
-    process: asyncio.subprocess.Process | None = None
-    channel: grpc.aio.Channel | None = None
-    stub: pb_grpc.RunnerStub | None = None
-    monitor: asyncio.Task[None] | None = None
-    drain: asyncio.Task[None] | None = None
-    stopping: bool = False
-    downloading: bool = False  # its monitor is awaiting the weights (no runner yet)
-    kill_reason: str = ""  # set when the supervisor itself killed a runner that stopped answering
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def notify(self) -> None:
-        # Wake every waiter of the current event and give later waiters a fresh one.
-        self.changed.set()
-        self.changed = asyncio.Event()
-
-
-class InstanceSupervisor:
+class InstanceSupervisor(RunnerWatch):
     """Runs instances as runner subprocesses; all methods run on the daemon's asyncio loop (grpc.aio)."""
 
     # Poll periods and deadlines (seconds). Class attributes so a test can shorten them.
@@ -113,7 +85,7 @@ class InstanceSupervisor:
         self.runner_cmd = list(runner_cmd) if runner_cmd is not None else module_argv("exo.runner")
         self.env = dict(env or {})
         self.on_change = on_change
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, InstanceEntry] = {}
         self._run_dir: Path | None = None
         self._tmp_run_dir: Path | None = None  # the fallback for a home whose paths are too long
 
@@ -169,7 +141,7 @@ class InstanceSupervisor:
             stages=list(stages),
             owner_node=owner_node,
         )
-        entry = _Entry(info, resolved, self._socket_path(instance_id))
+        entry = InstanceEntry(info, resolved, self._socket_path(instance_id))
         self._entries[instance_id] = entry
         try:
             await self._spawn(entry)
@@ -208,14 +180,14 @@ class InstanceSupervisor:
             shard=shard if shard is not None else pb.Shard(world_size=1), created_unix=now, updated_unix=now,
             on_demand=on_demand, group_id=group_id, stages=list(stages), owner_node=owner_node,
         )
-        entry = _Entry(info, None, self._socket_path(instance_id), downloading=True)
+        entry = InstanceEntry(info, None, self._socket_path(instance_id), downloading=True)
         self._entries[instance_id] = entry
         entry.monitor = asyncio.create_task(self._fetch_then_supervise(entry, fetch),
                                             name=f"exo-runner-monitor-{instance_id[:8]}")
         self._changed(entry)
         return self._snapshot(entry)
 
-    async def _fetch_then_supervise(self, entry: _Entry, fetch: Fetch) -> None:
+    async def _fetch_then_supervise(self, entry: InstanceEntry, fetch: Fetch) -> None:
         def report(download_id: str, progress: pb.DownloadProgress) -> None:
             entry.info.download_id = download_id
             entry.info.download.CopyFrom(progress)
@@ -355,13 +327,13 @@ class InstanceSupervisor:
 
     # -- internals ------------------------------------------------------------------------------------------
 
-    def _snapshot(self, entry: _Entry) -> pb.Instance:
+    def _snapshot(self, entry: InstanceEntry) -> pb.Instance:
         snap = pb.Instance()
         snap.CopyFrom(entry.info)
         snap.node_id = self.node_id()
         return snap
 
-    def _changed(self, entry: _Entry) -> None:
+    def _changed(self, entry: InstanceEntry) -> None:
         entry.notify()
         if self.on_change is not None:
             try:
@@ -369,7 +341,7 @@ class InstanceSupervisor:
             except Exception:
                 log.exception("on_change failed for instance %s", entry.info.instance_id)
 
-    def _set(self, entry: _Entry, *, state: int | None = None, **fields: object) -> None:
+    def _set(self, entry: InstanceEntry, *, state: int | None = None, **fields: object) -> None:
         """Update the instance; a new state is a transition (waiters and on_change hear of it)."""
         info = entry.info
         changed = False
@@ -384,251 +356,3 @@ class InstanceSupervisor:
             info.updated_unix = time.time()
         if transition:
             self._changed(entry)
-
-    def _socket_path(self, instance_id: str) -> str:
-        name = hashlib.sha256(instance_id.encode()).hexdigest()[:16] + ".sock"
-        if self._run_dir is None:
-            run_dir = self.home / "run"
-            if len(str(run_dir / name).encode()) > MAX_SOCKET_PATH:
-                self._tmp_run_dir = run_dir = Path(tempfile.mkdtemp(prefix="exo-run-"))  # mode 0o700
-            else:
-                run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-                run_dir.chmod(0o700)  # only this user may open the runners' sockets
-            self._run_dir = run_dir
-        path = str(self._run_dir / name)
-        if len(path.encode()) > MAX_SOCKET_PATH:
-            raise OSError(f"no short enough directory for a runner's unix socket ({path})")
-        return path
-
-    def _command(self, entry: _Entry) -> list[str]:
-        info, resolved = entry.info, entry.resolved
-        assert resolved is not None, "a runner starts once its weights are there"
-        cmd = [
-            *self.runner_cmd,
-            "--instance-id", info.instance_id,
-            *(["--group-id", info.group_id] if info.group_id else []),
-            "--socket", entry.socket_path,
-            "--model-path", str(resolved.path),
-            "--model-id", resolved.model_id,
-            "--parent-pid", str(os.getpid()),
-        ]
-        if resolved.card is not None:
-            cmd += ["--card", resolved.card.id]
-        shard = info.shard
-        if shard.start_layer or shard.end_layer or shard.rank or shard.world_size > 1:
-            cmd += [
-                "--start-layer", str(shard.start_layer),
-                "--end-layer", str(shard.end_layer),
-                "--rank", str(shard.rank),
-                "--world-size", str(max(shard.world_size, 1)),
-            ]
-        return cmd
-
-    async def _spawn(self, entry: _Entry) -> None:
-        env = {**os.environ, **self.env, "EXO_HOME": str(self.home)}
-        _importable(env)
-        with contextlib.suppress(OSError):
-            os.unlink(entry.socket_path)  # a stale socket would answer nothing; the runner recreates it
-        entry.stderr.clear()
-        entry.kill_reason = ""
-        # Forked from this (the loop's) thread: the runner's PR_SET_PDEATHSIG fires when this thread ends.
-        proc = await asyncio.create_subprocess_exec(
-            *self._command(entry),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-            env=env,
-        )
-        entry.process = proc
-        entry.drain = asyncio.create_task(self._drain(entry, proc), name=f"exo-runner-stderr-{proc.pid}")
-        entry.channel = grpc.aio.insecure_channel(
-            f"unix:{entry.socket_path}",
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                # The socket appears a moment after the spawn: retry soon, not after gRPC's backoff.
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.min_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 500),
-            ],
-        )
-        entry.stub = pb_grpc.RunnerStub(entry.channel)
-        self._set(entry, pid=proc.pid)
-        log.info("instance %s: runner pid %d for %s", entry.info.instance_id, proc.pid, entry.info.model_id)
-
-    async def _drain(self, entry: _Entry, proc: asyncio.subprocess.Process) -> None:
-        """Read the runner's stderr to its end (a full pipe would block it): keep a tail, log each line."""
-        assert proc.stderr is not None
-        tag = entry.info.instance_id[:8]
-        while True:
-            try:
-                raw = await proc.stderr.readline()
-            except ValueError:  # a line over the stream's limit: dropped (readline skipped it)
-                raw = b"[a stderr line too long to keep]"
-            if not raw:
-                return
-            line = raw[:MAX_STDERR_LINE].decode("utf-8", errors="replace").rstrip()
-            if line:
-                entry.stderr.append(line)
-                log.info("runner %s: %s", tag, line)
-
-    async def _close_channel(self, entry: _Entry) -> None:
-        channel, entry.channel, entry.stub = entry.channel, None, None
-        if channel is not None:
-            await channel.close(grace=None)
-
-    async def _terminate(self, entry: _Entry, grace: float) -> None:
-        proc = entry.process
-        if proc is None or proc.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM if grace > 0 else signal.SIGKILL)
-        try:
-            await asyncio.wait_for(proc.wait(), grace if grace > 0 else 10.0)
-        except TimeoutError:
-            log.warning("instance %s: runner %d ignored SIGTERM for %.0f s: killing it",
-                        entry.info.instance_id, proc.pid, grace)
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-
-    async def _supervise(self, entry: _Entry) -> None:
-        """The instance's life: watch the runner, record its failures, restart it within the budget."""
-        try:
-            while True:
-                code = await self._watch(entry)
-                if entry.stopping:
-                    return
-                failure = await self._failure(entry, code)
-                await self._close_channel(entry)
-                # A pipeline stage is never restarted alone: its group is formed anew (exo.cluster.orchestration).
-                pipelined = entry.info.shard.world_size > 1
-                restartable = (
-                    code not in (EXIT_LOAD_FAILED, EXIT_GROUP_LOST) and not pipelined
-                    and entry.info.restarts < self.max_restarts
-                )
-                log.warning("instance %s: runner exited (%d): %s%s", entry.info.instance_id, code, failure.message,
-                            "; restarting" if restartable else "")
-                entry.info.failure.CopyFrom(failure)
-                if not restartable:
-                    self._set(entry, state=pb.INSTANCE_STATE_FAILED, stage="failed", running=0, queue_depth=0)
-                    return
-                entry.info.restarts += 1
-                was_loading = entry.info.state == pb.INSTANCE_STATE_LOADING
-                self._set(entry, state=pb.INSTANCE_STATE_LOADING, stage="restarting", progress=0.0,
-                          running=0, queue_depth=0)
-                if was_loading:  # LOADING -> LOADING is still news: a failure and a restart
-                    self._changed(entry)
-                await asyncio.sleep(self.RESTART_DELAY_S)
-                if entry.stopping:
-                    return
-                await self._spawn(entry)
-                if entry.stopping:  # stop() ran during the spawn: it may have missed this process
-                    await self._terminate(entry, 0.0)
-                    return
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # never leave a runner without its monitor
-            log.exception("instance %s: supervision failed", entry.info.instance_id)
-            await self._terminate(entry, 0.0)
-            entry.info.failure.CopyFrom(
-                pb.Failure(exit_code=-1, message=f"supervision failed: {type(e).__name__}: {e}", at_unix=time.time(),
-                           stderr_tail=list(entry.stderr))
-            )
-            self._set(entry, state=pb.INSTANCE_STATE_FAILED, stage="failed")
-
-    async def _watch(self, entry: _Entry) -> int:
-        """Poll Status until the process exits (killing it when it stops answering); its exit code."""
-        proc = entry.process
-        assert proc is not None and entry.stub is not None
-        exited = asyncio.ensure_future(proc.wait())
-        spawned = last_ok = time.monotonic()
-        answered = False
-        try:
-            while True:
-                period = self.READY_POLL_S if entry.info.state == pb.INSTANCE_STATE_READY else self.LOADING_POLL_S
-                done, _ = await asyncio.wait({exited}, timeout=period)
-                if done:
-                    return exited.result()
-                if entry.stopping:
-                    continue  # stop() is ending it; only wait
-                if await self._poll(entry):
-                    answered, last_ok = True, time.monotonic()
-                    continue
-                silent = time.monotonic() - (last_ok if answered else spawned)
-                limit = self.UNREACHABLE_S if answered else self.STARTUP_S
-                if silent > limit:
-                    what = "stopped answering Status" if answered else "never answered Status"
-                    entry.kill_reason = f"the runner {what} for {silent:.0f} s; killed"
-                    log.warning("instance %s: %s", entry.info.instance_id, entry.kill_reason)
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.kill()
-        finally:
-            if not exited.done():
-                exited.cancel()
-
-    async def _poll(self, entry: _Entry) -> bool:
-        """One Status call; copies progress (and the model once ready). False: the runner did not answer."""
-        if entry.stub is None or not os.path.exists(entry.socket_path):
-            return False
-        try:
-            status = await entry.stub.Status(pb.RunnerStatusRequest(), timeout=self.STATUS_DEADLINE_S)
-        except grpc.aio.AioRpcError as e:
-            # A full server still answered: it is alive.
-            return e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        if entry.stopping:
-            return True
-        if status.ring_port and entry.info.ring_port != status.ring_port:
-            entry.info.ring_port = status.ring_port
-            entry.notify()  # the orchestrator waits for every stage's port
-        if status.state == pb.INSTANCE_STATE_READY:
-            if entry.info.state != pb.INSTANCE_STATE_READY:
-                entry.info.model.CopyFrom(status.model)
-            self._set(entry, state=pb.INSTANCE_STATE_READY, stage="ready", progress=1.0,
-                      queue_depth=status.queue_depth, running=status.running)
-            if status.HasField("prefix_cache") and entry.info.prefix_cache != status.prefix_cache:
-                entry.info.prefix_cache.CopyFrom(status.prefix_cache)  # figures, no transition: no notice
-            if status.HasField("prefix_summary") and entry.info.prefix_summary != status.prefix_summary:
-                entry.info.prefix_summary.CopyFrom(status.prefix_summary)  # for routing: no notice either
-
-        elif status.state == pb.INSTANCE_STATE_LOADING:
-            self._set(entry, stage=status.stage, progress=status.progress)
-        # FAILED: the runner is about to exit with the reason on stderr; the exit is what counts.
-        return True
-
-    async def _failure(self, entry: _Entry, code: int) -> pb.Failure:
-        if entry.drain is not None:  # the last lines (the reason of a failed load) are still in the pipe
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(entry.drain), 2.0)
-            entry.drain.cancel()
-        tail = list(entry.stderr)
-        return pb.Failure(exit_code=code, message=_failure_message(code, tail, entry.kill_reason),
-                          stderr_tail=tail, at_unix=time.time())
-
-
-def _importable(env: dict[str, str]) -> None:
-    """Let the runner import the exo this daemon runs, also when it came from a source tree (PYTHONPATH,
-    a path set up by a test or a wrapper) rather than an installed package."""
-    root = str(Path(exo.__file__).resolve().parent.parent)
-    if Path(root).name in ("site-packages", "dist-packages"):
-        return  # installed: found anyway (and on PYTHONPATH it would come before the standard library)
-    paths = env.get("PYTHONPATH", "").split(os.pathsep) if env.get("PYTHONPATH") else []
-    if root not in (str(Path(p).resolve()) for p in paths if p):
-        env["PYTHONPATH"] = os.pathsep.join([root, *paths])
-
-
-def _failure_message(code: int, tail: Sequence[str], kill_reason: str) -> str:
-    """Why the runner stopped, in one line: its own reason when it printed one."""
-    for line in reversed(tail):
-        if line.startswith("exo runner:"):
-            return line
-    if kill_reason:
-        return kill_reason
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"the runner was killed by {name}"
-    last = next((ln for ln in reversed(tail) if ln.strip() and _LOG_LINE_PREFIX not in ln), "")
-    return f"the runner exited with status {code}" + (f": {last.strip()}" if last else "")
