@@ -136,11 +136,11 @@ class RunnerServicer(pb_grpc.RunnerServicer):
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateChunk]:
         # Imported here: the engine takes seconds to import, which Status must not wait for.
-        from exo.wire.convert import chunk_to_pb, error_chunk, error_to_pb, request_from_pb
+        from exo.wire.convert import chunk_to_pb, error_to_pb, request_from_pb
 
         engine = self.state.engine
         if self.state.state != pb.INSTANCE_STATE_READY or engine is None:
-            yield error_chunk("model_unavailable", f"instance {self.state.instance_id} is not ready ({self.state.stage})")
+            yield error_to_pb(NodeUnavailableError(f"instance {self.state.instance_id} is not ready ({self.state.stage})"))
             return
         # The device thread only queues what the job emits (Started, the engine's chunks, Failed): this handler's
         # thread turns them into messages, so the thread that builds the model's graphs spends nothing on the wire.
@@ -184,10 +184,10 @@ class RunnerServicer(pb_grpc.RunnerServicer):
         try:
             self.device.submit(job)
         except QueueFullError as e:
-            yield error_chunk("queue_full", str(e), retry_after_s=e.retry_after_s)
+            yield error_to_pb(e)
             return
-        except RuntimeError as e:
-            yield error_chunk("model_unavailable", str(e))
+        except RuntimeError as e:  # the device is closing
+            yield error_to_pb(NodeUnavailableError(str(e)))
             return
         # The call ended (client gone, deadline): stop generating. False: it already ended before this line.
         if not context.add_callback(job.cancel):
