@@ -206,6 +206,78 @@ def use_cpu_kernels(module: nn.Module) -> bool:
     return True
 
 
+# -- quantized linear layers through exo's kernel on MLX CUDA --------------------------------------------
+# MLX CUDA's one-row quantized product reads a 4-bit 4096 -> 12288 layer at ~590 GB/s of an H200's 4.8 TB/s, and
+# sums a block of rows by reading the weights again per row. ``kernels.cuda_qgemv`` computes 1-8 rows in one
+# launch, each row's sums in an order that does not depend on the rows (so a verify call's rows round as their
+# decode steps do, by construction), near the memory's bandwidth. ``use_qgemv`` (the loader, on MLX CUDA) gives
+# the model's and the head's quantized linear layers and quantized embeddings (their ``as_linear``: a tied lm_head)
+# these classes, shape by shape, where the kernel checks out on the device. Calls of more rows (a prefill chunk, a
+# large batch) keep MLX's product unless a verify call or a batch-invariant step needs every row exact.
+
+
+def _qgemv_takes(module: nn.Module, x: mx.array) -> bool:
+    from ..kernels.cuda_qgemv import DTYPES, MAX_ROWS
+
+    rows = x.size // x.shape[-1] if x.ndim else 0
+    return x.dtype in DTYPES and 0 < rows and (rows <= MAX_ROWS or module.exact_verify or module.exact_batch)
+
+
+class QGemvLinear(nn.QuantizedLinear):
+    """``nn.QuantizedLinear`` whose decode-sized calls run exo's kernel (same parameters)."""
+
+    exact_verify = False  # set on instances around a verify call: every row through the kernel
+    exact_batch = False  # set on instances around a batch-invariant step
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if _qgemv_takes(self, x):
+            from ..kernels.cuda_qgemv import module_product
+
+            return module_product(self, x)
+        return super().__call__(x)
+
+
+class QGemvEmbedding(nn.QuantizedEmbedding):
+    """``nn.QuantizedEmbedding`` whose ``as_linear`` (a tied lm_head) runs exo's kernel for decode-sized calls."""
+
+    exact_verify = False
+    exact_batch = False
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if _qgemv_takes(self, x):
+            from ..kernels.cuda_qgemv import module_product
+
+            return module_product(self, x)
+        return super().as_linear(x)
+
+
+def use_qgemv(modules: Sequence[nn.Module]) -> dict[str, str]:
+    """Give the quantized linear layers and embeddings of ``modules`` (a backbone, the MTP head) exo's kernel
+    classes, for each distinct shape where ``kernels.cuda_qgemv.check`` passes on this device (else MLX's product
+    stays for that shape). Returns what was found per shape (``"qgemv 4096->12288 4-bit g64 bfloat16"`` ->
+    ``"ok: ..."`` or why not). Nothing where ``EXO_QGEMV=0``, or off MLX CUDA unless ``EXO_QGEMV=always``."""
+    from ..kernels import cuda_qgemv
+
+    mode = cuda_qgemv.mode()
+    if mode == "off" or (mode == "cuda" and not cuda_qgemv.on_cuda()):
+        return {}
+    shapes: dict[tuple[Any, ...], list[nn.Module]] = {}
+    for tree in modules:
+        for _, leaf in tree.named_modules():
+            if type(leaf) in (nn.QuantizedLinear, nn.QuantizedEmbedding) and cuda_qgemv.supported(leaf):
+                signature = (tuple(leaf["weight"].shape), leaf.bits, leaf.group_size, leaf["scales"].dtype)
+                shapes.setdefault(signature, []).append(leaf)
+    found: dict[str, str] = {}
+    for (shape, bits, group, dtype), leaves in shapes.items():
+        name = f"qgemv {shape[1] * 32 // bits}->{shape[0]} {bits}-bit g{group} {dtype}".replace("mlx.core.", "")
+        passed, what = cuda_qgemv.check(leaves[0])
+        found[name] = ("ok: " if passed else "not used: ") + what
+        if passed:
+            for leaf in leaves:
+                leaf.__class__ = QGemvLinear if isinstance(leaf, nn.QuantizedLinear) else QGemvEmbedding
+    return found
+
+
 class _RowwiseLinear:
     """A linear layer whose multi-row calls compute each row alone while ``per_row`` is set: during a
     verify call, on a device whose kernel for this shape rounds a block of rows differently from one row
