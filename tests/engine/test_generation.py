@@ -558,7 +558,7 @@ def test_the_verify_probe_finds_every_row_exact_on_this_cpu(checkpoint, arch):
     if engine.model.is_moe:
         expected["experts_batched"] = True  # the experts' rows (their own routes) as alone
     assert probe == expected
-    assert mode.moe == "route_locked" and mode.quantized_rows == 0 and not mode.logits_as_rows
+    assert mode.moe == "route_locked"
     assert linears and all(linears.values()) and mode.per_row_linears == 0, linears  # every shape probed
     assert engine.forward.verify is mode
 
