@@ -449,6 +449,15 @@ def _compiled_rows_apply(layer: Any, rows: int, mask: Any, cache: Any) -> bool:
     return on_device and mask is None and cache.lengths is None and not layer.training and "bias" not in layer.conv1d
 
 
+def _kernel_rows_apply(layer: Any, rows: int, mask: Any, cache: Any) -> bool:
+    """A decode step or a recorded call of at most ``cuda_gdn.MAX_ROWS`` rows, solo, as ``_compiled_rows_apply``
+    (on whatever device ``use_gdn_kernel`` set the layer up for)."""
+    from ..kernels.cuda_gdn import MAX_ROWS
+
+    return (cache is not None and cache[0] is not None and (rows == 1 or _recording(cache)) and rows <= MAX_ROWS
+            and mask is None and cache.lengths is None and not layer.training)
+
+
 @cache
 def _row_step(taps: int, key_dim: int, hk: int, hv: int, dk: int, dv: int, norm_eps: float) -> Callable[..., Any]:
     """The compiled row step for one layer shape: (conv window, qkv row, z, a, b, state, conv weight, A_log,
@@ -496,6 +505,57 @@ def _compiled_rows(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a:
     return layer.out_proj(out.reshape(B, S, -1))
 
 
+# -- a GatedDeltaNet step's T rows in one launch, on MLX CUDA ----------------------------------------------
+# The compiled row graph is still a few launches per row, and a verify call runs it once per row.
+# ``kernels.cuda_gdn`` computes a decode step (T = 1) and a verify call's T rows in one launch per layer, each
+# row as alone by construction. ``use_gdn_kernel`` (the loader) sets it on the layers where it checks out on the
+# device; it takes the calls the compiled rows would (``_compiled_rows_apply``) of at most ``MAX_ROWS`` rows.
+
+
+def use_gdn_kernel(model: nn.Module) -> dict[str, str]:
+    """Give ``model``'s GatedDeltaNet layers exo's step kernel where ``kernels.cuda_gdn.check`` passes on this
+    device (one layer checked per shape); what was found per shape. Nothing where ``EXO_GDN_KERNEL=0``, or off
+    MLX CUDA unless ``EXO_GDN_KERNEL=always``."""
+    from ..kernels import cuda_gdn
+
+    mode = cuda_gdn.mode()
+    if mode == "off" or (mode == "cuda" and not cuda_gdn.on_cuda()):
+        return {}
+    shapes: dict[tuple[Any, ...], list[nn.Module]] = {}
+    for _, leaf in model.named_modules():
+        if isinstance(leaf, (GatedDeltaNet, NextGatedDeltaNet)) and cuda_gdn.supported(leaf):
+            signature = (leaf.num_k_heads, leaf.num_v_heads, leaf.head_k_dim, leaf.head_v_dim,
+                         leaf.conv_kernel_size, leaf.conv1d.weight.dtype)
+            shapes.setdefault(signature, []).append(leaf)
+    found: dict[str, str] = {}
+    for (hk, hv, dk, dv, taps, dtype), leaves in shapes.items():
+        name = f"gdn {hk}x{dk} keys {hv}x{dv} values conv {taps} {dtype}".replace("mlx.core.", "")
+        passed, what = cuda_gdn.check(leaves[0])
+        found[name] = ("ok: " if passed else "not used: ") + what
+        for leaf in leaves:
+            leaf.gdn_kernel = passed
+    return found
+
+
+def _kernel_rows(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, cache: Any) -> mx.array:
+    """``_mix`` through ``kernels.cuda_gdn``: a decode step's row or a recorded call's rows in one launch."""
+    from ..kernels.cuda_gdn import gdn_rows
+
+    B, S, _ = mixed_qkv.shape
+    window, state = cache[0], cache[1]
+    if state is None:
+        state = mx.zeros((B, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim), dtype=mx.float32)
+    y, states = gdn_rows(layer, window, mixed_qkv, a, b, state)
+    conv_input = mx.concatenate([window, mixed_qkv], axis=1)
+    if _recording(cache):
+        cache.record(conv_input, [state, *(states[t] for t in range(S))])
+    cache[0] = mx.contiguous(conv_input[:, S:])
+    cache[1] = states[S - 1]
+    cache.advance(S)
+    out = layer.norm(y, z)
+    return layer.out_proj(out.reshape(B, S, -1))
+
+
 def _mix(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, mask, cache) -> mx.array:
     """Conv + gated delta recurrence + gated norm + out projection, shared by Qwen3.5 and Qwen3-Next.
 
@@ -503,6 +563,8 @@ def _mix(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array,
     recording mode additionally gets the per-row states.
     """
     B, S, _ = mixed_qkv.shape
+    if layer.gdn_kernel and _kernel_rows_apply(layer, S, mask, cache):
+        return _kernel_rows(layer, mixed_qkv, z, b, a, cache)
     if _compiled_rows_apply(layer, S, mask, cache):
         return _compiled_rows(layer, mixed_qkv, z, b, a, cache)
     if cache is not None and cache[0] is not None:
@@ -556,6 +618,8 @@ def _mix(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array,
 class GatedDeltaNet(Qwen35GatedDeltaNet):
     """Qwen3.5 / Qwen3.6 GatedDeltaNet with per-row state capture for rollback."""
 
+    gdn_kernel = False  # its steps on ``kernels.cuda_gdn`` (``use_gdn_kernel``)
+
     def __call__(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
         if self.sharding_group is not None:
             # Tensor parallelism is not used by exo (pipelines split by layers).
@@ -568,6 +632,8 @@ class GatedDeltaNet(Qwen35GatedDeltaNet):
 
 class NextGatedDeltaNet(Qwen3NextGatedDeltaNet):
     """Qwen3-Next GatedDeltaNet with per-row state capture for rollback."""
+
+    gdn_kernel = False
 
     def __call__(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
         B, S, _ = inputs.shape
