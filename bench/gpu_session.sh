@@ -50,6 +50,12 @@ for p in "$@"; do
     q9) [ -d "$Q9" ] || phase q9 $PY bench/make_random_model.py --shape qwen3.5-9b --bits 4 --out "$Q9" $SHRINK9 ;;
     q35) [ -d "$Q35" ] || phase q35 $PY bench/make_random_model.py --shape qwen3.6-35b-a3b --bits 4 --out "$Q35" $SHRINK35 ;;
     smi) phase smi nvidia-smi ;;
+    # issue 50's checks (each well inside 10 minutes at 9B on an H200)
+    qgemv) phase qgemv $PY bench/qmv_check.py "$Q9" --rows 1 2 3 4 8 --repeats 5 ;;
+    gdn) phase gdn $PY bench/gdn_check.py "$Q9" --rows 1 2 3 4 8 --repeats 5 ;;
+    rounds) phase rounds $PY bench/round_phases.py "$Q9" --replay 0.0,0.6,0.8,0.9 --repeats 1 --max-tokens 48 ;;
+    stock) phase stock $PY bench/engine.py "$Q9" --max-tokens 128 --repeats 3 ;;
+    moe) phase moe $PY -c "import sys; from exo.cli.main import main; sys.exit(main(sys.argv[1:]))" bench "$Q35" --baseline --check --max-tokens 64 --repeats 1 ;;
     *) echo "unknown phase $p" >&2; exit 2 ;;
     esac
 done

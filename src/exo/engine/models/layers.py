@@ -216,11 +216,15 @@ def use_cpu_kernels(module: nn.Module) -> bool:
 # large batch) keep MLX's product unless a verify call or a batch-invariant step needs every row exact.
 
 
+QGEMV_ON = True  # benchmarks switch the installed kernel off and on within one process (A/B)
+
+
 def _qgemv_takes(module: nn.Module, x: mx.array) -> bool:
     from ..kernels.cuda_qgemv import DTYPES, MAX_ROWS
 
     rows = x.size // x.shape[-1] if x.ndim else 0
-    return x.dtype in DTYPES and 0 < rows and (rows <= MAX_ROWS or module.exact_verify or module.exact_batch)
+    return (QGEMV_ON and x.dtype in DTYPES and 0 < rows
+            and (rows <= MAX_ROWS or module.exact_verify or module.exact_batch))
 
 
 class QGemvLinear(nn.QuantizedLinear):
@@ -449,6 +453,9 @@ def _compiled_rows_apply(layer: Any, rows: int, mask: Any, cache: Any) -> bool:
     return on_device and mask is None and cache.lengths is None and not layer.training and "bias" not in layer.conv1d
 
 
+GDN_KERNEL_ON = True  # benchmarks switch the installed kernel off and on within one process (A/B)
+
+
 def _kernel_rows_apply(layer: Any, rows: int, mask: Any, cache: Any) -> bool:
     """A decode step or a recorded call of at most ``cuda_gdn.MAX_ROWS`` rows, solo, as ``_compiled_rows_apply``
     (on whatever device ``use_gdn_kernel`` set the layer up for)."""
@@ -563,7 +570,7 @@ def _mix(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array,
     recording mode additionally gets the per-row states.
     """
     B, S, _ = mixed_qkv.shape
-    if layer.gdn_kernel and _kernel_rows_apply(layer, S, mask, cache):
+    if layer.gdn_kernel and GDN_KERNEL_ON and _kernel_rows_apply(layer, S, mask, cache):
         return _kernel_rows(layer, mixed_qkv, z, b, a, cache)
     if _compiled_rows_apply(layer, S, mask, cache):
         return _compiled_rows(layer, mixed_qkv, z, b, a, cache)
