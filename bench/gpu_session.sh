@@ -53,6 +53,7 @@ for p in "$@"; do
     # issue 50's checks (each well inside 10 minutes at 9B on an H200)
     qgemv) phase qgemv $PY bench/qmv_check.py "$Q9" --rows 1 2 3 4 8 --repeats 5 ;;
     gdn) phase gdn $PY bench/gdn_check.py "$Q9" --rows 1 2 3 4 8 --repeats 5 ;;
+    layers) phase layers $PY bench/verify_layers.py "$Q9" --rows 2 3 4 --context 256 2048 ;;
     rounds) phase rounds $PY bench/round_phases.py "$Q9" --replay 0.0,0.6,0.8,0.9 --repeats 1 --max-tokens 48 ;;
     stock) phase stock $PY bench/engine.py "$Q9" --max-tokens 128 --repeats 3 ;;
     moe) phase moe $PY -c "import sys; from exo.cli.main import main; sys.exit(main(sys.argv[1:]))" bench "$Q35" --baseline --check --max-tokens 64 --repeats 1 ;;
