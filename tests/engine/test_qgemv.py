@@ -89,19 +89,23 @@ def qgemv_everywhere(monkeypatch):
     monkeypatch.setenv("EXO_QGEMV", "always")
 
 
-@pytest.mark.parametrize("layout", ["mlx_q4_sidecar", "mlx_q8_sidecar"])
-def test_the_loader_puts_quantized_layers_on_the_kernel_and_mtp_stays_exact(checkpoint, qgemv_everywhere, layout):
-    """``EXO_QGEMV=always``: every quantized linear layer of the backbone and the head (and the tied embedding's
-    ``as_linear``) runs the kernel's arithmetic, so plain decoding's logits are no longer MLX's product's; greedy
-    MTP at every depth and adaptive still gives plain decoding's tokens (its verify rows go through the same
-    arithmetic as the decode steps)."""
-    loaded = load_checkpoint(checkpoint("qwen3_5", layout=layout, head="trained", dtype="bfloat16"))
+@pytest.mark.parametrize(("arch", "layout"), [("qwen3_5", "mlx_q4_sidecar"), ("qwen3_5", "mlx_q8_sidecar"),
+                                              ("qwen3_5_moe", "mlx_q4_sidecar")])
+def test_the_loader_puts_quantized_layers_on_the_kernel_and_mtp_stays_exact(checkpoint, qgemv_everywhere, arch,
+                                                                            layout):
+    """``EXO_QGEMV=always``: every quantized linear layer of the backbone and the head (the MoE routers and shared
+    experts among them, at 8 bits; the tied embedding's ``as_linear``) runs the kernel's arithmetic, so plain
+    decoding's logits are no longer MLX's product's; greedy MTP at every depth and adaptive still gives plain
+    decoding's tokens (its verify rows go through the same arithmetic as the decode steps)."""
+    loaded = load_checkpoint(checkpoint(arch, layout=layout, head="trained", dtype="bfloat16"))
     assert loaded.qgemv and all(v.startswith("ok") for v in loaded.qgemv.values()), loaded.qgemv
     model, head = loaded.model, loaded.head
     assert head is not None
     quantized = [m for tree in (model, head) for _, m in tree.named_modules()
                  if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
     assert quantized and all(type(m) in (QGemvLinear, QGemvEmbedding) for m in quantized)
+    if loaded.model.is_moe:  # the 8-bit routers and shared-expert gates too
+        assert {m.bits for m in quantized} == {4, 8}
     tokens = mx.array([[5, 9, 2, 7, 1, 3]])
     hidden = model.hidden(tokens, model.make_cache())[:, -1:]
     kernel = model.logits(hidden)
