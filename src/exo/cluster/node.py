@@ -379,8 +379,9 @@ class NodeServicer(pb_grpc.NodeServicer):
             async for chunk in call:
                 yield chunk
         except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.CANCELLED:
-                # The runner went away mid-generation (crashed, or killed with its pipeline group).
+            # The runner went away mid-generation (crashed, or killed with its pipeline group); a call cancelled
+            # while our caller is still there was cancelled under us (the runner's channel closed as it died).
+            if e.code() != grpc.StatusCode.CANCELLED or not context.cancelled():
                 message = f"the runner of {request.model} failed: {e.code().name}: {e.details()}"
                 yield pb.GenerateChunk(error=pb.GenerateError(type="model_unavailable", message=message))
         finally:

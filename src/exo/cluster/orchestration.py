@@ -981,6 +981,7 @@ class RemoteGenerationStream(BatchedStream):
         self._request = request
         self._default = located
         self._call: grpc.aio.UnaryStreamCall | None = None
+        self._cancelled = False  # cancel(): the client went away (a call cancelled otherwise is a failure)
         self._where = "this node"
         if route is None:
             self._open(located)
@@ -993,6 +994,7 @@ class RemoteGenerationStream(BatchedStream):
         self._where = "this node" if located.node_id == self.service.node_id else f"node {located.node_id[:8]}"
 
     def cancel(self) -> None:
+        self._cancelled = True
         if self._call is not None:
             self._call.cancel()
         self._task.cancel()
@@ -1052,10 +1054,26 @@ class RemoteGenerationStream(BatchedStream):
                     f"the request exceeded the server's request timeout of {self.timeout_s:g} s")))
             elif e.code() != grpc.StatusCode.CANCELLED:
                 self._items.put_nowait(Failed(_rpc_error(e, self._where)))
-            finish = "cancelled" if e.code() == grpc.StatusCode.CANCELLED else "error"
-        except asyncio.CancelledError:  # cancel(): the client went away
-            finish = "cancelled"
-            raise
+            elif not self._cancelled:
+                # Cancelled, but not by us: the channel under it closed (this node's runner died and its
+                # supervisor closed the channel before the call saw the socket go).
+                self._items.put_nowait(Failed(NodeUnavailableError(
+                    f"the instance on {self._where} went away mid-generation ({e.details() or 'cancelled'}); "
+                    "retry shortly")))
+            finish = "cancelled" if self._cancelled else "error"
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._cancelled or (task is not None and task.cancelling()):  # cancel(): the client went away
+                finish = "cancelled"
+                raise
+            # The call, not this task, was cancelled: grpc.aio raises this from a read when the channel under
+            # it closed (this node's runner died and its supervisor closed the channel): a failure to report.
+            self._items.put_nowait(Failed(NodeUnavailableError(
+                f"the instance on {self._where} went away mid-generation; retry shortly")))
+        except Exception as e:  # anything else: the handler waiting for items must get an end, not hang
+            log.exception("relaying a generation from %s failed", self._where)
+            self._items.put_nowait(Failed(NodeUnavailableError(
+                f"relaying the generation from {self._where} failed ({type(e).__name__}: {e})")))
         finally:
             self.service._streams.discard(self)
             if finish == "cancelled" and time.monotonic() > self.deadline:

@@ -48,7 +48,8 @@ from .constraints import ConstraintSpec, Grammar, Matcher, ToolFormat, compile_g
 from .costs import warmup_costs
 from .forward import Forward, LocalForward
 from .loader import LoadedModel
-from .models.layers import MoEVerifyMode
+from .memory import out_of_memory
+from .models.layers import GdnPrefill, MoEVerifyMode
 from .prefix_cache import NoPlan, PrefillPlan, PrefixCache, restore_prefix
 from .replay import ReplayDrafter, ReplayError
 from .sampling import (
@@ -128,6 +129,9 @@ class EngineConfig:
     # 2-core CPU, a 1657-token prompt in one 2048 chunk: 3.8 s without a token for 4 running streams; in
     # chunks of 256: 0.8-1.1 s at most, bench/prefill_stall.py@3c719fd).
     batch_prefill_chunk: int = 256
+    # How GatedDeltaNet layers run a prompt chunk (models.layers.GdnPrefill): "auto" takes the chunked form on
+    # MLX CUDA only; "chunked" anywhere (tests force it on the CPU); "loop" never. Decode and verify rows never.
+    gdn_prefill: GdnPrefill = "auto"
     # Batched steps compute each sequence as its solo step would (models.backbone.set_batch_invariant): every
     # linear row a one-row product, attention per sequence over its own unpadded keys, experts unsorted.
     batch_invariant: bool = False
@@ -223,6 +227,8 @@ class Engine:
         self.loaded = loaded
         self.config = config or EngineConfig()
         self.forward = forward or LocalForward(loaded.model)
+        if hasattr(loaded.model, "set_gdn_prefill"):  # the model's layers take this engine's choice
+            loaded.model.set_gdn_prefill(self.config.gdn_prefill)
         self._verify: VerifyMode | None = None
         self.verify_probe: dict[str, bool] = {}
         self._costs: DepthCosts | None = None
@@ -923,26 +929,62 @@ class SequenceState:
         """THE entry of a prompt into the sequence's caches: ``prompt[prefilled:]`` (``restore`` may have
         put the rest there) through the backbone in chunks of ``chunk`` tokens (None:
         ``EngineConfig.prefill_chunk``), each chunk's rows with a known next token priming the head. Yields
-        the positions in the caches after each chunk but the last (a batch decodes steps there); ends with
-        the first token chosen (lazily), which ``first_token`` emits."""
+        the positions in the caches after each chunk but the last (a batch decodes steps there; ``send(n)``
+        instead of ``next`` makes the next chunk ``n`` tokens: the device's scheduler sizes each step's
+        chunks); ends with the first token chosen (lazily), which ``first_token`` emits. A chunk that is not
+        the last is scheduled on the device (``async_eval``), not waited for: what runs after it (a batch's
+        step, another newcomer's chunk) is built while it computes."""
         if self.pending_token is not None or self._first is not None:
             raise RuntimeError("a sequence is prefilled once")
         self.started = time.perf_counter()
         prompt = mx.array(list(self.request.prompt_tokens), dtype=mx.uint32)
         n = prompt.shape[0]
         chunk = max(1, chunk or self.engine.config.prefill_chunk)
-        for start, end in self._prefix.spans(self.prefilled, n, chunk):  # edges at the prefix cache's snapshots
-            hidden = self.forward.hidden(prompt[None, start:end], self.cache)
-            self._prefix.reached(end, self.cache, hidden)
-            # Rows whose next token is known prime the head now, chunk by chunk.
-            known = min(end, n - 1) - start
-            if known > 0:
-                self.wait_for_head(hidden[:, :known], prompt[start + 1 : start + 1 + known])
-                self._flush_head()
+        start = self.prefilled
+        scheduled: list[Any] = []  # the last chunk's states in flight: at most two chunks' work is outstanding
+        while start < n:
+            _, end = next(self._prefix.spans(start, n, chunk))  # it ends at a prefix cache's snapshot edge too
+            self._fed(prompt, start, end, self.forward.hidden(prompt[None, start:end], self.cache))
             if end < n:
-                mx.eval([c.state for c in self.cache], self.head_cache.state)
-                yield end
-        self._first = self.choose(self.model.logits(hidden[:, -1:])[:, -1], hidden[:, -1:])
+                states = [[c.state for c in self.cache], self.head_cache.state]
+                with out_of_memory(f"prefilling a prompt of {n} tokens"):  # a typed error; the node serves on
+                    mx.async_eval(states)
+                    mx.eval(scheduled)  # the chunk before (this one keeps computing): a long prompt's memory stays bounded
+                scheduled = states
+                chunk = max(1, (yield end) or chunk)
+            start = end
+
+    def _fed(self, prompt: mx.array, start: int, end: int, hidden: mx.array) -> None:
+        """After a chunk ``prompt[start:end]`` went through the backbone (``hidden`` [1, T, H]): a snapshot where
+        the prefix cache keeps one, its rows with a known next token to the head, and at the prompt's end the
+        first token chosen (lazily)."""
+        n = prompt.shape[0]
+        self._prefix.reached(end, self.cache, hidden)
+        known = min(end, n - 1) - start
+        if known > 0:
+            self.wait_for_head(hidden[:, :known], prompt[start + 1 : start + 1 + known])
+            self._flush_head()
+        if end == n:
+            self._first = self.choose(self.model.logits(hidden[:, -1:])[:, -1], hidden[:, -1:])
+
+    def whole_prompt_in(self, tokens: int) -> bool:
+        """Whether the prompt can enter the caches in one chunk of at most ``tokens`` tokens from position 0 (none
+        restored, no prefix-cache snapshot edge inside it): what ``prefill_with`` takes."""
+        n = len(self.request.prompt_tokens)
+        return (not self.started and self.pending_token is None and not self.prefilled and n <= tokens
+                and next(self._prefix.spans(0, n, n)) == (0, n))
+
+    def prefill_with(self, cache: list[Any], hidden: mx.array, started: float | None = None) -> None:
+        """``prefill`` done by a backbone call shared with other sequences (``engine.batch_prefill``): ``cache``
+        holds the whole prompt (it becomes this sequence's caches), ``hidden`` [1, n, H] is its rows, ``started``
+        when that call began. The rest is ``prefill``'s own (snapshots, the head, the first token chosen);
+        ``first_token`` follows."""
+        if not self.whole_prompt_in(len(self.request.prompt_tokens)):
+            raise RuntimeError("prefill_with() takes a whole prompt, from position 0, once")
+        self.started = started or time.perf_counter()
+        self.cache = cache
+        prompt = mx.array(list(self.request.prompt_tokens), dtype=mx.uint32)
+        self._fed(prompt, 0, prompt.shape[0], hidden)
 
     def sample(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
         token, logprobs = select_token(logits, self.params, self.keys)
@@ -1021,7 +1063,8 @@ class SequenceState:
         self._pending_consumed = False
         if self.processors:
             self.history = mx.concatenate([self.history, first])
-        mx.eval(first, *(lp.arrays() if lp is not None else ()))
+        with out_of_memory(f"prefilling a prompt of {len(self.request.prompt_tokens)} tokens"):  # its last chunk
+            mx.eval(first, *(lp.arrays() if lp is not None else ()))
         self.first_time = time.perf_counter()
         token = first.item()
         self.output.add(token, self._logprob_entry(lp, 0, token))

@@ -24,6 +24,7 @@ from mlx_lm.models.cache import KVCache
 from .layers import (
     Attention,
     GatedDeltaNet,
+    GdnPrefill,
     MoEVerifyMode,
     QGemvEmbedding,
     QGemvLinear,
@@ -203,6 +204,12 @@ class SpeculativeBackbone:
                           if isinstance(m, (QGemvLinear, QGemvEmbedding)))
             object.__setattr__(self, "_qgemv_found", found)  # not child modules: no parameters
         return found
+
+    def set_gdn_prefill(self, mode: GdnPrefill) -> None:
+        """How this stage's GatedDeltaNet layers run a prompt chunk's rows (``layers.GdnPrefill``)."""
+        for layer in self.stage_layers:
+            if layer.is_linear:
+                layer.linear_attn.gdn_prefill = mode
 
     @property
     def is_moe(self) -> bool:
