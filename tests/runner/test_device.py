@@ -370,7 +370,7 @@ def test_a_newcomer_prefills_in_batch_chunks_with_a_batch_step_between_them(engi
     """A generation joining a running batch prefills in chunks of ``batch_prefill_chunk`` tokens (smaller than
     a solo prefill's), and the batch decodes a step between two chunks: a long prompt holds the running
     streams for a chunk at a time. Every output is still its solo one."""
-    from exo.engine.generate import SequenceState
+    from exo.engine.sequence import SequenceState
 
     device = Device(8, max_batch=4)
 
@@ -480,7 +480,7 @@ def _serve_within(device: Device, clients: list[Client], seconds: float) -> None
 def test_a_member_whose_stream_breaks_fails_alone_and_the_others_finish(engine):
     """A member's consumer raising (its client's stream broke) ends that member with an error; the batch
     decodes on without it and every other member gets its solo output and its end."""
-    from exo.engine.generate import GenerationChunk
+    from exo.engine.request import GenerationChunk
 
     device = Device(8, max_batch=4)
     clients = [Client(device, engine, i, max_tokens=16) for i in range(3)]

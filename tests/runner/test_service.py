@@ -7,7 +7,7 @@ import threading
 import time
 
 from exo.engine import GenerationRequest
-from exo.engine.generate import GenerationChunk, TokenLogprob
+from exo.engine.request import GenerationChunk, TokenLogprob
 from exo.runner.device import Device, Failed, Started
 from exo.runner.service import DONE, RunnerServicer, RunnerState, coalesced
 from exo.wire.proto_gen import node_pb2 as pb

@@ -27,8 +27,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from .generate import Engine, SequenceState
+from .generate import Engine
 from .models.layers import RollbackArraysCache
+from .sequence import SequenceState
 
 
 def can_prefill_together(engine: Engine) -> bool:

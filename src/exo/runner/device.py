@@ -27,39 +27,25 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from exo.cards.schema import CONTEXT_BUDGET_TOKENS
 from exo.wire.errors import QueueFullError, RequestTimeoutError
+from exo.wire.stream import Failed, Started
 
 from .scheduler import Scheduler, Waiting, shared_call
 
 if TYPE_CHECKING:  # the engine (mlx-lm, transformers: seconds) is imported by the load, not before Status serves
     from exo.engine import Engine, NativeMTPStats
     from exo.engine.batch import BatchLanes
-    from exo.engine.generate import GenerationChunk, SequenceState
     from exo.engine.prompt import GenerateParams, GenerationRequest, Prompt
+    from exo.engine.request import GenerationChunk
+    from exo.engine.sequence import SequenceState
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Device", "Failed", "GenerationJob", "Job", "QueueFullError", "RequestTimeoutError", "Started",
            "pipeline_failed"]
-
-
-@dataclass(frozen=True)
-class Started:
-    """The first item of a generation: it passed validation and the device is on it."""
-
-    prompt_tokens: int
-    max_tokens: int
-    queue_s: float
-    thinking: bool = False  # the prompt opened a think block: the output starts with reasoning
-
-
-@dataclass(frozen=True)
-class Failed:
-    error: BaseException
 
 
 class Job(Protocol):

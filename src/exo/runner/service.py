@@ -176,8 +176,6 @@ class RunnerServicer(pb_grpc.RunnerServicer):
             out.put(DONE)
 
         def on_device() -> Engine:
-            if request.HasField("node_mtp"):  # the owning node's switch decides (we are between requests)
-                engine.set_native_mtp(request.node_mtp.enabled, request.node_mtp.disabled_reason)
             return engine
 
         prompt, params = request_from_pb(request)
@@ -220,7 +218,7 @@ class RunnerServicer(pb_grpc.RunnerServicer):
 def coalesced(items: list[object]) -> Iterator[object]:
     """``items`` in order, each run of the engine's chunks in a row as one chunk (their text, tokens and
     logprobs joined; the run's last chunk's finish, stats and stop sequence)."""
-    from exo.engine.generate import GenerationChunk
+    from exo.engine.request import GenerationChunk
 
     run: list[GenerationChunk] = []
     for item in items:
