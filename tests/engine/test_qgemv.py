@@ -149,8 +149,20 @@ def test_exo_qgemv_0_keeps_mlx_products(monkeypatch):
     layer = _layer(64, 128, 4, 64, mx.bfloat16, mx.random.key(3))
     monkeypatch.setenv("EXO_QGEMV", "0")
     assert use_qgemv([layer]) == {} and type(layer) is nn.QuantizedLinear
-    monkeypatch.setenv("EXO_QGEMV", "1")  # the default: on MLX CUDA only
+    monkeypatch.setenv("EXO_QGEMV", "1")  # opted in: on MLX CUDA only
     assert use_qgemv([layer]) == {} and type(layer) is nn.QuantizedLinear
     monkeypatch.setenv("EXO_QGEMV", "always")
     found = use_qgemv([layer])
     assert list(found) == ["qgemv 128->64 4-bit g64 bfloat16"] and type(layer) is QGemvLinear
+
+
+@pytest.mark.parametrize(("value", "mode"), [(None, "off"), ("", "off"), ("0", "off"), ("1", "cuda"),
+                                             ("true", "cuda"), ("always", "always"), ("ALWAYS", "always")])
+def test_the_kernel_is_off_unless_exo_qgemv_opts_in(monkeypatch, value, mode):
+    """Off by default: on MLX CUDA a whole model decoded slower on the kernel than on MLX's products
+    (docs/architecture.md); ``1`` opts in on MLX CUDA, ``always`` anywhere."""
+    if value is None:
+        monkeypatch.delenv("EXO_QGEMV", raising=False)
+    else:
+        monkeypatch.setenv("EXO_QGEMV", value)
+    assert cuda_qgemv.mode() == mode

@@ -4,8 +4,7 @@ row's sums in an order that does not depend on how many rows the launch has, nea
 A decode step multiplies one row by every weight of the model: on a GPU the quantized linear layers are most of
 its time, and they should cost the weights' bytes over the memory's bandwidth. MLX 0.32's CUDA ``qmv`` (one warp
 per output, each lane dequantizing 16 weights in bfloat16 arrays and re-reading its 32 bytes of x per 8 bytes
-of weight) ran a 4096 -> 12288 4-bit projection in 42.9 us on an H200: 25 MB at ~590 GB/s, an eighth of the
-memory's 4.8 TB/s (bench/results/h200-mlx-cuda-verify-rows-9b-2026-11-28.txt). A verify call's K + 1 rows must
+of weight) reads them at a fraction of the memory's bandwidth (docs/performance.md). A verify call's K + 1 rows must
 also each round as the decode step at its position does, or greedy speculative decoding stops reproducing plain
 decoding; MLX sums 1 to 7 rows alike but reads the weights again for every row. This kernel runs the plain
 step and the verify rows alike, so rows agree by construction, and reads each weight once for all rows.
@@ -30,7 +29,11 @@ exact value (``check`` measures both against a float32 reference).
 
 ``emulate`` is the same arithmetic in MLX operations, on any device: the kernel's reference, bit for bit
 (``check`` compares them on the device before a model uses the kernel), and what the engine runs on the CPU
-when ``EXO_QGEMV=always`` (tests of the wiring). ``EXO_QGEMV=0`` keeps MLX's products everywhere.
+when ``EXO_QGEMV=always`` (tests of the wiring).
+
+Off by default (``EXO_QGEMV=1`` opts in on MLX CUDA): each layer's product is a launch of its own, and in a
+whole model the host's work for those launches outweighs what the kernel saves on the device, so plain decoding
+ran slower on it than on MLX's products (docs/architecture.md says where and by how much).
 """
 
 from __future__ import annotations
@@ -276,10 +279,10 @@ def _kernel() -> Any:
 
 
 def mode() -> str:
-    """``EXO_QGEMV``: ``0`` MLX's products everywhere; ``1`` (default) this kernel on MLX CUDA where ``check``
+    """``EXO_QGEMV``: ``0`` (default) MLX's products everywhere; ``1`` this kernel on MLX CUDA where ``check``
     passes; ``always`` also on other devices, as ``emulate`` (tests run the engine's wiring on the CPU)."""
-    value = os.environ.get("EXO_QGEMV", "1").strip().lower()
-    return {"0": "off", "false": "off", "off": "off", "always": "always"}.get(value, "cuda")
+    value = os.environ.get("EXO_QGEMV", "0").strip().lower()
+    return {"1": "cuda", "true": "cuda", "on": "cuda", "always": "always"}.get(value, "off")
 
 
 def on_cuda() -> bool:
