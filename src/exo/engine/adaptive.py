@@ -67,8 +67,8 @@ WARM_WEIGHT = 6.0
 OPTIMISM = 1.0
 COST_DOUBT = 1.05
 # The warm-up's costs come from one short measurement of a round's parts alone, and live rounds have cost far
-# less beyond their one plain step (an H100: a 2-row verify warmed up at 2.9 plain steps ran at 1.9; an H200 9B:
-# adaptive never drafted where K = 1 ran 1.13x plain, bench/results/h200-mlx-cuda-round-phases-replay-9b-2026-11-28.txt).
+# less beyond their one plain step: by the warm-up's costs adaptive never drafted where a fixed K = 1 paid
+# (docs/performance.md, the H200's replayed rounds; bench/results/h200-mlx-cuda-round-phases-replay-9b-2026-11-28.txt).
 # Until a round is timed live against plain decoding, a depth is judged for a probe as if its warm-up cost beyond
 # one plain step were this many times too high (``doubted``), and MTP is off altogether only where no depth could
 # pay even so at full acceptance. A probe that finds it cannot pay costs a few rounds: the probe points then pass

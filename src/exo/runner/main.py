@@ -100,7 +100,8 @@ PTX_CACHE = Path("cache") / "mlx-ptx"  # under EXO_HOME
 def use_ptx_cache(home: Path) -> None:
     """MLX CUDA compiles its JIT kernels (compiled graphs, its generated ops) at their first launch and keeps the
     PTX in ``MLX_PTX_CACHE_DIR`` (default: under the system's temporary folder, emptied by reboots): here under
-    EXO_HOME, so a machine compiles them once (a 9B model's warm-up spent seconds of its first ~11 s compiling).
+    EXO_HOME, so a machine compiles them once (a first warm-up spends most of its time compiling them:
+    docs/performance.md).
     A value set outside wins. MLX reads it at its first compile, after this."""
     os.environ.setdefault("MLX_PTX_CACHE_DIR", str(Path(home).expanduser() / PTX_CACHE))
 
