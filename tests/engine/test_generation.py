@@ -137,11 +137,12 @@ def test_the_head_s_acceptance_on_a_warm_up_answer_seeds_the_depth_policy(checkp
     unseeded = _engine(checkpoint("qwen3_5", dtype="float32"), warm_acceptance=False)
     unseeded.warmup()
     assert unseeded._adaptive_policy().tracker.reached[0] == 0
-    # Where no depth could pay on this machine, nothing is drafted to learn acceptance.
+    # Where no depth could pay on this machine (even with the warm-up's costs doubted, ``WARM_COST_DOUBT``),
+    # nothing is drafted to learn acceptance.
     calls = []
-    monkeypatch.setattr(Engine, "warm_acceptance", lambda self: calls.append(self) or AcceptanceTracker(3))
+    monkeypatch.setattr(Engine, "warm_acceptance", lambda self, stop=None: calls.append(self) or AcceptanceTracker(3))
     hopeless = _engine(checkpoint("qwen3_5", dtype="float32"))
-    hopeless._costs = DepthCosts(beta=(2.0, 3.0, 4.0), delta=(0.2, 0.4, 0.6), device="cpu")
+    hopeless._costs = DepthCosts(beta=(3.0, 5.0, 7.0), delta=(0.2, 0.4, 0.6), device="cpu")
     hopeless.warmup()
     assert calls == []
 
