@@ -1244,7 +1244,7 @@ class SequenceState:
         return NativeMTPStats(
             enabled=self.policy is not None,
             reason=reason,
-            mode="pipeline" if self.forward.stages > 1 else "single_node",
+            mode=self.forward.mode,
             stages=self.forward.stages,
             k=self.policy.fixed_k if self.policy is not None and self.policy.fixed_k is not None else rec.last_k,
             k_fixed=self.policy is not None and self.policy.fixed_k is not None,

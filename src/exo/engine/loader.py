@@ -32,6 +32,7 @@ from .models import SUPPORTED_MODEL_TYPES, UnsupportedModelError, get_model_clas
 from .models.backbone import SpeculativeBackbone
 from .models.layers import SparseMoeBlock, check_expert_sort
 from .models.mtp import HEAD_NORM_SUFFIXES, MTPHead
+from .sharding import TensorShardingError, TensorShare, shard_model
 
 SIDECAR_NAMES = ("mtp.safetensors",)
 # Written next to the weights by head recovery (exo.downloads.heads) when it refused a head: the reason.
@@ -505,6 +506,7 @@ def load_checkpoint(
     head_source_repo: str | None = None,
     lazy: bool = False,
     layers: tuple[int, int] | None = None,
+    tensor: TensorShare | None = None,
 ) -> LoadedModel:
     """Load a local checkpoint directory (raw Hugging Face or MLX layout) with its MTP head.
 
@@ -515,11 +517,17 @@ def load_checkpoint(
     disk and nothing else: the embedding on the first stage; the final norm, lm_head, the embedding
     table, the tokenizer and the MTP head on the last. A middle or first stage has no tokenizer (None).
     The directory may hold only the shards the stage needs (``stage_weight_files``).
+
+    ``tensor``: member ``tensor.rank`` of a tensor group (``engine/sharding.py``): its slice of every layer
+    (only the slices are read into memory), the embedding whole; the leader (the last member) also the final
+    norm, lm_head, the tokenizer and the MTP head, which the others do without.
     """
     path = Path(path).expanduser().resolve()
     config = read_config(path)
     # A stage may load from a partial checkpoint (only its shards downloaded): its model drops the other
     # stages' layers before the weights arrive, so mlx-lm's strict check covers what the stage keeps.
+    if layers is not None and tensor is not None:
+        raise ValueError("a model is split by layers or by tensor, not both")
     if layers is None:
         files, partial = weight_files(path), False
     else:
@@ -528,8 +536,16 @@ def load_checkpoint(
         _header(file)  # a corrupt shard fails here with the file's name, not deep inside mlx
     try:
         classes = stage_model_classes(*layers) if layers is not None and partial else get_model_classes
-        model, config = mlx_load_model(path, lazy=lazy or layers is not None, get_model_classes=classes)
+        model, config = mlx_load_model(path, lazy=lazy or layers is not None or tensor is not None,
+                                       get_model_classes=classes)
         last = True
+        if tensor is not None:
+            shard_model(model, tensor)  # (TensorShardingError: a ValueError, the message says why)
+            last = tensor.leader
+            if not last:
+                model.drop_output()  # the leader alone computes logits (a tied table stays: it embeds)
+            if not lazy:
+                mx.eval(model.parameters())  # only this member's slices are read
         if layers is not None:
             start, end = layers
             last = end == model.num_layers
@@ -537,7 +553,7 @@ def load_checkpoint(
                 model.keep_stage(start, end, first=start == 0, last=last)
             if not lazy:
                 mx.eval(model.parameters())  # only this stage's weights are read
-    except UnsupportedModelError:
+    except (UnsupportedModelError, TensorShardingError):
         raise
     except (ValueError, KeyError, FileNotFoundError, RuntimeError) as e:
         raise CheckpointError(f"{path}: the weights do not match config.json: {e}") from e
@@ -552,7 +568,8 @@ def load_checkpoint(
     head: MTPHead | None = None
     info = inspect_head(path, files)
     if not last:
-        status = HeadStatus(available=False, reason="the MTP head runs on the pipeline's last stage")
+        where = "the tensor group's leader" if tensor is not None else "the pipeline's last stage"
+        status = HeadStatus(available=False, reason=f"the MTP head runs on {where}")
     elif not load_head:
         status = HeadStatus(available=False, reason="native MTP is disabled (the head was not loaded)")
     elif info.present:

@@ -14,8 +14,8 @@ class NativeMTPStats(BaseModel):
 
     enabled: bool
     reason: str | None = None  # why MTP is off, or why it ran at K = 0
-    mode: Literal["single_node", "pipeline"] = "single_node"
-    stages: int = 1  # pipeline stages the model ran on
+    mode: Literal["single_node", "pipeline", "tensor"] = "single_node"  # how the model is split over nodes
+    stages: int = 1  # pipeline stages (or tensor group members) the model ran on
     k: int = 0  # the last depth used (the forced one when fixed)
     k_fixed: bool = False
     k_histogram: dict[int, int] = Field(default_factory=dict)  # rounds (plain steps at K = 0) per depth
