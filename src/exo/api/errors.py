@@ -16,6 +16,7 @@ from exo.cluster.placement import (
     ModelNotOnDiskError,
     NoDiskRoomError,
     NoPlacementError,
+    TensorShardingRefusedError,
     TooFewNodesError,
     UnknownNodeError,
 )
@@ -119,6 +120,8 @@ def api_error_from(exc: BaseException) -> APIError:
         return APIError(404, msg, param="node", code="node_not_found")
     if isinstance(exc, AlreadyPlacedError):
         return APIError(409, msg, param="model", code="already_placed")
+    if isinstance(exc, TensorShardingRefusedError):
+        return APIError(400, msg, param="sharding", code="tensor_sharding_unavailable")
     if isinstance(exc, InvalidPlacementRequest):
         return APIError(400, msg, code="invalid_value")
     if isinstance(exc, TooFewNodesError):

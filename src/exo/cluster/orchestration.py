@@ -261,6 +261,8 @@ class ClusterModelService:
                 models=frozenset(m.model_id for m in info.models),
                 can_download=not info.offline,
                 download_room_bytes=max(0, info.hub_cache_free_bytes - DEFAULT_RESERVE_BYTES),
+                backend=info.backend,
+                decode_bytes_per_s=info.decode_bytes_per_s,
             )
             for info in infos
         ]
@@ -405,20 +407,19 @@ class ClusterModelService:
         self._routes[model_id] = located
         return model_id
 
-    def _placement_task(self, model_id: str, live: Located | None,
-                        excluding: frozenset[str] = frozenset()) -> asyncio.Task[Located]:
-        task = asyncio.get_running_loop().create_task(self._place_and_wait(model_id, live, excluding))
+    def _placement_task(self, model_id: str, live: Located | None, excluding: frozenset[str] = frozenset(),
+                        sharding: str = "pipeline") -> asyncio.Task[Located]:
+        task = asyncio.get_running_loop().create_task(self._place_and_wait(model_id, live, excluding, sharding))
         self._placing[model_id] = task
         task.add_done_callback(lambda t: self._placing.pop(model_id, None) if self._placing.get(model_id) is t else None)
         return task
 
     async def _place_and_wait(self, model_id: str, live: Located | None,
-                              excluding: frozenset[str] = frozenset()) -> Located:
+                              excluding: frozenset[str] = frozenset(), sharding: str = "pipeline") -> Located:
         attempts = 0
         while live is None:
             try:
-                plan = pl.placement(self.requirement(model_id), self.capacities(), self.existing(excluding),
-                                    links=self.links())
+                plan = self._split_plan(model_id, excluding, sharding)
             except pl.AlreadyPlacedError as e:
                 # Another placement of the model is live: wait for that one. The instance it names may have
                 # gone between the two looks (its node left, it was deleted): look again, then place anew.
@@ -458,7 +459,7 @@ class ClusterModelService:
         stages = pipes.stage_placements(plan)
         loads = [
             self.load_on(shard.node_id, plan.model_id, on_demand=on_demand, reserved=needed, shard=shard,
-                         instance_id=instance_id, stages=stages)
+                         instance_id=instance_id, stages=stages, sharding=plan.sharding, backend=plan.backend)
             for shard, needed in zip(plan.shards, plan.stage_needed_bytes, strict=True)
         ]
         results = await asyncio.gather(*loads, return_exceptions=True)
@@ -466,8 +467,12 @@ class ClusterModelService:
         if failed:
             await self._stop_stages(instance_id, stages)
             raise failed[0]
-        log.info("pipeline %s of %s: %s", instance_id, plan.model_id,
-                 ", ".join(f"layers {s.start_layer}-{s.end_layer - 1} on {s.node_id[:8]}" for s in plan.shards))
+        if plan.sharding == "tensor":
+            log.info("tensor group %s of %s (%s): %s", instance_id, plan.model_id, plan.backend,
+                     ", ".join(f"member {s.rank} on {s.node_id[:8]}" for s in plan.shards))
+        else:
+            log.info("pipeline %s of %s: %s", instance_id, plan.model_id,
+                     ", ".join(f"layers {s.start_layer}-{s.end_layer - 1} on {s.node_id[:8]}" for s in plan.shards))
         self._spawn(self._form_group(instance_id, plan.model_id, stages), f"exo-form-group-{instance_id[:10]}")
         leader = results[-1]
         assert isinstance(leader, Located)
@@ -476,7 +481,7 @@ class ClusterModelService:
     async def load_on(
         self, node_id: str, model_id: str, *, on_demand: bool, reserved: int = 0,
         shard: pl.ShardAssignment | None = None, instance_id: str | None = None,
-        stages: list[pb.StagePlacement] | None = None,
+        stages: list[pb.StagePlacement] | None = None, sharding: str = "pipeline", backend: str = "",
     ) -> Located:
         """Start an instance of ``model_id`` (or a pipeline's stage of it) on a node; returns it at once (loading)."""
         request = pb.LoadInstanceRequest(
@@ -485,7 +490,8 @@ class ClusterModelService:
         )
         if shard is not None:
             request.shard.CopyFrom(
-                pb.Shard(start_layer=shard.start_layer, end_layer=shard.end_layer, rank=shard.rank, world_size=shard.world_size)
+                pb.Shard(start_layer=shard.start_layer, end_layer=shard.end_layer, rank=shard.rank, world_size=shard.world_size,
+                         sharding=sharding if shard.world_size > 1 else "", backend=backend if sharding == "tensor" else "")
             )
         self._reserved[(request.instance_id, node_id)] = reserved
         if node_id == self.node_id:
@@ -648,7 +654,7 @@ class ClusterModelService:
         if self._live(p.model_id) is not None or p.model_id in self._placing:
             return  # placed again already (by a request)
         log.info("placing %s anew after its pipeline %s broke", p.model_id, p.instance_id)
-        task = self._placement_task(p.model_id, None, excluding=frozenset({p.instance_id}))
+        task = self._placement_task(p.model_id, None, excluding=frozenset({p.instance_id}), sharding=p.sharding)
         try:
             await task
         except Exception as e:  # noqa: BLE001 - requests get the reason when they place it themselves
@@ -818,13 +824,36 @@ class ClusterModelService:
 
     # -- instances (POST/GET/DELETE /v1/instances) ---------------------------------------------------------------
     def plan(self, model_id: str, node: str | None = None, *, min_nodes: int = 1,
-             nodes: list[str] | None = None, replica: bool = False) -> pl.Placement:
+             nodes: list[str] | None = None, replica: bool = False, sharding: str = "pipeline") -> pl.Placement:
         return pl.placement(self.requirement(model_id), self.capacities(), self.existing(), node=node,
-                            min_nodes=min_nodes, nodes_in_order=nodes, links=self.links(), replica=replica)
+                            min_nodes=min_nodes, nodes_in_order=nodes, links=self.links(), replica=replica,
+                            sharding=sharding, tensor_backend=self.settings.tensor_backend)
+
+    def plan_options(self, model_id: str, node: str | None = None, *, min_nodes: int = 1,
+                     nodes: list[str] | None = None, replica: bool = False) -> list[pl.PlacementOption]:
+        """Both splits of the model (pipeline, tensor) as placement would make them now, estimated (the preview)."""
+        existing = [e for e in self.existing() if replica or e.model_id != model_id or e.state not in pl.LIVE_STATES]
+        return pl.placement_options(self.requirement(model_id), self.capacities(), existing, node=node,
+                                    nodes_in_order=nodes, min_nodes=min_nodes, links=self.links(),
+                                    tensor_backend=self.settings.tensor_backend)
+
+    def _split_plan(self, model_id: str, excluding: frozenset[str], sharding: str) -> pl.Placement:
+        """An on-demand placement: ``sharding`` (a broken tensor group's is "tensor"), else the default split
+        when that one cannot be placed any more (too few nodes left for a tensor group)."""
+        place = functools.partial(pl.placement, self.requirement(model_id), self.capacities(), self.existing(excluding),
+                                  links=self.links(), tensor_backend=self.settings.tensor_backend)
+        if sharding == "pipeline":
+            return place()
+        try:
+            return place(sharding=sharding)
+        except (pl.NoPlacementError, pl.InvalidPlacementRequest) as e:
+            log.info("%s: no %s placement now (%s); placing it by default", model_id, sharding, e)
+            return place()
 
     async def create_instance(self, model_id: str, node: str | None = None, *, min_nodes: int = 1,
-                              nodes: list[str] | None = None, replica: bool = False) -> tuple[Located, pl.Placement]:
-        plan = self.plan(model_id, node, min_nodes=min_nodes, nodes=nodes, replica=replica)
+                              nodes: list[str] | None = None, replica: bool = False,
+                              sharding: str = "pipeline") -> tuple[Located, pl.Placement]:
+        plan = self.plan(model_id, node, min_nodes=min_nodes, nodes=nodes, replica=replica, sharding=sharding)
         located = await self.place(plan, on_demand=False)
         self._routes[model_id] = located
         return located, plan
@@ -933,6 +962,10 @@ def model_requirement(model_id: str, card: ModelCard | None, sizes: Sequence[pb.
     if detailed is not None and detailed.layer_bytes:
         parts = dict(layer_bytes=tuple(detailed.layer_bytes), embed_bytes=detailed.embed_bytes,
                      output_bytes=detailed.output_bytes, mtp_bytes=detailed.mtp_bytes)
+    # What a node that read the checkpoint's config says of tensor splits, and what a decode step reads.
+    read = next((m for m in sizes if m.tensor_checked), None)
+    if read is not None:
+        parts.update(tensor_node_counts=tuple(read.tensor_node_counts), active_bytes=read.active_bytes)
     if card is not None:
         disk = max((m.weights_bytes for m in sizes), default=0)
         return dataclasses.replace(pl.ModelRequirement.from_card(card, weights_bytes=disk or None), **parts)

@@ -123,6 +123,7 @@ class InstanceSupervisor:
         self.runner_cmd = list(runner_cmd) if runner_cmd is not None else module_argv("exo.runner")
         self.env = dict(env or {})
         self.on_change = on_change
+        self.decode_bytes_per_s = 0.0  # the best decode speed a runner here measured (NodeInfo's, for placement)
         self._entries: dict[str, _Entry] = {}
         self._run_dir: Path | None = None
         self._tmp_run_dir: Path | None = None  # the fallback for a home whose paths are too long
@@ -432,6 +433,8 @@ class InstanceSupervisor:
                 "--rank", str(shard.rank),
                 "--world-size", str(max(shard.world_size, 1)),
             ]
+            if shard.sharding == "tensor":
+                cmd += ["--sharding", "tensor", "--backend", shard.backend or "ring"]
         return cmd
 
     async def _spawn(self, entry: _Entry) -> None:
@@ -600,6 +603,9 @@ class InstanceSupervisor:
                 entry.info.prefix_cache.CopyFrom(status.prefix_cache)  # figures, no transition: no notice
             if status.HasField("prefix_summary") and entry.info.prefix_summary != status.prefix_summary:
                 entry.info.prefix_summary.CopyFrom(status.prefix_summary)  # for routing: no notice either
+            if status.decode_bytes_per_s and entry.info.decode_bytes_per_s != status.decode_bytes_per_s:
+                entry.info.decode_bytes_per_s = status.decode_bytes_per_s  # (the node's estimates)
+                self.decode_bytes_per_s = max(self.decode_bytes_per_s, status.decode_bytes_per_s)
 
         elif status.state == pb.INSTANCE_STATE_LOADING:
             self._set(entry, stage=status.stage, progress=status.progress)

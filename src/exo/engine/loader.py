@@ -229,13 +229,14 @@ class CheckpointParts:
     embed_bytes: int
     output_bytes: int  # final norm + lm_head
     mtp_bytes: int
+    expert_bytes: int = 0  # of the layers' bytes, their MoE experts' (a token reads top_k of them)
 
 
 def checkpoint_parts(path: Path, n_layers: int) -> CheckpointParts:
     """Sizes of the backbone's layers, its embedding table, its output (final norm, lm_head) and its MTP
     head, summed over every file mlx-lm or exo would load (a vision tower does not count)."""
     layers = [0] * n_layers
-    embed = output = mtp = 0
+    embed = output = mtp = experts = 0
     files = weight_files(path) + [path / n for n in SIDECAR_NAMES if (path / n).is_file()]
     for file in files:
         keys, _, handle = _header(file)
@@ -252,11 +253,13 @@ def checkpoint_parts(path: Path, n_layers: int) -> CheckpointParts:
                 index = int(match.group(1))
                 if index < n_layers:
                     layers[index] += size
+                    if ".experts." in key or ".switch_mlp." in key:
+                        experts += size
             elif "embed_tokens" in key:
                 embed += size
             else:  # lm_head, the final norm
                 output += size
-    return CheckpointParts(tuple(layers), embed, output, mtp)
+    return CheckpointParts(tuple(layers), embed, output, mtp, experts)
 
 
 def _header(file: Path) -> tuple[list[str], dict[str, str], Any]:
