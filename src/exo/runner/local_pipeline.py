@@ -15,7 +15,8 @@ result: {"token_ids", "text", "finish_reason", "stats", "seconds", "bytes_sent",
 {"batch": [request, ...], "join_at": [step, ...]} decodes its requests in one batch (``BatchDecoder``, as the
 device queue does), request i joining before the batch's step join_at[i]; its result is the list of theirs.
 ``prefix_cache``: {"block_tokens": n, "min_snapshot_tokens": m} gives every member a prefix cache in memory;
-``out["prefix"]`` then holds each member's figures (``PrefixStats``), the leader's last. A single
+``out["prefix"]`` then holds each member's figures (``PrefixStats``), the leader's last. ``collective_reps``: a tensor
+group first times its all-reduce alone (``out["collectives"]``, bench/tensor.py). A single
 stage [(0, n)] runs the model whole in one process, for comparisons. ``links``: every stage's
 ``RingLink.report()`` (where its time went, per phase, over the whole run; ``EXO_PIPELINE_PHASES=1`` in a
 stage's environment times the ring's receives apart).
@@ -53,7 +54,7 @@ def run_local_pipeline(
     model: str | Path | Sequence[str | Path], stages: Sequence[tuple[int, int]], requests: list[dict[str, Any]], *,
     prefill_chunk: int = 2048, warmup: bool = False, timeout_s: float = 300.0,
     stage_env: Sequence[dict[str, str]] | None = None, sharding: str = "pipeline", backend: str = "ring",
-    prefix_cache: dict[str, int] | None = None,
+    prefix_cache: dict[str, int] | None = None, collective_reps: int = 0,
 ) -> dict[str, Any]:
     """Run ``requests`` on a pipeline of ``stages`` (one process each); the leader's results and the bytes
     its stage sent and received. ``stage_env``: environment variables per stage, over this process's (on a
@@ -69,7 +70,7 @@ def run_local_pipeline(
             "models": models, "stages": [list(s) for s in stages],
             "hosts": [f"127.0.0.1:{free_port()}" for _ in stages], "prefill_chunk": prefill_chunk,
             "warmup": warmup, "requests": requests, "out": str(Path(tmp) / "out.json"), "sharding": sharding,
-            "backend": backend, "prefix_cache": prefix_cache,
+            "backend": backend, "prefix_cache": prefix_cache, "collective_reps": collective_reps,
         }
         spec_file = Path(tmp) / "spec.json"
         spec_file.write_text(json.dumps(spec))
@@ -126,8 +127,10 @@ def _stage_main(spec_file: str, rank: int) -> None:
     def prefix_figures(rank: int) -> None:
         if prefix_cache is not None:
             Path(f"{spec['out']}.prefix{rank}.json").write_text(json.dumps(dataclasses.asdict(prefix_cache.stats)))
+
     config = EngineConfig(prefill_chunk=spec.get("prefill_chunk", 2048))
     forward = None
+    collectives = None
     model = spec["models"][rank]
     if spec.get("sharding") == "tensor":
         from exo.engine.sharding import TensorShare
@@ -141,6 +144,7 @@ def _stage_main(spec_file: str, rank: int) -> None:
                           backend=spec.get("backend", "ring"), inline_bytes=DOORBELL_ONLY)
         share.group = link.group
         member = StageSpec(rank, len(stages), 0, loaded.model.num_layers)
+        collectives = _time_collectives(loaded.model, spec.get("collective_reps", 0))  # (every member, in step)
         if not member.last:
             serve_tensor(loaded.model, member, link, prefix_cache=with_prefix_cache(loaded))
             Path(f"{spec['out']}.link{rank}.json").write_text(json.dumps(link.report()))
@@ -201,7 +205,31 @@ def _stage_main(spec_file: str, rank: int) -> None:
     links = [forward.link.report()] if forward is not None and hasattr(forward.link, "report") else []
     prefix = [dataclasses.asdict(prefix_cache.stats)] if prefix_cache is not None else []
     Path(spec["out"]).write_text(json.dumps({"results": results, "bytes": {"sent": sent, "received": received},
-                                             "links": links, "prefix": prefix}))
+                                             "links": links, "prefix": prefix, "collectives": collectives}))
+
+
+def _time_collectives(model: Any, reps: int) -> dict[str, float] | None:
+    """A tensor group's all-reduce alone (``reps`` > 0; every member runs the same): median microseconds of one of a
+    decode step's ([1, 1, H], the activations' dtype) and of a 4-row verify call's, each evaluated on its own."""
+    if reps <= 0:
+        return None
+    import statistics
+
+    import mlx.core as mx
+
+    group = model.tensor_share.group
+    dtype = model.text_model.layers[0].input_layernorm.weight.dtype
+    out = {}
+    for rows in (1, 4):
+        x = mx.ones((1, rows, model.hidden_size), dtype=dtype)
+        times = []
+        for i in range(reps + 10):
+            started = time.perf_counter()
+            mx.eval(mx.distributed.all_sum(x, group=group))
+            if i >= 10:  # (the first ones set the connections up)
+                times.append(time.perf_counter() - started)
+        out[f"all_sum_{rows}_row_us"] = statistics.median(times) * 1e6
+    return out
 
 
 def _run_batch(engine: Any, requests: list[Any], join_at: list[int] | None) -> list[dict[str, Any]]:
