@@ -8,6 +8,7 @@ import pytest
 from exo.cards import load_catalog
 from exo.cluster.placement import (
     ACTIVATION_MARGIN_BYTES,
+    PEAK_BYTES_PER_S,
     InvalidPlacementRequest,
     ModelNotOnDiskError,
     ModelRequirement,
@@ -106,20 +107,29 @@ def test_the_backend_follows_the_members_or_the_setting():
 
 def test_the_estimates_count_bytes_read_over_measured_speed_and_the_links():
     r = req(weights_gib=8, layers=8, active_bytes=8 * GiB)
-    nodes = {"a": node("a", 20, rate=10 * GiB), "b": node("b", 20, rate=10 * GiB)}
+    rate, peak = 10 * GiB, PEAK_BYTES_PER_S["cpu"]  # measured; what reading the bytes alone would take
+    nodes = {"a": node("a", 20, rate=rate), "b": node("b", 20, rate=rate)}
     single = placement(r, list(nodes.values()))
-    assert estimate_tokens_per_s(single, nodes, {}) == (pytest.approx(10 / 8), "measured")
+    assert estimate_tokens_per_s(single, nodes, {}) == (pytest.approx(rate / (8 * GiB)), "measured")
     links = {("a", "b"): 2.0}  # ms
     tensor = placement(r, list(nodes.values()), sharding="tensor", links=links)
     layers, output = 8 * GiB - GiB / 4, GiB / 4
+    # Each member reads half the layers' bytes, and pays the rest of the measured time (the ops) whole.
+    shared, whole = layers / peak, layers / rate - layers / peak
     collective = 2.0e-3  # two members on a ring: one round trip of its link per all-reduce
-    seconds = layers / 2 / (10 * GiB) + output / (10 * GiB) + (2 * 8 + 1) * collective + 2.0e-3 / 2
+    seconds = shared / 2 + whole + output / rate + (2 * 8 + 1) * collective + 2.0e-3 / 2
     assert estimate_tokens_per_s(tensor, nodes, links) == (pytest.approx(1 / seconds), "measured")
     pipe = placement(r, list(nodes.values()), min_nodes=2, links=links)
-    seconds = layers / (10 * GiB) + output / (10 * GiB) + 2 * 2.0e-3 / 2
+    seconds = layers / rate + output / rate + 2 * 2.0e-3 / 2
     assert estimate_tokens_per_s(pipe, nodes, links) == (pytest.approx(1 / seconds), "measured")
-    # A node its runners have not measured counts at its backend's nominal speed, and the basis says so.
-    assert estimate_tokens_per_s(single, {"a": node("a", 20)}, {})[1] == "nominal"
+    # A node its runners have not measured counts at half its backend's peak, and the basis says so.
+    assert estimate_tokens_per_s(single, {"a": node("a", 20)}, {}) == (pytest.approx(peak / 2 / (8 * GiB)), "nominal")
+    # A step bound by its ops (a tiny model on a CPU: measured far under the peak) gains nothing from the split.
+    tiny = ModelRequirement("m", 16 << 20, 0, 0, n_layers=8, tensor_node_counts=(2,), active_bytes=16 << 20)
+    slow = {"a": node("a", 20, rate=peak / 100), "b": node("b", 20, rate=peak / 100)}
+    one, split = placement(tiny, list(slow.values())), placement(tiny, list(slow.values()), sharding="tensor")
+    assert estimate_tokens_per_s(split, slow, links)[0] < estimate_tokens_per_s(one, slow, {})[0]
+    assert placement(tiny, list(slow.values()), sharding="auto", links=links).sharding == "none"
 
 
 def test_auto_takes_the_faster_split():

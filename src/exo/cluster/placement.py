@@ -759,14 +759,19 @@ def _tensor_plan(req: ModelRequirement, order: Sequence[NodeCapacity], free: Map
 
 
 # -- speed estimates ---------------------------------------------------------------------------------------------
-# A decode step is bound by the weights it reads: its time on a node is the bytes it reads there over the node's
-# decode speed (``NodeCapacity.decode_bytes_per_s``, measured by the node's runners: a single-node instance times its
-# plain steps at warm-up), plus what crosses the network: a pipeline's step goes once around its ring of stages
-# (one hop each, half a measured round trip), a tensor group's step runs 2 all-reduces per layer and one for the
-# ids (on the TCP ring each costs about (k - 1) round trips of the ring's slowest link; NCCL and JACCL are not
-# seen by the registry's round trips: ``NOMINAL_COLLECTIVE_S``). A node not measured yet counts at its backend's
-# nominal speed, and the estimate says so (``basis``). Figures to order the choices, not promises: docs/cluster.md.
-NOMINAL_DECODE_BYTES_PER_S = {"cuda": 2.0e12, "metal": 3.0e11, "cpu": 1.0e10}
+# A decode step's time on a node is what its runners measured (``NodeCapacity.decode_bytes_per_s``: a single-node
+# instance times its plain steps at warm-up; the weight bytes a step reads over that time) for the bytes it reads
+# there. Only part of it shrinks when a tensor group splits every layer: reading the weights. The rest (building and
+# dispatching the step's ops, launching kernels: on MLX's CPU backend and on a host-bound GPU most of a small
+# model's step) is the same on every member, which runs every layer's ops on its slice. So a step's bytes are
+# counted at the node's measured speed, and of that time the part the backend's peak bandwidth would take
+# (``PEAK_BYTES_PER_S``, nominal) is what the members share; the remainder each member pays whole. A pipeline
+# stage pays its layers' share of both, plus the ring of hops (half a measured round trip each); a tensor group
+# pays the 2 x layers + 1 all-reduces of a token (on the TCP ring each about (N - 1) round trips of the ring's
+# slowest link; NCCL and JACCL are not seen by the registry's round trips: ``NOMINAL_COLLECTIVE_S``). A node not
+# measured yet counts at half its backend's peak, and the estimate says so (``basis``). Figures to order the
+# choices, not promises: docs/cluster.md, bench/tensor.py (which prints this estimate beside the measured ratio).
+PEAK_BYTES_PER_S = {"cuda": 3.3e12, "metal": 4.0e11, "cpu": 2.0e10}
 NOMINAL_COLLECTIVE_S = {"nccl": 3.0e-5, "jaccl": 5.0e-5}
 UNKNOWN_RTT_MS = 1.0  # a link the registry has no round trip for
 
@@ -781,11 +786,14 @@ def estimate_tokens_per_s(plan: Placement, nodes: Mapping[str, NodeCapacity],
     members = [s.node_id for s in plan.shards]
     measured = all(nodes.get(m, NodeCapacity(m, 0, 0)).decode_bytes_per_s > 0 for m in members)
 
-    def rate(node_id: str) -> float:
+    def parts(node_id: str, nbytes: float) -> tuple[float, float]:
+        """(seconds a split shares: reading ``nbytes``, seconds every member pays whole) of ``nbytes`` there."""
         n = nodes.get(node_id)
-        if n is not None and n.decode_bytes_per_s > 0:
-            return n.decode_bytes_per_s
-        return NOMINAL_DECODE_BYTES_PER_S.get(n.backend if n is not None else "", NOMINAL_DECODE_BYTES_PER_S["cpu"])
+        peak = PEAK_BYTES_PER_S.get(n.backend if n is not None else "", PEAK_BYTES_PER_S["cpu"])
+        rate = n.decode_bytes_per_s if n is not None and n.decode_bytes_per_s > 0 else peak / 2
+        total = nbytes / rate
+        shared = min(total, nbytes / peak)
+        return shared, total - shared
 
     def rtt_s(a: str, b: str) -> float:
         table = links or {}
@@ -794,15 +802,15 @@ def estimate_tokens_per_s(plan: Placement, nodes: Mapping[str, NodeCapacity],
     k = len(members)
     ring = [rtt_s(members[i], members[(i + 1) % k]) for i in range(k)] if k > 1 else []
     if plan.sharding == "tensor":
-        compute = max(layers / k / rate(m) for m in members) + output / rate(members[-1])
+        compute = max(parts(m, layers)[0] / k + parts(m, layers)[1] for m in members) + sum(parts(members[-1], output))
         collective = NOMINAL_COLLECTIVE_S.get(plan.backend, (k - 1) * max(ring))
         seconds = compute + (2 * req.n_layers + 1) * collective + sum(ring[:-1]) / 2  # (the header: a chain)
     elif k > 1:
         n = max(1, req.n_layers)
-        seconds = sum(layers * (s.end_layer - s.start_layer) / n / rate(s.node_id) for s in plan.shards)
-        seconds += output / rate(members[-1]) + sum(ring) / 2
+        seconds = sum(sum(parts(s.node_id, layers * (s.end_layer - s.start_layer) / n)) for s in plan.shards)
+        seconds += sum(parts(members[-1], output)) + sum(ring) / 2
     else:
-        seconds = active / rate(members[0])
+        seconds = sum(parts(members[0], active))
     return (1.0 / seconds if seconds > 0 else 0.0), ("measured" if measured else "nominal")
 
 

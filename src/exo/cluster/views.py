@@ -229,6 +229,9 @@ def node_json(
         "source": source,
         "offline": info.offline,
         "hub_cache_free_bytes": info.hub_cache_free_bytes,
+        # Weight bytes a decode step reads per second here, as its runners measured it (null: not yet): the unit of
+        # placement's speed estimates.
+        "decode_bytes_per_s": round(info.decode_bytes_per_s) if info.decode_bytes_per_s else None,
         # Its downloads (running, and those that ended in the last minutes), as /v1/downloads shows them.
         "downloads": [download_json(d, info.node_id) for d in info.downloads],
         "prefix_cache": prefix_cache_json(info.instances),

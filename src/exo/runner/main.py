@@ -253,7 +253,8 @@ def _decode_rate(engine: Any) -> float:
     from exo.engine.costs import decode_bytes_per_s
 
     try:
-        return decode_bytes_per_s(engine.model, engine.forward, engine._costs)
+        costs = engine.costs() if engine.mtp_unavailable_reason() is None else None  # (the warm-up's, measured)
+        return decode_bytes_per_s(engine.model, engine.forward, costs)
     except Exception:  # noqa: BLE001 - a figure for estimates, never a reason not to serve
         logging.getLogger(__name__).exception("measuring the decode speed failed")
         return 0.0
