@@ -1,6 +1,11 @@
-"""Which operation of a batched decode step rounds differently from the same sequences' solo steps?
+"""Which operation of a batched decode step (or of a verify call) rounds differently from the same sequences'
+solo steps?
 
     python bench/batch_ops.py [MODEL] [--size 8] [--steps 32]
+    python bench/batch_ops.py MODEL --verify K [--steps 24] [--prompt-tokens 200]
+
+``--verify K``: a verify call of K + 1 rows against the K + 1 one-row decode steps of the same tokens, on real
+inputs (``verify_main`` says how); without it, a batch against solo steps:
 
 B prompts of different lengths are prefilled twice each: one copy joins a BatchDecoder's caches (mlx-lm's
 BatchKVCache, left-padded, and the GatedDeltaNet rows), the other stays solo. Each step feeds the same
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections import Counter
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -98,16 +104,187 @@ def first_difference(batched: list[tuple[str, mx.array]], solo: list[list[tuple[
     return None
 
 
+# -- verify call vs one-row steps (--verify K) ------------------------------------------------------------------
+TRACE: list[tuple[str, Any, mx.array]] = []  # (module, its input, its output) in call order
+_TRACE_CLASSES: dict[type, type] = {}
+
+
+class _Tracing:
+    trace_name = ""
+
+    def __call__(self, *args, **kwargs):
+        out = super().__call__(*args, **kwargs)  # type: ignore[misc]
+        first = args[0] if args and isinstance(args[0], mx.array) else None
+        TRACE.append((self.trace_name, first, out if isinstance(out, mx.array) else None))
+        return out
+
+
+def trace_modules(model) -> None:
+    """Every module of every decoder layer (linears, norms, the mixers, the MLP, the layer) and the final norm
+    records its input and output."""
+    def mark(module: nn.Module, name: str) -> None:
+        cls = type(module)
+        if cls not in _TRACE_CLASSES:
+            _TRACE_CLASSES[cls] = type(f"Tracing{cls.__name__}", (_Tracing, cls), {})
+        module.__class__ = _TRACE_CLASSES[cls]
+        object.__setattr__(module, "trace_name", name)
+
+    for i, layer in enumerate(model.stage_layers):
+        for path, module in layer.named_modules():
+            if path and isinstance(module, (nn.Linear, nn.QuantizedLinear, nn.RMSNorm)) or path in (
+                    "linear_attn", "self_attn", "mlp", "linear_attn.norm"):
+                mark(module, f"layer {i} {path}")
+        mark(layer, f"layer {i}")
+    mark(model.text_model.norm, "final norm")
+
+
+def _row(a: mx.array | None, t: int, rows: int) -> mx.array | None:
+    """Row t of a verify call's array (its second axis has the rows), as a one-row step's shape."""
+    if a is None or a.ndim < 2 or a.shape[1] != rows:
+        return None
+    return a[:, t : t + 1]
+
+
+def _same(a: mx.array | None, b: mx.array | None) -> bool | None:
+    if a is None or b is None or a.shape != b.shape:
+        return None
+    return bool(mx.array_equal(a, b).item())
+
+
+def verify_main(args) -> None:
+    """One prompt, decoded plainly (greedy) for ``--steps`` rounds' worth of tokens; two copies of its caches. Per
+    round: the K + 1 next tokens of the plain continuation go as K + 1 one-row decode steps through one copy and as
+    one verify call (GatedDeltaNet recording, MoE routes locked, the engine's probed verify mode: what a round runs)
+    through the other, which then keeps all its rows (every draft accepted), so both stay at the same position.
+    Each row of the verify call is compared with its decode step, module by module: the first module (in call
+    order) whose output differs while its input was equal is the op that rounds otherwise. Then a verdict per
+    suspect over all rounds: quantized/plain linears, RMSNorms, the attention mixer (rope included), the
+    GatedDeltaNet mixer and its recorded states and conv windows against the decode steps', RoPE alone on the
+    real queries, the logits (as the round computes them) and their argmax, exact top-2 ties."""
+    from exo.engine.models.layers import RollbackArraysCache
+    from exo.engine.verify import verify_logits
+
+    engine = load(args.model)
+    engine.loaded = dataclasses.replace(engine.loaded, eos_token_ids=frozenset())
+    k = args.verify
+    mode = engine.verify_mode
+    print(f"{args.model} on {device_name()}: verify mode {mode}")
+    print("probe: " + ", ".join(f"{name}={value}" for name, value in engine.verify_probe.items()))
+    tokenizer = engine.loaded.tokenizer
+    text = "Write a long story about a lighthouse keeper and the sea. " * 40
+    prompt = tokenizer.encode(text)[: args.prompt_tokens]
+    total = args.steps * (k + 1) + 1
+    plain = engine.complete(GenerationRequest(prompt, max_tokens=total, native_mtp="off")).token_ids
+    runs = []
+    for _ in range(2):
+        run = engine.start(GenerationRequest(prompt, max_tokens=total, native_mtp="off"))
+        for _chunk in run.begin():
+            pass
+        runs.append(run)
+    decode, verify = runs
+    assert int(decode.pending_token.item()) == plain[0]
+    model = engine.model
+    trace_modules(model)
+    rope_layer = next(layer.self_attn for layer in model.stage_layers if not layer.is_linear)
+    culprits: Counter[str] = Counter()  # modules whose input was equal and output not
+    firsts: Counter[str] = Counter()
+    verdicts: dict[str, Counter[str]] = {}
+
+    def note(suspect: str, same: bool | None) -> None:
+        if same is not None:
+            verdicts.setdefault(suspect, Counter())["equal" if same else "DIFFERS"] += 1
+
+    position = 0
+    for step in range(args.steps):
+        tokens = plain[position : position + k + 1]
+        offset = len(prompt) + position
+        # K + 1 one-row decode steps, each module's input and output recorded; the GatedDeltaNet states after each
+        steps, states, logits_rows = [], [], []
+        for token in tokens:
+            TRACE.clear()
+            h = engine.forward.hidden(mx.array([[token]]), decode.cache)
+            logits_rows.append(model.logits(h))
+            gdn = [(c[0], c[1]) for c in decode.cache if isinstance(c, RollbackArraysCache)]
+            mx.eval(logits_rows[-1], [o for _, i, o in TRACE if o is not None], gdn)
+            steps.append(list(TRACE))
+            states.append(gdn)
+        TRACE.clear()
+        h = engine.forward.hidden(mx.array([tokens]), verify.cache, verify=True)
+        verify_out = verify_logits(model, h, mode)
+        recorded = [c.pending_arrays() for c in verify.cache if isinstance(c, RollbackArraysCache)]
+        mx.eval(verify_out, [o for _, i, o in TRACE if o is not None], recorded)
+        call = list(TRACE)
+        rows = k + 1
+        first = None
+        for t in range(rows):
+            assert len(steps[t]) == len(call), "the verify call and a decode step ran other modules"
+            for (name, vin, vout), (_, sin, sout) in zip(call, steps[t], strict=True):
+                out_same = _same(_row(vout, t, rows), sout)
+                in_same = _same(_row(vin, t, rows), sin)
+                kind = ("linear" if "proj" in name else "norm" if "norm" in name else
+                        "attention mixer" if name.endswith("self_attn") else
+                        "GatedDeltaNet mixer" if name.endswith("linear_attn") else
+                        "mlp" if name.endswith("mlp") else "layer" if name.startswith("layer") else name)
+                if in_same:
+                    note(kind + " (equal input)", out_same)
+                if in_same and out_same is False:
+                    culprits[name] += 1
+                if out_same is False and first is None:
+                    first = f"{name} (row {t}, input {'equal' if in_same else 'already different'})"
+        firsts[first or "none"] += 1
+        # GatedDeltaNet: the state and conv window recorded after row t against the decode step's after step t.
+        for layer_states, record in zip(zip(*states, strict=True), recorded, strict=True):
+            conv_input, *after = record
+            for t in range(rows):
+                window, state = layer_states[t]
+                note("GatedDeltaNet state after row", _same(after[t + 1], state))
+                note("GatedDeltaNet conv window after row", _same(
+                    conv_input[:, t + 1 : t + 1 + window.shape[1]], window))
+        # RoPE alone on real queries (the first attention layer's q_norm output): a block at the offset vs rows.
+        q = next((o for name, _, o in call if name.endswith("self_attn.q_norm")), None)
+        if q is not None:
+            q = q.transpose(0, 2, 1, 3)  # [B, heads, T, D] as the layer ropes them
+            block = rope_layer.rope(q, offset=offset)
+            alone = mx.concatenate([rope_layer.rope(q[:, :, t : t + 1], offset=offset + t) for t in range(rows)],
+                                   axis=2)
+            note("RoPE (block vs rows)", _same(block, alone))
+        # The logits as the round computes them, their argmax, exact ties at the top.
+        for t in range(rows):
+            single = logits_rows[t]
+            row = verify_out[:, t : t + 1]
+            note("logits (as the round computes them)", _same(row, single))
+            note("argmax", bool((mx.argmax(row, axis=-1) == mx.argmax(single, axis=-1)).item()))
+            top = mx.topk(single.astype(mx.float32).reshape(-1), 2)
+            note("no exact top-2 tie in the one-row logits", bool((top[0] != top[1]).item()))
+        # All rows kept (every draft accepted): both copies at the same position again.
+        engine.forward.rollback(verify.cache, rows, rows)
+        position += rows
+        print(f"round {step:3d} at position {offset}: first module to differ: {first or 'none'}")
+    print("first module to differ, over the rounds: " + ", ".join(f"{n} x{c}" for n, c in firsts.most_common()))
+    print("modules whose output differed from equal inputs (the op that rounds otherwise): "
+          + (", ".join(f"{n} x{c}" for n, c in culprits.most_common(12)) or "none"))
+    print("verdict per suspect, row by row over all rounds:")
+    for suspect, counts in verdicts.items():
+        print(f"  {suspect:<45} equal {counts['equal']:>5}  DIFFERS {counts['DIFFERS']:>5}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", default="exo-demo")
     parser.add_argument("--size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--verify", type=int, metavar="K", help="a verify call of K + 1 rows against K + 1 one-row "
+                        "decode steps (real inputs) instead of a batch against solo steps")
+    parser.add_argument("--prompt-tokens", type=int, default=200, help="--verify: the prompt's length (the "
+                        "context the verify calls attend to)")
     parser.add_argument("--invariant", action="store_true", help="batched steps in the engine's batch-invariant "
                         "mode (EngineConfig.batch_invariant)")
     parser.add_argument("--vectors", action="store_true", help="batched steps with every linear layer's rows as "
                         "one-row products (batch_identity.py --vectors)")
     args = parser.parse_args()
+    if args.verify:
+        verify_main(args)
+        return
     engine = load(args.model)
     engine.loaded = dataclasses.replace(engine.loaded, eos_token_ids=frozenset())
     tokenizer = engine.loaded.tokenizer

@@ -1,9 +1,12 @@
-"""Where a speculative round's time goes, phase by phase.
+"""Where a speculative round's time goes, phase by phase; what a round costs in plain steps and earns, at the
+head's own acceptance or at chosen ones (a replayed continuation).
 
     python bench/round_phases.py [MODEL] [--depths 1 2 3] [--max-tokens 128] [--repeats 3]
+    python bench/round_phases.py MODEL --replay 0.6,0.8,0.9 [--repeats 1] [--max-tokens 96]
 
-Runs greedy requests at each fixed depth, interleaved in one process (each prompt rotates the order), with
-the engine's phase timer (``EngineConfig.profile_rounds``, as EXO_ENGINE_PROFILE=1), and prints per round (median over requests, ms):
+Runs greedy requests of plain decoding, each fixed depth and adaptive depth, interleaved in one process (each
+prompt rotates the order), with the engine's phase timer (``EngineConfig.profile_rounds``, as
+EXO_ENGINE_PROFILE=1), and prints per depth per round (median over requests, ms):
 - ``draft_build``: the head taking in the rows the round before kept and drafting K tokens (built, and on
   the CPU partly computed; on MLX CUDA the kernels launch at the evaluation);
 - ``verify_build``: the (K+1)-row verify call and its verdict, built (on the CPU evaluated two layers at a
@@ -16,13 +19,26 @@ the engine's phase timer (``EngineConfig.profile_rounds``, as EXO_ENGINE_PROFILE
 ``outside`` is the share of the round spent outside its verify call and drafts (rollback + emit + between):
 the glue a round adds to its parts.
 
+Then per configuration: tokens/s, its ratio to plain decoding in the same run (median of per-prompt ratios),
+a round's time over a plain token's (``round cost``, in plain steps of this run: the figure the targets on a
+round's cost are stated in), tokens per round, the k histogram (adaptive) and how many requests gave plain
+decoding's tokens exactly.
+
+``--replay A,B,...``: the head's drafts are replaced by the plain greedy continuation of each prompt, right at
+each position with probability A (``engine/replay.py``; the head still runs: its cost is the real one), so a
+random-weight checkpoint of a real shape (``bench/make_random_model.py``) is measured at real acceptance: every
+table once per acceptance, in one run. Adaptive's acceptance estimate starts anew at each (one unmeasured
+request first), its round costs carry over.
+
 ``--alone`` also times a round's parts alone around every request: its (K+1)-row verify call and K draft
 steps and the head's catch-up on the rows the round before kept (``exo bench``'s parts), after as many tokens
 as the request's mean context, just before and just after the request (averaged). Per depth it prints the
 medians over requests of ``inside``: the round's drafts and verify call as the loop runs them (draft_build +
-verify_build + device_wait) over those parts alone, and ``glue``: the whole round over them. The phase
-timer's rounds against parts timed seconds apart, request by request: what ``exo bench``'s end-to-end ratio
-measures, without the request's own start and end.
+verify_build + device_wait) over those parts alone, and ``glue``: the whole round over them.
+
+The engine's warm-up (the verify probe, the round costs, the head's warm acceptance) is timed phase by phase
+and printed first (``Engine.warmup_seconds``), then again on a second engine of the same model, whose kernels
+are compiled by then: the difference is compiling.
 """
 
 from __future__ import annotations
@@ -30,10 +46,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
+from collections import Counter
 
-from exo.engine import GenerationRequest, load
+from exo.engine import Engine, GenerationRequest, load
+from exo.engine.adaptive import AcceptanceTracker
 from exo.engine.bench import DEFAULT_PROMPTS, OUTSIDE_PHASES, catch_up_alone, encode_prompt, parts_alone
 from exo.engine.costs import device_name
+from exo.engine.replay import ReplayDrafter
 
 PHASES = ("draft_build", "verify_build", "device_wait", *OUTSIDE_PHASES)
 
@@ -45,64 +64,142 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--alone", action="store_true", help="time each round's parts alone around every request")
+    parser.add_argument("--replay", type=lambda s: [float(a) for a in s.split(",")], default=None,
+                        metavar="A,B,...", help="acceptance rates to replay the plain continuation at")
+    parser.add_argument("--no-adaptive", action="store_true", help="leave adaptive depth out")
     args = parser.parse_args()
     engine = load(args.model)
     engine.loaded = dataclasses.replace(engine.loaded, eos_token_ids=frozenset())
     engine.config = dataclasses.replace(engine.config, profile_rounds=True)
     prompts = [encode_prompt(engine, p, raw=True) for p in DEFAULT_PROMPTS]
-    per: dict[int, list[dict[str, float]]] = {k: [] for k in args.depths}
-    tps: dict[int, list[float]] = {k: [] for k in args.depths}
-    inside: dict[int, list[float]] = {k: [] for k in args.depths}
-    glue: dict[int, list[float]] = {k: [] for k in args.depths}
+    adaptive = not args.no_adaptive
+    configs: list[tuple[str, int | None]] = [("plain", 0), *((f"k={k}", k) for k in args.depths)]
+    if adaptive:
+        configs.append(("adaptive", None))
 
-    def run(prompt: list[int], k: int, max_tokens: int):
-        return engine.complete(GenerationRequest(prompt, max_tokens=max_tokens, native_mtp="on", mtp_k=k)).stats
+    def run(prompt: list[int], k: int | None, max_tokens: int):
+        mode = "off" if k == 0 else "on"
+        return engine.complete(GenerationRequest(prompt, max_tokens=max_tokens, native_mtp=mode,
+                                                 mtp_k=None if k == 0 else k))
 
-    for k in args.depths:  # warm-up: every path compiled once, over a whole request
-        run(max(prompts, key=len), k, args.max_tokens)
+    # The engine's warm-up first (its phases printed), then every path compiled once over a whole request.
+    if adaptive:
+        engine.warmup()
+        print(f"{engine.loaded.model_id} on {device_name()}: warm-up "
+              + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in engine.warmup_seconds.items()))
+        # The same warm-up on a second engine of the model: every kernel compiled by now (MLX CUDA compiles each
+        # at its first launch), what is left is the warm-up's own work.
+        again = Engine(engine.loaded, engine.config)
+        again.warmup()
+        print("warm-up again, kernels compiled: "
+              + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in again.warmup_seconds.items()))
+    print(f"verify mode: {engine.verify_mode}")
+    print("probe: " + ", ".join(f"{name}={value}" for name, value in engine.verify_probe.items()))
+    longest = max(prompts, key=len)
+    plain_tokens = {}
+    for prompt in prompts:  # the plain greedy continuations (replayed) and the reference for identity
+        plain_tokens[tuple(prompt)] = run(prompt, 0, args.max_tokens).token_ids
+    for _, k in configs[1:]:
+        if k is not None:
+            run(longest, k, args.max_tokens)
+    for acceptance in args.replay or [None]:
+        if acceptance is not None:
+            engine.replay = ReplayDrafter(plain_tokens, acceptance, engine.vocab_size, seed=1)
+            policy = engine._policy  # noqa: SLF001 - a fresh acceptance estimate per replayed rate (costs kept)
+            if policy is not None:
+                policy.tracker = AcceptanceTracker(policy.max_k)
+            if adaptive:
+                run(longest, None, args.max_tokens)  # unmeasured: adaptive learns this rate
+        measure(engine, args, configs, prompts, plain_tokens, run, acceptance)
+    engine.replay = None
+
+
+def measure(engine, args, configs, prompts, plain_tokens, run, acceptance: float | None) -> None:
+    names = [name for name, _ in configs]
+    per: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+    tps: dict[str, list[float]] = {n: [] for n in names}
+    rounds_ms: dict[str, list[float]] = {n: [] for n in names}
+    tokens_per_round: dict[str, list[float]] = {n: [] for n in names}
+    ratios: dict[str, list[float]] = {n: [] for n in names}
+    identical: Counter[str] = Counter()
+    requests: Counter[str] = Counter()
+    histogram: dict[str, Counter[int]] = {n: Counter() for n in names}
+    inside: dict[str, list[float]] = {n: [] for n in names}
+    glue: dict[str, list[float]] = {n: [] for n in names}
     turn = 0
     for _ in range(args.repeats):
         for prompt in prompts:
-            order = args.depths[turn % len(args.depths):] + args.depths[: turn % len(args.depths)]
+            order = configs[turn % len(configs):] + configs[: turn % len(configs)]
             turn += 1
-            for k in order:
+            speeds: dict[str, float] = {}
+            for name, k in order:
                 context = len(prompt) + args.max_tokens // 2  # the request's mean context
-                before = parts_alone(engine, k, context) if args.alone else None
-                stats = run(prompt, k, args.max_tokens)
-                if stats.rounds > 1 and stats.profile_ms:
+                alone = args.alone and k not in (0, None)
+                before = parts_alone(engine, k, context) if alone else None
+                result = run(prompt, k, args.max_tokens)
+                stats = result.stats
+                requests[name] += 1
+                identical[name] += result.token_ids == plain_tokens[tuple(prompt)]
+                tps[name].append(stats.decode_tokens_per_s)
+                speeds[name] = stats.decode_tokens_per_s
+                histogram[name].update(stats.k_histogram)
+                if k != 0 and stats.rounds > 1 and stats.profile_ms:
                     # ("between" is counted from the second round on)
                     phases = {p: stats.profile_ms.get(p, 0.0) / (stats.rounds - (p == "between")) for p in PHASES}
-                    per[k].append(phases)
-                    tps[k].append(stats.decode_tokens_per_s)
+                    per[name].append(phases)
+                    rounds_ms[name].append(sum(phases.values()))
+                    tokens_per_round[name].append(1 + stats.accepted_tokens / stats.rounds)
                     if before is not None:
                         after = parts_alone(engine, k, context)
                         assert after is not None
                         rows = 1 + stats.accepted_tokens / stats.rounds
                         alone_ms = 1e3 * ((before + after) / 2 + catch_up_alone(engine, k, rows, context))
-                        inside[k].append(sum(phases[p] for p in PHASES if p not in OUTSIDE_PHASES) / alone_ms)
-                        glue[k].append(sum(phases.values()) / alone_ms)
-    print(f"{engine.loaded.model_id} on {device_name()}: ms per round, median over {args.repeats * len(prompts)} "
-          f"requests of {args.max_tokens} tokens")
-    print(f"{'K':>3} " + " ".join(f"{p:>12}" for p in PHASES) + f" {'total':>8} {'outside':>8} {'tok/s':>8}"
+                        inside[name].append(sum(phases[p] for p in PHASES if p not in OUTSIDE_PHASES) / alone_ms)
+                        glue[name].append(sum(phases.values()) / alone_ms)
+            for name in names:
+                if speeds.get("plain"):
+                    ratios[name].append(speeds[name] / speeds["plain"])
+    rate = "the head's own" if acceptance is None else f"{acceptance:.2f} (replayed)"
+    print(f"\n{engine.loaded.model_id} on {device_name()}, acceptance {rate}: ms per round, median over "
+          f"{args.repeats * len(prompts)} requests of {args.max_tokens} tokens")
+    print(f"{'config':>8} " + " ".join(f"{p:>12}" for p in PHASES) + f" {'total':>8} {'outside':>8}"
           + (f" {'inside':>7} {'(q1-q3)':>13} {'glue':>7} {'(q1-q3)':>13}" if args.alone else ""))
-    for k in args.depths:
-        rows = per[k]
+    for name in names:
+        rows = per[name]
+        if not rows:
+            continue
         medians = [statistics.median(r[p] for r in rows) for p in PHASES]
         total = statistics.median(sum(r.values()) for r in rows)
         outside = statistics.median(sum(r[p] for p in OUTSIDE_PHASES) / sum(r.values()) for r in rows)
-        line = (f"{k:>3} " + " ".join(f"{m:>12.3f}" for m in medians) + f" {total:>8.3f} {outside:>7.1%} "
-                f"{statistics.median(tps[k]):>8.1f}")
-        if inside[k]:
-            line += f" {_spread(inside[k])} {_spread(glue[k])}"
+        line = f"{name:>8} " + " ".join(f"{m:>12.3f}" for m in medians) + f" {total:>8.3f} {outside:>7.1%}"
+        if inside[name]:
+            line += f" {_spread(inside[name])} {_spread(glue[name])}"
         print(line)
+    plain_ms = 1e3 / statistics.median(tps["plain"])
+    print(f"{'config':>8} {'tok/s':>8} {'vs plain':>9} {'(q1-q3)':>13} {'round ms':>9} {'round cost':>10} "
+          f"{'tok/round':>9} {'identical':>9}  k-histogram")
+    for name in names:
+        cost = statistics.median(rounds_ms[name]) / plain_ms if rounds_ms[name] else None
+        per_round = statistics.median(tokens_per_round[name]) if tokens_per_round[name] else None
+        print(f"{name:>8} {statistics.median(tps[name]):>8.1f} {_spread(ratios[name], 9)} "
+              f"{statistics.median(rounds_ms[name]) if rounds_ms[name] else plain_ms:>9.2f} "
+              f"{cost if cost is not None else 1.0:>10.3f} {per_round if per_round is not None else 1.0:>9.2f} "
+              f"{identical[name]:>4}/{requests[name]:<4}  {dict(sorted(histogram[name].items()))}")
+    fixed = [n for n in names if n not in ("plain", "adaptive")]
+    if "adaptive" in names and fixed:
+        best = max(["plain", *fixed], key=lambda n: statistics.median(tps[n]))
+        pairs = [a / b for a, b in zip(ratios["adaptive"], ratios[best], strict=True)]
+        print(f"adaptive vs the fastest fixed configuration ({best}): {_spread(pairs, 0).strip()}")
 
 
-def _spread(values: list[float]) -> str:
+def _spread(values: list[float], width: int = 7) -> str:
     """The median of ``values`` and its quartiles."""
+    if not values:
+        return f"{'-':>{width}} {'':>13}"
     if len(values) < 2:
-        return f"{values[0]:>7.3f} {'':>13}"
+        return f"{values[0]:>{width}.3f} {'':>13}"
     q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return f"{median:>7.3f} ({q1:.3f}-{q3:.3f})"
+    return f"{median:>{width}.3f} ({q1:.3f}-{q3:.3f})"
 
 
 if __name__ == "__main__":

@@ -135,3 +135,38 @@ def test_check_names_every_greedy_configuration_that_is_not_identical():
     report.plain_identical_to_stock = False
     assert identity_failures(report) == ["k=2: not plain decoding's tokens", "plain: not stock mlx-lm's tokens"]
     assert identity_failures(report.model_copy(update={"temperature": 0.7})) == []
+
+
+def test_round_phases_replays_chosen_acceptances_and_reports_each(checkpoint, capsys, monkeypatch):
+    """``bench/round_phases.py --replay``: per acceptance one table, every configuration's tokens plain decoding's
+    (the replayed drafts are right or wrong, never another output), the warm-up's phases printed first, the depth
+    policy's acceptance estimate started anew per rate."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "round_phases.py"
+    spec = importlib.util.spec_from_file_location("round_phases", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "DEFAULT_PROMPTS", ("def fibonacci(n):", "The quick brown fox"))
+    monkeypatch.setattr(sys, "argv", ["round_phases.py", str(checkpoint("qwen3_5", dtype="float32")), "--replay",
+                                      "0.5,1.0", "--depths", "1", "2", "--repeats", "1", "--max-tokens", "12"])
+    module.main()
+    out = capsys.readouterr().out
+    assert "warm-up verify probe" in out and "round costs" in out and "warm-up again, kernels compiled" in out
+    tables = out.split(", acceptance ")[1:]
+    assert [t.split(" ")[0] for t in tables] == ["0.50", "1.00"]
+    def speeds(table: str) -> dict[str, str]:  # the tokens/s table: config, tok/s, ... n/m identical
+        return {line.split()[0]: line for line in table.splitlines() if "/" in line and line.split()[1][0].isdigit()}
+
+    for table in tables:
+        lines = speeds(table)
+        for name in ("plain", "k=1", "k=2", "adaptive"):
+            assert " 2/2 " in lines[name], (name, lines[name])  # both requests gave plain decoding's tokens
+    # At acceptance 1.0 a round of depth 2 emits 3 tokens (the last round may be cut by the budget).
+    per_round = {}
+    for name, line in speeds(tables[1]).items():
+        parts = line.split()
+        per_round[name] = float(parts[parts.index(next(p for p in parts if "/" in p)) - 1])  # before "n/m"
+    assert per_round["k=2"] >= 2.5 and per_round["k=1"] >= 1.8, per_round

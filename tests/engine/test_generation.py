@@ -553,7 +553,12 @@ def test_the_verify_probe_finds_every_row_exact_on_this_cpu(checkpoint, arch):
     assert mode.exact and not mode.per_row_attention and not mode.per_row_logits
     probe = dict(engine.verify_probe)
     linears = {name: probe.pop(name) for name in list(probe) if name.startswith("linear ")}
-    assert probe == {"gated_delta_layer": True, "attention_layer_batched": True, "logits_batched": True}
+    expected = {"gated_delta_layer": True, "attention_layer_batched": True, "logits_batched": True,
+                "attention_layer_batched after 250": True}  # attention probed at a decode-sized context too
+    if engine.model.is_moe:
+        expected["experts_batched"] = True  # the experts' rows (their own routes) as alone
+    assert probe == expected
+    assert mode.moe == "route_locked" and mode.quantized_rows == 0 and not mode.logits_as_rows
     assert linears and all(linears.values()) and mode.per_row_linears == 0, linears  # every shape probed
     assert engine.forward.verify is mode
 

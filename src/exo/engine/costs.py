@@ -94,19 +94,28 @@ def fastest(a: DepthCosts, b: DepthCosts) -> DepthCosts:
 
 
 def warmup_costs(
-    model: Any, forward: Forward, head: MTPHead, max_k: int, stop: Callable[[], bool] | None = None
+    model: Any, forward: Forward, head: MTPHead, max_k: int, stop: Callable[[], bool] | None = None,
+    phases: dict[str, float] | None = None,
 ) -> DepthCosts | None:
     """``measure_costs`` for the adaptive policy: a warm-up that finds drafting cannot pay off even with every
     draft accepted is confirmed by up to ``CONFIRM_WARMUPS`` more, each part's fastest time kept. ``stop`` is
     polled between measurements (the request that waits on the warm-up was cancelled or ran out of time):
-    then None, nothing measured kept."""
+    then None, nothing measured kept. ``phases`` gets each measurement's seconds ("round costs", "round costs
+    again N": the first includes compiling every kernel of the verify calls and drafts, which MLX CUDA does at
+    their first launch)."""
+    start = time.perf_counter()
     costs = measure_costs(model, forward, head, max_k)
-    for _ in range(CONFIRM_WARMUPS):
+    if phases is not None:
+        phases["round costs"] = time.perf_counter() - start
+    for again in range(1, CONFIRM_WARMUPS + 1):
         if can_pay_off(costs.in_pipelined_steps(), costs.max_k):
             break
         if stop is not None and stop():
             return None
+        start = time.perf_counter()
         costs = fastest(costs, measure_costs(model, forward, head, max_k))
+        if phases is not None:
+            phases[f"round costs again {again}"] = time.perf_counter() - start
     return costs
 
 

@@ -239,6 +239,9 @@ class Engine:
         # Set by a benchmark or a test only (never by a setting or a request): rounds draft a known continuation
         # at a chosen acceptance instead of the head's tokens (engine/replay.py).
         self.replay: ReplayDrafter | None = None
+        # Seconds of each phase of the warm-up so far (the verify probe, each round-cost measurement, the warm
+        # acceptance): what a first MTP request waits for, printed by the benchmarks.
+        self.warmup_seconds: dict[str, float] = {}
 
     @property
     def model(self) -> Any:
@@ -309,7 +312,9 @@ class Engine:
         """How this engine's verify calls compute their rows (probed once, on the first need)."""
         if self._verify is None:
             if self.config.verify_rows == "auto":
+                start = time.perf_counter()
                 self._verify, self.verify_probe = probe(self.model, self.config.moe_verify)
+                self.warmup_seconds["verify probe"] = time.perf_counter() - start
             else:
                 self._verify = VerifyMode.forced(self.config.moe_verify, self.config.verify_rows)
             self.forward.verify = self._verify
@@ -326,7 +331,8 @@ class Engine:
         if self._costs is None:
             self.verify_mode  # noqa: B018 - the measured verify calls compute their rows as real ones do
             assert self.loaded.head is not None
-            self._costs = warmup_costs(self.model, self.forward, self.loaded.head, self.config.max_k, stop)
+            self._costs = warmup_costs(self.model, self.forward, self.loaded.head, self.config.max_k, stop,
+                                       phases=self.warmup_seconds)
         return self._costs
 
     def warmup(self) -> None:
@@ -381,7 +387,9 @@ class Engine:
             policy = DepthPolicy(costs=costs, max_k=self.config.max_k, default_k=self.config.default_k,
                                  trace=trace_from_env(costs, self.config.max_k))
             if self.config.warm_acceptance and can_pay_off(costs, self.config.max_k):
+                start = time.perf_counter()
                 warm = self.warm_acceptance(stop)
+                self.warmup_seconds["warm acceptance"] = time.perf_counter() - start
                 if warm is None:
                     return None
                 policy.tracker.absorb(warm)

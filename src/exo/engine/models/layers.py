@@ -212,10 +212,13 @@ class _RowwiseLinear:
     (``verify.probe`` finds them; ``make_rowwise`` applies it).
 
     ``as_vectors``: all rows in ONE call of ``vector_matmul`` (a plain linear layer without bias only),
-    which the probe chose only where it measured it equal to the one-row calls; otherwise one call per row."""
+    which the probe chose only where it measured it equal to the one-row calls; ``as_rows``: all rows in one
+    call of ``kernels.cuda_qmv`` (a quantized layer on MLX CUDA: the weights read once, each row as MLX's
+    one-row product; chosen where the probe measured it so); otherwise one call per row."""
 
     per_row = False
     as_vectors = False
+    as_rows = False
     batch_vectors = False  # every row (of every sequence of a batch) as a one-row product: batch-invariant steps
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -226,6 +229,10 @@ class _RowwiseLinear:
             return super().__call__(x)  # type: ignore[misc]
         if self.as_vectors:
             return vector_matmul(x, self.weight)  # type: ignore[attr-defined]
+        if self.as_rows:
+            from ..kernels.cuda_qmv import module_rows
+
+            return module_rows(self, x)
         call = super().__call__  # type: ignore[misc]
         return mx.concatenate([call(x[..., t : t + 1, :]) for t in range(rows)], axis=-2)
 

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One GPU session's phases, run on the GPU machine from the repository root, one `device run` call each:
+#
+#   bash bench/gpu_session.sh install1            (carry .gpu1)   } MLX's CUDA build in three parts
+#   bash bench/gpu_session.sh install2            (carry .gpu2)   } (shared/gpu/README.md, prepare.sh)
+#   bash bench/gpu_session.sh install3 q9 PHASE.. (carry .gpu3)   }
+#   bash bench/gpu_session.sh grpc PHASE...       (carry .gpu4: grpcio, for exo serve)
+#   bash bench/gpu_session.sh PHASE...            (later calls while the machine stays warm)
+#
+# A call carries the tree (~28 MiB: the bundled demo models) plus what it names, at most 64 MiB: prepare.sh's
+# second part with grpcio beside it is over, so grpcio travels alone (`mkdir -p .gpu4 && mv .gpu2/grpcio-*.whl
+# .gpu4/`, .gpu4 ignored like the others).
+#
+# Each phase writes its output to $OUT/<phase>.log (what comes back), unbuffered, as it goes: a call that hits
+# its time limit still returns what it printed. Try a phase on the CPU first: EXO_GPU_SESSION_CPU=1 runs the
+# same commands on small shapes here.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/gpu-session-out}
+mkdir -p "$OUT"
+if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site:$PWD/src; else export PYTHONPATH=$PWD/src; fi
+PY=${PY:-python3}
+CPU=${EXO_GPU_SESSION_CPU:-0}
+# Real sizes on the GPU; the same layouts shrunk on the CPU.
+if [ "$CPU" = 1 ]; then
+    SHRINK9="--layers 4 --set hidden_size=256 --set intermediate_size=512 --set vocab_size=4096"
+    SHRINK35="--layers 4 --set num_experts=16 --set vocab_size=4096"
+else
+    SHRINK9=""; SHRINK35=""
+fi
+Q9=${Q9:-/tmp/q9}
+Q35=${Q35:-/tmp/q35}
+
+phase() {  # phase NAME COMMAND...: run, tee to $OUT/NAME.log, report the time
+    local name=$1; shift
+    local start=$SECONDS
+    echo "== $name: $*" | tee -a "$OUT/$name.log"
+    "$@" 2>&1 | tee -a "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
+    echo "== $name: rc=$rc in $((SECONDS - start)) s" | tee -a "$OUT/$name.log"
+}
+
+for p in "$@"; do
+    case $p in
+    install1) mkdir -p /root/.gpu-wheel && cp .gpu1/part_* /root/.gpu-wheel/ ;;
+    install2) cp .gpu2/part_* /root/.gpu-wheel/ ;;
+    install3) bash .gpu3/device-install.sh && export PYTHONPATH=/tmp/site:$PWD/src ;;
+    grpc) $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu4/*.whl ;;
+    q9) [ -d "$Q9" ] || phase q9 $PY bench/make_random_model.py --shape qwen3.5-9b --bits 4 --out "$Q9" $SHRINK9 ;;
+    q35) [ -d "$Q35" ] || phase q35 $PY bench/make_random_model.py --shape qwen3.6-35b-a3b --bits 4 --out "$Q35" $SHRINK35 ;;
+    smi) phase smi nvidia-smi ;;
+    *) echo "unknown phase $p" >&2; exit 2 ;;
+    esac
+done
