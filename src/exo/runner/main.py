@@ -266,6 +266,7 @@ def _serve_tensor(args: argparse.Namespace, state: RunnerState, device: object, 
     """A member of a tensor group: join it (its slice is loaded already; the group's collectives go over
     ``args.backend``), then lead (the last member: generations through the Runner service) or run the leader's
     steps on its slice (the others). Returns the exit status."""
+    from exo.downloads.heads import PENDING_SIDECAR, check_pending_head
     from exo.engine import Engine
     from exo.engine.pipeline import StageSpec
     from exo.engine.tensor import TensorForward, serve_tensor
@@ -299,6 +300,11 @@ def _serve_tensor(args: argparse.Namespace, state: RunnerState, device: object, 
         log.info("the group was shut down")
         return 0
     forward = TensorForward(loaded.model, member, link)  # the engine sets its verify mode (its probe)
+    if (loaded.path / PENDING_SIDECAR).is_file():  # a head recovered here: its agreement measured through the group
+        state.update("checking the recovered MTP head", 0.73)
+        loaded = check_pending_head(loaded, forward)
+        summary.mtp_available = loaded.head_status.available
+        summary.mtp_reason = "" if loaded.head_status.available else (loaded.head_status.reason or "no MTP head")
     engine = Engine(loaded, config, forward=forward)  # type: ignore[arg-type]
     state.update("warming up", 0.75)
     engine.warmup()
