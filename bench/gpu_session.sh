@@ -6,6 +6,8 @@
 #   bash bench/gpu_session.sh install3 q9 PHASE.. (carry .gpu3)   }
 #   bash bench/gpu_session.sh grpc PHASE...       (carry .gpu4: grpcio, for exo serve)
 #   bash bench/gpu_session.sh PHASE...            (later calls while the machine stays warm)
+#   (prefill9, prefill35, agent9, phases9, identity49: issue 49's prefill and prefix-cache figures, and greedy
+#   plain decoding against stock mlx-lm on the demos with the chunked prefill; EXO_GDN_PREFILL=loop: without)
 #
 # A call carries the tree (~28 MiB: the bundled demo models) plus what it names, at most 64 MiB: prepare.sh's
 # second part with grpcio beside it is over, so grpcio travels alone (`mkdir -p .gpu4 && mv .gpu2/grpcio-*.whl
@@ -29,6 +31,16 @@ if [ "$CPU" = 1 ]; then
 else
     SHRINK9=""; SHRINK35=""
 fi
+# Prefill (issue 49): prompt lengths and the layer phase's shape, real on the GPU, small on the CPU.
+if [ "$CPU" = 1 ]; then
+    PREFILL9="--tokens 256 --prefill-chunk 128 --layer-tokens 256 8 --layer-shape 4,8,64 --profile-tokens 256 --repeats 1"
+    PREFILL35="--tokens 128 --prefill-chunk 128 --profile-tokens 128 --repeats 1"
+    AGENT9="--turns 2 --system-tokens 600 --max-tokens 8"
+else
+    PREFILL9="--tokens 4096 32768 --prefill-chunk 2048 4096 --gdn-chunk 32 64 128 --layer-tokens 4096 64 8 --repeats 2"
+    PREFILL35="--tokens 4096 --prefill-chunk 2048 --profile-tokens 4096 --repeats 2"
+    AGENT9="--turns 10 --system-tokens 15000 --max-tokens 16"
+fi
 Q9=${Q9:-/tmp/q9}
 Q35=${Q35:-/tmp/q35}
 
@@ -50,6 +62,15 @@ for p in "$@"; do
     q9) [ -d "$Q9" ] || phase q9 $PY bench/make_random_model.py --shape qwen3.5-9b --bits 4 --out "$Q9" $SHRINK9 ;;
     q35) [ -d "$Q35" ] || phase q35 $PY bench/make_random_model.py --shape qwen3.6-35b-a3b --bits 4 --out "$Q35" $SHRINK35 ;;
     smi) phase smi nvidia-smi ;;
+    # issue 49: prefill against stock (9B: 4k and 32k, the layer by method, the profile; 35B-A3B: 4k and its
+    # profile), the prefix cache on an agent session (turn 1 on/off, later turns) and its phases in one process
+    prefill9) phase prefill9 $PY bench/prefill.py "$Q9" $PREFILL9 ;;
+    prefill35) phase prefill35 $PY bench/prefill.py "$Q35" --phases model profile $PREFILL35 ;;
+    agent9) EXO_NATIVE_MTP_ENABLED=0 phase agent9 $PY bench/agent_session.py "$Q9" $AGENT9 ;;
+    identity49) for m in exo-demo exo-demo-moe; do
+            phase identity49 $PY -m exo.cli.main bench $m --baseline --check --repeats 1 --pairs 0 --max-tokens 64
+        done ;;
+    phases9) phase phases9 $PY bench/prefix_phases.py "$Q9" ${AGENT9/--turns 10/--turns 4} ;;
     *) echo "unknown phase $p" >&2; exit 2 ;;
     esac
 done

@@ -90,6 +90,7 @@ def test_every_field_from_env(home: Path) -> None:
             EXO_BATCH_PREFILL_CHUNK="16",
             EXO_BATCH_INVARIANT="1",
             EXO_BATCH_LANES="3",
+            EXO_GDN_PREFILL="loop",
             EXO_OFFLINE="1",
             EXO_MEMORY_BUDGET_BYTES=str(16 << 30),
             EXO_PREFIX_CACHE_ENABLED="0",
@@ -230,6 +231,23 @@ def test_batch_invariant_reaches_the_engine(home: Path) -> None:
     resolved = resolve_model(str(bundled_model_dir("exo-demo")))
     assert engine_config(resolved, load_settings(env=env_for(home, EXO_BATCH_INVARIANT="1"))).batch_invariant is True
     assert engine_config(resolved, load_settings(env=env_for(home))).batch_invariant is False
+
+
+def test_gdn_prefill_reaches_the_engine_and_the_layers(home: Path) -> None:
+    """EXO_GDN_PREFILL chooses how GatedDeltaNet layers prefill (auto by default; a bad value is refused), and
+    an engine hands its choice to its model's layers."""
+    from exo.cards import bundled_model_dir
+    from exo.engine import Engine, engine_config, load_checkpoint, resolve_model
+
+    resolved = resolve_model(str(bundled_model_dir("exo-demo")))
+    assert engine_config(resolved, load_settings(env=env_for(home))).gdn_prefill == "auto"
+    config = engine_config(resolved, load_settings(env=env_for(home, EXO_GDN_PREFILL="chunked")))
+    assert config.gdn_prefill == "chunked"
+    with pytest.raises(SettingsError, match="auto, chunked, loop"):
+        load_settings(env=env_for(home, EXO_GDN_PREFILL="fast"))
+    model = Engine(load_checkpoint(resolved.path), config).model
+    modes = {layer.linear_attn.gdn_prefill for layer in model.stage_layers if layer.is_linear}
+    assert modes == {"chunked"}
 
 
 def test_batch_lanes_reach_the_engine(home: Path) -> None:

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, Valid
 # marked by EXO_<FIELD>_FROM_APP=1: a start-up default that PUT /v1/settings may change, no override.
 Source = Literal["default", "file", "env", "app", "cli"]
 MoEVerify = Literal["route_locked", "batched", "safe"]
+GdnPrefill = Literal["auto", "chunked", "loop"]
 
 ENV_PREFIX = "EXO_"
 SETTINGS_FILE_NAME = "settings.json"
@@ -68,6 +69,10 @@ class Settings(BaseModel):
     # (EngineConfig.batch_invariant). Costs up to 1.5x per batched step on an H100 (B = 32), so off by default;
     # on MLX's CPU backend batched steps already equal solo ones.
     batch_invariant: bool = Field(default=False, strict=True)
+    # How GatedDeltaNet layers run a prompt's rows (EngineConfig.gdn_prefill): "auto" = the chunked (WY) form
+    # on MLX CUDA, mlx-lm's Metal kernel on Apple GPUs, exo's kernel on the CPU; "chunked" = the chunked form
+    # on every device (unmeasured on Metal); "loop" = the token loop everywhere (as before).
+    gdn_prefill: GdnPrefill = "auto"
     # Lanes a batch decodes in (EngineConfig.batch_lanes): on MLX's CPU backend each lane's steps run on a
     # stream thread of its own. None: 1 (two measured slower on a 2-core CPU: exo.engine.batch.default_lanes).
     batch_lanes: int | None = Field(default=None, ge=1)

@@ -32,6 +32,7 @@ from exo.cluster.supervisor import InstanceFailedError
 from exo.engine import (
     CheckpointError,
     ContextLengthError,
+    DeviceMemoryError,
     GenerationRequestError,
     ModelNotAvailableError,
     NativeMTPUnavailableError,
@@ -130,6 +131,8 @@ def api_error_from(exc: BaseException) -> APIError:
         return APIError(404, msg, param="model", code="model_not_available")
     if isinstance(exc, NoDiskRoomError):
         return APIError(507, msg, param="model", type="server_error", code="insufficient_storage")
+    if isinstance(exc, DeviceMemoryError):
+        return APIError(507, msg, type="server_error", code="insufficient_memory")
     if isinstance(exc, NoPlacementError):
         return APIError(507, msg, param="model", type="server_error", code="insufficient_memory")
     if isinstance(exc, ClusterAuthError):

@@ -25,6 +25,7 @@ from .generate import (
     NativeMTPUnavailableError,
 )
 from .loader import CheckpointError, LoadedModel, MTPHeadError, load_checkpoint
+from .memory import DeviceMemoryError
 from .models import UnsupportedModelError
 from .resolve import ModelNotAvailableError, ResolvedModel, resolve_model
 from .sampling import SamplingParams, SamplingParamsError
@@ -35,6 +36,7 @@ __all__ = [
     "ContextLengthError",
     "DepthCosts",
     "DepthPolicy",
+    "DeviceMemoryError",
     "Engine",
     "EngineConfig",
     "GenerationChunk",
@@ -69,6 +71,7 @@ def engine_config(resolved: ResolvedModel, settings: Settings, **overrides) -> E
         max_k=resolved.max_k,
         disabled_reason=f"native MTP is disabled ({where.get(source, 'settings')})",
         batch_invariant=settings.batch_invariant,
+        gdn_prefill=settings.gdn_prefill,
     )
     if settings.prefill_chunk is not None:
         values["prefill_chunk"] = settings.prefill_chunk

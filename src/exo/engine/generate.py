@@ -49,7 +49,8 @@ from .constraints import ConstraintSpec, Grammar, Matcher, ToolFormat, compile_g
 from .costs import warmup_costs
 from .forward import Forward, LocalForward
 from .loader import LoadedModel
-from .models.layers import MoEVerifyMode
+from .memory import out_of_memory
+from .models.layers import GdnPrefill, MoEVerifyMode
 from .prefix_cache import NoPlan, PrefillPlan, PrefixCache, restore_prefix
 from .replay import ReplayDrafter, ReplayError
 from .sampling import (
@@ -129,6 +130,9 @@ class EngineConfig:
     # 2-core CPU, a 1657-token prompt in one 2048 chunk: 3.8 s without a token for 4 running streams; in
     # chunks of 256: 0.8-1.1 s at most, bench/prefill_stall.py@3c719fd).
     batch_prefill_chunk: int = 256
+    # How GatedDeltaNet layers run a prompt chunk (models.layers.GdnPrefill): "auto" takes the chunked form on
+    # MLX CUDA only; "chunked" anywhere (tests force it on the CPU); "loop" never. Decode and verify rows never.
+    gdn_prefill: GdnPrefill = "auto"
     # Batched steps compute each sequence as its solo step would (models.backbone.set_batch_invariant): every
     # linear row a one-row product, attention per sequence over its own unpadded keys, experts unsorted.
     batch_invariant: bool = False
@@ -224,6 +228,8 @@ class Engine:
         self.loaded = loaded
         self.config = config or EngineConfig()
         self.forward = forward or LocalForward(loaded.model)
+        if hasattr(loaded.model, "set_gdn_prefill"):  # the model's layers take this engine's choice
+            loaded.model.set_gdn_prefill(self.config.gdn_prefill)
         self._verify: VerifyMode | None = None
         self.verify_probe: dict[str, bool] = {}
         self._costs: DepthCosts | None = None
@@ -935,7 +941,8 @@ class SequenceState:
                 self.wait_for_head(hidden[:, :known], prompt[start + 1 : start + 1 + known])
                 self._flush_head()
             if end < n:
-                mx.eval([c.state for c in self.cache], self.head_cache.state)
+                with out_of_memory(f"prefilling a prompt of {n} tokens"):  # a typed error; the node serves on
+                    mx.eval([c.state for c in self.cache], self.head_cache.state)
                 yield end
         self._first = self.choose(self.model.logits(hidden[:, -1:])[:, -1], hidden[:, -1:])
 
@@ -1016,7 +1023,8 @@ class SequenceState:
         self._pending_consumed = False
         if self.processors:
             self.history = mx.concatenate([self.history, first])
-        mx.eval(first, *(lp.arrays() if lp is not None else ()))
+        with out_of_memory(f"prefilling a prompt of {len(self.request.prompt_tokens)} tokens"):  # its last chunk
+            mx.eval(first, *(lp.arrays() if lp is not None else ()))
         self.first_time = time.perf_counter()
         token = first.item()
         self.output.add(token, self._logprob_entry(lp, 0, token))

@@ -210,6 +210,7 @@ def _serve_stage(args: argparse.Namespace, state: RunnerState, device: object, l
     if not stage.last:
         from .loading import stage_prefix_cache
 
+        loaded.model.set_gdn_prefill(config.gdn_prefill)  # type: ignore[attr-defined]  # (no Engine here sets it)
         prefix_cache = stage_prefix_cache(loaded, settings, layers, stage.first)  # type: ignore[arg-type]
         state.ready(summary, None)  # blocked in a receive until the leader shuts down: SIGTERM ends us at once
         try:

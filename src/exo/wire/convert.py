@@ -13,6 +13,7 @@ import uuid
 
 from exo.engine import (
     ContextLengthError,
+    DeviceMemoryError,
     GenerationChunk,
     GenerationRequestError,
     NativeMTPStats,
@@ -125,6 +126,8 @@ def error_to_pb(exc: BaseException) -> pb.GenerateChunk:
         return error_chunk("timeout", message)
     if isinstance(exc, NodeUnavailableError):
         return error_chunk("model_unavailable", message)
+    if isinstance(exc, DeviceMemoryError):
+        return error_chunk("device_memory", message)
     return error_chunk("internal", f"{type(exc).__name__}: {message}")
 
 
@@ -147,6 +150,8 @@ def error_from_pb(err: pb.GenerateError) -> BaseException:
         return RequestTimeoutError(message)
     if err.type == "model_unavailable":
         return NodeUnavailableError(message)
+    if err.type == "device_memory":
+        return DeviceMemoryError(message)
     return RuntimeError(message)
 
 

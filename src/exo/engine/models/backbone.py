@@ -24,6 +24,7 @@ from mlx_lm.models.cache import KVCache
 from .layers import (
     Attention,
     GatedDeltaNet,
+    GdnPrefill,
     MoEVerifyMode,
     RollbackArraysCache,
     SparseMoeBlock,
@@ -196,6 +197,12 @@ class SpeculativeBackbone:
             layer.per_sequence = on
         for block in blocks:
             block.unsorted_in_batch = on
+
+    def set_gdn_prefill(self, mode: GdnPrefill) -> None:
+        """How this stage's GatedDeltaNet layers run a prompt chunk's rows (``layers.GdnPrefill``)."""
+        for layer in self.stage_layers:
+            if layer.is_linear:
+                layer.linear_attn.gdn_prefill = mode
 
     @property
     def is_moe(self) -> bool:

@@ -35,6 +35,8 @@ from mlx_lm.models.qwen3_next import (
     Qwen3NextSparseMoeBlock,
 )
 
+from .gated_delta_chunked import gated_delta_chunked_update
+
 MoEVerifyMode = Literal["route_locked", "batched", "safe"]
 
 
@@ -316,12 +318,32 @@ class RollbackArraysCache(ArraysCache):
         return [self._conv_input, *self._states]
 
 
+# -- how a prompt's rows go through the recurrence ------------------------------------------------------
+# ``auto``: the chunked (WY) form for a prompt chunk (T > 1 rows, not a recorded verify call) on MLX CUDA,
+# where mlx-lm's loop is T tiny compiled steps per layer (4,096 tokens of one 9B layer: 390 ms on an H200);
+# mlx-lm's Metal kernel on Apple GPUs and exo's kernel on the CPU stay (one fused pass over the rows there).
+# ``chunked``: the chunked form for every such call on any device (tests run it on the CPU; unmeasured on
+# Metal); ``loop``: never. A one-row decode step and a verify call's recorded rows never take it, so they
+# stay bit for bit what they were. Set per model by the engine (``EngineConfig.gdn_prefill``).
+GdnPrefill = Literal["auto", "chunked", "loop"]
+
+
+def chunked_prefill(mode: GdnPrefill, rows: int, on_cuda: bool) -> bool:
+    """Whether a non-recorded call of ``rows`` rows takes the chunked form."""
+    return rows > 1 and (mode == "chunked" or (mode == "auto" and on_cuda))
+
+
 def _recurrence(layer: Any, q, k, v, a, b, state, mask) -> tuple[mx.array, mx.array]:
     """The gated delta rule over the rows of one call: mlx-lm's ``gated_delta_update``, as stock decoding
     runs it (its Metal kernel on Apple GPUs; elsewhere its compiled step, which measured faster than MLX's
     fused ``mx.fast.gated_delta_update`` on an H100: 187 vs 279 us per one-row call). On MLX's CPU backend
     with exo's kernel built, the same values in one call (``kernels.gated_delta``: mlx-lm's step runs ~10
-    dispatched ops per row and layer; a prompt of T tokens ran T steps)."""
+    dispatched ops per row and layer; a prompt of T tokens ran T steps). A prompt chunk on MLX CUDA (or
+    wherever ``gdn_prefill`` is ``chunked``): the chunked form (``gated_delta_chunked``), equal up to float32
+    rounding."""
+    on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
+    if not layer.training and chunked_prefill(getattr(layer, "gdn_prefill", "auto"), q.shape[1], on_cuda):
+        return gated_delta_chunked_update(q, k, v, a, b, layer.A_log, layer.dt_bias, state, mask)
     kernel = getattr(layer, "cpu_gated_delta", None)  # exo's CPU kernel (``use_cpu_kernels``) where built
     if kernel is not None and mx.default_device() == mx.cpu and not layer.training:
         beta = mx.sigmoid(b)  # gated_delta_update's own inputs to its recurrence
@@ -345,18 +367,40 @@ def _gated_delta_fits(q, k, v, g, beta, state, mask) -> bool:
     )
 
 
-def _conv(layer: Any, conv_input: mx.array, verify: bool) -> mx.array:
+def _conv(layer: Any, conv_input: mx.array, verify: bool, chunked: bool = False) -> mx.array:
     """The layer's short causal depthwise conv: mlx-lm's ``conv1d``, exactly as stock decoding runs it.
 
     A verify call convolves each row's own window (``conv_kernel_size`` inputs, one output): the shape a
     decode step convolves, so each row rounds as that decode step would, whatever a backend's conv
     kernel does with longer inputs (on the CPU the two are equal anyway: bench/op_invariance.py@3c719fd).
+    A prompt chunk on the chunked path (``chunked``): ``_shifted_conv``.
     """
     taps = layer.conv_kernel_size
     rows = conv_input.shape[1] - taps + 1
+    if chunked and rows > 1:
+        return _shifted_conv(conv_input, layer.conv1d)
     if not verify or rows == 1:
         return layer.conv1d(conv_input)
     return mx.concatenate([layer.conv1d(conv_input[:, t : t + taps]) for t in range(rows)], axis=1)
+
+
+def _shifted_conv(conv_input: mx.array, conv: nn.Module) -> mx.array:
+    """The depthwise causal conv as a sum of its taps' shifted rows, in float32, rounded once: on an H200 MLX
+    CUDA's grouped ``conv1d`` (cuDNN, a plan per input length) took 22% of a 4,096-token 9B prefill with the
+    chunked recurrence (``bench/results/h200-mlx-cuda-prefill-9b-gdn-chunked-2026-11-28.txt``, its conv + q/k
+    norms part); a few elementwise passes do the same sums. Equal to ``conv1d`` up to the order of a few float32
+    additions (one bfloat16 rounding at most)."""
+    weight = conv.weight  # [channels, taps, 1]
+    taps = weight.shape[1]
+    rows = conv_input.shape[1] - taps + 1
+    x = conv_input.astype(mx.float32)
+    w = weight[:, :, 0].astype(mx.float32)
+    out = x[:, 0:rows] * w[:, 0]
+    for j in range(1, taps):
+        out = out + x[:, j : j + rows] * w[:, j]
+    if "bias" in conv:
+        out = out + conv.bias.astype(mx.float32)
+    return out.astype(conv_input.dtype)
 
 
 # -- one GatedDeltaNet row as one compiled graph, on CUDA ------------------------------------------------
@@ -456,7 +500,9 @@ def _mix(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array,
         else:
             cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
     recording = _recording(cache)
-    conv_out = _silu(layer, _conv(layer, conv_input, recording))
+    on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
+    chunked = not recording and not layer.training and chunked_prefill(getattr(layer, "gdn_prefill", "auto"), S, on_cuda)
+    conv_out = _silu(layer, _conv(layer, conv_input, recording, chunked))
     q, k, v = [
         t.reshape(B, S, h, d)
         for t, h, d in zip(

@@ -1,0 +1,102 @@
+"""Running out of device memory while prefilling a huge prompt fails that request with a typed error
+(``DeviceMemoryError``: 507 ``insufficient_memory``, across the wire too) and the node serves the others.
+
+MLX raises its allocation failure as a ``RuntimeError`` from the evaluation that could not get a buffer
+(``engine/memory.py`` quotes where). MLX's CPU backend never raises it (its ``malloc`` is unchecked), so these
+tests make MLX's evaluation raise MLX CUDA's own message at the edge, ``mx.eval``, whenever it is handed a
+prompt's attention cache of ``HUGE`` positions or more: the prefill of a long prompt, never a short request's.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+from exo.api.errors import api_error_from
+from exo.engine import DeviceMemoryError, GenerationRequest, SamplingParams
+from exo.engine.memory import allocation_failed
+from exo.engine.prompt import GenerateParams, Prompt
+from exo.runner.device import Device, Failed, GenerationJob
+from exo.wire.convert import error_from_pb, error_to_pb
+from tests.fixtures.engines import fresh_engine
+
+HUGE = 96  # attention positions from which the forced allocation fails
+CUDA_OOM = "cudaMallocAsync(&data, size, stream) failed: out of memory"
+
+
+@pytest.fixture
+def failing_eval(monkeypatch):
+    real = mx.eval
+
+    def evaluate(*args):
+        if any(a.ndim == 4 and a.shape[2] >= HUGE for _, a in tree_flatten(list(args)) if isinstance(a, mx.array)):
+            raise RuntimeError(CUDA_OOM)
+        return real(*args)
+
+    monkeypatch.setattr(mx, "eval", evaluate)
+    return real
+
+
+def _greedy(prompt: list[int], max_tokens: int = 12) -> GenerationRequest:
+    return GenerationRequest(prompt, max_tokens=max_tokens, native_mtp="off", sampling=SamplingParams(temperature=0.0))
+
+
+def test_mlx_allocation_failures_are_recognised():
+    for text in (CUDA_OOM, "cudaMalloc(&data, size) failed: out of memory", "[malloc] Unable to allocate 1024 bytes.",
+                 "[metal::malloc] Resource limit (499000) exceeded."):
+        assert allocation_failed(RuntimeError(text)), text
+    assert not allocation_failed(RuntimeError("[matmul] Last dimension of first input with shape (1,2) must match"))
+    assert not allocation_failed(ValueError("out of memory"))
+
+
+def test_a_prompt_that_runs_out_of_memory_fails_typed_and_the_engine_serves_on(checkpoint, failing_eval):
+    engine = fresh_engine(checkpoint("qwen3_5", dtype="float32"), eos=False, prefill_chunk=32)
+    huge = list(range(3, 3 + 2 * HUGE))
+    with pytest.raises(DeviceMemoryError, match=f"prefilling a prompt of {len(huge)} tokens") as info:
+        engine.complete(_greedy(huge))
+    assert isinstance(info.value.__cause__, RuntimeError) and CUDA_OOM in str(info.value)
+    error = api_error_from(info.value)
+    assert (error.status, error.code, error.type) == (507, "insufficient_memory", "server_error")
+    crossed = error_from_pb(error_to_pb(info.value).error)  # a runner's error reaches the API node as itself
+    assert isinstance(crossed, DeviceMemoryError) and str(crossed) == str(info.value)
+    short = list(range(10, 40))
+    got = engine.complete(_greedy(short)).token_ids
+    assert got == fresh_engine(checkpoint("qwen3_5", dtype="float32"), eos=False).complete(_greedy(short)).token_ids
+
+
+def test_the_node_serves_the_others_while_one_prompt_runs_out_of_memory(checkpoint, failing_eval):
+    """On the device queue: the huge prompt's job ends with ``Failed(DeviceMemoryError)``; the jobs around
+    it (one before it, running, and one after) finish with their solo output."""
+    engine = fresh_engine(checkpoint("qwen3_5", dtype="float32"), eos=False, prefill_chunk=32, batch_prefill_chunk=32)
+    device = Device(8, max_batch=4)
+    prompts = [list(range(10, 30)), list(range(3, 3 + 2 * HUGE)), list(range(40, 55))]
+    items: list[list] = [[] for _ in prompts]
+    finishes: dict[int, str] = {}
+    done = threading.Event()
+
+    def on_done(i: int):
+        def record(finish, stats, queue_s, device_s) -> None:
+            finishes[i] = finish
+            if len(finishes) == len(prompts):
+                device.close()
+                done.set()
+        return record
+
+    for i, prompt in enumerate(prompts):
+        params = GenerateParams(max_tokens=12, default_max_tokens=12, native_mtp="off")
+        device.submit(GenerationJob(device, lambda: engine, Prompt(token_ids=prompt), params, items[i].append,
+                                    timeout_s=600, on_done=on_done(i)))
+    thread = threading.Thread(target=device.serve, daemon=True)
+    thread.start()
+    assert done.wait(300), finishes
+    thread.join(60)
+    assert finishes[1] == "error"
+    failed = [item for item in items[1] if isinstance(item, Failed)]
+    assert len(failed) == 1 and isinstance(failed[0].error, DeviceMemoryError)
+    for i in (0, 2):
+        tokens = [t for item in items[i] if hasattr(item, "token_ids") for t in item.token_ids]
+        solo = fresh_engine(checkpoint("qwen3_5", dtype="float32"), eos=False).complete(_greedy(prompts[i])).token_ids
+        assert finishes[i] == "length" and tokens == solo, i
