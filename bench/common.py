@@ -95,5 +95,59 @@ def start_server(model: str | None, port: int, grpc_port: int, peers: str | None
                 await asyncio.sleep(0.2)
         raise RuntimeError("exo serve did not come up")
 
-    asyncio.run(wait())
+    try:
+        asyncio.run(wait())
+    except BaseException:  # not up: the caller has no handle on it to stop it
+        process.kill()
+        process.wait(30)
+        raise
     return process
+
+
+def device_trace(folder: str | None, start: float, end: float) -> dict[str, Any] | None:
+    """What the runners' device threads did between ``start`` and ``end`` (``time.monotonic()``), from the
+    lines ``EXO_DEVICE_TRACE=folder`` makes them write (``runner.device.DeviceTrace``): steps of a batch, their
+    phases' seconds and the longest stretch between two decode steps while members waited (a stall shows
+    there). None without a trace."""
+    if folder is None:
+        return None
+    lines = []
+    for path in Path(folder).glob("device-*.jsonl"):
+        for raw in path.read_text().splitlines():
+            try:
+                line = json.loads(raw)
+            except ValueError:  # a line cut short by a runner still writing
+                continue
+            if start <= line["t"] <= end:
+                lines.append(line)
+    if not lines:
+        return {"steps": 0}
+    lines.sort(key=lambda line: line["t"])
+    decode = [line for line in lines if line.get("stepped")]
+    gaps = [b["t"] - a["t"] for a, b in zip(decode, decode[1:], strict=False)]
+    seconds = {phase: sum(line.get(phase, 0.0) for line in lines) for phase in ("plan", "prefill", "step", "emit")}
+    window = end - start
+    steps = sorted(line["step"] for line in decode)
+    return {
+        "steps": len(decode), "steps_per_s": len(decode) / window,
+        "mean_batch": sum(line["stepped"] for line in decode) / max(1, len(decode)),
+        "step_ms_p50": 1000 * steps[len(steps) // 2] if steps else 0.0,
+        "step_ms_max": 1000 * steps[-1] if steps else 0.0,
+        "prefill_ms_max": 1000 * max((line.get("prefill", 0.0) for line in lines), default=0.0),
+        "longest_gap_s": max(gaps, default=0.0),
+        "prefill_tokens": sum(line.get("prefill_tokens", 0) for line in lines),
+        "shared_prefills": sum(1 for line in lines if line.get("together")),
+        "share": {**{phase: s / window for phase, s in seconds.items()}, "idle": max(0.0, 1 - sum(seconds.values()) / window)},
+    }
+
+
+def format_trace(t: dict[str, Any] | None) -> str:
+    if not t:
+        return ""
+    if not t["steps"]:
+        return "device: no decode step"
+    share = " ".join(f"{k} {100 * v:.0f}%" for k, v in t["share"].items())
+    return (f"device: {t['steps']} steps ({t['steps_per_s']:.1f}/s, batch {t['mean_batch']:.1f}, step p50 "
+            f"{t['step_ms_p50']:.1f} ms, max {t['step_ms_max']:.0f} ms), longest gap between steps "
+            f"{t['longest_gap_s']:.2f} s, {t['prefill_tokens']} prompt tokens ({t['shared_prefills']} shared calls, "
+            f"a step's prefill at most {t['prefill_ms_max']:.0f} ms); time: {share}")

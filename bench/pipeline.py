@@ -51,7 +51,7 @@ from exo.runner.group import PHASES
 from exo.runner.local_pipeline import run_local_pipeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import free_port, start_server  # noqa: E402
+from common import device_trace, format_trace, free_port, start_server  # noqa: E402
 from serving import load as load_clients  # noqa: E402
 from serving import quantile  # noqa: E402
 
@@ -317,8 +317,10 @@ def clients_axis(resolved: Any, counts: list[int], args: argparse.Namespace) -> 
     processes = []
     saved = dict(os.environ)
     rows: list[dict[str, Any]] = []
+    trace = os.path.join(homes[0].name, "device-trace")  # both daemons' runners (runner.device.DeviceTrace)
     try:
         os.environ["EXO_MAX_QUEUE"] = str(max(256, 4 * max(counts)))
+        os.environ["EXO_DEVICE_TRACE"] = trace
         for i, (port, grpc_port) in enumerate(ports):
             if args.gpu_per_stage:
                 os.environ["CUDA_VISIBLE_DEVICES"] = str(i)
@@ -331,11 +333,13 @@ def clients_axis(resolved: Any, counts: list[int], args: argparse.Namespace) -> 
             asyncio.run(load_clients(url, 2, 3.0, args.max_tokens))  # warm
             for n in counts:
                 r = asyncio.run(load_clients(url, n, args.seconds, args.max_tokens, MODES_API[args.clients_mode]))
+                device = device_trace(trace, *r["window"])
                 rows.append({"placement": placement, "model": model_id, "clients": n, "completed": r["completed"],
                              "errors": r["errors"], "ttft_p50_s": round(quantile(r["ttft"], 0.5), 3),
-                             "ttft_p99_s": round(quantile(r["ttft"], 0.99), 3), "tok_s": round(r["tok_s"], 2)})
+                             "ttft_p99_s": round(quantile(r["ttft"], 0.99), 3), "tok_s": round(r["tok_s"], 2),
+                             "device": device})
                 print(f"  clients: {placement} x {n}: {r['completed']} completed, {r['errors']} errors, "
-                      f"{r['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+                      f"{r['tok_s']:.1f} tok/s; {format_trace(device)}", file=sys.stderr, flush=True)
     finally:
         os.environ.clear()
         os.environ.update(saved)

@@ -94,7 +94,7 @@ class Phases:
                     try:
                         position = next(steps)
                     except StopIteration:
-                        mx.eval(state._first[0])  # the last chunk and the first token
+                        mx.eval(state.pending_token)  # the last chunk and the first token
                         return
                 yield position
 

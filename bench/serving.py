@@ -1,7 +1,7 @@
 """Many clients at once: continuous batching vs one generation at a time, through `exo serve`.
 
     python bench/serving.py [MODEL] [--clients 1 8 32] [--seconds 30] [--max-tokens 64] [--mtp off,k1,adaptive]
-                            [--lanes 1 2] [--repeats 3] [--json]
+                            [--lanes 1 2] [--repeats 3] [--engine-vs-client N] [--no-one-at-a-time] [--json]
 
 Starts two `exo serve --model MODEL` processes as users run them (the daemon relays to a runner
 subprocess over gRPC): one with EXO_MAX_BATCH=1 (requests strictly one at a time, as before batching)
@@ -16,7 +16,22 @@ the whole table once per native-MTP mode of the requests (``off``: ``{"enabled":
 depth, ``{"k": N}``; ``adaptive``: no field, the default), with the mean depth and acceptance the
 responses report; ratios compare rows of the same mode. ``--lanes`` starts a batching server per lane count
 (EXO_BATCH_LANES: ``engine.batch.BatchLanes``, a batch's plain steps split over streams that MLX's CPU
-backend runs on cores of their own) instead of one with the node's default.
+backend runs on cores of their own) instead of one with the node's default. ``--no-one-at-a-time`` skips the
+EXO_MAX_BATCH=1 server.
+
+Each row also says what the servers' device threads did in its window (``EXO_DEVICE_TRACE``,
+``runner.device.DeviceTrace``): decode steps per second, the mean batch, the step's median time, the longest
+stretch between two decode steps (a stall shows there), the prompt tokens prefilled (and in how many shared
+calls) and the share of the window the thread spent planning, prefilling, stepping, emitting, or idle.
+
+``--engine-vs-client N`` first runs N requests of the engine alone (in this process, a fresh engine on the same
+checkpoint, no prefix cache) against N of one client through the batching server (idle otherwise), the same
+chat requests alternating, and prints the medians: the engine's decode tok/s and its request tok/s (prefill
+included), the client's decode tok/s as streamed (first to last token), its request tok/s (sent to last
+token) and TTFT, and the runner's own decode tok/s for those requests (``usage.native_mtp``); then the
+ratios. The runner's decode against the engine's is what the serving loop costs; the client's decode against
+the runner's, what the relay costs; the request ratios add the per-request work (tokenizing, the prefix
+cache, prefill, HTTP).
 """
 
 from __future__ import annotations
@@ -31,7 +46,14 @@ import time
 from typing import Any
 
 import aiohttp
-from common import add_common_arguments, free_port, report_to, start_server  # bench/ is this script's folder
+from common import (  # bench/ is this script's folder
+    add_common_arguments,
+    device_trace,
+    format_trace,
+    free_port,
+    report_to,
+    start_server,
+)
 
 TOPICS = (
     "the sea", "a lighthouse", "autumn leaves", "a cat", "the moon", "a city at night", "rain", "mountains",
@@ -113,10 +135,106 @@ async def load(url: str, clients: int, seconds: float, max_tokens: int, mtp: dic
     }
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        out["window"] = (time.monotonic(), time.monotonic() + seconds)  # the device trace's clock
         until = time.perf_counter() + seconds
         await asyncio.gather(*(client(session, url, i, max_tokens, until, out, mtp) for i in range(clients)))
     out["tok_s"] = out["tokens"] / seconds
     return out
+
+
+async def one_stream(session: aiohttp.ClientSession, url: str, topic: str, max_tokens: int,
+                     mtp: dict[str, Any] | None) -> dict[str, float]:
+    """One streamed chat completion: (sent -> first text) TTFT, (first -> last event) decode rate as the client
+    sees it, tokens / (sent -> last) and the runner's own decode rate for it (``usage.native_mtp``)."""
+    body = {"messages": [{"role": "user", "content": f"Write a short poem about {topic}."}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            **({"native_mtp": mtp} if mtp is not None else {})}
+    start = time.perf_counter()
+    first = last = None
+    usage: dict[str, Any] = {}
+    async with session.post(url + "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for raw in response.content:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"]["message"])
+            now = time.perf_counter()
+            if event.get("choices"):
+                first = first or now
+                last = now
+            if event.get("usage"):
+                usage = event["usage"]
+    assert first is not None and last is not None and usage
+    n = usage["completion_tokens"]
+    return {"ttft_s": first - start, "decode_tok_s": (n - 1) / (last - first) if last > first else float("nan"),
+            "request_tok_s": n / (last - start), "runner_decode_tok_s": usage["native_mtp"]["decode_tokens_per_s"],
+            "tokens": n}
+
+
+def engine_vs_client(model: str, url: str, requests: int, max_tokens: int, mtp: dict[str, Any] | None) -> dict[str, Any]:
+    """The engine alone (in this process: a fresh engine on the same checkpoint, as `exo bench` runs it) against
+    one client through `exo serve` (the server idle otherwise), the same chat requests, alternating."""
+    from exo.engine import GenerationRequest, SamplingParams, resolve_model
+    from exo.engine.prompt import GenerateParams, Prompt, generation_request
+    from exo.runner.loading import load_for_serving, ready_engine
+    from exo.settings import load_settings
+
+    settings = load_settings()
+    loaded, config = load_for_serving(resolve_model(model), settings)
+    engine = ready_engine(loaded, config)
+    fields: dict[str, Any] = {}
+    if mtp is not None and mtp.get("enabled") is False:
+        fields["native_mtp"] = "off"
+    elif mtp is not None and "k" in mtp:
+        fields["mtp_k"] = mtp["k"]
+    rows: dict[str, list[dict[str, float]]] = {"engine": [], "client": []}
+
+    async def run() -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+            for i in range(requests + 1):  # the first pair warms both sides
+                topic = TOPICS[i % len(TOPICS)]
+                prompt = Prompt(messages=[{"role": "user", "content": f"Write a short poem about {topic}."}])
+                params = GenerateParams(max_tokens=max_tokens, default_max_tokens=max_tokens,
+                                        sampling=SamplingParams(temperature=0.0), **fields)
+                start = time.perf_counter()
+                request: GenerationRequest = generation_request(engine, prompt, params)
+                stats = None
+                n = 0
+                for chunk in engine.generate(request):
+                    n += len(chunk.token_ids)
+                    stats = chunk.stats or stats
+                wall = time.perf_counter() - start
+                assert stats is not None
+                client = await one_stream(session, url, topic, max_tokens, mtp)
+                if i:
+                    rows["engine"].append({"decode_tok_s": stats.decode_tokens_per_s, "request_tok_s": n / wall,
+                                           "ttft_s": stats.ttft_ms / 1000})
+                    rows["client"].append(client)
+
+    asyncio.run(run())
+    med = {side: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for side, rs in rows.items()}
+    return {"requests": requests, **med,
+            "client_decode_vs_engine": med["client"]["decode_tok_s"] / med["engine"]["decode_tok_s"],
+            "client_request_vs_engine_request": med["client"]["request_tok_s"] / med["engine"]["request_tok_s"],
+            "client_request_vs_engine_decode": med["client"]["request_tok_s"] / med["engine"]["decode_tok_s"],
+            "runner_decode_vs_engine": med["client"]["runner_decode_tok_s"] / med["engine"]["decode_tok_s"]}
+
+
+def print_engine_vs_client(r: dict[str, Any], max_tokens: int) -> None:
+    e, c = r["engine"], r["client"]
+    print(f"\nengine alone vs one client through exo serve ({max_tokens}-token chat completions, {r['requests']} of each, "
+          "alternating; medians)")
+    print(f"  engine alone:  decode {e['decode_tok_s']:7.1f} tok/s, request {e['request_tok_s']:7.1f} tok/s "
+          f"(prefill included), TTFT {1000 * e['ttft_s']:.0f} ms")
+    print(f"  one client:    decode {c['decode_tok_s']:7.1f} tok/s as streamed, request {c['request_tok_s']:7.1f} tok/s "
+          f"(sent -> last token), TTFT {1000 * c['ttft_s']:.0f} ms; the runner's engine decoded at "
+          f"{c['runner_decode_tok_s']:.1f}")
+    print(f"  client / engine: decode {r['client_decode_vs_engine']:.3f}x, request {r['client_request_vs_engine_request']:.3f}x, "
+          f"request vs the engine's decode {r['client_request_vs_engine_decode']:.3f}x; the runner's decode vs the "
+          f"engine's {r['runner_decode_vs_engine']:.3f}x")
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -141,6 +259,11 @@ def main() -> None:
     parser.add_argument("--mtp", default="adaptive", help=f"comma-separated request modes: {', '.join(MTP_MODES)}")
     parser.add_argument("--lanes", type=int, nargs="+", default=None,
                         help="a batching server per lane count (EXO_BATCH_LANES); default: one, with the node's default")
+    parser.add_argument("--no-one-at-a-time", dest="one_at_a_time", action="store_false",
+                        help="skip the EXO_MAX_BATCH=1 server (its column of ratios then reads '-')")
+    parser.add_argument("--engine-vs-client", type=int, default=0, metavar="N",
+                        help="first, N requests of the engine alone (in this process) against N of one client through "
+                        "the batching server, alternating, in the first --mtp mode")
     args = parser.parse_args()
     modes = args.mtp.split(",")
     unknown = [m for m in modes if m not in MTP_MODES]
@@ -148,10 +271,11 @@ def main() -> None:
         parser.error(f"unknown --mtp mode(s) {unknown}: choose from {list(MTP_MODES)}")
     with report_to(args.json) as report:
         servers = {}
+        traces: dict[str, str] = {}  # each server's runners' device trace (runner.device.DeviceTrace)
         processes = []
         homes = []
         try:
-            configs = [("one at a time", 1, None)] + (
+            configs = ([("one at a time", 1, None)] if args.one_at_a_time else []) + (
                 [("batching", args.max_batch, None)] if args.lanes is None
                 else [(f"batching L={lanes}", args.max_batch, lanes) for lanes in args.lanes]
             )
@@ -164,9 +288,16 @@ def main() -> None:
                 home = tempfile.TemporaryDirectory()
                 homes.append(home)
                 port = free_port()
+                traces[name] = os.environ["EXO_DEVICE_TRACE"] = os.path.join(home.name, "device-trace")
                 processes.append(start_server(args.model, port, free_port(), home=home.name))
+                os.environ.pop("EXO_DEVICE_TRACE")
                 servers[name] = f"http://127.0.0.1:{port}"
                 asyncio.run(warm(servers[name], args.max_tokens))
+            if args.engine_vs_client:
+                batching = next(url for name, url in servers.items() if name != "one at a time")
+                versus = engine_vs_client(args.model, batching, args.engine_vs_client, args.max_tokens, MTP_MODES[modes[0]])
+                print_engine_vs_client(versus, args.max_tokens)
+                report["engine_vs_client"] = versus
             rows: dict[tuple[str, str, int], dict[str, Any]] = {}
             repeats: dict[tuple[str, str, int], list[float]] = {}  # tok/s of every repeat
             for repeat in range(args.repeats):
@@ -174,6 +305,7 @@ def main() -> None:
                     for n in args.clients:
                         for name, url in servers.items():
                             r = asyncio.run(load(url, n, args.seconds, args.max_tokens, MTP_MODES[mode]))
+                            r["device"] = device_trace(traces[name], *r["window"])
                             repeats.setdefault((mode, name, n), []).append(r["tok_s"])
                             if repeat == 0:
                                 rows[mode, name, n] = r
@@ -181,7 +313,7 @@ def main() -> None:
                                 for topic, texts in r["texts"].items():
                                     rows[mode, name, n]["texts"].setdefault(topic, []).extend(texts)
                             print(f"  ran {mode:8s} {name:13s} clients={n:3d}: {r['completed']} completed, "
-                                  f"{r['tok_s']:.1f} tok/s", flush=True)
+                                  f"{r['tok_s']:.1f} tok/s; {format_trace(r['device'])}", flush=True)
             print(f"\nmodel {args.model}, {args.max_tokens}-token streamed chat completions, {args.seconds:.0f} s per row, "
                   f"temperature 0, {os.cpu_count()} CPUs")
             print(f"{'mtp':8s} {'server':14s} {'clients':>7s} {'completed':>9s} {'errors':>6s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
@@ -192,19 +324,22 @@ def main() -> None:
                     for name in servers:
                         r = rows[mode, name, n]
                         one = rows[mode, name, args.clients[0]]["tok_s"]
-                        base = rows[mode, "one at a time", n]["tok_s"]
+                        base = rows.get((mode, "one at a time", n), {}).get("tok_s")
+                        versus_base = f"{r['tok_s'] / base:15.2f}x" if base else f"{'-':>16s}"
                         accept = f"{r['accepted'] / r['drafted']:.2f}" if r["drafted"] else "-"
                         per_round = f"{1 + r['accepted'] / r['rounds']:.2f}" if r["rounds"] else "-"
                         print(f"{mode:8s} {name:14s} {n:7d} {r['completed']:9d} {r['errors']:6d} {quantile(r['ttft'], 0.5):8.2f}s "
                               f"{quantile(r['ttft'], 0.99):8.2f}s {r['tok_s']:7.1f} {r['tok_s'] / one:10.2f}x "
-                              f"{r['tok_s'] / base:15.2f}x {r['batched']:12d} {r['max_batch']:9d} "
+                              f"{versus_base} {r['batched']:12d} {r['max_batch']:9d} "
                               f"{quantile(r['request_s'], 0.5):8.3f}s {accept:>6s} {per_round:>9s}")
             # Greedy output must not depend on what else runs: every response for a topic, on either server
-            # and in any batch, against the one-at-a-time server's first response for it.
+            # and in any batch, against the one-at-a-time server's first response for it (without that server:
+            # the first server's at the first client count).
             reference: dict[str, str] = {}
+            solo = [("one at a time", n) for n in args.clients] if args.one_at_a_time else [(next(iter(servers)), args.clients[0])]
             for mode in modes:
-                for n in args.clients:
-                    for topic, texts in rows[mode, "one at a time", n]["texts"].items():
+                for name, n in solo:
+                    for topic, texts in rows[mode, name, n]["texts"].items():
                         reference.setdefault(topic, texts[0])
             same = total = 0
             for r in rows.values():
@@ -215,7 +350,7 @@ def main() -> None:
             print(f"\nresponses identical to the one-at-a-time output of their prompt: {same}/{total}")
             report.update(model=args.model, max_tokens=args.max_tokens, seconds=args.seconds, repeats=args.repeats,
                           rows=[{"mtp": mode, "server": name, "clients": n,
-                                 **{k: v for k, v in r.items() if k not in ("texts", "ttft", "request_s")},
+                                 **{k: v for k, v in r.items() if k not in ("texts", "ttft", "request_s", "window")},
                                  "ttft_p50_s": quantile(r["ttft"], 0.5), "ttft_p99_s": quantile(r["ttft"], 0.99)}
                                 for (mode, name, n), r in rows.items()],
                           identical_to_one_at_a_time=[same, total], tok_s_per_repeat=[

@@ -25,7 +25,7 @@ import pytest
 from downloads.hub_server import FakeHub
 from downloads.reshard import INDEX, reshard, shard_name
 
-from exo.cluster import orchestration, registry
+from exo.cluster import groups, registry
 from exo.downloads import stage_files
 from exo.engine import Engine, GenerationRequest, load_checkpoint
 
@@ -278,7 +278,7 @@ def test_a_failed_download_fails_the_instance_with_the_reason(cluster, hub):
     # settling bound (the registry's expiry and a second after the break; sooner once every node answered):
     # after that whole window, no node has logged a placement and the hub saw no new fetch.
     fetches = len(hub.gets(REPOS["dl-broken"]))
-    time.sleep(registry.EXPIRE_S + 1.0 + 4 * orchestration.WATCH_S + 2.0)
+    time.sleep(registry.EXPIRE_S + 1.0 + 4 * groups.WATCH_S + 2.0)
     assert not [d.name for d in (a, b, c) if "dl-broken anew" in d.log_path.read_text()]
     assert len(hub.gets(REPOS["dl-broken"])) == fetches
     assert all(i["state"] == "failed" for i in instances_of(a, "dl-broken"))

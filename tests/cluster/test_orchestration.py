@@ -10,7 +10,8 @@ import time
 import pytest
 
 from exo.cluster import placement as pl
-from exo.cluster.orchestration import PLACE_ATTEMPTS, ClusterModelService
+from exo.cluster.orchestration import ClusterModelService
+from exo.cluster.placing import PLACE_ATTEMPTS
 from exo.cluster.service import NodeUnavailableError
 from exo.settings import load_settings
 
@@ -21,7 +22,7 @@ def service(tmp_path) -> ClusterModelService:
 
 
 def _phantom(service: ClusterModelService, looks: int | None):
-    """``existing()`` as placement saw it: an instance of exo-demo that the cluster view (``_find``) lacks,
+    """``existing()`` as placement saw it: an instance of exo-demo that the cluster view (``find``) lacks,
     for the first ``looks`` looks (None: for good), then nothing."""
     seen = []
 
@@ -31,14 +32,14 @@ def _phantom(service: ClusterModelService, looks: int | None):
             return []
         return [pl.ExistingInstance("vanished", "exo-demo", service.node_id, "ready")]
 
-    service.existing = existing  # type: ignore[method-assign]
+    service.view.existing = existing  # type: ignore[method-assign]
     return seen
 
 
 def test_an_instance_that_stays_unfindable_is_a_503_not_an_unbound_plan(service):
     seen = _phantom(service, None)
     with pytest.raises(NodeUnavailableError, match="instance vanished .* cannot be found"):
-        asyncio.run(service._place_and_wait("exo-demo", None))
+        asyncio.run(service.placer.place_and_wait("exo-demo", None))
     assert len(seen) == PLACE_ATTEMPTS
 
 
@@ -46,26 +47,26 @@ def test_an_instance_that_went_away_is_placed_anew(service):
     seen = _phantom(service, 1)
     # Placed anew: this node (not started) has scanned no model yet, so placement itself answers.
     with pytest.raises(pl.ModelNotOnDiskError):
-        asyncio.run(service._place_and_wait("exo-demo", None))
+        asyncio.run(service.placer.place_and_wait("exo-demo", None))
     assert len(seen) == 2
 
 
 def test_a_reference_unknown_here_is_looked_up_in_the_cluster_on_the_event_loop(service):
     """``acquire`` resolves a reference in a worker thread (it may read the disk); the fallback that asks the
-    cluster (``located()``, which prunes ``_routes`` and ``_recent`` while the loop reassigns them) must run
+    cluster (``located()``, which prunes the routes and recent starts while the loop reassigns them) must run
     on the loop's thread, never beside it."""
     import threading
 
     from exo.cards import UnknownModelError
 
     threads: list[int] = []
-    located = service.located
+    located = service.view.located
 
     def recording():
         threads.append(threading.get_ident())
         return located()
 
-    service.located = recording  # type: ignore[method-assign]
+    service.view.located = recording  # type: ignore[method-assign]
 
     async def main() -> int:
         with pytest.raises(UnknownModelError):
@@ -95,16 +96,16 @@ class _Call:
 
 
 def _finishes(service, messages, *, disconnect: bool) -> dict[str, float]:
-    from exo.cluster.orchestration import RemoteGenerationStream
+    from exo.cluster.router import RemoteGenerationStream
     from exo.cluster.views import Located
     from exo.wire.proto_gen import node_pb2 as pb
 
     call = _Call(messages)
-    service.open_call = lambda located, request, timeout: call  # type: ignore[method-assign]
+    service.router.open_call = lambda located, request, timeout: call  # type: ignore[method-assign]
 
     async def main() -> None:
         located = Located(service.node_id, pb.Instance(instance_id="i1", model_id="exo-demo"))
-        stream = RemoteGenerationStream(service, located, pb.GenerateRequest(request_id="r1", model="exo-demo"),
+        stream = RemoteGenerationStream(service.router, located, pb.GenerateRequest(request_id="r1", model="exo-demo"),
                                         timeout_s=60.0, arrived=time.monotonic())
         for _ in range(20):
             await asyncio.sleep(0)  # the pump reads what there is
@@ -137,3 +138,34 @@ def test_an_error_after_the_stream_started_is_an_error_and_before_it_a_rejection
     assert mid == {"cancelled": 0, "error": 1, "rejected": 0, "timeout": 0}
     before = _finishes(service, [failed], disconnect=False)
     assert before == {"cancelled": 0, "error": 1, "rejected": 1, "timeout": 0}
+
+
+def test_a_routed_prompt_is_tokenized_once(service, checkpoint, monkeypatch):
+    """Routing among instances tokenizes the prompt as the runner would (``prompt_tokens``) and the request carries
+    those tokens (``rendered``): the runner reads them, it does not tokenize the prompt again."""
+    from exo.cluster import routing
+    from exo.cluster.views import Located
+    from exo.engine import Engine, load_checkpoint, resolve_model
+    from exo.engine import prompt as prompt_module
+    from exo.engine.prompt import GenerateParams, Prompt, generation_request, prompt_tokens
+    from exo.wire.convert import generate_request, request_from_pb
+    from exo.wire.proto_gen import node_pb2 as pb
+
+    path = checkpoint("qwen3_5")
+    model_id = service.register(resolve_model(str(path)))
+    prompt = Prompt(messages=[{"role": "user", "content": "Where is the prefix cache?"}])
+    params = GenerateParams(max_tokens=4, default_max_tokens=4)
+    request = generate_request(model_id, "", prompt, params, timeout_s=10.0)
+    candidates = [routing.Candidate(Located(node, pb.Instance(instance_id=f"i-{node}", model_id=model_id)), 0,
+                                    node == service.node_id) for node in (service.node_id, "another-node")]
+    service.router._route(model_id, candidates, prompt, params, request)
+    engine = Engine(load_checkpoint(path))
+    expected = prompt_tokens(engine.loaded.tokenizer, prompt, params)
+    assert list(request.rendered.ids) == expected
+    runner_prompt, runner_params = request_from_pb(type(request).FromString(request.SerializeToString()))
+
+    def tokenized_again(*args, **kwargs):
+        raise AssertionError("the runner tokenized a prompt that came with its tokens")
+
+    monkeypatch.setattr(prompt_module, "prompt_tokens", tokenized_again)
+    assert list(generation_request(engine, runner_prompt, runner_params).prompt_tokens) == expected

@@ -22,8 +22,8 @@ import pytest
 
 from exo.cards import load_catalog
 from exo.cluster import placement as pl
+from exo.cluster.cluster_view import model_requirement
 from exo.cluster.models import availability
-from exo.cluster.orchestration import model_requirement
 from exo.engine import resolve_model
 
 from .daemons import Daemon, start_all, wait_for

@@ -68,13 +68,20 @@ def test_a_generate_request_carries_its_parameters_to_the_owner(ignore_eos):
     message = generate_request("m", "", Prompt(text="hello"), params, timeout_s=10.0)
     prompt, back = request_from_pb(type(message).FromString(message.SerializeToString()))
     assert prompt.text == "hello" and back == params
+    # The serving node's daemon adds its native-MTP switch, which reaches the engine in the request.
+    from exo.engine.request import MTPSwitch
+    from exo.wire.proto_gen import node_pb2 as pb
+
+    message.node_mtp.CopyFrom(pb.NodeSwitch(enabled=False, disabled_reason="off on the owner"))
+    _, switched = request_from_pb(message)
+    assert switched.mtp_switch == MTPSwitch(False, "off on the owner")
 
 
 @pytest.mark.parametrize("stop_sequence", [None, "\n\nUser:"])
 def test_a_final_chunk_carries_the_stop_string_that_matched(stop_sequence):
     """The runner's last chunk tells the API node which stop string ended the output (Anthropic's
     stop_sequence), and none when none did."""
-    from exo.engine.generate import GenerationChunk
+    from exo.engine.request import GenerationChunk
     from exo.wire.convert import chunk_from_pb, chunk_to_pb
 
     chunk = GenerationChunk("done", [1, 2], "stop", stop_sequence=stop_sequence)

@@ -11,8 +11,8 @@ import pytest
 
 from exo.engine import Engine, EngineConfig, SamplingParams
 from exo.engine import forward as forward_module
+from exo.engine import round as round_module
 from exo.engine.adaptive import DepthCosts
-from exo.engine.generate import _Run
 from exo.engine.replay import ReplayDrafter
 
 from .test_batch import CHUNK, _engine, _request, _run_batch, _solo
@@ -25,7 +25,7 @@ def rounds(monkeypatch):
     kept: list[list[int]] = []
     emitted: list[tuple[int, int]] = []
     keep_rows = forward_module.keep_rows_per_sequence
-    emit = _Run._emit
+    emit = round_module.emit
 
     def spy_keep(cache, rows, counts):
         kept.append(list(counts))
@@ -37,7 +37,7 @@ def rounds(monkeypatch):
         return added
 
     monkeypatch.setattr(forward_module, "keep_rows_per_sequence", spy_keep)
-    monkeypatch.setattr(_Run, "_emit", spy_emit)
+    monkeypatch.setattr(round_module, "emit", spy_emit)
     return kept, emitted
 
 
@@ -64,7 +64,8 @@ def test_batched_greedy_mtp_equals_solo_plain_with_joins_and_leaves(checkpoint, 
     for i, (tokens, _, _, stats) in got.items():
         assert stats.enabled and stats.reason is None, f"request {i}"
         assert stats.rounds > 0 and stats.drafted_tokens == 2 * stats.rounds
-        assert sum(stats.batch_sizes.values()) == len(tokens) - 1  # all but the first came from the batch
+        # All but the first came from the batch; those decoded once the others left are no batch's.
+        assert 0 < sum(stats.batch_sizes.values()) <= len(tokens) - 1 and 1 not in stats.batch_sizes
     assert max(got[0][3].batch_sizes) == 4
     # Members accepted different counts in one round, so attention rows were padded per member.
     assert any(len(set(counts)) > 1 for counts in kept)
@@ -179,8 +180,8 @@ def test_a_lone_mtp_member_keeps_its_head_state_when_a_second_joins(checkpoint):
     for _ in range(3):
         for _, chunks in batch.step():
             streamed += [t for chunk in chunks for t in chunk.token_ids]
-    assert run.recorder.rounds == 3 and run.cache and run.output.finish is None
-    solo_rounds = run.recorder.rounds
+    assert run.stats.recorder.rounds == 3 and run.cache and run.output.finish is None
+    solo_rounds = run.stats.recorder.rounds
     other = engine.start(_request(engine, 3, max_tokens=10, mtp_k=2))
     other_tokens = [t for chunk in other.begin() if chunk is not None for t in chunk.token_ids]
     batch.add(other)
@@ -285,7 +286,8 @@ def test_heads_are_not_fed_while_a_batch_decodes_plainly(checkpoint):
     """Where the batch's depth is 0 (here: every row costs a whole step, as on a compute-bound device), an
     adaptive member's head gets nothing (a head row costs about a backbone layer): only its last few rows
     wait, for a probe round to draft from."""
-    from exo.engine.batch import BATCH_HEAD_WINDOW, BatchDecoder
+    from exo.engine.batch import BatchDecoder
+    from exo.engine.depth import BATCH_HEAD_WINDOW
 
     engine = Engine(_engine(checkpoint("qwen3_5", dtype="float32")).loaded, EngineConfig(prefill_chunk=CHUNK))
     # Drafting pays alone, but next to a solo step this short any batched step is all rows.
@@ -298,16 +300,16 @@ def test_heads_are_not_fed_while_a_batch_decodes_plainly(checkpoint):
         list(run.begin())
         batch.add(run)
         runs.append(run)
-        heads[id(run)] = run.head_cache.offset
-    assert all(run.track_head for run in runs)
+        heads[id(run)] = run.head.cache.offset
+    assert all(run.head.tracked for run in runs)
     tokens = {id(run): list(run.output.tokens) for run in runs}
     while len(batch):
         for run, chunks in batch.step():
             tokens[id(run)].extend(t for chunk in chunks for t in chunk.token_ids)
         for run in batch.runs:
-            assert len(run._head_hidden) <= BATCH_HEAD_WINDOW and run.head_cache.offset == heads[id(run)]
+            assert len(run.head._hidden) <= BATCH_HEAD_WINDOW and run.head.cache.offset == heads[id(run)]
     for run, request in zip(runs, requests, strict=True):
-        assert run.recorder.rounds == 0
+        assert run.stats.recorder.rounds == 0
         assert tokens[id(run)] == _solo(engine, request).token_ids
 
 
@@ -337,3 +339,43 @@ def test_every_member_s_invariants_hold_between_batched_steps_and_rounds(checkpo
         batch.check_invariants()
         steps += 1
     assert steps >= 5
+
+
+def test_a_batch_shrunk_to_one_decodes_as_a_solo_request(checkpoint):
+    """Once its partner leaves, the last member is a batch of one: the solo policy chooses its depth, its plain
+    stretches are timed for that policy and keep the solo head window (HEAD_WINDOW rows, not the batch's
+    BATCH_HEAD_WINDOW), and its tokens from then on are no batch's. Its output stays plain decoding's."""
+    from exo.engine.batch import BatchDecoder
+    from exo.engine.depth import BATCH_HEAD_WINDOW, HEAD_WINDOW
+
+    engine = Engine(_engine(checkpoint("qwen3_5", dtype="float32")).loaded,
+                    EngineConfig(prefill_chunk=CHUNK, warm_acceptance=False))
+    engine._costs = DepthCosts(beta=(1.45, 2.6, 3.7), delta=(0.01, 0.02, 0.03), device="test", plain_s=1.0)
+    policy = engine._adaptive_policy()
+    for i in range(80):  # 40% of first drafts land: the solo policy sits at plain decoding, probing now and then
+        policy.observe_round(1, int(i % 5 < 2))
+    policy.since_probe, policy.probe_every = 0, 2 * HEAD_WINDOW
+    short, long = _request(engine, 0, max_tokens=4), _request(engine, 1, max_tokens=60)
+    batch = BatchDecoder(engine)
+    runs = []
+    for request in (short, long):
+        run = engine.start(request)
+        list(run.begin())
+        batch.add(run)
+        runs.append(run)
+    member = runs[1]
+    tokens, together, alone, final = list(member.output.tokens), [], [], None
+    timed = policy.estimator.timings(0)
+    while len(batch):
+        size = len(batch)
+        for run, chunks in batch.step():
+            if run is member:
+                tokens.extend(t for chunk in chunks for t in chunk.token_ids)
+                final = next((chunk for chunk in chunks if chunk.finish_reason), final)
+        (together if size > 1 else alone).append(len(member.head._hidden))
+    assert together and alone and max(together) <= BATCH_HEAD_WINDOW
+    assert BATCH_HEAD_WINDOW < max(alone) <= HEAD_WINDOW + 1
+    assert policy.estimator.timings(0) > timed  # its plain stretches alone timed for the solo policy
+    assert final is not None and set(final.stats.batch_sizes) == {2}
+    assert sum(final.stats.batch_sizes.values()) <= len(together) < len(tokens) - 1
+    assert tokens == _solo(engine, long).token_ids

@@ -241,7 +241,7 @@ def test_probes_catch_the_head_up_on_a_window_of_the_plain_stretch(dense):
     """Where the adaptive policy decodes plainly (K = 0) only the last HEAD_WINDOW rows wait for the head:
     a probe runs the head over those, not over the whole stretch since the last probe (on a compute-bound
     CPU that catch-up cost as much as the probe round). The output stays plain decoding's."""
-    from exo.engine.generate import HEAD_WINDOW
+    from exo.engine.depth import HEAD_WINDOW
 
     engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK, warm_acceptance=False))
     engine._costs = DepthCosts(beta=(1.45, 2.6, 3.7), delta=(0.01, 0.02, 0.03), device="test", plain_s=1.0)
@@ -251,11 +251,11 @@ def test_probes_catch_the_head_up_on_a_window_of_the_plain_stretch(dense):
     prompt = _prompt(dense, 10)
     run = engine.start(GenerationRequest(prompt, max_tokens=120, native_mtp="on"))
     waiting, tokens, final = [], [], None
-    for chunk in run.stream():
+    for chunk in engine.stream(run):
         tokens.extend(chunk.token_ids)
-        waiting.append(len(run._head_hidden))
+        waiting.append(len(run.head._hidden))
         final = chunk
-    assert run.track_head and final.stats.k_histogram.get(0, 0) >= 2 * HEAD_WINDOW
+    assert run.head.tracked and final.stats.k_histogram.get(0, 0) >= 2 * HEAD_WINDOW
     assert [k for k in final.stats.k_histogram if k > 0]  # probes ran, after stretches longer than the window
     assert max(waiting) <= HEAD_WINDOW + 1  # (+1: the next step's row, built before a token is emitted)
     assert tokens == _greedy(engine, prompt, native_mtp="off", max_tokens=120).token_ids
@@ -266,7 +266,8 @@ def test_a_plain_stretch_records_only_the_rows_its_head_window_keeps(dense, monk
     HEAD_WINDOW steps (they would be dropped unseen: recording them cost adaptive decoding against plain);
     they count as skipped, the sequence's invariants hold at every chunk, the probe after it drafts from the
     window, and the output stays plain decoding's."""
-    from exo.engine.generate import HEAD_WINDOW, SequenceState
+    from exo.engine.depth import HEAD_WINDOW
+    from exo.engine.head_rows import HeadRows
 
     engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK, warm_acceptance=False))
     engine._costs = DepthCosts(beta=(1.45, 2.6, 3.7), delta=(0.01, 0.02, 0.03), device="test", plain_s=1.0)
@@ -274,17 +275,17 @@ def test_a_plain_stretch_records_only_the_rows_its_head_window_keeps(dense, monk
     _sit_at_plain_decoding(policy)
     policy.since_probe, policy.probe_every = 0, 3 * HEAD_WINDOW  # a first stretch of 96 plain tokens
     rows: list[bool] = []  # per plain-step row offered to the head: recorded (True) or skipped
-    original = SequenceState.wait_for_head
+    original = HeadRows.wait
 
     def recorded(self, hidden, tokens):
         rows.append(hidden is not None)
         return original(self, hidden, tokens)
 
-    monkeypatch.setattr(SequenceState, "wait_for_head", recorded)
+    monkeypatch.setattr(HeadRows, "wait", recorded)
     prompt = _prompt(dense, 10)
     run = engine.start(GenerationRequest(prompt, max_tokens=120, native_mtp="on"))
     tokens, final = [], None
-    for chunk in run.stream():
+    for chunk in engine.stream(run):
         run.check_invariants()
         tokens.extend(chunk.token_ids)
         final = chunk
@@ -292,7 +293,7 @@ def test_a_plain_stretch_records_only_the_rows_its_head_window_keeps(dense, monk
     first = rows.index(False)  # (the rows before: the prompt's and the first token's)
     # The stretch's first 64 rows are never kept, its last window waits for the probe.
     assert rows[first : first + 3 * HEAD_WINDOW] == [False] * (2 * HEAD_WINDOW) + [True] * HEAD_WINDOW
-    assert run.head_skipped >= 2 * HEAD_WINDOW
+    assert run.head.skipped >= 2 * HEAD_WINDOW
     assert tokens == _greedy(engine, prompt, native_mtp="off", max_tokens=120).token_ids
 
 
@@ -465,6 +466,24 @@ def test_disabled_by_setting_runs_plain_with_a_reason(dense):
         _greedy(engine, _prompt(dense, 6), native_mtp="on")
 
 
+def test_the_node_s_switch_travels_with_the_request(dense):
+    """A node's native-MTP switch reaches the engine in the request (``GenerationRequest.mtp_switch``): it decides
+    for that request, over the engine's own setting both ways, and the engine's configuration never changes."""
+    from exo.engine.request import MTPSwitch
+
+    engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK))
+    config = engine.config
+    off = _greedy(engine, _prompt(dense, 6), mtp_k=2, mtp_switch=MTPSwitch(False, "switched off on this node"))
+    assert not off.stats.enabled and off.stats.reason == "switched off on this node"
+    with pytest.raises(NativeMTPUnavailableError, match="switched off"):
+        _greedy(engine, _prompt(dense, 6), native_mtp="on", mtp_switch=MTPSwitch(False, "switched off on this node"))
+    assert engine.config is config and _greedy(engine, _prompt(dense, 6), mtp_k=2).stats.rounds > 0
+    configured_off = Engine(dense, EngineConfig(prefill_chunk=CHUNK, native_mtp_enabled=False))
+    on = _greedy(configured_off, _prompt(dense, 6), mtp_k=2, mtp_switch=MTPSwitch(True))
+    assert on.stats.enabled and on.stats.rounds > 0 and on.token_ids == off.token_ids
+    assert not configured_off.config.native_mtp_enabled
+
+
 def test_off_per_request(dense):
     result = _greedy(Engine(dense), _prompt(dense, 6), native_mtp="off")
     assert not result.stats.enabled and "off" in result.stats.reason
@@ -497,7 +516,7 @@ def test_round_phases_account_for_the_decode_time(dense, monkeypatch):
     run = engine.start(GenerationRequest(_prompt(dense, 10), max_tokens=30, native_mtp="on", mtp_k=2))
     marks: list[float] = []
     stats = None
-    for chunk in run.stream():
+    for chunk in engine.stream(run):
         marks.append(time.perf_counter())
         stats = chunk.stats or stats
         time.sleep(0.002)  # the caller's share of each round: it reads each chunk before the next round
@@ -690,7 +709,7 @@ def test_the_sequence_state_s_invariants_hold_between_every_chunk(dense, fields)
     engine._costs = DepthCosts(beta=(1.2, 1.3, 1.4), delta=(0.01, 0.02, 0.03), device="test", plain_s=1.0)
     run = engine.start(GenerationRequest(_prompt(dense, 11), max_tokens=40, **fields))
     checked = 0
-    for chunk in run.stream():
+    for chunk in engine.stream(run):
         if chunk.finish_reason is None:
             run.check_invariants()
             checked += 1
@@ -700,7 +719,7 @@ def test_the_sequence_state_s_invariants_hold_between_every_chunk(dense, fields)
 def test_a_broken_invariant_is_caught(dense):
     engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK))
     run = engine.start(GenerationRequest(_prompt(dense, 11), max_tokens=8, mtp_k=2))
-    stream = run.stream()  # held: a closed stream drops the sequence's caches
+    stream = engine.stream(run)  # held: a closed stream drops the sequence's caches
     next(stream)
     run.check_invariants()
     for c in run.cache:
@@ -723,7 +742,7 @@ def test_a_restored_prefix_then_prefilling_the_rest_decodes_as_a_cold_prompt(den
         list(donor.begin())
         run = engine.start(GenerationRequest(prompt, max_tokens=MAX_TOKENS, mtp_k=2))
         if with_head:
-            run.restore(tokens, donor.cache, donor.head_cache, donor._head_hidden[-1])
+            run.restore(tokens, donor.cache, donor.head.cache, donor.head.last_row)
         else:
             run.restore(tokens, donor.cache)
         fed: list[int] = []
@@ -736,7 +755,7 @@ def test_a_restored_prefix_then_prefilling_the_rest_decodes_as_a_cold_prompt(den
         engine.forward.hidden = counted
         try:
             out = []
-            for chunk in run.stream():
+            for chunk in engine.stream(run):
                 out.extend(chunk.token_ids)
                 if chunk.finish_reason is None:
                     run.check_invariants()
@@ -745,7 +764,7 @@ def test_a_restored_prefix_then_prefilling_the_rest_decodes_as_a_cold_prompt(den
         assert out == cold.token_ids, tokens
         assert sum(fed[: -(-(len(prompt) - tokens) // CHUNK)]) == len(prompt) - tokens  # only the rest prefilled
         if with_head:
-            assert run.recorder.accepted_total > 0
+            assert run.stats.recorder.accepted_total > 0
     with pytest.raises(ValueError):
         engine.start(GenerationRequest(prompt, max_tokens=4)).restore(len(prompt), [])
 
@@ -757,6 +776,7 @@ def test_a_round_s_pieces_driven_alone_reproduce_plain_decoding(dense):
     decoding's tokens, and the invariants hold after every round."""
     import mlx.core as mx
 
+    from exo.engine.round import commit, decide, draft
     from exo.engine.verify import verify_logits
 
     engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK))
@@ -768,13 +788,13 @@ def test_a_round_s_pieces_driven_alone_reproduce_plain_decoding(dense):
     rounds = 0
     while seq.output.finish is None:
         k = 0 if seq.near_tie else depths[rounds % 3]
-        drafts = seq.draft(k)
+        drafts = draft(seq, k)
         assert drafts.k == k and drafts.tokens.shape == (k,)
         rows = mx.concatenate([seq.pending_token.reshape(1), drafts.tokens])[None]
         hidden = engine.forward.hidden(rows, seq.cache, verify=True)
-        decision = seq.decide(drafts, verify_logits(engine.model, hidden, engine.verify_mode)[0])
+        decision = decide(seq, drafts, verify_logits(engine.model, hidden, engine.verify_mode)[0])
         mx.eval(hidden, *decision.arrays())
-        kept = seq.commit(decision, hidden)
+        kept = commit(seq, decision, hidden)
         assert kept == len(decision.emitted) and decision.accepted <= k
         engine.forward.rollback(seq.cache, k + 1, kept)
         seq.check_invariants()

@@ -378,14 +378,15 @@ def _serve(device, clients: list[_Client]) -> None:
 
 
 def test_a_pipelined_leaders_device_queue_batches_its_generations(checkpoint, pipelined):
-    """Generations waiting on a pipelined leader decode as one batch, as on a single node: the running one
-    hands over at a step boundary, newcomers prefill in chunks between the batch's steps and join, and each
-    gets its single-node solo output (greedy plain and drafting, seeded sampling)."""
+    """Generations waiting on a pipelined leader decode as one batch, as on a single node: the first prefills
+    in chunks alone, the others are admitted together once it decodes (their prompts fit one step's budget),
+    prefill in that step and join, and each gets its single-node solo output (greedy plain and drafting, seeded
+    sampling)."""
     from exo.engine import GenerationRequest
     from exo.runner.device import Device, Started
 
     path = checkpoint("qwen3_5", dtype="float32")
-    engine, pipe = pipelined("qwen3_5", batch_prefill_chunk=4)
+    engine, pipe = pipelined("qwen3_5", batch_prefill_chunk=64)
     sizes: list[int] = []
     device = Device(8, max_batch=4, on_batch=sizes.append)
     params = [dict(native_mtp="off"), dict(mtp_k=2), dict(sampling=SamplingParams(temperature=0.8, seed=3),
@@ -462,7 +463,7 @@ def test_a_members_consumer_failing_ends_it_alone_and_the_pipeline_serves_on(che
     through it is exact."""
     from exo.runner.device import Device, Failed
 
-    engine, pipe = pipelined("qwen3_5", batch_prefill_chunk=4)
+    engine, pipe = pipelined("qwen3_5", batch_prefill_chunk=64)  # the newcomers join in one step
     whole = _whole(checkpoint("qwen3_5", dtype="float32"))
 
     def breaks(client: _Client, at: int, device: Device, batched: bool) -> None:

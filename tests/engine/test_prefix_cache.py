@@ -120,15 +120,15 @@ def test_restored_caches_equal_a_cold_prefill(checkpoint, arch):
         run = engine.start(GenerationRequest(p2, max_tokens=4, mtp_k=1))
         for _ in run.prefill():  # the prompt's one entry; the first token is chosen, not yet emitted
             pass
-        token, _ = run._first
-        run._flush_head()
+        token = run.pending_token
+        run.head.flush()
         return run, token
 
     hit, hit_token = prefilled(warm)
     ref, ref_token = prefilled(cold)
     assert hit.prefilled > BLOCK
     assert hit_token.item() == ref_token.item()
-    for a, b in [*zip(hit.cache, ref.cache, strict=True), (hit.head_cache, ref.head_cache)]:
+    for a, b in [*zip(hit.cache, ref.cache, strict=True), (hit.head.cache, ref.head.cache)]:
         xs, ys = _arrays(a), _arrays(b)
         assert len(xs) == len(ys) > 0
         for x, y in zip(xs, ys, strict=True):
@@ -350,12 +350,12 @@ def test_a_requests_prompt_cache_key_groups_its_entries(checkpoint):
     path = checkpoint("qwen3_5", dtype="float32")
     warm, cold = _engine(path, cached=True), _engine(path, cached=False)
     p1, p2 = _prompt(warm, TURN1), _prompt(warm, TURN2)
-    _complete(warm, p1, cache_key="session-1", native_mtp="off")
+    _complete(warm, p1, prompt_cache_key="session-1", native_mtp="off")
     store = warm.prefix_cache.store
     assert len(store.keys()) == len(store) > 0
     assert {store.group_of(key) for key in store.keys()} == {f"{pc.key_hash('session-1'):016x}"}
     assert warm.prefix_cache.summary().keys == (pc.key_hash("session-1"),)
-    hit = _complete(warm, p2, cache_key="session-2", native_mtp="off")  # restored entries move to its key
+    hit = _complete(warm, p2, prompt_cache_key="session-2", native_mtp="off")  # restored entries move to its key
     assert hit.stats.cached_tokens > 0
     _same(hit, _complete(cold, p2, native_mtp="off"))
     assert f"{pc.key_hash('session-2'):016x}" in {store.group_of(key) for key in store.keys()}

@@ -25,6 +25,12 @@ def engine(checkpoint) -> Engine:
     return _engine(checkpoint("qwen3_5", dtype="float32"))
 
 
+@pytest.fixture
+def roomy(checkpoint) -> Engine:
+    """Prefill budgets that take every prompt here at once: the four waiting ones are admitted in one step."""
+    return fresh_engine(checkpoint("qwen3_5", dtype="float32"), eos=False, prefill_chunk=128, batch_prefill_chunk=64)
+
+
 class Client:
     """One generation job and what it received."""
 
@@ -69,7 +75,8 @@ def _serve(device: Device, clients: list[Client]) -> None:
     device.serve()
 
 
-def test_waiting_generations_decode_as_one_batch_with_their_solo_output(engine):
+def test_waiting_generations_decode_as_one_batch_with_their_solo_output(roomy):
+    engine = roomy
     sizes: list[int] = []
     device = Device(8, max_batch=4, on_batch=sizes.append)
     samplings = [SamplingParams(), SamplingParams(temperature=0.8, seed=3), SamplingParams(presence_penalty=1.0),
@@ -90,14 +97,43 @@ def test_waiting_generations_decode_as_one_batch_with_their_solo_output(engine):
         # The first four decoded together; the fifth joined when one left (and may have ended alone: a lone
         # member's tokens are no batch's).
         assert client.stats.batch_sizes or i == 4, f"client {i} never ran in a batch"
-    assert max(sizes) == 4 and device.generations == 5 and device.snapshot()["running"] == 0
+    # The four that waited were admitted and prefilled in the first step: they decoded together from it.
+    assert sizes[0] == 4 and max(sizes) == 4 and device.generations == 5 and device.snapshot()["running"] == 0
     assert max(clients[4].stats.batch_sizes, default=1) <= 4
 
 
-def test_waiting_generations_with_native_mtp_run_batched_rounds(engine):
+def test_generations_admitted_in_one_step_prefill_as_rows_of_one_call(roomy, monkeypatch):
+    """Waiting generations whose prompts fit the step's budget are admitted in one step and prefill as rows of
+    one backbone call (``engine.batch_prefill``); a prompt longer than what is left of the budget prefills in
+    chunks of its own. Every one gets its solo output."""
+    from exo.engine import batch_prefill
+
+    engine = roomy
+    groups: list[int] = []
+    together = batch_prefill.prefill_together
+
+    def watched(runs) -> None:
+        groups.append(len(runs))
+        together(runs)
+
+    monkeypatch.setattr(batch_prefill, "prefill_together", watched)
+    device = Device(8, max_batch=8, on_batch=(sizes := []).append)
+    clients = [Client(device, engine, i, max_tokens=12, native_mtp="off") for i in range(5)]
+    clients[4].prompt = engine.loaded.tokenizer.encode(TEXTS[0] * 8)  # > 128 tokens: its own chunks
+    clients[4].job.prompt = Prompt(token_ids=clients[4].prompt)
+    for client in clients:
+        device.submit(client.job)
+    _serve(device, clients)
+    assert groups == [4] and sizes[0] == 4
+    for i, client in enumerate(clients):
+        assert client.finish == "length" and client.tokens == client.solo(), f"client {i}"
+
+
+def test_waiting_generations_with_native_mtp_run_batched_rounds(roomy):
     """Generations that draft (a forced depth here; adaptive ones as their batch size pays) keep drafting in
     the batch: one verify call for all, each member's own verdict. Greedy members get their solo plain
     tokens, a seeded one its solo MTP samples."""
+    engine = roomy
     sizes: list[int] = []
     device = Device(8, max_batch=4, on_batch=sizes.append)
     samplings = [SamplingParams(), SamplingParams(temperature=0.8, seed=3), SamplingParams(presence_penalty=1.0),
@@ -199,6 +235,29 @@ def test_cancelling_one_member_leaves_the_batch_running(engine):
     assert clients[1].finish == "cancelled"
     cancelled = clients[1].tokens
     assert 0 < len(cancelled) < 16 and cancelled == clients[1].solo()[: len(cancelled)]
+    for client in (clients[0], clients[2]):
+        assert client.finish == "length" and client.tokens == client.solo()
+
+
+def test_a_member_whose_client_goes_away_frees_its_row_at_the_next_step(roomy):
+    """A client that disconnects mid-batch (its call's end cancels its job) leaves before the next step: that
+    step is one row smaller, and the others decode on to their solo output."""
+    engine = roomy
+    sizes: list[int] = []
+
+    def stepped(size: int) -> None:
+        sizes.append(size)
+        if len(sizes) == 5:
+            clients[1].job.cancel()  # between two steps, as the gRPC call's end does from its thread
+
+    device = Device(8, max_batch=4, on_batch=stepped)
+    clients = [Client(device, engine, i, max_tokens=20, native_mtp="off") for i in range(3)]
+    for client in clients:
+        device.submit(client.job)
+    _serve(device, clients)
+    assert sizes[:6] == [3, 3, 3, 3, 3, 2]
+    cancelled = clients[1].tokens
+    assert clients[1].finish == "cancelled" and 0 < len(cancelled) < 20 and cancelled == clients[1].solo()[: len(cancelled)]
     for client in (clients[0], clients[2]):
         assert client.finish == "length" and client.tokens == client.solo()
 
@@ -311,7 +370,7 @@ def test_a_newcomer_prefills_in_batch_chunks_with_a_batch_step_between_them(engi
     """A generation joining a running batch prefills in chunks of ``batch_prefill_chunk`` tokens (smaller than
     a solo prefill's), and the batch decodes a step between two chunks: a long prompt holds the running
     streams for a chunk at a time. Every output is still its solo one."""
-    from exo.engine.generate import SequenceState
+    from exo.engine.sequence import SequenceState
 
     device = Device(8, max_batch=4)
 
@@ -351,6 +410,59 @@ def test_a_newcomer_prefills_in_batch_chunks_with_a_batch_step_between_them(engi
     assert all(b > a for a, b in zip(steps_between, steps_between[1:], strict=False)), steps_between
 
 
+def test_a_running_stream_waits_at_most_one_step_budget_of_prefill_whatever_arrives(engine, monkeypatch):
+    """Newcomers with long prompts keep arriving while a stream decodes: between two of its decode steps the
+    device prefills at most one step's budget (``batch_prefill_chunk`` tokens) of all of theirs together, so
+    the stream never stalls behind them; every newcomer still gets in (FIFO) and every output is its solo one."""
+    budget = engine.config.batch_prefill_chunk
+    calls: list[int] = []  # the tokens of every backbone call; -1 after each decode step of the batch
+    hidden = engine.forward.hidden
+
+    def watched(tokens, cache, **kw):
+        calls.append(int(tokens.shape[0]) * int(tokens.shape[1]))
+        return hidden(tokens, cache, **kw)
+
+    monkeypatch.setattr(engine.forward, "hidden", watched)
+    device = Device(16, max_batch=8, on_batch=lambda size: calls.append(-1))
+    late: list[Client] = []
+
+    def arrive(job: GenerationJob) -> None:
+        if 2 <= job.steps <= 7 and len(late) < job.steps - 1:  # a newcomer at each of its steps 2..7
+            client = Client(device, engine, len(late), max_tokens=6, native_mtp="off")
+            client.prompt = engine.loaded.tokenizer.encode(TEXTS[len(late) % len(TEXTS)] * 3)
+            client.job.prompt = Prompt(token_ids=client.prompt)
+            late.append(client)
+            device.submit(client.job)
+            watch(client)
+
+    clients = [Client(device, engine, 0, max_tokens=80, native_mtp="off", hook=arrive)]
+
+    def watch(client: Client) -> None:
+        done = client.job.on_done
+
+        def on_done(*args) -> None:
+            done(*args)
+            if all(c.finish is not None for c in clients + late):
+                device.close()
+
+        client.job.on_done = on_done
+
+    watch(clients[0])
+    device.submit(clients[0].job)
+    device.serve()
+    assert len(late) == 6
+    # Each step's calls are its prefill chunks, then its decode step's (the last before the -1): from the first
+    # step on (before it nothing decodes, and the first stream's prefill has the idle budget), a step's chunks
+    # hold at most the step budget.
+    steps = " ".join(map(str, calls)).split(" -1")
+    assert len(steps) > 20
+    for step in steps[1:-1]:
+        tokens = [int(t) for t in step.split()]
+        assert sum(tokens[:-1]) <= budget, calls
+    for client in clients + late:
+        assert client.finish == "length" and client.tokens == client.solo()
+
+
 def _serve_within(device: Device, clients: list[Client], seconds: float) -> None:
     """``_serve`` on a thread, given ``seconds`` for every client to end (a member left hanging fails the test
     instead of hanging it)."""
@@ -368,7 +480,7 @@ def _serve_within(device: Device, clients: list[Client], seconds: float) -> None
 def test_a_member_whose_stream_breaks_fails_alone_and_the_others_finish(engine):
     """A member's consumer raising (its client's stream broke) ends that member with an error; the batch
     decodes on without it and every other member gets its solo output and its end."""
-    from exo.engine.generate import GenerationChunk
+    from exo.engine.request import GenerationChunk
 
     device = Device(8, max_batch=4)
     clients = [Client(device, engine, i, max_tokens=16) for i in range(3)]

@@ -173,7 +173,7 @@ def test_the_next_turn_after_a_restart_restores_from_disk(checkpoint, tmp_path):
     p2 = list(tokenizer.apply_chat_template(turn2, add_generation_prompt=True))
     greedy = dict(max_tokens=10, sampling=SamplingParams(temperature=0.0), mtp_k=2)
     first = engine(True)
-    first.complete(GenerationRequest(p1, cache_key="conv-1", **greedy))
+    first.complete(GenerationRequest(p1, prompt_cache_key="conv-1", **greedy))
     first.prefix_cache.store.close()  # the runner's graceful exit: writes finished
     restarted = engine(True)
     assert restarted.prefix_cache.store.ram.bytes == 0
@@ -181,7 +181,7 @@ def test_the_next_turn_after_a_restart_restores_from_disk(checkpoint, tmp_path):
     disk = restarted.prefix_cache.store.disk
     group = f"{pc.key_hash('conv-1'):016x}"
     assert disk.keys() and all(disk.group_of(key) == group for key in disk.keys())
-    hit = restarted.complete(GenerationRequest(p2, cache_key="conv-1", **greedy))
+    hit = restarted.complete(GenerationRequest(p2, prompt_cache_key="conv-1", **greedy))
     cold = engine(False).complete(GenerationRequest(p2, **greedy))
     header = max(i for i, t in enumerate(p1) if t in restarted.prefix_cache.starts)  # turn 1's generation header
     assert p2[: len(p1)] == p1 and hit.stats.cached_tokens == header
@@ -208,8 +208,7 @@ def test_the_ram_budget_shrinks_to_what_the_node_has_free(tmp_path):
 def test_a_served_engine_gets_the_shrunk_budget_and_reports_it(checkpoint, tmp_path):
     """``ready_engine`` (the runner's and the local service's) counts the instance's KV budget and activation
     margin before the RAM tier: on a node whose memory is its weights + that + 3 MiB, the tier gets 3 MiB."""
-    from exo.cards.schema import CONTEXT_BUDGET_TOKENS
-    from exo.cluster.placement import ACTIVATION_MARGIN_BYTES
+    from exo.cards.schema import ACTIVATION_MARGIN_BYTES, CONTEXT_BUDGET_TOKENS
     from exo.engine.batch import sequence_bytes
     from exo.runner.loading import ready_engine, reserve_bytes
 

@@ -25,7 +25,7 @@ from aiohttp import web
 from exo.cluster.service import BatchedStream, GenerateParams, Prompt, Started
 from exo.engine import GenerationChunk, SamplingParams
 from exo.engine.constraints import ConstraintSpec
-from exo.engine.generate import TokenLogprob
+from exo.engine.request import TokenLogprob
 
 from .config import CONFIG, METRICS, SERVICE
 from .errors import APIError, api_error_from
@@ -92,7 +92,7 @@ def _params(
         constraint=constraint,
         logprobs=logprobs,
         ignore_eos=bool(req.ignore_eos),
-        cache_key=req.cache_key(),
+        prompt_cache_key=req.prompt_cache_key_text(),
     )
 
 

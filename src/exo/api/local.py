@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -34,12 +35,14 @@ from exo.cluster.service import (
     ModelLoadTimeoutError,
     Prompt,
     RequestTimeoutError,
+    Started,
 )
 from exo.engine import Engine, NativeMTPStats, ResolvedModel
 from exo.engine.prompt import tokenize
+from exo.engine.request import MTPSwitch
 from exo.engine.resolve import DEFAULT_MODEL, resolve_model
 from exo.metrics import Metrics
-from exo.runner.device import Device, GenerationJob, Started
+from exo.runner.device import Device, GenerationJob
 from exo.runner.loading import load_for_serving, ready_engine
 from exo.settings import Settings
 
@@ -283,7 +286,6 @@ class LocalModelService:
             if resolved is None:
                 raise UnknownModelError(model_id, [])
             engine = self._load(resolved)
-        engine.set_native_mtp(*self._mtp)  # between requests (we are on the device thread)
         return engine
 
     def _load(self, resolved: ResolvedModel) -> Engine:
@@ -345,6 +347,7 @@ class LocalModelService:
                 self.metrics.running.set(len(self.device.active))
             channel.put(item)
 
+        params = dataclasses.replace(params, mtp_switch=MTPSwitch(*self._mtp))  # this node's switch decides
         job = GenerationJob(
             self.device, lambda: self._engine(model_id), prompt, params, emit, timeout_s=timeout_s,
             arrived=arrived, on_done=on_done, step_hook=self.step_hook, batch_key=model_id,

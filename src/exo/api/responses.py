@@ -77,7 +77,7 @@ class ResponsesRequest(BaseModel):
     text: _Text | None = None
     reasoning: _Reasoning | None = None
     include: list[str] | None = None
-    prompt_cache_key: Any = None  # any value: a hint, never an error (schemas.cache_key_text)
+    prompt_cache_key: Any = None  # any value: a hint, never an error (schemas.prompt_cache_key_text)
     store: bool | None = None
     previous_response_id: str | None = None
     stream: bool | None = None

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from exo.engine.generate import MAX_FORCED_K
+from exo.engine.request import MAX_FORCED_K
 from exo.engine.stats import NativeMTPStats
 
 from .errors import APIError
@@ -221,7 +221,7 @@ class JSONSchemaFormat(BaseModel):
 ResponseFormat = Annotated[TextFormat | JSONObjectFormat | JSONSchemaFormat, Field(discriminator="type")]
 
 
-def cache_key_text(value: Any) -> str | None:
+def prompt_cache_key_text(value: Any) -> str | None:
     """A ``prompt_cache_key`` as sent -> the key (a string as is; another value's JSON; null or "": none)."""
     if value is None or value == "":
         return None
@@ -261,9 +261,9 @@ class GenerationFields(BaseModel):
         "one key's entries together. Prompts are matched by their tokens whatever the key",
     )
 
-    def cache_key(self) -> str | None:
+    def prompt_cache_key_text(self) -> str | None:
         """``prompt_cache_key`` as the key it stands for (None: none)."""
-        return cache_key_text(self.prompt_cache_key)
+        return prompt_cache_key_text(self.prompt_cache_key)
     native_mtp: NativeMTPOptions | None = None
     ignore_eos: bool | None = Field(
         default=None,

@@ -11,6 +11,9 @@ from pydantic_core import ErrorDetails
 # The tokens of attention KV an instance reserves room for (at most the model's context for placement):
 # one long sequence, or the sequences of a batch together (exo.runner.device admits by it).
 CONTEXT_BUDGET_TOKENS = 32768
+# What placement counts for a loaded instance's activations beyond its weights and KV (exo.cluster.placement),
+# and what a runner keeps free for them (its prefix cache's RAM tier takes none of it).
+ACTIVATION_MARGIN_BYTES = 512 << 20
 
 # mlx-lm `model_type`s this project runs.
 Arch = Literal["qwen3_5", "qwen3_5_moe", "qwen3_next"]

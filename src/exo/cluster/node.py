@@ -17,21 +17,21 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
 
+from exo import system
 from exo.cards import ModelCard, UnknownModelError
 from exo.downloads import HubConfig
 from exo.downloads.fetch import free_bytes
 from exo.engine import ResolvedModel
+from exo.engine.request import MTPSwitch
 from exo.engine.resolve import ModelNotAvailableError
 from exo.settings import Settings
 from exo.wire.proto_gen import node_pb2 as pb
 from exo.wire.proto_gen import node_pb2_grpc as pb_grpc
 
-from . import system
 from .auth import AuthInterceptor, ClusterAuth
 from .fetching import InstanceFetcher, node_downloads
 from .identity import NodeIdentity
@@ -49,12 +49,6 @@ MODELS_REFRESH_S = 10.0
 
 def new_instance_id() -> str:
     return "inst-" + uuid.uuid4().hex[:12]
-
-
-@dataclass(frozen=True)
-class MTPSwitch:
-    enabled: bool
-    reason: str
 
 
 class ClusterNode:
@@ -299,7 +293,7 @@ class ClusterNode:
 
     def switch_pb(self) -> pb.NodeSwitch:
         switch = self.mtp_switch()
-        return pb.NodeSwitch(enabled=switch.enabled, disabled_reason=switch.reason)
+        return pb.NodeSwitch(enabled=switch.enabled, disabled_reason=switch.disabled_reason)
 
     def generate_local(self, request: pb.GenerateRequest, timeout: float | None) -> grpc.aio.UnaryStreamCall:
         """A generation on this node's instance (named, or the ready one of the model)."""
@@ -380,8 +374,9 @@ class NodeServicer(pb_grpc.NodeServicer):
             async for chunk in call:
                 yield chunk
         except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.CANCELLED:
-                # The runner went away mid-generation (crashed, or killed with its pipeline group).
+            # The runner went away mid-generation (crashed, or killed with its pipeline group); a call cancelled
+            # while our caller is still there was cancelled under us (the runner's channel closed as it died).
+            if e.code() != grpc.StatusCode.CANCELLED or not context.cancelled():
                 message = f"the runner of {request.model} failed: {e.code().name}: {e.details()}"
                 yield pb.GenerateChunk(error=pb.GenerateError(type="model_unavailable", message=message))
         finally:

@@ -32,9 +32,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from exo.cards import ModelCard
-from exo.cards.schema import CONTEXT_BUDGET_TOKENS
+from exo.cards.schema import ACTIVATION_MARGIN_BYTES, CONTEXT_BUDGET_TOKENS
 
-ACTIVATION_MARGIN_BYTES = 512 << 20
 LIVE_STATES = frozenset({"loading", "ready"})
 MAX_ORDERED_EXHAUSTIVELY = 7  # stages ordered by trying every order up to this many nodes, greedily beyond
 
@@ -79,7 +78,7 @@ class ModelRequirement:
     ) -> ModelRequirement:
         """``weights_bytes``: the checkpoint's size on disk when known, else the card's storage_bytes. The parts
         that are not layers are estimated from the card (``estimate_parts``) until a node's checkpoint
-        headers say what they are (``orchestration.model_requirement`` then replaces them)."""
+        headers say what they are (``cluster_view.model_requirement`` then replaces them)."""
         kv = card.kv_bytes_per_token() if card.head_dim is not None else 0
         weights = weights_bytes if weights_bytes is not None else card.storage_bytes
         embed, output, mtp = estimate_parts(card, weights)

@@ -113,13 +113,13 @@ def stored_heads(tokens: Sequence[int], summary: Summary, message_starts: frozen
     return [(p, head_hash(snapshot_key(p, chain, tokens, summary.block_tokens))) for p in edges]
 
 
-def choose(candidates: Sequence[Candidate], tokens: Sequence[int] | None, cache_key: str | None,
+def choose(candidates: Sequence[Candidate], tokens: Sequence[int] | None, prompt_cache_key: str | None,
            recent: Recent | None = None) -> Choice:
     """The instance to send a request to (``tokens``: the prompt's, None when they cannot be known here;
     ``recent``: this router's own recent decisions)."""
     assert candidates
     chains: dict[tuple[str, int], list[bytes]] = {}
-    wanted = key_hash(cache_key) if cache_key else None
+    wanted = key_hash(prompt_cache_key) if prompt_cache_key else None
     scored = []
     for i, c in enumerate(candidates):
         inst = c.located.instance

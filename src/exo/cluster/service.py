@@ -16,8 +16,8 @@ from typing import Any, Literal, Protocol
 
 from exo.engine import GenerationChunk
 from exo.engine.prompt import GenerateParams, Prompt
-from exo.runner.device import Failed, Started
 from exo.wire.errors import NodeUnavailableError, QueueFullError, RequestTimeoutError
+from exo.wire.stream import Failed, Started
 
 __all__ = [
     "DEADLINE_GRACE_S", "BatchedStream", "ClusterAuthError", "Failed", "GenerateParams", "InstanceNotFoundError", "ModelInfo",

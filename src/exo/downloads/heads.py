@@ -37,7 +37,7 @@ from mlx.utils import tree_flatten
 
 from exo.engine.convert import quantize_head
 from exo.engine.forward import Forward
-from exo.engine.generate import Engine, EngineConfig, GenerationRequest
+from exo.engine.generate import Engine, EngineConfig
 from exo.engine.loader import (
     HEAD_PREFIXES,
     HEAD_RECOVERY_NOTE,
@@ -52,6 +52,7 @@ from exo.engine.loader import (
 )
 from exo.engine.loader import _sidecar_convention as metadata_norm_convention
 from exo.engine.models.mtp import MTPHead
+from exo.engine.request import GenerationRequest
 
 SIDECAR = SIDECAR_NAMES[0]
 PENDING_SIDECAR = "mtp.pending.safetensors"  # converted on a pipeline's last stage, not yet checked

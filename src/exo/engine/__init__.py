@@ -14,19 +14,18 @@ from __future__ import annotations
 from exo.settings import Settings, load_settings
 
 from .adaptive import DepthCosts, DepthPolicy
-from .generate import (
+from .generate import Engine, EngineConfig
+from .loader import CheckpointError, LoadedModel, MTPHeadError, load_checkpoint
+from .memory import DeviceMemoryError
+from .models import UnsupportedModelError
+from .request import (
     ContextLengthError,
-    Engine,
-    EngineConfig,
     GenerationChunk,
     GenerationRequest,
     GenerationRequestError,
     GenerationResult,
     NativeMTPUnavailableError,
 )
-from .loader import CheckpointError, LoadedModel, MTPHeadError, load_checkpoint
-from .memory import DeviceMemoryError
-from .models import UnsupportedModelError
 from .resolve import ModelNotAvailableError, ResolvedModel, resolve_model
 from .sampling import SamplingParams, SamplingParamsError
 from .stats import NativeMTPStats

@@ -26,9 +26,10 @@ no depth can pay, probes grow rare. Where no depth could pay even at full accept
 (a compute-bound CPU), the policy never drafts or probes.
 
 In a batch (``BatchDepthPolicy``) one K serves every member of a round, chosen per batch-size bucket
-(1, 2, 3-4, 5-8, 9-16, 17+) by a ``DepthPolicy`` over that bucket's timings of batched steps and rounds, the
+(2, 3-4, 5-8, 9-16, 17+) by a ``DepthPolicy`` over that bucket's timings of batched steps and rounds, the
 solo policy's acceptance tracker shared; until its rounds are paired with its plain steps a bucket's costs
-are the solo warm-up's scaled by its measured rows-cost factor (``batch_costs``).
+are the solo warm-up's scaled by its measured rows-cost factor (``batch_costs``). A batch of one is a solo
+request: its bucket is the solo policy itself (``engine.depth`` applies the solo rules to it).
 
 Everything here is pure Python over numbers: table-tested in tests/engine/test_adaptive.py.
 """
@@ -51,16 +52,14 @@ from typing import Any
 # alike would cost head catch-ups for nothing.
 MIN_GAIN = 1.03
 # A batch of several starts drafting only on a clear margin: its members' acceptance runs below the solo
-# acceptance its estimates use (heads fall behind while the batch decodes plainly). Serving exo-demo to 8
-# clients on an H100, batches drafting where solo drafting paid 1.04x served 703 tok/s against plain batching's
-# 796; with this margin they decoded plainly (bench/results/h100-mlx-cuda-batching-mtp-modes.txt, runs 2-3).
+# acceptance its estimates use (heads fall behind while the batch decodes plainly); without it, batches drafted
+# where plain batching served more (docs/performance.md, "The engine's constants").
 BATCH_ENTRY_GAIN = 1.15
 PRIOR_ACCEPTANCE = 0.6  # before any observation (a typical trained head accepts 0.6-0.85)
 PRIOR_WEIGHT = 1.0  # pseudo-observations behind the prior
 FORGET = 0.97  # per observation: recent rounds matter more (acceptance varies with the text)
-# The warm-up's greedy answer counts for at most this many rounds (the requests' own rounds soon outvote it).
-# On this CPU it took adaptive from 0.966x to 0.988x the fastest fixed depth
-# (bench/results/cpu-2core-bench-exo-demo-warm-acceptance-2026-11-27.txt).
+# The warm-up's greedy answer counts for at most this many rounds (the requests' own rounds soon outvote it;
+# docs/performance.md, "The engine's constants").
 WARM_WEIGHT = 6.0
 # Probes judge another depth by its acceptance plus this many standard errors of its evidence (a position seen
 # once or twice is uncertain, not bad) and its cost over COST_DOUBT (a pair timed in a busy moment).
@@ -73,8 +72,8 @@ PROBE_PLAIN_TOKENS = 32  # a probe of plain decoding: one timed burst
 PAIR_SAMPLES = 3  # timings on each side of a pair (a solo plain burst already averages its tokens: one)
 PAIR_KEEP = 5  # ratios kept per two depths (their median is the pair's)
 COST_PRIOR_WEIGHT = 0.1  # the warm-up's cost (times the glue), as pairs' worth of evidence
-# Plain bursts shorter than this are not timed: their first step is built before any compute overlaps it (on
-# this CPU a 5-token burst measured 11.8 ms a token against 9.7 in long ones).
+# Plain bursts shorter than this are not timed: their first step is built before any compute overlaps it, so a
+# short burst times mostly that (docs/performance.md, "The engine's constants").
 PLAIN_TIMED_MIN = 8
 
 
@@ -511,8 +510,8 @@ def trace_from_env(costs: DepthCosts, max_k: int) -> Callable[[dict[str, Any]], 
         return None
     start = time.perf_counter()
     # Events wait in memory and go to the file at each new request (before its prefill, off the decode path),
-    # every TRACE_BUFFER events, and at exit: a file opened and written per event cost ~0.1 ms a round, 1-1.5%
-    # of an H200's 6-9 ms rounds, which traced runs then charged to adaptive alone.
+    # every TRACE_BUFFER events, and at exit: a file written per event slowed traced rounds, which traced runs
+    # then charged to adaptive alone (docs/performance.md, "The engine's constants").
     pending: list[dict[str, Any]] = []
 
     def flush() -> None:
@@ -586,15 +585,17 @@ class BatchDepthPolicy:
     _buckets: dict[int, DepthPolicy] = field(default_factory=dict, init=False)
 
     def bucket(self, size: int) -> DepthPolicy:
+        """The policy of batches of ``size``: the solo policy for a batch of one."""
         index = batch_bucket(size)
+        if index == 0:
+            return self.solo
         policy = self._buckets.get(index)
         if policy is None:
-            # A batch of one starts at the solo default depth, as a solo request does; larger ones on their
-            # estimates.
+            # A batch of several starts on its estimates (not the solo default depth), drafting only on a
+            # clear margin.
             policy = DepthPolicy(
-                costs=batch_costs(self.solo.costs, size), max_k=self.solo.max_k,
-                default_k=self.solo.default_k if index == 0 else 0, can_draft=self.solo.mtp_can_pay_off,
-                entry_gain=MIN_GAIN if index == 0 else BATCH_ENTRY_GAIN, plain_samples=PAIR_SAMPLES,
+                costs=batch_costs(self.solo.costs, size), max_k=self.solo.max_k, default_k=0,
+                can_draft=self.solo.mtp_can_pay_off, entry_gain=BATCH_ENTRY_GAIN, plain_samples=PAIR_SAMPLES,
             )
             policy.tracker = self.solo.tracker  # acceptance is the head's on the text, whatever the batch
             self._buckets[index] = policy
@@ -607,13 +608,13 @@ class BatchDepthPolicy:
         return plain / solo if plain and solo else None
 
     def choose(self, size: int) -> int:
+        if batch_bucket(size) == 0:
+            return self.solo.choose()
         if not self.solo.mtp_can_pay_off:
             return 0
         if size > 1 and not self.solo.drafting_pays():
             # Solo requests, which draft cheapest (one row each), do not gain by drafting here: a batch, whose
-            # members' heads also fall behind while it decodes plainly, would not either (exo-demo on an H100:
-            # adaptive batches of 8 drafting off their estimates served 2.88x one client where plain batching
-            # served 3.60x: bench/results/h100-mlx-cuda-batching-mtp-modes.txt, run 1).
+            # members' heads also fall behind while it decodes plainly, would not either (docs/performance.md, "The engine's constants").
             return 0
         policy = self.bucket(size)
         if policy.estimator.plain_s() is None:

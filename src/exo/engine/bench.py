@@ -16,7 +16,8 @@ from pydantic import BaseModel, Field
 
 from .adaptive import expected_speedup
 from .costs import catch_up_seconds, measure_costs
-from .generate import Engine, GenerationRequest, GenerationResult
+from .generate import Engine
+from .request import GenerationRequest, GenerationResult
 from .sampling import SamplingParams
 
 DEFAULT_PROMPTS = (

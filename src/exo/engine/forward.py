@@ -19,9 +19,8 @@ from .verify import VerifyMode
 
 # A verify call cannot be built while the previous round computes (its drafts need that round's verdict),
 # so on MLX's CPU backend, whose stream thread computes while the host builds, it is evaluated two layers
-# at a time as it is built: exo-demo's rounds at K = 1/2/3 took 0.974/0.949/0.974x the time (K = 2 went
-# from 0.995x to 1.053x plain decoding). On an H100, where the host only launches kernels, the extra syncs
-# cost 0-10%: off there. Plain steps are pipelined across steps already.
+# at a time as it is built (rounds took less time). On a GPU, where the host only launches kernels, the extra
+# syncs cost: off there (docs/performance.md, "The engine's constants"). Plain steps are pipelined across steps already.
 VERIFY_EVAL_EVERY = 2
 
 

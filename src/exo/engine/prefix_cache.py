@@ -32,9 +32,9 @@ The hook: ``Engine.start`` ends with ``restore_prefix``, which looks the prompt 
 and hands the restored caches to the new sequence through its seam (``SequenceState.restore``), so a solo
 run, a batch newcomer and constrained or logprobs runs all get it; the sequence keeps the plan
 (``PrefillPlan``) for its prefill's chunk edges (``spans``, ``reached``) and calls ``capture`` once its
-first token is out; ``SequenceState.store_end`` calls ``capture_end`` where a sequence ends (a member leaving the one
-decode loop, ``BatchDecoder._store_ended``: a lone member's own caches, a batched one's row); on a pipeline the
-other stages store their part of it too (``StagePrefix.store_end``, the leader's STORE_END op record).
+first token is out; ``store_reply`` calls ``capture_end`` where a sequence ends (a member leaving the one decode
+loop, ``BatchDecoder._store_ended``: a lone member's own caches, a batched one's row); on a pipeline the other
+stages store their part of it too (``StagePrefix.store_end``, the leader's STORE_END op record).
 
 A store that raises (out of memory or disk, an unreadable entry) is a miss or a skipped store, logged and counted
 (``PrefixCache.note_failure``), never a failed request or a stage that stops: a restore touches no cache before it has
@@ -474,12 +474,12 @@ class PrefixCache:
             if all(self.store.has(k) for k in needed):
                 yield p, name
 
-    def plan(self, tokens: Sequence[int], need_head: bool, cache_key: str | None = None, *,
+    def plan(self, tokens: Sequence[int], need_head: bool, prompt_cache_key: str | None = None, *,
              within: Callable[[list[int]], int] | None = None, edges: list[int] | None = None) -> PrefillPlan:
-        """The restore point and snapshot edges for a prompt (``cache_key``: its ``prompt_cache_key``).
+        """The restore point and snapshot edges for a prompt (with its ``prompt_cache_key``).
         A pipeline's stages: ``within`` settles on a position among those this stage holds (the leader asks the
         other stages, 0: none), ``edges`` are the leader's (a stage has no tokenizer to find message starts)."""
-        group = self.note_key(cache_key)
+        group = self.note_key(prompt_cache_key)
         tokens = list(tokens)
         chain = block_chain(tokens, self.block, self.ns)
         self.stats.lookups += 1
@@ -808,17 +808,17 @@ class NoPlan:
 
 
 def plan_for(cache: PrefixCache | None, tokens: Sequence[int], need_head: bool, stages: int,
-             cache_key: str | None = None, lookup: Callable[[list[int]], list[int]] | None = None) -> PrefillPlan | NoPlan:
+             prompt_cache_key: str | None = None, lookup: Callable[[list[int]], list[int]] | None = None) -> PrefillPlan | NoPlan:
     """The plan a run's prefill follows. A pipeline's leader asks the other stages which of the positions it
     holds they hold too (``lookup``: ``PipelineForward.prefix_lookup``; every stage keeps its own layers' part
     under its own namespace) and settles on the deepest all of them hold."""
     if cache is None:
         return NoPlan()
     if stages == 1:
-        return cache.plan(tokens, need_head, cache_key)
+        return cache.plan(tokens, need_head, prompt_cache_key)
     if lookup is None:
         return NoPlan()
-    return cache.plan(tokens, need_head, cache_key, within=lambda held: max(lookup(held), default=0))
+    return cache.plan(tokens, need_head, prompt_cache_key, within=lambda held: max(lookup(held), default=0))
 
 
 class StagePrefix:
@@ -903,11 +903,12 @@ def restore_prefix(cache: PrefixCache | None, state: Any) -> None:
     lookup = None
     if forward.stages > 1 and hasattr(forward, "prefix_lookup"):
         lookup = functools.partial(forward.prefix_lookup, caches, tokens)
-    plan = plan_for(cache, tokens, state.track_head, forward.stages, getattr(state.request, "cache_key", None), lookup)
-    state._prefix = plan
+    tracked = state.head.tracked
+    plan = plan_for(cache, tokens, tracked, forward.stages, getattr(state.request, "prompt_cache_key", None), lookup)
+    state.prefix = plan
     if isinstance(plan, NoPlan):
         return
-    head_cache = KVCache() if state.track_head else None
+    head_cache = KVCache() if tracked else None
     if lookup is not None:
         # Every stage restores the settled position (or, where one cannot, all start from 0 again), and
         # learns the leader's snapshot edges: each stores its part of the prompt at the same block edges.
@@ -925,3 +926,29 @@ def restore_prefix(cache: PrefixCache | None, state: Any) -> None:
         state.restore(plan.restored, caches)
     else:
         state.restore(plan.restored, caches, head_cache, plan.head_row)
+
+
+def store_reply(state: Any, caches: list[Any], owner: list[Any], row: int) -> int:
+    """A sequence that ended normally (finish "stop" or "length"; never a cancelled or failed one) keeps its
+    generated part in the prefix cache (``PrefillPlan.capture_end``): the next turn resends this prompt and the
+    reply. ``caches``: the sequence's (a batch member's row: ``batch_cache.batch_row``), held in ``owner`` at
+    ``row`` (-1: its own), which a pipeline's other stages need to find their part: on a pipeline every other
+    stage stores its layers' part too (``forward.store_end``: the tokens past the prompt, before the row is
+    filtered out or the slot dropped). The head's entries go too where it was fed every position (no gap).
+    Returns the bytes stored here (0: nothing, e.g. a reply shorter than a block, or a store that raised:
+    logged and counted, ``PrefixCache.note_failure``; the request's reply is never affected)."""
+    if state.output.finish not in ("stop", "length"):
+        return 0
+    positions = next((c.offset for c in caches if isinstance(c, KVCache)), None)
+    fed = [*state.request.prompt_tokens, *state.output.tokens]
+    # The caches hold the prompt, then the output's tokens in order, the last one never fed; past a finish
+    # inside an accepted run they hold drafts after it too: then the state at the end is not this reply's.
+    if positions is None or positions > len(fed):
+        return 0
+    plan = state.prefix
+    forward = state.forward
+    prompt = getattr(plan, "n", None)  # (None: no plan, nothing to store on any stage)
+    if (forward.stages > 1 and prompt is not None and hasattr(forward, "store_end")
+            and positions - prompt >= plan.cache.block and not plan.failed):
+        forward.store_end(owner, row, fed[prompt:positions])
+    return plan.capture_end(fed[:positions], caches, state.head.fed_through(positions))

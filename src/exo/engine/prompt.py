@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .constraints import ConstraintError, ConstraintSpec, ToolFormat, tool_format
-from .generate import ContextLengthError, Engine, GenerationRequest, GenerationRequestError, NativeMTPMode
+from .generate import Engine
+from .request import ContextLengthError, GenerationRequest, GenerationRequestError, MTPSwitch, NativeMTPMode
 from .sampling import SamplingParams
 
 # apply_chat_template arguments a request must not override through chat_template_kwargs.
@@ -78,6 +79,9 @@ class Prompt:
     token_ids: list[int] | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     tools: list[dict[str, Any]] | None = None
+    # Its token ids as ``prompt_tokens`` renders them, where a router computed them already (the prompt is
+    # tokenized once on its way to the model); None: where the model lives tokenizes it.
+    rendered: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,8 @@ class GenerateParams:
     constraint: ConstraintSpec | None = None  # the output must follow it (constrained decoding)
     logprobs: int | None = None  # report log-probabilities, with this many alternatives (0..20)
     ignore_eos: bool = False  # generate past end-of-sequence tokens, up to max_tokens
-    cache_key: str | None = None  # OpenAI's prompt_cache_key: a hint for the prefix cache and the router
+    prompt_cache_key: str | None = None  # a hint for the prefix cache and the router (None: none)
+    mtp_switch: MTPSwitch | None = None  # the serving node's native-MTP switch, set where the model lives
 
 
 def renders_tools(tokenizer: Any) -> bool:
@@ -196,7 +201,7 @@ def generation_request(
     (``enable_thinking=False``, unless the request says otherwise) and a think block the generation prompt
     still opens is closed, so the grammar applies to the answer itself."""
     constrained_chat = params.constraint is not None and prompt.messages is not None
-    tokens = prompt_tokens(engine.loaded.tokenizer, prompt, params)
+    tokens = list(prompt.rendered) if prompt.rendered is not None else prompt_tokens(engine.loaded.tokenizer, prompt, params)
     thinking = prompt.messages is not None and opens_think(engine.loaded.tokenizer, tokens)
     if constrained_chat and thinking:
         tokens += list(engine.loaded.tokenizer.encode(THINK_CLOSE, add_special_tokens=False))
@@ -228,5 +233,6 @@ def generation_request(
         logprobs=params.logprobs,
         thinking=thinking,
         ignore_eos=params.ignore_eos,
-        cache_key=params.cache_key,
+        prompt_cache_key=params.prompt_cache_key,
+        mtp_switch=params.mtp_switch,
     )

@@ -1,8 +1,10 @@
-"""Statistics of one generation: what users see as ``native_mtp`` in the CLI and API."""
+"""Statistics of one generation: what users see as ``native_mtp`` in the CLI and API, and what a sequence
+counts while it decodes (``SequenceStats``)."""
 
 from __future__ import annotations
 
-from typing import Literal
+import time
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -77,3 +79,118 @@ class StatsRecorder:
 
     def per_position_drafted(self) -> list[int]:
         return [r for r in self.reached if r > 0]
+
+
+class SequenceStats:
+    """What one sequence counts while it decodes, for its final ``NativeMTPStats``: rounds and acceptance
+    (``recorder``), the tokens it decoded in batches of several (per batch size: a batch of one is no batch),
+    the times of its start and first token, and with ``profile`` its rounds' time per phase."""
+
+    def __init__(self, max_k: int, profile: bool) -> None:
+        self.recorder = StatsRecorder(max(max_k, 1))
+        self.batch_sizes: dict[int, int] = {}
+        self.batch_rounds = 0  # speculative rounds it drafted in, in a batch of several
+        self.started = self.first_time = 0.0
+        self._pending_size = 0  # the size of the batch step that computed the pending token
+        self.phases: dict[str, float] | None = {} if profile else None
+        self._phase_start = self._round_end = 0.0
+
+    def in_batch(self, size: int, tokens: int) -> None:
+        """``tokens`` were decided in a step of a batch of ``size``."""
+        if size > 1:
+            self.batch_sizes[size] = self.batch_sizes.get(size, 0) + tokens
+
+    def computed_in(self, size: int) -> None:
+        """The pending token was computed by a plain step of a batch of ``size`` (counted when emitted)."""
+        self._pending_size = size
+
+    def emitted_pending(self) -> None:
+        self.in_batch(self._pending_size, 1)
+        self.recorder.plain_steps(1)
+
+    def round_ran(self, size: int, drafted: int, tokens: int) -> None:
+        """A round of a batch of ``size`` in which this sequence drafted ``drafted`` and decided ``tokens``
+        (with no drafts, its share was a plain step's)."""
+        self.in_batch(size, tokens)
+        if size > 1 and drafted:
+            self.batch_rounds += 1
+        if not drafted:
+            self.recorder.plain_steps(tokens)
+
+    # -- the phase profile (EXO_ENGINE_PROFILE=1) --------------------------------------------------------
+    def round_started(self, start: float) -> None:
+        """A round starts at ``start``: the time since the round before counts as "between" (the caller's
+        share reading the chunks, the loop's own, plain steps)."""
+        if self.phases is None:
+            return
+        if self._round_end:
+            self.phases["between"] = self.phases.get("between", 0.0) + start - self._round_end
+        self._phase_start = start
+
+    def mark(self, phase: str) -> None:
+        """The round's time since the last mark goes to ``phase``."""
+        if self.phases is None:
+            return
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self._phase_start
+        self._phase_start = now
+
+    def round_ended(self) -> None:
+        if self.phases is not None:
+            self._round_end = time.perf_counter()
+
+    def report(self, *, policy: Any, reason: str | None, tracked: bool, stages: int, mode: str, prompt_tokens: int,
+               completion_tokens: int, cached_tokens: int, prefix_cache: dict[str, int] | None,
+               ttft_s: float, decode_s: float) -> NativeMTPStats:
+        """The final ``NativeMTPStats`` (``policy``: the sequence's ``DepthPolicy``, None without MTP;
+        ``tracked``: whether its head was fed; ``mode``: how the model is split, ``Forward.mode``)."""
+        rec = self.recorder
+        costs = None
+        if policy is not None and policy.costs.device:
+            effective = policy.effective_costs()
+            costs = {
+                "beta": [round(b, 3) for b in effective.beta],
+                "delta": [round(d, 3) for d in effective.delta],
+                "device": effective.device,
+                "stages": effective.stages,  # what they were measured through (a pipeline: its stages)
+                "plain_ms": round(effective.plain_s * 1000.0, 3) if effective.plain_s else None,
+            }
+        if policy is not None and policy.fixed_k == 0:
+            reason = "the MTP depth was forced to 0 (plain decoding)"
+        elif reason is None and policy is not None and not tracked:
+            reason = (
+                "adaptive depth chose plain decoding: on this device a verify call costs too much for "
+                "drafts to pay off even at full acceptance"
+            )
+        elif reason is None and self.batch_sizes and not self.batch_rounds:
+            reason = (
+                "adaptive depth chose plain decoding for the batch sizes this request decoded in (batched "
+                "plain steps were measured to cost less there; see batch_sizes)"
+            )
+        fixed = policy is not None and policy.fixed_k is not None
+        return NativeMTPStats(
+            enabled=policy is not None,
+            reason=reason,
+            mode=mode,
+            stages=stages,
+            k=policy.fixed_k if fixed else rec.last_k,
+            k_fixed=fixed,
+            k_histogram=dict(sorted(rec.k_histogram.items())),
+            rounds=rec.rounds,
+            drafted_tokens=rec.drafted,
+            accepted_tokens=rec.accepted_total,
+            acceptance_rate=round(rec.accepted_total / rec.drafted, 4) if rec.drafted else 0.0,
+            per_position_acceptance=[round(a, 4) for a in rec.per_position()],
+            per_position_drafted=rec.per_position_drafted(),
+            near_tie_fallbacks=rec.near_tie_fallbacks,
+            profile_ms={k: round(v * 1000, 3) for k, v in self.phases.items()} if self.phases else None,
+            ttft_ms=round(ttft_s * 1000.0, 3),
+            decode_tokens_per_s=(round((completion_tokens - 1) / decode_s, 3)
+                                 if completion_tokens > 1 and decode_s > 0 else 0.0),
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            cached_tokens=cached_tokens,
+            prefix_cache=prefix_cache,
+            costs=costs,
+            batch_sizes=dict(sorted(self.batch_sizes.items())),
+        )

@@ -20,43 +20,32 @@ is done (``on_done``).
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import math
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from exo.cards.schema import CONTEXT_BUDGET_TOKENS
 from exo.wire.errors import QueueFullError, RequestTimeoutError
+from exo.wire.stream import Failed, Started
+
+from .scheduler import Scheduler, Waiting, shared_call
 
 if TYPE_CHECKING:  # the engine (mlx-lm, transformers: seconds) is imported by the load, not before Status serves
     from exo.engine import Engine, NativeMTPStats
     from exo.engine.batch import BatchLanes
-    from exo.engine.generate import GenerationChunk, SequenceState
     from exo.engine.prompt import GenerateParams, GenerationRequest, Prompt
+    from exo.engine.request import GenerationChunk
+    from exo.engine.sequence import SequenceState
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Device", "Failed", "GenerationJob", "Job", "QueueFullError", "RequestTimeoutError", "Started",
            "pipeline_failed"]
-
-
-@dataclass(frozen=True)
-class Started:
-    """The first item of a generation: it passed validation and the device is on it."""
-
-    prompt_tokens: int
-    max_tokens: int
-    queue_s: float
-    thinking: bool = False  # the prompt opened a think block: the output starts with reasoning
-
-
-@dataclass(frozen=True)
-class Failed:
-    error: BaseException
 
 
 class Job(Protocol):
@@ -118,6 +107,7 @@ class GenerationJob:
         self._prepared: tuple[Engine, GenerationRequest | Exception] | None = None
         self.engine: Engine | None = None  # the engine it runs on, once begun
         self.horizon = 0  # prompt + max_tokens: the KV rows it may hold (0 until known)
+        self.prompt_length = 1  # its prompt's tokens, once ``prepare`` tokenized it
         self._queue_s = 0.0
         self._start = 0.0
         self._finish = "error"
@@ -145,7 +135,8 @@ class GenerationJob:
         request = self._prepared[1]
         if isinstance(request, Exception):
             return 0
-        self.horizon = len(request.prompt_tokens) + request.max_tokens
+        self.prompt_length = len(request.prompt_tokens)
+        self.horizon = self.prompt_length + request.max_tokens
         return self.horizon
 
     @property
@@ -286,6 +277,7 @@ class Device:
         self.running: Job | None = None
         self.generations = 0
         self._job_seconds = 1.0  # moving average of a generation's duration, for Retry-After
+        self._trace = DeviceTrace.from_env()
 
     @property
     def waiting(self) -> int:
@@ -376,47 +368,52 @@ class Device:
 
         return batch_fits(engine, [h for h in horizons if h], self.kv_budget_tokens)
 
-    @staticmethod
-    def _joins(job: Job, key: str) -> bool:
-        return isinstance(job, GenerationJob) and job.batchable and job.batch_key == key and not job.cancelled
+    def _waiting(self, key: str, engine: Engine) -> Iterator[Waiting]:
+        """The queue from its head as the scheduler weighs it (under the lock; each job tokenized when the
+        scheduler gets to it): a generation of this batch's model joins; anything else (a load, another model's
+        generation) holds the queue until the batch has drained. A cancelled job joins weightless: it ends when
+        it begins."""
+        for job in list(self._jobs):
+            if not (isinstance(job, GenerationJob) and job.batch_key == key):
+                yield Waiting(job, joins=False)
+                return
+            if job.cancelled:
+                yield Waiting(job, joins=True)
+                continue
+            horizon = job.prepare(engine)
+            yield Waiting(job, joins=True, horizon=horizon, prompt=job.prompt_length)
 
-    def _admit(self, key: str, room: int, engine: Engine, horizons: list[int]) -> list[GenerationJob]:
-        """Take from the head of the queue the generations that can join a batch whose members have these
-        horizons, within the KV budget (FIFO: stop at the first that cannot)."""
-        admitted: list[GenerationJob] = []
-        horizons = list(horizons)
-        with self._cv:
-            while self._jobs and len(admitted) < room and not self._closed:
-                head = self._jobs[0]
-                if not self._joins(head, key):
-                    break
-                assert isinstance(head, GenerationJob)
-                horizon = head.prepare(engine)
-                if not self._fits(engine, [*horizons, horizon]):
-                    break
-                horizons.append(horizon)
-                self._jobs.popleft()
-                self._waiting_bounded -= 1
-                admitted.append(head)  # type: ignore[arg-type]
-            if admitted:
-                self.active.extend(admitted)
-                self._on_depth(self._waiting_bounded)
-        return admitted
+    def _take(self, admitted: tuple[Any, ...]) -> None:
+        """The admitted jobs leave the head of the queue (under the lock; ``_waiting`` read them there)."""
+        for job in admitted:
+            self._jobs.remove(job)
+            self._waiting_bounded -= 1
+            self.active.append(job)
+        if admitted:
+            self._on_depth(self._waiting_bounded)
 
     def serve_generations(self, first: GenerationJob) -> None:
-        """Decode ``first`` in a batch with every generation that joins, until all have ended. ``first``
-        prefills in the engine's solo chunks; newcomers to a batch under way prefill one chunk per step, between
-        the batch's decode steps."""
+        """Decode ``first`` in a batch with every generation that joins, until all have ended: each step as the
+        scheduler (``runner.scheduler``) plans it, newcomers admitted from the head of the queue and prefilled
+        in chunks under the step's token budget, then a decode step of the members."""
         from exo.engine.batch import BatchLanes
+        from exo.engine.batch_prefill import can_prefill_together, prefill_together
 
         run = first.begin()
         if run is None:
             return
-        batch = BatchLanes(run.engine)
-        members: dict[int, GenerationJob] = {}
-        prefilling: list[tuple[GenerationJob, SequenceState, Iterator[int]]] = [(first, run, run.prefill())]
+        engine = run.engine
+        config = engine.config
+        batch = BatchLanes(engine)
+        scheduler = Scheduler(self.max_batch, lambda horizons: self._fits(engine, horizons),
+                              step_tokens=config.batch_prefill_chunk, idle_tokens=config.prefill_chunk)
+        members: dict[int, GenerationJob] = {}  # id(run) -> its job
+        runs: dict[int, SequenceState] = {}  # id(run) -> the run
+        newcomers: dict[GenerationJob, _Newcomer] = {}
+        pending: list[Waiting] = [Waiting(first, True, first.horizon, len(run.request.prompt_tokens))]
 
         def leave(job: GenerationJob, failed: BaseException | None = None) -> None:
+            scheduler.left(job)
             if failed is not None:
                 job.fail(failed)
             job.end()
@@ -425,48 +422,93 @@ class Device:
                     self.active.remove(job)
                     self.generations += 1
 
+        def drop_newcomer(job: GenerationJob, error: BaseException | None = None) -> None:
+            """A newcomer that ends before it joined: its caches dropped, then its end (``error``: failed)."""
+            newcomer = newcomers.pop(job)
+            if error is not None:
+                _release(newcomer.run)
+                leave(job, error)
+                return
+            try:
+                newcomer.run.release()  # a pipeline's stages drop its caches too
+                job.consume(newcomer.run.final_chunk())
+            except Exception as e:
+                leave(job, e)
+                return
+            leave(job)
+
         def fail_all(error: BaseException) -> None:
             """The batch failed (a step, or a member's leaving): every member and newcomer ends with ``error``."""
-            for _, new, _ in prefilling:
-                _release(new)
+            for newcomer in newcomers.values():
+                _release(newcomer.run)
             _drop(batch)
             for member in members.values():
                 leave(member, error)
-            for job, _, _ in prefilling:
+            for job in newcomers:
                 leave(job, error)
 
+        trace = self._trace
         while True:
-            horizons = [m.horizon for m in members.values()] + [job.horizon for job, _, _ in prefilling]
-            room = self.max_batch - len(batch) - len(prefilling)
-            for job in self._admit(first.batch_key, room, batch.engine, horizons):
-                new = job.begin()
-                if new is None:
+            lap = trace.step()
+            with self._cv:
+                waiting = itertools.chain(pending, () if self._closed else self._waiting(first.batch_key, engine))
+                plan = scheduler.plan(waiting)
+                self._take(tuple(job for job in plan.admit if job is not first))
+            pending = []
+            lap("plan")
+            for job in plan.admit:
+                new = run if job is first else job.begin()
+                if new is None:  # ended there (cancelled, timed out, rejected: reported)
+                    scheduler.left(job)
                     with self._cv:
                         self.active.remove(job)
                         self.generations += 1
-                elif new.engine is not batch.engine or not new.batchable:
+                elif new.engine is not engine or not new.batchable:
                     _release(new)
                     leave(job, RuntimeError("the model changed under a running batch; retry"))
                 else:
-                    prefilling.append((job, new, new.prefill(new.engine.config.batch_prefill_chunk)))  # smaller chunks
-            still: list[tuple[GenerationJob, SequenceState, Iterator[int]]] = []
-            for job, new, chunks in prefilling:
-                # The engine's part (the newcomer's prefill, its first token, its end) and its consumer's part
+                    newcomers[job] = _Newcomer(new)
+                    scheduler.begun(job, len(new.request.prompt_tokens) - new.prefilled)
+            fed = {chunk.key: chunk.tokens for chunk in plan.prefill}
+            # Newcomers whose whole prompt this step feeds from its start go through the backbone as rows of
+            # one call (``engine.batch_prefill``: each row its solo prefill), as many as the budget pads to.
+            together = shared_call(((job, len(n.run.request.prompt_tokens)) for job, n in newcomers.items()
+                                    if job in fed and n.fresh and n.run.whole_prompt_in(fed[job])),
+                                   plan.budget) if can_prefill_together(engine) else []
+            for job in list(newcomers):
+                newcomer = newcomers.get(job)
+                if newcomer is None:  # it failed in the shared call of the newcomers before it
+                    continue
+                if job not in fed:  # no room in this step's budget: it may have left meanwhile
+                    if job.stopped():
+                        newcomer.run.output.finish = "cancelled"
+                        drop_newcomer(job)
+                    continue
+                if together and job is together[0]:
+                    try:
+                        prefill_together([newcomers[j].run for j in together])
+                    except Exception as e:  # every one of them fails: the batch's members are untouched
+                        for j in together:
+                            drop_newcomer(j, e)
+                        continue
+                    for j in together:
+                        newcomers[j].prefilled()
+                # The engine's part (the newcomer's chunk, its first token, its end) and its consumer's part
                 # apart: a consumer that raises ends its request alone, with every stage in step.
+                new = newcomer.run
                 try:
-                    if next(chunks, None) is not None:  # one prefill chunk done, more to come: decode steps first
+                    scheduler.fed(job, newcomer.feed(fed[job]) if newcomer.more else fed[job])
+                    if newcomer.more:  # a chunk done, more to come: the batch steps first
                         if new.cancelled():
-                            new.release()  # a pipeline's stages drop its caches too
-                            last = [new.final_chunk()]
-                        else:
-                            still.append((job, new, chunks))
-                            continue
-                    else:
-                        last = list(new.first_token())
-                        if new.output.finish is not None:
-                            new.release()
-                            last.append(new.final_chunk())
+                            drop_newcomer(job)
+                        continue
+                    del newcomers[job]
+                    last = list(new.first_token())
+                    if new.output.finish is not None:  # done at its first token (or cancelled by now)
+                        new.release()
+                        last.append(new.final_chunk())
                 except Exception as e:
+                    newcomers.pop(job, None)
                     _release(new)
                     leave(job, e)
                     continue
@@ -487,12 +529,35 @@ class Device:
                     _release(new)
                     leave(job, e)
                     continue
+                scheduler.joined(job)
                 members[id(new)] = job
-            if prefilling:
+                runs[id(new)] = new
+            if plan.prefill:
                 batch.interleaved()  # prefill ran on the device: this round's time is not a round's alone
-            prefilling = still
+            lap("prefill", admitted=len(plan.admit), held=plan.held, prefill_tokens=sum(c.tokens for c in plan.prefill),
+                together=len(together), members=len(batch))
+            # A member whose client went away (or whose deadline passed) since the last step leaves before the
+            # next one: its row is not computed again.
+            for key, job in list(members.items()):
+                if job.stopped():
+                    ended = runs.pop(key)
+                    del members[key]
+                    try:
+                        batch.remove(ended)  # (a pipeline's stages drop its rows too)
+                    except Exception as e:
+                        leave(job, e)
+                        fail_all(e)
+                        return
+                    ended.output.finish = "cancelled"
+                    try:
+                        job.consume(ended.final_chunk())
+                    except Exception as e:  # its stream is gone anyway
+                        leave(job, e)
+                        continue
+                    leave(job)
             if not len(batch):
-                if prefilling:
+                lap("emit", stepped=0)
+                if len(scheduler):
                     continue
                 return
             try:
@@ -500,6 +565,7 @@ class Device:
             except Exception as e:
                 fail_all(e)
                 return
+            lap("step")
             self._on_batch(len(results))
             for ended, chunks in results:
                 job = members[id(ended)]
@@ -508,6 +574,7 @@ class Device:
                         job.consume(chunk)
                 except Exception as e:  # this member's stream broke: it alone leaves, the others go on
                     del members[id(ended)]
+                    runs.pop(id(ended), None)
                     leave(job, e)
                     if ended.output.finish is None:
                         try:
@@ -518,7 +585,9 @@ class Device:
                     continue
                 if ended.output.finish is not None:
                     del members[id(ended)]
+                    runs.pop(id(ended), None)
                     leave(job)
+            lap("emit", stepped=len(results))
 
     def start_thread(self, name: str = "exo-device") -> threading.Thread:
         """Serve on a new daemon thread that is parked, never ended, once ``close()`` returns: a thread
@@ -537,6 +606,94 @@ class Device:
         with self._cv:
             running = len(self.active)
             return {"queue_depth": self._waiting_bounded, "running": running, "generations": self.generations}
+
+
+class DeviceTrace:
+    """Where the device thread's time goes, step by step (``EXO_DEVICE_TRACE=DIR``: off unless set): one JSON line
+    per step of a batch in ``DIR/device-<pid>.jsonl`` with its start (``time.monotonic()``, comparable across
+    processes), the seconds of each phase (``plan``: the scheduler and tokenizing the queue's head; ``prefill``:
+    beginning the admitted, their chunks and first tokens; ``step``: the members' decode step; ``emit``: their
+    tokens to their streams) and what it carried. For benchmarks (bench/serving.py reads it back)."""
+
+    def __init__(self, path: str | None) -> None:
+        self._file = open(path, "a", buffering=1 << 16) if path else None  # noqa: SIM115 - open for the process
+        self._flushed = time.monotonic()
+
+    @classmethod
+    def from_env(cls) -> DeviceTrace:
+        import os
+
+        folder = os.environ.get("EXO_DEVICE_TRACE")
+        if not folder:
+            return cls(None)
+        os.makedirs(folder, exist_ok=True)
+        return cls(os.path.join(folder, f"device-{os.getpid()}.jsonl"))
+
+    def step(self) -> Callable[..., None]:
+        """A new step: returns ``lap(phase, **fields)``, which closes the phase (the last, "emit", writes the line)."""
+        if self._file is None:
+            return _no_lap
+        start = last = time.monotonic()
+        line: dict[str, Any] = {"t": start}
+
+        def lap(phase: str, **fields: Any) -> None:
+            nonlocal last
+            now = time.monotonic()
+            line[phase] = now - last
+            line.update(fields)
+            last = now
+            if phase == "emit":
+                self._write(line)
+
+        return lap
+
+    def _write(self, line: dict[str, Any]) -> None:
+        import json
+
+        assert self._file is not None
+        self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+        if line["t"] - self._flushed > 1.0:
+            self._file.flush()
+            self._flushed = line["t"]
+
+
+def _no_lap(phase: str, **fields: Any) -> None:
+    pass
+
+
+class _Newcomer:
+    """A generation admitted to a batch that is still prefilling: its run and where its prompt is."""
+
+    def __init__(self, run: SequenceState) -> None:
+        self.run = run
+        self.position = run.prefilled  # prompt positions in its caches
+        self.more = True  # prompt tokens are left to feed
+        self._chunks: Generator[int, int | None, None] | None = None
+
+    @property
+    def fresh(self) -> bool:
+        """Nothing of its prompt fed yet."""
+        return self._chunks is None and self.more
+
+    def prefilled(self) -> None:
+        """Its whole prompt went in with others' (``engine.batch_prefill``): its first token is next."""
+        self.more = False
+        self.position = len(self.run.request.prompt_tokens)
+
+    def feed(self, tokens: int) -> int:
+        """The next chunk of at most ``tokens`` prompt tokens (``SequenceState.prefill``: shorter at a prefix
+        cache's snapshot edge); returns how many it fed. The last leaves the first token chosen (``more`` False)."""
+        before = self.position
+        try:
+            if self._chunks is None:
+                self._chunks = self.run.prefill(tokens)
+                self.position = next(self._chunks)
+            else:
+                self.position = self._chunks.send(tokens)
+        except StopIteration:
+            self.more = False
+            self.position = len(self.run.request.prompt_tokens)
+        return self.position - before
 
 
 def pipeline_failed(engine: Engine | None) -> bool:

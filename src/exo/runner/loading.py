@@ -76,8 +76,7 @@ def stage_prefix_cache(loaded: LoadedModel, settings: Settings, layers: tuple[in
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    from exo.cards.schema import CONTEXT_BUDGET_TOKENS
-    from exo.cluster.placement import ACTIVATION_MARGIN_BYTES
+    from exo.cards.schema import ACTIVATION_MARGIN_BYTES, CONTEXT_BUDGET_TOKENS
 
     from .prefix_store import open_prefix_cache, ram_budget
 
@@ -111,8 +110,7 @@ def reserve_bytes(engine: Engine, settings: Settings) -> int:
     (``kv_budget_tokens``, as the device admits batches) and the activation margin placement counts. The
     prefix cache's RAM tier gets at most what is free after that, so it never takes what placement
     promised the instance (docs/prefix-cache.md)."""
-    from exo.cards.schema import CONTEXT_BUDGET_TOKENS
-    from exo.cluster.placement import ACTIVATION_MARGIN_BYTES
+    from exo.cards.schema import ACTIVATION_MARGIN_BYTES, CONTEXT_BUDGET_TOKENS
     from exo.engine.batch import sequence_bytes
 
     per_token, per_sequence = sequence_bytes(engine)

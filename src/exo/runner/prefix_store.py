@@ -423,7 +423,7 @@ def ram_budget(settings: Any, reserve_bytes: int, available_bytes: int | None = 
     instance's weights loaded (None: as the OS says, within ``memory_budget_bytes``, like placement reads
     it); ``reserve_bytes``: what the instance will still take (its KV budget and activation margin)."""
     if available_bytes is None:
-        from exo.cluster.system import memory
+        from exo.system import memory
 
         available_bytes = memory(settings.memory_budget_bytes).available_bytes
     return max(0, min(settings.prefix_cache_ram_bytes, available_bytes - reserve_bytes))

@@ -7,12 +7,13 @@ the main thread) and relays its chunks, sending a heartbeat whenever nothing els
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import threading
 from collections.abc import Iterator
 from concurrent import futures
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -143,18 +144,19 @@ class RunnerServicer(pb_grpc.RunnerServicer):
         if self.state.state != pb.INSTANCE_STATE_READY or engine is None:
             yield error_chunk("model_unavailable", f"instance {self.state.instance_id} is not ready ({self.state.stage})")
             return
-        out: queue.SimpleQueue[pb.GenerateChunk | None] = queue.SimpleQueue()
-
+        # The device thread only queues what the job emits (Started, the engine's chunks, Failed): this handler's
+        # thread turns them into messages, so the thread that builds the model's graphs spends nothing on the wire.
+        out: queue.SimpleQueue[object] = queue.SimpleQueue()
         started = False
 
-        def emit(item: object) -> None:
+        def message(item: object) -> pb.GenerateChunk:
             nonlocal started
             if isinstance(item, Started):
                 started = True
-                out.put(pb.GenerateChunk(started=pb.Started(
+                return pb.GenerateChunk(started=pb.Started(
                     prompt_tokens=item.prompt_tokens, max_tokens=item.max_tokens, queue_s=item.queue_s,
-                    thinking=item.thinking)))
-            elif isinstance(item, Failed):
+                    thinking=item.thinking))
+            if isinstance(item, Failed):
                 error = item.error
                 if self.state.pipelined and pipeline_failed(engine):
                     # A stage (or the link to it) went away, or a call through the stages failed mid-way: this
@@ -165,9 +167,8 @@ class RunnerServicer(pb_grpc.RunnerServicer):
                         f"{what} of {request.model} was lost {when} ({type(error).__name__}: "
                         f"{error}); the instance is placed anew: retry shortly"
                     )
-                out.put(error_to_pb(error))
-            else:
-                out.put(chunk_to_pb(item))  # type: ignore[arg-type]
+                return error_to_pb(error)
+            return chunk_to_pb(item)  # type: ignore[arg-type]
 
         def on_done(finish: str, *_: object) -> None:
             # Only the pipeline's own failure ends the group (its stages are gone or may be out of step: the
@@ -178,13 +179,11 @@ class RunnerServicer(pb_grpc.RunnerServicer):
             out.put(DONE)
 
         def on_device() -> Engine:
-            if request.HasField("node_mtp"):  # the owning node's switch decides (we are between requests)
-                engine.set_native_mtp(request.node_mtp.enabled, request.node_mtp.disabled_reason)
             return engine
 
         prompt, params = request_from_pb(request)
         timeout = request.timeout_s if request.timeout_s > 0 else DEFAULT_TIMEOUT_S
-        job = GenerationJob(self.device, on_device, prompt, params, emit, timeout_s=timeout, on_done=on_done)
+        job = GenerationJob(self.device, on_device, prompt, params, out.put, timeout_s=timeout, on_done=on_done)
         try:
             self.device.submit(job)
         except QueueFullError as e:
@@ -198,39 +197,52 @@ class RunnerServicer(pb_grpc.RunnerServicer):
             job.cancel()
         while True:
             try:
-                item = out.get(timeout=HEARTBEAT_S)
+                items = [out.get(timeout=HEARTBEAT_S)]
             except queue.Empty:
                 yield pb.GenerateChunk(heartbeat=True)
                 continue
-            if item is DONE:
-                return
-            # Whatever else is ready goes in the same message (one write for several tokens).
-            while _is_output(item):
+            while True:  # whatever else is ready goes out with it: a consumer that lags catches up in one write
                 try:
-                    following = out.get_nowait()
+                    items.append(out.get_nowait())
                 except queue.Empty:
                     break
-                if not _is_output(following):
-                    yield item
-                    item = following
-                    break
-                item.text += following.text
-                item.token_ids.extend(following.token_ids)
-                item.logprobs.extend(following.logprobs)
-            if item is DONE:
-                return
+            for item in coalesced(items):
+                if item is DONE:
+                    return
+                try:
+                    reply = message(item)
+                except Exception as e:  # noqa: BLE001 - what it could not say ends the request, as a typed error
+                    job.cancel()
+                    yield error_to_pb(e)
+                    return
+                yield reply
+
+
+def coalesced(items: list[object]) -> Iterator[object]:
+    """``items`` in order, each run of the engine's chunks in a row as one chunk (their text, tokens and
+    logprobs joined; the run's last chunk's finish, stats and stop sequence)."""
+    from exo.engine.request import GenerationChunk
+
+    run: list[GenerationChunk] = []
+    for item in items:
+        if isinstance(item, GenerationChunk):
+            run.append(item)
+            if item.finish_reason is None:
+                continue
+        if run:
+            yield run[0] if len(run) == 1 else _joined(run)
+            run = []
+        if not isinstance(item, GenerationChunk):
             yield item
+    if run:
+        yield run[0] if len(run) == 1 else _joined(run)
 
 
-def _is_output(item: pb.GenerateChunk | None) -> bool:
-    """A piece of generated output still open for more (not started, error, heartbeat or the end)."""
-    return (
-        item is not None
-        and not item.finish_reason
-        and not item.HasField("error")
-        and not item.HasField("started")
-        and not item.heartbeat
-    )
+def _joined(chunks: list[Any]) -> Any:
+    last = chunks[-1]
+    logprobs = [e for c in chunks for e in c.logprobs or ()]
+    return dataclasses.replace(last, text="".join(c.text for c in chunks), token_ids=[t for c in chunks for t in c.token_ids],
+                               logprobs=logprobs if any(c.logprobs is not None for c in chunks) else None)
 
 
 def start_server(socket_path: str, state: RunnerState, device: Device, max_workers: int) -> grpc.Server:

@@ -20,8 +20,8 @@ from exo.engine import (
     SamplingParams,
 )
 from exo.engine.constraints import ConstraintSpec
-from exo.engine.generate import NativeMTPUnavailableError, TokenLogprob, TopLogprob
 from exo.engine.prompt import GenerateParams, Prompt, PromptError
+from exo.engine.request import MTPSwitch, NativeMTPUnavailableError, TokenLogprob, TopLogprob
 from exo.engine.sampling import SamplingParamsError
 
 from .errors import NodeUnavailableError, QueueFullError, RequestTimeoutError
@@ -179,6 +179,8 @@ def generate_request(
         request.text = utf8_safe(prompt.text or "")
     if prompt.template_kwargs:
         request.template_kwargs_json = json.dumps(prompt.template_kwargs)
+    if prompt.rendered is not None:
+        request.rendered.CopyFrom(pb.TokenIds(ids=prompt.rendered))
     if params.max_tokens is not None:
         # Beyond 2**63 - 1 no context fits either: the owner refuses it the same way.
         request.max_tokens = min(params.max_tokens, (1 << 63) - 1)
@@ -191,8 +193,8 @@ def generate_request(
     if params.logprobs is not None:
         request.logprobs = params.logprobs
     request.ignore_eos = params.ignore_eos
-    if params.cache_key:
-        request.prompt_cache_key = utf8_safe(params.cache_key)
+    if params.prompt_cache_key:
+        request.prompt_cache_key = utf8_safe(params.prompt_cache_key)
     return request
 
 
@@ -227,9 +229,10 @@ def request_from_pb(req: pb.GenerateRequest) -> tuple[Prompt, GenerateParams]:
         token_ids=list(req.token_ids.ids) if kind == "token_ids" else None,
         template_kwargs=json.loads(req.template_kwargs_json) if req.template_kwargs_json else {},
         tools=json.loads(req.tools_json) if req.tools_json else None,
+        rendered=list(req.rendered.ids) if req.HasField("rendered") else None,
     )
     if prompt.messages is None and prompt.token_ids is None and prompt.text is None:
-        prompt = Prompt(text="", template_kwargs=prompt.template_kwargs)
+        prompt = Prompt(text="", template_kwargs=prompt.template_kwargs, rendered=prompt.rendered)
     params = GenerateParams(
         max_tokens=req.max_tokens if req.HasField("max_tokens") else None,
         default_max_tokens=req.default_max_tokens,
@@ -241,6 +244,8 @@ def request_from_pb(req: pb.GenerateRequest) -> tuple[Prompt, GenerateParams]:
         constraint=ConstraintSpec.from_json(req.constraint_json) if req.constraint_json else None,
         logprobs=req.logprobs if req.HasField("logprobs") else None,
         ignore_eos=req.ignore_eos,
-        cache_key=req.prompt_cache_key or None,
+        prompt_cache_key=req.prompt_cache_key or None,
+        # The serving node's switch (its daemon adds it: ``ClusterNode.generate_local``).
+        mtp_switch=MTPSwitch(req.node_mtp.enabled, req.node_mtp.disabled_reason) if req.HasField("node_mtp") else None,
     )
     return prompt, params

@@ -439,7 +439,7 @@ class NodeSwitch(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., disabled_reason: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "instance_id", "messages", "text", "token_ids", "template_kwargs_json", "max_tokens", "default_max_tokens", "sampling", "stop", "native_mtp", "mtp_k", "timeout_s", "node_mtp", "tools_json", "constraint_json", "logprobs", "ignore_eos", "prompt_cache_key")
+    __slots__ = ("request_id", "model", "instance_id", "messages", "text", "token_ids", "template_kwargs_json", "max_tokens", "default_max_tokens", "sampling", "stop", "native_mtp", "mtp_k", "timeout_s", "node_mtp", "tools_json", "constraint_json", "logprobs", "ignore_eos", "prompt_cache_key", "rendered")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -460,6 +460,7 @@ class GenerateRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_CACHE_KEY_FIELD_NUMBER: _ClassVar[int]
+    RENDERED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     instance_id: str
@@ -480,7 +481,8 @@ class GenerateRequest(_message.Message):
     logprobs: int
     ignore_eos: bool
     prompt_cache_key: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., instance_id: _Optional[str] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., template_kwargs_json: _Optional[str] = ..., max_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., native_mtp: _Optional[str] = ..., mtp_k: _Optional[int] = ..., timeout_s: _Optional[float] = ..., node_mtp: _Optional[_Union[NodeSwitch, _Mapping]] = ..., tools_json: _Optional[str] = ..., constraint_json: _Optional[str] = ..., logprobs: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., prompt_cache_key: _Optional[str] = ...) -> None: ...
+    rendered: TokenIds
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., instance_id: _Optional[str] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., template_kwargs_json: _Optional[str] = ..., max_tokens: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., native_mtp: _Optional[str] = ..., mtp_k: _Optional[int] = ..., timeout_s: _Optional[float] = ..., node_mtp: _Optional[_Union[NodeSwitch, _Mapping]] = ..., tools_json: _Optional[str] = ..., constraint_json: _Optional[str] = ..., logprobs: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., prompt_cache_key: _Optional[str] = ..., rendered: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class Started(_message.Message):
     __slots__ = ("prompt_tokens", "max_tokens", "queue_s", "thinking")
