@@ -77,6 +77,7 @@ for p in "$@"; do
     # issue 49: prefill against stock (9B: 4k and 32k, the layer by method, the profile; 35B-A3B: 4k and its
     # profile), the prefix cache on an agent session (turn 1 on/off, later turns) and its phases in one process
     prefill9) phase prefill9 $PY bench/prefill.py "$Q9" $PREFILL9 ;;
+    moeexperts) phase moeexperts $PY bench/moe_experts.py --tokens 4096 512 --repeats 5 $([ "$CPU" = 1 ] && echo --experts 16 --hidden 256 --inter 128 --tokens 64) ;;
     prefill35) phase prefill35 $PY bench/prefill.py "$Q35" --phases model profile $PREFILL35 ;;
     agent9) EXO_NATIVE_MTP_ENABLED=0 phase agent9 $PY bench/agent_session.py "$Q9" $AGENT9 ;;
     identity49) for m in exo-demo exo-demo-moe; do
