@@ -2,8 +2,8 @@
 
 The members of a tensor group (``engine/sharding.py``: attention and GatedDeltaNet heads, MLP and expert
 columns) run every step together, joined inside each layer by two all-reduces. The LAST member leads: it
-holds the final norm, lm_head and the MTP head, runs the engine's one generation loop (``generate.py``) with
-a ``TensorForward`` as its backbone, and talks to the API. Every other member runs ``serve_tensor``: it
+holds the final norm, lm_head and the MTP head, runs the engine's one generation loop (``batch.py``, ``round.py``)
+with a ``TensorForward`` as its backbone, and talks to the API. Every other member runs ``serve_tensor``: it
 receives the leader's step header (the same ``StepHeader`` and op records a pipeline's stages get: slots,
 rollbacks, joins, filters, prefix-cache round trips), applies the cache operations to its own heads' caches,
 and runs its slice of every layer on the step's ids, which it takes from the leader inside the step's graph
