@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             report["estimate"] = {**estimate, "measured_ratio": round(measured, 3)}
             print(f"placement's estimate: one node {estimate['single_tok_s']:.1f} tok/s, tensor x{args.nodes} "
                   f"{estimate['tensor_tok_s']:.1f} (ratio {estimate['ratio']:.2f}, measured {measured:.2f}): \"auto\" "
-                  f"would choose {estimate['auto']}")
+                  f"over {args.nodes} nodes would choose {estimate['auto']}")
         report["exact_within_group"] = exact
     if args.json:
         return 0 if exact else 1
@@ -181,7 +181,8 @@ def _estimate(resolved: Any, single_tok_s: float, nodes: int, backend: str, all_
     tensor = pl.placement(req, capacities, sharding="tensor", min_nodes=nodes, links=links,
                           tensor_backend=backend)
     one, many = pl.estimate_tokens_per_s(single, by_id, links)[0], pl.estimate_tokens_per_s(tensor, by_id, links)[0]
-    auto = pl.placement(req, capacities, sharding="auto", links=links, tensor_backend=backend)
+    # "auto" as a request for this many nodes gets it (on its own a model that fits one node stays there)
+    auto = pl.placement(req, capacities, sharding="auto", min_nodes=nodes, links=links, tensor_backend=backend)
     return {"single_tok_s": round(one, 2), "tensor_tok_s": round(many, 2), "ratio": round(many / one, 3),
             "auto": auto.sharding, "collective": "nominal" if backend in pl.NOMINAL_COLLECTIVE_S else "measured"}
 

@@ -39,4 +39,4 @@ def test_the_tensor_benchmarks_estimate_runs_on_a_model():
     spec.loader.exec_module(module)
     estimate = module._estimate(resolve_model("exo-demo"), 100.0, 2, "ring", 100.0)
     assert estimate["single_tok_s"] > 0 and estimate["tensor_tok_s"] > 0, estimate
-    assert estimate["auto"] in ("pipeline", "tensor", "none"), estimate
+    assert estimate["auto"] in ("pipeline", "tensor"), estimate  # asked for 2 nodes: one of the two splits
