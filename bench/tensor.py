@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
 def _estimate(resolved: Any, single_tok_s: float, nodes: int, backend: str, all_sum_us: float | None) -> dict[str, Any]:
     """``placement.estimate_tokens_per_s`` for one node and the tensor group on this host's measured figures."""
     from exo.cluster import placement as pl
-    from exo.cluster.models import availability
     from exo.cluster.cluster_view import model_requirement
+    from exo.cluster.models import availability
 
     req = model_requirement(resolved.model_id, resolved.card, [availability(resolved)])
     rate = single_tok_s * (req.active_bytes or req.weights_bytes)
