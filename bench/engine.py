@@ -5,8 +5,11 @@
 (``exo bench MODEL --baseline`` adds native MTP at every depth and adaptive to the same comparison.)
 
 For each repeat and each of ``exo bench``'s prompts: stock mlx-lm (its own model classes on the same
-checkpoint directory), then exo plain decoding, then exo plain decoding with its GatedDeltaNet rows
-uncompiled (``EXO_GDN_COMPILED=0``: ops as stock runs them; the same on devices other than CUDA), EOS ignored. Prints the median tokens/s of each (first to
+checkpoint directory), then exo plain decoding, then exo plain decoding on MLX's ops: its GatedDeltaNet rows
+uncompiled and off exo's step kernel, its quantized products MLX's (``EXO_GDN_COMPILED=0``, ``EXO_GDN_KERNEL=0``,
+``EXO_QGEMV=0``: ops as stock runs them; the same on devices other than CUDA), EOS ignored. The header says which
+of exo's own kernels loaded (their load-time checks; the quantized one only with ``EXO_QGEMV=1``, being off by
+default). Prints the median tokens/s of each (first to
 last token) and the median and quartiles of the per-pair ratios exo / stock: on a host whose speed drifts
 (an H100 host went from 119 to 66 tokens/s within one run), pairs run seconds apart are what compare.
 """
@@ -41,29 +44,32 @@ def run(args: argparse.Namespace, report: dict) -> None:
     stock = StockMLXLM(engine.loaded.path)
     prompts = [encode_prompt(engine, p, True) for p in DEFAULT_PROMPTS]
     compiled = layers.COMPILED_ROWS
+    print("exo's own kernels: " + ("; ".join(f"{k}: {v}" for k, v in {**engine.loaded.qgemv, **engine.loaded.gdn}.items())
+                                  or "none"))
 
-    def exo(prompt: list[int], gdn: str = compiled) -> float:
+    def exo(prompt: list[int], own: bool = True) -> float:
         request = GenerationRequest(prompt, max_tokens=args.max_tokens, sampling=SamplingParams(temperature=0),
                                     native_mtp="off")
-        layers.COMPILED_ROWS = gdn
+        layers.COMPILED_ROWS = compiled if own else "off"
+        layers.QGEMV_ON = layers.GDN_KERNEL_ON = own
         try:
             return engine.complete(request).stats.decode_tokens_per_s
         finally:
-            layers.COMPILED_ROWS = compiled
+            layers.COMPILED_ROWS, layers.QGEMV_ON, layers.GDN_KERNEL_ON = compiled, True, True
 
     for prompt in prompts[:2]:  # warm-up: every path compiled once
-        exo(prompt), exo(prompt, "off"), stock.decode(prompt, args.max_tokens, 0.0)
-    tps: dict[str, list[float]] = {"stock": [], "exo": [], "exo, GDN uncompiled": []}
+        exo(prompt), exo(prompt, False), stock.decode(prompt, args.max_tokens, 0.0)
+    tps: dict[str, list[float]] = {"stock": [], "exo": [], "exo, MLX's ops": []}
     for _ in range(args.repeats):
         for prompt in prompts:
             tps["stock"].append(stock.decode(prompt, args.max_tokens, 0.0)[0])
             tps["exo"].append(exo(prompt))
-            tps["exo, GDN uncompiled"].append(exo(prompt, "off"))
+            tps["exo, MLX's ops"].append(exo(prompt, False))
     print(f"{args.model}: {len(tps['stock'])} pairs of {args.max_tokens} tokens; median tokens/s "
           + ", ".join(f"{name} {statistics.median(v):.1f}" for name, v in tps.items()))
     report.update(model=args.model, device=device_name(), max_tokens=args.max_tokens, pairs=len(tps["stock"]),
                   median_tokens_per_s={name: statistics.median(v) for name, v in tps.items()}, vs_stock={})
-    for name in ("exo", "exo, GDN uncompiled"):
+    for name in ("exo", "exo, MLX's ops"):
         ratios = [e / s for e, s in zip(tps[name], tps["stock"], strict=True)]
         q1, _, q3 = statistics.quantiles(ratios) if len(ratios) > 1 else (ratios[0],) * 3
         report["vs_stock"][name] = {"median": statistics.median(ratios), "quartiles": [q1, q3]}

@@ -76,6 +76,14 @@ for p in "$@"; do
     tensor27) phase tensor27 $PY bench/tensor.py "$Q27" $TENSOR ;;
     tensor35) phase tensor35 $PY bench/tensor.py "$Q35" $TENSOR ;;
     smi) phase smi nvidia-smi ;;
+    # issue 50's checks (each well inside 10 minutes at 9B on an H200); qgemv and stock opt in to exo's quantized
+    # kernel (off by default), so that stock compares exo on it with exo on MLX's products
+    qgemv) EXO_QGEMV=1 phase qgemv $PY bench/qmv_check.py "$Q9" --rows 1 2 3 4 8 --repeats 5 ;;
+    gdn) phase gdn $PY bench/gdn_check.py "$Q9" --rows 1 2 3 4 8 --repeats 5 ;;
+    layers) phase layers $PY bench/verify_layers.py "$Q9" --rows 2 3 4 --context 256 2048 ;;
+    rounds) phase rounds $PY bench/round_phases.py "$Q9" --replay 0.0,0.6,0.8,0.9 --repeats 1 --max-tokens 48 ;;
+    stock) EXO_QGEMV=1 phase stock $PY bench/engine.py "$Q9" --max-tokens 128 --repeats 3 ;;
+    moe) phase moe $PY -m exo.cli.main bench "$Q35" --baseline --check --max-tokens 64 --repeats 1 ;;
     # issue 49: prefill against stock (9B: 4k and 32k, the layer by method, the profile; 35B-A3B: 4k and its
     # profile), the prefix cache on an agent session (turn 1 on/off, later turns) and its phases in one process
     prefill9) phase prefill9 $PY bench/prefill.py "$Q9" $PREFILL9 ;;

@@ -24,11 +24,15 @@ a round's time over a plain token's (``round cost``, in plain steps of this run:
 round's cost are stated in), tokens per round, the k histogram (adaptive) and how many requests gave plain
 decoding's tokens exactly.
 
+The warm-up's round costs (in pipelined plain steps, what the depth policy starts from) and exo's own kernels'
+load-time checks are printed before the tables.
+
 ``--replay A,B,...``: the head's drafts are replaced by the plain greedy continuation of each prompt, right at
 each position with probability A (``engine/replay.py``; the head still runs: its cost is the real one), so a
 random-weight checkpoint of a real shape (``bench/make_random_model.py``) is measured at real acceptance: every
-table once per acceptance, in one run. Adaptive's acceptance estimate starts anew at each (one unmeasured
-request first), its round costs carry over.
+table once per acceptance, in one run. Adaptive's acceptance estimate starts anew at each, seeded by the engine's
+warm acceptance on the first prompt's replayed continuation (as a fresh engine's warm-up seeds it; then one
+unmeasured request), its round costs carry over.
 
 ``--alone`` also times a round's parts alone around every request: its (K+1)-row verify call and K draft
 steps and the head's catch-up on the rows the round before kept (``exo bench``'s parts), after as many tokens
@@ -93,7 +97,14 @@ def main() -> None:
         again.warmup()
         print("warm-up again, kernels compiled: "
               + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in again.warmup_seconds.items()))
+        costs = engine.costs().in_pipelined_steps()
+        print("warm-up round costs in pipelined plain steps: " + ", ".join(
+            f"k={k} {costs.round_cost(k):.2f}" for k in range(1, costs.max_k + 1))
+              + f" (plain step alone {1e3 * (engine.costs().plain_s or 0):.2f} ms, pipelined "
+              f"{1e3 * (costs.plain_s or 0):.2f} ms)")
     print(f"verify mode: {engine.verify_mode}")
+    print("exo's own kernels: " + ("; ".join(f"{k}: {v}" for k, v in {**engine.loaded.qgemv, **engine.loaded.gdn}.items())
+                                  or "none"))
     print("probe: " + ", ".join(f"{name}={value}" for name, value in engine.verify_probe.items()))
     longest = max(prompts, key=len)
     plain_tokens = {}
@@ -107,7 +118,11 @@ def main() -> None:
             engine.replay = ReplayDrafter(plain_tokens, acceptance, engine.vocab_size, seed=1)
             policy = engine._policy  # noqa: SLF001 - a fresh acceptance estimate per replayed rate (costs kept)
             if policy is not None:
+                # as a fresh engine's warm-up seeds it, here on the replayed continuation at this rate
                 policy.tracker = AcceptanceTracker(policy.max_k)
+                warm = engine.warm_acceptance()
+                assert warm is not None
+                policy.tracker.absorb(warm)
             if adaptive:
                 run(longest, None, args.max_tokens)  # unmeasured: adaptive learns this rate
         measure(engine, args, configs, prompts, plain_tokens, run, acceptance)

@@ -16,7 +16,7 @@ DIR holds what NVRTC needs (none of it ships with exo or on a CPU machine):
   `shared/gpu/prepare.sh` downloads: `cat .gpu1/part_* .gpu2/part_* .gpu3/part_* > w.zip; unzip w.zip 'mlx/include/*'`);
 - MLX's JIT device headers (`mlx/backend/cuda/device/*.cuh` and `config.h` of MLX's sources at the version that
   runs), flat in DIR.
-SCRIPT sets things up so that exo's kernels think they run on MLX CUDA (e.g. `cuda_qmv.on_cuda = lambda: True`)
+SCRIPT sets things up so that exo's kernels think they run on MLX CUDA (e.g. `cuda_qgemv.on_cuda = lambda: True`)
 and calls them on CPU arrays. Exits 1 at the first kernel that does not compile, printing NVRTC's log.
 """
 

@@ -72,18 +72,39 @@ def test_best_depth_respects_max_k():
     assert best_depth(H100, [0.9, 0.9, 0.9], max_k=1)[0] == 1
 
 
+# A device where a round costs about as many plain steps as it has rows, twice its warm-up's excess over one
+HOPELESS = DepthCosts(beta=(3.0, 5.0, 7.0), delta=(0.15, 0.30, 0.45), device="cpu")
+
+
 def test_can_pay_off():
     assert can_pay_off(H100, 3)
     assert not can_pay_off(CPU, 3)
+    # the warm-up's excess over a plain step doubted: a compute-bound CPU's rounds might pay, HOPELESS's not
+    assert can_pay_off(CPU, 3, doubt=adaptive.WARM_COST_DOUBT)
+    assert not can_pay_off(HOPELESS, 3, doubt=adaptive.WARM_COST_DOUBT)
 
 
-def test_cpu_policy_never_drafts_or_probes():
-    policy = DepthPolicy(CPU, max_k=3, default_k=2)
+def test_a_policy_where_no_depth_could_pay_never_drafts_or_probes():
+    policy = DepthPolicy(HOPELESS, max_k=3, default_k=2)
     assert not policy.mtp_can_pay_off
     for _ in range(50):
         assert policy.choose() == 0
         policy.observe_plain(100, 1.0)
     assert policy.plain_budget() > 10**6
+
+
+def test_a_compute_bound_device_is_probed_once_then_every_probe_max_tokens():
+    """The warm-up says rounds cost their rows (a compute-bound CPU) and so they do: the first probe point probes a
+    depth (the warm-up's costs alone decide nothing), the live pair says no depth pays, and from then on probe
+    points pass until they are PROBE_MAX apart: nearly every token is a plain one."""
+    policy = DepthPolicy(CPU, max_k=3, default_k=0)
+    assert policy.mtp_can_pay_off
+    machine = Machine(cost=[CPU.round_cost(k) for k in (1, 2, 3)], acceptance=(0.9, 0.9, 0.9))
+    first = machine.run(policy, 400)
+    assert machine.probes and machine.probes[0] <= 2 * PROBE_FIRST and policy.depth == 0
+    assert sum(first.get(k, 0) for k in (1, 2, 3)) <= 2 * (PROBE_ROUNDS * 4)
+    later = machine.run(policy, 20000)
+    assert _share(later, 0) > 0.98
 
 
 def test_policy_starts_at_default_then_follows_acceptance():
@@ -171,7 +192,8 @@ def _batch_policy(solo_costs: DepthCosts, acceptance: int = 40) -> BatchDepthPol
 
 
 def test_a_batch_never_drafts_where_solo_drafting_cannot_pay_off():
-    policy = _batch_policy(CPU)
+    # HOPELESS, not CPU: a batch of one is the solo policy, which probes CPU's doubted warm-up costs once
+    policy = _batch_policy(HOPELESS)
     for size in (1, 2, 8, 32):
         for _ in range(3 * PROBE_FIRST):
             assert policy.choose(size) == 0  # not even a probe
@@ -302,9 +324,14 @@ def test_a_warmup_that_says_drafting_cannot_pay_is_confirmed_before_it_turns_mtp
     drafting really cannot pay (every warm-up says so) stays off."""
     from exo.engine import costs as costs_module
 
-    slow = DepthCosts(beta=(2.9, 2.7), delta=(0.2, 0.3), device="cuda", plain_s=0.004, plain_pipelined_s=0.004)
+    slow = DepthCosts(beta=(4.0, 5.5), delta=(0.2, 0.3), device="cuda", plain_s=0.004, plain_pipelined_s=0.004)
     fast = DepthCosts(beta=(1.6, 1.8), delta=(0.1, 0.2), device="cuda", plain_s=0.005, plain_pipelined_s=0.0045)
-    assert not can_pay_off(slow.in_pipelined_steps(), 2) and can_pay_off(fast.in_pipelined_steps(), 2)
+    doubt = adaptive.WARM_COST_DOUBT  # the verdict that turns MTP off is the policy's, on doubted costs
+
+    def can_pay(costs: DepthCosts) -> bool:
+        return can_pay_off(costs.in_pipelined_steps(), 2, doubt=doubt)
+
+    assert not can_pay(slow) and can_pay(fast)
 
     def warm(*measured):
         calls = list(measured)
@@ -313,13 +340,13 @@ def test_a_warmup_that_says_drafting_cannot_pay_is_confirmed_before_it_turns_mtp
         return result, len(measured) - len(calls)
 
     confirmed, runs = warm(slow, fast, slow)
-    assert runs == 2 and can_pay_off(confirmed.in_pipelined_steps(), 2)
+    assert runs == 2 and can_pay(confirmed)
     # Each part's fastest time, in the fastest plain step: the verify of 2 rows 1.6 x 5 ms = 8 ms / 4 ms.
     assert confirmed.plain_s == 0.004 and confirmed.plain_pipelined_s == 0.004
     assert confirmed.beta == pytest.approx((2.0, 2.25)) and confirmed.delta == pytest.approx((0.125, 0.25))
     assert warm(fast, slow) == (fast, 1)
     off, runs = warm(slow, slow, slow)
-    assert runs == 3 and not can_pay_off(off.in_pipelined_steps(), 2)
+    assert runs == 3 and not can_pay(off)
 
 
 
@@ -572,11 +599,27 @@ def test_rounds_are_judged_against_plain_tokens_as_the_decode_loop_runs_them():
     assert policy.effective_costs().round_cost(1) == pytest.approx(1.6, rel=0.01)
 
 
+def test_a_warm_up_that_overstates_round_costs_is_corrected_by_a_probe():
+    """The warm-up timed rounds at 2.5-4 plain steps, so that not even full acceptance would pay by its costs;
+    live they cost 1.6-2.6 (an H200's 9B: adaptive never drafted where K = 1 ran 1.13x plain). The first probe
+    point probes a depth, the pair with plain decoding sets the live cost, and the policy drafts from then on."""
+    warm = DepthCosts(beta=(2.4, 3.1, 3.7), delta=(0.1, 0.2, 0.3), device="gpu")
+    assert not can_pay_off(warm, 3)  # by its costs as timed
+    policy = DepthPolicy(warm, max_k=3, default_k=0)
+    machine = Machine(cost=(1.6, 2.1, 2.6), acceptance=(0.9, 0.9, 0.9))
+    machine.run(policy, 300)
+    assert policy.depth >= 1
+    later = machine.run(policy, 3000)
+    assert _share(later, 0) < 0.1
+
+
 def test_mtp_that_cannot_pay_off_against_pipelined_plain_decoding_never_probes():
-    """Even full acceptance (2 tokens a round) cannot beat a round of 1.8 steps alone = 2.16 pipelined plain
-    tokens: the head is not fed and nothing is probed (in steps alone it looked like 1.11x)."""
-    costs = DepthCosts(beta=(1.7,), delta=(0.1,), device="gpu", plain_s=0.012, plain_pipelined_s=0.010)
-    assert can_pay_off(costs, 1) and not can_pay_off(costs.in_pipelined_steps(), 1)
+    """Even full acceptance (2 tokens a round) cannot beat a round of 2.6 steps alone = 3.12 pipelined plain
+    tokens, its excess over one doubted (2.06): the head is not fed and nothing is probed (in steps alone, 1.8
+    doubted, it looked like 1.11x)."""
+    costs = DepthCosts(beta=(2.5,), delta=(0.1,), device="gpu", plain_s=0.012, plain_pipelined_s=0.010)
+    doubt = adaptive.WARM_COST_DOUBT
+    assert can_pay_off(costs, 1, doubt=doubt) and not can_pay_off(costs.in_pipelined_steps(), 1, doubt=doubt)
     policy = DepthPolicy(costs, max_k=1, default_k=1)
     assert not policy.mtp_can_pay_off
     assert policy.choose() == 0 and policy.plain_budget() == 1 << 30

@@ -223,9 +223,10 @@ def test_seeded_sampling_and_penalties_with_mtp_in_a_batch(checkpoint):
 def test_stats_say_why_a_batch_decoded_plainly(checkpoint):
     path = checkpoint("qwen3_5", dtype="float32")
     loaded = _engine(path).loaded
-    # A device where a verify call costs too much (a compute-bound CPU): batches never draft either.
+    # A device where a verify call costs too much (no depth could pay even with the warm-up's costs doubted,
+    # ``WARM_COST_DOUBT``): batches never draft either.
     slow = Engine(loaded, EngineConfig(prefill_chunk=CHUNK))
-    slow._costs = DepthCosts(beta=(2.0, 3.0), delta=(0.2, 0.4), device="test", plain_s=0.01)
+    slow._costs = DepthCosts(beta=(3.0, 5.0), delta=(0.2, 0.4), device="test", plain_s=0.01)
     # Drafting can pay off, but a batch first times its plain step: two steps are not enough to draft.
     fast = Engine(loaded, EngineConfig(prefill_chunk=CHUNK))
     fast._costs = DepthCosts(beta=(1.2, 1.3), delta=(0.01, 0.02), device="test", plain_s=1.0)

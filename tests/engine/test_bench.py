@@ -135,6 +135,20 @@ def test_check_names_every_greedy_configuration_that_is_not_identical():
     report.plain_identical_to_stock = False
     assert identity_failures(report) == ["k=2: not plain decoding's tokens", "plain: not stock mlx-lm's tokens"]
     assert identity_failures(report.model_copy(update={"temperature": 0.7})) == []
+    # where exo's own kernels compute plain decoding (not stock's ops), plain against stock is reported, not required
+    own = report.model_copy(update={"own_ops": ["quantized linear products"]})
+    assert identity_failures(own) == ["k=2: not plain decoding's tokens"]
+
+
+def test_own_ops_names_the_quantized_kernel_where_it_runs(checkpoint, monkeypatch):
+    from exo.engine import Engine, load_checkpoint
+    from exo.engine.bench import own_ops
+
+    path = checkpoint("qwen3_5", layout="mlx_q4_sidecar", head="trained", dtype="bfloat16")
+    assert own_ops(Engine(load_checkpoint(path))) == []  # the CPU: MLX's products
+    monkeypatch.setenv("EXO_QGEMV", "always")
+    assert own_ops(Engine(load_checkpoint(path))) == [
+        "quantized linear products (engine/kernels/cuda_qgemv.py; EXO_QGEMV=0 for MLX's)"]
 
 
 def test_round_phases_replays_chosen_acceptances_and_reports_each(checkpoint, capsys, monkeypatch):

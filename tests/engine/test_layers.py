@@ -371,37 +371,3 @@ def test_a_model_loaded_on_the_cpu_runs_fused_norms_with_the_same_logits(checkpo
         for m in norms:
             m.__class__ = FusedRMSNorm if type(m) is nn.RMSNorm else FusedRMSNormGated
     assert mx.array_equal(fused, plain).item()
-
-
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("in_dims", [512, 192])  # 192: a residue past the last whole step of the warp (MLX's qmv)
-def test_the_multi_row_quantized_product_is_the_one_row_products(bits, in_dims):
-    """``kernels.cuda_qmv.module_rows`` (a verify call's rows of a quantized layer in one product; on the CPU MLX's
-    own block product, the reference path) gives each row bit for bit what a one-row call gives, for 1 to 9 rows
-    (more than one launch's ``MAX_ROWS`` on CUDA), a QuantizedLinear and a tied QuantizedEmbedding alike."""
-    import mlx.nn as nn
-
-    from exo.engine.kernels import cuda_qmv
-    from exo.engine.models.layers import make_rowwise
-
-    key = mx.random.key(bits)
-    linear = nn.Linear(in_dims, 96, bias=False)
-    linear.weight = (mx.random.normal((96, in_dims), key=key) * 0.05).astype(mx.bfloat16)
-    linear = nn.QuantizedLinear.from_linear(linear, group_size=64, bits=bits)
-    embedding = nn.Embedding(96, in_dims)
-    embedding.weight = (mx.random.normal((96, in_dims), key=mx.random.split(key)[0]) * 0.05).astype(mx.bfloat16)
-    embedding = nn.QuantizedEmbedding.from_embedding(embedding, group_size=64, bits=bits)
-    for module, one_row in ((linear, linear), (embedding, embedding.as_linear)):
-        assert module.scales.dtype == mx.bfloat16
-        for rows in range(1, 10):
-            x = (mx.random.normal((1, rows, in_dims), key=mx.random.split(key, 3)[2]) * 0.5).astype(mx.bfloat16)
-            single = mx.concatenate([one_row(x[:, t : t + 1]) for t in range(rows)], axis=1)
-            got = cuda_qmv.module_rows(module, x)
-            assert got.shape == single.shape and got.dtype == mx.bfloat16
-            assert mx.array_equal(got.view(mx.uint16), single.view(mx.uint16)).item(), (bits, rows)
-    # The verify call's path: a row-wise layer whose rows go "as rows" (what the probe sets on MLX CUDA).
-    make_rowwise(linear)
-    linear.as_rows = linear.per_row = True
-    x = (mx.random.normal((1, 4, in_dims), key=key) * 0.5).astype(mx.bfloat16)
-    single = mx.concatenate([nn.QuantizedLinear.__call__(linear, x[:, t : t + 1]) for t in range(4)], axis=1)
-    assert mx.array_equal(linear(x), single).item()

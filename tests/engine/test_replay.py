@@ -64,3 +64,16 @@ def test_a_replayed_engine_refuses_sampling(checkpoint):
     with pytest.raises(ReplayError):
         engine.complete(request)
     assert Engine(engine.loaded, EngineConfig()).replay is None  # nothing installs one by default
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 1.0])
+def test_the_warm_acceptance_under_a_replay_is_the_replayed_rate(checkpoint, acceptance):
+    """A benchmark's replayed run warms the depth policy on the replayed continuation, not the head's own answer to
+    the warm-up question (a random head's ~0 acceptance kept adaptive from ever drafting at 0.9 replayed)."""
+    engine = _engine(checkpoint("qwen3_5", dtype="float32"))
+    request = _request(engine, 0, max_tokens=40)
+    engine.replay = ReplayDrafter({tuple(request.prompt_tokens): _solo(engine, request).token_ids}, acceptance,
+                                  engine.vocab_size, seed=1)
+    warm = engine.warm_acceptance()
+    assert warm is not None and warm.reached[0] >= 5
+    assert warm.rates()[0] == pytest.approx(acceptance, abs=0.1)

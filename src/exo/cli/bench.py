@@ -108,7 +108,8 @@ def bench_command(args: argparse.Namespace) -> int:
     if stock:
         if report.plain_identical_to_stock is not None:
             print(f"\nplain decoding identical to stock mlx-lm's, token for token: "
-                  f"{'yes' if report.plain_identical_to_stock else 'NO'}")
+                  f"{'yes' if report.plain_identical_to_stock else 'NO'}"
+                  + (f" (not required: exo's own {'; '.join(report.own_ops)})" if report.own_ops else ""))
         print("vs stock: median over prompts and repeats of tokens/s / stock mlx-lm's plain tokens/s in the same round"
               " (q1-q3: its quartiles)")
     if args.check:

@@ -19,11 +19,12 @@ The estimator (``AcceptanceTracker``, ``RoundCosts``):
 The state machine (``DepthPolicy``): EXPLOIT d (run the depth with the best expected tokens per cost;
 leaving d takes ``MIN_GAIN``) or PROBE k (``PROBE_ROUNDS`` rounds at k, or one timed plain burst), started
 at probe points ``PROBE_FIRST``, doubling up to ``PROBE_MAX`` tokens apart while the depth stays. A probe
-goes to the most promising other depth (acceptance one standard error up, cost ``COST_DOUBT`` down) when it
-could beat d, or first to plain decoding while d's cost has no live pair back to it, and at every probe
-point once they are ``PROBE_MAX`` apart; otherwise the point passes and the next comes twice as late: where
-no depth can pay, probes grow rare. Where no depth could pay even at full acceptance by the warm-up's costs
-(a compute-bound CPU), the policy never drafts or probes.
+goes to the most promising other depth (acceptance one standard error up, cost ``COST_DOUBT`` down, and its
+excess over a plain token ``WARM_COST_DOUBT`` times down while only the warm-up has timed rounds) when it
+could beat d, or first to plain decoding while d's cost has no live pair back to it, and at every probe point
+once they are ``PROBE_MAX`` apart; otherwise the point passes and the next comes twice as late: where no depth
+can pay, probes grow rare. Where no depth could pay even at full acceptance by the warm-up's costs so doubted,
+the policy never drafts or probes.
 
 In a batch (``BatchDepthPolicy``) one K serves every member of a round, chosen per batch-size bucket
 (2, 3-4, 5-8, 9-16, 17+) by a ``DepthPolicy`` over that bucket's timings of batched steps and rounds, the
@@ -65,6 +66,19 @@ WARM_WEIGHT = 6.0
 # once or twice is uncertain, not bad) and its cost over COST_DOUBT (a pair timed in a busy moment).
 OPTIMISM = 1.0
 COST_DOUBT = 1.05
+# The warm-up's costs come from one short measurement of a round's parts alone, and live rounds have cost far
+# less beyond their one plain step: by the warm-up's costs adaptive never drafted where a fixed K = 1 paid
+# (docs/performance.md, the H200's replayed rounds; bench/results/h200-mlx-cuda-round-phases-replay-9b-2026-11-28.txt).
+# Until a round is timed live against plain decoding, a depth is judged for a probe as if its warm-up cost beyond
+# one plain step were this many times too high (``doubted``), and MTP is off altogether only where no depth could
+# pay even so at full acceptance. A probe that finds it cannot pay costs a few rounds: the probe points then pass
+# until PROBE_MAX apart.
+WARM_COST_DOUBT = 2.0
+
+
+def doubted(cost: float, doubt: float = WARM_COST_DOUBT) -> float:
+    """A round's cost with its excess over one plain token divided by ``doubt``."""
+    return 1.0 + max(cost - 1.0, 0.0) / doubt
 PROBE_FIRST = 16  # tokens from a change of depth to the first probe point
 PROBE_MAX = 1024  # the longest interval between probe points, where a probe always runs
 PROBE_ROUNDS = 3  # rounds in a probe of a depth: timings enough for a pair's median
@@ -129,9 +143,9 @@ def best_depth(
     return best_k, best
 
 
-def can_pay_off(costs: DepthCosts, max_k: int, min_gain: float = MIN_GAIN) -> bool:
-    """Whether any depth would beat plain decoding even if every draft were accepted."""
-    return best_depth(costs, [1.0] * max_k, max_k, min_gain)[0] > 0
+def can_pay_off(costs: DepthCosts, max_k: int, min_gain: float = MIN_GAIN, doubt: float = 1.0) -> bool:
+    """Whether any depth would beat plain decoding even if every draft were accepted (its cost ``doubted``)."""
+    return any((k + 1) / doubted(costs.round_cost(k), doubt) > min_gain for k in range(1, min(max_k, costs.max_k) + 1))
 
 
 @dataclass
@@ -379,7 +393,7 @@ class DepthPolicy:
             return self.fixed_k > 0
         if self.can_draft is not None:
             return self.can_draft
-        return can_pay_off(self.costs.in_pipelined_steps(), self.max_k, self.entry_gain)
+        return can_pay_off(self.costs.in_pipelined_steps(), self.max_k, self.entry_gain, WARM_COST_DOUBT)
 
     def plain_step_s(self) -> float | None:
         """Seconds per plain token: live, else the warm-up's pipelined steps, else its step alone."""
@@ -457,7 +471,11 @@ class DepthPolicy:
         if d > 0 and not self.estimator.paired(d, 0):
             return 0
         hopes = self.tracker.optimistic_rates()
-        hoped = {k: expected_tokens(hopes, k) / self.estimator.round_cost(k) * COST_DOUBT
+        # While no round is timed live against plain decoding, every cost is the warm-up's (after one is, the
+        # others' estimates carry its measured glue)
+        warm_only = not any(self.estimator.paired(k, 0) for k in range(1, self.max_k + 1))
+        hoped = {k: expected_tokens(hopes, k) * COST_DOUBT
+                 / doubted(self.estimator.round_cost(k), WARM_COST_DOUBT if warm_only and k else 1.0)
                  for k in range(self.max_k + 1) if k != d}
         target = max(hoped, key=lambda k: (hoped[k], -k))
         could_beat = hoped[target] > speed[d] * (self.entry_gain if d == 0 else 1.0)

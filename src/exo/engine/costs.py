@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from .adaptive import DepthCosts, can_pay_off
+from .adaptive import WARM_COST_DOUBT, DepthCosts, can_pay_off
 from .forward import Forward
 from .models.mtp import MTPHead
 from .verify import verify_logits
@@ -48,7 +48,8 @@ def device_name() -> str:
 
 Statistic = Callable[[list[float]], float]
 PIPELINED_STEPS = 8  # plain steps per timed burst of the pipelined decode loop
-# Warm-ups after the first while it says drafting cannot pay off at all: that verdict turns adaptive MTP off
+# Warm-ups after the first while it says drafting cannot pay off at all (its costs doubted as the depth policy
+# doubts them, ``adaptive.WARM_COST_DOUBT``): that verdict turns adaptive MTP off
 # for the engine's life, so a moment of interference must not decide it (on an H100, exo-demo-moe's warm-up
 # once timed a 2-row verify at 2.9 plain steps where its rounds then ran at 1.9: adaptive never drafted,
 # at 0.85x a fixed K = 2).
@@ -108,8 +109,8 @@ def warmup_costs(
     if phases is not None:
         phases["round costs"] = time.perf_counter() - start
     for again in range(1, CONFIRM_WARMUPS + 1):
-        if can_pay_off(costs.in_pipelined_steps(), costs.max_k):
-            break
+        if can_pay_off(costs.in_pipelined_steps(), costs.max_k, doubt=WARM_COST_DOUBT):
+            break  # (the verdict to confirm is the one that turns adaptive MTP off: ``DepthPolicy.mtp_can_pay_off``)
         if stop is not None and stop():
             return None
         start = time.perf_counter()

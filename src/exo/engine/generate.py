@@ -20,7 +20,6 @@ from .adaptive import (
     BatchDepthPolicy,
     DepthCosts,
     DepthPolicy,
-    can_pay_off,
     trace_from_env,
 )
 from .batch import decode_alone
@@ -269,7 +268,7 @@ class Engine:
         if self._policy is None or self._policy_key != key:
             policy = DepthPolicy(costs=costs, max_k=self.config.max_k, default_k=self.config.default_k,
                                  trace=trace_from_env(costs, self.config.max_k))
-            if self.config.warm_acceptance and can_pay_off(costs, self.config.max_k):
+            if self.config.warm_acceptance and policy.mtp_can_pay_off:
                 start = time.perf_counter()
                 warm = self.warm_acceptance(stop)
                 self.warmup_seconds["warm acceptance"] = time.perf_counter() - start
@@ -288,7 +287,8 @@ class Engine:
         (``WARM_QUESTION``, ``WARM_TOKENS``, at most ``WARM_ROUNDS`` rounds), every round at max_k: before any request, the depth policy's
         first choices rest on this rather than on the prior alone (which held a head landing 90% of its
         drafts at 0.7 through the first requests on an H200, and sent them to K = 0). ``stop``: polled every
-        round; None when it stopped the warm-up."""
+        round; None when it stopped the warm-up. Under a replayed continuation (``Engine.replay``, a benchmark) the
+        answer is the replay's first prompt and its drafts the replay's, so the warm acceptance is the replayed one."""
         if stop is not None and stop():
             return None
         stopped = False
@@ -301,12 +301,17 @@ class Engine:
         k = self.config.max_k
         tokenizer = self.loaded.tokenizer
         messages = [{"role": "user", "content": WARM_QUESTION}]
-        try:
-            prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-        except Exception:  # noqa: BLE001 - a tokenizer without a chat template
-            prompt = list(tokenizer.encode(WARM_QUESTION))
+        tokens = WARM_TOKENS
+        if self.replay is not None:
+            prompt, continuation = self.replay.warm_prompt()
+            tokens = min(tokens, max(1, len(continuation)))
+        else:
+            try:
+                prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+            except Exception:  # noqa: BLE001 - a tokenizer without a chat template
+                prompt = list(tokenizer.encode(WARM_QUESTION))
         fixed = DepthPolicy(costs=self._costs_or_unmeasured(k), max_k=k, fixed_k=k)
-        request = GenerationRequest(prompt, max_tokens=WARM_TOKENS, sampling=SamplingParams(temperature=0.0),
+        request = GenerationRequest(prompt, max_tokens=tokens, sampling=SamplingParams(temperature=0.0),
                                     native_mtp="on", ignore_eos=True, should_stop=should_stop)
         for _ in decode_alone(SequenceState(self, request, fixed, None)):
             pass

@@ -30,7 +30,7 @@ from safetensors import safe_open
 
 from .models import SUPPORTED_MODEL_TYPES, UnsupportedModelError, get_model_classes, stage_model_classes
 from .models.backbone import SpeculativeBackbone
-from .models.layers import SparseMoeBlock, check_expert_sort
+from .models.layers import SparseMoeBlock, check_expert_sort, use_gdn_kernel, use_qgemv
 from .models.mtp import HEAD_NORM_SUFFIXES, MTPHead
 from .sharding import TensorShardingError, TensorShare, shard_model
 
@@ -90,6 +90,10 @@ class LoadedModel:
     head: MTPHead | None
     head_status: HeadStatus
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    # Per quantized layer shape, whether its decode-sized products run exo's kernel (``layers.use_qgemv``)
+    qgemv: dict[str, str] = field(default_factory=dict)
+    # Per GatedDeltaNet layer shape, whether its decode steps and verify rows run exo's kernel (``use_gdn_kernel``)
+    gdn: dict[str, str] = field(default_factory=dict)
 
     @property
     def backbone(self) -> SpeculativeBackbone:
@@ -592,6 +596,8 @@ def load_checkpoint(
     if head is not None:
         blocks += [layer.mlp for layer in head.layers if isinstance(layer.mlp, SparseMoeBlock)]
     check_expert_sort(blocks)  # before any prefill: a device whose sorted expert kernels are wrong goes unsorted
+    qgemv = use_qgemv([model] + ([head] if head is not None else []))
+    gdn = use_gdn_kernel(model)
     return LoadedModel(
         path=path,
         model_id=model_id or path.name,
@@ -601,4 +607,6 @@ def load_checkpoint(
         head=head,
         head_status=status,
         eos_token_ids=eos_token_ids(path, config, tokenizer) if tokenizer is not None else frozenset(),
+        qgemv=qgemv,
+        gdn=gdn,
     )

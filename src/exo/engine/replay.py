@@ -38,6 +38,11 @@ class ReplayDrafter:
         self.vocab_size = vocab_size
         self.seed = seed
 
+    def warm_prompt(self) -> tuple[list[int], list[int]]:
+        """A prompt to warm the depth policy's acceptance on (the first one) and its continuation."""
+        prompt, continuation = next(iter(self.continuations.items()))
+        return list(prompt), continuation
+
     def right(self, position: int) -> bool:
         """Whether output position ``position`` is drafted right (fixed by the seed and the position)."""
         if self.acceptance >= 1.0:

@@ -21,11 +21,8 @@ computes per row exactly the operations that need it (attention, logits), the re
   per row only when that makes the layers' probes exact (on an H100 the exo-demo GatedDeltaNet layer
   still differed with its one flagged shape per row, so there nothing runs per row).
 
-- ``quantized_rows``: quantized linear layers (and ``logits_as_rows``: a quantized lm_head or tied embedding)
-  whose verify rows go through ``kernels.cuda_qmv`` on MLX CUDA: every row in one launch reading the weights
-  once, each summed as MLX's one-row ``qmv`` sums it. Chosen per shape where the kernel is measured equal to
-  the one-row products and either the batched product differs from them or the kernel is at least as fast as
-  MLX's block of rows (whose rows each read the whole weight again);
+- quantized linear layers on MLX CUDA run exo's kernel (``kernels.cuda_qgemv``, set at load) for the decode
+  step and the verify rows alike, every row summed alone by construction: the probe finds their blocks equal;
 - the MoE experts: ``moe`` becomes ``safe`` (the whole block row by row) where the experts' batched rows
   differ from their rows alone with the same routes.
 
@@ -47,7 +44,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from .kernels import cuda_qmv
 from .models import layers as model_layers
 from .models.backbone import SpeculativeBackbone
 from .models.layers import MoEVerifyMode, RollbackArraysCache, experts_unsorted, make_rowwise
@@ -66,8 +62,6 @@ class VerifyMode:
     exact: bool = True  # every verify row equals its decode step (measured by ``probe``)
     per_row_linears: int = 0  # linear layers computed row by row in a verify call (``probe``)
     logits_as_vectors: bool = False  # per-row logits in one call (``models.layers.vector_matmul``), measured equal
-    quantized_rows: int = 0  # quantized linear layers whose verify rows go through ``kernels.cuda_qmv`` (``probe``)
-    logits_as_rows: bool = False  # the quantized output projection's verify rows through ``kernels.cuda_qmv``
 
     @classmethod
     def forced(cls, moe: MoEVerifyMode, rows: VerifyRows) -> VerifyMode:
@@ -79,8 +73,6 @@ def verify_logits(model: SpeculativeBackbone, hidden: mx.array, mode: VerifyMode
     """Logits [1, T, V] of a verify call's hiddens, per row when this device needs it."""
     if hidden.shape[1] == 1:
         return model.logits(hidden)
-    if mode.logits_as_rows:
-        return cuda_qmv.module_rows(model.output_projection(), hidden)
     if not mode.per_row_logits:
         return model.logits(hidden)
     if mode.logits_as_vectors:
@@ -100,20 +92,12 @@ def probe(model: SpeculativeBackbone, moe: MoEVerifyMode) -> tuple[VerifyMode, d
     prefix = (mx.random.normal((1, PROBE_PREFIX, model.hidden_size), key=key) * 0.5).astype(dtype)
     rows = (mx.random.normal((1, PROBE_ROWS, model.hidden_size), key=mx.random.split(key)[0]) * 0.5).astype(dtype)
     found: dict[str, bool] = {}
-    per_row_logits = logits_as_vectors = logits_as_rows = False
+    per_row_logits = logits_as_vectors = False
     if model.last_stage:
         single = mx.concatenate([model.logits(rows[:, t : t + 1]) for t in range(PROBE_ROWS)], axis=1)
         found["logits_batched"] = _rows_equal(model.logits, rows, single)
         per_row_logits = not found["logits_batched"]
         weight = model.output_weight()
-        head = model.output_projection()
-        if cuda_qmv.enabled() and cuda_qmv.applies(rows, head):
-            found["logits rows kernel"] = exact = cuda_qmv.matches_mlx(head, rows, model.logits)
-            if exact and not per_row_logits:
-                found["logits rows kernel faster"] = cuda_qmv.faster(
-                    lambda: cuda_qmv.module_rows(head, rows), lambda: model.logits(rows))
-            logits_as_rows = exact and (per_row_logits or found["logits rows kernel faster"])
-            per_row_logits = per_row_logits and not logits_as_rows
         if per_row_logits and weight is not None:
             vectors = model_layers.vector_matmul(rows, weight)
             found["logits rows as vectors"] = logits_as_vectors = bool(mx.array_equal(vectors, single).item())
@@ -171,11 +155,9 @@ def probe(model: SpeculativeBackbone, moe: MoEVerifyMode) -> tuple[VerifyMode, d
         # Even so the layers differ from decode steps: linears computed one call per row would cost time
         # and buy no guarantee (the near-tie fallback covers what is left), so only the one-call batches
         # of one-row products stay (they cost about what the block of rows costs).
-        sensitive = [linear for linear in sensitive if linear.as_vectors or linear.as_rows]
+        sensitive = [linear for linear in sensitive if linear.as_vectors]
         model.set_rowwise_linears(sensitive)
-    quantized_rows = sum(1 for linear in sensitive if linear.as_rows)
-    return VerifyMode(moe, per_row_attention, per_row_logits, exact, len(sensitive), logits_as_vectors,
-                      quantized_rows, logits_as_rows), found
+    return VerifyMode(moe, per_row_attention, per_row_logits, exact, len(sensitive), logits_as_vectors), found
 
 
 def _row_count_sensitive_linears(
@@ -184,9 +166,7 @@ def _row_count_sensitive_linears(
     """The linear layers (of ``layers``) a verify call computes row by row, and per shape what was found
     (``"linear 256->1024 bfloat16": True`` when a block of rows equals the same rows one at a time).
 
-    A quantized shape on MLX CUDA goes through ``kernels.cuda_qmv`` where that is checked equal to the one-row
-    products and the block of rows differs or is not faster. Otherwise: when no shape differs (and
-    ``matmul_rounds_by_rows`` does not say otherwise), none. When one does, the device's matmul rounds by row
+    When no shape differs (and ``matmul_rounds_by_rows`` does not say otherwise), none. When one does, the device's matmul rounds by row
     count, and on random rows a probe sees only part of it (on MLX CUDA other shapes differ on other values), so
     every shape whose rows can go as one-row products in one call (``models.layers.vector_matmul``: checked equal
     to the one-row calls here) goes that way, and the shapes found to differ that cannot, go one call per row."""
@@ -215,19 +195,6 @@ def _row_count_sensitive_linears(
     chosen: list[nn.Module] = []
     for name, modules, rows, single, same in probed:
         module = modules[0]
-        if cuda_qmv.enabled() and cuda_qmv.applies(rows, module):
-            # A quantized shape on MLX CUDA: its rows in one launch of exo's kernel where it sums them as MLX's
-            # one-row product does, when a block of rows rounds otherwise or the kernel is not slower than one.
-            found[f"{name} rows kernel"] = exact = cuda_qmv.matches_mlx(module, rows)
-            if exact and same:
-                found[f"{name} rows kernel faster"] = cuda_qmv.faster(
-                    lambda m=module, r=rows: cuda_qmv.module_rows(m, r), lambda m=module, r=rows: m(r))
-            if exact and (not same or found[f"{name} rows kernel faster"]):
-                for each in modules:
-                    make_rowwise(each)
-                    each.as_rows = True
-                chosen.extend(modules)
-                continue
         if not differs:
             continue
         if model_layers.vectors_apply(module):

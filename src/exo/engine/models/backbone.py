@@ -26,6 +26,8 @@ from .layers import (
     GatedDeltaNet,
     GdnPrefill,
     MoEVerifyMode,
+    QGemvEmbedding,
+    QGemvLinear,
     RollbackArraysCache,
     SparseMoeBlock,
     make_rowwise,
@@ -193,10 +195,22 @@ class SpeculativeBackbone:
         linears, attention, blocks = parts
         for linear in linears:
             linear.batch_vectors = on
+        for linear in self._qgemv_linears():
+            linear.exact_batch = on
         for layer in attention:
             layer.per_sequence = on
         for block in blocks:
             block.unsorted_in_batch = on
+
+    def _qgemv_linears(self) -> tuple[nn.Module, ...]:
+        """This stage's layers and output projection on exo's quantized kernel (``layers.use_qgemv``, at load)."""
+        found = self.__dict__.get("_qgemv_found")
+        if found is None:
+            parts = list(self.stage_layers) + ([self.output_projection()] if self.last_stage else [])
+            found = tuple(m for part in parts for _, m in part.named_modules()
+                          if isinstance(m, (QGemvLinear, QGemvEmbedding)))
+            object.__setattr__(self, "_qgemv_found", found)  # not child modules: no parameters
+        return found
 
     def set_gdn_prefill(self, mode: GdnPrefill) -> None:
         """How this stage's GatedDeltaNet layers run a prompt chunk's rows (``layers.GdnPrefill``)."""
@@ -216,6 +230,8 @@ class SpeculativeBackbone:
             block.verify_mode = moe
         for linear in self.__dict__.get("_rowwise_linears", ()):
             linear.per_row = moe is not None
+        for linear in self._qgemv_linears():
+            linear.exact_verify = moe is not None
         for layer in self.stage_layers:
             if isinstance(getattr(layer, "self_attn", None), Attention):
                 layer.self_attn.per_row = per_row_attention

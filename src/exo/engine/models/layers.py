@@ -208,19 +208,93 @@ def use_cpu_kernels(module: nn.Module) -> bool:
     return True
 
 
+# -- quantized linear layers through exo's kernel on MLX CUDA --------------------------------------------
+# MLX CUDA's one-row quantized product reads the weights at a fraction of the memory's bandwidth, and sums a block
+# of rows by reading the weights again per row. ``kernels.cuda_qgemv`` computes 1-8 rows in one launch, each row's
+# sums in an order that does not depend on the rows (so a verify call's rows round as their decode steps do, by
+# construction), near the memory's bandwidth. ``use_qgemv`` (the loader, on MLX CUDA, only with ``EXO_QGEMV=1``:
+# off by default, since a whole model decoded slower on it) gives the model's and the head's quantized linear
+# layers and quantized embeddings (their ``as_linear``: a tied lm_head) these classes, shape by shape, where the
+# kernel checks out on the device. Calls of more rows (a prefill chunk, a large batch) keep MLX's product unless a
+# verify call or a batch-invariant step needs every row exact.
+
+
+QGEMV_ON = True  # benchmarks switch the installed kernel off and on within one process (A/B)
+
+
+def _qgemv_takes(module: nn.Module, x: mx.array) -> bool:
+    from ..kernels.cuda_qgemv import DTYPES, MAX_ROWS
+
+    rows = x.size // x.shape[-1] if x.ndim else 0
+    return (QGEMV_ON and x.dtype in DTYPES and 0 < rows
+            and (rows <= MAX_ROWS or module.exact_verify or module.exact_batch))
+
+
+class QGemvLinear(nn.QuantizedLinear):
+    """``nn.QuantizedLinear`` whose decode-sized calls run exo's kernel (same parameters)."""
+
+    exact_verify = False  # set on instances around a verify call: every row through the kernel
+    exact_batch = False  # set on instances around a batch-invariant step
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if _qgemv_takes(self, x):
+            from ..kernels.cuda_qgemv import module_product
+
+            return module_product(self, x)
+        return super().__call__(x)
+
+
+class QGemvEmbedding(nn.QuantizedEmbedding):
+    """``nn.QuantizedEmbedding`` whose ``as_linear`` (a tied lm_head) runs exo's kernel for decode-sized calls."""
+
+    exact_verify = False
+    exact_batch = False
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if _qgemv_takes(self, x):
+            from ..kernels.cuda_qgemv import module_product
+
+            return module_product(self, x)
+        return super().as_linear(x)
+
+
+def use_qgemv(modules: Sequence[nn.Module]) -> dict[str, str]:
+    """Give the quantized linear layers and embeddings of ``modules`` (a backbone, the MTP head) exo's kernel
+    classes, for each distinct shape where ``kernels.cuda_qgemv.check`` passes on this device (else MLX's product
+    stays for that shape). Returns what was found per shape (``"qgemv 4096->12288 4-bit g64 bfloat16"`` ->
+    ``"ok: ..."`` or why not). Nothing unless ``EXO_QGEMV`` opts in (``1``: on MLX CUDA; ``always``: anywhere)."""
+    from ..kernels import cuda_qgemv
+
+    mode = cuda_qgemv.mode()
+    if mode == "off" or (mode == "cuda" and not cuda_qgemv.on_cuda()):
+        return {}
+    shapes: dict[tuple[Any, ...], list[nn.Module]] = {}
+    for tree in modules:
+        for _, leaf in tree.named_modules():
+            if type(leaf) in (nn.QuantizedLinear, nn.QuantizedEmbedding) and cuda_qgemv.supported(leaf):
+                signature = (tuple(leaf["weight"].shape), leaf.bits, leaf.group_size, leaf["scales"].dtype)
+                shapes.setdefault(signature, []).append(leaf)
+    found: dict[str, str] = {}
+    for (shape, bits, group, dtype), leaves in shapes.items():
+        name = f"qgemv {shape[1] * 32 // bits}->{shape[0]} {bits}-bit g{group} {dtype}".replace("mlx.core.", "")
+        passed, what = cuda_qgemv.check(leaves[0])
+        found[name] = ("ok: " if passed else "not used: ") + what
+        if passed:
+            for leaf in leaves:
+                leaf.__class__ = QGemvLinear if isinstance(leaf, nn.QuantizedLinear) else QGemvEmbedding
+    return found
+
+
 class _RowwiseLinear:
     """A linear layer whose multi-row calls compute each row alone while ``per_row`` is set: during a
     verify call, on a device whose kernel for this shape rounds a block of rows differently from one row
     (``verify.probe`` finds them; ``make_rowwise`` applies it).
 
     ``as_vectors``: all rows in ONE call of ``vector_matmul`` (a plain linear layer without bias only),
-    which the probe chose only where it measured it equal to the one-row calls; ``as_rows``: all rows in one
-    call of ``kernels.cuda_qmv`` (a quantized layer on MLX CUDA: the weights read once, each row as MLX's
-    one-row product; chosen where the probe measured it so); otherwise one call per row."""
+    which the probe chose only where it measured it equal to the one-row calls; otherwise one call per row."""
 
     per_row = False
     as_vectors = False
-    as_rows = False
     batch_vectors = False  # every row (of every sequence of a batch) as a one-row product: batch-invariant steps
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -231,10 +305,6 @@ class _RowwiseLinear:
             return super().__call__(x)  # type: ignore[misc]
         if self.as_vectors:
             return vector_matmul(x, self.weight)  # type: ignore[attr-defined]
-        if self.as_rows:
-            from ..kernels.cuda_qmv import module_rows
-
-            return module_rows(self, x)
         call = super().__call__  # type: ignore[misc]
         return mx.concatenate([call(x[..., t : t + 1, :]) for t in range(rows)], axis=-2)
 
@@ -428,6 +498,18 @@ def _compiled_rows_apply(layer: Any, rows: int, mask: Any, cache: Any) -> bool:
     return on_device and mask is None and cache.lengths is None and not layer.training and "bias" not in layer.conv1d
 
 
+GDN_KERNEL_ON = True  # benchmarks switch the installed kernel off and on within one process (A/B)
+
+
+def _kernel_rows_apply(layer: Any, rows: int, mask: Any, cache: Any) -> bool:
+    """A decode step or a recorded call of at most ``cuda_gdn.MAX_ROWS`` rows, solo, as ``_compiled_rows_apply``
+    (on whatever device ``use_gdn_kernel`` set the layer up for)."""
+    from ..kernels.cuda_gdn import MAX_ROWS
+
+    return (cache is not None and cache[0] is not None and (rows == 1 or _recording(cache)) and rows <= MAX_ROWS
+            and mask is None and cache.lengths is None and not layer.training)
+
+
 @cache
 def _row_step(taps: int, key_dim: int, hk: int, hv: int, dk: int, dv: int, norm_eps: float) -> Callable[..., Any]:
     """The compiled row step for one layer shape: (conv window, qkv row, z, a, b, state, conv weight, A_log,
@@ -475,6 +557,57 @@ def _compiled_rows(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a:
     return layer.out_proj(out.reshape(B, S, -1))
 
 
+# -- a GatedDeltaNet step's T rows in one launch, on MLX CUDA ----------------------------------------------
+# The compiled row graph is still a few launches per row, and a verify call runs it once per row.
+# ``kernels.cuda_gdn`` computes a decode step (T = 1) and a verify call's T rows in one launch per layer, each
+# row as alone by construction. ``use_gdn_kernel`` (the loader) sets it on the layers where it checks out on the
+# device; it takes the calls the compiled rows would (``_compiled_rows_apply``) of at most ``MAX_ROWS`` rows.
+
+
+def use_gdn_kernel(model: nn.Module) -> dict[str, str]:
+    """Give ``model``'s GatedDeltaNet layers exo's step kernel where ``kernels.cuda_gdn.check`` passes on this
+    device (one layer checked per shape); what was found per shape. Nothing where ``EXO_GDN_KERNEL=0``, or off
+    MLX CUDA unless ``EXO_GDN_KERNEL=always``."""
+    from ..kernels import cuda_gdn
+
+    mode = cuda_gdn.mode()
+    if mode == "off" or (mode == "cuda" and not cuda_gdn.on_cuda()):
+        return {}
+    shapes: dict[tuple[Any, ...], list[nn.Module]] = {}
+    for _, leaf in model.named_modules():
+        if isinstance(leaf, (GatedDeltaNet, NextGatedDeltaNet)) and cuda_gdn.supported(leaf):
+            signature = (leaf.num_k_heads, leaf.num_v_heads, leaf.head_k_dim, leaf.head_v_dim,
+                         leaf.conv_kernel_size, leaf.conv1d.weight.dtype)
+            shapes.setdefault(signature, []).append(leaf)
+    found: dict[str, str] = {}
+    for (hk, hv, dk, dv, taps, dtype), leaves in shapes.items():
+        name = f"gdn {hk}x{dk} keys {hv}x{dv} values conv {taps} {dtype}".replace("mlx.core.", "")
+        passed, what = cuda_gdn.check(leaves[0])
+        found[name] = ("ok: " if passed else "not used: ") + what
+        for leaf in leaves:
+            leaf.gdn_kernel = passed
+    return found
+
+
+def _kernel_rows(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, cache: Any) -> mx.array:
+    """``_mix`` through ``kernels.cuda_gdn``: a decode step's row or a recorded call's rows in one launch."""
+    from ..kernels.cuda_gdn import gdn_rows
+
+    B, S, _ = mixed_qkv.shape
+    window, state = cache[0], cache[1]
+    if state is None:
+        state = mx.zeros((B, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim), dtype=mx.float32)
+    y, states = gdn_rows(layer, window, mixed_qkv, a, b, state)
+    conv_input = mx.concatenate([window, mixed_qkv], axis=1)
+    if _recording(cache):
+        cache.record(conv_input, [state, *(states[t] for t in range(S))])
+    cache[0] = mx.contiguous(conv_input[:, S:])
+    cache[1] = states[S - 1]
+    cache.advance(S)
+    out = layer.norm(y, z)
+    return layer.out_proj(out.reshape(B, S, -1))
+
+
 def _mix(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, mask, cache) -> mx.array:
     """Conv + gated delta recurrence + gated norm + out projection, shared by Qwen3.5 and Qwen3-Next.
 
@@ -482,6 +615,8 @@ def _mix(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array,
     recording mode additionally gets the per-row states.
     """
     B, S, _ = mixed_qkv.shape
+    if layer.gdn_kernel and GDN_KERNEL_ON and _kernel_rows_apply(layer, S, mask, cache):
+        return _kernel_rows(layer, mixed_qkv, z, b, a, cache)
     if _compiled_rows_apply(layer, S, mask, cache):
         return _compiled_rows(layer, mixed_qkv, z, b, a, cache)
     if cache is not None and cache[0] is not None:
@@ -537,6 +672,8 @@ def _mix(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array,
 class GatedDeltaNet(Qwen35GatedDeltaNet):
     """Qwen3.5 / Qwen3.6 GatedDeltaNet with per-row state capture for rollback."""
 
+    gdn_kernel = False  # its steps on ``kernels.cuda_gdn`` (``use_gdn_kernel``)
+
     def __call__(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
         if self.sharding_group is not None:
             # Tensor parallelism is not used by exo (pipelines split by layers).
@@ -549,6 +686,8 @@ class GatedDeltaNet(Qwen35GatedDeltaNet):
 
 class NextGatedDeltaNet(Qwen3NextGatedDeltaNet):
     """Qwen3-Next GatedDeltaNet with per-row state capture for rollback."""
+
+    gdn_kernel = False
 
     def __call__(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
         B, S, _ = inputs.shape

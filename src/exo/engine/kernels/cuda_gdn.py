@@ -1,0 +1,339 @@
+"""A GatedDeltaNet layer's decode-sized step on MLX CUDA in one launch: T = 1 .. ``MAX_ROWS`` rows (a decode step,
+or a verify call's K + 1 rows), the conv window, the q/k norms, the gate and beta, the recurrence and every row's
+state for the rollback.
+
+mlx-lm runs a GatedDeltaNet step off Apple GPUs as ~25 small ops (window concat, depthwise conv, silu, splits, two
+RMS norms, the gate and beta, the recurrence as broadcast products and sums); exo compiles them into one graph
+per row (``models.layers._row_step``), and a verify call runs that graph once per row: T launches of a few fused
+kernels each, per layer. Here one launch computes all T rows, each row's arithmetic the same whatever T (its inputs
+are the rows before it, its state the one the row before left: by construction a verify call's row t computes
+what the t-th decode step computes), so the plain step (T = 1) and the verify call share it.
+
+Per block: one value head of one sequence and 32 of its value rows (its state: 32 x Dk floats in registers,
+4 lanes a row, Dk / 4 values a lane). First, for all T rows at once, the conv of the block's channels (the key
+head's q and k, its 32 v) over the window and the rows, silu, the q and k RMS norms (each row's sums of squares
+by one warp, in lane order then an xor butterfly), the gate and beta; then the rows one after another, each
+with no barrier: decay, ``kv = sum(state * k)``, ``delta = (v - kv) * beta``, ``state += k * delta``,
+``y = sum(state * q)`` (each sum: a lane's Dk / 4 values in order, then xor 1, 2 across the row's four lanes),
+the state after the row written out. Roundings follow mlx-lm's graph: the conv's output, sigmoid and silu, a + dt_bias
+and softplus (in their promoted dtype), the normalized q and k and beta in the activations' type; the recurrence
+in float32. The order of sums and the fused multiply-adds are the kernel's own: it is not stock mlx-lm's op for op
+(``check`` bounds the difference on the device, against ``reference``, mlx-lm's ops).
+
+Off MLX CUDA (``EXO_GDN_KERNEL=always``: tests of the wiring) ``gdn_rows`` computes ``reference``. ``EXO_GDN_KERNEL=0``
+keeps the compiled row graph.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+MAX_ROWS = 8
+THREADS = 128
+TILE = 32  # value rows per block
+DTYPES = (mx.bfloat16, mx.float16)
+
+HEADER = r"""
+namespace exo_gdn {
+
+template <typename T> __device__ __forceinline__ float to_float(T v) { return static_cast<float>(v); }
+template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+// v rounded to T, as an op of mlx-lm's graph in T rounds its result.
+template <typename T> __device__ __forceinline__ float in_t(float v) { return to_float(from_float<T>(v)); }
+
+}  // namespace exo_gdn
+"""
+
+# MLX writes the signature: window [B, TAPS - 1, C], qkv [B, ROWS, C], conv_w [C, TAPS, 1], a and b [B, ROWS, HV],
+# a_log and dt_bias [HV], state [B, HV, DV, DK] float32, scalars [3] float32 (q's scale, k's scale, the norms' eps),
+# then y [B, ROWS, HV, DV] and states [ROWS, B, HV, DV, DK] float32.
+SOURCE = r"""
+  using namespace exo_gdn;
+  constexpr int KEY_DIM = HK * DK;
+  constexpr int C = 2 * KEY_DIM + HV * DV;
+  constexpr int CH = 2 * DK + 32;   // channels a block convolves per row: q, k, its 32 v
+  constexpr int PER_LANE = DK / 4;  // state values a lane holds
+  const int batch = state_shape[0];
+  const int tiles = DV / 32;
+  const int tile = blockIdx.x % tiles;
+  const int hv = (blockIdx.x / tiles) % HV;
+  const int bi = blockIdx.x / (tiles * HV);
+  const int hk = hv / (HV / HK);
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int row = warp * 8 + (lane >> 2);  // the value row of the tile this lane's group holds
+  const int part = lane & 3;
+  const int dv = tile * 32 + row;
+
+  __shared__ __align__(16) float qn[ROWS][DK];
+  __shared__ __align__(16) float kn[ROWS][DK];
+  __shared__ float vv[ROWS][32];
+  __shared__ float gate[ROWS];
+  __shared__ float beta[ROWS];
+  __shared__ float inv_rms[2][ROWS];
+
+  // The state first: its loads are in flight while the rows' inputs are prepared.
+  float s[PER_LANE];
+  const float* state_row = state + ((static_cast<int64_t>(bi) * HV + hv) * DV + dv) * DK;
+#pragma unroll
+  for (int j = 0; j < DK / 16; ++j) {
+    const float4 v = *reinterpret_cast<const float4*>(state_row + 16 * j + 4 * part);
+    s[4 * j] = v.x; s[4 * j + 1] = v.y; s[4 * j + 2] = v.z; s[4 * j + 3] = v.w;
+  }
+
+  // The conv over [window; rows] of this block's channels, silu, for every row.
+  for (int idx = tid; idx < ROWS * CH; idx += blockDim.x) {
+    const int t = idx / CH;
+    const int i = idx % CH;
+    const int c = i < DK ? hk * DK + i : i < 2 * DK ? KEY_DIM + hk * DK + (i - DK) : 2 * KEY_DIM + hv * DV + tile * 32 + (i - 2 * DK);
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < TAPS; ++j) {
+      const int r = t + j;  // row r of [window; rows]
+      const float x = r < TAPS - 1 ? to_float(window[(static_cast<int64_t>(bi) * (TAPS - 1) + r) * C + c])
+                                   : to_float(qkv[(static_cast<int64_t>(bi) * ROWS + r - (TAPS - 1)) * C + c]);
+      acc = __fmaf_rn(x, to_float(conv_w[c * TAPS + j]), acc);
+    }
+    const float conv = in_t<T>(acc);
+    const float act = in_t<T>(conv * in_t<T>(1.0f / (1.0f + expf(-conv))));  // silu: x * sigmoid(x)
+    if (i < DK) {
+      qn[t][i] = act;
+    } else if (i < 2 * DK) {
+      kn[t][i - DK] = act;
+    } else {
+      vv[t][i - 2 * DK] = act;
+    }
+  }
+  if (tid < ROWS) {
+    const int64_t at = (static_cast<int64_t>(bi) * ROWS + tid) * HV + hv;
+    float x = to_float(a[at]) + to_float(dt_bias[hv]);  // a + dt_bias, then softplus, in their promoted dtype
+    if constexpr (!PROMOTE_F32) {
+      x = in_t<T>(x);
+    }
+    float softplus = fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x)));
+    if constexpr (!PROMOTE_F32) {
+      softplus = in_t<T>(softplus);
+    }
+    gate[tid] = expf(-expf(to_float(a_log[hv])) * softplus);
+    beta[tid] = in_t<T>(1.0f / (1.0f + expf(-to_float(b[at]))));
+  }
+  __syncthreads();
+
+  // Each row's RMS of q and of k: one warp a vector, lanes in order, then the butterfly.
+  for (int p = warp; p < 2 * ROWS; p += blockDim.x / 32) {
+    const float* v = (p & 1) ? kn[p >> 1] : qn[p >> 1];
+    float sq = 0.0f;
+    for (int i = lane; i < DK; i += 32) {
+      sq = __fmaf_rn(v[i], v[i], sq);
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      sq = __fadd_rn(sq, __shfl_xor_sync(0xffffffffu, sq, offset));
+    }
+    if (lane == 0) {
+      inv_rms[p & 1][p >> 1] = rsqrtf(sq / static_cast<float>(DK) + scalars[2]);
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < ROWS * 2 * DK; idx += blockDim.x) {
+    const int t = idx / (2 * DK);
+    const int i = idx % (2 * DK);
+    if (i < DK) {
+      qn[t][i] = in_t<T>(in_t<T>(qn[t][i] * inv_rms[0][t]) * scalars[0]);
+    } else {
+      kn[t][i - DK] = in_t<T>(in_t<T>(kn[t][i - DK] * inv_rms[1][t]) * scalars[1]);
+    }
+  }
+  __syncthreads();
+
+  // The recurrence, row after row.
+  for (int t = 0; t < ROWS; ++t) {
+    const float g = gate[t];
+    float kv = 0.0f;
+#pragma unroll
+    for (int j = 0; j < DK / 16; ++j) {
+      const float4 k4 = *reinterpret_cast<const float4*>(&kn[t][16 * j + 4 * part]);
+      const float kk[4] = {k4.x, k4.y, k4.z, k4.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[4 * j + e] = __fmul_rn(s[4 * j + e], g);
+        kv = __fmaf_rn(s[4 * j + e], kk[e], kv);
+      }
+    }
+    kv = __fadd_rn(kv, __shfl_xor_sync(0xffffffffu, kv, 1));
+    kv = __fadd_rn(kv, __shfl_xor_sync(0xffffffffu, kv, 2));
+    const float delta = __fmul_rn(__fsub_rn(vv[t][row], kv), beta[t]);
+    float out = 0.0f;
+#pragma unroll
+    for (int j = 0; j < DK / 16; ++j) {
+      const float4 k4 = *reinterpret_cast<const float4*>(&kn[t][16 * j + 4 * part]);
+      const float4 q4 = *reinterpret_cast<const float4*>(&qn[t][16 * j + 4 * part]);
+      const float kk[4] = {k4.x, k4.y, k4.z, k4.w};
+      const float qq[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[4 * j + e] = __fmaf_rn(kk[e], delta, s[4 * j + e]);
+        out = __fmaf_rn(s[4 * j + e], qq[e], out);
+      }
+    }
+    out = __fadd_rn(out, __shfl_xor_sync(0xffffffffu, out, 1));
+    out = __fadd_rn(out, __shfl_xor_sync(0xffffffffu, out, 2));
+    if (part == 0) {
+      y[((static_cast<int64_t>(bi) * ROWS + t) * HV + hv) * DV + dv] = from_float<T>(out);
+    }
+    float* state_out = states + (((static_cast<int64_t>(t) * batch + bi) * HV + hv) * DV + dv) * DK;
+#pragma unroll
+    for (int j = 0; j < DK / 16; ++j) {
+      *reinterpret_cast<float4*>(state_out + 16 * j + 4 * part) =
+          make_float4(s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]);
+    }
+  }
+"""
+
+
+@functools.cache
+def _kernel() -> Any:
+    return mx.fast.cuda_kernel(
+        name="exo_gdn_rows",
+        input_names=["window", "qkv", "conv_w", "a", "b", "a_log", "dt_bias", "state", "scalars"],
+        output_names=["y", "states"],
+        source=SOURCE,
+        header=HEADER,
+        ensure_row_contiguous=True,
+    )
+
+
+def mode() -> str:
+    """``EXO_GDN_KERNEL``: ``0`` the compiled row graph; ``1`` (default) this kernel on MLX CUDA where ``check``
+    passes; ``always`` on any device (``reference`` off MLX CUDA: tests of the wiring)."""
+    value = os.environ.get("EXO_GDN_KERNEL", "1").strip().lower()
+    return {"0": "off", "false": "off", "off": "off", "always": "always"}.get(value, "cuda")
+
+
+def on_cuda() -> bool:
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def supported(layer: Any) -> bool:
+    """Whether a GatedDeltaNet layer's shapes are ones this kernel computes."""
+    dk, dv = layer.head_k_dim, layer.head_v_dim
+    return (
+        dk % 16 == 0 and dk <= 256 and dv % 32 == 0 and layer.num_v_heads % layer.num_k_heads == 0
+        and 2 <= layer.conv_kernel_size <= 8 and "bias" not in layer.conv1d
+        and layer.conv1d.weight.dtype in DTYPES
+    )
+
+
+def _scalars(layer: Any, dtype: mx.Dtype) -> mx.array:
+    """q's and k's scales as mlx-lm's ``normalize_qk`` applies them (Python floats times arrays of ``dtype``:
+    rounded to it) and its eps for ``rms_norm``."""
+    inv_scale = layer.head_k_dim**-0.5
+    scales = mx.array([inv_scale**2, inv_scale], dtype=dtype).astype(mx.float32)
+    return mx.concatenate([scales, mx.array([1e-6 * inv_scale**2], dtype=mx.float32)])
+
+
+def gdn_rows(layer: Any, window: mx.array, qkv: mx.array, a: mx.array, b: mx.array,
+             state: mx.array) -> tuple[mx.array, mx.array]:
+    """The layer's recurrence over ``qkv`` [B, T, C]'s rows after ``window`` [B, taps - 1, C] and ``state``
+    [B, Hv, Dv, Dk]: (y [B, T, Hv, Dv] before the gated norm, the state after each row [T, B, Hv, Dv, Dk]).
+    On MLX CUDA one launch of the kernel; elsewhere ``reference``."""
+    if not on_cuda():
+        return reference(layer, window, qkv, a, b, state)
+    B, T, _ = qkv.shape
+    hv, dv, dk = layer.num_v_heads, layer.head_v_dim, layer.head_k_dim
+    promote = (a[:1, :1, :1] + layer.dt_bias[:1]).dtype == mx.float32
+    y, states = _kernel()(
+        inputs=[window, qkv, layer.conv1d.weight, a, b, layer.A_log, layer.dt_bias, state, _scalars(layer, qkv.dtype)],
+        template=[("T", qkv.dtype), ("ROWS", T), ("TAPS", layer.conv_kernel_size), ("HK", layer.num_k_heads),
+                  ("HV", hv), ("DK", dk), ("DV", dv), ("PROMOTE_F32", promote)],
+        grid=(THREADS * B * hv * (dv // TILE), 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(B, T, hv, dv), (T, B, hv, dv, dk)],
+        output_dtypes=[qkv.dtype, mx.float32],
+    )
+    return y, states
+
+
+def reference(layer: Any, window: mx.array, qkv: mx.array, a: mx.array, b: mx.array,
+              state: mx.array) -> tuple[mx.array, mx.array]:
+    """``gdn_rows`` by mlx-lm's ops, row after row as a decode step runs them (conv1d, silu, ``normalize_qk``,
+    ``gated_delta_update``)."""
+    from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+
+    B, T, _ = qkv.shape
+    hk, hv, dk, dv = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
+    key_dim = hk * dk
+    taps = layer.conv_kernel_size
+    conv_input = mx.concatenate([window, qkv], axis=1)
+    ys, states = [], []
+    for t in range(T):
+        conv = nn.silu(mx.conv1d(conv_input[:, t : t + taps], layer.conv1d.weight, groups=conv_input.shape[-1]))
+        q, k, v = mx.split(conv, [key_dim, 2 * key_dim], -1)
+        q, k = normalize_qk(q.reshape(B, 1, hk, dk), k.reshape(B, 1, hk, dk), inv_scale=dk**-0.5, eps=1e-6)
+        y, state = gated_delta_update(q, k, v.reshape(B, 1, hv, dv), a[:, t : t + 1], b[:, t : t + 1], layer.A_log,
+                                      layer.dt_bias, state, None, use_kernel=False)
+        ys.append(y)
+        states.append(state)
+    return mx.concatenate(ys, axis=1), mx.stack(states)
+
+
+Y_TOLERANCE = 2.0**-6  # of the largest |y|: a few roundings of a bfloat16 output, summed over Dk
+STATE_TOLERANCE = 1e-4  # of the largest |state|: float32 sums in another order, over the probe's rows
+
+
+def check(layer: Any, *, rows: int = 4, key: mx.array | None = None) -> tuple[bool, str]:
+    """Whether ``gdn_rows`` computes ``layer``'s step as it should on this device: on random inputs, (1) one call
+    of 1..``rows`` rows gives each row the bits (y and state) of the calls of one row after another, (2) it is
+    within ``Y_TOLERANCE`` / ``STATE_TOLERANCE`` of ``reference``. A failure of the JIT counts as not passed."""
+    key = mx.random.key(20261130) if key is None else key
+    dtype = layer.conv1d.weight.dtype
+    conv_dim = layer.conv1d.weight.shape[0]
+    k1, k2, k3, k4, k5 = mx.random.split(key, 5)
+    taps = layer.conv_kernel_size
+    window = (mx.random.normal((1, taps - 1, conv_dim), key=k1) * 0.5).astype(dtype)
+    qkv = (mx.random.normal((1, rows, conv_dim), key=k2) * 0.5).astype(dtype)
+    a = mx.random.normal((1, rows, layer.num_v_heads), key=k3).astype(dtype)
+    b = mx.random.normal((1, rows, layer.num_v_heads), key=k4).astype(dtype)
+    state = mx.random.normal((1, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim), key=k5) * 0.1
+    try:
+        y, states = gdn_rows(layer, window, qkv, a, b, state)
+        steps_y, steps_state, w, s = [], [], window, state
+        for t in range(rows):
+            y1, s1 = gdn_rows(layer, w, qkv[:, t : t + 1], a[:, t : t + 1], b[:, t : t + 1], s)
+            steps_y.append(y1)
+            steps_state.append(s1[0])
+            w = mx.concatenate([w, qkv[:, t : t + 1]], axis=1)[:, 1:]
+            s = s1[0]
+        blocks = [gdn_rows(layer, window, qkv[:, :r], a[:, :r], b[:, :r], state) for r in range(2, rows)]
+        ref_y, ref_states = reference(layer, window, qkv, a, b, state)
+        mx.eval(y, states, steps_y, steps_state, blocks, ref_y, ref_states)
+    except Exception as e:  # noqa: BLE001 - any failure of the custom kernel leaves the compiled rows in place
+        return False, f"the kernel did not run: {type(e).__name__}: {str(e)[:300]}"
+    stepped_y, stepped_states = mx.concatenate(steps_y, axis=1), mx.stack(steps_state)
+    same = _equal(y, stepped_y) and _equal(states, stepped_states)
+    for r, (by, bs) in enumerate(blocks, start=2):
+        same = same and _equal(by, stepped_y[:, :r]) and _equal(bs, stepped_states[:r])
+    if not same:
+        return False, "a call of several rows differs from its rows one after another"
+    y_error = float((mx.abs(y.astype(mx.float32) - ref_y.astype(mx.float32)).max()
+                     / mx.maximum(mx.abs(ref_y.astype(mx.float32)).max(), 1e-30)).item())
+    state_error = float((mx.abs(states - ref_states).max() / mx.maximum(mx.abs(ref_states).max(), 1e-30)).item())
+    found = f"y {y_error:.2e}, state {state_error:.2e} from mlx-lm's ops"
+    return y_error <= Y_TOLERANCE and state_error <= STATE_TOLERANCE, found
+
+
+def _equal(a: mx.array, b: mx.array) -> bool:
+    view = mx.uint16 if a.dtype.size == 2 else mx.uint32
+    return a.shape == b.shape and a.dtype == b.dtype and bool(mx.array_equal(a.view(view), b.view(view)).item())

@@ -1,0 +1,92 @@
+"""exo's GatedDeltaNet step kernel (engine/kernels/cuda_gdn.py): the engine's wiring around it.
+
+The kernel runs on MLX CUDA only (bench/gdn_check.py checks it there: a call's rows against its rows one after
+another, bit for bit, and against mlx-lm's ops); with ``EXO_GDN_KERNEL=always`` the CPU runs its stand-in
+(``cuda_gdn.reference``, mlx-lm's ops row by row) through the same wiring: one call per decode step and per verify
+call of each layer, the states of every row recorded from its output for the rollback. These tests check that
+wiring: the loader sets the layers up, decode steps and verify calls go through it, and greedy MTP (whose
+rejected drafts roll the recorded states back) gives plain decoding's tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import pytest
+
+from exo.engine import Engine, EngineConfig, GenerationRequest, load_checkpoint
+from exo.engine.kernels import cuda_gdn
+from exo.engine.models import layers
+from exo.engine.models.layers import GatedDeltaNet, NextGatedDeltaNet, RollbackArraysCache, use_gdn_kernel
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_decode_steps_and_verify_calls_run_the_kernel_and_mtp_stays_exact(checkpoint, monkeypatch, arch):
+    path = checkpoint(arch, layout="mlx_sidecar", head="trained", dtype="bfloat16")
+    plain_before = _plain(Engine(dataclasses.replace(load_checkpoint(path), eos_token_ids=frozenset())))
+    monkeypatch.setenv("EXO_GDN_KERNEL", "always")
+    loaded = dataclasses.replace(load_checkpoint(path), eos_token_ids=frozenset())
+    assert loaded.gdn and all(v.startswith("ok") for v in loaded.gdn.values()), loaded.gdn
+    gdn = [m for _, m in loaded.model.named_modules() if isinstance(m, (GatedDeltaNet, NextGatedDeltaNet))]
+    assert gdn and all(m.gdn_kernel for m in gdn)
+    rows: list[int] = []
+    kernel_rows = layers._kernel_rows
+    monkeypatch.setattr(layers, "_kernel_rows", lambda *a: rows.append(a[1].shape[1]) or kernel_rows(*a))
+    engine = Engine(loaded, EngineConfig(prefill_chunk=8))
+    plain = _plain(engine)
+    assert plain.token_ids == plain_before.token_ids  # the reference computes what the layers compute
+    assert rows and set(rows) == {1}  # every decode step of every layer
+    for depth in (1, 3, None):
+        rows.clear()
+        mtp = engine.complete(GenerationRequest(_prompt(engine), max_tokens=16, native_mtp="on", mtp_k=depth))
+        assert mtp.token_ids == plain.token_ids, depth
+        assert max(rows) > 1, depth  # the verify calls' rows, one call each
+    assert mtp.stats.accepted_tokens < mtp.stats.drafted_tokens  # some drafts rejected: states rolled back
+
+
+def test_a_recorded_call_keeps_each_row_s_state_and_window(checkpoint, monkeypatch):
+    """A verify call of 4 rows through the kernel's wiring, committed at 0..4 rows: the cache holds what that many
+    decode steps through it leave (state and conv window, bit for bit)."""
+    monkeypatch.setenv("EXO_GDN_KERNEL", "always")
+    loaded = load_checkpoint(checkpoint("qwen3_5", layout="mlx_sidecar", head="trained", dtype="bfloat16"))
+    layer = next(m for _, m in loaded.model.named_modules() if isinstance(m, GatedDeltaNet))
+    assert layer.gdn_kernel
+    x = (mx.random.normal((1, 7, loaded.model.hidden_size), key=mx.random.key(1)) * 0.5).astype(mx.bfloat16)
+
+    def primed() -> RollbackArraysCache:
+        cache = RollbackArraysCache()
+        layer(x[:, :3], cache=cache)  # a prefill (not the kernel's: no window yet)
+        return cache
+
+    steps = primed()
+    after = [(steps[0], steps[1])]
+    outs = []
+    for t in range(3, 7):
+        outs.append(layer(x[:, t : t + 1], cache=steps))
+        after.append((steps[0], steps[1]))
+    for kept in range(5):
+        cache = primed()
+        cache.recording = True
+        out = layer(x[:, 3:], cache=cache)
+        cache.recording = False
+        assert mx.array_equal(out, mx.concatenate(outs, axis=1)).item()
+        cache.commit(kept)
+        assert mx.array_equal(cache[0], after[kept][0]).item() and mx.array_equal(cache[1], after[kept][1]).item()
+
+
+def test_exo_gdn_kernel_0_keeps_the_compiled_rows(checkpoint, monkeypatch):
+    loaded = load_checkpoint(checkpoint("qwen3_5", layout="mlx_sidecar", head="trained", dtype="bfloat16"))
+    monkeypatch.setenv("EXO_GDN_KERNEL", "0")
+    assert use_gdn_kernel(loaded.model) == {}
+    monkeypatch.setenv("EXO_GDN_KERNEL", "1")  # the default: on MLX CUDA only
+    assert use_gdn_kernel(loaded.model) == {}
+    assert cuda_gdn.mode() == "cuda"
+
+
+def _prompt(engine: Engine) -> list[int]:
+    return engine.loaded.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n    return fib")[:11]
+
+
+def _plain(engine: Engine):
+    return engine.complete(GenerationRequest(_prompt(engine), max_tokens=16, native_mtp="off"))
