@@ -8,6 +8,8 @@
 #   bash bench/gpu_session.sh PHASE...            (later calls while the machine stays warm)
 #   (prefill9, prefill35, agent9, phases9, identity49: issue 49's prefill and prefix-cache figures, and greedy
 #   plain decoding against stock mlx-lm on the demos with the chunked prefill; EXO_GDN_PREFILL=loop: without)
+#   (q27 tensor9 tensor27 tensor35: issue 53's tensor groups, one member per GPU over NCCL, against one GPU:
+#   needs the two-GPU machine, nvidia-h200-x2; q9 q35 q27 first)
 #   (moeexperts: one 35B-A3B MoE layer's experts by method; batch9: the engine's batched steps at 1, 8, 32 on the
 #   9B shape, what a batch-8 step costs beyond a one-row step without the server)
 #
@@ -29,9 +31,12 @@ CPU=${EXO_GPU_SESSION_CPU:-0}
 # Real sizes on the GPU; the same layouts shrunk on the CPU.
 if [ "$CPU" = 1 ]; then
     SHRINK9="--layers 4 --set hidden_size=256 --set intermediate_size=512 --set vocab_size=4096"
+    SHRINK27="--layers 4 --set hidden_size=256 --set intermediate_size=512 --set vocab_size=4096"
     SHRINK35="--layers 4 --set num_experts=16 --set vocab_size=4096"
+    TENSOR="--modes plain,k2 --max-tokens 8 --prompts 1 --repeats 1 --collective-reps 20"
 else
-    SHRINK9=""; SHRINK35=""
+    SHRINK9=""; SHRINK27=""; SHRINK35=""
+    TENSOR="--gpu-per-node --modes plain,k2 --max-tokens 64 --prompts 3 --repeats 2"
 fi
 # Prefill (issue 49): prompt lengths and the layer phase's shape, real on the GPU, small on the CPU.
 if [ "$CPU" = 1 ]; then
@@ -45,6 +50,7 @@ else
 fi
 Q9=${Q9:-/tmp/q9}
 Q35=${Q35:-/tmp/q35}
+Q27=${Q27:-/tmp/q27}
 
 phase() {  # phase NAME COMMAND...: run, tee to $OUT/NAME.log, report the time
     local name=$1; shift
@@ -63,6 +69,12 @@ for p in "$@"; do
     grpc) $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu4/*.whl ;;
     q9) [ -d "$Q9" ] || phase q9 $PY bench/make_random_model.py --shape qwen3.5-9b --bits 4 --out "$Q9" $SHRINK9 ;;
     q35) [ -d "$Q35" ] || phase q35 $PY bench/make_random_model.py --shape qwen3.6-35b-a3b --bits 4 --out "$Q35" $SHRINK35 ;;
+    q27) [ -d "$Q27" ] || phase q27 $PY bench/make_random_model.py --shape qwen3.5-27b --bits 4 --out "$Q27" $SHRINK27 ;;
+    # issue 53: a 2-member tensor group vs one GPU (27B >= 1.4x, 9B never below 0.9x or not chosen by auto, 35B-A3B
+    # measured); each prints the collectives alone, tok/s per mode, identity within the group, the estimate
+    tensor9) phase tensor9 $PY bench/tensor.py "$Q9" $TENSOR ;;
+    tensor27) phase tensor27 $PY bench/tensor.py "$Q27" $TENSOR ;;
+    tensor35) phase tensor35 $PY bench/tensor.py "$Q35" $TENSOR ;;
     smi) phase smi nvidia-smi ;;
     # issue 50's checks (each well inside 10 minutes at 9B on an H200); qgemv and stock opt in to exo's quantized
     # kernel (off by default), so that stock compares exo on it with exo on MLX's products

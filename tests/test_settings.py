@@ -98,6 +98,7 @@ def test_every_field_from_env(home: Path) -> None:
             EXO_PREFIX_CACHE_DISK_BYTES="0",
             EXO_PREFIX_CACHE_BLOCK_TOKENS="128",
             EXO_PREFIX_CACHE_STRIDE_TOKENS="4096",
+            EXO_TENSOR_BACKEND="nccl",
         )
     )
     assert (s.native_mtp_enabled, s.native_mtp_moe_verify, s.native_mtp_async_draft_eval) == (
@@ -120,6 +121,7 @@ def test_every_field_from_env(home: Path) -> None:
     assert s.batch_lanes == 3 and s.batch_prefill_chunk == 16
     assert (s.prefix_cache_enabled, s.prefix_cache_ram_bytes, s.prefix_cache_disk_bytes) == (False, 1 << 30, 0)
     assert (s.prefix_cache_block_tokens, s.prefix_cache_stride_tokens) == (128, 4096)
+    assert s.tensor_backend == "nccl"
     assert all(s.source(f) == "env" for f in Settings.model_fields)
 
 

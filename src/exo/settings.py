@@ -92,6 +92,10 @@ class Settings(BaseModel):
     prefix_cache_stride_tokens: int = Field(default=8192, ge=0)
     # EXO_OFFLINE=1: downloads use only the Hugging Face cache, never the network (as HF_HUB_OFFLINE=1).
     offline: bool = Field(default=False, strict=True)
+    # The collectives of the tensor groups this node places (MLX's distributed backend, the same for every
+    # member): auto = NCCL where every member runs MLX on CUDA, else the TCP ring; jaccl (Thunderbolt 5 RDMA
+    # between Macs) only when chosen here (docs/cluster.md).
+    tensor_backend: Literal["auto", "ring", "nccl", "jaccl"] = "auto"
 
     _sources: dict[str, Source] = PrivateAttr(default_factory=dict)
 

@@ -452,6 +452,35 @@ def test_a_pipeline_over_two_nodes_shows_which_layers_run_where(page, node, lapt
             'article[aria-label="instance of exo-demo-moe"]')).to_be_visible()
 
 
+def test_a_tensor_group_is_chosen_in_the_launch_dialog_with_both_splits_estimated(page, node, laptop, artifacts):
+    [pipeline] = [i for i in node.api("GET", "/v1/instances").json()["instances"] if i["model"] == "exo-demo-moe"]
+    assert node.api("DELETE", f"/v1/instances/{pipeline['id']}").status_code == 200
+    go(page, "models")
+    model = page.get_by_role("listitem", name="exo demo (MoE)")
+    expect(model.locator('article[aria-label="instance of exo-demo-moe"]')).to_have_count(0, timeout=30_000)
+    model.get_by_role("button", name="Launch…").click()
+    preview = model.get_by_role("region", name="launch exo-demo-moe")
+    preview.get_by_label("Split").select_option("tensor")
+    stages = preview.locator("ol.stages li")
+    expect(stages).to_have_count(2)  # a tensor group spans two nodes or more: no need to ask for the spread
+    expect(stages.nth(0)).to_contain_text("every layer, slice 1/2")
+    expect(stages.nth(1)).to_contain_text("every layer, slice 2/2, leads")
+    expect(preview.locator("dl")).to_contain_text(re.compile(r"needs\s*[\d.]+ [KMG]?B over 2 nodes"))
+    expect(preview.locator("dl")).to_contain_text("split by heads and columns")
+    splits = preview.get_by_role("table", name="estimated speeds")
+    expect(splits.locator("tr")).to_have_count(2)  # both ways, each with its estimated speed
+    expect(splits.locator("tr").nth(0)).to_contain_text(re.compile(r"(one node|pipeline)\s*≈ [\d.]+ tok/s"))
+    expect(splits.locator("tr").nth(1)).to_contain_text(re.compile(r"tensor\s*≈ [\d.]+ tok/s"))
+    screenshot(page, artifacts, "models-tensor-preview")
+    preview.get_by_role("button", name="Launch", exact=True).click()
+    instance = page.locator('article[aria-label="instance of exo-demo-moe"]')
+    expect(instance).to_have_attribute("data-state", "ready", timeout=120_000)
+    expect(instance.locator(".badge", has_text="tensor")).to_be_visible()
+    expect(instance.locator("ol.stages")).to_contain_text("member 1")
+    [group] = [i for i in node.api("GET", "/v1/instances").json()["instances"] if i["model"] == "exo-demo-moe"]
+    assert group["sharding"] == "tensor" and {s["node"] for s in group["stages"]} == {node.node_id, laptop.node_id}
+
+
 def test_a_setting_forced_by_the_environment_is_shown_locked(browser, laptop, console, artifacts):
     context = browser.new_context(viewport=LAPTOP)
     other = watch(context.new_page(), console)
@@ -481,7 +510,7 @@ def test_screenshots_of_every_view(page, artifacts):
 
 def test_unloading_instances(page, node):
     go(page, "models")
-    for model in ("exo-demo", "exo-demo-moe"):  # one node's, then the pipeline over two
+    for model in ("exo-demo", "exo-demo-moe"):  # one node's, then the tensor group over two
         instance = page.locator(f'article[aria-label="instance of {model}"]')
         instance.get_by_role("button", name="Unload").click()
         expect(instance).to_have_count(0, timeout=30_000)

@@ -310,3 +310,38 @@ def test_processes_side_by_side_never_hand_out_the_same_port(tmp_path) -> None:
     assert all(p.returncode == 0 for p in procs)
     assert len(ports[0]) == len(ports[1]) == 300
     assert not ports[0] & ports[1]
+
+
+class _Group:
+    """What RingLink asks of its mx.distributed group here: its rank and size (no collective runs)."""
+
+    def rank(self) -> int:
+        return 1
+
+    def size(self) -> int:
+        return 2
+
+
+def test_a_closed_doorbell_is_a_lost_member_and_a_waiting_message_is_not() -> None:
+    """``peer_lost`` (a tensor group's leader asks it after a collective failed outside its calls) and
+    ``watch_hangups`` (NCCL and JACCL members, whose collectives wait without end) see a neighbour's closed
+    doorbell, without taking a message from it."""
+    import socket
+    import threading
+
+    from exo.runner.group import RingLink, watch_hangups
+
+    ours_next, theirs_next = socket.socketpair()
+    ours_previous, theirs_previous = socket.socketpair()
+    link = RingLink(_Group(), ours_next, ours_previous)
+    hung = threading.Event()
+    watch_hangups(link, hung.set)
+    assert not link.peer_lost()
+    theirs_previous.sendall(b"\x02\x00\x00\x00\x01x")  # a message for this member: not an end
+    time.sleep(0.2)
+    assert not link.peer_lost() and not hung.is_set()
+    assert ours_previous.recv(6) == b"\x02\x00\x00\x00\x01x"  # still there, whole
+    theirs_next.close()  # the next member is gone
+    assert hung.wait(5)
+    assert link.peer_lost()
+    theirs_previous.close()

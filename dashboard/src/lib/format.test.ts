@@ -5,7 +5,9 @@ import {
   formatBytes,
   formatDuration,
   formatInstanceDownload,
+  formatEstimate,
   formatLayers,
+  formatSlice,
   formatPercent,
   formatRate,
   formatStats,
@@ -37,8 +39,16 @@ describe("formatting", () => {
     expect(formatRate(0)).toBe("—");
     expect(formatLayers(0, 8)).toBe("layers 0–7");
     expect(formatLayers(4, 5)).toBe("layer 4");
+    expect(formatSlice(1, 2)).toBe("every layer, slice 2/2");
     expect(formatAgo(100, 130)).toBe("30 s ago");
     expect(formatAgo(0, 7200)).toBe("2 h ago");
+  });
+
+  it("an estimated speed says when it rests on nominal speeds", () => {
+    expect(formatEstimate(123.4, "measured")).toBe("≈ 123 tok/s");
+    expect(formatEstimate(12.34, "nominal")).toBe("≈ 12.3 tok/s (nominal speeds)");
+    expect(formatEstimate(1.234, "measured")).toBe("≈ 1.23 tok/s");
+    expect(formatEstimate(null, null)).toBe("—");
   });
 });
 

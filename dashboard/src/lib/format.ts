@@ -51,6 +51,18 @@ export function formatLayers(start: number, end: number): string {
   return end - start === 1 ? `layer ${start}` : `layers ${start}–${end - 1}`;
 }
 
+/** A tensor group's member: its share of every layer. */
+export function formatSlice(rank: number, members: number): string {
+  return `every layer, slice ${rank + 1}/${members}`;
+}
+
+/** An estimated decode speed, and what it rests on. */
+export function formatEstimate(tokensPerS: number | null, basis: string | null): string {
+  if (tokensPerS == null) return "—";
+  const speed = tokensPerS >= 100 ? tokensPerS.toFixed(0) : tokensPerS >= 10 ? tokensPerS.toFixed(1) : tokensPerS.toFixed(2);
+  return `≈ ${speed} tok/s${basis === "nominal" ? " (nominal speeds)" : ""}`;
+}
+
 /** What a message shows under its text: the speed, and what native MTP did. */
 export function formatStats(stats: MTPStats): string[] {
   const parts = [

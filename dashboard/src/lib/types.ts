@@ -114,6 +114,10 @@ export interface InstanceView {
   progress: number;
   stage: string;
   shard: { start_layer: number; end_layer: number; rank: number; world_size: number };
+  /** How it is split over nodes: one node, layers (pipeline), or a slice of every layer on each member (tensor). */
+  sharding?: Sharding;
+  /** A tensor group's collectives (ring | nccl | jaccl). */
+  backend?: string | null;
   stages?: StageView[];
   failure: InstanceFailure | null;
   restarts: number;
@@ -158,9 +162,29 @@ export interface ShardView {
   world_size: number;
 }
 
+export type Sharding = "none" | "pipeline" | "tensor";
+
+/** One split placement considered (the preview lists both): where it would go and its estimated speed, or why not. */
+export interface PlacementOptionView {
+  sharding: "pipeline" | "tensor";
+  /** What the "pipeline" option places: one node ("none") or a pipeline. */
+  placement_sharding: Sharding | null;
+  estimated_tokens_per_s: number | null;
+  /** "measured": every node's decode speed was measured by its runners; "nominal": some are a backend's guess. */
+  estimate_basis: "measured" | "nominal" | null;
+  nodes: string[];
+  backend: string | null;
+  headroom_bytes: number | null;
+  error: string | null;
+}
+
 export interface PlacementView {
   model: string;
   node: string;
+  sharding?: Sharding;
+  backend?: string | null;
+  estimated_tokens_per_s?: number | null;
+  options?: PlacementOptionView[];
   needed_bytes: number;
   weights_bytes: number;
   kv_bytes: number;

@@ -65,20 +65,30 @@ async def preview(request: web.Request) -> web.Response:
         raise APIError(400, "model: the query parameter `model` is required", param="model",
                        code="missing_required_parameter")
     nodes_text = request.query.get("nodes")
+    sharding = request.query.get("sharding") or "pipeline"
+    if sharding not in ("pipeline", "tensor", "auto"):
+        raise APIError(400, f"sharding: expected pipeline, tensor or auto, got {sharding!r}", param="sharding",
+                       code="invalid_value")
     placement_request = InstanceCreate(
         model=model,
         node=request.query.get("node") or None,
         min_nodes=_query_int(request, "min_nodes", 1, 1, 64),
         nodes=[n.strip() for n in nodes_text.split(",")] if nodes_text else None,
+        sharding=sharding,  # type: ignore[arg-type]
     )
     placement_request.check_combinations()
     service = _service(request)
     model_id = await asyncio.to_thread(service.model_id, model)
     plan = await asyncio.to_thread(
         service.plan, model_id, placement_request.node, min_nodes=placement_request.min_nodes,
+        nodes=placement_request.nodes, sharding=placement_request.sharding,
+    )
+    # Both splits, each with its estimated speed (what "auto" weighs), whichever was asked for.
+    options = await asyncio.to_thread(
+        service.plan_options, model_id, placement_request.node, min_nodes=placement_request.min_nodes,
         nodes=placement_request.nodes,
     )
-    return web.json_response({"model": model_id, "placement": placement_json(plan)})
+    return web.json_response({"model": model_id, "placement": placement_json(plan, options)})
 
 
 async def create_instance(request: web.Request) -> web.Response:
@@ -88,7 +98,7 @@ async def create_instance(request: web.Request) -> web.Response:
     arrived = time.monotonic()
     model_id = await asyncio.to_thread(service.model_id, body.model)
     located, plan = await service.create_instance(model_id, body.node, min_nodes=body.min_nodes, nodes=body.nodes,
-                                                  replica=body.replica)
+                                                  replica=body.replica, sharding=body.sharding)
     if body.wait:
         remaining = request.app[CONFIG].load_timeout_s - (time.monotonic() - arrived)
         try:

@@ -98,6 +98,9 @@ def _cluster_paths() -> dict[str, Any]:
                    "schema": {"type": "integer", "minimum": 1, "maximum": 64}}
     nodes_q = {"name": "nodes", "in": "query", "required": False, "schema": {"type": "string"},
                "description": "node ids, comma-separated: exactly these, as the stages in this order"}
+    sharding_q = {"name": "sharding", "in": "query", "required": False,
+                  "schema": {"type": "string", "enum": ["pipeline", "tensor", "auto"]},
+                  "description": "how to split the model (default pipeline); the answer's `options` list both splits"}
     id_p = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
     return {
         "/v1/cluster": {
@@ -108,7 +111,8 @@ def _cluster_paths() -> dict[str, Any]:
             "get": {"summary": "every instance in the cluster (gone ones for a while)",
                     "responses": {"200": obj, **_error_responses("401")}},
             "post": {
-                "summary": "place a model (on `node`, on `nodes` as pipeline stages, or where placement decides) and load it",
+                "summary": "place a model (on `node`, on `nodes` as pipeline stages or tensor members, or where placement "
+                           "decides) and load it",
                 "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(s.InstanceCreate)}}},
                 "responses": {
                     "201": obj,
@@ -118,7 +122,7 @@ def _cluster_paths() -> dict[str, Any]:
         },
         "/v1/instances/preview": {
             "get": {"summary": "where a model would be placed, without side effects",
-                    "parameters": [model_q, node_q, min_nodes_q, nodes_q],
+                    "parameters": [model_q, node_q, min_nodes_q, nodes_q, sharding_q],
                     "responses": {"200": obj, **_error_responses("400", "401", "404", "409", "507")}}
         },
         "/v1/instances/{id}": {

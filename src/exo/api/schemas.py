@@ -371,6 +371,12 @@ class InstanceCreate(BaseModel):
         description="place another instance of a model that already has one (requests then go to the instance "
         "holding their longest cached prefix: docs/prefix-cache.md); default: a model has one instance",
     )
+    sharding: Literal["pipeline", "tensor", "auto"] = Field(
+        default="pipeline",
+        description="how to split the model over nodes: pipeline (one node when it fits, else layers over the "
+        "fewest nodes: the default), tensor (a slice of every layer on each of at least two nodes, joined by "
+        "all-reduces), auto (the faster of the two by the estimate the preview shows)",
+    )
 
     def check_combinations(self) -> None:
         if self.node is not None and (self.nodes is not None or self.min_nodes > 1):

@@ -107,6 +107,9 @@ class ModelCard(BaseModel):
     # TOML arrays arrive as lists; a tuple keeps the frozen card hashable.
     tags: tuple[str, ...] = Field(default=(), strict=False)
     native_mtp: NativeMTPCard | None = None
+    # Whether exo may split the model by tensor (a slice of every layer per node: engine/sharding.py). false: the
+    # sharding rules do not cover its architecture, and a request for tensor sharding gets a 400.
+    tensor_sharding: bool = True
 
     @field_validator("bundled")
     @classmethod

@@ -144,6 +144,8 @@ class ClusterView:
                 models=frozenset(m.model_id for m in info.models),
                 can_download=not info.offline,
                 download_room_bytes=max(0, info.hub_cache_free_bytes - DEFAULT_RESERVE_BYTES),
+                backend=info.backend,
+                decode_bytes_per_s=info.decode_bytes_per_s,
             )
             for info in infos
         ]
@@ -290,6 +292,10 @@ def model_requirement(model_id: str, card: ModelCard | None, sizes: Sequence[pb.
     if detailed is not None and detailed.layer_bytes:
         parts = dict(layer_bytes=tuple(detailed.layer_bytes), embed_bytes=detailed.embed_bytes,
                      output_bytes=detailed.output_bytes, mtp_bytes=detailed.mtp_bytes)
+    # What a node that read the checkpoint's config says of tensor splits, and what a decode step reads.
+    read = next((m for m in sizes if m.tensor_checked), None)
+    if read is not None:
+        parts.update(tensor_node_counts=tuple(read.tensor_node_counts), active_bytes=read.active_bytes)
     if card is not None:
         disk = max((m.weights_bytes for m in sizes), default=0)
         return dataclasses.replace(pl.ModelRequirement.from_card(card, weights_bytes=disk or None), **parts)

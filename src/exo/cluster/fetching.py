@@ -56,8 +56,9 @@ class InstanceFetcher:
 
     @staticmethod
     def stage_of(card: ModelCard, shard: pb.Shard | None) -> Stage | None:
-        """The layers a pipeline stage's shard runs (None: a whole model)."""
-        if shard is None or shard.world_size <= 1:
+        """The layers a pipeline stage's shard runs (None: a whole model, or a tensor group's member: it reads a
+        slice of every tensor of the checkpoint)."""
+        if shard is None or shard.world_size <= 1 or shard.sharding == "tensor":
             return None
         return Stage.of(shard.start_layer, shard.end_layer or card.n_layers, card.n_layers)
 

@@ -164,7 +164,7 @@ class PipelineGroups:
         if self.view.live(p.model_id) is not None or p.model_id in self.placer.placing:
             return  # placed again already (by a request)
         log.info("placing %s anew after its pipeline %s broke", p.model_id, p.instance_id)
-        task = self.placer.placement_task(p.model_id, None, excluding=frozenset({p.instance_id}))
+        task = self.placer.placement_task(p.model_id, None, excluding=frozenset({p.instance_id}), sharding=p.sharding)
         try:
             await task
         except Exception as e:  # noqa: BLE001 - requests get the reason when they place it themselves

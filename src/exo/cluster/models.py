@@ -16,6 +16,7 @@ from exo.cards import Catalog
 from exo.engine import ResolvedModel
 from exo.engine.loader import checkpoint_parts, read_config
 from exo.engine.resolve import local_path, resolve_model
+from exo.engine.sharding import tensor_node_counts
 from exo.wire.proto_gen import node_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -114,4 +115,12 @@ def availability(resolved: ResolvedModel) -> pb.ModelAvailability:
         else:
             out.layer_bytes.extend(parts.layer_bytes)
             out.embed_bytes, out.output_bytes, out.mtp_bytes = parts.embed_bytes, parts.output_bytes, parts.mtp_bytes
+            # A step reads the layers (an MoE's routed experts only), one embedding row, and the output.
+            experts, top_k = int(text.get("num_experts") or 0), int(text.get("num_experts_per_tok") or 0)
+            unread = parts.expert_bytes * (1 - min(1.0, top_k / experts)) if experts else 0.0
+            tied = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings")))  # the table is the lm_head
+            out.active_bytes = int(sum(parts.layer_bytes) - unread + parts.output_bytes + (parts.embed_bytes if tied else 0))
+    if config:
+        out.tensor_node_counts.extend(tensor_node_counts(config))
+        out.tensor_checked = True
     return out

@@ -239,6 +239,7 @@ class ClusterNode:
             downloads=node_downloads(self.downloads) if self.downloads is not None else [],
             offline=self.fetcher is None or self.offline(),
             hub_cache_free_bytes=free_bytes(HubConfig.from_env().cache_dir),
+            decode_bytes_per_s=self.supervisor.decode_bytes_per_s,
         )
 
     # -- instances on this node -----------------------------------------------------------------------------

@@ -18,7 +18,8 @@ last stage leads: requests go to it. A pipeline whose stage fails or whose node 
 every node that still runs a stage of it (a stage waiting for a dead neighbour would wait forever) and
 placed anew by the node that placed it (or the surviving stage node with the smallest id), unless a
 stage failed because its weights could not be downloaded (placing it again would fetch from the same hub:
-the next request does).
+the next request does). A tensor group (``sharding="tensor"``: every member a slice of every layer, joined
+by all-reduces) is placed, formed, torn down and placed anew the same way; its last member leads.
 
 Weights on no node's disk are downloaded by the nodes placement picks (``fetching``): each stage's node
 fetches its stage's files; the instance is ``downloading`` meanwhile, then loads as usual.
@@ -222,12 +223,19 @@ class ClusterModelService:
 
     # -- instances (POST/GET/DELETE /v1/instances, /v1/cluster) ---------------------------------------------------
     def plan(self, model_id: str, node: str | None = None, *, min_nodes: int = 1,
-             nodes: list[str] | None = None, replica: bool = False) -> pl.Placement:
-        return self.placer.plan(model_id, node, min_nodes=min_nodes, nodes=nodes, replica=replica)
+             nodes: list[str] | None = None, replica: bool = False, sharding: str = "pipeline") -> pl.Placement:
+        return self.placer.plan(model_id, node, min_nodes=min_nodes, nodes=nodes, replica=replica, sharding=sharding)
+
+    def plan_options(self, model_id: str, node: str | None = None, *, min_nodes: int = 1,
+                     nodes: list[str] | None = None, replica: bool = False) -> list[pl.PlacementOption]:
+        """Both splits of the model (pipeline, tensor) as placement would make them now, estimated (the preview)."""
+        return self.placer.plan_options(model_id, node, min_nodes=min_nodes, nodes=nodes, replica=replica)
 
     async def create_instance(self, model_id: str, node: str | None = None, *, min_nodes: int = 1,
-                              nodes: list[str] | None = None, replica: bool = False) -> tuple[Located, pl.Placement]:
-        return await self.placer.create_instance(model_id, node, min_nodes=min_nodes, nodes=nodes, replica=replica)
+                              nodes: list[str] | None = None, replica: bool = False,
+                              sharding: str = "pipeline") -> tuple[Located, pl.Placement]:
+        return await self.placer.create_instance(model_id, node, min_nodes=min_nodes, nodes=nodes, replica=replica,
+                                                 sharding=sharding)
 
     async def delete_instance(self, instance_id: str) -> bool:
         return await self.placer.delete_instance(instance_id)

@@ -1,4 +1,5 @@
 """Pipelined instances as the cluster sees them: one instance, one runner per stage on its stage's node.
+A tensor group is one too (its members are its stages, each holding every layer's slice: ``Pipeline.sharding``).
 
 Every stage's node lists its own stage (an ``Instance`` with the same id, its ``shard`` and the whole
 ``stages`` list), so any node can put the pipeline back together from what its peers report
@@ -41,6 +42,7 @@ class Pipeline:
     planned: tuple[pb.StagePlacement, ...]
     found: tuple[Located | None, ...]
     owner_node: str
+    sharding: str = "pipeline"  # "tensor": a tensor group (every member a slice of every layer), kept as one
 
     @property
     def leader(self) -> Located | None:
@@ -76,7 +78,8 @@ def group_stages(located: Iterable[Located]) -> tuple[list[Located], list[Pipeli
         found = tuple(
             loc if (loc := by_rank.get(s.rank)) is not None and loc.node_id == s.node_id else None for s in planned
         )
-        pipelines.append(Pipeline(instance_id, inst.model_id, planned, found, inst.owner_node))
+        pipelines.append(Pipeline(instance_id, inst.model_id, planned, found, inst.owner_node,
+                                  inst.shard.sharding or "pipeline"))
     return single, pipelines
 
 

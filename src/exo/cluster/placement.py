@@ -26,6 +26,7 @@ largest remainder, at least one layer each. ``nodes`` names the stages exactly, 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ from exo.wire.errors import (  # placement's errors live with the error table
     ModelNotOnDiskError,
     NoDiskRoomError,
     NoPlacementError,
+    PlacementError,
+    TensorShardingRefusedError,
     TooFewNodesError,
     UnknownNodeError,
 )
@@ -62,6 +65,11 @@ class ModelRequirement:
     mtp_bytes: int = 0
     full_attention_interval: int = 4
     downloadable: bool = False  # the weights can be fetched (a card's Hugging Face repo)
+    # Tensor sharding: the node counts the checkpoint's heads and widths allow (None: not known, as before a node
+    # has read its config: any count the card allows, the runners check), and the card's refusal (None: allowed).
+    tensor_node_counts: tuple[int, ...] | None = None
+    tensor_refusal: str | None = None
+    active_bytes: int = 0  # weight bytes a decode step reads (0: not known, take weights_bytes)
 
     @property
     def kv_bytes(self) -> int:
@@ -85,6 +93,9 @@ class ModelRequirement:
         kv = card.kv_bytes_per_token() if card.head_dim is not None else 0
         weights = weights_bytes if weights_bytes is not None else card.storage_bytes
         embed, output, mtp = estimate_parts(card, weights)
+        refusal = None if card.tensor_sharding else (
+            f"the model card of {card.id} forbids tensor sharding (tensor_sharding = false: exo's sharding rules do "
+            "not cover its architecture); use \"sharding\": \"pipeline\"")
         return cls(
             model_id=card.id,
             weights_bytes=weights,
@@ -96,6 +107,7 @@ class ModelRequirement:
             mtp_bytes=mtp,
             full_attention_interval=card.full_attention_interval,
             downloadable=card.repo is not None,
+            tensor_refusal=refusal,
         )
 
     # -- a stage's share ----------------------------------------------------------------------------------
@@ -126,6 +138,15 @@ class ModelRequirement:
     def stage_bytes(self, start: int, end: int) -> int:
         first, last = start == 0, end == self.n_layers
         return int(self.fixed_bytes(first, last) + sum(self.layer_cost(i) for i in range(start, end)))
+
+    def tensor_member_bytes(self, members: int, leader: bool) -> int:
+        """What a tensor group's member needs: its 1/members of every layer's weights and of the KV cache, the
+        embedding table (every member embeds), the activation margin; the leader the output and MTP head too."""
+        layers = max(0, self.weights_bytes - self.embed_bytes - self.output_bytes - self.mtp_bytes)
+        total = (layers + self.kv_bytes) / members + self.embed_bytes + self.activation_bytes
+        if leader:
+            total += self.output_bytes + self.mtp_bytes
+        return int(total)
 
     def stage_weight_bytes(self, start: int, end: int) -> int:
         """The weights a stage holds, about what its node downloads (shards are fetched whole)."""
@@ -170,6 +191,8 @@ class NodeCapacity:
     models: frozenset[str] | None = None  # models whose weights are on the node's disk; None: unknown
     can_download: bool = False  # fetches missing weights from the hub (not offline)
     download_room_bytes: int = 0  # free disk for downloads, less what a download keeps free
+    backend: str = ""  # MLX's: metal | cuda | cpu (a tensor group's collectives follow it)
+    decode_bytes_per_s: float = 0.0  # measured by the node's runners (0: not yet): the speed estimates' unit
 
 
 @dataclass(frozen=True)
@@ -204,6 +227,12 @@ class Placement:
     stage_needed_bytes: tuple[int, ...] = ()
     # Per stage (in rank order): whether its node must download the weights (its stage's files) first.
     stage_downloads: tuple[bool, ...] = ()
+    # How the model is split: "none" (one node), "pipeline" (by layers) or "tensor" (a slice of every layer on
+    # every member: its shards all hold layers 0..n); a tensor group's collectives' backend (ring | nccl | jaccl).
+    sharding: str = "none"
+    backend: str = ""
+    # What placement weighed (``sharding`` "auto", and the preview): every split it considered, estimated.
+    options: tuple[PlacementOption, ...] = ()
 
     @property
     def headroom_bytes(self) -> int:
@@ -213,6 +242,7 @@ class Placement:
 
     @property
     def pipelined(self) -> bool:
+        """Spread over several nodes (a pipeline or a tensor group: one runner per member)."""
         return len(self.shards) > 1
 
     @property
@@ -220,8 +250,24 @@ class Placement:
         return self.shards
 
 
+@dataclass(frozen=True)
+class PlacementOption:
+    """One way placement considered to split a model (``Placement.options``): its placement, or why it cannot
+    be; its estimated decode speed (``estimate_tokens_per_s``)."""
+
+    sharding: str  # "pipeline" (one node or a pipeline: what placement chooses by default) | "tensor"
+    placement: Placement | None
+    error: str | None = None
+    tokens_per_s: float | None = None
+    basis: str = ""  # "measured": every node's decode speed was measured; else "nominal" (docs/cluster.md)
+
+
 def gib(n: float) -> str:
     return f"{n / (1 << 30):.2f} GiB"
+
+
+SHARDINGS = ("pipeline", "tensor", "auto")
+TENSOR_BACKENDS = ("auto", "ring", "nccl", "jaccl")
 
 
 def placement(
@@ -234,6 +280,8 @@ def placement(
     min_nodes: int = 1,
     links: Mapping[tuple[str, str], float] | None = None,
     replica: bool = False,
+    sharding: str = "pipeline",
+    tensor_backend: str = "auto",
 ) -> Placement:
     """Where ``model`` runs, or raises a ``PlacementError`` saying why it cannot.
 
@@ -243,8 +291,18 @@ def placement(
     is already placed (AlreadyPlacedError). ``links``: round-trip times (ms) between node ids, to order
     the stages along the fastest links. ``replica``: place another instance of a model that has one (the
     memory the others take still counts).
+
+    ``sharding``: "pipeline" (the default: one node when the model fits, else layers over the fewest nodes),
+    "tensor" (a slice of every layer on each of at least two nodes, ``nodes_in_order`` or the fewest the model's
+    heads allow) or "auto" (both estimated, ``estimate_tokens_per_s``: the faster; ``Placement.options`` says
+    what each would do). ``tensor_backend``: a tensor group's collectives (auto: NCCL where every member is a CUDA
+    node, else the TCP ring).
     """
     req = model if isinstance(model, ModelRequirement) else ModelRequirement.from_card(model)
+    if sharding not in SHARDINGS:
+        raise InvalidPlacementRequest(f"sharding must be one of {', '.join(SHARDINGS)}, got {sharding!r}")
+    if tensor_backend not in TENSOR_BACKENDS:
+        raise InvalidPlacementRequest(f"the tensor backend must be one of {', '.join(TENSOR_BACKENDS)}, got {tensor_backend!r}")
     if node is not None and (nodes_in_order or min_nodes > 1):
         raise InvalidPlacementRequest("`node` places on one node; use `nodes` (or `min_nodes`) for a pipeline")
     if min_nodes < 1:
@@ -252,6 +310,58 @@ def placement(
     for inst in existing:
         if inst.model_id == req.model_id and inst.state in LIVE_STATES and not replica:
             raise AlreadyPlacedError(inst)
+    known = [n.node_id for n in nodes]
+    if node is not None and node not in known:
+        raise UnknownNodeError(node, known)
+    for node_id in nodes_in_order or ():
+        if node_id not in known:
+            raise UnknownNodeError(node_id, known)
+    if sharding == "pipeline":
+        return _by_layers(req, nodes, existing, node, nodes_in_order, min_nodes, links)
+    if sharding == "tensor":
+        return _tensor(req, nodes, existing, node, nodes_in_order, min_nodes, links, tensor_backend)
+    options = placement_options(req, nodes, existing, node=node, nodes_in_order=nodes_in_order, min_nodes=min_nodes,
+                                links=links, tensor_backend=tensor_backend)
+    placed = [o for o in options if o.placement is not None]
+    if not placed:
+        return _by_layers(req, nodes, existing, node, nodes_in_order, min_nodes, links)  # (raises its reason)
+    best = max(placed, key=lambda o: (o.tokens_per_s or 0.0, o.sharding == "pipeline"))
+    assert best.placement is not None
+    return dataclasses.replace(best.placement, options=tuple(options))
+
+
+def placement_options(
+    model: ModelCard | ModelRequirement, nodes: Sequence[NodeCapacity], existing: Sequence[ExistingInstance] = (),
+    *, node: str | None = None, nodes_in_order: Sequence[str] | None = None, min_nodes: int = 1,
+    links: Mapping[tuple[str, str], float] | None = None, tensor_backend: str = "auto",
+) -> list[PlacementOption]:
+    """Both ways to split ``model`` (what "pipeline" and "tensor" would place, or why they cannot), each with its
+    estimated decode speed: what ``sharding`` "auto" chooses from and the preview shows. Errors of the request
+    itself (an unknown node, a contradiction) are raised, not listed."""
+    req = model if isinstance(model, ModelRequirement) else ModelRequirement.from_card(model)
+    by_id = {n.node_id: n for n in nodes}
+    out = []
+    for kind in ("pipeline", "tensor"):
+        try:
+            if kind == "pipeline":
+                plan = _by_layers(req, nodes, existing, node, nodes_in_order, min_nodes, links)
+            else:
+                plan = _tensor(req, nodes, existing, node, nodes_in_order, min_nodes, links, tensor_backend)
+        except (UnknownNodeError, AlreadyPlacedError):
+            raise
+        except PlacementError as e:
+            out.append(PlacementOption(kind, None, str(e)))
+            continue
+        speed, basis = estimate_tokens_per_s(plan, by_id, links)
+        out.append(PlacementOption(kind, plan, None, speed, basis))
+    return out
+
+
+def _by_layers(req: ModelRequirement, nodes: Sequence[NodeCapacity], existing: Sequence[ExistingInstance],
+               node: str | None, nodes_in_order: Sequence[str] | None, min_nodes: int,
+               links: Mapping[tuple[str, str], float] | None) -> Placement:
+    """One node when the model fits (and ``min_nodes`` is 1), else a pipeline: what placement did before tensor
+    sharding, and still does by default."""
     known = [n.node_id for n in nodes]
     free = _free_memory(nodes, existing)
     if nodes_in_order:
@@ -485,7 +595,183 @@ def _pipeline(req: ModelRequirement, chosen: Sequence[NodeCapacity], free: dict[
         stage_free_bytes=tuple(free[n.node_id] for n in chosen),
         stage_needed_bytes=tuple(req.stage_bytes(a, b) for a, b in stages),
         stage_downloads=downloads,
+        sharding="pipeline",
     )
+
+
+# -- tensor groups ---------------------------------------------------------------------------------------------
+MAX_TENSOR_NODES = 8  # (as engine.sharding's: the node counts a checkpoint reports go up to it)
+
+
+def _tensor(req: ModelRequirement, nodes: Sequence[NodeCapacity], existing: Sequence[ExistingInstance],
+            node: str | None, nodes_in_order: Sequence[str] | None, min_nodes: int,
+            links: Mapping[tuple[str, str], float] | None, tensor_backend: str) -> Placement:
+    """A tensor group: ``nodes_in_order`` (the last leads), else the fewest nodes (at least two, at least
+    ``min_nodes``, a count the model's heads allow) with room for a member each, holders of the weights first, in
+    the order of the fastest ring with the node of most free memory leading (it holds the output and MTP head too).
+    Every member reads (and a member without them downloads) the whole checkpoint."""
+    if req.tensor_refusal:
+        raise TensorShardingRefusedError(req.tensor_refusal)
+    if node is not None:
+        raise InvalidPlacementRequest("`node` places on one node; tensor sharding spreads over several (`nodes` or "
+                                      "`min_nodes`)")
+    counts = req.tensor_node_counts if req.tensor_node_counts is not None else tuple(range(2, MAX_TENSOR_NODES + 1))
+    known = "" if req.tensor_node_counts is not None else " (as far as placement knows: the runners check the checkpoint)"
+    free = _free_memory(nodes, existing)
+    if nodes_in_order:
+        by_id = {n.node_id: n for n in nodes}
+        order = list(nodes_in_order)
+        if len(set(order)) != len(order):
+            raise InvalidPlacementRequest(f"nodes lists a node twice: {', '.join(order)}")
+        if len(order) < 2:
+            raise TensorShardingRefusedError("tensor sharding splits a model over two nodes or more; `nodes` lists one")
+        if len(order) < min_nodes:
+            raise TooFewNodesError(f"min_nodes is {min_nodes} but nodes lists {_count(len(order), 'node')}",
+                                   needed_bytes=req.needed_bytes)
+        if len(order) not in counts:
+            raise TensorShardingRefusedError(_counts_message(req, len(order), counts))
+        chosen = [by_id[i] for i in order]
+        lacking = [n for n in chosen if not _holds(n, req) and not _may_download(n, req)]
+        if lacking:
+            where = ", ".join("node " + _label(n) for n in lacking)
+            raise ModelNotOnDiskError(_not_on_disk(req, where, lacking), needed_bytes=req.needed_bytes)
+        short = _tensor_short(req, chosen, free)
+        if short:
+            raise NoPlacementError(f"{req.model_id} split by tensor does not fit on {', '.join(order)}: {short}",
+                                   needed_bytes=req.needed_bytes)
+        _raise_if_short_of_disk(req, [_disk_short(n, req.weights_bytes) for n in chosen
+                                      if not _holds(n, req) and n.download_room_bytes < req.weights_bytes])
+        return _tensor_plan(req, chosen, free, tensor_backend)
+    holders = sorted((n for n in nodes if _holds(n, req)), key=lambda n: (-free[n.node_id], n.node_id))
+    fetchers = sorted((n for n in nodes if not _holds(n, req) and _may_download(n, req)),
+                      key=lambda n: (-free[n.node_id], n.node_id))
+    if not holders and not fetchers:
+        raise ModelNotOnDiskError(_not_on_disk(req, "any node of the cluster", nodes), needed_bytes=req.needed_bytes)
+    sizes = [k for k in sorted(counts) if k >= max(2, min_nodes)]
+    if not sizes:
+        raise TensorShardingRefusedError(_counts_message(req, max(2, min_nodes), counts))
+    ranked = sorted([*holders, *fetchers], key=lambda n: (-free[n.node_id], n.node_id))
+    if len(ranked) < sizes[0]:
+        raise TooFewNodesError(
+            f"{req.model_id} split by tensor needs {sizes[0]} nodes{known}, but {_count(len(ranked), 'node')} of the "
+            "cluster hold its weights or can download them", needed_bytes=req.needed_bytes)
+    short_of_disk: list[str] = []
+    best_short = ""
+    for k in (k for k in sizes if k <= len(ranked)):
+        for h in range(min(k, len(holders)), max(0, k - len(fetchers)) - 1, -1):
+            picked = sorted([*holders[:h], *fetchers[: k - h]], key=lambda n: (-free[n.node_id], n.node_id))
+            short = _tensor_short(req, _lead_richest(_order_along_links(picked, links), free), free)
+            if short:
+                best_short = best_short or short
+                continue
+            lacking = [_disk_short(n, req.weights_bytes) for n in picked
+                       if not _holds(n, req) and n.download_room_bytes < req.weights_bytes]
+            if lacking:
+                short_of_disk += lacking
+                continue
+            return _tensor_plan(req, _lead_richest(_order_along_links(picked, links), free), free, tensor_backend)
+    _raise_if_short_of_disk(req, short_of_disk)
+    raise NoPlacementError(f"{req.model_id} split by tensor does not fit on the nodes of the cluster: {best_short}",
+                           needed_bytes=req.needed_bytes, best_node=ranked[0].node_id,
+                           best_free_bytes=free[ranked[0].node_id])
+
+
+def _counts_message(req: ModelRequirement, k: int, counts: Sequence[int]) -> str:
+    allowed = ", ".join(map(str, counts)) or "none"
+    return (f"{req.model_id} cannot be split over {k} nodes by tensor: its attention and GatedDeltaNet heads and its "
+            f"MLP widths divide among {allowed} nodes")
+
+
+def _lead_richest(order: list[NodeCapacity], free: Mapping[str, int]) -> list[NodeCapacity]:
+    """The ring's order rotated (the same ring) so that the node with the most free memory is last: it leads."""
+    richest = max(range(len(order)), key=lambda i: (free[order[i].node_id], order[i].node_id))
+    return order[richest + 1 :] + order[: richest + 1]
+
+
+def _tensor_short(req: ModelRequirement, order: Sequence[NodeCapacity], free: Mapping[str, int]) -> str:
+    """Which members of a tensor group in ``order`` lack the memory (empty: every one has room)."""
+    k = len(order)
+    short = [f"member {rank} on node {_label(n)} needs {gib(req.tensor_member_bytes(k, rank == k - 1))} but has "
+             f"{gib(free[n.node_id])}"
+             for rank, n in enumerate(order) if req.tensor_member_bytes(k, rank == k - 1) > free[n.node_id]]
+    return "; ".join(short)
+
+
+def tensor_backend_for(nodes: Sequence[NodeCapacity], setting: str = "auto") -> str:
+    """A tensor group's collectives: the setting when it names one, else NCCL where every member runs MLX on CUDA,
+    else the TCP ring (CPUs, Macs: JACCL over Thunderbolt 5 RDMA is chosen only by the setting)."""
+    if setting != "auto":
+        return setting
+    return "nccl" if nodes and all(n.backend == "cuda" for n in nodes) else "ring"
+
+
+def _tensor_plan(req: ModelRequirement, order: Sequence[NodeCapacity], free: Mapping[str, int], backend: str) -> Placement:
+    k = len(order)
+    shards = tuple(ShardAssignment(n.node_id, 0, req.n_layers, rank, k) for rank, n in enumerate(order))
+    leader = order[-1]
+    return Placement(
+        req.model_id, leader.node_id, req, free[leader.node_id], shards,
+        stage_free_bytes=tuple(free[n.node_id] for n in order),
+        stage_needed_bytes=tuple(req.tensor_member_bytes(k, rank == k - 1) for rank in range(k)),
+        stage_downloads=tuple(not _holds(n, req) for n in order),
+        sharding="tensor", backend=tensor_backend_for(order, backend),
+    )
+
+
+# -- speed estimates ---------------------------------------------------------------------------------------------
+# A decode step's time on a node is what its runners measured (``NodeCapacity.decode_bytes_per_s``: a single-node
+# instance times its plain steps at warm-up; the weight bytes a step reads over that time) for the bytes it reads
+# there. Only part of it shrinks when a tensor group splits every layer: reading the weights. The rest (building and
+# dispatching the step's ops, launching kernels: on MLX's CPU backend and on a host-bound GPU most of a small
+# model's step) is the same on every member, which runs every layer's ops on its slice. So a step's bytes are
+# counted at the node's measured speed, and of that time the part the backend's peak bandwidth would take
+# (``PEAK_BYTES_PER_S``, nominal) is what the members share; the remainder each member pays whole. A pipeline
+# stage pays its layers' share of both, plus the ring of hops (half a measured round trip each); a tensor group
+# pays the 2 x layers + 1 all-reduces of a token (on the TCP ring each about (N - 1) round trips of the ring's
+# slowest link; NCCL and JACCL are not seen by the registry's round trips: ``NOMINAL_COLLECTIVE_S``). A node not
+# measured yet counts at half its backend's peak, and the estimate says so (``basis``). Figures to order the
+# choices, not promises: docs/cluster.md, bench/tensor.py (which prints this estimate beside the measured ratio).
+PEAK_BYTES_PER_S = {"cuda": 3.3e12, "metal": 4.0e11, "cpu": 2.0e10}
+NOMINAL_COLLECTIVE_S = {"nccl": 3.0e-5, "jaccl": 5.0e-5}
+UNKNOWN_RTT_MS = 1.0  # a link the registry has no round trip for
+
+
+def estimate_tokens_per_s(plan: Placement, nodes: Mapping[str, NodeCapacity],
+                          links: Mapping[tuple[str, str], float] | None = None) -> tuple[float, str]:
+    """(estimated plain decode tokens/s of ``plan``, "measured" or "nominal"): see the comment above."""
+    req = plan.requirement
+    active = float(req.active_bytes or req.weights_bytes)
+    output = float(min(req.output_bytes, active))
+    layers = max(0.0, active - output)
+    members = [s.node_id for s in plan.shards]
+    measured = all(nodes.get(m, NodeCapacity(m, 0, 0)).decode_bytes_per_s > 0 for m in members)
+
+    def parts(node_id: str, nbytes: float) -> tuple[float, float]:
+        """(seconds a split shares: reading ``nbytes``, seconds every member pays whole) of ``nbytes`` there."""
+        n = nodes.get(node_id)
+        peak = PEAK_BYTES_PER_S.get(n.backend if n is not None else "", PEAK_BYTES_PER_S["cpu"])
+        rate = n.decode_bytes_per_s if n is not None and n.decode_bytes_per_s > 0 else peak / 2
+        total = nbytes / rate
+        shared = min(total, nbytes / peak)
+        return shared, total - shared
+
+    def rtt_s(a: str, b: str) -> float:
+        table = links or {}
+        return table.get((a, b), table.get((b, a), UNKNOWN_RTT_MS)) / 1000.0
+
+    k = len(members)
+    ring = [rtt_s(members[i], members[(i + 1) % k]) for i in range(k)] if k > 1 else []
+    if plan.sharding == "tensor":
+        compute = max(parts(m, layers)[0] / k + parts(m, layers)[1] for m in members) + sum(parts(members[-1], output))
+        collective = NOMINAL_COLLECTIVE_S.get(plan.backend, (k - 1) * max(ring))
+        seconds = compute + (2 * req.n_layers + 1) * collective + sum(ring[:-1]) / 2  # (the header: a chain)
+    elif k > 1:
+        n = max(1, req.n_layers)
+        seconds = sum(sum(parts(s.node_id, layers * (s.end_layer - s.start_layer) / n)) for s in plan.shards)
+        seconds += sum(parts(members[-1], output)) + sum(ring) / 2
+    else:
+        seconds = sum(parts(members[0], active))
+    return (1.0 / seconds if seconds > 0 else 0.0), ("measured" if measured else "nominal")
 
 
 def _no_room_message(req: ModelRequirement, best: NodeCapacity, free: int) -> str:

@@ -1,11 +1,13 @@
 """Placing instances and waiting for them: a model that no instance serves is placed (``placement``) and
 loaded on demand, a request waiting for it bounded by the load timeout; an instance (or a pipeline's stage)
-starts on a node through that node's ``LoadInstance``; a pipeline's group then forms in the background
-(``groups.PipelineGroups``). Also ``POST``/``DELETE /v1/instances``."""
+starts on a node through that node's ``LoadInstance``; a group (a pipeline's stages, a tensor group's members)
+then forms in the background (``groups.PipelineGroups``). A model is split by layers unless asked otherwise
+(``sharding``: "tensor", or "auto", the faster by placement's estimates). Also ``POST``/``DELETE /v1/instances``."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -64,21 +66,20 @@ class Placer:
             ) from None
         view.routes[model_id] = located
 
-    def placement_task(self, model_id: str, live: Located | None,
-                       excluding: frozenset[str] = frozenset()) -> asyncio.Task[Located]:
-        task = asyncio.get_running_loop().create_task(self.place_and_wait(model_id, live, excluding))
+    def placement_task(self, model_id: str, live: Located | None, excluding: frozenset[str] = frozenset(),
+                       sharding: str = "pipeline") -> asyncio.Task[Located]:
+        task = asyncio.get_running_loop().create_task(self.place_and_wait(model_id, live, excluding, sharding))
         self.placing[model_id] = task
         task.add_done_callback(lambda t: self.placing.pop(model_id, None) if self.placing.get(model_id) is t else None)
         return task
 
     async def place_and_wait(self, model_id: str, live: Located | None,
-                             excluding: frozenset[str] = frozenset()) -> Located:
+                             excluding: frozenset[str] = frozenset(), sharding: str = "pipeline") -> Located:
         view = self.view
         attempts = 0
         while live is None:
             try:
-                plan = pl.placement(view.requirement(model_id), view.capacities(), view.existing(excluding),
-                                    links=view.links())
+                plan = self._split_plan(model_id, excluding, sharding)
             except pl.AlreadyPlacedError as e:
                 # Another placement of the model is live: wait for that one. The instance it names may have
                 # gone between the two looks (its node left, it was deleted): look again, then place anew.
@@ -118,7 +119,7 @@ class Placer:
         stages = pipes.stage_placements(plan)
         loads = [
             self.load_on(shard.node_id, plan.model_id, on_demand=on_demand, reserved=needed, shard=shard,
-                         instance_id=instance_id, stages=stages)
+                         instance_id=instance_id, stages=stages, sharding=plan.sharding, backend=plan.backend)
             for shard, needed in zip(plan.shards, plan.stage_needed_bytes, strict=True)
         ]
         results = await asyncio.gather(*loads, return_exceptions=True)
@@ -126,8 +127,12 @@ class Placer:
         if failed:
             await self.groups.stop_stages(instance_id, stages)
             raise failed[0]
-        log.info("pipeline %s of %s: %s", instance_id, plan.model_id,
-                 ", ".join(f"layers {s.start_layer}-{s.end_layer - 1} on {s.node_id[:8]}" for s in plan.shards))
+        if plan.sharding == "tensor":
+            log.info("tensor group %s of %s (%s): %s", instance_id, plan.model_id, plan.backend,
+                     ", ".join(f"member {s.rank} on {s.node_id[:8]}" for s in plan.shards))
+        else:
+            log.info("pipeline %s of %s: %s", instance_id, plan.model_id,
+                     ", ".join(f"layers {s.start_layer}-{s.end_layer - 1} on {s.node_id[:8]}" for s in plan.shards))
         self.groups.form_later(instance_id, plan.model_id, stages)
         leader = results[-1]
         assert isinstance(leader, Located)
@@ -136,7 +141,7 @@ class Placer:
     async def load_on(
         self, node_id: str, model_id: str, *, on_demand: bool, reserved: int = 0,
         shard: pl.ShardAssignment | None = None, instance_id: str | None = None,
-        stages: list[pb.StagePlacement] | None = None,
+        stages: list[pb.StagePlacement] | None = None, sharding: str = "pipeline", backend: str = "",
     ) -> Located:
         """Start an instance of ``model_id`` (or a pipeline's stage of it) on a node; returns it at once (loading)."""
         view = self.view
@@ -146,7 +151,8 @@ class Placer:
         )
         if shard is not None:
             request.shard.CopyFrom(
-                pb.Shard(start_layer=shard.start_layer, end_layer=shard.end_layer, rank=shard.rank, world_size=shard.world_size)
+                pb.Shard(start_layer=shard.start_layer, end_layer=shard.end_layer, rank=shard.rank, world_size=shard.world_size,
+                         sharding=sharding if shard.world_size > 1 else "", backend=backend if sharding == "tensor" else "")
             )
         view.reserved[(request.instance_id, node_id)] = reserved
         if node_id == view.node_id:
@@ -212,14 +218,39 @@ class Placer:
 
     # -- POST/DELETE /v1/instances ---------------------------------------------------------------------------
     def plan(self, model_id: str, node: str | None = None, *, min_nodes: int = 1,
-             nodes: list[str] | None = None, replica: bool = False) -> pl.Placement:
+             nodes: list[str] | None = None, replica: bool = False, sharding: str = "pipeline") -> pl.Placement:
         view = self.view
         return pl.placement(view.requirement(model_id), view.capacities(), view.existing(), node=node,
-                            min_nodes=min_nodes, nodes_in_order=nodes, links=view.links(), replica=replica)
+                            min_nodes=min_nodes, nodes_in_order=nodes, links=view.links(), replica=replica,
+                            sharding=sharding, tensor_backend=view.settings.tensor_backend)
+
+    def plan_options(self, model_id: str, node: str | None = None, *, min_nodes: int = 1,
+                     nodes: list[str] | None = None, replica: bool = False) -> list[pl.PlacementOption]:
+        """Both splits of the model (pipeline, tensor) as placement would make them now, estimated (the preview)."""
+        view = self.view
+        existing = [e for e in view.existing() if replica or e.model_id != model_id or e.state not in pl.LIVE_STATES]
+        return pl.placement_options(view.requirement(model_id), view.capacities(), existing, node=node,
+                                    nodes_in_order=nodes, min_nodes=min_nodes, links=view.links(),
+                                    tensor_backend=view.settings.tensor_backend)
+
+    def _split_plan(self, model_id: str, excluding: frozenset[str], sharding: str) -> pl.Placement:
+        """An on-demand placement: ``sharding`` (a broken tensor group's is "tensor"), else the default split
+        when that one cannot be placed any more (too few nodes left for a tensor group)."""
+        view = self.view
+        place = functools.partial(pl.placement, view.requirement(model_id), view.capacities(), view.existing(excluding),
+                                  links=view.links(), tensor_backend=view.settings.tensor_backend)
+        if sharding == "pipeline":
+            return place()
+        try:
+            return place(sharding=sharding)
+        except (pl.NoPlacementError, pl.InvalidPlacementRequest) as e:
+            log.info("%s: no %s placement now (%s); placing it by default", model_id, sharding, e)
+            return place()
 
     async def create_instance(self, model_id: str, node: str | None = None, *, min_nodes: int = 1,
-                              nodes: list[str] | None = None, replica: bool = False) -> tuple[Located, pl.Placement]:
-        plan = self.plan(model_id, node, min_nodes=min_nodes, nodes=nodes, replica=replica)
+                              nodes: list[str] | None = None, replica: bool = False,
+                              sharding: str = "pipeline") -> tuple[Located, pl.Placement]:
+        plan = self.plan(model_id, node, min_nodes=min_nodes, nodes=nodes, replica=replica, sharding=sharding)
         located = await self.place(plan, on_demand=False)
         self.view.routes[model_id] = located
         return located, plan

@@ -111,6 +111,8 @@ class RunnerProcesses:
                 "--rank", str(shard.rank),
                 "--world-size", str(max(shard.world_size, 1)),
             ]
+            if shard.sharding == "tensor":
+                cmd += ["--sharding", "tensor", "--backend", shard.backend or "ring"]
         return cmd
 
     async def _spawn(self, entry: InstanceEntry) -> None:

@@ -37,6 +37,7 @@ class RunnerWatch(RunnerProcesses):
     STARTUP_S: float
     RESTART_DELAY_S: float
     max_restarts: int
+    decode_bytes_per_s: float  # the best a runner here measured (the supervisor's)
     _changed: Callable[[InstanceEntry], None]
 
     async def _supervise(self, entry: InstanceEntry) -> None:
@@ -137,6 +138,9 @@ class RunnerWatch(RunnerProcesses):
                 entry.info.prefix_cache.CopyFrom(status.prefix_cache)  # figures, no transition: no notice
             if status.HasField("prefix_summary") and entry.info.prefix_summary != status.prefix_summary:
                 entry.info.prefix_summary.CopyFrom(status.prefix_summary)  # for routing: no notice either
+            if status.decode_bytes_per_s and entry.info.decode_bytes_per_s != status.decode_bytes_per_s:
+                entry.info.decode_bytes_per_s = status.decode_bytes_per_s  # (the node's estimates)
+                self.decode_bytes_per_s = max(self.decode_bytes_per_s, status.decode_bytes_per_s)
 
         elif status.state == pb.INSTANCE_STATE_LOADING:
             self._set(entry, stage=status.stage, progress=status.progress)

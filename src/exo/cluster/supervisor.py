@@ -85,6 +85,7 @@ class InstanceSupervisor(RunnerWatch):
         self.runner_cmd = list(runner_cmd) if runner_cmd is not None else module_argv("exo.runner")
         self.env = dict(env or {})
         self.on_change = on_change
+        self.decode_bytes_per_s = 0.0  # the best decode speed a runner here measured (NodeInfo's, for placement)
         self._entries: dict[str, InstanceEntry] = {}
         self._run_dir: Path | None = None
         self._tmp_run_dir: Path | None = None  # the fallback for a home whose paths are too long

@@ -98,6 +98,10 @@ def instance_json(inst: pb.Instance, node_id: str, self_id: str) -> dict[str, An
         "stage": inst.stage,
         "shard": {"start_layer": inst.shard.start_layer, "end_layer": inst.shard.end_layer,
                   "rank": inst.shard.rank, "world_size": inst.shard.world_size or 1},
+        # How the instance is split over nodes: "none" (one node), "pipeline" (layers) or "tensor" (every layer's
+        # slice on every member); a tensor group's collectives' backend (ring | nccl | jaccl; null otherwise).
+        "sharding": sharding_name(inst.shard),
+        "backend": inst.shard.backend or None,
         "failure": failure,
         "restarts": inst.restarts,
         "pid": inst.pid,
@@ -121,6 +125,12 @@ def instance_json(inst: pb.Instance, node_id: str, self_id: str) -> dict[str, An
         "prefix_cache": {**figures, "held_prefixes": len(inst.prefix_summary.positions)}
         if (figures := prefix_cache_json([inst])) is not None else None,
     }
+
+
+def sharding_name(shard: pb.Shard) -> str:
+    if shard.world_size <= 1:
+        return "none"
+    return shard.sharding or "pipeline"
 
 
 def stage_json(inst: pb.Instance | None, node_id: str, spec: pb.StagePlacement | None = None,
@@ -219,6 +229,9 @@ def node_json(
         "source": source,
         "offline": info.offline,
         "hub_cache_free_bytes": info.hub_cache_free_bytes,
+        # Weight bytes a decode step reads per second here, as its runners measured it (null: not yet): the unit of
+        # placement's speed estimates.
+        "decode_bytes_per_s": round(info.decode_bytes_per_s) if info.decode_bytes_per_s else None,
         # Its downloads (running, and those that ended in the last minutes), as /v1/downloads shows them.
         "downloads": [download_json(d, info.node_id) for d in info.downloads],
         "prefix_cache": prefix_cache_json(info.instances),
@@ -236,11 +249,34 @@ def prefix_cache_json(instances: Iterable[pb.Instance]) -> dict[str, Any] | None
     return out
 
 
-def placement_json(plan: pl.Placement) -> dict[str, Any]:
+def option_json(option: pl.PlacementOption) -> dict[str, Any]:
+    """One split placement considered (the preview's ``options``): where it would go and how fast, or why not."""
+    plan = option.placement
+    return {
+        "sharding": option.sharding,
+        "placement_sharding": plan.sharding if plan is not None else None,
+        "estimated_tokens_per_s": round(option.tokens_per_s, 2) if option.tokens_per_s is not None else None,
+        "estimate_basis": option.basis or None,
+        "nodes": [s.node_id for s in plan.shards] if plan is not None else [],
+        "backend": plan.backend or None if plan is not None else None,
+        "headroom_bytes": plan.headroom_bytes if plan is not None else None,
+        "error": option.error,
+    }
+
+
+def placement_json(plan: pl.Placement, options: Iterable[pl.PlacementOption] | None = None) -> dict[str, Any]:
+    """A placement (what POST /v1/instances placed, or the preview's); ``options``: every split considered (the
+    preview: both; "auto": what it chose from), else the plan's own."""
     req = plan.requirement
+    considered = list(options if options is not None else plan.options)
+    chosen = next((o for o in considered if o.placement is not None and o.placement.shards == plan.shards), None)
     return {
         "model": plan.model_id,
         "node": plan.node_id,
+        "sharding": plan.sharding,
+        "backend": plan.backend or None,
+        "estimated_tokens_per_s": round(chosen.tokens_per_s, 2) if chosen and chosen.tokens_per_s else None,
+        "options": [option_json(o) for o in considered],
         "needed_bytes": req.needed_bytes,
         "weights_bytes": req.weights_bytes,
         "kv_bytes": req.kv_bytes,

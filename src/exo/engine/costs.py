@@ -234,3 +234,41 @@ def measure_costs(
         forward.end(cache)
     return DepthCosts(beta=beta, delta=delta, device=device_name(), plain_s=plain_s, stages=forward.stages,
                       plain_pipelined_s=pipelined_s)
+
+
+def active_weight_bytes(model: Any) -> int:
+    """Weight bytes one decode step reads from ``model``'s parameters (this process's part of the model): an MoE
+    block's experts counted at top_k / experts (a token reads its routed experts only), everything else whole."""
+    from mlx.utils import tree_flatten
+
+    total = 0.0
+    for _, module in model.named_modules():
+        switch = getattr(module, "switch_mlp", None)
+        if switch is None:
+            continue
+        share = min(1.0, module.top_k / max(1, module.num_experts))
+        total -= (1.0 - share) * sum(v.nbytes for _, v in tree_flatten(switch.parameters()))
+    return int(total + sum(v.nbytes for _, v in tree_flatten(model.parameters())))
+
+
+def decode_bytes_per_s(model: Any, forward: Forward, costs: DepthCosts | None = None, steps: int = 16) -> float:
+    """Weight bytes a plain decode step of a whole model on this machine reads per second (its measured speed, the
+    unit placement's estimates of other splits are made of): the warm-up's pipelined plain step when it measured
+    one (``costs``), else a burst of ``steps`` pipelined plain steps timed here."""
+    step_s = (costs.plain_pipelined_s or costs.plain_s) if costs is not None else None
+    if not step_s:
+        cache = forward.new_cache()
+        try:
+            token = mx.array([[0]], dtype=mx.uint32)
+            for timed in (False, True):  # the first burst compiles and warms up
+                started = time.perf_counter()
+                for _ in range(steps):
+                    following = mx.argmax(model.logits(forward.hidden(token, cache))[:, -1], axis=-1).reshape(1, 1)
+                    mx.async_eval(following)
+                    token = following
+                token.item()
+                if timed:
+                    step_s = (time.perf_counter() - started) / steps
+        finally:
+            forward.end(cache)
+    return active_weight_bytes(model) / step_s if step_s else 0.0

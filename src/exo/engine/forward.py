@@ -34,6 +34,7 @@ class Forward(Protocol):
     """The backbone as the generation loop sees it."""
 
     stages: int  # 1 on a single node
+    mode: str  # how the model is split: "single_node", "pipeline" (by layers) or "tensor" (NativeMTPStats.mode)
     verify: VerifyMode  # how verify calls compute their rows (the engine sets it from its probe)
 
     def new_cache(self) -> list[Any]:
@@ -132,6 +133,7 @@ class LocalForward:
     """The whole backbone in this process."""
 
     stages = 1
+    mode = "single_node"
 
     def __init__(self, model: SpeculativeBackbone, verify: VerifyMode | None = None) -> None:
         self.model = model

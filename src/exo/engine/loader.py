@@ -32,6 +32,7 @@ from .models import SUPPORTED_MODEL_TYPES, UnsupportedModelError, get_model_clas
 from .models.backbone import SpeculativeBackbone
 from .models.layers import SparseMoeBlock, check_expert_sort, use_gdn_kernel, use_qgemv
 from .models.mtp import HEAD_NORM_SUFFIXES, MTPHead
+from .sharding import TensorShardingError, TensorShare, shard_model
 
 SIDECAR_NAMES = ("mtp.safetensors",)
 # Written next to the weights by head recovery (exo.downloads.heads) when it refused a head: the reason.
@@ -232,13 +233,14 @@ class CheckpointParts:
     embed_bytes: int
     output_bytes: int  # final norm + lm_head
     mtp_bytes: int
+    expert_bytes: int = 0  # of the layers' bytes, their MoE experts' (a token reads top_k of them)
 
 
 def checkpoint_parts(path: Path, n_layers: int) -> CheckpointParts:
     """Sizes of the backbone's layers, its embedding table, its output (final norm, lm_head) and its MTP
     head, summed over every file mlx-lm or exo would load (a vision tower does not count)."""
     layers = [0] * n_layers
-    embed = output = mtp = 0
+    embed = output = mtp = experts = 0
     files = weight_files(path) + [path / n for n in SIDECAR_NAMES if (path / n).is_file()]
     for file in files:
         keys, _, handle = _header(file)
@@ -255,11 +257,13 @@ def checkpoint_parts(path: Path, n_layers: int) -> CheckpointParts:
                 index = int(match.group(1))
                 if index < n_layers:
                     layers[index] += size
+                    if ".experts." in key or ".switch_mlp." in key:
+                        experts += size
             elif "embed_tokens" in key:
                 embed += size
             else:  # lm_head, the final norm
                 output += size
-    return CheckpointParts(tuple(layers), embed, output, mtp)
+    return CheckpointParts(tuple(layers), embed, output, mtp, experts)
 
 
 def _header(file: Path) -> tuple[list[str], dict[str, str], Any]:
@@ -509,6 +513,7 @@ def load_checkpoint(
     head_source_repo: str | None = None,
     lazy: bool = False,
     layers: tuple[int, int] | None = None,
+    tensor: TensorShare | None = None,
 ) -> LoadedModel:
     """Load a local checkpoint directory (raw Hugging Face or MLX layout) with its MTP head.
 
@@ -519,11 +524,17 @@ def load_checkpoint(
     disk and nothing else: the embedding on the first stage; the final norm, lm_head, the embedding
     table, the tokenizer and the MTP head on the last. A middle or first stage has no tokenizer (None).
     The directory may hold only the shards the stage needs (``stage_weight_files``).
+
+    ``tensor``: member ``tensor.rank`` of a tensor group (``engine/sharding.py``): its slice of every layer
+    (only the slices are read into memory), the embedding whole; the leader (the last member) also the final
+    norm, lm_head, the tokenizer and the MTP head, which the others do without.
     """
     path = Path(path).expanduser().resolve()
     config = read_config(path)
     # A stage may load from a partial checkpoint (only its shards downloaded): its model drops the other
     # stages' layers before the weights arrive, so mlx-lm's strict check covers what the stage keeps.
+    if layers is not None and tensor is not None:
+        raise ValueError("a model is split by layers or by tensor, not both")
     if layers is None:
         files, partial = weight_files(path), False
     else:
@@ -532,8 +543,16 @@ def load_checkpoint(
         _header(file)  # a corrupt shard fails here with the file's name, not deep inside mlx
     try:
         classes = stage_model_classes(*layers) if layers is not None and partial else get_model_classes
-        model, config = mlx_load_model(path, lazy=lazy or layers is not None, get_model_classes=classes)
+        model, config = mlx_load_model(path, lazy=lazy or layers is not None or tensor is not None,
+                                       get_model_classes=classes)
         last = True
+        if tensor is not None:
+            shard_model(model, tensor)  # (TensorShardingError: a ValueError, the message says why)
+            last = tensor.leader
+            if not last:
+                model.drop_output()  # the leader alone computes logits (a tied table stays: it embeds)
+            if not lazy:
+                mx.eval(model.parameters())  # only this member's slices are read
         if layers is not None:
             start, end = layers
             last = end == model.num_layers
@@ -541,7 +560,7 @@ def load_checkpoint(
                 model.keep_stage(start, end, first=start == 0, last=last)
             if not lazy:
                 mx.eval(model.parameters())  # only this stage's weights are read
-    except UnsupportedModelError:
+    except (UnsupportedModelError, TensorShardingError):
         raise
     except (ValueError, KeyError, FileNotFoundError, RuntimeError) as e:
         raise CheckpointError(f"{path}: the weights do not match config.json: {e}") from e
@@ -556,7 +575,8 @@ def load_checkpoint(
     head: MTPHead | None = None
     info = inspect_head(path, files)
     if not last:
-        status = HeadStatus(available=False, reason="the MTP head runs on the pipeline's last stage")
+        where = "the tensor group's leader" if tensor is not None else "the pipeline's last stage"
+        status = HeadStatus(available=False, reason=f"the MTP head runs on {where}")
     elif not load_head:
         status = HeadStatus(available=False, reason="native MTP is disabled (the head was not loaded)")
     elif info.present:

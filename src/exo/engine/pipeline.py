@@ -66,8 +66,12 @@ OP_FORWARD, OP_END, OP_SHUTDOWN, OP_MEASURE = 1, 2, 3, 4
 # -1. BEGIN: [ok, position, has_group, group as 4 x 16 bits, e, edges(e)], each stage restores ``position`` into
 # the slot's fresh caches (0: none) and clears ``ok`` if it cannot.
 OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN = 5, 6
-HEADER_OPS = (OP_FORWARD, OP_END, OP_SHUTDOWN, OP_MEASURE, OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN)
-HEADER_VERSION = 4  # 3: the prefix cache's ops; 4: STORE_END
+# A tensor group's forward step (``engine/tensor.py``): every member runs its slice of every layer on the step's
+# ids, which it takes from the leader inside the step's graph (a collective), not from the message.
+OP_GRAPH_FORWARD = 7
+FORWARD_OPS = (OP_FORWARD, OP_GRAPH_FORWARD)
+HEADER_OPS = (OP_FORWARD, OP_END, OP_SHUTDOWN, OP_MEASURE, OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN, OP_GRAPH_FORWARD)
+HEADER_VERSION = 5  # 3: the prefix cache's ops; 4: STORE_END; 5: OP_GRAPH_FORWARD
 HEADER_NAMES = ("version", "op", "step", "slot", "batch", "rows", "verify", "moe", "per_row", "invariant", "ops")
 HEADER_FIELDS = len(HEADER_NAMES)
 INLINE = 53  # ints after the fields: a 64-int32 (256-byte) header
@@ -186,9 +190,10 @@ class StepHeader:
 
     @classmethod
     def forward(cls, step: int, slot: int, batch: int, rows: int, verify: VerifyMode | None,
-                ops: tuple[Op, ...] = (), tokens: tuple[int, ...] = (), invariant: bool = False) -> StepHeader:
+                ops: tuple[Op, ...] = (), tokens: tuple[int, ...] = (), invariant: bool = False,
+                op: int = OP_FORWARD) -> StepHeader:
         moe = 0 if verify is None else MOE_MODES.index(verify.moe) + 1
-        return cls(OP_FORWARD, step, slot, batch, rows, verify is not None, moe,
+        return cls(op, step, slot, batch, rows, verify is not None, moe,
                    bool(verify is not None and verify.per_row_attention), invariant, ops, tokens)
 
     @property
@@ -246,7 +251,7 @@ class StepHeader:
             raise StepHeaderError(f"unknown step op {op} (step {step})")
         if (not 0 <= slot <= MAX_SLOT or ops_length < 0 or invariant not in (0, 1)
                 or op in (OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN) and (rows < 1 or batch != 1)
-                or op == OP_FORWARD and (rows < 1 or batch < 1 or verify not in (0, 1) or not 0 <= moe <= len(MOE_MODES)
+                or op in FORWARD_OPS and (rows < 1 or batch < 1 or verify not in (0, 1) or not 0 <= moe <= len(MOE_MODES)
                                          or bool(verify) != (moe > 0) or per_row not in (0, 1))):
             raise StepHeaderError(f"malformed step header {values[:HEADER_FIELDS]}")
         area = values[HEADER_FIELDS:]
@@ -350,6 +355,8 @@ class PipelineForward:
 
     A call that raises breaks the forward for good (``broken``): the stages may be out of step. Anything that
     fails between calls (the leader's own evaluation, a consumer of the output) leaves them in step."""
+
+    mode = "pipeline"
 
     def __init__(self, model: SpeculativeBackbone, stage: StageSpec, link: Link,
                  verify: VerifyMode | None = None) -> None:
@@ -611,43 +618,19 @@ def serve_stage(
     rows_of: dict[int, list[StagePrefix | None]] = {}  # a batch slot -> its rows' (for their replies)
     expected = 0  # the step number the next header must carry
     while True:
-        message = link.recv((HEADER_LEN,), mx.int32, stage.previous)
-        mx.eval(message)
-        values = message.tolist()
-        ops_message = None
-        ops_length = StepHeader.ops_length_of(values)
-        if ops_length > INLINE:
-            ops_message = link.recv((ops_length,), mx.int32, stage.previous)
-            mx.eval(ops_message)
-        header = StepHeader.decode(values, ops_message.tolist() if ops_message is not None else None)
-        if header.step != expected:
-            raise StepHeaderError(f"pipeline stage {stage.rank}: step {header.step} arrived, expected step {expected} "
-                                  "(a message was lost or repeated)")
+        header = receive_header(link, stage, expected, forward_header)
         expected += 1
-        if forward_header:  # the next stage reads them while this one computes
-            link.send(message, stage.next)
-            if ops_message is not None:
-                link.send(ops_message, stage.next)
-        for op in header.ops:
-            slots.apply(op)
-            _follow_prefixes(op, slots, prefixes, rows_of)
-        if header.op == OP_SHUTDOWN:
-            return
-        if header.op == OP_END:
-            slots.drop(header.slot)  # nothing of a request survives it
-            prefixes.pop(header.slot, None)
-            rows_of.pop(header.slot, None)
-            continue
-        if header.op in (OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN):
-            payload = link.recv((header.rows,), mx.int32, stage.previous)
-            mx.eval(payload)
-            link.send(mx.array(_prefix_step(header, payload.tolist(), slots, prefixes, prefix_cache), dtype=mx.int32),
-                      stage.next)
+        if apply_header(header, link, stage, slots, prefixes, rows_of, prefix_cache):
+            if header.op == OP_SHUTDOWN:
+                return
             continue
         if header.op == OP_MEASURE:
             before = link.recv((4 * stage.rank,), mx.int32, stage.previous).tolist() if not stage.first else []
             link.send(mx.array(before + _pack_rates(cache_rates(model)), dtype=mx.int32), stage.next)
             continue
+        if header.op != OP_FORWARD:
+            raise StepHeaderError(f"pipeline stage {stage.rank}: op {header.op} (step {header.step}) is not a "
+                                  "pipeline's")
         cache = slots.forward_cache(header)
         batch, rows = header.batch, header.rows
         if stage.first and header.tokens_inline:
@@ -680,6 +663,52 @@ def serve_stage(
                 del prefixes[header.slot]
         if on_step is not None:
             on_step()
+
+
+def receive_header(link: Link, stage: StageSpec, expected: int, forward_header: bool) -> StepHeader:
+    """The leader's next message (a header, and its op records when they follow it), checked for order; passed on
+    to the next member first when ``forward_header`` (it reads them while this one computes)."""
+    message = link.recv((HEADER_LEN,), mx.int32, stage.previous)
+    mx.eval(message)
+    values = message.tolist()
+    ops_message = None
+    ops_length = StepHeader.ops_length_of(values)
+    if ops_length > INLINE:
+        ops_message = link.recv((ops_length,), mx.int32, stage.previous)
+        mx.eval(ops_message)
+    header = StepHeader.decode(values, ops_message.tolist() if ops_message is not None else None)
+    if header.step != expected:
+        raise StepHeaderError(f"pipeline stage {stage.rank}: step {header.step} arrived, expected step {expected} "
+                              "(a message was lost or repeated)")
+    if forward_header:
+        link.send(message, stage.next)
+        if ops_message is not None:
+            link.send(ops_message, stage.next)
+    return header
+
+
+def apply_header(header: StepHeader, link: Link, stage: StageSpec, slots: StageSlots,
+                 prefixes: dict[int, StagePrefix], rows_of: dict[int, list[StagePrefix | None]],
+                 prefix_cache: PrefixCache | None) -> bool:
+    """What every member that does not lead does with a header before its own step: the op records, then an END,
+    a SHUTDOWN or a prefix round trip (True: the header is done with; a SHUTDOWN's caller returns)."""
+    for op in header.ops:
+        slots.apply(op)
+        _follow_prefixes(op, slots, prefixes, rows_of)
+    if header.op == OP_SHUTDOWN:
+        return True
+    if header.op == OP_END:
+        slots.drop(header.slot)  # nothing of a request survives it
+        prefixes.pop(header.slot, None)
+        rows_of.pop(header.slot, None)
+        return True
+    if header.op in (OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN):
+        payload = link.recv((header.rows,), mx.int32, stage.previous)
+        mx.eval(payload)
+        link.send(mx.array(_prefix_step(header, payload.tolist(), slots, prefixes, prefix_cache), dtype=mx.int32),
+                  stage.next)
+        return True
+    return False
 
 
 def _follow_prefixes(op: Op, slots: StageSlots, prefixes: dict[int, StagePrefix],

@@ -244,16 +244,18 @@ def _token_bytes(tokens: Sequence[int]) -> bytes:
 
 def namespace(loaded: Any, layers: tuple[int, int] | None = None) -> str:
     """What a cached state depends on besides the tokens: the checkpoint (its id, config, the weight files'
-    names, sizes and times), the stage's layer range and this module's format."""
+    names, sizes and times), the stage's layer range, a tensor group member's slice and this module's format."""
     path = Path(loaded.path)
     files = []
     for f in sorted(path.glob("*.safetensors")):
         stat = f.stat()
         files.append((f.name, stat.st_size, stat.st_mtime_ns))
-    identity = json.dumps(
-        {"model": loaded.model_id, "config": loaded.config, "files": files, "layers": list(layers or ()),
-         "format": FORMAT_VERSION}, sort_keys=True, default=str,
-    )
+    fields = {"model": loaded.model_id, "config": loaded.config, "files": files, "layers": list(layers or ()),
+              "format": FORMAT_VERSION}
+    share = getattr(getattr(loaded, "model", None), "tensor_share", None)
+    if share is not None:  # each member holds its own heads' and columns' part
+        fields["tensor"] = [share.rank, share.size]
+    identity = json.dumps(fields, sort_keys=True, default=str)
     return _digest(identity.encode()).hex()
 
 

@@ -299,6 +299,7 @@ class SequenceState:
         assert self.output.finish is not None
         stats = self.stats.report(
             policy=self.policy, reason=self.reason, tracked=self.head.tracked, stages=self.forward.stages,
+            mode=self.forward.mode,
             prompt_tokens=len(self.request.prompt_tokens), completion_tokens=len(self.output.tokens),
             cached_tokens=self.prefilled,
             prefix_cache=self.engine.prefix_cache.figures() if self.engine.prefix_cache is not None else None,

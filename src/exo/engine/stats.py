@@ -16,8 +16,8 @@ class NativeMTPStats(BaseModel):
 
     enabled: bool
     reason: str | None = None  # why MTP is off, or why it ran at K = 0
-    mode: Literal["single_node", "pipeline"] = "single_node"
-    stages: int = 1  # pipeline stages the model ran on
+    mode: Literal["single_node", "pipeline", "tensor"] = "single_node"  # how the model is split over nodes
+    stages: int = 1  # pipeline stages (or tensor group members) the model ran on
     k: int = 0  # the last depth used (the forced one when fixed)
     k_fixed: bool = False
     k_histogram: dict[int, int] = Field(default_factory=dict)  # rounds (plain steps at K = 0) per depth
@@ -139,11 +139,11 @@ class SequenceStats:
         if self.phases is not None:
             self._round_end = time.perf_counter()
 
-    def report(self, *, policy: Any, reason: str | None, tracked: bool, stages: int, prompt_tokens: int,
+    def report(self, *, policy: Any, reason: str | None, tracked: bool, stages: int, mode: str, prompt_tokens: int,
                completion_tokens: int, cached_tokens: int, prefix_cache: dict[str, int] | None,
                ttft_s: float, decode_s: float) -> NativeMTPStats:
         """The final ``NativeMTPStats`` (``policy``: the sequence's ``DepthPolicy``, None without MTP;
-        ``tracked``: whether its head was fed)."""
+        ``tracked``: whether its head was fed; ``mode``: how the model is split, ``Forward.mode``)."""
         rec = self.recorder
         costs = None
         if policy is not None and policy.costs.device:
@@ -171,7 +171,7 @@ class SequenceStats:
         return NativeMTPStats(
             enabled=policy is not None,
             reason=reason,
-            mode="pipeline" if stages > 1 else "single_node",
+            mode=mode,
             stages=stages,
             k=policy.fixed_k if fixed else rec.last_k,
             k_fixed=fixed,

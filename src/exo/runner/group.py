@@ -165,7 +165,7 @@ class RingLink:
     from the one before (the pipeline's ring order)."""
 
     def __init__(self, group: Any, to_next: socket.socket, from_previous: socket.socket, doorbell_port: int = 0,
-                 *, timed_receives: bool | None = None) -> None:
+                 *, timed_receives: bool | None = None, inline_bytes: int | None = None) -> None:
         self.group = group
         self.doorbell_port = doorbell_port  # closed once the previous member rang in: a later connection is refused
         self.rank, self.size = group.rank(), group.size()
@@ -173,7 +173,10 @@ class RingLink:
         self._from_previous = from_previous
         self.timed_receives = (os.environ.get("EXO_PIPELINE_PHASES") == "1") if timed_receives is None else timed_receives
         # Messages up to this size travel on the doorbell (0: every one on the ring, as before it carried any).
-        self.inline_bytes = int(os.environ.get("EXO_RING_INLINE_BYTES", INLINE_BYTES))
+        # A tensor group sends every message on the doorbells (``DOORBELL_ONLY``): its collectives use the
+        # backend's own connections (and NCCL has no point-to-point transfers).
+        self.inline_bytes = inline_bytes if inline_bytes is not None else int(
+            os.environ.get("EXO_RING_INLINE_BYTES", INLINE_BYTES))
         self._buffers: dict[int, bytearray] = {}  # receive buffers by size, kept
         self.samples: dict[str, list[float]] = {phase: [] for phase in PHASES}  # seconds, per message
         self._mark: float | None = None  # when the last message ended
@@ -256,6 +259,27 @@ class RingLink:
         self._mark = t2
         self._sample(nbytes, recv_gap=gap, recv_wait=t1 - t0, recv_ring=t2 - t1)
         return out
+
+    def peer_lost(self) -> bool:
+        """Whether a neighbour closed its doorbell (it exited or was killed): checked without waiting and without
+        taking any message (a member reads from its neighbour only inside a call, so between calls anything
+        readable on a doorbell is its end)."""
+        import select
+
+        for s in (self._from_previous, self._to_next):
+            try:
+                readable, _, failed = select.select([s], [], [s], 0)
+                if failed or (readable and not s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)):
+                    return True
+            except BlockingIOError:
+                continue
+            except OSError:
+                return True
+        return False
+
+    def hangups(self) -> list[socket.socket]:
+        """The doorbells, for a watchdog that waits for either to close (``watch_hangups``)."""
+        return [self._from_previous, self._to_next]
 
     def report(self) -> dict[str, Any]:
         """Every phase's samples (seconds per step message), for the benchmark."""
@@ -433,20 +457,52 @@ def keep_alive(s: socket.socket) -> None:
             s.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
-def join_group(hosts: Sequence[str], rank: int, timeout_s: float = JOIN_TIMEOUT_S, *,
-               secret: str | None = None) -> RingLink:
-    """Join the ring of ``hosts`` ("ip:port" per rank) as ``rank``; returns the stage's ``RingLink``. With
-    ``secret`` (the cluster's), every member proves it before the group carries anything (``GroupAuthError``);
-    without, the proofs still tie the members to this group's hosts (a member of another group is refused)."""
-    import mlx.core as mx
+BACKENDS = ("ring", "nccl", "jaccl")
+DOORBELL_ONLY = 2**32 - 1  # ``RingLink(inline_bytes=...)``: every message on the doorbell (its frame's limit)
 
-    if not 0 <= rank < len(hosts) or len(hosts) < 2:
-        raise GroupError(f"rank {rank} of a group of {len(hosts)} hosts")
+
+def _backend_environment(backend: str, hosts: Sequence[str], rank: int) -> str | None:
+    """Point MLX's ``backend`` at this group (environment variables it reads at ``init``); returns a file to remove
+    afterwards. ring: a hostfile of every member's ring port. nccl: rank 0's host and port bootstrap the
+    communicator. jaccl: rank 0's as its coordinator; the RDMA devices come from ``EXO_JACCL_DEVICES`` (a file in
+    MLX's format, its rows in the group's rank order; docs/cluster.md)."""
+    os.environ["MLX_RANK"] = str(rank)
+    os.environ["MLX_WORLD_SIZE"] = str(len(hosts))
+    first_host, first_port = hosts[0].rsplit(":", 1)
+    if backend == "nccl":
+        os.environ["NCCL_HOST_IP"] = first_host.strip("[]")
+        os.environ["NCCL_PORT"] = first_port
+        return None
+    if backend == "jaccl":
+        devices = os.environ.get("EXO_JACCL_DEVICES")
+        if not devices:
+            raise GroupError("the jaccl backend needs EXO_JACCL_DEVICES: a file listing each member's RDMA devices "
+                             "(docs/cluster.md)")
+        os.environ["MLX_IBV_DEVICES"] = devices
+        os.environ["MLX_JACCL_COORDINATOR"] = f"{first_host.strip('[]')}:{first_port}"
+        return None
     fd, path = tempfile.mkstemp(prefix="exo-ring-", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump([[h] for h in hosts], f)
     os.environ["MLX_HOSTFILE"] = path
-    os.environ["MLX_RANK"] = str(rank)
+    return path
+
+
+def join_group(hosts: Sequence[str], rank: int, timeout_s: float = JOIN_TIMEOUT_S, *,
+               secret: str | None = None, backend: str = "ring", inline_bytes: int | None = None) -> RingLink:
+    """Join the group of ``hosts`` ("ip:port" per rank) as ``rank``; returns the member's ``RingLink``. With
+    ``secret`` (the cluster's), every member proves it before the group carries anything (``GroupAuthError``);
+    without, the proofs still tie the members to this group's hosts (a member of another group is refused).
+    ``backend``: MLX's distributed backend (``BACKENDS``; a pipeline's is the ring, a tensor group's may be NCCL
+    on NVIDIA GPUs or JACCL over Thunderbolt RDMA); its port is the member's ``hosts`` port (nccl and jaccl use
+    rank 0's). ``inline_bytes``: ``RingLink``'s (a tensor group: ``DOORBELL_ONLY``)."""
+    import mlx.core as mx
+
+    if not 0 <= rank < len(hosts) or len(hosts) < 2:
+        raise GroupError(f"rank {rank} of a group of {len(hosts)} hosts")
+    if backend not in BACKENDS:
+        raise GroupError(f"unknown distributed backend {backend!r} (one of {', '.join(BACKENDS)})")
+    path = _backend_environment(backend, hosts, rank)
     joined = threading.Event()
 
     def watchdog() -> None:
@@ -456,7 +512,7 @@ def join_group(hosts: Sequence[str], rank: int, timeout_s: float = JOIN_TIMEOUT_
 
     threading.Thread(target=watchdog, name="exo-group-join-watchdog", daemon=True).start()
     try:
-        group = mx.distributed.init(strict=True, backend="ring")
+        group = mx.distributed.init(strict=True, backend=backend)
         if group.size() != len(hosts) or group.rank() != rank:
             raise GroupError(f"joined as rank {group.rank()} of {group.size()}, expected {rank} of {len(hosts)}")
         key = secret.encode() if secret else b""
@@ -464,5 +520,35 @@ def join_group(hosts: Sequence[str], rank: int, timeout_s: float = JOIN_TIMEOUT_
         to_next, from_previous, doorbell_port = _doorbells(group, hosts, rank, timeout_s, key)
     finally:
         joined.set()
-        os.unlink(path)
-    return RingLink(group, to_next, from_previous, doorbell_port)
+        if path is not None:
+            os.unlink(path)
+    return RingLink(group, to_next, from_previous, doorbell_port, inline_bytes=inline_bytes)
+
+
+def watch_hangups(link: RingLink, on_hangup: Any) -> None:
+    """Call ``on_hangup()`` (on a thread of its own) once a neighbour's doorbell closes. For backends whose
+    collectives wait for a lost member without end (NCCL, JACCL): a member blocked in one is ended by its
+    watchdog instead (the ring backend raises in the collective itself)."""
+    import select
+
+    def watch() -> None:
+        poller = select.poll()
+        ended = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)  # (macOS: a read of 0 bytes)
+        sockets = {s.fileno(): s for s in link.hangups()}
+        for s in sockets.values():
+            poller.register(s, ended | select.POLLIN)
+        while True:
+            events = poller.poll()
+            if any(event & ended for _, event in events):
+                break
+            try:  # readable: a message for the main thread, or the end (nothing to peek)
+                if any(not sockets[fd].recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) for fd, _ in events):
+                    break
+            except BlockingIOError:
+                pass
+            except OSError:
+                break
+            time.sleep(0.05)  # the main thread takes the message
+        on_hangup()
+
+    threading.Thread(target=watch, name="exo-group-hangup-watch", daemon=True).start()

@@ -25,17 +25,21 @@ from typing import Any
 
 from exo.engine import Engine, EngineConfig, ResolvedModel, engine_config, load_checkpoint
 from exo.engine.loader import LoadedModel
+from exo.engine.sharding import TensorShare
 from exo.settings import Settings
 
 
 def load_for_serving(
-    resolved: ResolvedModel, settings: Settings, *, layers: tuple[int, int] | None = None, **config: Any
+    resolved: ResolvedModel, settings: Settings, *, layers: tuple[int, int] | None = None,
+    tensor: TensorShare | None = None, **config: Any
 ) -> tuple[LoadedModel, EngineConfig]:
-    """The checkpoint (its ``layers`` only, for a pipeline stage) and the engine configuration the node's
-    settings and the model's card give it (``config``: fields to override, e.g. the node's MTP switch)."""
+    """The checkpoint (its ``layers`` only, for a pipeline stage; a tensor group member's slice of every layer) and
+    the engine configuration the node's settings and the model's card give it (``config``: fields to override,
+    e.g. the node's MTP switch)."""
     engine_settings = engine_config(resolved, settings, **config)
     loaded = load_checkpoint(
-        resolved.path, model_id=resolved.model_id, head_source_repo=resolved.head_source_repo, layers=layers
+        resolved.path, model_id=resolved.model_id, head_source_repo=resolved.head_source_repo, layers=layers,
+        tensor=tensor,
     )
     return loaded, engine_settings
 
@@ -64,7 +68,7 @@ def attach_prefix_cache(engine: Engine, settings: Settings, layers: tuple[int, i
     _log_budget(engine.prefix_cache, settings)
 
 
-def stage_prefix_cache(loaded: LoadedModel, settings: Settings, layers: tuple[int, int], first: bool) -> Any:
+def stage_prefix_cache(loaded: LoadedModel, settings: Settings, layers: tuple[int, int] | None, first: bool) -> Any:
     """A pipeline stage's (not the leader's) prefix cache: its layers' part under its own namespace, its RAM tier
     shrunk to fit what the stage will still take (its KV budget and state, measured on a one-token forward of
     its layers, and the activation margin). None: turned off, or it failed (the stage then never restores and

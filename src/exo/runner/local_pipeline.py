@@ -1,4 +1,4 @@
-"""A pipeline of stages on this machine, one process per stage over a loopback ring: no daemons.
+"""A pipeline of stages (or a tensor group) on this machine, one process per member over loopback: no daemons.
 
 For tests and benchmarks (``exo bench --stages N``, ``bench/pipeline.py``): the same stage runtime a
 cluster runs (``load_checkpoint(layers=...)``, ``join_group``, ``serve_stage`` / ``PipelineForward``),
@@ -11,7 +11,12 @@ without the control plane around it.
 Each request: {"prompt": [ids], "max_tokens": n, "mtp_k": k | None, "native_mtp": "auto" | "on" | "off",
 "sampling": {...}, "stop": str, "ignore_eos": bool, "constraint": ConstraintSpec JSON, "logprobs": n}; each
 result: {"token_ids", "text", "finish_reason", "stats", "seconds", "bytes_sent", "bytes_received",
-"logprobs": [[token, logprob, [[token, logprob], ...]], ...]} (bytes: the leader's stage, both ways). A single
+"logprobs": [[token, logprob, [[token, logprob], ...]], ...]} (bytes: the leader's stage, both ways). A request
+{"batch": [request, ...], "join_at": [step, ...]} decodes its requests in one batch (``BatchDecoder``, as the
+device queue does), request i joining before the batch's step join_at[i]; its result is the list of theirs.
+``prefix_cache``: {"block_tokens": n, "min_snapshot_tokens": m} gives every member a prefix cache in memory;
+``out["prefix"]`` then holds each member's figures (``PrefixStats``), the leader's last. ``collective_reps``: a tensor
+group first times its all-reduce alone (``out["collectives"]``, bench/tensor.py). A single
 stage [(0, n)] runs the model whole in one process, for comparisons. ``links``: every stage's
 ``RingLink.report()`` (where its time went, per phase, over the whole run; ``EXO_PIPELINE_PHASES=1`` in a
 stage's environment times the ring's receives apart).
@@ -37,14 +42,24 @@ class LocalPipelineError(RuntimeError):
     """A stage process failed; the message carries its stderr."""
 
 
+def run_local_tensor(model: str | Path, nodes: int, requests: list[dict[str, Any]], *, backend: str = "ring",
+                     **options: Any) -> dict[str, Any]:
+    """Run ``requests`` on a tensor group of ``nodes`` members on this machine (one process each, the last leads;
+    ``engine/tensor.py``): the same results as ``run_local_pipeline``. ``backend``: MLX's distributed backend
+    (``ring``; ``nccl`` on a host with a GPU per member: give each its ``CUDA_VISIBLE_DEVICES`` in ``stage_env``)."""
+    return run_local_pipeline(model, [(0, 0)] * nodes, requests, sharding="tensor", backend=backend, **options)
+
+
 def run_local_pipeline(
     model: str | Path | Sequence[str | Path], stages: Sequence[tuple[int, int]], requests: list[dict[str, Any]], *,
     prefill_chunk: int = 2048, warmup: bool = False, timeout_s: float = 300.0,
-    stage_env: Sequence[dict[str, str]] | None = None,
+    stage_env: Sequence[dict[str, str]] | None = None, sharding: str = "pipeline", backend: str = "ring",
+    prefix_cache: dict[str, int] | None = None, collective_reps: int = 0,
 ) -> dict[str, Any]:
     """Run ``requests`` on a pipeline of ``stages`` (one process each); the leader's results and the bytes
     its stage sent and received. ``stage_env``: environment variables per stage, over this process's (on a
-    host with several GPUs, ``CUDA_VISIBLE_DEVICES`` puts each stage on its own, as separate nodes would be)."""
+    host with several GPUs, ``CUDA_VISIBLE_DEVICES`` puts each stage on its own, as separate nodes would be).
+    ``sharding`` "tensor": the stages are a tensor group's members instead (their layer ranges unused)."""
     if stage_env is not None and len(stage_env) != len(stages):
         raise ValueError(f"{len(stage_env)} stage environments for {len(stages)} stages")
     with tempfile.TemporaryDirectory(prefix="exo-local-pipeline-") as tmp:
@@ -54,7 +69,8 @@ def run_local_pipeline(
         spec = {
             "models": models, "stages": [list(s) for s in stages],
             "hosts": [f"127.0.0.1:{free_port()}" for _ in stages], "prefill_chunk": prefill_chunk,
-            "warmup": warmup, "requests": requests, "out": str(Path(tmp) / "out.json"),
+            "warmup": warmup, "requests": requests, "out": str(Path(tmp) / "out.json"), "sharding": sharding,
+            "backend": backend, "prefix_cache": prefix_cache, "collective_reps": collective_reps,
         }
         spec_file = Path(tmp) / "spec.json"
         spec_file.write_text(json.dumps(spec))
@@ -77,6 +93,9 @@ def run_local_pipeline(
             if report.is_file():
                 out["links"].append(json.loads(report.read_text()))
         out["links"].sort(key=lambda r: r["rank"])
+        figures = [Path(f"{spec['out']}.prefix{rank}.json") for rank in range(len(stages) - 1)]
+        if prefix_cache is not None:
+            out["prefix"] = [json.loads(f.read_text()) for f in figures if f.is_file()] + out["prefix"]
         return out
 
 
@@ -92,40 +111,86 @@ def _stage_main(spec_file: str, rank: int) -> None:
 
     stages = spec["stages"]
     start, end = stages[rank]
+    prefix_cache = None
+
+    def with_prefix_cache(loaded: Any) -> Any:
+        nonlocal prefix_cache
+        if spec.get("prefix_cache") is not None:
+            from exo.engine import prefix_cache as pc
+
+            starts = pc.message_starts(loaded.tokenizer) if loaded.tokenizer is not None else frozenset()
+            prefix_cache = pc.PrefixCache(pc.MemoryStore(1 << 30), pc.namespace(loaded, (start, end) if len(stages) > 1
+                                                                                 and spec.get("sharding") != "tensor" else None),
+                                          stride_tokens=0, message_starts=starts, **spec["prefix_cache"])
+        return prefix_cache
+
+    def prefix_figures(rank: int) -> None:
+        if prefix_cache is not None:
+            Path(f"{spec['out']}.prefix{rank}.json").write_text(json.dumps(dataclasses.asdict(prefix_cache.stats)))
+
     config = EngineConfig(prefill_chunk=spec.get("prefill_chunk", 2048))
     forward = None
+    collectives = None
     model = spec["models"][rank]
-    if len(stages) == 1:
+    if spec.get("sharding") == "tensor":
+        from exo.engine.sharding import TensorShare
+        from exo.engine.tensor import TensorForward, serve_tensor
+
+        from .group import DOORBELL_ONLY
+
+        share = TensorShare(None, rank, len(stages))
+        loaded = load_checkpoint(model, tensor=share)  # this member's slices (the group is not needed to cut them)
+        link = join_group(spec["hosts"], rank, secret=os.environ.get("EXO_CLUSTER_SECRET") or None,
+                          backend=spec.get("backend", "ring"), inline_bytes=DOORBELL_ONLY)
+        share.group = link.group
+        member = StageSpec(rank, len(stages), 0, loaded.model.num_layers)
+        collectives = _time_collectives(loaded.model, spec.get("collective_reps", 0))  # (every member, in step)
+        if not member.last:
+            serve_tensor(loaded.model, member, link, prefix_cache=with_prefix_cache(loaded))
+            Path(f"{spec['out']}.link{rank}.json").write_text(json.dumps(link.report()))
+            prefix_figures(rank)
+            return
+        forward = TensorForward(loaded.model, member, link)
+    elif len(stages) == 1:
         loaded = load_checkpoint(model)
     else:
         stage = StageSpec(rank, len(stages), start, end)
         loaded = load_checkpoint(model, layers=(start, end))
         link = join_group(spec["hosts"], rank, secret=os.environ.get("EXO_CLUSTER_SECRET") or None)
         if not stage.last:
-            serve_stage(loaded.model, stage, link)
+            serve_stage(loaded.model, stage, link, prefix_cache=with_prefix_cache(loaded))
             Path(f"{spec['out']}.link{rank}.json").write_text(json.dumps(link.report()))
+            prefix_figures(rank)
             return
         forward = PipelineForward(loaded.model, stage, link)
         loaded = check_pending_head(loaded, forward)  # a head recovered for this stage, checked on the pipeline
     engine = Engine(loaded, config, forward=forward)
-    results = []
+    engine.prefix_cache = with_prefix_cache(loaded)
+
+    def request_of(req: dict[str, Any]) -> GenerationRequest:
+        grammar = None
+        if req.get("constraint"):  # a ConstraintSpec as JSON, compiled here as a runner would
+            grammar = compile_grammar(ConstraintSpec.from_json(req["constraint"]), engine.grammar_tokenizer,
+                                      engine.vocab_size, prompt_tool_format(loaded.tokenizer), engine.closing_tokens)
+        return GenerationRequest(
+            req["prompt"], max_tokens=req["max_tokens"], mtp_k=req.get("mtp_k"),
+            native_mtp=req.get("native_mtp", "auto"), sampling=SamplingParams(**req.get("sampling", {})),
+            stop=[req["stop"]] if req.get("stop") else (), constraint=grammar, logprobs=req.get("logprobs"),
+        )
+
+    results: list[Any] = []
     try:
         if spec.get("warmup"):
             engine.warmup()
         for req in spec["requests"]:
-            engine.loaded = dataclasses.replace(loaded, eos_token_ids=frozenset()) if req.get("ignore_eos") else loaded
+            ignore_eos = req.get("ignore_eos") or any(r.get("ignore_eos") for r in req.get("batch", ()))
+            engine.loaded = dataclasses.replace(loaded, eos_token_ids=frozenset()) if ignore_eos else loaded
             started = time.perf_counter()
             before = (forward.bytes_sent, forward.bytes_received) if forward is not None else (0, 0)
-            grammar = None
-            if req.get("constraint"):  # a ConstraintSpec as JSON, compiled here as a runner would
-                grammar = compile_grammar(ConstraintSpec.from_json(req["constraint"]), engine.grammar_tokenizer,
-                                          engine.vocab_size, prompt_tool_format(loaded.tokenizer),
-                                          engine.closing_tokens)
-            result = engine.complete(GenerationRequest(
-                req["prompt"], max_tokens=req["max_tokens"], mtp_k=req.get("mtp_k"),
-                native_mtp=req.get("native_mtp", "auto"), sampling=SamplingParams(**req.get("sampling", {})),
-                stop=[req["stop"]] if req.get("stop") else (), constraint=grammar, logprobs=req.get("logprobs"),
-            ))
+            if "batch" in req:
+                results.append(_run_batch(engine, [request_of(r) for r in req["batch"]], req.get("join_at")))
+                continue
+            result = engine.complete(request_of(req))
             after = (forward.bytes_sent, forward.bytes_received) if forward is not None else (0, 0)
             logprobs = [[e.token, e.logprob, [[t.token, t.logprob] for t in e.top]] for e in result.logprobs or []]
             results.append({"token_ids": result.token_ids, "text": result.text, "finish_reason": result.finish_reason,
@@ -138,8 +203,70 @@ def _stage_main(spec_file: str, rank: int) -> None:
     sent = forward.bytes_sent if forward is not None else 0
     received = forward.bytes_received if forward is not None else 0
     links = [forward.link.report()] if forward is not None and hasattr(forward.link, "report") else []
+    prefix = [dataclasses.asdict(prefix_cache.stats)] if prefix_cache is not None else []
     Path(spec["out"]).write_text(json.dumps({"results": results, "bytes": {"sent": sent, "received": received},
-                                             "links": links}))
+                                             "links": links, "prefix": prefix, "collectives": collectives}))
+
+
+def _time_collectives(model: Any, reps: int) -> dict[str, float] | None:
+    """A tensor group's all-reduce alone (``reps`` > 0; every member runs the same): median microseconds of one of a
+    decode step's ([1, 1, H], the activations' dtype) and of a 4-row verify call's, each evaluated on its own."""
+    if reps <= 0:
+        return None
+    import statistics
+
+    import mlx.core as mx
+
+    group = model.tensor_share.group
+    dtype = model.text_model.layers[0].input_layernorm.weight.dtype
+    times: dict[int, list[float]] = {1: [], 4: []}
+    for i in range(reps + 10):
+        for rows, seconds in times.items():  # interleaved: a busy moment of the machine hits both
+            x = mx.ones((1, rows, model.hidden_size), dtype=dtype)
+            mx.eval(x)
+            started = time.perf_counter()
+            mx.eval(mx.distributed.all_sum(x, group=group))
+            if i >= 10:  # (the first ones set the connections up)
+                seconds.append(time.perf_counter() - started)
+    return {f"all_sum_{rows}_row_us": statistics.median(seconds) * 1e6 for rows, seconds in times.items()}
+
+
+def _run_batch(engine: Any, requests: list[Any], join_at: list[int] | None) -> list[dict[str, Any]]:
+    """``requests`` decoded in one batch (``BatchDecoder``: the device queue's loop), request i joining before the
+    batch's step ``join_at[i]``; each one's token ids, text, finish reason and stats."""
+    from exo.engine.batch import BatchDecoder
+
+    join_at = join_at or [0] * len(requests)
+    batch = BatchDecoder(engine)
+    out: list[dict[str, Any]] = [{"token_ids": [], "text": "", "finish_reason": None, "stats": None} for _ in requests]
+    index: dict[int, int] = {}
+    pending, step = set(range(len(requests))), 0
+
+    def take(i: int, chunk: Any) -> None:
+        out[i]["token_ids"] += chunk.token_ids
+        out[i]["text"] += chunk.text
+        if chunk.finish_reason is not None:
+            out[i]["finish_reason"], out[i]["stats"] = chunk.finish_reason, chunk.stats.model_dump()
+
+    while pending or len(batch):
+        for i in sorted(pending):
+            if join_at[i] <= step:
+                pending.discard(i)
+                run = engine.start(requests[i])
+                for chunk in run.begin():
+                    if chunk is not None:
+                        take(i, chunk)
+                index[id(run)] = i
+                if run.output.finish is not None:
+                    take(i, run.final_chunk())
+                    run.release()
+                else:
+                    batch.add(run)
+        for run, chunks in batch.step():
+            for chunk in chunks:
+                take(index[id(run)], chunk)
+        step += 1
+    return out
 
 
 if __name__ == "__main__":

@@ -47,6 +47,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--group-id", default="")
+    p.add_argument("--sharding", choices=("pipeline", "tensor"), default="pipeline",
+                   help="a group's split: by layers, or a slice of every layer (tensor)")
+    p.add_argument("--backend", choices=("ring", "nccl", "jaccl"), default="ring",
+                   help="a tensor group's collectives (MLX's distributed backend)")
     return p.parse_args(argv)
 
 
@@ -124,7 +128,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     settings = load_settings()
     use_ptx_cache(settings.home)
-    shard = pb.Shard(start_layer=args.start_layer, end_layer=args.end_layer, rank=args.rank, world_size=args.world_size)
+    shard = pb.Shard(start_layer=args.start_layer, end_layer=args.end_layer, rank=args.rank, world_size=args.world_size,
+                     sharding=args.sharding if args.world_size > 1 else "",
+                     backend=args.backend if args.sharding == "tensor" else "")
     pipelined = args.world_size > 1
     # A pipeline stage's ring listener: chosen now, reported by Status, used once the group's hosts arrive.
     state = RunnerState(args.instance_id, shard, ring_port=free_port("0.0.0.0") if pipelined else 0)
@@ -146,6 +152,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         state.update("warming up", 0.75)
         engine = ready_engine(loaded, config, settings)  # (with the node's prefix cache: runner.prefix_store)
+        state.decode_bytes_per_s = _decode_rate(engine)
         state.ready(summary, engine)
         log.info("ready: %s", args.model_id)
         stopping[0] = _close_on_term(device)
@@ -154,10 +161,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         _exit(server, 0)
     try:
         secret = settings.cluster_secret.get_secret_value() if settings.cluster_secret else None
-        code = _serve_stage(args, state, device, loaded, config, summary, stopping, secret, settings)
+        serve = _serve_tensor if args.sharding == "tensor" else _serve_stage
+        code = serve(args, state, device, loaded, config, summary, stopping, secret, settings)
     except Exception as e:  # noqa: BLE001 - a lost member (or a bug) ends this member of the group
         state.fail(f"{type(e).__name__}: {e}")
-        print(f"exo runner: pipeline stage {args.rank} of {args.model_id} left its group: {type(e).__name__}: {e}",
+        what = "tensor group member" if args.sharding == "tensor" else "pipeline stage"
+        print(f"exo runner: {what} {args.rank} of {args.model_id} left its group: {type(e).__name__}: {e}",
               file=sys.stderr, flush=True)
         code = EXIT_GROUP_LOST
     _exit(server, code)
@@ -252,6 +261,82 @@ def _serve_stage(args: argparse.Namespace, state: RunnerState, device: object, l
     return 0
 
 
+def _decode_rate(engine: Any) -> float:
+    """The node's measured decode speed (weight bytes a plain step reads per second), for placement's estimates;
+    0 when it could not be measured (the instance serves all the same)."""
+    from exo.engine.costs import decode_bytes_per_s
+
+    try:
+        costs = engine.costs() if engine.mtp_unavailable_reason() is None else None  # (the warm-up's, measured)
+        return decode_bytes_per_s(engine.model, engine.forward, costs)
+    except Exception:  # noqa: BLE001 - a figure for estimates, never a reason not to serve
+        logging.getLogger(__name__).exception("measuring the decode speed failed")
+        return 0.0
+
+
+def _serve_tensor(args: argparse.Namespace, state: RunnerState, device: object, loaded: Any, config: object,
+                  summary: pb.ModelSummary, stopping: list[Callable[[], bool]], secret: str | None,
+                  settings: Any) -> int:
+    """A member of a tensor group: join it (its slice is loaded already; the group's collectives go over
+    ``args.backend``), then lead (the last member: generations through the Runner service) or run the leader's
+    steps on its slice (the others). Returns the exit status."""
+    from exo.downloads.heads import PENDING_SIDECAR, check_pending_head
+    from exo.engine import Engine
+    from exo.engine.pipeline import StageSpec
+    from exo.engine.tensor import TensorForward, serve_tensor
+    from exo.wire.runner import EXIT_GROUP_LOST
+
+    from .group import DOORBELL_ONLY, JOIN_TIMEOUT_S, join_group, watch_hangups
+    from .loading import attach_prefix_cache, stage_prefix_cache
+
+    log = logging.getLogger(__name__)
+    member = StageSpec(args.rank, args.world_size, 0, loaded.model.num_layers)
+    state.update("waiting for the other members", 0.7)
+    hosts = state.wait_for_hosts(JOIN_TIMEOUT_S)
+    state.update("joining the group", 0.72)
+    link = join_group(hosts, args.rank, secret=secret, backend=args.backend, inline_bytes=DOORBELL_ONLY)
+    loaded.model.tensor_share.group = link.group
+    if args.backend != "ring":  # NCCL and JACCL wait for a lost member without end: its closed doorbell ends us
+        def lost() -> None:
+            print(f"exo runner: a member of the tensor group of {args.model_id} left", file=sys.stderr, flush=True)
+            os._exit(EXIT_GROUP_LOST)
+
+        watch_hangups(link, lost)
+    log.info("tensor member %d of %d (%s) joined %s", member.rank, member.world_size, args.backend, ",".join(hosts))
+    if not member.last:
+        prefix_cache = stage_prefix_cache(loaded, settings, None, True)
+        state.ready(summary, None)  # in a receive until the leader shuts down: SIGTERM ends us at once
+        try:
+            serve_tensor(loaded.model, member, link, prefix_cache=prefix_cache)
+        finally:
+            if prefix_cache is not None and hasattr(prefix_cache.store, "close"):
+                prefix_cache.store.close()
+        log.info("the group was shut down")
+        return 0
+    forward = TensorForward(loaded.model, member, link)  # the engine sets its verify mode (its probe)
+    if (loaded.path / PENDING_SIDECAR).is_file():  # a head recovered here: its agreement measured through the group
+        state.update("checking the recovered MTP head", 0.73)
+        loaded = check_pending_head(loaded, forward)
+        summary.mtp_available = loaded.head_status.available
+        summary.mtp_reason = "" if loaded.head_status.available else (loaded.head_status.reason or "no MTP head")
+    engine = Engine(loaded, config, forward=forward)  # type: ignore[arg-type]
+    state.update("warming up", 0.75)
+    engine.warmup()
+    attach_prefix_cache(engine, settings)  # each member restores its own slice's part (its namespace)
+    state.ready(summary, engine)
+    log.info("ready: %s, leading a tensor group of %d", args.model_id, member.world_size)
+    stopping[0] = _close_on_term(device)
+    device.serve()  # type: ignore[attr-defined]  # until SIGTERM, or a generation that broke the group
+    _close_prefix_cache(engine)
+    if state.group_broken or forward.broken is not None:  # the members may be out of step: no shutdown message
+        return EXIT_GROUP_LOST
+    try:
+        forward.shutdown()
+    except Exception:  # noqa: BLE001 - the others are gone already
+        pass
+    return 0
+
+
 def _load(args: argparse.Namespace, settings: Settings, state: RunnerState) -> tuple[Any, Any, pb.ModelSummary]:
     # Status already serves (the server needs none of this): the engine's imports take seconds.
     state.update("importing the engine", 0.02)
@@ -265,10 +350,16 @@ def _load(args: argparse.Namespace, settings: Settings, state: RunnerState) -> t
     card = load_catalog(home=settings.home).get(args.card) if args.card else None
     resolved = ResolvedModel(Path(args.model_path), args.model_id, card)
     state.update("loading weights", 0.1)
-    layers = (args.start_layer, args.end_layer) if args.world_size > 1 else None
-    loaded, config = load_for_serving(resolved, settings, layers=layers)
+    tensor = args.world_size > 1 and args.sharding == "tensor"
+    layers = (args.start_layer, args.end_layer) if args.world_size > 1 and not tensor else None
+    share = None
+    if tensor:
+        from exo.engine.sharding import TensorShare
+
+        share = TensorShare(None, args.rank, args.world_size)  # its group once joined (the slices need none)
+    loaded, config = load_for_serving(resolved, settings, layers=layers, tensor=share)
     n_layers = loaded.model.num_layers
-    if args.world_size == 1 and (args.start_layer, args.end_layer) not in ((0, 0), (0, n_layers)):
+    if (args.world_size == 1 or tensor) and (args.start_layer, args.end_layer) not in ((0, 0), (0, n_layers)):
         raise ValueError(f"layers [{args.start_layer}, {args.end_layer}) of {n_layers} on a single runner")
     owner = "local"
     if card is not None:

@@ -50,6 +50,7 @@ class RunnerState:
         self.error = ""
         self.model: pb.ModelSummary | None = None
         self.engine: Engine | None = None
+        self.decode_bytes_per_s = 0.0  # a single-node instance's measured decode speed (placement's estimates)
 
     def update(self, stage: str, progress: float) -> None:
         with self._lock:
@@ -97,6 +98,7 @@ class RunnerState:
                 ring_port=self.ring_port,
                 prefix_cache=prefix_cache_figures(self.engine),
                 prefix_summary=prefix_summary(self.engine),
+                decode_bytes_per_s=self.decode_bytes_per_s,
             )
 
 
@@ -160,8 +162,9 @@ class RunnerServicer(pb_grpc.RunnerServicer):
                     # A stage (or the link to it) went away, or a call through the stages failed mid-way: this
                     # request (running, or waiting and dropped as the group ends) can be retried elsewhere.
                     when = "mid-generation" if started else "before this request ran"
+                    what = "a member of the tensor group" if self.state.shard.sharding == "tensor" else "a pipeline stage"
                     error = NodeUnavailableError(
-                        f"a pipeline stage of {request.model} was lost {when} ({type(error).__name__}: "
+                        f"{what} of {request.model} was lost {when} ({type(error).__name__}: "
                         f"{error}); the instance is placed anew: retry shortly"
                     )
                 return error_to_pb(error)

@@ -131,6 +131,10 @@ class InvalidPlacementRequest(PlacementError):
     """The request itself is contradictory (e.g. a node and a list of nodes)."""
 
 
+class TensorShardingRefusedError(InvalidPlacementRequest):
+    """Tensor sharding was asked for a model whose card forbids it, or over a node count its heads do not divide."""
+
+
 # -- downloads -------------------------------------------------------------------------------------------
 
 
@@ -264,6 +268,7 @@ ERRORS: tuple[ErrorRow, ...] = (
     ErrorRow(InstanceNotFoundError, "instance_not_found", 404, param="id"),
     ErrorRow(UnknownNodeError, "node_not_found", 404, param="node"),
     ErrorRow(AlreadyPlacedError, "already_placed", 409, param="model"),
+    ErrorRow(TensorShardingRefusedError, "tensor_sharding_unavailable", 400, param="sharding"),
     ErrorRow(InvalidPlacementRequest, "invalid_value", 400),
     ErrorRow(TooFewNodesError, "too_few_nodes", 400, param="min_nodes"),
     ErrorRow(ModelNotOnDiskError, "model_not_available", 404, param="model"),

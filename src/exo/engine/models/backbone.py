@@ -93,6 +93,13 @@ class SpeculativeBackbone:
             del text["norm"]
             self._drop_output_head()
 
+    def drop_output(self) -> None:
+        """Drop the final norm and lm_head (a tensor group's member that does not lead: it computes every layer's
+        slice on the embedded ids, and the leader the output). The embedding table stays."""
+        del self.text_model["norm"]
+        self._drop_output_head()
+        self.last_stage = False
+
     def _drop_output_head(self) -> None:
         """Remove lm_head (each architecture module knows where it is)."""
         raise NotImplementedError

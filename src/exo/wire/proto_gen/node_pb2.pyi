@@ -57,7 +57,7 @@ class Link(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., host: _Optional[str] = ..., grpc_port: _Optional[int] = ..., rtt_ms: _Optional[float] = ..., source: _Optional[str] = ...) -> None: ...
 
 class ModelAvailability(_message.Message):
-    __slots__ = ("model_id", "weights_bytes", "kv_bytes_per_token", "context_length", "n_layers", "layer_bytes", "embed_bytes", "output_bytes", "mtp_bytes", "full_attention_interval")
+    __slots__ = ("model_id", "weights_bytes", "kv_bytes_per_token", "context_length", "n_layers", "layer_bytes", "embed_bytes", "output_bytes", "mtp_bytes", "full_attention_interval", "tensor_node_counts", "tensor_checked", "active_bytes")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,9 @@ class ModelAvailability(_message.Message):
     OUTPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
     MTP_BYTES_FIELD_NUMBER: _ClassVar[int]
     FULL_ATTENTION_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_NODE_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     weights_bytes: int
     kv_bytes_per_token: int
@@ -78,10 +81,13 @@ class ModelAvailability(_message.Message):
     output_bytes: int
     mtp_bytes: int
     full_attention_interval: int
-    def __init__(self, model_id: _Optional[str] = ..., weights_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., context_length: _Optional[int] = ..., n_layers: _Optional[int] = ..., layer_bytes: _Optional[_Iterable[int]] = ..., embed_bytes: _Optional[int] = ..., output_bytes: _Optional[int] = ..., mtp_bytes: _Optional[int] = ..., full_attention_interval: _Optional[int] = ...) -> None: ...
+    tensor_node_counts: _containers.RepeatedScalarFieldContainer[int]
+    tensor_checked: bool
+    active_bytes: int
+    def __init__(self, model_id: _Optional[str] = ..., weights_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., context_length: _Optional[int] = ..., n_layers: _Optional[int] = ..., layer_bytes: _Optional[_Iterable[int]] = ..., embed_bytes: _Optional[int] = ..., output_bytes: _Optional[int] = ..., mtp_bytes: _Optional[int] = ..., full_attention_interval: _Optional[int] = ..., tensor_node_counts: _Optional[_Iterable[int]] = ..., tensor_checked: _Optional[bool] = ..., active_bytes: _Optional[int] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "name", "version", "namespace", "api_port", "grpc_port", "boot_nonce", "memory_total_bytes", "memory_available_bytes", "chip", "backend", "disk_free_bytes", "instances", "links", "models", "proof", "secured", "uptime_s", "platform", "cpu_count", "downloads", "offline", "hub_cache_free_bytes")
+    __slots__ = ("node_id", "name", "version", "namespace", "api_port", "grpc_port", "boot_nonce", "memory_total_bytes", "memory_available_bytes", "chip", "backend", "disk_free_bytes", "instances", "links", "models", "proof", "secured", "uptime_s", "platform", "cpu_count", "downloads", "offline", "hub_cache_free_bytes", "decode_bytes_per_s")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +111,7 @@ class NodeInfo(_message.Message):
     DOWNLOADS_FIELD_NUMBER: _ClassVar[int]
     OFFLINE_FIELD_NUMBER: _ClassVar[int]
     HUB_CACHE_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     name: str
     version: str
@@ -128,7 +135,8 @@ class NodeInfo(_message.Message):
     downloads: _containers.RepeatedCompositeFieldContainer[NodeDownload]
     offline: bool
     hub_cache_free_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[str] = ..., namespace: _Optional[str] = ..., api_port: _Optional[int] = ..., grpc_port: _Optional[int] = ..., boot_nonce: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., chip: _Optional[str] = ..., backend: _Optional[str] = ..., disk_free_bytes: _Optional[int] = ..., instances: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[Link, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelAvailability, _Mapping]]] = ..., proof: _Optional[str] = ..., secured: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., platform: _Optional[str] = ..., cpu_count: _Optional[int] = ..., downloads: _Optional[_Iterable[_Union[NodeDownload, _Mapping]]] = ..., offline: _Optional[bool] = ..., hub_cache_free_bytes: _Optional[int] = ...) -> None: ...
+    decode_bytes_per_s: float
+    def __init__(self, node_id: _Optional[str] = ..., name: _Optional[str] = ..., version: _Optional[str] = ..., namespace: _Optional[str] = ..., api_port: _Optional[int] = ..., grpc_port: _Optional[int] = ..., boot_nonce: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., chip: _Optional[str] = ..., backend: _Optional[str] = ..., disk_free_bytes: _Optional[int] = ..., instances: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[Link, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelAvailability, _Mapping]]] = ..., proof: _Optional[str] = ..., secured: _Optional[bool] = ..., uptime_s: _Optional[float] = ..., platform: _Optional[str] = ..., cpu_count: _Optional[int] = ..., downloads: _Optional[_Iterable[_Union[NodeDownload, _Mapping]]] = ..., offline: _Optional[bool] = ..., hub_cache_free_bytes: _Optional[int] = ..., decode_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class DownloadProgress(_message.Message):
     __slots__ = ("status", "bytes_done", "bytes_total", "files_done", "files_total", "speed_bytes_per_s", "eta_s", "elapsed_s")
@@ -199,16 +207,20 @@ class HealthReply(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., status: _Optional[str] = ..., instances_ready: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...
 
 class Shard(_message.Message):
-    __slots__ = ("start_layer", "end_layer", "rank", "world_size")
+    __slots__ = ("start_layer", "end_layer", "rank", "world_size", "sharding", "backend")
     START_LAYER_FIELD_NUMBER: _ClassVar[int]
     END_LAYER_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHARDING_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
     start_layer: int
     end_layer: int
     rank: int
     world_size: int
-    def __init__(self, start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+    sharding: str
+    backend: str
+    def __init__(self, start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., sharding: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class StagePlacement(_message.Message):
     __slots__ = ("node_id", "start_layer", "end_layer", "rank")
@@ -289,7 +301,7 @@ class ModelSummary(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., name: _Optional[str] = ..., arch: _Optional[str] = ..., context_length: _Optional[int] = ..., mtp_available: _Optional[bool] = ..., mtp_reason: _Optional[str] = ..., default_k: _Optional[int] = ..., max_k: _Optional[int] = ..., owned_by: _Optional[str] = ...) -> None: ...
 
 class Instance(_message.Message):
-    __slots__ = ("instance_id", "model_id", "model_ref", "node_id", "state", "progress", "stage", "shard", "failure", "restarts", "pid", "created_unix", "updated_unix", "model", "on_demand", "queue_depth", "running", "group_id", "stages", "ring_port", "owner_node", "download", "download_id", "prefix_cache", "prefix_summary")
+    __slots__ = ("instance_id", "model_id", "model_ref", "node_id", "state", "progress", "stage", "shard", "failure", "restarts", "pid", "created_unix", "updated_unix", "model", "on_demand", "queue_depth", "running", "group_id", "stages", "ring_port", "owner_node", "download", "download_id", "prefix_cache", "prefix_summary", "decode_bytes_per_s")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_REF_FIELD_NUMBER: _ClassVar[int]
@@ -315,6 +327,7 @@ class Instance(_message.Message):
     DOWNLOAD_ID_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     model_id: str
     model_ref: str
@@ -340,7 +353,8 @@ class Instance(_message.Message):
     download_id: str
     prefix_cache: PrefixCacheFigures
     prefix_summary: PrefixSummary
-    def __init__(self, instance_id: _Optional[str] = ..., model_id: _Optional[str] = ..., model_ref: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., progress: _Optional[float] = ..., stage: _Optional[str] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., restarts: _Optional[int] = ..., pid: _Optional[int] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ..., model: _Optional[_Union[ModelSummary, _Mapping]] = ..., on_demand: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., group_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StagePlacement, _Mapping]]] = ..., ring_port: _Optional[int] = ..., owner_node: _Optional[str] = ..., download: _Optional[_Union[DownloadProgress, _Mapping]] = ..., download_id: _Optional[str] = ..., prefix_cache: _Optional[_Union[PrefixCacheFigures, _Mapping]] = ..., prefix_summary: _Optional[_Union[PrefixSummary, _Mapping]] = ...) -> None: ...
+    decode_bytes_per_s: float
+    def __init__(self, instance_id: _Optional[str] = ..., model_id: _Optional[str] = ..., model_ref: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., progress: _Optional[float] = ..., stage: _Optional[str] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ..., restarts: _Optional[int] = ..., pid: _Optional[int] = ..., created_unix: _Optional[float] = ..., updated_unix: _Optional[float] = ..., model: _Optional[_Union[ModelSummary, _Mapping]] = ..., on_demand: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., group_id: _Optional[str] = ..., stages: _Optional[_Iterable[_Union[StagePlacement, _Mapping]]] = ..., ring_port: _Optional[int] = ..., owner_node: _Optional[str] = ..., download: _Optional[_Union[DownloadProgress, _Mapping]] = ..., download_id: _Optional[str] = ..., prefix_cache: _Optional[_Union[PrefixCacheFigures, _Mapping]] = ..., prefix_summary: _Optional[_Union[PrefixSummary, _Mapping]] = ..., decode_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class UnloadInstanceRequest(_message.Message):
     __slots__ = ("instance_id",)
@@ -543,7 +557,7 @@ class RunnerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RunnerStatus(_message.Message):
-    __slots__ = ("instance_id", "state", "progress", "stage", "error", "model", "queue_depth", "running", "pid", "shard", "generations", "ring_port", "prefix_cache", "prefix_summary")
+    __slots__ = ("instance_id", "state", "progress", "stage", "error", "model", "queue_depth", "running", "pid", "shard", "generations", "ring_port", "prefix_cache", "prefix_summary", "decode_bytes_per_s")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
@@ -558,6 +572,7 @@ class RunnerStatus(_message.Message):
     RING_PORT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     state: InstanceState
     progress: float
@@ -572,7 +587,8 @@ class RunnerStatus(_message.Message):
     ring_port: int
     prefix_cache: PrefixCacheFigures
     prefix_summary: PrefixSummary
-    def __init__(self, instance_id: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., progress: _Optional[float] = ..., stage: _Optional[str] = ..., error: _Optional[str] = ..., model: _Optional[_Union[ModelSummary, _Mapping]] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., pid: _Optional[int] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., generations: _Optional[int] = ..., ring_port: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheFigures, _Mapping]] = ..., prefix_summary: _Optional[_Union[PrefixSummary, _Mapping]] = ...) -> None: ...
+    decode_bytes_per_s: float
+    def __init__(self, instance_id: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., progress: _Optional[float] = ..., stage: _Optional[str] = ..., error: _Optional[str] = ..., model: _Optional[_Union[ModelSummary, _Mapping]] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., pid: _Optional[int] = ..., shard: _Optional[_Union[Shard, _Mapping]] = ..., generations: _Optional[int] = ..., ring_port: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheFigures, _Mapping]] = ..., prefix_summary: _Optional[_Union[PrefixSummary, _Mapping]] = ..., decode_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class PrefixSummary(_message.Message):
     __slots__ = ("namespace", "block_tokens", "positions", "hashes", "keys")

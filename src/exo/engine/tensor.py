@@ -1,0 +1,189 @@
+"""One model across several processes (machines) by tensor: every member holds a slice of every layer.
+
+The members of a tensor group (``engine/sharding.py``: attention and GatedDeltaNet heads, MLP and expert
+columns) run every step together, joined inside each layer by two all-reduces. The LAST member leads: it
+holds the final norm, lm_head and the MTP head, runs the engine's one generation loop (``batch.py``, ``round.py``)
+with a ``TensorForward`` as its backbone, and talks to the API. Every other member runs ``serve_tensor``: it
+receives the leader's step header (the same ``StepHeader`` and op records a pipeline's stages get: slots,
+rollbacks, joins, filters, prefix-cache round trips), applies the cache operations to its own heads' caches,
+and runs its slice of every layer on the step's ids, which it takes from the leader inside the step's graph
+(``sharding.broadcast_ids``).
+
+A round at depth K, N = 2::
+
+    leader:   drafts d1..dK with the head (alone); sends the header (op records: the last round's rollback)
+    member 0: applies the rollback to its own heads' KV and GatedDeltaNet state
+    both:     ids = broadcast(pending, d1..dK); every layer on K + 1 rows, two all-reduces per layer
+    leader:   final norm, logits, acceptance (alone); owes the rollback to the next header
+
+The accept decision is the leader's alone and travels as the next header's ROLLBACK record, as in a
+pipeline: only the leader computes logits (the other members hold no lm_head), so nothing else could decide,
+and a decision sent is the same on every member by construction (logits computed on every member would have
+to agree bit for bit on every machine for members deciding alone to stay in step). Each member rolls back its
+own caches (``forward.keep_rows`` on its heads: attention KV trimmed, GatedDeltaNet state committed).
+
+Per step what crosses the network: the 256-byte header to each member (a chain: leader -> 0 -> 1 ...), the ids
+(B x rows int32, in a collective) and two all-reduces of [B, rows, H] per layer. The header goes out without
+waiting for the ids (they are lazy: the drafts, the token a plain step samples), so the leader builds a step
+while the previous one computes, as on one node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+from .forward import cache_rates, verify_call, verify_eval_every
+from .models.backbone import SpeculativeBackbone
+from .pipeline import (
+    OP_GRAPH_FORWARD,
+    OP_MEASURE,
+    OP_SHUTDOWN,
+    Link,
+    PipelineForward,
+    StageSlots,
+    StageSpec,
+    StepHeader,
+    StepHeaderError,
+    _one_exchange,
+    _pack_rates,
+    _slot,
+    _unpack_rates,
+    apply_header,
+    receive_header,
+)
+from .prefix_cache import PrefixCache, StagePrefix
+from .sharding import broadcast_ids, collectives
+from .verify import VerifyMode, probe
+
+
+class TensorGroupError(RuntimeError):
+    """A member of the tensor group left (its doorbell closed): the group is formed anew."""
+
+
+class TensorForward(PipelineForward):
+    """The leader's (last member's) view of a tensor-sharded backbone: a ``Forward`` whose calls run every member.
+
+    Cache lists carry a slot (``StageCaches``) and cache operations are owed to the other members in the next
+    header, as ``PipelineForward`` does; a forward call sends its header, then builds this member's slice of the
+    step (its collectives pair with every other member's) and starts evaluating it at once, so every member runs
+    the same collectives in the same order whatever the loop does with the result.
+
+    ``broken``: what a call raised, or a member's loss seen on its doorbell. A lost member first shows as an
+    error of the collective (raised where the loop evaluates, outside any call): the device then asks
+    ``broken``, which looks at the doorbells."""
+
+    mode = "tensor"
+
+    def __init__(self, model: SpeculativeBackbone, stage: StageSpec, link: Link,
+                 verify: VerifyMode | None = None) -> None:
+        share = getattr(model, "tensor_share", None)
+        if share is None or not share.leader or share.size != stage.world_size:
+            raise ValueError("TensorForward runs on the last member of a tensor group, its model sharded for it")
+        self._broken: BaseException | None = None
+        super().__init__(model, stage, link, verify)
+
+    @property  # type: ignore[override]
+    def broken(self) -> BaseException | None:
+        if self._broken is None:
+            lost = getattr(self.link, "peer_lost", None)
+            if lost is not None and lost():
+                self._broken = TensorGroupError("a member of the tensor group left (its connection closed)")
+        return self._broken
+
+    @broken.setter
+    def broken(self, value: BaseException | None) -> None:
+        self._broken = value
+
+    @_one_exchange
+    def hidden(self, tokens: mx.array, cache: list[Any], *, verify: bool = False) -> mx.array:
+        batch, rows = (int(n) for n in tokens.shape)
+        if mx.default_device() == mx.cpu:
+            # The other members would spin in the ids' collective while this one drafts (the ring backend's
+            # receive polls): on a CPU the cores they take are the ones this member computes on.
+            mx.eval(tokens)
+        header = StepHeader.forward(self._next_step(), _slot(cache), batch, rows, self.verify if verify else None,
+                                    self._take_ops(), invariant=self._invariant, op=OP_GRAPH_FORWARD)
+        self._send_header(header)
+        with collectives(self.model):
+            ids = broadcast_ids(self.model, tokens, (batch, rows))
+            if not verify:
+                h = self.model.stage_hidden(ids, cache)
+            else:
+                with verify_call(self.model, cache, self.verify):
+                    h = self.model.stage_hidden(ids, cache, eval_every=verify_eval_every())
+        mx.async_eval(h)  # (a step the loop builds and drops, e.g. past a finished sequence, still runs everywhere)
+        return h
+
+    @_one_exchange
+    def memory_rates(self) -> list[tuple[int, int]]:
+        """Every member's (KV bytes per token, state bytes per sequence) of its slice, the leader's last."""
+        self._send_header(StepHeader(OP_MEASURE, self._next_step(), ops=self._take_ops()))
+        with collectives(self.model):
+            mine = cache_rates(self.model)
+        figures = self.link.recv((4 * (self.stages - 1),), mx.int32, self.stage.previous).tolist()
+        return [*_unpack_rates(figures), mine]
+
+
+def serve_tensor(
+    model: SpeculativeBackbone, member: StageSpec, link: Link, *, on_step: Callable[[], None] | None = None,
+    slots: StageSlots | None = None, prefix_cache: PrefixCache | None = None,
+) -> None:
+    """A member of a tensor group that does not lead: run the leader's steps on its slice until the leader shuts
+    the group down. ``prefix_cache``: this member's (its slice's part, under its own namespace), as a pipeline
+    stage's (``pipeline.serve_stage``). Raises what the link or a collective raises when a member is lost (the
+    caller ends the process: the group is formed anew)."""
+    if member.last:
+        raise ValueError("the last member leads (TensorForward); it does not serve steps")
+    forward_header = member.next != member.world_size - 1  # the leader knows the header: it wrote it
+    slots = slots if slots is not None else StageSlots(model, member.rank)
+    prefixes: dict[int, StagePrefix] = {}
+    rows_of: dict[int, list[StagePrefix | None]] = {}
+    probed = False
+    expected = 0
+    while True:
+        header = receive_header(link, member, expected, forward_header)
+        expected += 1
+        if apply_header(header, link, member, slots, prefixes, rows_of, prefix_cache):
+            if header.op == OP_SHUTDOWN:
+                return
+            continue
+        if header.op == OP_MEASURE:
+            before = link.recv((4 * member.rank,), mx.int32, member.previous).tolist() if not member.first else []
+            with collectives(model):
+                mine = cache_rates(model)
+            link.send(mx.array(before + _pack_rates(mine), dtype=mx.int32), member.next)
+            continue
+        if header.op != OP_GRAPH_FORWARD:
+            raise StepHeaderError(f"tensor member {member.rank}: op {header.op} (step {header.step}) is not a "
+                                  "tensor group's")
+        cache = slots.forward_cache(header)
+        verify = header.verify_mode
+        if verify is not None and not probed:
+            # Which linear layers this device computes a block of rows unlike one row (the leader probed its
+            # own): each member's verify rows must round as its own decode steps do. Its slice alone.
+            probe(model, verify.moe)
+            probed = True
+        if header.invariant:
+            model.set_batch_invariant(True)
+        try:
+            with collectives(model):
+                ids = broadcast_ids(model, None, (header.batch, header.rows))
+                if verify is None:
+                    h = model.stage_hidden(ids, cache)
+                else:
+                    with verify_call(model, cache, verify):
+                        h = model.stage_hidden(ids, cache)
+        finally:
+            if header.invariant:
+                model.set_batch_invariant(False)
+        mx.eval(h, *[c.state for c in cache if c.state is not None])
+        prefix = prefixes.get(header.slot)
+        if prefix is not None:
+            prefix.step(header.rows, cache, h)
+            if prefix.failed:
+                del prefixes[header.slot]
+        if on_step is not None:
+            on_step()
