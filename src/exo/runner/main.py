@@ -207,7 +207,6 @@ def _serve_stage(args: argparse.Namespace, state: RunnerState, device: object, l
     from exo.downloads.heads import PENDING_SIDECAR, check_pending_head
     from exo.engine import Engine
     from exo.engine.pipeline import PipelineForward, StageSpec, serve_stage
-    from exo.wire.runner import EXIT_GROUP_LOST
 
     from .group import JOIN_TIMEOUT_S, join_group
 
@@ -249,16 +248,7 @@ def _serve_stage(args: argparse.Namespace, state: RunnerState, device: object, l
     attach_prefix_cache(engine, settings, layers)  # each stage restores its own layers' part (engine/prefix_cache.py)
     state.ready(summary, engine)
     log.info("ready: %s, leading a pipeline of %d stages", args.model_id, stage.world_size)
-    stopping[0] = _close_on_term(device)
-    device.serve()  # type: ignore[attr-defined]  # until SIGTERM, or a generation that broke the group
-    _close_prefix_cache(engine)
-    if state.group_broken or forward.broken is not None:  # the stages may be out of step: no shutdown message
-        return EXIT_GROUP_LOST
-    try:
-        forward.shutdown()
-    except Exception:  # noqa: BLE001 - the others are gone already
-        pass
-    return 0
+    return _lead(engine, state, device, forward, stopping)
 
 
 def _decode_rate(engine: Any) -> float:
@@ -325,10 +315,18 @@ def _serve_tensor(args: argparse.Namespace, state: RunnerState, device: object, 
     attach_prefix_cache(engine, settings)  # each member restores its own slice's part (its namespace)
     state.ready(summary, engine)
     log.info("ready: %s, leading a tensor group of %d", args.model_id, member.world_size)
+    return _lead(engine, state, device, forward, stopping)
+
+
+def _lead(engine: Any, state: RunnerState, device: Any, forward: Any, stopping: list[Any]) -> int:
+    """A group's leader serves until SIGTERM or a generation that broke the group, then ends the group: with a
+    shutdown message when its members are in step, else ``EXIT_GROUP_LOST`` (no message: they may be mid-step)."""
+    from exo.wire.runner import EXIT_GROUP_LOST
+
     stopping[0] = _close_on_term(device)
-    device.serve()  # type: ignore[attr-defined]  # until SIGTERM, or a generation that broke the group
+    device.serve()
     _close_prefix_cache(engine)
-    if state.group_broken or forward.broken is not None:  # the members may be out of step: no shutdown message
+    if state.group_broken or forward.broken is not None:
         return EXIT_GROUP_LOST
     try:
         forward.shutdown()
