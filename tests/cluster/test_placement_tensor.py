@@ -23,6 +23,7 @@ from exo.cluster.placement import (
     placement_options,
     tensor_backend_for,
 )
+from exo.cluster.views import placement_json
 
 GiB = 1 << 30
 
@@ -146,3 +147,11 @@ def test_auto_takes_the_faster_split():
     options = placement_options(r, [nodes[0]], links=fast)
     assert [(o.sharding, o.placement is not None) for o in options] == [("pipeline", True), ("tensor", False)]
     assert "needs 2 nodes" in options[1].error
+
+
+def test_the_preview_estimates_its_split_when_free_memory_reordered_the_members_between_plan_and_options():
+    plan = placement(req(), [node("a", 20), node("b", 30)], sharding="tensor")
+    options = placement_options(req(), [node("a", 30), node("b", 20)], [], min_nodes=2)  # a moment later
+    tensor = next(o for o in options if o.sharding == "tensor")
+    assert tensor.placement is not None and tensor.placement.shards != plan.shards  # the leader changed
+    assert placement_json(plan, options)["estimated_tokens_per_s"] == round(tensor.tokens_per_s, 2)

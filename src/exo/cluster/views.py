@@ -270,6 +270,10 @@ def placement_json(plan: pl.Placement, options: Iterable[pl.PlacementOption] | N
     req = plan.requirement
     considered = list(options if options is not None else plan.options)
     chosen = next((o for o in considered if o.placement is not None and o.placement.shards == plan.shards), None)
+    if chosen is None:  # the options were planned a moment apart: nodes' free memory may have reordered the members
+        members = {s.node_id for s in plan.shards}
+        chosen = next((o for o in considered if o.placement is not None and o.sharding == plan.sharding
+                       and {s.node_id for s in o.placement.shards} == members), None)
     return {
         "model": plan.model_id,
         "node": plan.node_id,
