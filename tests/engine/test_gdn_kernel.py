@@ -37,12 +37,16 @@ def test_decode_steps_and_verify_calls_run_the_kernel_and_mtp_stays_exact(checkp
     plain = _plain(engine)
     assert plain.token_ids == plain_before.token_ids  # the reference computes what the layers compute
     assert rows and set(rows) == {1}  # every decode step of every layer
+    stats = {}
     for depth in (1, 3, None):
         rows.clear()
         mtp = engine.complete(GenerationRequest(_prompt(engine), max_tokens=16, native_mtp="on", mtp_k=depth))
         assert mtp.token_ids == plain.token_ids, depth
-        assert max(rows) > 1, depth  # the verify calls' rows, one call each
-    assert mtp.stats.accepted_tokens < mtp.stats.drafted_tokens  # some drafts rejected: states rolled back
+        assert depth is None or max(rows) > 1, depth  # the verify calls' rows, one call each
+        stats[depth] = mtp.stats
+    # Some drafts rejected at the fixed depth 3, so states were rolled back. The adaptive run (None) is not asked:
+    # its policy may measure this machine's rounds as not worth drafting and decode plainly (k=0 throughout).
+    assert stats[3].accepted_tokens < stats[3].drafted_tokens
 
 
 def test_a_recorded_call_keeps_each_row_s_state_and_window(checkpoint, monkeypatch):

@@ -103,7 +103,7 @@ def test_compiled_gated_delta_rows_decode_as_before_and_mtp_stays_exact(checkpoi
         rows.clear()
         for prompt, expected in zip(prompts, plain, strict=True):
             assert _greedy(engine, prompt, native_mtp="on", mtp_k=depth).token_ids == expected, depth
-        assert max(rows) > 1, depth  # verify calls' rows went through it too
+        assert depth is None or max(rows) > 1, depth  # verify calls' rows went through it too (adaptive may not draft)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
