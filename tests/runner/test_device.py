@@ -533,3 +533,47 @@ def test_a_request_stopped_during_the_engine_s_warm_up_ends_before_it_starts(che
     if how == "timeout":
         assert [type(item.error) for item in client.items] == [RequestTimeoutError]
     assert engine._policy is None and client.job.steps == 0
+
+
+def test_a_prompt_goes_into_the_prefix_cache_after_its_first_token_is_out(checkpoint):
+    """The prompt's blocks and snapshots are copied and stored once the first token is emitted (their copies
+    and the tiers' puts are no part of the time to the first token), before any decode step moves the caches
+    on: the next request restores them and answers as a cold engine does."""
+    from exo.engine import prefix_cache as pc
+
+    engine = _engine(checkpoint("qwen3_5", dtype="float32"))
+    emitted: list[int] = []  # tokens the job had emitted at each put
+
+    class Watching(pc.MemoryStore):
+        def put(self, key, arrays, group=None):
+            emitted.append(sum(len(getattr(item, "token_ids", ())) for item in items))
+            return super().put(key, arrays, group)
+
+    loaded = engine.loaded
+    engine.prefix_cache = pc.PrefixCache(Watching(1 << 30), pc.namespace(loaded), block_tokens=8, stride_tokens=0,
+                                         min_snapshot_tokens=4)
+    prompt = loaded.tokenizer.encode(" ".join(TEXTS) * 2)
+    device = Device(max_queue=4, max_batch=4)
+    items: list = []
+    ends: list[str] = []
+
+    def job(tokens: list[int], sink: list) -> GenerationJob:
+        params = GenerateParams(max_tokens=6, default_max_tokens=6, native_mtp="off")
+        return GenerationJob(device, lambda: engine, Prompt(token_ids=tokens), params, sink.append, timeout_s=600,
+                             on_done=lambda finish, *_: (ends.append(finish), device.close()))
+
+    device.submit(job(prompt, items))
+    device.serve()
+    assert ends == ["length"] and len(prompt) // 8 >= 2
+    assert emitted and min(emitted) >= 1  # every put came after the first token was out
+    cold = fresh_engine(checkpoint("qwen3_5", dtype="float32"), eos=False, prefill_chunk=8)
+    extended = prompt + loaded.tokenizer.encode(" and then some more text")
+    again: list = []
+    device = Device(max_queue=4, max_batch=4)
+    device.submit(job(extended, again))
+    device.serve()
+    tokens = [t for item in again if hasattr(item, "token_ids") for t in item.token_ids]
+    stats = [item.stats for item in again if getattr(item, "stats", None) is not None][-1]
+    assert stats.cached_tokens > 0
+    request = GenerationRequest(extended, max_tokens=6, sampling=SamplingParams(temperature=0.0), native_mtp="off")
+    assert tokens == cold.complete(request).token_ids

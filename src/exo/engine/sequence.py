@@ -197,9 +197,11 @@ class SequenceState:
         prompt = mx.array(list(self.request.prompt_tokens), dtype=mx.uint32)
         self._fed(prompt, 0, prompt.shape[0], hidden)
 
-    def first_token(self) -> Iterator[GenerationChunk]:
+    def first_token(self, store: bool = True) -> Iterator[GenerationChunk]:
         """After ``prefill``: read back and emit the first token (its chunks); the sequence is then at a step
-        boundary."""
+        boundary. Then (``store``) ``store_prompt``; a caller that emits the chunks itself passes False and calls
+        ``store_prompt`` once they are out, before any step (the store's copies are no part of the first
+        token's time)."""
         if self.phase is not Phase.FIRST:
             raise RuntimeError("first_token() comes after a whole prefill()")
         first, lp = self.pending_token, self._pending_lp
@@ -213,7 +215,12 @@ class SequenceState:
         self.output.add(token, self.entry(lp, 0, token))
         self.stats.recorder.plain_steps(0)
         yield from self.drain()
-        # The prompt's blocks and snapshots (engine/prefix_cache.py), before any decode step moves the caches on.
+        if store:
+            self.store_prompt()
+
+    def store_prompt(self) -> None:
+        """The prompt's blocks and snapshots into the prefix cache (engine/prefix_cache.py), after the first
+        token and before any decode step moves the caches on (a store that fails is skipped, never raised)."""
         self.prefix.capture(self.cache, self.head.cache if self.head.tracked else None)
 
     def begin(self, chunk: int | None = None) -> Iterator[GenerationChunk]:

@@ -503,8 +503,9 @@ class Device:
                             drop_newcomer(job)
                         continue
                     del newcomers[job]
-                    last = list(new.first_token())
+                    last = list(new.first_token(store=False))
                     if new.output.finish is not None:  # done at its first token (or cancelled by now)
+                        new.store_prompt()
                         new.release()
                         last.append(new.final_chunk())
                 except Exception as e:
@@ -524,6 +525,9 @@ class Device:
                     leave(job)
                     continue
                 try:
+                    # The prompt's prefix-cache store, once its first token is out (its copies and the tier's
+                    # puts would otherwise delay it), before the batch's next step moves its caches on.
+                    new.store_prompt()
                     batch.add(new)
                 except Exception as e:
                     _release(new)
