@@ -385,3 +385,29 @@ def test_the_tiered_store_passes_groups_to_the_disk(tmp_path):
     assert _equal(restarted.get("a", "g3"), _entry(0)) and restarted.disk.counts.hits == 1  # from disk
     assert restarted.disk.group_of("a") == "g3"
     restarted.close()
+
+
+@pytest.mark.parametrize("apart", [True, False])
+def test_where_device_memory_is_apart_the_disk_writer_reads_copies_of_the_ram_tier_s_entries(tmp_path, apart):
+    """On CUDA a host read (the writer's numpy view) moves an array's buffer out of the GPU's memory: the RAM
+    tier's entry would page back in at its next restore. There the writer gets copies (the same bytes); where
+    memory is one (the CPU, Metal) it reads the entries themselves (no copy)."""
+    import numpy as np
+
+    shared: list[bool] = []
+
+    class Watching(DiskTier):
+        def put(self, key, prepared, group=None):
+            ram = store.ram.get(key)
+            for name, (_, a) in prepared.items():
+                entry = ram[name].view(mx.uint16) if ram[name].dtype == mx.bfloat16 else ram[name]
+                shared.append(np.shares_memory(np.asarray(a), np.asarray(entry)))
+            return super().put(key, prepared, group)
+
+    store = TieredStore(1 << 20, Watching(tmp_path / "disk", 1 << 30), copy_for_disk=apart)
+    store.put("k0", _entry(0))
+    store.flush()
+    assert shared and all(s is not apart for s in shared)
+    assert _equal(read_entry(store.disk._path("k0")), _entry(0))  # type: ignore[union-attr]
+    store.close()
+    assert TieredStore(1 << 20, None).copy_for_disk is False  # this CPU: one memory

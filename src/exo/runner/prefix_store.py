@@ -54,10 +54,22 @@ class CorruptEntry(ValueError):
 Prepared = dict[str, tuple[str, mx.array]]
 
 
-def prepare(arrays: Arrays) -> Prepared:
+def device_memory_apart() -> bool:
+    """Whether MLX computes in memory of its own (CUDA): reading an array there from the host (numpy, as the
+    writer does) moves its buffer to unified memory, where a later GPU read pages it back in."""
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def prepare(arrays: Arrays, copy: bool = False) -> Prepared:
     """On the device thread: each array as its safetensors dtype name and evaluated bytes (bfloat16 viewed
-    as uint16, which numpy reads), so the writer thread builds no MLX graph."""
-    out = {name: (_NAMES[a.dtype], a.view(mx.uint16) if a.dtype == mx.bfloat16 else a) for name, a in arrays.items()}
+    as uint16, which numpy reads), so the writer thread builds no MLX graph. ``copy``: the writer reads copies,
+    never the arrays given (on CUDA, its read moves a buffer to host memory: the RAM tier's entry would then
+    page back to the GPU at its next restore, in that turn's time to first token)."""
+    out = {}
+    for name, a in arrays.items():
+        if copy:
+            a = a * 1  # (exact: an elementwise op writes a fresh buffer of the same dtype)
+        out[name] = (_NAMES[a.dtype], a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
     mx.eval([a for _, a in out.values()])
     return out
 
@@ -333,8 +345,10 @@ def _marker_of(filename: str) -> tuple[str, str] | None:
 class TieredStore:
     """RAM, then disk (``disk`` None: RAM only). A disk hit is promoted to RAM."""
 
-    def __init__(self, ram_bytes: int, disk: DiskTier | None) -> None:
+    def __init__(self, ram_bytes: int, disk: DiskTier | None, copy_for_disk: bool | None = None) -> None:
         self.ram = MemoryStore(ram_bytes)
+        # The writer reads copies where reading would move the RAM tier's entries out of the GPU's memory.
+        self.copy_for_disk = device_memory_apart() if copy_for_disk is None else copy_for_disk
         self.ram_counts = TierCounts()
         self.disk = disk
         # The writer's work: (key, prepared, group) to store, (key, None, group) for a RAM hit (the disk's copy is
@@ -373,7 +387,7 @@ class TieredStore:
     def put(self, key: str, arrays: Arrays, group: str | None = None) -> None:
         self._ram_put(key, arrays, group)
         if self.disk is not None:
-            self._writes.put((key, prepare(arrays), group))
+            self._writes.put((key, prepare(arrays, self.copy_for_disk), group))
 
     def _ram_put(self, key: str, arrays: Arrays, group: str | None = None) -> None:
         evicted = self.ram.put(key, arrays, group)
