@@ -7,7 +7,8 @@
 #   bash bench/gpu_session.sh grpc PHASE...       (carry .gpu4: grpcio, for exo serve)
 #   bash bench/gpu_session.sh PHASE...            (later calls while the machine stays warm)
 #   (prefill9, prefill35, agent9, phases9, identity49: issue 49's prefill and prefix-cache figures, and greedy
-#   plain decoding against stock mlx-lm on the demos with the chunked prefill; EXO_GDN_PREFILL=loop: without)
+#   plain decoding against stock mlx-lm on the demos with the chunked prefill; EXO_GDN_PREFILL=loop: without;
+#   cached9: a cached agent turn's parts against the cold cost of its new tokens, turn 1 on vs off)
 #   (q27 tensor9 tensor27 tensor35: issue 53's tensor groups, one member per GPU over NCCL, against one GPU:
 #   needs the two-GPU machine, nvidia-h200-x2; q9 q35 q27 first)
 #   (moeexperts: one 35B-A3B MoE layer's experts by method; batch9: the engine's batched steps at 1, 8, 32 on the
@@ -43,10 +44,12 @@ if [ "$CPU" = 1 ]; then
     PREFILL9="--tokens 256 --prefill-chunk 128 --layer-tokens 256 8 --layer-shape 4,8,64 --profile-tokens 256 --repeats 1"
     PREFILL35="--tokens 128 --prefill-chunk 128 --profile-tokens 128 --repeats 1"
     AGENT9="--turns 2 --system-tokens 600 --max-tokens 8"
+    CACHED9="--turns 2 --system-tokens 600 --max-tokens 8 --warm-tokens 200 --turn1-repeats 1"
 else
     PREFILL9="--tokens 4096 32768 --prefill-chunk 2048 4096 --gdn-chunk 32 64 128 --layer-tokens 4096 64 8 --repeats 2"
     PREFILL35="--tokens 4096 --prefill-chunk 2048 --profile-tokens 4096 --repeats 2"
     AGENT9="--turns 10 --system-tokens 15000 --max-tokens 16"
+    CACHED9="--turns 10 --system-tokens 15000 --max-tokens 16 --turn1-repeats 3"
 fi
 Q9=${Q9:-/tmp/q9}
 Q35=${Q35:-/tmp/q35}
@@ -94,6 +97,9 @@ for p in "$@"; do
     identity49) for m in exo-demo exo-demo-moe; do
             phase identity49 $PY -m exo.cli.main bench $m --baseline --check --repeats 1 --pairs 0 --max-tokens 64
         done ;;
+    # a cached turn part by part (render, tokenize, lookup, restore and again, prefill and again, first token,
+    # store) against the cold cost of its new tokens (ratio target <= 1.2), turn 1 on vs off alone (<= 1.05)
+    cached9) EXO_NATIVE_MTP_ENABLED=0 phase cached9 $PY bench/cached_turn.py "$Q9" $CACHED9 ;;
     phases9) phase phases9 $PY bench/prefix_phases.py "$Q9" ${AGENT9/--turns 10/--turns 4} ;;
     *) echo "unknown phase $p" >&2; exit 2 ;;
     esac
