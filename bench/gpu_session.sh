@@ -83,6 +83,11 @@ for p in "$@"; do
     # kernel (off by default), so that stock compares exo on it with exo on MLX's products
     qgemv) EXO_QGEMV=1 phase qgemv $PY bench/qmv_check.py "$Q9" --rows 1 2 3 4 8 --repeats 5 ;;
     qmmrows) phase qmmrows $PY bench/qmm_rows.py "$Q9" --rows 1 2 4 7 8 9 16 --pad 8 ;;
+    # issue 50/51: the same with every quantized layer that passes padded_rows.check padded to 8 rows (MLX's tiled
+    # product for decode steps, verify calls and small batches alike); compare with rounds / stock / batch9
+    roundspad) EXO_PAD_ROWS=8 phase roundspad $PY bench/round_phases.py "$Q9" --replay 0.0,0.6,0.8,0.9 --repeats 1 --max-tokens 48 ;;
+    stockpad) EXO_PAD_ROWS=8 phase stockpad $PY bench/engine.py "$Q9" --max-tokens 128 --repeats 3 ;;
+    batchpad) EXO_PAD_ROWS=8 phase batchpad $PY bench/batch_identity.py "$Q9" --sizes 1,2,4,8,32 --max-tokens 64 ;;
     gdn) phase gdn $PY bench/gdn_check.py "$Q9" --rows 1 2 3 4 8 --repeats 5 ;;
     layers) phase layers $PY bench/verify_layers.py "$Q9" --rows 2 3 4 --context 256 2048 ;;
     rounds) phase rounds $PY bench/round_phases.py "$Q9" --replay 0.0,0.6,0.8,0.9 --repeats 1 --max-tokens 48 ;;
