@@ -46,7 +46,7 @@ from .batch_cache import batch_cache, batch_row, keep_rows_per_sequence
 from .forward import MOE_MODES, cache_rates, keep_rows, verify_call
 from .models.backbone import SpeculativeBackbone
 from .prefix_cache import PrefixCache, StagePrefix
-from .verify import VerifyMode
+from .verify import VerifyMode, probe
 
 log = logging.getLogger(__name__)
 
@@ -689,6 +689,7 @@ def serve_member(
     prefixes: dict[int, StagePrefix] = {}  # slot -> its sequence's use of the prefix cache
     rows_of: dict[int, list[StagePrefix | None]] = {}  # a batch slot -> its rows' (for their replies)
     expected = 0  # the step number the next header must carry
+    probed = False
     while True:
         header = _receive_header(link, member, expected, forward_header)
         expected += 1
@@ -719,6 +720,12 @@ def serve_member(
                                   f"{transport.group}'s")
         cache = slots.forward_cache(header)
         verify = header.verify_mode
+        if verify is not None and not probed:
+            # Which linear layers this device computes a block of rows unlike one row (the leader probed its own):
+            # this member's verify rows must round as its own decode steps do. Its own layers (a tensor member's
+            # slice: the collectives off).
+            probe(model, verify.moe)
+            probed = True
         with transport.layers(verify):
             if header.invariant:
                 model.set_batch_invariant(True)

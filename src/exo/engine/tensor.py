@@ -54,7 +54,7 @@ from .pipeline import (
 )
 from .prefix_cache import PrefixCache
 from .sharding import broadcast_ids, collectives
-from .verify import VerifyMode, probe
+from .verify import VerifyMode
 
 
 class TensorGroupError(RuntimeError):
@@ -133,16 +133,9 @@ class TensorTransport:
 
     def __init__(self, model: SpeculativeBackbone) -> None:
         self.model = model
-        self.probed = False
 
     @contextlib.contextmanager
     def layers(self, verify: VerifyMode | None) -> Iterator[None]:
-        if verify is not None and not self.probed:
-            # Which linear layers this device computes a block of rows unlike one row (the leader probed its
-            # own): each member's verify rows must round as its own decode steps do. Its slice alone (the
-            # collectives off).
-            probe(self.model, verify.moe)
-            self.probed = True
         with collectives(self.model):
             yield
 
