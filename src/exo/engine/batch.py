@@ -339,7 +339,7 @@ def lane_streams(lanes: int) -> list[mx.Stream | None]:
 def default_lanes(engine: Engine) -> int:
     """How many lanes a batch of ``engine``'s runs decodes in: ``EngineConfig.batch_lanes``, else one.
 
-    Since a step emits from the last step's outputs (``_plain_emit``), one lane is as fast or faster than two
+    Since a step emits from the last step's outputs (``batch_step.PlainStep.emit``), one lane is as fast or faster than two
     on MLX's CPU backend: its ``async_eval`` feeds the lanes' streams one after the other, and building two
     graphs costs the host twice. A pipelined model's batch decodes in one lane too: lanes there are
     micro-batches (``BatchLanes.step`` evaluates each lane's step as soon as it is built), each lane's step a

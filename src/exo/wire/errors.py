@@ -10,7 +10,10 @@ takes status and type from here.
 
 The errors of the rooms above the wire (placement, the cluster service, downloads) live here too, so that
 this table can name them while every room that answers one (runner, cluster, api) can read it; their
-modules import them back under their old names.
+modules import them back under their old names. So do the HTTP layer's own answers (``HTTP_ERRORS``: codes the
+API raises from the request alone, no exception of ``ERRORS`` behind them). Every row says what it means to a
+client (``about``): the OpenAPI document's error responses are generated from both tables
+(``exo.api.openapi``).
 """
 
 from __future__ import annotations
