@@ -19,14 +19,14 @@ a batch of one and a batch of several differ). Each run emits through its own ou
 max_tokens inside an accepted run, cancellation). Finished and cancelled runs leave the batch at the step's
 end; new runs join between steps.
 
-Where each part lives: ``batch_step`` (the plain step and what a step hands back), ``batch_clock`` (which
+Where each part lives: ``batch_step`` (the plain step, the round, and what a step hands back), ``batch_clock`` (which
 steps are timed for the depth policy), ``batch_cache`` (``BatchCaches``: a lone member's own caches, stepped
 on in place so a batch of one costs what a solo loop did, until a second member joins; then a batch's rows,
 attention KV in mlx-lm's left-padded ``BatchKVCache``, GatedDeltaNet state a row of a ``RollbackArraysCache``,
 until the last leaves; each member's MTP head cache and the rows waiting for its head stay its own),
 ``batch_memory`` (what a batch may hold, and whether it fits the instance's KV budget). This module holds the
-membership and the dispatch of each step (``BatchDecoder``), the rounds' part of a step, a run decoded alone
-(``decode_alone``) and the lanes (``BatchLanes``).
+membership and the dispatch of each step (``BatchDecoder``), a run decoded alone (``decode_alone``) and the
+lanes (``BatchLanes``).
 """
 
 from __future__ import annotations
@@ -43,12 +43,11 @@ import mlx.core as mx
 from .batch_cache import BatchCaches
 from .batch_clock import StepClock
 from .batch_memory import batch_bytes, batch_fits, sequence_bytes, stage_bytes
-from .batch_step import PlainStep, PlainSteps, Prepared, Results, ended
+from .batch_step import PlainStep, PlainSteps, Prepared, Results, speculative_round
 from .depth import Plan, StepDepth, Stretch
 from .models.layers import vector_matmul
 from .prefix_cache import store_reply
 from .request import GenerationChunk
-from .round import draft, verify_round
 from .sequence import SequenceState
 from .verify import verify_logits
 
@@ -252,40 +251,14 @@ class BatchDecoder:
             self._keep(keep, ended=True)
         return out
 
-    # -- speculative rounds --------------------------------------------------------------------------------
+    # -- speculative rounds (``batch_step``) --------------------------------------------------------------
     def _round(self, plan: Plan, out: Results, quiet: bool) -> None:
         """One speculative round of every run under ``plan`` (``out``: each run's chunks so far, appended to)."""
-        engine, runs = self.engine, self.runs
-        counted = self.together or len(runs)
-        start = time.perf_counter()
-        for run in runs:
-            run.stats.round_started(start)
-
-        def mark(phase: str) -> None:
-            for run in runs:
-                run.stats.mark(phase)
-
-        waiting = [run.head.waiting for run in runs]
-        drafts = [draft(run, plan.depth(run), plan.time_after_catch_up) for run in runs]
-        mark("draft_build")
-        decisions = verify_round(runs, drafts, engine.forward, self.caches.cache,
-                                 lambda hidden: self._logits(hidden, verify=True), self.caches.rollback, mark)
-        end = time.perf_counter()
-        timed_from = drafts[0].timed_from  # (only a batch of one times its head's catch-up apart)
-        self.depth.round_ran(plan, runs, decisions, end - (timed_from or start), quiet, waiting)
-        mark("rollback")
+        keep = speculative_round(self.runs, plan, out, self.engine.forward, self.caches,
+                                 lambda hidden: self._logits(hidden, verify=True), self.depth, quiet,
+                                 self.together or len(self.runs))
         self.clock.after_plain = False
-        chunks_of = {id(run): chunks for run, chunks in out}
-        keep: list[int] = []
-        for i, (run, decision) in enumerate(zip(runs, decisions, strict=True)):
-            chunks = chunks_of[id(run)]
-            run.stats.mark("emit")
-            run.stats.round_ended()
-            run.stats.round_ran(counted, decision.drafts.k, len(decision.emitted))  # (``commit`` emitted them)
-            chunks.extend(run.drain())
-            if not ended(run, chunks):
-                keep.append(i)
-        if len(keep) < len(runs):
+        if len(keep) < len(self.runs):
             self._keep(keep, ended=True)
 
 

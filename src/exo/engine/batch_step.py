@@ -1,4 +1,4 @@
-"""A batch's plain steps, and what every step of a batch hands back.
+"""A batch's two kinds of step (a plain step, a speculative round of every member), and what a step hands back.
 
 A plain step (K = 0) is ONE backbone call over a row per member; each row penalised, masked by its grammar
 and sampled with its own run's parameters and PRNG key stream (a seed reproduces the solo samples), its
@@ -7,6 +7,10 @@ logprobs evaluated with the step. Plain steps are pipelined: a step's ``finish``
 finishes has one wasted row computed after its last token, unless every run's pending token is its last
 (``PlainSteps.settle`` emits them with no step).
 
+A speculative round (``speculative_round``): each member drafts with its head (``round.draft``, its own head
+cache), ONE verify call of [B, K+1] rows, then per member its own verdict and commit (``round.verify_round``),
+and the caches rolled back per member; the depth policy observes the round (``StepDepth.round_ran``).
+
 Invariant (``PlainSteps.last``): the last plain step's tokens are reused as the next step's input row only
 while the members are exactly those it computed for, in that order; any other change to the batch (a member
 joined or left, a round ran, the batch dropped) forgets them.
@@ -14,14 +18,18 @@ joined or left, a round ran, the batch dropped) forgets them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
-from .depth import HEAD_FLUSH_ROWS, Stretch
+from .batch_cache import BatchCaches
+from .depth import HEAD_FLUSH_ROWS, Plan, StepDepth, Stretch
+from .forward import Forward
 from .request import GenerationChunk
+from .round import draft, verify_round
 from .sequence import SequenceState
 
 Results = list[tuple[SequenceState, list[GenerationChunk]]]
@@ -155,3 +163,38 @@ class PlainSteps:
             if run.output.finish is not None:
                 chunks.append(run.final_chunk())
         return out, keep
+
+
+def speculative_round(runs: list[SequenceState], plan: Plan, out: Results, forward: Forward, caches: BatchCaches,
+                      logits_of: Callable[[mx.array], mx.array], depth: StepDepth, quiet: bool,
+                      counted: int) -> list[int]:
+    """One speculative round of every run under ``plan`` (``out``: each run's chunks so far, appended to;
+    ``logits_of``: the verify call's logits; ``quiet``: nothing else ran since the last step; ``counted``: the
+    batch size a run's stats count). Returns the runs that stay (the others ended in it)."""
+    start = time.perf_counter()
+    for run in runs:
+        run.stats.round_started(start)
+
+    def mark(phase: str) -> None:
+        for run in runs:
+            run.stats.mark(phase)
+
+    waiting = [run.head.waiting for run in runs]
+    drafts = [draft(run, plan.depth(run), plan.time_after_catch_up) for run in runs]
+    mark("draft_build")
+    decisions = verify_round(runs, drafts, forward, caches.cache, logits_of, caches.rollback, mark)
+    end = time.perf_counter()
+    timed_from = drafts[0].timed_from  # (only a batch of one times its head's catch-up apart)
+    depth.round_ran(plan, runs, decisions, end - (timed_from or start), quiet, waiting)
+    mark("rollback")
+    chunks_of = {id(run): chunks for run, chunks in out}
+    keep: list[int] = []
+    for i, (run, decision) in enumerate(zip(runs, decisions, strict=True)):
+        chunks = chunks_of[id(run)]
+        run.stats.mark("emit")
+        run.stats.round_ended()
+        run.stats.round_ran(counted, decision.drafts.k, len(decision.emitted))  # (``commit`` emitted them)
+        chunks.extend(run.drain())
+        if not ended(run, chunks):
+            keep.append(i)
+    return keep
