@@ -11,7 +11,8 @@
 #   (q27 tensor9 tensor27 tensor35: issue 53's tensor groups, one member per GPU over NCCL, against one GPU:
 #   needs the two-GPU machine, nvidia-h200-x2; q9 q35 q27 first)
 #   (moeexperts: one 35B-A3B MoE layer's experts by method; batch9: the engine's batched steps at 1, 8, 32 on the
-#   9B shape, what a batch-8 step costs beyond a one-row step without the server)
+#   9B shape, what a batch-8 step costs beyond a one-row step without the server; batchstep: the model's own
+#   forward at 1-32 rows, by part and by linear shape: which op makes a batch step cost more than one row's)
 #
 # A call carries the tree (~28 MiB: the bundled demo models) plus what it names, at most 64 MiB: prepare.sh's
 # second part with grpcio beside it is over, so grpcio travels alone (`mkdir -p .gpu4 && mv .gpu2/grpcio-*.whl
@@ -87,6 +88,7 @@ for p in "$@"; do
     # issue 49: prefill against stock (9B: 4k and 32k, the layer by method, the profile; 35B-A3B: 4k and its
     # profile), the prefix cache on an agent session (turn 1 on/off, later turns) and its phases in one process
     prefill9) phase prefill9 $PY bench/prefill.py "$Q9" $PREFILL9 ;;
+    batchstep) phase batchstep $PY bench/batch_step.py "$Q9" $([ "$CPU" = 1 ] && echo --sizes 1 4 8 --context 64 --steps 3 --repeats 1 || echo --sizes 1 2 4 8 16 32 --context 1024) ;;
     batch9) phase batch9 $PY bench/batch_identity.py "$Q9" --sizes 1,8,32 --max-tokens 64 ;;
     moeexperts) phase moeexperts $PY bench/moe_experts.py --tokens 4096 512 --repeats 5 $([ "$CPU" = 1 ] && echo --experts 16 --hidden 256 --inter 128 --tokens 64) ;;
     prefill35) phase prefill35 $PY bench/prefill.py "$Q35" --phases model profile $PREFILL35 ;;

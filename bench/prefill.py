@@ -14,7 +14,8 @@ where a prompt's time goes. Three phases in one process, each printing its own f
    tolerance of tests/engine/test_gated_delta_chunked.py on the device).
 2. ``model``: MODEL's whole prefill, stock mlx-lm (its model classes, 2048-token steps as its
    ``generate_step`` prefills, the last token's logits) vs exo's engine (``SequenceState.prefill``, the first
-   token chosen) with the chunked GatedDeltaNet form at each ``--prefill-chunk`` and, up to ``--loop-max``
+   token chosen) with the chunked GatedDeltaNet form at each ``--prefill-chunk`` (its state steps as MLX ops
+   and, where usable, in the CUDA kernel: what ``gdn_prefill="auto"`` runs on MLX CUDA) and, up to ``--loop-max``
    tokens, with the token loop (``gdn_prefill="loop"``), alternating, for each ``--tokens`` length. Stock runs
    up to ``--stock-max`` tokens (at ~340 tokens/s a 32k prompt takes stock 1.5 minutes per repeat). Prints
    tokens/s and exo / stock. The first token of stock and exo is compared (the same greedy token or not).
@@ -138,7 +139,7 @@ def layer_phase(args: argparse.Namespace, T: int) -> dict[str, Any]:
         methods[f"C={c}: products only"] = lambda c=c: chunked.chunk_products(q, k, v, log_g, beta, None, c)
         if states_cuda.applies(d, d):  # the state steps in one CUDA kernel instead of 3 products a chunk
             methods[f"C={c}, CUDA state kernel"] = lambda c=c: chunked.gated_delta_chunked(
-                q, k, v, log_g, beta, state, None, c, state_kernel=True)
+                q, k, v, log_g, beta, state, None, c, steps=states_cuda.chunk_states)
     if mx.default_device() == mx.cpu:
         from exo.engine import kernels
 
@@ -206,7 +207,7 @@ def _exo_prefill(engine: Engine, prompt: list[int]) -> tuple[float, int]:
                                          sampling=SamplingParams(temperature=0.0)))
     for _ in run.prefill():
         pass
-    token = int(run._first[0].item())
+    token = int(run.pending_token[0].item())  # the first token, chosen lazily by the prefill
     return time.perf_counter() - start, token
 
 
@@ -217,10 +218,19 @@ def model_phase(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
     stock_model = None
     if min(args.tokens) <= args.stock_max:
         stock_model, _ = stock_load(str(loaded.path))
-    engines = {f"exo chunked, chunk {c}": Engine(loaded, EngineConfig(prefill_chunk=c, gdn_prefill="chunked"))
-               for c in args.prefill_chunk}
+    engines, engines_modes = {}, {}
+    text = loaded.model.text_model
+    gdn = next((layer.linear_attn for layer in text.layers if hasattr(layer, "linear_attn")), None)
+    kernel = gdn is not None and states_cuda.usable(gdn.head_k_dim, gdn.head_v_dim)  # what "auto" runs here
+    for c in args.prefill_chunk:
+        modes = {"chunked": f"exo chunked, chunk {c}"}  # the state steps as MLX ops
+        if kernel:
+            modes["auto"] = f"exo chunked+kernel, chunk {c}"  # the default on MLX CUDA: the state steps' kernel
+        for mode, name in modes.items():
+            engines[name], engines_modes[name] = Engine(loaded, EngineConfig(prefill_chunk=c, gdn_prefill=mode)), mode
     engines["exo loop"] = Engine(loaded, EngineConfig(prefill_chunk=args.prefill_chunk[0], gdn_prefill="loop"))
-    engines_modes = {name: ("loop" if name == "exo loop" else "chunked") for name in engines}
+    engines_modes["exo loop"] = "loop"
+    print(f"\n[model] the chunked form's state-steps kernel: {'usable (the default)' if kernel else 'not usable here'}")
     results = []
     print(f"\n[model] prefill of MODEL's whole forward: stock mlx-lm vs exo, alternating, {args.repeats} repeats")
     for n in args.tokens:

@@ -264,3 +264,70 @@ def test_which_calls_take_the_chunked_form(mode, rows, on_cuda, chunked):
     """``auto``: a prompt chunk (more than one row) on MLX CUDA only; ``chunked``: on any device; never a
     one-row decode step (a recorded verify call's rows go one by one: rows == 1)."""
     assert layers.chunked_prefill(mode, rows, on_cuda) is chunked
+
+
+# -- the chunk-to-chunk state steps in exo's CUDA kernel (engine/models/gated_delta_states_cuda.py) ---------------
+def _steps_row_by_row(u_free, w, k_out, g_last, s):
+    """The kernel's arithmetic as MLX ops: every state row on its own, sums as elementwise products summed
+    (another order than ``chunk_states_ops``' matmuls)."""
+    starts = []
+    for c in range(u_free.shape[1]):
+        starts.append(s)
+        u = u_free[:, c] - (w[:, c, :, None, :] * s[:, None, :, :]).sum(-1)  # [G, C, Dv]
+        s = g_last[:, c, None, None] * s + (u[..., :, :, None] * k_out[:, c, :, None, :]).sum(1)
+    return mx.stack(starts, axis=1), s
+
+
+def test_the_state_kernel_s_self_check_passes_its_arithmetic_and_refuses_a_wrong_or_broken_kernel():
+    """Before its first use on a head shape the kernel is compared with the ops form (``self_check``): the
+    kernel's arithmetic in another summation order agrees; steps off by 1e-3 of the state, of the wrong shape, or
+    that raise (a kernel that fails to build) are refused with the reason."""
+    from exo.engine.models import gated_delta_states_cuda as states_cuda
+
+    assert states_cuda.self_check(_steps_row_by_row, 32, 16) == "ok"
+
+    def off(*args):
+        before, s = _steps_row_by_row(*args)
+        return before, s * (1 + 1e-3)
+
+    def short(*args):
+        before, s = _steps_row_by_row(*args)
+        return before[:, 1:], s
+
+    def broken(*args):
+        raise RuntimeError("nvrtc: error")
+
+    assert states_cuda.self_check(off, 32, 16).startswith("final state differ")
+    assert states_cuda.self_check(short, 32, 16).startswith("starting states: shape")
+    assert states_cuda.self_check(broken, 32, 16) == "failed: RuntimeError: nvrtc: error"
+
+
+def test_the_layers_take_the_state_kernel_under_auto_only_where_it_is_usable(monkeypatch, caplog):
+    """``auto`` runs the state steps in the kernel where ``usable`` (on MLX CUDA, its head dims, its self-check
+    passed; never on this CPU); ``chunked`` keeps the ops form everywhere; a refused kernel is logged once."""
+    from exo.engine.models import gated_delta_states_cuda as states_cuda
+
+    assert not states_cuda.usable(128, 128)  # the CPU: not MLX CUDA
+    states_cuda.usable.cache_clear()
+    monkeypatch.setattr(states_cuda, "applies", lambda dk, dv: True)  # as on MLX CUDA, with a kernel that
+    monkeypatch.setattr(states_cuda, "chunk_states", lambda *a: _steps_row_by_row(*a))  # computes right
+    try:
+        assert layers.states_kernel("auto", 32, 16)
+        assert not layers.states_kernel("chunked", 32, 16) and not layers.states_kernel("loop", 32, 16)
+        monkeypatch.setattr(states_cuda, "chunk_states", lambda *a: (_steps_row_by_row(*a)[0], a[4] * 2))
+        with caplog.at_level("WARNING"):
+            assert not layers.states_kernel("auto", 64, 16) and not layers.states_kernel("auto", 64, 16)
+        assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+        assert "refused for head dims 64/16 (final state differ" in caplog.records[0].message
+    finally:
+        states_cuda.usable.cache_clear()
+
+
+def test_the_chunked_form_through_other_state_steps_equals_the_ops_form():
+    """``gated_delta_chunked(steps=...)`` (how the layers pass the kernel) gives the ops form's outputs and
+    state when the steps compute the same sums in another order."""
+    q, k, v, a, b, A_log, dt_bias, state = _inputs(2, 200)
+    want = gated_delta_chunked(q, k, v, log_decay(A_log, a, dt_bias), mx.sigmoid(b), state)
+    got = gated_delta_chunked(q, k, v, log_decay(A_log, a, dt_bias), mx.sigmoid(b), state, steps=_steps_row_by_row)
+    _close(got[0], want[0])
+    _close(got[1], want[1])

@@ -34,8 +34,13 @@ coefficients and cancel catastrophically in float32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
+
+# (u_free, w, k_out, g_last, state) -> (each chunk's starting state, the last state): ``chunk_states_ops``' signature
+StateSteps = Callable[[mx.array, mx.array, mx.array, mx.array, mx.array], tuple[mx.array, mx.array]]
 
 # Rows per chunk: the C x C products stay small, the sequential part is T / C steps (bench/prefill.py --gdn-chunk
 # measures others).
@@ -130,7 +135,7 @@ def gated_delta_chunked(
     state: mx.array | None = None,
     mask: mx.array | None = None,
     chunk: int = CHUNK,
-    state_kernel: bool = False,
+    steps: StateSteps | None = None,
 ) -> tuple[mx.array, mx.array]:
     """The gated delta rule over T rows in chunks of ``chunk`` (a power of two).
 
@@ -138,8 +143,9 @@ def gated_delta_chunked(
     with Hv a multiple of Hk (value head h reads key head h // (Hv / Hk)); log_g: [B, T, Hv] (log of the
     per-row scalar decay, ``log_decay``); beta: [B, T, Hv]; state: [B, Hv, Dv, Dk] (None: zeros); mask:
     [B, T] bool (False: the row leaves the state unchanged and outputs 0). Returns y [B, T, Hv, Dv] in q's
-    dtype and the state after the last row, float32. ``state_kernel``: the chunk-to-chunk state steps in one
-    CUDA kernel (``gated_delta_states_cuda``; MLX CUDA only, measured by ``bench/prefill.py``, not the default).
+    dtype and the state after the last row, float32. ``steps``: what computes the chunk-to-chunk state steps
+    (None: MLX ops, ``chunk_states_ops``; on MLX CUDA the layers may pass the kernel,
+    ``gated_delta_states_cuda.chunk_states``).
     """
     if chunk < 1 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two, not {chunk}")
@@ -155,26 +161,28 @@ def gated_delta_chunked(
     u_free, w, k_out, g_last, q_state, y_free = chunk_products(q, k, v, log_g, beta, mask, chunk)
     n, C = u_free.shape[3], chunk
 
-    s = state.astype(f32).reshape(B, Hk, r, Dv, Dk)
-    if state_kernel:
-        from .gated_delta_states_cuda import chunk_states
-
-        G = B * Hv
-        before, s = chunk_states(u_free.reshape(G, n, C, Dv), w.reshape(G, n, C, Dk), k_out.reshape(G, n, C, Dk),
-                                 g_last.reshape(G, n), s.reshape(G, Dv, Dk))
-        before, s = before.reshape(B, Hk, r, n, Dv, Dk), s.reshape(B, Hk, r, Dv, Dk)
-    else:
-        starts = []
-        for c in range(n):  # the only sequential part: one state update per chunk
-            starts.append(s)
-            u = mx.addmm(u_free[..., c, :, :], w[..., c, :, :], s.swapaxes(-1, -2), alpha=-1.0)  # [B, Hk, r, C, Dv]
-            s = mx.addmm(g_last[..., c, :, :] * s, u.swapaxes(-1, -2), k_out[..., c, :, :])
-        before = mx.stack(starts, axis=3)  # [B, Hk, r, N, Dv, Dk]: each chunk's starting state
+    G = B * Hv
+    before, s = (steps or chunk_states_ops)(u_free.reshape(G, n, C, Dv), w.reshape(G, n, C, Dk), k_out.reshape(G, n, C, Dk),
+                      g_last.reshape(G, n), state.astype(f32).reshape(G, Dv, Dk))
+    before = before.reshape(B, Hk, r, n, Dv, Dk)  # each chunk's starting state
     y = mx.addmm(y_free, q_state, before.swapaxes(-1, -2))  # [B, Hk, r, N, C, Dv]
     y = y.transpose(0, 3, 4, 1, 2, 5).reshape(B, n * C, Hv, Dv)[:, :T]
     if mask is not None:
         y = mx.where(mask[..., None, None], y, 0)
     return y.astype(out_dtype), s.reshape(B, Hv, Dv, Dk)
+
+
+def chunk_states_ops(u_free: mx.array, w: mx.array, k_out: mx.array, g_last: mx.array,
+                     s: mx.array) -> tuple[mx.array, mx.array]:
+    """The chunk-to-chunk state steps as MLX ops, three products a chunk (the only sequential part): u_free
+    [G, N, C, Dv], w and k_out [G, N, C, Dk], g_last [G, N], s [G, Dv, Dk] (G = batch x value heads), float32 ->
+    (each chunk's starting state [G, N, Dv, Dk], the state after the last chunk [G, Dv, Dk])."""
+    starts = []
+    for c in range(u_free.shape[1]):
+        starts.append(s)
+        u = mx.addmm(u_free[:, c], w[:, c], s.swapaxes(-1, -2), alpha=-1.0)  # [G, C, Dv]
+        s = mx.addmm(g_last[:, c, None, None] * s, u.swapaxes(-1, -2), k_out[:, c])
+    return mx.stack(starts, axis=1), s
 
 
 def gated_delta_chunked_update(
@@ -188,7 +196,9 @@ def gated_delta_chunked_update(
     state: mx.array | None = None,
     mask: mx.array | None = None,
     chunk: int | None = None,
+    steps: StateSteps | None = None,
 ) -> tuple[mx.array, mx.array]:
     """``gated_delta_chunked`` on the inputs mlx-lm's ``gated_delta_update`` takes (beta = sigmoid(b), the
     decay from A_log, a and dt_bias as its ``compute_g`` computes it)."""
-    return gated_delta_chunked(q, k, v, log_decay(A_log, a, dt_bias), mx.sigmoid(b), state, mask, chunk or CHUNK)
+    return gated_delta_chunked(q, k, v, log_decay(A_log, a, dt_bias), mx.sigmoid(b), state, mask, chunk or CHUNK,
+                               steps)

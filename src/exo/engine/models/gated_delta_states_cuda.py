@@ -8,15 +8,27 @@ per layer). Each row of a value head's state [Dv, Dk] evolves on its own through
 
 so this kernel gives each state row one warp (each lane Dk / 32 of its entries) and walks the chunks in one
 launch, writing each chunk's starting state as the ops form does. The sums run in another order than the ops
-form's products (same float32 tolerance). Not used by the layers: ``bench/prefill.py`` times it beside the
-ops form on MLX CUDA (``--phases layer``), and only a measurement there may make it the default.
+form's products (same float32 tolerance).
+
+The layers take it for a prompt's chunked rows under ``gdn_prefill="auto"`` on MLX CUDA (``usable``): one
+layer of the 9B shape ran 1.48x the ops form there (docs/performance.md, "The code's reasons": the chunked
+GatedDeltaNet prefill). ``gdn_prefill="chunked"`` keeps the ops form (``chunk_states_ops``) on every device,
+which is how ``bench/prefill.py --phases model`` times the two in one run. Before its first use on a head
+shape the kernel is checked against the ops form on random inputs (``self_check``); a kernel that fails to
+build or to agree is refused with a warning, and the ops form runs.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+from collections.abc import Callable
 
 import mlx.core as mx
+
+from .gated_delta_chunked import CHUNK, chunk_products, chunk_states_ops
+
+log = logging.getLogger(__name__)
 
 ROWS = 4  # state rows (warps) per block
 
@@ -95,3 +107,55 @@ def chunk_states(u_free: mx.array, w: mx.array, k_out: mx.array, g_last: mx.arra
         output_shapes=[(G, N, Dv, Dk), (G, Dv, Dk)], output_dtypes=[mx.float32, mx.float32],
     )
     return before, s_out
+
+
+# The self-check's agreement: the kernel's outputs and final state against the ops form's, relative to their
+# scale. Both sum the same float32 products in another order (tests/engine/test_gated_delta_chunked.py's TOL is
+# the chunked form against the token loop); CHECK_TOL leaves 10x that room for the device's fused multiply-adds.
+CHECK_TOL = 1e-4
+CHECK_SHAPE = (1, 2, 2, 3 * CHUNK + 5)  # batch, key heads, value heads per key head, rows: 4 chunks, the last partial
+
+
+def self_check(steps: Callable[..., tuple[mx.array, mx.array]], dk: int, dv: int) -> str:
+    """"ok" when ``steps`` (``chunk_states``' signature) gives ``chunk_states_ops``' starting states and final
+    state within CHECK_TOL on the chunk products of random inputs of these head dims, else why not."""
+    B, Hk, r, T = CHECK_SHAPE
+    keys = mx.random.split(mx.random.key(0), 6)
+    q = mx.random.normal((B, T, Hk, dk), key=keys[0])
+    k = mx.random.normal((B, T, Hk, dk), key=keys[1])
+    q, k = (x / mx.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))  # unit keys, as the layers feed it
+    v = mx.random.normal((B, T, Hk * r, dv), key=keys[2])
+    log_g = -mx.random.uniform(0.0, 0.5, (B, T, Hk * r), key=keys[3])
+    beta = mx.random.uniform(0.0, 1.0, (B, T, Hk * r), key=keys[4])
+    s0 = mx.random.normal((B * Hk * r, dv, dk), key=keys[5]) * 0.1
+    u_free, w, k_out, g_last, _, _ = chunk_products(q, k, v, log_g, beta, None, CHUNK)
+    G, n = B * Hk * r, u_free.shape[3]
+    args = (u_free.reshape(G, n, CHUNK, dv), w.reshape(G, n, CHUNK, dk), k_out.reshape(G, n, CHUNK, dk),
+            g_last.reshape(G, n), s0)
+    try:
+        want = chunk_states_ops(*args)
+        got = steps(*args)
+        mx.eval(want, got)
+    except Exception as error:  # noqa: BLE001 — a kernel that fails to build or run is refused, never fatal
+        return f"failed: {type(error).__name__}: {error}"
+    for name, a, b in (("starting states", got[0], want[0]), ("final state", got[1], want[1])):
+        if a.shape != b.shape:
+            return f"{name}: shape {a.shape}, not {b.shape}"
+        err = mx.max(mx.abs(a - b)).item()
+        scale = max(1.0, mx.max(mx.abs(b)).item())
+        if not err <= CHECK_TOL * scale:  # (a NaN fails too)
+            return f"{name} differ from the ops form by {err:.3g} at scale {scale:.3g}"
+    return "ok"
+
+
+@functools.cache
+def usable(dk: int, dv: int) -> bool:
+    """Whether a layer of these head dims takes the kernel: on MLX CUDA, where it applies and its self-check
+    passed (once per shape and process; a refusal is logged)."""
+    if not applies(dk, dv):
+        return False
+    verdict = self_check(chunk_states, dk, dv)
+    if verdict != "ok":
+        log.warning("the GatedDeltaNet chunk-states kernel is refused for head dims %d/%d (%s); the ops form runs",
+                    dk, dv, verdict)
+    return verdict == "ok"

@@ -35,6 +35,7 @@ from mlx_lm.models.qwen3_next import (
     Qwen3NextSparseMoeBlock,
 )
 
+from . import gated_delta_states_cuda as states_cuda
 from .gated_delta_chunked import gated_delta_chunked_update
 
 MoEVerifyMode = Literal["route_locked", "batched", "safe"]
@@ -391,10 +392,11 @@ class RollbackArraysCache(ArraysCache):
 # -- how a prompt's rows go through the recurrence ------------------------------------------------------
 # ``auto``: the chunked (WY) form for a prompt chunk (T > 1 rows, not a recorded verify call) on MLX CUDA,
 # where mlx-lm's loop is T tiny compiled steps per layer, host-bound (docs/performance.md, "The code's reasons": the chunked
-# GatedDeltaNet prefill);
+# GatedDeltaNet prefill), its chunk-to-chunk state steps in exo's CUDA kernel where that passes its self-check
+# (``states_kernel``);
 # mlx-lm's Metal kernel on Apple GPUs and exo's kernel on the CPU stay (one fused pass over the rows there).
-# ``chunked``: the chunked form for every such call on any device (tests run it on the CPU; unmeasured on
-# Metal); ``loop``: never. A one-row decode step and a verify call's recorded rows never take it, so they
+# ``chunked``: the chunked form for every such call on any device, its state steps as MLX ops (tests run it on
+# the CPU; unmeasured on Metal); ``loop``: never. A one-row decode step and a verify call's recorded rows never take it, so they
 # stay bit for bit what they were. Set per model by the engine (``EngineConfig.gdn_prefill``).
 GdnPrefill = Literal["auto", "chunked", "loop"]
 
@@ -402,6 +404,12 @@ GdnPrefill = Literal["auto", "chunked", "loop"]
 def chunked_prefill(mode: GdnPrefill, rows: int, on_cuda: bool) -> bool:
     """Whether a non-recorded call of ``rows`` rows takes the chunked form."""
     return rows > 1 and (mode == "chunked" or (mode == "auto" and on_cuda))
+
+
+def states_kernel(mode: GdnPrefill, dk: int, dv: int) -> bool:
+    """Whether the chunked form's state steps run in exo's CUDA kernel (``gated_delta_states_cuda``): under
+    ``auto`` where it is usable (MLX CUDA, its head dims, its self-check passed); ``chunked`` keeps MLX ops."""
+    return mode == "auto" and states_cuda.usable(dk, dv)
 
 
 def _recurrence(layer: Any, q, k, v, a, b, state, mask) -> tuple[mx.array, mx.array]:
@@ -413,8 +421,10 @@ def _recurrence(layer: Any, q, k, v, a, b, state, mask) -> tuple[mx.array, mx.ar
     wherever ``gdn_prefill`` is ``chunked``): the chunked form (``gated_delta_chunked``), equal up to float32
     rounding."""
     on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
-    if not layer.training and chunked_prefill(getattr(layer, "gdn_prefill", "auto"), q.shape[1], on_cuda):
-        return gated_delta_chunked_update(q, k, v, a, b, layer.A_log, layer.dt_bias, state, mask)
+    mode = getattr(layer, "gdn_prefill", "auto")
+    if not layer.training and chunked_prefill(mode, q.shape[1], on_cuda):
+        steps = states_cuda.chunk_states if states_kernel(mode, q.shape[-1], v.shape[-1]) else None
+        return gated_delta_chunked_update(q, k, v, a, b, layer.A_log, layer.dt_bias, state, mask, steps=steps)
     kernel = getattr(layer, "cpu_gated_delta", None)  # exo's CPU kernel (``use_cpu_kernels``) where built
     if kernel is not None and mx.default_device() == mx.cpu and not layer.training:
         beta = mx.sigmoid(b)  # gated_delta_update's own inputs to its recurrence
