@@ -11,9 +11,9 @@ A speculative round (``speculative_round``): each member drafts with its head (`
 cache), ONE verify call of [B, K+1] rows, then per member its own verdict and commit (``round.verify_round``),
 and the caches rolled back per member; the depth policy observes the round (``StepDepth.round_ran``).
 
-Invariant (``PlainSteps.last``): the last plain step's tokens are reused as the next step's input row only
-while the members are exactly those it computed for, in that order; any other change to the batch (a member
-joined or left, a round ran, the batch dropped) forgets them.
+Invariant (``PlainSteps.last``): the last plain step's tokens are the next step's input row only while the
+members' pending tokens are exactly the arrays it computed, in that order (``build`` checks it: a member that
+joined or ran a round since has another); a member taken out between steps, or the batch dropped, forgets them.
 """
 
 from __future__ import annotations
