@@ -44,7 +44,7 @@ def run(args: argparse.Namespace, report: dict) -> None:
     stock = StockMLXLM(engine.loaded.path)
     prompts = [encode_prompt(engine, p, True) for p in DEFAULT_PROMPTS]
     compiled = layers.COMPILED_ROWS
-    print("exo's own kernels: " + ("; ".join(f"{k}: {v}" for k, v in {**engine.loaded.qgemv, **engine.loaded.gdn}.items())
+    print("exo's own kernels: " + ("; ".join(f"{k}: {v}" for k, v in {**engine.loaded.qgemv, **engine.loaded.padded, **engine.loaded.gdn}.items())
                                   or "none"))
 
     def exo(prompt: list[int], own: bool = True) -> float:

@@ -10,7 +10,9 @@
 #   plain decoding against stock mlx-lm on the demos with the chunked prefill; EXO_GDN_PREFILL=loop: without)
 #   (q27 tensor9 tensor27 tensor35: issue 53's tensor groups, one member per GPU over NCCL, against one GPU:
 #   needs the two-GPU machine, nvidia-h200-x2; q9 q35 q27 first)
-#   (moeexperts: one 35B-A3B MoE layer's experts by method; batch9: the engine's batched steps at 1, 8, 32 on the
+#   (qmmrows: MLX's own product at 1-16 rows, and whether rows padded to 8 keep their bits whatever their
+#   companions: a decode step, a verify call and a batch step padded alike would agree by construction;
+#   moeexperts: one 35B-A3B MoE layer's experts by method; batch9: the engine's batched steps at 1, 8, 32 on the
 #   9B shape, what a batch-8 step costs beyond a one-row step without the server; batchstep: the model's own
 #   forward at 1-32 rows, by part and by linear shape: which op makes a batch step cost more than one row's)
 #
@@ -80,6 +82,12 @@ for p in "$@"; do
     # issue 50's checks (each well inside 10 minutes at 9B on an H200); qgemv and stock opt in to exo's quantized
     # kernel (off by default), so that stock compares exo on it with exo on MLX's products
     qgemv) EXO_QGEMV=1 phase qgemv $PY bench/qmv_check.py "$Q9" --rows 1 2 3 4 8 --repeats 5 ;;
+    qmmrows) phase qmmrows $PY bench/qmm_rows.py "$Q9" --rows 1 2 4 7 8 9 16 --pad 8 ;;
+    # issue 50/51: the same with every quantized layer that passes padded_rows.check padded to 8 rows (MLX's tiled
+    # product for decode steps, verify calls and small batches alike); compare with rounds / stock / batch9
+    roundspad) EXO_PAD_ROWS=8 phase roundspad $PY bench/round_phases.py "$Q9" --replay 0.0,0.6,0.8,0.9 --repeats 1 --max-tokens 48 ;;
+    stockpad) EXO_PAD_ROWS=8 phase stockpad $PY bench/engine.py "$Q9" --max-tokens 128 --repeats 3 ;;
+    batchpad) EXO_PAD_ROWS=8 phase batchpad $PY bench/batch_identity.py "$Q9" --sizes 1,2,4,8,32 --max-tokens 64 ;;
     gdn) phase gdn $PY bench/gdn_check.py "$Q9" --rows 1 2 3 4 8 --repeats 5 ;;
     layers) phase layers $PY bench/verify_layers.py "$Q9" --rows 2 3 4 --context 256 2048 ;;
     rounds) phase rounds $PY bench/round_phases.py "$Q9" --replay 0.0,0.6,0.8,0.9 --repeats 1 --max-tokens 48 ;;

@@ -103,7 +103,7 @@ def main() -> None:
               + f" (plain step alone {1e3 * (engine.costs().plain_s or 0):.2f} ms, pipelined "
               f"{1e3 * (costs.plain_s or 0):.2f} ms)")
     print(f"verify mode: {engine.verify_mode}")
-    print("exo's own kernels: " + ("; ".join(f"{k}: {v}" for k, v in {**engine.loaded.qgemv, **engine.loaded.gdn}.items())
+    print("exo's own kernels: " + ("; ".join(f"{k}: {v}" for k, v in {**engine.loaded.qgemv, **engine.loaded.padded, **engine.loaded.gdn}.items())
                                   or "none"))
     print("probe: " + ", ".join(f"{name}={value}" for name, value in engine.verify_probe.items()))
     longest = max(prompts, key=len)

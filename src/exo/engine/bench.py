@@ -360,6 +360,9 @@ def own_ops(engine: Engine) -> list[str]:
     ops = []
     if any(found.startswith("ok") for found in engine.loaded.qgemv.values()):
         ops.append("quantized linear products (engine/kernels/cuda_qgemv.py; EXO_QGEMV=0 for MLX's)")
+    if any(found.startswith("ok") for found in engine.loaded.padded.values()):
+        ops.append("quantized linear products of few rows padded to MLX's tiled product (engine/models/padded_rows.py; "
+                   "EXO_PAD_ROWS=0 for one-row products)")
     if any(found.startswith("ok") for found in engine.loaded.gdn.values()):
         ops.append("the GatedDeltaNet step (engine/kernels/cuda_gdn.py; EXO_GDN_KERNEL=0 for mlx-lm's ops)")
     return ops

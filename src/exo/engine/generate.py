@@ -26,6 +26,7 @@ from .batch import decode_alone
 from .constraints import ConstraintSpec, Grammar, ToolFormat, compile_grammar
 from .costs import warmup_costs
 from .forward import Forward, LocalForward
+from .kernel_warmup import warm_products
 from .loader import LoadedModel
 from .models.layers import GdnPrefill, MoEVerifyMode
 from .prefix_cache import PrefixCache, restore_prefix
@@ -213,7 +214,11 @@ class Engine:
         return self._costs
 
     def warmup(self) -> None:
-        """What the first adaptive request would otherwise pay for: the round costs, the head's acceptance."""
+        """What the first requests would otherwise pay for: MLX CUDA's kernels for the products a batch reaches
+        (``kernel_warmup``), and for the first adaptive request the round costs and the head's acceptance."""
+        head = self.loaded.head
+        for kind, seconds in warm_products([self.model] + ([head] if head is not None else [])).items():
+            self.warmup_seconds[kind] = seconds
         if self.mtp_unavailable_reason() is None:
             self._adaptive_policy()
 

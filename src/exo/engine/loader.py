@@ -32,6 +32,7 @@ from .models import SUPPORTED_MODEL_TYPES, UnsupportedModelError, get_model_clas
 from .models.backbone import SpeculativeBackbone
 from .models.layers import SparseMoeBlock, check_expert_sort, use_gdn_kernel, use_qgemv
 from .models.mtp import HEAD_NORM_SUFFIXES, MTPHead
+from .models.padded_rows import use_padded_rows
 from .sharding import TensorShardingError, TensorShare, shard_model
 
 SIDECAR_NAMES = ("mtp.safetensors",)
@@ -92,6 +93,9 @@ class LoadedModel:
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     # Per quantized layer shape, whether its decode-sized products run exo's kernel (``layers.use_qgemv``)
     qgemv: dict[str, str] = field(default_factory=dict)
+    # Per quantized layer shape, whether its calls of few rows are padded to MLX's tiled product
+    # (``models.padded_rows``, ``EXO_PAD_ROWS``; off by default)
+    padded: dict[str, str] = field(default_factory=dict)
     # Per GatedDeltaNet layer shape, whether its decode steps and verify rows run exo's kernel (``use_gdn_kernel``)
     gdn: dict[str, str] = field(default_factory=dict)
 
@@ -597,6 +601,7 @@ def load_checkpoint(
         blocks += [layer.mlp for layer in head.layers if isinstance(layer.mlp, SparseMoeBlock)]
     check_expert_sort(blocks)  # before any prefill: a device whose sorted expert kernels are wrong goes unsorted
     qgemv = use_qgemv([model] + ([head] if head is not None else []))
+    padded = use_padded_rows([model] + ([head] if head is not None else []))  # shapes the kernel left to MLX
     gdn = use_gdn_kernel(model)
     return LoadedModel(
         path=path,
@@ -608,5 +613,6 @@ def load_checkpoint(
         head_status=status,
         eos_token_ids=eos_token_ids(path, config, tokenizer) if tokenizer is not None else frozenset(),
         qgemv=qgemv,
+        padded=padded,
         gdn=gdn,
     )

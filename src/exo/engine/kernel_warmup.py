@@ -1,0 +1,63 @@
+"""The products a batch will reach, run once at load, so that MLX CUDA compiles their kernels then, not mid-serving.
+
+MLX CUDA compiles some kernels the first time a shape class needs them (NVRTC, at run time). Its quantized product
+of 8 or more rows (``qmm_sm80``, MLX 0.32) is a CUTLASS kernel compiled per tile height: 16 rows up to 16 rows,
+32 up to 32, 64 beyond (``make_cta_tiler``), and ``qmm_naive`` for layers whose outputs are not a multiple of 128;
+the MoE experts' gathered product likewise. A server whose batch first grows past 7, 16 or 32 rows paid that compile
+inside a step: every stream of the batch waited seconds (issue 51's stall after the one-client rows). One call of
+each quantized layer shape at ``ROWS`` (one row count per tile), and of one MoE block at each, compiles them at
+load, where the engine's warm-up already waits (MLX keeps the PTX under ``MLX_PTX_CACHE_DIR`` for later starts).
+
+Only on MLX CUDA: the CPU and Metal compile nothing at these points.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+ROWS = (8, 17, 33)  # one row count per tile height of MLX CUDA's tiled quantized product: 16, 32, 64
+
+
+def on_cuda() -> bool:
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def warm_products(modules: Sequence[nn.Module], *, force: bool = False) -> dict[str, float]:
+    """Run every distinct quantized linear shape (an embedding's ``as_linear`` too) and one MoE block of each
+    shape among ``modules``' leaves at each of ``ROWS`` rows, on zeros. Returns seconds per kind (empty off
+    MLX CUDA unless ``force``)."""
+    if not (force or on_cuda()):
+        return {}
+    from .models.layers import SparseMoeBlock
+
+    seen: set[tuple[Any, ...]] = set()
+    calls: list[tuple[str, Any, int, mx.Dtype]] = []
+    for tree in modules:
+        for _, leaf in tree.named_modules():
+            if isinstance(leaf, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and leaf.weight.ndim == 2:
+                key = ("linear", type(leaf), tuple(leaf.weight.shape), leaf.bits, leaf.group_size, leaf.mode)
+                if key not in seen:
+                    seen.add(key)
+                    width = leaf.weight.shape[1] * 32 // leaf.bits
+                    fn = leaf.as_linear if isinstance(leaf, nn.QuantizedEmbedding) else leaf
+                    calls.append(("quantized products", fn, width, leaf.scales.dtype))
+            elif isinstance(leaf, SparseMoeBlock):
+                gate = leaf.gate
+                key = ("moe", tuple(gate.weight.shape), getattr(gate, "bits", None))
+                if key not in seen:
+                    seen.add(key)
+                    width = gate.weight.shape[1] * 32 // gate.bits if hasattr(gate, "bits") else gate.weight.shape[1]
+                    dtype = gate.scales.dtype if hasattr(gate, "scales") else gate.weight.dtype
+                    calls.append(("moe blocks", leaf, width, dtype))
+    seconds: dict[str, float] = {}
+    for kind, fn, width, dtype in calls:
+        start = time.perf_counter()
+        for rows in ROWS:
+            mx.eval(fn(mx.zeros((rows, 1, width), dtype=dtype)))
+        seconds[kind] = seconds.get(kind, 0.0) + time.perf_counter() - start
+    return seconds

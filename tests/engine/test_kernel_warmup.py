@@ -1,0 +1,55 @@
+"""The engine's warm-up runs the products a batch will reach (engine/kernel_warmup.py), so MLX CUDA compiles their
+kernels at load rather than inside a serving step (issue 51's stall: a batch's first step past 7 rows waited on
+the compile of MLX's tiled quantized product)."""
+
+from __future__ import annotations
+
+import mlx.nn as nn
+
+from exo.engine import Engine, EngineConfig, kernel_warmup, load_checkpoint
+from exo.engine.kernel_warmup import ROWS, warm_products
+from exo.engine.models.layers import SparseMoeBlock
+
+
+def _spy(monkeypatch) -> list[tuple[str, tuple, int]]:
+    """(kind, weight shape, rows) of every call the warm-up makes."""
+    seen = []
+    linear, embedding, moe = nn.QuantizedLinear.__call__, nn.QuantizedEmbedding.as_linear, SparseMoeBlock.__call__
+    monkeypatch.setattr(nn.QuantizedLinear, "__call__",
+                        lambda self, x: seen.append(("linear", tuple(self.weight.shape), x.shape[0])) or linear(self, x))
+    monkeypatch.setattr(nn.QuantizedEmbedding, "as_linear",
+                        lambda self, x: seen.append(("embedding", tuple(self.weight.shape), x.shape[0]))
+                        or embedding(self, x))
+    monkeypatch.setattr(SparseMoeBlock, "__call__",
+                        lambda self, x, *a, **k: seen.append(("moe", tuple(self.gate.weight.shape), x.shape[0]))
+                        or moe(self, x, *a, **k))
+    return seen
+
+
+def test_every_quantized_shape_and_moe_block_runs_once_at_each_tile_s_row_count(checkpoint, monkeypatch):
+    loaded = load_checkpoint(checkpoint("qwen3_5_moe", layout="mlx_q4_sidecar", head="trained", dtype="bfloat16"))
+    modules = [loaded.model, loaded.head]
+    shapes = {tuple(m.weight.shape) for tree in modules for _, m in tree.named_modules()
+              if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and m.weight.ndim == 2}
+    seen = _spy(monkeypatch)
+    seconds = warm_products(modules, force=True)
+    assert set(seconds) == {"quantized products", "moe blocks"}
+    top = [(kind, shape, rows) for kind, shape, rows in seen if rows in ROWS]
+    # each distinct shape at each row count, the MoE block too (its own products run inside it)
+    outer = {(shape, rows) for kind, shape, rows in top if kind in ("linear", "embedding")}
+    assert {shape for shape, _ in outer} == shapes
+    assert all((shape, rows) in outer for shape in shapes for rows in ROWS)
+    assert {rows for kind, _, rows in top if kind == "moe"} == set(ROWS)
+
+
+def test_the_engine_s_warm_up_runs_it_on_mlx_cuda_only(checkpoint, monkeypatch):
+    loaded = load_checkpoint(checkpoint("qwen3_5", layout="mlx_q4_sidecar", head="trained", dtype="bfloat16"))
+    seen = _spy(monkeypatch)
+    Engine(loaded, EngineConfig()).warmup()  # this CPU: nothing warmed
+    assert not [rows for _, _, rows in seen if rows in ROWS]
+    monkeypatch.setattr(kernel_warmup, "on_cuda", lambda: True)  # as on MLX CUDA
+    engine = Engine(loaded, EngineConfig())
+    seen.clear()
+    engine.warmup()
+    assert {rows for _, _, rows in seen} >= set(ROWS)
+    assert "quantized products" in engine.warmup_seconds
