@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -35,6 +36,18 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, repeats: int, model
                             help="MLX's device for this process (default: MLX's default)")
     parser.add_argument("--json", action="store_true",
                         help="print the report as one JSON object on stdout (the table goes to stderr)")
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGHUP end the benchmark as Ctrl-C does, by an exception: its ``finally`` blocks run and end the
+    processes it started (a pipeline's stages, a tensor group's members, ``exo serve``) and remove their
+    folders. Python's default ends the process at once, leaving them running."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stop)
 
 
 def use_device(name: str | None) -> None:

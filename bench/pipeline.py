@@ -51,7 +51,7 @@ from exo.runner.group import PHASES
 from exo.runner.local_pipeline import run_local_pipeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import device_trace, format_trace, free_port, start_server  # noqa: E402
+from common import device_trace, format_trace, free_port, start_server, stop_on_signals  # noqa: E402
 from serving import load as load_clients  # noqa: E402
 from serving import quantile  # noqa: E402
 
@@ -271,7 +271,11 @@ def transport_ab(rows: int, hidden: int, dtype: str, work_ms: float, blocks: int
     argv = [str(rows), str(hidden), dtype, str(work_ms), str(blocks)]
     procs = [subprocess.Popen([sys.executable, "-c", TRANSPORT_MEMBER, str(rank), hosts, *argv], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
-    outs = [p.communicate(timeout=600) for p in procs]
+    try:
+        outs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
     if any(p.returncode for p in procs):
         raise RuntimeError("\n".join(err[-2000:] for _, err in outs))
     result = json.loads(outs[0][0])
@@ -410,4 +414,5 @@ def print_clients(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
+    stop_on_signals()  # killed, it ends its stages and daemons (the finally blocks)
     sys.exit(main())

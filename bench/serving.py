@@ -53,6 +53,7 @@ from common import (  # bench/ is this script's folder
     free_port,
     report_to,
     start_server,
+    stop_on_signals,
 )
 
 TOPICS = (
@@ -374,4 +375,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    stop_on_signals()  # killed, it ends its daemons (the finally)
     main()

@@ -38,7 +38,7 @@ from exo.engine.loader import read_config
 from exo.runner.local_pipeline import run_local_pipeline, run_local_tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_common_arguments, report_to  # noqa: E402
+from common import add_common_arguments, report_to, stop_on_signals  # noqa: E402
 
 MODES = {"plain": {"native_mtp": "off"}, "k1": {"mtp_k": 1}, "k2": {"mtp_k": 2}, "k3": {"mtp_k": 3},
          "adaptive": {}}
@@ -188,4 +188,5 @@ def _estimate(resolved: Any, single_tok_s: float, nodes: int, backend: str, all_
 
 
 if __name__ == "__main__":
+    stop_on_signals()  # killed, it ends its members (run_local_pipeline's finally)
     raise SystemExit(main())

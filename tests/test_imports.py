@@ -161,5 +161,10 @@ def test_the_checks_see_what_they_look_for():
     graph = _graph()
     assert "exo.engine.batch" in graph["exo.engine.generate"]  # a module-level import
     assert "exo.engine.generate" not in graph["exo.engine.batch"]  # only under TYPE_CHECKING there
+    # The batch's parts sit below it (batch re-exports them), and the runner's batch loop below the device queue.
+    assert {"exo.engine.batch_step", "exo.engine.batch_clock", "exo.engine.batch_memory"} <= graph["exo.engine.batch"]
+    assert not {"exo.engine.batch", "exo.engine.generate"} & graph["exo.engine.batch_step"]
+    assert "exo.runner.batch_loop" in graph["exo.runner.device"]
+    assert not {"exo.runner.device", "exo.runner.job"} & graph["exo.runner.batch_loop"]  # TYPE_CHECKING only
     assert _room("exo.api.server") > _room("exo.cluster.orchestration") > _room("exo.runner.device") > _room("exo.engine.batch")
     assert _room("exo.wire.convert") < _room("exo.runner.service")

@@ -292,11 +292,13 @@ class _QueueLink:
 
 
 @pytest.mark.parametrize("moe", ["route_locked", "batched", "safe"])
-def test_serve_stage_applies_the_headers_verify_mode_and_a_round_moves_header_and_hiddens(checkpoint, moe):
+def test_serve_stage_applies_the_headers_verify_mode_and_a_round_moves_header_and_hiddens(checkpoint, monkeypatch,
+                                                                                           moe):
     """A stage that does not lead runs a verify step in the MoE mode its header carries (the leader's), plain
-    steps with none; per round the leader sends the 256-byte header (the rows' ids and the previous round's
-    rollback inline) and receives (K+1) x H activations: 256 B + (K+1) x H x dtype bytes cross the boundary
-    (bench/pipeline.py's figures)."""
+    steps with none; at its first verify header it probes its own layers once (``verify.probe``: which linear
+    shapes this device computes a block of rows unlike one row); per round the leader sends the 256-byte header
+    (the rows' ids and the previous round's rollback inline) and receives (K+1) x H activations: 256 B +
+    (K+1) x H x dtype bytes cross the boundary (bench/pipeline.py's figures)."""
     import mlx.core as mx
 
     from exo.engine.models.layers import SparseMoeBlock
@@ -306,12 +308,28 @@ def test_serve_stage_applies_the_headers_verify_mode_and_a_round_moves_header_an
     path = checkpoint("qwen3_5_moe", dtype="float32")
     first = load_checkpoint(path, layers=(0, 2))
     leader = load_checkpoint(path, layers=(2, 4))
+    from exo.engine import pipeline
+
     seen: list[tuple[str | None, int]] = []  # (the MoE block's verify mode, rows) of every call on stage 0
+    recording = [True]  # (off while the stage probes its layers: the probe's own calls)
 
     class Recording(SparseMoeBlock):
         def __call__(self, x):
-            seen.append((self.verify_mode, x.shape[1]))
+            if recording[0]:
+                seen.append((self.verify_mode, x.shape[1]))
             return super().__call__(x)
+
+    real_probe = pipeline.probe
+
+    def probing(model, moe_mode):
+        seen.append(("probe", moe_mode))
+        recording[0] = False
+        try:
+            return real_probe(model, moe_mode)
+        finally:
+            recording[0] = True
+
+    monkeypatch.setattr(pipeline, "probe", probing)
 
     blocks = list(first.model.moe_blocks())
     assert blocks, "stage 0 of the MoE fixture holds MoE blocks"
@@ -357,6 +375,8 @@ def test_serve_stage_applies_the_headers_verify_mode_and_a_round_moves_header_an
         done.wait(30)
     assert not errors, errors
     assert done.is_set()  # serve_stage returned at the shutdown
+    assert seen[0] == ("probe", moe) and seen.count(("probe", moe)) == 1  # once, before the first verify step
+    seen.pop(0)
     per_call = [seen[i : i + len(blocks)] for i in range(0, len(seen), len(blocks))]
     assert [{m for m, _ in call} for call in per_call] == [{moe}, {moe}, {moe}, {None}], seen
     assert [call[0][1] for call in per_call] == [2, 3, 4, 1]

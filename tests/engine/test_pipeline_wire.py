@@ -217,3 +217,88 @@ def test_a_stage_mirrors_the_leaders_batch_operations_on_its_own_caches(checkpoi
     assert [tuple(x.shape) for x in sent] == [(1, 3, h), (1, 2, h), (2, 1, h), (2, 3, h), (1, 1, h)]
     for got, want in zip(sent, twin_out, strict=True):
         assert mx.array_equal(got, want).item()
+
+
+def _member(kind: str, checkpoint):
+    """A member that does not lead, in this process: a pipeline's first stage (layers 0-1), or member 0 of a tensor
+    group of 2 (its slice of every layer; alone here, its collectives sum its own part)."""
+    from exo.engine.pipeline import OP_FORWARD, OP_GRAPH_FORWARD
+    from exo.engine.sharding import TensorShare
+    from exo.engine.tensor import serve_tensor
+
+    path = checkpoint("qwen3_5", dtype="float32")
+    if kind == "pipeline":
+        model = load_checkpoint(path, layers=(0, 2)).model
+        return model, StageSpec(0, 2, 0, 2), serve_stage, OP_FORWARD, OP_GRAPH_FORWARD
+    model = load_checkpoint(path, tensor=TensorShare(None, 0, 2)).model
+    return model, StageSpec(0, 2, 0, model.num_layers), serve_tensor, OP_GRAPH_FORWARD, OP_FORWARD
+
+
+def _step(op: int, step: int, slot: int, rows: int, verify=None, ops=(), batch: int = 1) -> mx.array:
+    """A forward step's header: a pipeline's carries its ids (the first stage's input), a tensor group's does not
+    (its members take them in a collective)."""
+    from exo.engine.pipeline import OP_FORWARD
+
+    tokens = tuple(range(5, 5 + batch * rows)) if op == OP_FORWARD else ()
+    return StepHeader.forward(step, slot, batch, rows, verify, ops, tokens, op=op).encode()
+
+
+class _Replies(_ScriptedLink):
+    """A scripted link that also keeps the int32 messages the member sends (its replies), as lists."""
+
+    def __init__(self, messages: list[mx.array]) -> None:
+        super().__init__(messages)
+        self.replies: list[list[int]] = []
+
+    def send(self, x, dst: int) -> None:
+        super().send(x, dst)
+        if x.dtype == mx.int32:
+            self.replies.append(x.tolist())
+
+
+def test_a_tensor_member_and_a_pipeline_stage_act_alike_on_every_header_op(checkpoint):
+    """Both kinds of member run one loop (``pipeline.serve_member``): every op of the header, and every op record,
+    is handled by both alike, and each refuses the other kind's forward step. The script covers ``HEADER_OPS``
+    whole: an op added to the header is added here, for both."""
+    from exo.engine.forward import cache_rates
+    from exo.engine.pipeline import (
+        HEADER_OPS,
+        OP_MEASURE,
+        OP_PREFIX_BEGIN,
+        OP_PREFIX_LOOKUP,
+        StageSlots,
+        _pack_rates,
+    )
+    from exo.engine.sharding import collectives
+
+    lookup = [2, 5, 6, 1, 2]  # [n, tokens(n), m, candidates(m)]
+    begin = [1, 2, 0, 0, 0, 0, 0, 0]  # [ok, position, has_group, group(4), e]
+    replies: dict[str, list[list[int]]] = {}
+    held: dict[str, set[int]] = {}
+    for kind in ("pipeline", "tensor"):
+        model, member, serve, forward_op, other_op = _member(kind, checkpoint)
+
+        script = [
+            _step(forward_op, 0, 0, 2),
+            _step(forward_op, 1, 0, 3, VerifyMode("route_locked")),
+            StepHeader(OP_MEASURE, 2, ops=(Op(ROLLBACK, 0, (3, 1)),)).encode(),
+            StepHeader(OP_PREFIX_LOOKUP, 3, 1, 1, len(lookup)).encode(), mx.array(lookup, dtype=mx.int32),
+            StepHeader(OP_PREFIX_BEGIN, 4, 1, 1, len(begin)).encode(), mx.array(begin, dtype=mx.int32),
+            _step(forward_op, 5, 1, 1),
+            _step(forward_op, 6, 2, 1, ops=(Op(JOIN, 2, (0,)), Op(JOIN, 2, (1,))), batch=2),
+            StepHeader(OP_END, 7, 3, ops=(Op(STORE_END, 2, (1, 9)), Op(FILTER, 2, (0,)), Op(DROP, 2))).encode(),
+            StepHeader(OP_SHUTDOWN, 8).encode(),
+        ]
+        ops = {StepHeader.decode(m.tolist()).op for m in script if m.shape == (HEADER_LEN,)}
+        assert ops | {other_op} == set(HEADER_OPS)  # every op: this kind's (and the other kind's forward, below)
+        link, slots = _Replies(script), StageSlots(model, 0)
+        serve(model, member, link, slots=slots)  # returns at the SHUTDOWN
+        assert not link.messages
+        with collectives(model):  # (what a member measures on: a tensor member's slice with its collectives)
+            assert link.replies[0] == _pack_rates(cache_rates(model))
+        replies[kind], held[kind] = link.replies[1:], set(slots.caches)
+
+        with pytest.raises(StepHeaderError, match="is not a"):
+            serve(model, member, _ScriptedLink([_step(other_op, 0, 0, 1)]))
+    assert replies["pipeline"] == replies["tensor"] == [[2, 5, 6, 1, -1], [0, *begin[1:]]]
+    assert held["pipeline"] == held["tensor"] == set()

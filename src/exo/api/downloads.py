@@ -251,29 +251,8 @@ async def download_events(request: web.Request) -> web.StreamResponse:
 # -- OpenAPI --------------------------------------------------------------------------------------------
 
 
-_ERRORS = {
-    "400": "invalid request (malformed JSON, wrong types, unknown fields, a bad revision)",
-    "401": "missing or wrong API key (when the server has one)",
-    "404": "unknown model (not a card, not a repo id), a repo the hub does not have, offline with files "
-           "missing from the cache, or no such download",
-    "409": "the download runs on another node of the cluster (its `node`): cancel or follow it there; or "
-           "(POST) the model is already downloading with other head options (recover_head, quantize_head)",
-    "413": "the request body is too large",
-    "502": "the hub answered something a download cannot use",
-    "503": "the hub cannot be reached (see Retry-After)",
-    "507": "not enough free disk for the download (the message says how much)",
-}
-
-
 def _document(document: dict[str, Any]) -> None:
-    from . import schemas as s
-    from .openapi import _REF, _json, _ref
-
-    def _error_responses(*codes: str) -> dict[str, Any]:
-        out = {code: _json(s.ErrorResponse, _ERRORS[code]) for code in codes}
-        if "503" in out:
-            out["503"]["headers"] = {"Retry-After": {"schema": {"type": "string"}, "description": "seconds"}}
-        return out
+    from .openapi import _REF, AUTH, BODY, DOWNLOAD, _error_responses, _json, _ref
 
     _, top = models_json_schema(
         [(DownloadCreate, "validation"), (DownloadObject, "serialization"), (DownloadList, "serialization"),
@@ -293,7 +272,7 @@ def _document(document: dict[str, Any]) -> None:
     document["paths"].update({
         "/v1/downloads": {
             "get": {"summary": "downloads on this node (running, then recent) and on its peers (each with its node)",
-                    "responses": {"200": _json(DownloadList, "the downloads"), **_error_responses("401")}},
+                    "responses": {"200": _json(DownloadList, "the downloads"), **_error_responses(*AUTH)}},
             "post": {
                 "summary": "download a model (card id or repo) into this node's Hugging Face cache; recovers "
                            "a stripped MTP head from the card's source_repo",
@@ -301,16 +280,17 @@ def _document(document: dict[str, Any]) -> None:
                 "responses": {
                     "201": _json(DownloadObject, "started"),
                     "200": _json(DownloadObject, "this model is already downloading: that download"),
-                    **_error_responses("400", "401", "404", "409", "413", "502", "503", "507"),
+                    **_error_responses(*AUTH, *BODY, *DOWNLOAD),
                 },
             },
         },
         "/v1/downloads/{id}": {
             "get": {"summary": "one download and its progress", "parameters": [id_p],
-                    "responses": {"200": _json(DownloadObject, "the download"), **_error_responses("401", "404")}},
+                    "responses": {"200": _json(DownloadObject, "the download"), **_error_responses(*AUTH, DownloadNotFoundError)}},
             "delete": {"summary": "cancel a running download (a finished one is forgotten)", "parameters": [id_p],
                        "responses": {"200": _json(DownloadDeleted, "cancelled or forgotten"),
-                                     **_error_responses("401", "404", "409")}},
+                                     **_error_responses(*AUTH, DownloadNotFoundError,
+                                                        "download_on_other_node")}},
         },
         "/v1/downloads/{id}/events": {
             "get": {
@@ -319,7 +299,7 @@ def _document(document: dict[str, Any]) -> None:
                 "responses": {
                     "200": {"description": "`data: <DownloadObject>` events, ending with `data: [DONE]`",
                             "content": {"text/event-stream": {"schema": event}}},
-                    **_error_responses("401", "404", "409"),
+                    **_error_responses(*AUTH, DownloadNotFoundError, "download_on_other_node"),
                 },
             }
         },

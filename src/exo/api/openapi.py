@@ -8,23 +8,73 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from exo import __version__
+from exo.wire import errors as we
 
 from . import anthropic, ollama, responses
 from . import schemas as s
 
 _REF = "#/components/schemas/{model}"
-_ERRORS = {
-    "400": "invalid request (malformed JSON, wrong types, bad values, unsupported fields, context too long)",
-    "401": "missing or wrong API key (when the server has one)",
-    "404": "unknown model, or a known model that is not on this machine",
-    "408": "the request ran past the server's request timeout",
-    "413": "the request body is too large",
-    "429": "the request queue is full (see Retry-After)",
-    "500": "the model could not be loaded, or an internal error",
-    "503": "the model is still loading, or the node that runs it is unavailable (see Retry-After)",
-    "409": "the model already has an instance (delete it first to place it elsewhere)",
-    "507": "no node has room for the model (the message says how much is missing)",
-}
+
+# What an endpoint can answer besides success, as rows of the error table (``exo.wire.errors``): an exception
+# type names its row of ``ERRORS``, a string a row of ``HTTP_ERRORS`` (the HTTP layer's own answers).
+Key = type[BaseException] | str
+AUTH: tuple[Key, ...] = ("invalid_api_key",)
+BODY: tuple[Key, ...] = ("request_too_large", "invalid_json", "invalid_type", "invalid_value", "unknown_parameter",
+                         "missing_required_parameter")
+MODEL: tuple[Key, ...] = (we.UnknownModelError, "model_not_found", we.AmbiguousModelError, we.ModelNotAvailableError,
+                          we.UnsupportedModelError)
+LOAD: tuple[Key, ...] = (we.ModelLoadTimeoutError, we.InstanceFailedError, we.CheckpointError, we.CardError,
+                         we.NodeUnavailableError)
+GENERATION: tuple[Key, ...] = (
+    *AUTH, *BODY, "unsupported_parameter", *MODEL, *LOAD, we.ContextLengthError, we.NativeMTPUnavailableError,
+    we.GenerationRequestError, we.SamplingParamsError, we.PromptError, we.QueueFullError, we.RequestTimeoutError,
+    we.DeviceMemoryError, "internal_error",
+)
+PLACEMENT: tuple[Key, ...] = (
+    we.UnknownNodeError, we.AlreadyPlacedError, we.TensorShardingRefusedError, we.InvalidPlacementRequest,
+    we.TooFewNodesError, we.ModelNotOnDiskError, we.NoDiskRoomError, we.NoPlacementError,
+)
+DOWNLOAD: tuple[Key, ...] = (
+    we.UnknownModelError, we.RepoNotFoundError, we.ModelNotAvailableError, we.InvalidRevisionError,
+    we.InsufficientDiskError, we.DownloadConflictError, we.HubUnavailableError, we.DownloadError,
+    "download_on_other_node",
+)
+_RETRY_AFTER = (429, 503)  # the statuses whose rows answer with Retry-After
+
+
+def error_rows(*keys: Key) -> list[tuple[int, str, str]]:
+    """(status, code, what it means) of the rows ``keys`` name, in the table's order of ``keys``."""
+    http = {row.code: row for row in we.HTTP_ERRORS}
+    out: list[tuple[int, str, str]] = []
+    for key in keys:
+        if isinstance(key, str):
+            row = we.INTERNAL if key == we.INTERNAL.code else http[key]
+        else:
+            row = next(r for r in we.ERRORS if r.exception is key)
+        out.extend((row.status, code, row.about) for code in row.codes())
+    return out
+
+
+def _error_responses(*keys: Key, schema: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The error responses of an endpoint that may answer the rows ``keys`` name: one per status, its
+    description each code and what it means, its codes also in ``x-error-codes`` (``schema``: the dialect's
+    error shape; None: the OpenAI one)."""
+    by_status: dict[int, dict[str, list[str]]] = {}
+    for status, code, about in error_rows(*keys):
+        abouts = by_status.setdefault(status, {}).setdefault(code, [])
+        if about not in abouts:
+            abouts.append(about)
+    out: dict[str, Any] = {}
+    for status in sorted(by_status):
+        codes = by_status[status]
+        description = "; ".join(f"`{code}`: {', or '.join(abouts)}" for code, abouts in codes.items())
+        response: dict[str, Any] = {"description": description,
+                                    "content": {"application/json": {"schema": schema or _ref(s.ErrorResponse)}},
+                                    "x-error-codes": list(codes)}
+        if status in _RETRY_AFTER:
+            response["headers"] = {"Retry-After": {"schema": {"type": "string"}, "description": "seconds"}}
+        out[str(status)] = response
+    return out
 
 
 def _ref(model: type[BaseModel]) -> dict[str, str]:
@@ -34,16 +84,6 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
 def _json(model: type[BaseModel] | dict[str, Any], description: str) -> dict[str, Any]:
     schema = _ref(model) if isinstance(model, type) else model
     return {"description": description, "content": {"application/json": {"schema": schema}}}
-
-
-def _error_responses(*codes: str) -> dict[str, Any]:
-    out = {}
-    for code in codes:
-        response = _json(s.ErrorResponse, _ERRORS[code])
-        if code in ("429", "503"):
-            response["headers"] = {"Retry-After": {"schema": {"type": "string"}, "description": "seconds"}}
-        out[code] = response
-    return out
 
 
 def _sse_event(chunk: type[BaseModel]) -> dict[str, Any]:
@@ -83,7 +123,7 @@ def _generation(request: type[BaseModel], response: type[BaseModel], chunk: type
                         "text/event-stream": {"schema": _sse_event(chunk)},
                     },
                 },
-                **_error_responses("400", "401", "404", "408", "413", "429", "500", "503"),
+                **_error_responses(*GENERATION),
             },
         }
     }
@@ -105,31 +145,34 @@ def _cluster_paths() -> dict[str, Any]:
     return {
         "/v1/cluster": {
             "get": {"summary": "nodes (self marked), links and instances as this node sees the cluster",
-                    "responses": {"200": obj, **_error_responses("401")}}
+                    "responses": {"200": obj, **_error_responses(*AUTH)}}
         },
         "/v1/instances": {
             "get": {"summary": "every instance in the cluster (gone ones for a while)",
-                    "responses": {"200": obj, **_error_responses("401")}},
+                    "responses": {"200": obj, **_error_responses(*AUTH)}},
             "post": {
                 "summary": "place a model (on `node`, on `nodes` as pipeline stages or tensor members, or where placement "
                            "decides) and load it",
                 "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(s.InstanceCreate)}}},
                 "responses": {
                     "201": obj,
-                    **_error_responses("400", "401", "404", "409", "413", "500", "507"),
+                    **_error_responses(*AUTH, *BODY, *MODEL, *PLACEMENT, we.InstanceFailedError,
+                                       we.ClusterAuthError),
                 },
             },
         },
         "/v1/instances/preview": {
             "get": {"summary": "where a model would be placed, without side effects",
                     "parameters": [model_q, node_q, min_nodes_q, nodes_q, sharding_q],
-                    "responses": {"200": obj, **_error_responses("400", "401", "404", "409", "507")}}
+                    "responses": {"200": obj, **_error_responses(*AUTH, "invalid_value", "missing_required_parameter",
+                                                                 *MODEL, *PLACEMENT)}}
         },
         "/v1/instances/{id}": {
             "get": {"summary": "one instance", "parameters": [id_p],
-                    "responses": {"200": obj, **_error_responses("401", "404")}},
+                    "responses": {"200": obj, **_error_responses(*AUTH, we.InstanceNotFoundError)}},
             "delete": {"summary": "stop an instance (its runner) and forget it", "parameters": [id_p],
-                       "responses": {"200": obj, **_error_responses("401", "404", "503")}},
+                       "responses": {"200": obj, **_error_responses(*AUTH, we.InstanceNotFoundError,
+                                                                    we.NodeUnavailableError)}},
         },
     }
 
@@ -155,20 +198,6 @@ _SSE_ANY = {  # one server-sent event of a dialect's own stream (see docs/agents
 }
 
 
-def _dialect_errors(error_schema: dict[str, Any], *codes: str) -> dict[str, Any]:
-    """Like ``_error_responses``, in a dialect's own error shape."""
-    out = {}
-    for code in codes:
-        response: dict[str, Any] = {"description": _ERRORS[code], "content": {"application/json": {"schema": error_schema}}}
-        if code in ("429", "503"):
-            response["headers"] = {"Retry-After": {"schema": {"type": "string"}, "description": "seconds"}}
-        out[code] = response
-    return out
-
-
-_GENERATION_ERRORS = ("400", "401", "404", "408", "413", "429", "500", "503")
-
-
 def _dialect_post(
     request: type[BaseModel], summary: str, errors: dict[str, Any], stream_type: str | None, stream_schema: Any
 ) -> dict[str, Any]:
@@ -187,11 +216,11 @@ def _dialect_post(
 def _dialect_paths() -> dict[str, Any]:
     """The Anthropic Messages, OpenAI Responses and Ollama endpoints (translation layers over chat
     completions; their bodies are documented in docs/agents.md)."""
-    anthropic_errors = _dialect_errors(_ANTHROPIC_ERROR, *_GENERATION_ERRORS)
-    ollama_errors = _dialect_errors(_OLLAMA_ERROR, *_GENERATION_ERRORS)
-    openai_errors = _error_responses(*_GENERATION_ERRORS)
+    anthropic_errors = _error_responses(*GENERATION, schema=_ANTHROPIC_ERROR)
+    ollama_errors = _error_responses(*GENERATION, schema=_OLLAMA_ERROR)
+    openai_errors = _error_responses(*GENERATION, "previous_response_not_found")
     id_p = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
-    ollama_get = {"200": _json(_ANY_OBJECT, "Ollama's answer"), **_dialect_errors(_OLLAMA_ERROR, "401")}
+    ollama_get = {"200": _json(_ANY_OBJECT, "Ollama's answer"), **_error_responses(*AUTH, schema=_OLLAMA_ERROR)}
     return {
         "/v1/messages": _dialect_post(
             anthropic.MessagesRequest, "Anthropic Messages (any query string)", anthropic_errors,
@@ -205,9 +234,9 @@ def _dialect_paths() -> dict[str, Any]:
         ),
         "/v1/responses/{id}": {
             "get": {"summary": "a stored response", "parameters": [id_p],
-                    "responses": {"200": _json(_ANY_OBJECT, "the response"), **_error_responses("401", "404")}},
+                    "responses": {"200": _json(_ANY_OBJECT, "the response"), **_error_responses(*AUTH, "not_found")}},
             "delete": {"summary": "forget a stored response", "parameters": [id_p],
-                       "responses": {"200": _json(_ANY_OBJECT, "deleted"), **_error_responses("401", "404")}},
+                       "responses": {"200": _json(_ANY_OBJECT, "deleted"), **_error_responses(*AUTH, "not_found")}},
         },
         "/api/version": {"get": {"summary": "Ollama: the API version spoken", "responses": ollama_get}},
         "/api/tags": {"get": {"summary": "Ollama: the models", "responses": ollama_get}},
@@ -282,14 +311,14 @@ def build_openapi(cluster: bool = False) -> dict[str, Any]:
             "/v1/models": {
                 "get": {
                     "summary": "loaded models, then local ones (bundled first), then the rest of the catalog",
-                    "responses": {"200": _json(s.ModelList, "the models"), **_error_responses("401")},
+                    "responses": {"200": _json(s.ModelList, "the models"), **_error_responses(*AUTH)},
                 }
             },
             "/v1/models/{model}": {
                 "get": {
                     "summary": "one model",
                     "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
-                    "responses": {"200": _json(s.ModelObject, "the model"), **_error_responses("401", "404")},
+                    "responses": {"200": _json(s.ModelObject, "the model"), **_error_responses(*AUTH, "model_not_found")},
                 }
             },
             "/v1/chat/completions": _generation(
@@ -297,11 +326,12 @@ def build_openapi(cluster: bool = False) -> dict[str, Any]:
             ),
             "/v1/completions": _generation(s.CompletionRequest, s.Completion, s.Completion, "text completion"),
             "/v1/settings": {
-                "get": {"summary": "node settings", "responses": {"200": settings_view, **_error_responses("401")}},
+                "get": {"summary": "node settings", "responses": {"200": settings_view, **_error_responses(*AUTH)}},
                 "put": {
                     "summary": "change node settings (persisted in the node's settings file; next request on)",
                     "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(s.SettingsUpdate)}}},
-                    "responses": {"200": settings_view, **_error_responses("400", "401", "413", "500")},
+                    "responses": {"200": settings_view, **_error_responses(*AUTH, *BODY, we.SettingsError,
+                                                                           "internal_error")},
                 },
             },
             **_dialect_paths(),

@@ -15,17 +15,23 @@ After a verify call of R rows per sequence, sequence b keeps its first ``kept[b]
   ``dynamic_roll``), its ``left_padding`` grows and its ``offset`` (RoPE position) drops by as many. The
   rolled-out rejected rows land past the end (overwritten by the next call) or in the padding (masked);
 - then the padding every sequence has is cut off the front (``compact``), so the keys stay as long as the
-  longest sequence's: a batch's KV never outgrows its members' horizons (``batch.batch_bytes``).
+  longest sequence's: a batch's KV never outgrows its members' horizons (``batch_memory.batch_bytes``).
+
+``BatchCaches`` holds the caches a batch steps on: its one member's own until a second joins, then rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .models.layers import RollbackArraysCache
+
+if TYPE_CHECKING:
+    from .forward import Forward
+    from .sequence import SequenceState
 
 
 def batch_cache(cache: Any) -> Any:
@@ -93,3 +99,57 @@ def compact(cache: list[Any]) -> None:
         c.values = c.values[..., lead:, :]
         c._idx -= lead
         c.left_padding = c.left_padding - lead
+
+
+class BatchCaches:
+    """The backbone caches a batch steps on, wherever the layers are: its first member's own (a batch of one
+    steps on them in place: what a solo step costs) until a second member joins; then a batch's rows
+    (``forward.join``), until the last member leaves."""
+
+    def __init__(self, forward: Forward) -> None:
+        self.forward = forward
+        self.cache: list[Any] = []
+        self.rows = False  # a batch's rows (else: the one member's own caches)
+
+    def join(self, members: list[SequenceState], run: SequenceState) -> None:
+        """``run`` joins ``members``: its caches become the batch's last row (the first member's stay its own)."""
+        if not members:
+            self.cache = run.cache
+            return
+        if not self.rows:  # a second member: the first one's caches become the batch's first row
+            self.cache = self.forward.join(None, members[0].hand_caches())
+            self.rows = True
+        self.cache = self.forward.join(self.cache, run.hand_caches())
+
+    def keep(self, members: list[SequenceState], keep: list[int]) -> None:
+        """The members at ``keep`` stay, in that order (the last one leaving drops the caches)."""
+        if not self.rows:
+            if not keep:
+                self.cache = []
+                for run in members:
+                    run.release()  # the lone member's own caches
+            return
+        if not keep:
+            cache, self.cache, self.rows = self.cache, [], False
+            self.forward.end(cache)
+            return
+        self.forward.filter(self.cache, keep)
+
+    def rollback(self, rows: int, kept: list[int]) -> None:
+        """After a verify call of ``rows`` rows per member, member b keeps its first ``kept[b]``."""
+        if self.rows:
+            self.forward.rollback_per_sequence(self.cache, rows, kept)
+        else:
+            self.forward.rollback(self.cache, rows, kept[0])
+
+    def member(self, i: int) -> tuple[list[Any], list[Any], int]:
+        """Member ``i``'s caches as one sequence's (its row: views, nothing copied), the caches that hold them
+        and its row there (-1: its own)."""
+        if self.rows:
+            return batch_row(self.cache, i), self.cache, i
+        return self.cache, self.cache, -1
+
+    def positions(self, members: int) -> list[int | None]:
+        """Each member's positions, read from its row of the attention KV (left padding excluded)."""
+        kv = next((c for c in self.cache if isinstance(c, BatchKVCache)), None) if self.rows else None
+        return kv.offset.tolist() if kv is not None else [None] * members

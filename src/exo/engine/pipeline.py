@@ -5,7 +5,9 @@ MTP head (and the embedding table the head needs), runs the engine's one generat
 (``generate.py``) and talks to the API. Its ``PipelineForward`` is the loop's backbone: a forward call
 sends a small step message to the first stage and receives the hidden states of the stage before it.
 Every other stage runs ``serve_stage``: receive a step, roll back what the previous verify call did not
-keep, run its layers, pass the hidden states on.
+keep, run its layers, pass the hidden states on. That is ``serve_member``, the one loop every member that does
+not lead runs (a tensor group's too: ``engine/tensor.py``), handed its ``StepTransport``: here send / recv
+between neighbours (``StageTransport``).
 
 A round at depth K, N = 3 stages::
 
@@ -30,6 +32,7 @@ runner builds on ``mx.distributed`` (ring backend over TCP: ``exo.runner.group.R
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -43,7 +46,7 @@ from .batch_cache import batch_cache, batch_row, keep_rows_per_sequence
 from .forward import MOE_MODES, cache_rates, keep_rows, verify_call
 from .models.backbone import SpeculativeBackbone
 from .prefix_cache import PrefixCache, StagePrefix
-from .verify import VerifyMode
+from .verify import VerifyMode, probe
 
 log = logging.getLogger(__name__)
 
@@ -594,78 +597,161 @@ class StageSlots:
         self.sizes.pop(slot, None)
 
 
+class StepTransport(Protocol):
+    """What a member that does not lead does its own way in ``serve_member``: how a forward step's input reaches its
+    layers and where their output goes. A pipeline's stage (``StageTransport``) receives the hidden states of the
+    stage before it (the first stage: the ids) and sends its own to the next; a tensor group's member
+    (``tensor.TensorTransport``) takes the ids from the leader in a collective, and its output goes nowhere (its
+    layers' all-reduces carry it). Everything else (headers, op records, END, SHUTDOWN, the prefix cache's round
+    trips, MEASURE, errors, exit) is ``serve_member``'s, the same code for both."""
+
+    member: str  # what errors call this member ("pipeline stage", "tensor member")
+    group: str  # and its group ("pipeline", "tensor group")
+    forward_op: int  # the header op of this kind's forward step (the other kind's is a StepHeaderError)
+
+    def layers(self, verify: VerifyMode | None) -> contextlib.AbstractContextManager[None]:
+        """Around building anything on this member's layers: a forward step (``verify``: its verify mode, None
+        for a plain step) or a measurement (None)."""
+        ...
+
+    def receive(self, header: StepHeader) -> mx.array:
+        """The step's input to this member's layers (called inside ``layers``)."""
+        ...
+
+    def outgoing(self, h: mx.array) -> mx.array:
+        """The step's output as this member evaluates it (then ``send``)."""
+        ...
+
+    def send(self, h: mx.array) -> None:
+        """Pass the evaluated output on."""
+        ...
+
+
+class StageTransport:
+    """A pipeline stage's ``StepTransport``: send / recv between neighbours."""
+
+    member, group, forward_op = "pipeline stage", "pipeline", OP_FORWARD
+
+    def __init__(self, model: SpeculativeBackbone, stage: StageSpec, link: Link) -> None:
+        self.stage, self.link = stage, link
+        self.dtype = hidden_dtype(model)
+        self.hidden_size = model.hidden_size
+
+    def layers(self, verify: VerifyMode | None) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def receive(self, header: StepHeader) -> mx.array:
+        batch, rows = header.batch, header.rows
+        if self.stage.first and header.tokens_inline:
+            return mx.array(list(header.tokens), dtype=mx.uint32).reshape(batch, rows)
+        if self.stage.first:
+            return self.link.recv((batch * rows,), mx.uint32, self.stage.previous).reshape(batch, rows)
+        return self.link.recv((batch, rows, self.hidden_size), self.dtype, self.stage.previous)
+
+    def outgoing(self, h: mx.array) -> mx.array:
+        # The wire carries ``dtype`` (every stage's receive expects it): a layer that computes in float32
+        # (bfloat16 MoE experts on a CPU without bf16 gather_mm) would otherwise send twice the bytes.
+        return h if h.dtype == self.dtype else h.astype(self.dtype)
+
+    def send(self, h: mx.array) -> None:
+        self.link.send(h, self.stage.next)
+
+
 def serve_stage(
     model: SpeculativeBackbone, stage: StageSpec, link: Link, *, on_step: Callable[[], None] | None = None,
     slots: StageSlots | None = None, prefix_cache: PrefixCache | None = None,
 ) -> None:
-    """A stage that does not lead: run steps until the leader shuts the group down. ``slots``: the table of
-    caches it keeps (by default a new one; tests pass theirs to see what it holds). ``prefix_cache``: this
-    stage's (its layers', under its own namespace): the leader's LOOKUP and BEGIN messages restore from it and
-    the prefill's steps store into it (``StagePrefix``, one per slot). A prefix cache that raises never ends the
-    stage: a failed lookup holds nothing, a failed restore answers "not restored" (the leader starts every stage
-    from 0), a failed store drops the sequence's ``StagePrefix`` (logged and counted: ``PrefixCache.note_failure``).
+    """A pipeline stage that does not lead: ``serve_member`` over send / recv between neighbours."""
+    serve_member(model, stage, link, StageTransport(model, stage, link), on_step=on_step, slots=slots,
+                 prefix_cache=prefix_cache)
 
-    Raises what the link raises when a member of the group is lost (the caller ends the process: the
-    group is disposable and is formed anew).
+
+def serve_member(
+    model: SpeculativeBackbone, member: StageSpec, link: Link, transport: StepTransport, *,
+    on_step: Callable[[], None] | None = None, slots: StageSlots | None = None, prefix_cache: PrefixCache | None = None,
+) -> None:
+    """A member of a group that does not lead (a pipeline's stage, a tensor group's member): run the leader's steps
+    until it shuts the group down, ``transport`` bringing each forward step's input and taking its output.
+    ``slots``: the table of caches it keeps (by default a new one; tests pass theirs to see what it holds).
+    ``prefix_cache``: this member's (its layers' or its slice's, under its own namespace): the leader's LOOKUP and
+    BEGIN messages restore from it and the prefill's steps store into it (``StagePrefix``, one per slot). A prefix
+    cache that raises never ends the member: a failed lookup holds nothing, a failed restore answers "not
+    restored" (the leader starts every member from 0), a failed store drops the sequence's ``StagePrefix`` (logged
+    and counted: ``PrefixCache.note_failure``).
+
+    Raises ``StepHeaderError`` for a header it cannot act on, and what the link (or a collective) raises when a
+    member of the group is lost (the caller ends the process: the group is disposable and is formed anew).
     """
-    if stage.last:
-        raise ValueError("the last stage leads (PipelineForward); it does not serve steps")
-    dtype = hidden_dtype(model)
-    hidden_size = model.hidden_size
-    forward_header = stage.next != stage.world_size - 1  # the leader knows the header: it wrote it
-    slots = slots if slots is not None else StageSlots(model, stage.rank)
+    if member.last:
+        raise ValueError(f"the last {transport.member} leads; it does not serve steps")
+    forward_header = member.next != member.world_size - 1  # the leader knows the header: it wrote it
+    slots = slots if slots is not None else StageSlots(model, member.rank)
     prefixes: dict[int, StagePrefix] = {}  # slot -> its sequence's use of the prefix cache
     rows_of: dict[int, list[StagePrefix | None]] = {}  # a batch slot -> its rows' (for their replies)
     expected = 0  # the step number the next header must carry
+    probed = False
     while True:
-        header = receive_header(link, stage, expected, forward_header)
+        header = _receive_header(link, member, expected, forward_header)
         expected += 1
-        if apply_header(header, link, stage, slots, prefixes, rows_of, prefix_cache):
-            if header.op == OP_SHUTDOWN:
-                return
+        for op in header.ops:  # the cache operations the leader did since its last message, first
+            slots.apply(op)
+            _follow_prefixes(op, slots, prefixes, rows_of)
+        if header.op == OP_SHUTDOWN:
+            return
+        if header.op == OP_END:
+            slots.drop(header.slot)  # nothing of a request survives it
+            prefixes.pop(header.slot, None)
+            rows_of.pop(header.slot, None)
+            continue
+        if header.op in (OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN):
+            payload = link.recv((header.rows,), mx.int32, member.previous)
+            mx.eval(payload)
+            reply = _prefix_step(header, payload.tolist(), slots, prefixes, prefix_cache)
+            link.send(mx.array(reply, dtype=mx.int32), member.next)
             continue
         if header.op == OP_MEASURE:
-            before = link.recv((4 * stage.rank,), mx.int32, stage.previous).tolist() if not stage.first else []
-            link.send(mx.array(before + _pack_rates(cache_rates(model)), dtype=mx.int32), stage.next)
+            before = link.recv((4 * member.rank,), mx.int32, member.previous).tolist() if not member.first else []
+            with transport.layers(None):
+                mine = cache_rates(model)
+            link.send(mx.array(before + _pack_rates(mine), dtype=mx.int32), member.next)
             continue
-        if header.op != OP_FORWARD:
-            raise StepHeaderError(f"pipeline stage {stage.rank}: op {header.op} (step {header.step}) is not a "
-                                  "pipeline's")
+        if header.op != transport.forward_op:
+            raise StepHeaderError(f"{transport.member} {member.rank}: op {header.op} (step {header.step}) is not a "
+                                  f"{transport.group}'s")
         cache = slots.forward_cache(header)
-        batch, rows = header.batch, header.rows
-        if stage.first and header.tokens_inline:
-            x = mx.array(list(header.tokens), dtype=mx.uint32).reshape(batch, rows)
-        elif stage.first:
-            x = link.recv((batch * rows,), mx.uint32, stage.previous).reshape(batch, rows)
-        else:
-            x = link.recv((batch, rows, hidden_size), dtype, stage.previous)
-        if header.invariant:
-            model.set_batch_invariant(True)
-        try:
-            verify = header.verify_mode
-            if verify is not None:
-                with verify_call(model, cache, verify):
-                    h = model.stage_hidden(x, cache)
-            else:
-                h = model.stage_hidden(x, cache)
-        finally:
+        verify = header.verify_mode
+        if verify is not None and not probed:
+            # Which linear layers this device computes a block of rows unlike one row (the leader probed its own):
+            # this member's verify rows must round as its own decode steps do. Its own layers (a tensor member's
+            # slice: the collectives off).
+            probe(model, verify.moe)
+            probed = True
+        with transport.layers(verify):
             if header.invariant:
-                model.set_batch_invariant(False)
-        # The wire carries ``dtype`` (every stage's receive expects it): a layer that computes in float32
-        # (bfloat16 MoE experts on a CPU without bf16 gather_mm) would otherwise send twice the bytes.
-        h = h if h.dtype == dtype else h.astype(dtype)
+                model.set_batch_invariant(True)
+            try:
+                x = transport.receive(header)
+                if verify is None:
+                    h = model.stage_hidden(x, cache)
+                else:
+                    with verify_call(model, cache, verify):
+                        h = model.stage_hidden(x, cache)
+            finally:
+                if header.invariant:
+                    model.set_batch_invariant(False)
+        h = transport.outgoing(h)
         mx.eval(h, *[c.state for c in cache if c.state is not None])
-        link.send(h, stage.next)
+        transport.send(h)
         prefix = prefixes.get(header.slot)
         if prefix is not None:
-            prefix.step(rows, cache, h)
+            prefix.step(header.rows, cache, h)
             if prefix.failed:  # its store raised (logged and counted): the sequence goes on without the cache
                 del prefixes[header.slot]
         if on_step is not None:
             on_step()
 
 
-def receive_header(link: Link, stage: StageSpec, expected: int, forward_header: bool) -> StepHeader:
+def _receive_header(link: Link, stage: StageSpec, expected: int, forward_header: bool) -> StepHeader:
     """The leader's next message (a header, and its op records when they follow it), checked for order; passed on
     to the next member first when ``forward_header`` (it reads them while this one computes)."""
     message = link.recv((HEADER_LEN,), mx.int32, stage.previous)
@@ -685,30 +771,6 @@ def receive_header(link: Link, stage: StageSpec, expected: int, forward_header: 
         if ops_message is not None:
             link.send(ops_message, stage.next)
     return header
-
-
-def apply_header(header: StepHeader, link: Link, stage: StageSpec, slots: StageSlots,
-                 prefixes: dict[int, StagePrefix], rows_of: dict[int, list[StagePrefix | None]],
-                 prefix_cache: PrefixCache | None) -> bool:
-    """What every member that does not lead does with a header before its own step: the op records, then an END,
-    a SHUTDOWN or a prefix round trip (True: the header is done with; a SHUTDOWN's caller returns)."""
-    for op in header.ops:
-        slots.apply(op)
-        _follow_prefixes(op, slots, prefixes, rows_of)
-    if header.op == OP_SHUTDOWN:
-        return True
-    if header.op == OP_END:
-        slots.drop(header.slot)  # nothing of a request survives it
-        prefixes.pop(header.slot, None)
-        rows_of.pop(header.slot, None)
-        return True
-    if header.op in (OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN):
-        payload = link.recv((header.rows,), mx.int32, stage.previous)
-        mx.eval(payload)
-        link.send(mx.array(_prefix_step(header, payload.tolist(), slots, prefixes, prefix_cache), dtype=mx.int32),
-                  stage.next)
-        return True
-    return False
 
 
 def _follow_prefixes(op: Op, slots: StageSlots, prefixes: dict[int, StagePrefix],

@@ -3,8 +3,9 @@
 The members of a tensor group (``engine/sharding.py``: attention and GatedDeltaNet heads, MLP and expert
 columns) run every step together, joined inside each layer by two all-reduces. The LAST member leads: it
 holds the final norm, lm_head and the MTP head, runs the engine's one generation loop (``batch.py``, ``round.py``)
-with a ``TensorForward`` as its backbone, and talks to the API. Every other member runs ``serve_tensor``: it
-receives the leader's step header (the same ``StepHeader`` and op records a pipeline's stages get: slots,
+with a ``TensorForward`` as its backbone, and talks to the API. Every other member runs ``serve_tensor``, the
+loop a pipeline's stages run (``pipeline.serve_member``) handed a ``TensorTransport``: it receives the leader's
+step header (the same ``StepHeader`` and op records a pipeline's stages get: slots,
 rollbacks, joins, filters, prefix-cache round trips), applies the cache operations to its own heads' caches,
 and runs its slice of every layer on the step's ids, which it takes from the leader inside the step's graph
 (``sharding.broadcast_ids``).
@@ -30,7 +31,8 @@ while the previous one computes, as on one node.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -40,23 +42,19 @@ from .models.backbone import SpeculativeBackbone
 from .pipeline import (
     OP_GRAPH_FORWARD,
     OP_MEASURE,
-    OP_SHUTDOWN,
     Link,
     PipelineForward,
     StageSlots,
     StageSpec,
     StepHeader,
-    StepHeaderError,
     _one_exchange,
-    _pack_rates,
     _slot,
     _unpack_rates,
-    apply_header,
-    receive_header,
+    serve_member,
 )
-from .prefix_cache import PrefixCache, StagePrefix
+from .prefix_cache import PrefixCache
 from .sharding import broadcast_ids, collectives
-from .verify import VerifyMode, probe
+from .verify import VerifyMode
 
 
 class TensorGroupError(RuntimeError):
@@ -127,63 +125,36 @@ class TensorForward(PipelineForward):
         return [*_unpack_rates(figures), mine]
 
 
+class TensorTransport:
+    """A tensor member's ``StepTransport``: the step's ids from the leader in a collective (``broadcast_ids``), the
+    layers' own all-reduces on while they are built, nothing sent after (the leader has the sums already)."""
+
+    member, group, forward_op = "tensor member", "tensor group", OP_GRAPH_FORWARD
+
+    def __init__(self, model: SpeculativeBackbone) -> None:
+        self.model = model
+
+    @contextlib.contextmanager
+    def layers(self, verify: VerifyMode | None) -> Iterator[None]:
+        with collectives(self.model):
+            yield
+
+    def receive(self, header: StepHeader) -> mx.array:
+        return broadcast_ids(self.model, None, (header.batch, header.rows))
+
+    def outgoing(self, h: mx.array) -> mx.array:
+        return h
+
+    def send(self, h: mx.array) -> None:
+        pass
+
+
 def serve_tensor(
     model: SpeculativeBackbone, member: StageSpec, link: Link, *, on_step: Callable[[], None] | None = None,
     slots: StageSlots | None = None, prefix_cache: PrefixCache | None = None,
 ) -> None:
-    """A member of a tensor group that does not lead: run the leader's steps on its slice until the leader shuts
-    the group down. ``prefix_cache``: this member's (its slice's part, under its own namespace), as a pipeline
-    stage's (``pipeline.serve_stage``). Raises what the link or a collective raises when a member is lost (the
-    caller ends the process: the group is formed anew)."""
-    if member.last:
-        raise ValueError("the last member leads (TensorForward); it does not serve steps")
-    forward_header = member.next != member.world_size - 1  # the leader knows the header: it wrote it
-    slots = slots if slots is not None else StageSlots(model, member.rank)
-    prefixes: dict[int, StagePrefix] = {}
-    rows_of: dict[int, list[StagePrefix | None]] = {}
-    probed = False
-    expected = 0
-    while True:
-        header = receive_header(link, member, expected, forward_header)
-        expected += 1
-        if apply_header(header, link, member, slots, prefixes, rows_of, prefix_cache):
-            if header.op == OP_SHUTDOWN:
-                return
-            continue
-        if header.op == OP_MEASURE:
-            before = link.recv((4 * member.rank,), mx.int32, member.previous).tolist() if not member.first else []
-            with collectives(model):
-                mine = cache_rates(model)
-            link.send(mx.array(before + _pack_rates(mine), dtype=mx.int32), member.next)
-            continue
-        if header.op != OP_GRAPH_FORWARD:
-            raise StepHeaderError(f"tensor member {member.rank}: op {header.op} (step {header.step}) is not a "
-                                  "tensor group's")
-        cache = slots.forward_cache(header)
-        verify = header.verify_mode
-        if verify is not None and not probed:
-            # Which linear layers this device computes a block of rows unlike one row (the leader probed its
-            # own): each member's verify rows must round as its own decode steps do. Its slice alone.
-            probe(model, verify.moe)
-            probed = True
-        if header.invariant:
-            model.set_batch_invariant(True)
-        try:
-            with collectives(model):
-                ids = broadcast_ids(model, None, (header.batch, header.rows))
-                if verify is None:
-                    h = model.stage_hidden(ids, cache)
-                else:
-                    with verify_call(model, cache, verify):
-                        h = model.stage_hidden(ids, cache)
-        finally:
-            if header.invariant:
-                model.set_batch_invariant(False)
-        mx.eval(h, *[c.state for c in cache if c.state is not None])
-        prefix = prefixes.get(header.slot)
-        if prefix is not None:
-            prefix.step(header.rows, cache, h)
-            if prefix.failed:
-                del prefixes[header.slot]
-        if on_step is not None:
-            on_step()
+    """A member of a tensor group that does not lead: ``serve_member`` (the loop a pipeline's stages run) with the
+    step's ids in a collective, until the leader shuts the group down. ``prefix_cache``: this member's (its slice's
+    part, under its own namespace). Raises what the link or a collective raises when a member is lost (the caller
+    ends the process: the group is formed anew)."""
+    serve_member(model, member, link, TensorTransport(model), on_step=on_step, slots=slots, prefix_cache=prefix_cache)

@@ -20,6 +20,9 @@ group first times its all-reduce alone (``out["collectives"]``, bench/tensor.py)
 stage [(0, n)] runs the model whole in one process, for comparisons. ``links``: every stage's
 ``RingLink.report()`` (where its time went, per phase, over the whole run; ``EXO_PIPELINE_PHASES=1`` in a
 stage's environment times the ring's receives apart).
+
+The members end with the process that started them: ``run_local_pipeline`` kills them when it returns or raises
+(Ctrl-C included), and a member whose starter was killed outright ends itself (``_end_with``).
 """
 
 from __future__ import annotations
@@ -27,15 +30,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from .group import free_port
+
+PARENT_POLL_S = 0.5  # how often a member looks whether the process that started it is still there
 
 
 class LocalPipelineError(RuntimeError):
@@ -75,7 +82,7 @@ def run_local_pipeline(
         spec_file = Path(tmp) / "spec.json"
         spec_file.write_text(json.dumps(spec))
         procs = [
-            subprocess.Popen([sys.executable, "-m", "exo.runner.local_pipeline", str(spec_file), str(rank)],
+            subprocess.Popen([sys.executable, "-m", "exo.runner.local_pipeline", str(spec_file), str(rank), str(os.getpid())],
                              stderr=subprocess.PIPE, text=True,
                              env={**os.environ, **stage_env[rank]} if stage_env is not None else None)
             for rank in range(len(stages))
@@ -269,5 +276,28 @@ def _run_batch(engine: Any, requests: list[Any], join_at: list[int] | None) -> l
     return out
 
 
+def _end_with(parent: int) -> None:
+    """End this process once ``parent`` (the process that started the group) is gone: killed (SIGKILL, or a
+    SIGTERM its code does not handle), it could not end its members, and they would go on serving (a tensor
+    member spinning in a collective, a pipeline stage in a receive) on the machine's cores or GPU."""
+    if sys.platform == "linux":
+        # The kernel's parent-death signal (PR_SET_PDEATHSIG = 1): a member's main thread holds the GIL while it
+        # waits in MLX's ring backend, so a thread of this process could not be relied on to look.
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+        if os.getppid() != parent:  # gone before the signal was asked for
+            os._exit(1)
+        return
+
+    def watch() -> None:  # elsewhere: a thread looks (whenever the main thread lets go of the GIL)
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exo-local-parent", daemon=True).start()
+
+
 if __name__ == "__main__":
+    _end_with(int(sys.argv[3]))
     _stage_main(sys.argv[1], int(sys.argv[2]))

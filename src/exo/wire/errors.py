@@ -10,7 +10,10 @@ takes status and type from here.
 
 The errors of the rooms above the wire (placement, the cluster service, downloads) live here too, so that
 this table can name them while every room that answers one (runner, cluster, api) can read it; their
-modules import them back under their old names.
+modules import them back under their old names. So do the HTTP layer's own answers (``HTTP_ERRORS``: codes the
+API raises from the request alone, no exception of ``ERRORS`` behind them). Every row says what it means to a
+client (``about``): the OpenAPI document's error responses are generated from both tables
+(``exo.api.openapi``).
 """
 
 from __future__ import annotations
@@ -236,6 +239,7 @@ class ErrorRow:
     retry_after_s: int | None = None  # Retry-After; an exception's own ``retry_after_s`` wins
     prefix: str = ""  # put before the message
     wire: str | None = None  # its name in a GenerateError between nodes; None: it crosses as "internal"
+    about: str = ""  # what it means to a client (the OpenAPI document's description of the code)
 
     def param_of(self, exc: BaseException) -> str | None:
         return self.param(exc) if callable(self.param) else self.param
@@ -246,57 +250,153 @@ class ErrorRow:
     def retry_after(self, exc: BaseException) -> int | None:
         return getattr(exc, "retry_after_s", None) or self.retry_after_s
 
+    def codes(self) -> tuple[str, ...]:
+        """The codes a client may see from this row: its own, or (``code`` None) the ``code`` of each exception
+        type it answers (its exception and the subclasses no row above it takes)."""
+        if self.code is not None:
+            return (self.code,)
+        found: list[str] = []
+        for cls in _subclasses(self.exception):
+            code = getattr(cls, "code", None)
+            if isinstance(code, str) and row_of_type(cls) is self and code not in found:
+                found.append(code)
+        return tuple(found)
+
+
+@dataclass(frozen=True)
+class HTTPErrorRow:
+    """An answer the HTTP layer gives by itself, from the request alone (``exo.api``: its middlewares and
+    request parsing raise an ``APIError`` with this code and status): no exception of ``ERRORS`` is behind it."""
+
+    code: str
+    status: int
+    about: str
+    type: str = "invalid_request_error"
+    endpoint: bool = True  # an endpoint's answer (False: for a method no endpoint of the path takes)
+
+    def codes(self) -> tuple[str, ...]:
+        return (self.code,)
+
+
+def _subclasses(cls: type) -> list[type]:
+    out = [cls]
+    for sub in cls.__subclasses__():
+        out.extend(c for c in _subclasses(sub) if c not in out)
+    return out
+
 
 _LOAD_FAILED = "the model could not be loaded: "
 
 # First match wins: a subclass's row comes before its base's.
 ERRORS: tuple[ErrorRow, ...] = (
-    ErrorRow(UnknownModelError, "model_not_found", 404, param="model"),
-    ErrorRow(AmbiguousModelError, "ambiguous_model", 400, param="model"),
-    ErrorRow(ModelNotAvailableError, "model_not_available", 404, param="model"),  # offline, files missing too
-    ErrorRow(UnsupportedModelError, "model_not_supported", 400, param="model"),
-    ErrorRow(ContextLengthError, "context_length_exceeded", 400, param=_own_param, wire="context_length_exceeded"),
+    ErrorRow(UnknownModelError, "model_not_found", 404, param="model",
+             about="no model by that name (not a card, not a repo id)"),
+    ErrorRow(AmbiguousModelError, "ambiguous_model", 400, param="model",
+             about="the name matches several models: name one of them"),
+    ErrorRow(ModelNotAvailableError, "model_not_available", 404, param="model",
+             about="a known model whose weights are not on this machine (offline, or files missing from the cache)"),
+    ErrorRow(UnsupportedModelError, "model_not_supported", 400, param="model",
+             about="a model whose architecture exo does not run"),
+    ErrorRow(ContextLengthError, "context_length_exceeded", 400, param=_own_param, wire="context_length_exceeded",
+             about="the prompt and max_tokens do not fit the model's context"),
     ErrorRow(NativeMTPUnavailableError, "native_mtp_unavailable", 400, param="native_mtp",
-             wire="native_mtp_unavailable"),
-    ErrorRow(GenerationRequestError, "invalid_value", 400, param=_own_param, wire="generation_request"),
-    ErrorRow(SamplingParamsError, "invalid_value", 400, param=_leading_word, wire="sampling_params"),
-    ErrorRow(PromptError, "invalid_value", 400, wire="prompt"),
-    ErrorRow(SettingsError, "invalid_value", 400),
-    ErrorRow(QueueFullError, "queue_full", 429, type="rate_limit_error", wire="queue_full"),
-    ErrorRow(RequestTimeoutError, "request_timeout", 408, type="timeout_error", wire="timeout"),
-    ErrorRow(ModelLoadTimeoutError, "model_loading", 503, type="server_error", retry_after_s=5),
-    ErrorRow(InstanceNotFoundError, "instance_not_found", 404, param="id"),
-    ErrorRow(UnknownNodeError, "node_not_found", 404, param="node"),
-    ErrorRow(AlreadyPlacedError, "already_placed", 409, param="model"),
-    ErrorRow(TensorShardingRefusedError, "tensor_sharding_unavailable", 400, param="sharding"),
-    ErrorRow(InvalidPlacementRequest, "invalid_value", 400),
-    ErrorRow(TooFewNodesError, "too_few_nodes", 400, param="min_nodes"),
-    ErrorRow(ModelNotOnDiskError, "model_not_available", 404, param="model"),
-    ErrorRow(NoDiskRoomError, "insufficient_storage", 507, type="server_error", param="model"),
-    ErrorRow(DeviceMemoryError, "insufficient_memory", 507, type="server_error", wire="device_memory"),
-    ErrorRow(NoPlacementError, "insufficient_memory", 507, type="server_error", param="model"),
-    ErrorRow(ClusterAuthError, "cluster_auth", 502, type="server_error"),
+             wire="native_mtp_unavailable",
+             about="native MTP was required and the model has no MTP head"),
+    ErrorRow(GenerationRequestError, "invalid_value", 400, param=_own_param, wire="generation_request",
+             about="a generation parameter out of range or contradictory"),
+    ErrorRow(SamplingParamsError, "invalid_value", 400, param=_leading_word, wire="sampling_params",
+             about="a sampling parameter out of range"),
+    ErrorRow(PromptError, "invalid_value", 400, wire="prompt",
+             about="the prompt cannot be rendered (chat template, roles, content parts)"),
+    ErrorRow(SettingsError, "invalid_value", 400,
+             about="a setting's value is not valid"),
+    ErrorRow(QueueFullError, "queue_full", 429, type="rate_limit_error", wire="queue_full",
+             about="the request queue is full: retry after Retry-After"),
+    ErrorRow(RequestTimeoutError, "request_timeout", 408, type="timeout_error", wire="timeout",
+             about="the request ran past the server's request timeout (queued or generating)"),
+    ErrorRow(ModelLoadTimeoutError, "model_loading", 503, type="server_error", retry_after_s=5,
+             about="the model is still loading: retry after Retry-After"),
+    ErrorRow(InstanceNotFoundError, "instance_not_found", 404, param="id",
+             about="no instance with that id"),
+    ErrorRow(UnknownNodeError, "node_not_found", 404, param="node",
+             about="no node with that id in the cluster"),
+    ErrorRow(AlreadyPlacedError, "already_placed", 409, param="model",
+             about="the model already has an instance: delete it first to place it elsewhere"),
+    ErrorRow(TensorShardingRefusedError, "tensor_sharding_unavailable", 400, param="sharding",
+             about="tensor sharding is not possible for this model or node count"),
+    ErrorRow(InvalidPlacementRequest, "invalid_value", 400,
+             about="the placement asked is contradictory"),
+    ErrorRow(TooFewNodesError, "too_few_nodes", 400, param="min_nodes",
+             about="fewer nodes hold the model than the placement needs"),
+    ErrorRow(ModelNotOnDiskError, "model_not_available", 404, param="model",
+             about="no node (or not the one asked) has the model's weights on its disk"),
+    ErrorRow(NoDiskRoomError, "insufficient_storage", 507, type="server_error", param="model",
+             about="the nodes with room in memory lack the disk to download the weights"),
+    ErrorRow(DeviceMemoryError, "insufficient_memory", 507, type="server_error", wire="device_memory",
+             about="the device ran out of memory for the request"),
+    ErrorRow(NoPlacementError, "insufficient_memory", 507, type="server_error", param="model",
+             about="no node has room for the model (the message says how much is missing)"),
+    ErrorRow(ClusterAuthError, "cluster_auth", 502, type="server_error",
+             about="another node refused this node's calls (the cluster secrets differ)"),
     ErrorRow(NodeUnavailableError, "node_unavailable", 503, type="server_error", retry_after_s=2,
-             wire="model_unavailable"),
-    ErrorRow(InstanceFailedError, "model_load_failed", 500, type="server_error", prefix=_LOAD_FAILED),
-    ErrorRow(DownloadNotFoundError, "download_not_found", 404, param="id"),
-    ErrorRow(RepoNotFoundError, "repo_not_found", 404, param="model"),
-    ErrorRow(InvalidRevisionError, "invalid_value", 400, param="revision"),
-    ErrorRow(InsufficientDiskError, "insufficient_storage", 507, type="server_error"),
-    ErrorRow(DownloadConflictError, "download_conflict", 409, param="quantize_head"),
-    ErrorRow(HubUnavailableError, "hub_unavailable", 503, type="server_error", retry_after_s=30),
-    ErrorRow(CheckpointError, "model_load_failed", 500, type="server_error", prefix=_LOAD_FAILED),
-    ErrorRow(CardError, "model_load_failed", 500, type="server_error", prefix=_LOAD_FAILED),
-    ErrorRow(DownloadError, None, 502, type="server_error"),  # the download's own code ("download_failed", ...)
+             wire="model_unavailable",
+             about="the node that serves the model is unavailable or not ready: retry after Retry-After"),
+    ErrorRow(InstanceFailedError, "model_load_failed", 500, type="server_error", prefix=_LOAD_FAILED,
+             about="the model could not be loaded"),
+    ErrorRow(DownloadNotFoundError, "download_not_found", 404, param="id",
+             about="no download with that id"),
+    ErrorRow(RepoNotFoundError, "repo_not_found", 404, param="model",
+             about="the hub has no such repo or revision (or the token does not open it)"),
+    ErrorRow(InvalidRevisionError, "invalid_value", 400, param="revision",
+             about="the revision is not a branch, tag or commit name"),
+    ErrorRow(InsufficientDiskError, "insufficient_storage", 507, type="server_error",
+             about="not enough free disk for the download (the message says how much)"),
+    ErrorRow(DownloadConflictError, "download_conflict", 409, param="quantize_head",
+             about="the model is already downloading with other head options"),
+    ErrorRow(HubUnavailableError, "hub_unavailable", 503, type="server_error", retry_after_s=30,
+             about="the hub cannot be reached: retry after Retry-After"),
+    ErrorRow(CheckpointError, "model_load_failed", 500, type="server_error", prefix=_LOAD_FAILED,
+             about="the model's files do not form a checkpoint exo can load"),
+    ErrorRow(CardError, "model_load_failed", 500, type="server_error", prefix=_LOAD_FAILED,
+             about="the model's card does not describe a model exo can load"),
+    ErrorRow(DownloadError, None, 502, type="server_error",
+             about="the download failed (the code says how)"),  # the download's own code ("download_failed", ...)
 )
 # Anything else: a 500 that names the exception's type (and is logged).
-INTERNAL = ErrorRow(Exception, "internal_error", 500, type="server_error", prefix="internal server error: ")
+INTERNAL = ErrorRow(Exception, "internal_error", 500, type="server_error", prefix="internal server error: ",
+                    about="an internal error (the message names it)")
+
+# The HTTP layer's own answers, from the request alone (before any exception above could be raised).
+HTTP_ERRORS: tuple[HTTPErrorRow, ...] = (
+    HTTPErrorRow("invalid_api_key", 401, "missing or wrong API key (when the server has one)", "authentication_error"),
+    HTTPErrorRow("request_too_large", 413, "the request body is too large"),
+    HTTPErrorRow("invalid_json", 400, "the body is not a JSON object"),
+    HTTPErrorRow("invalid_type", 400, "a field of the wrong type"),
+    HTTPErrorRow("invalid_value", 400, "a field's value is not valid"),
+    HTTPErrorRow("unknown_parameter", 400, "a field the endpoint does not know"),
+    HTTPErrorRow("missing_required_parameter", 400, "a required field or query parameter is missing"),
+    HTTPErrorRow("unsupported_parameter", 400, "a field exo does not support (or not in this combination)"),
+    HTTPErrorRow("model_not_found", 404, "no model by that name (not a card, not a repo id)"),
+    HTTPErrorRow("not_found", 404, "no such route, or no stored response with that id"),
+    HTTPErrorRow("method_not_allowed", 405, "the path does not take that method", endpoint=False),
+    HTTPErrorRow("previous_response_not_found", 404, "previous_response_id names no stored response"),
+    HTTPErrorRow("download_on_other_node", 409, "the download runs on another node of the cluster (its `node`): "
+                 "act on it there"),
+)
 
 
 def row_of(exc: BaseException) -> ErrorRow | None:
     """The row that answers ``exc``; None for an exception no row names (an internal error)."""
     for row in ERRORS:
         if isinstance(exc, row.exception):
+            return row
+    return None
+
+
+def row_of_type(cls: type[BaseException]) -> ErrorRow | None:
+    """The row that answers exceptions of type ``cls``."""
+    for row in ERRORS:
+        if issubclass(cls, row.exception):
             return row
     return None
 

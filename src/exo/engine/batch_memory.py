@@ -1,0 +1,51 @@
+"""What a batch of runs may hold in memory, and whether it fits an instance's KV budget.
+
+A batch's attention KV is left-padded to its longest row, so n runs hold about n x the longest horizon
+(prompt + max_tokens) of KV rows, plus each run's GatedDeltaNet state (fixed per sequence). ``batch_bytes``
+is that estimate, ``sequence_bytes`` measures its two rates on the model itself; the device queue admits a
+run into a batch only while the estimate stays within the instance's KV budget (``batch_fits``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .generate import Engine
+
+
+def stage_bytes(engine: Engine) -> list[tuple[int, int]]:
+    """Per stage of ``engine``'s model (one on a single node; a pipeline's leader last): (bytes of attention
+    KV per token, bytes of recurrent state per sequence), each measured where its layers are, once (on the
+    device thread), and kept on the engine."""
+    measured = getattr(engine, "_stage_bytes", None)
+    if measured is None:
+        measured = engine._stage_bytes = engine.forward.memory_rates()  # type: ignore[attr-defined]
+    return measured
+
+
+def sequence_bytes(engine: Engine) -> tuple[int, int]:
+    """(bytes of attention KV per token, bytes of recurrent state per sequence) of the layers in this process
+    (the whole model on a single node; a pipeline's leader: its stage's)."""
+    return stage_bytes(engine)[-1]
+
+
+def batch_bytes(horizons: list[int], per_token: int, per_sequence: int) -> int:
+    """The memory a batch of runs with these horizons (prompt + max_tokens each) may reach: every row
+    padded to the longest, plus each run's recurrent state."""
+    if not horizons:
+        return 0
+    return len(horizons) * (max(horizons) * per_token + per_sequence)
+
+
+def batch_fits(engine: Engine, horizons: list[int], budget_tokens: int) -> bool:
+    """Whether runs with these horizons may decode together within ``budget_tokens`` tokens of the model's
+    KV on every stage (each stage's memory holds its own layers' KV budget, as placement reserved it; a lone
+    run always may: its own context limit bounds it)."""
+    if len(horizons) < 2:
+        return True
+    for per_token, per_sequence in stage_bytes(engine):
+        # A stage without attention layers holds only the fixed states, which max_batch bounds.
+        if per_token and batch_bytes(horizons, per_token, per_sequence) > budget_tokens * per_token:
+            return False
+    return True
