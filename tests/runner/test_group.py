@@ -345,3 +345,29 @@ def test_a_closed_doorbell_is_a_lost_member_and_a_waiting_message_is_not() -> No
     assert hung.wait(5)
     assert link.peer_lost()
     theirs_previous.close()
+
+
+def test_free_port_names_ports_below_the_kernel_s_ephemeral_range(monkeypatch, tmp_path) -> None:
+    """A port from a bind to port 0 is an ephemeral one: any outgoing connection may take it before its taker
+    binds it (a CI run lost a daemon's API port so). free_port chooses below the ephemeral range, and another
+    candidate where one is taken."""
+    import socket
+    from pathlib import Path
+
+    from exo.runner import group
+
+    monkeypatch.setattr(group, "_claims_dir", lambda: tmp_path)
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [group.free_port() for _ in range(20)]
+    assert all(group.PORTS_FROM <= p < low for p in ports), ports
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", ports[0]))
+    try:
+        monkeypatch.setattr(group, "_HANDED_OUT", set())
+        candidates = iter([ports[0], ports[1]])
+        monkeypatch.setattr(group.random, "randint", lambda a, b: next(candidates))
+        monkeypatch.setattr(group, "_claims_dir", lambda: tmp_path / "fresh")
+        (tmp_path / "fresh").mkdir()
+        assert group.free_port() == ports[1]  # the taken candidate skipped
+    finally:
+        taken.close()

@@ -38,6 +38,7 @@ import hmac
 import json
 import logging
 import os
+import random
 import secrets
 import socket
 import tempfile
@@ -115,21 +116,42 @@ def _prune_claims(claims: Path, now: float) -> None:
             pass
 
 
+def _below_ephemeral() -> tuple[int, int] | None:
+    """Ports to choose from below the kernel's ephemeral range (Linux: ip_local_port_range, 32768 by default;
+    macOS and the BSDs: 49152), or None where that leaves too few. A port the kernel hands out for a bind to
+    port 0 is an ephemeral one, and any process's outgoing connection may take it before its taker binds it
+    (a CI run lost a daemon's API port so, to a connection made in the seconds the daemon took to start)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 49152
+    top = min(low, 49152) - 1
+    return (PORTS_FROM, top) if top - PORTS_FROM >= 1000 else None
+
+
+PORTS_FROM = 20000  # the lowest port free_port names (below it: services' well-known and registered ports)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (for the ring's listener, a daemon's API), never one this
-    process handed out before: the kernel may give a port freed a moment ago straight back, so two calls in
-    a row (a daemon's API and gRPC ports, a pipeline's ring hosts) could otherwise name the same port twice.
-    Nor one another process of this user took in the last ``PORT_CLAIM_S``: between this call and the
-    taker's bind, the kernel would hand the same free port to anyone asking."""
+    """A TCP port free on ``host`` right now (for the ring's listener, a daemon's API), chosen below the
+    kernel's ephemeral range (``_below_ephemeral``), never one this process handed out before: the kernel may
+    give a port freed a moment ago straight back, so two calls in a row (a daemon's API and gRPC ports, a
+    pipeline's ring hosts) could otherwise name the same port twice. Nor one another process of this user took
+    in the last ``PORT_CLAIM_S``: between this call and the taker's bind, anyone asking could get the same
+    free port."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     claims = _claims_dir()
     with _HANDED_OUT_LOCK, open(claims / ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         now = time.time()
         _prune_claims(claims, now)
+        span = _below_ephemeral()
         for _ in range(256):
             with socket.socket(family, socket.SOCK_STREAM) as s:
-                s.bind((host, 0))
+                try:
+                    s.bind((host, random.randint(*span) if span else 0))
+                except OSError:  # taken: another candidate
+                    continue
                 port = int(s.getsockname()[1])
             if port not in _HANDED_OUT and _claim(claims, port, now):
                 _HANDED_OUT.add(port)
