@@ -38,6 +38,7 @@ stock; at 32,768 >= 6,000 tokens/s; 35B-A3B >= 10x stock.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -52,7 +53,7 @@ from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, 
 from exo.engine.costs import device_name
 from exo.engine.models import gated_delta_chunked as chunked
 from exo.engine.models import gated_delta_states_cuda as states_cuda
-from exo.engine.models import layers
+from exo.engine.models import layers, prompt_dense
 
 
 def main() -> None:
@@ -222,14 +223,20 @@ def model_phase(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
     text = loaded.model.text_model
     gdn = next((layer.linear_attn for layer in text.layers if hasattr(layer, "linear_attn")), None)
     kernel = gdn is not None and states_cuda.usable(gdn.head_k_dim, gdn.head_v_dim)  # what "auto" runs here
+    dense = any(found.startswith("ok") for found in loaded.dense.values())  # prompt_dense: on by default on CUDA
     for c in args.prefill_chunk:
-        modes = {"chunked": f"exo chunked, chunk {c}"}  # the state steps as MLX ops
+        modes = {("chunked", True): f"exo chunked, chunk {c}"}  # the state steps as MLX ops
         if kernel:
-            modes["auto"] = f"exo chunked+kernel, chunk {c}"  # the default on MLX CUDA: the state steps' kernel
+            modes[("auto", True)] = f"exo chunked+kernel, chunk {c}"  # the default on MLX CUDA: the state steps' kernel
+        if dense:  # the same default with MLX's quantized products (EXO_PROMPT_DENSE=off)
+            modes[("auto", False)] = f"exo default, qmm, chunk {c}"
         for mode, name in modes.items():
-            engines[name], engines_modes[name] = Engine(loaded, EngineConfig(prefill_chunk=c, gdn_prefill=mode)), mode
+            engines[name] = Engine(loaded, EngineConfig(prefill_chunk=c, gdn_prefill=mode[0]))
+            engines_modes[name] = mode
     engines["exo loop"] = Engine(loaded, EngineConfig(prefill_chunk=args.prefill_chunk[0], gdn_prefill="loop"))
-    engines_modes["exo loop"] = "loop"
+    engines_modes["exo loop"] = ("loop", True)
+    print("\n[model] a prompt's quantized products on dequantized weights (prompt_dense): "
+          + ("; ".join(f"{k}: {v}" for k, v in loaded.dense.items()) or "not used here"))
     print(f"\n[model] the chunked form's state-steps kernel: {'usable (the default)' if kernel else 'not usable here'}")
     results = []
     print(f"\n[model] prefill of MODEL's whole forward: stock mlx-lm vs exo, alternating, {args.repeats} repeats")
@@ -242,18 +249,18 @@ def model_phase(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
             if name == "exo loop" and n > args.loop_max:
                 continue
 
-            def run(engine=engine, mode=engines_modes[name]) -> tuple[float, int]:
-                engine.model.set_gdn_prefill(mode)  # (the engines share the model's layers)
-                return _exo_prefill(engine, prompt)  # noqa: B023
+            def run(engine=engine, mode=engines_modes[name], tokens=prompt) -> tuple[float, int]:
+                engine.model.set_gdn_prefill(mode[0])  # (the engines share the model's layers)
+                with contextlib.nullcontext() if mode[1] else prompt_dense.suspended():
+                    return _exo_prefill(engine, tokens)
 
             configs[name] = run
         short = prompt[: min(n, 256)]
-        for name in configs:  # warm-up at a short prompt (kernels compiled)
+        for name in configs:  # warm-up (kernels compiled): a short prompt, a whole chunk for the dense products
             if name == "stock mlx-lm":
                 _stock_prefill(stock_model, short)
             else:
-                engines[name].model.set_gdn_prefill(engines_modes[name])
-                _exo_prefill(engines[name], short)
+                configs[name](tokens=short if name == "exo loop" else prompt[: min(n, 4096)])
         times: dict[str, list[float]] = defaultdict(list)
         firsts: dict[str, int] = {}
         for _ in range(max(1, args.repeats)):

@@ -363,6 +363,9 @@ def own_ops(engine: Engine) -> list[str]:
     if any(found.startswith("ok") for found in engine.loaded.padded.values()):
         ops.append("quantized linear products of few rows padded to MLX's tiled product (engine/models/padded_rows.py; "
                    "EXO_PAD_ROWS=0 for one-row products)")
+    if any(found.startswith("ok") for found in engine.loaded.dense.values()):
+        ops.append("a prompt chunk's quantized products on dequantized weights (engine/models/prompt_dense.py; "
+                   "EXO_PROMPT_DENSE=off for MLX's quantized product)")
     if any(found.startswith("ok") for found in engine.loaded.gdn.values()):
         ops.append("the GatedDeltaNet step (engine/kernels/cuda_gdn.py; EXO_GDN_KERNEL=0 for mlx-lm's ops)")
     return ops

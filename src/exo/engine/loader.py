@@ -33,6 +33,7 @@ from .models.backbone import SpeculativeBackbone
 from .models.layers import SparseMoeBlock, check_expert_sort, use_gdn_kernel, use_qgemv
 from .models.mtp import HEAD_NORM_SUFFIXES, MTPHead
 from .models.padded_rows import use_padded_rows
+from .models.prompt_dense import use_prompt_dense
 from .sharding import TensorShardingError, TensorShare, shard_model
 
 SIDECAR_NAMES = ("mtp.safetensors",)
@@ -96,6 +97,9 @@ class LoadedModel:
     # Per quantized layer shape, whether its calls of few rows are padded to MLX's tiled product
     # (``models.padded_rows``, ``EXO_PAD_ROWS``; off by default)
     padded: dict[str, str] = field(default_factory=dict)
+    # Per quantized layer shape (and the MoE experts), from how many rows a call runs on the weights dequantized
+    # (``models.prompt_dense``, ``EXO_PROMPT_DENSE``: on MLX CUDA by default)
+    dense: dict[str, str] = field(default_factory=dict)
     # Per GatedDeltaNet layer shape, whether its decode steps and verify rows run exo's kernel (``use_gdn_kernel``)
     gdn: dict[str, str] = field(default_factory=dict)
 
@@ -602,6 +606,7 @@ def load_checkpoint(
     check_expert_sort(blocks)  # before any prefill: a device whose sorted expert kernels are wrong goes unsorted
     qgemv = use_qgemv([model] + ([head] if head is not None else []))
     padded = use_padded_rows([model] + ([head] if head is not None else []))  # shapes the kernel left to MLX
+    dense = use_prompt_dense([model] + ([head] if head is not None else []), blocks)  # prompt-sized calls
     gdn = use_gdn_kernel(model)
     return LoadedModel(
         path=path,
@@ -614,5 +619,6 @@ def load_checkpoint(
         eos_token_ids=eos_token_ids(path, config, tokenizer) if tokenizer is not None else frozenset(),
         qgemv=qgemv,
         padded=padded,
+        dense=dense,
         gdn=gdn,
     )

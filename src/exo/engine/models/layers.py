@@ -36,7 +36,9 @@ from mlx_lm.models.qwen3_next import (
 )
 
 from . import gated_delta_states_cuda as states_cuda
+from . import prompt_dense
 from .gated_delta_chunked import gated_delta_chunked_update
+from .prompt_dense import experts_dense
 
 MoEVerifyMode = Literal["route_locked", "batched", "safe"]
 
@@ -714,6 +716,7 @@ class SparseMoeBlock(Qwen3NextSparseMoeBlock):
     verify_mode: MoEVerifyMode | None = None  # set by the engine around verify calls only
     sort_experts: bool = True  # False where ``check_expert_sort`` found the sorted expert kernels wrong
     unsorted_in_batch: bool = False  # batch-invariant batch steps (each row as alone)
+    dense_experts_from: int = 0  # (row, expert) pairs from which the experts run dequantized (prompt_dense); 0: never
 
     def _route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         if self.verify_mode == "route_locked" and x.shape[1] > 1:
@@ -730,7 +733,10 @@ class SparseMoeBlock(Qwen3NextSparseMoeBlock):
 
     def _block(self, x: mx.array) -> mx.array:
         inds, scores = self._route(x)
-        if self.sort_experts and not self.unsorted_in_batch:
+        if (self.dense_experts_from and inds.size >= self.dense_experts_from and not self.unsorted_in_batch
+                and prompt_dense.active()):
+            experts = experts_dense(self.switch_mlp, x, inds)
+        elif self.sort_experts and not self.unsorted_in_batch:
             experts = self.switch_mlp(x, inds)
         else:
             experts = experts_unsorted(self.switch_mlp, x, inds)

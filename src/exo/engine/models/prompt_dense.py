@@ -1,0 +1,201 @@
+"""A prompt chunk's quantized products on dequantized weights: the GPU's dense matrix units instead of MLX's
+quantized tiles, where a call has enough rows to be bound by arithmetic.
+
+MLX's quantized product dequantizes inside its tiles (``qmm_sm80`` on an H200): ~100-120 TFLOP/s on the 9B's
+layers at 2,048-4,096 rows. The same weights dequantized for the call (``mx.dequantize``, the call's own
+transient) and multiplied by cuBLAS reach 420-570 TFLOP/s: the 9B's linears of a 4,096-token chunk went from
+479 ms to 120 ms (4.0x), and one 35B-A3B MoE layer's experts (256 experts, top-8) from 42.8 ms to 6.3 ms (6.8x)
+through the sorted ``gather_mm`` on dequantized experts (bench/results/h200-mlx-cuda-prefill-linears-2026-11-29.txt;
+``bench/prefill_linears.py``, ``bench/moe_experts.py``). A decode step, a verify call and a batch step have few
+rows and keep MLX's quantized product (``qmv``): nothing they compute changes.
+
+- ``DenseRowsLinear``: a quantized linear layer whose calls of ``MIN_ROWS`` rows or more, on a layer with
+  enough weights (``MIN_WORK``: rows x outputs x inputs; small layers lose to the dequantization's launch),
+  run ``x @ dequantize(w).T``.
+- ``experts_dense``: a MoE block's experts on ``MIN_ROWS`` rows or more (the 35B-A3B's top-8 experts at 512 rows,
+  4,096 (row, expert) pairs: 1.21x; at 4,096 rows 6.8x): mlx-lm's sort by expert, then ``gather_mm`` on each
+  projection's experts dequantized. ``use_prompt_dense`` compares it with the unsorted quantized path on the
+  first block at that many pairs before any block uses it (MLX CUDA's
+  sorted gathers have returned wrong products before: ``layers.check_expert_sort``), and keeps it off where
+  one projection's dequantized experts would take more than ``HEADROOM_SHARE`` of the device memory left.
+
+The rounding is a dense product's, not MLX's quantized one's: a prompt's logits differ from stock mlx-lm's in
+the last bits (docs/architecture.md names the op). ``EXO_PROMPT_DENSE``: ``auto`` (default: on MLX CUDA),
+``off``, ``on`` (any device: unmeasured on Apple GPUs, where MLX's Metal product may already be near the
+hardware), ``on:ROWS`` (any device, from ROWS rows: the CPU tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+MIN_ROWS = 512  # rows of a call from which a layer may run dense (H200: the 9B's large layers 1.4-2.2x at 512)
+MIN_WORK = 2**33  # rows x outputs x inputs: 512 rows of a 16M-weight layer, 2,048 of a 4M one (both faster)
+CHECK_TOLERANCE = 0.05  # relative, as layers.SORTED_EXPERTS_TOLERANCE: bfloat16 rounding of two paths ~6e-3
+HEADROOM_SHARE = 0.125  # one projection's dequantized experts may take this share of the memory left
+
+
+_suspended = False  # ``suspended()``: a benchmark's same-model comparison with MLX's quantized products
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Within the block every layer and MoE block given the dense path takes MLX's quantized product (graphs
+    built inside it). For benchmarks that compare both on one loaded model."""
+    global _suspended
+    before, _suspended = _suspended, True
+    try:
+        yield
+    finally:
+        _suspended = before
+
+
+def active() -> bool:
+    return not _suspended
+
+
+def setting() -> tuple[str, int]:
+    """``EXO_PROMPT_DENSE`` -> (where, min rows): ("cuda", MIN_ROWS) by default, ("off", 0), ("always", rows)."""
+    value = os.environ.get("EXO_PROMPT_DENSE", "auto").strip().lower()
+    if value in ("auto", ""):
+        return "cuda", MIN_ROWS
+    if value in ("off", "0"):
+        return "off", 0
+    if value in ("on", "1"):
+        return "always", MIN_ROWS
+    head, _, rows = value.partition(":")
+    if head == "on" and rows.isdigit() and int(rows) > 0:
+        return "always", int(rows)
+    raise ValueError(f"EXO_PROMPT_DENSE must be auto, off, on or on:<rows>, not {value!r}")
+
+
+def on_cuda() -> bool:
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def dense_weight(module: nn.Module, dtype: mx.Dtype) -> mx.array:
+    """A quantized layer's (or experts') weight dequantized to ``dtype``: [..., outputs, inputs]."""
+    return mx.dequantize(module["weight"], module["scales"], module.get("biases"), group_size=module.group_size,
+                         bits=module.bits, mode=module.mode, dtype=dtype)
+
+
+class _DenseRows:
+    """Calls of ``dense_min_rows`` rows or more (and ``MIN_WORK``) run on the weight dequantized for the call."""
+
+    dense_min_rows = MIN_ROWS
+    dense_min_work = MIN_WORK
+
+    def __call__(self, x: mx.array) -> mx.array:
+        k = x.shape[-1]
+        rows = x.size // k if k else 0
+        n = self["weight"].shape[0]  # type: ignore[index]
+        if rows < self.dense_min_rows or rows * n * k < self.dense_min_work or _suspended:
+            return super().__call__(x)  # type: ignore[misc]
+        y = x @ dense_weight(self, x.dtype).T  # type: ignore[arg-type]
+        if "bias" in self:  # type: ignore[operator]
+            y = y + self["bias"]  # type: ignore[index]
+        return y
+
+
+_DENSE_CLASSES: dict[type, type] = {}
+
+
+def make_dense_rows(module: nn.QuantizedLinear, min_rows: int, min_work: int) -> None:
+    """Give a quantized linear layer (of whatever exo class it has) the dense path for large calls."""
+    cls = type(module)
+    if not issubclass(cls, _DenseRows):
+        if cls not in _DENSE_CLASSES:
+            _DENSE_CLASSES[cls] = type(f"DenseRows{cls.__name__}", (_DenseRows, cls), {})
+        module.__class__ = _DENSE_CLASSES[cls]
+    module.dense_min_rows = min_rows  # type: ignore[attr-defined]
+    module.dense_min_work = min_work  # type: ignore[attr-defined]
+
+
+def experts_dense(switch: nn.Module, x: mx.array, indices: mx.array) -> mx.array:
+    """mlx-lm's ``SwitchGLU`` forward (rows sorted by expert) with each projection a ``gather_mm`` on its experts
+    dequantized for the call: x [..., D], indices [..., k] -> [..., k, D]."""
+    k = indices.shape[-1]
+    flat = mx.stop_gradient(indices).flatten()
+    order = mx.argsort(flat)
+    inverse = mx.argsort(order)
+    rows = mx.expand_dims(x.reshape(-1, x.shape[-1]), -2)[order // k]
+    idx = flat[order]
+
+    dtype = x.dtype if mx.default_device() == mx.gpu else mx.float32  # MLX's CPU gather_mm takes float32 only
+
+    def project(v: mx.array, layer: nn.Module) -> mx.array:
+        w = dense_weight(layer, dtype).swapaxes(-1, -2)
+        out = mx.gather_mm(v.astype(dtype), w, rhs_indices=idx, sorted_indices=True).astype(x.dtype)
+        if "bias" in layer:
+            out = out + mx.expand_dims(layer["bias"][idx], -2)
+        return out
+
+    up = project(rows, switch.up_proj)
+    gate = project(rows, switch.gate_proj)
+    y = project(switch.activation(up, gate), switch.down_proj).squeeze(-2)
+    return y[inverse].reshape(*indices.shape, y.shape[-1])
+
+
+def _quantized_experts(switch: nn.Module) -> bool:
+    return all(hasattr(getattr(switch, name, None), "scales")
+               for name in ("up_proj", "gate_proj", "down_proj"))
+
+
+def check_experts(block: Any, pairs: int) -> tuple[bool, str]:
+    """Whether ``experts_dense`` computes what the unsorted quantized path does on ``block``'s experts at
+    ``pairs`` random (row, expert) pairs, and fits in memory: (ok, what was found)."""
+    from .layers import experts_unsorted  # layers imports this module
+
+    switch = block.switch_mlp
+    down = switch.down_proj
+    experts, dtype = down.num_experts, down.scales.dtype
+    transient = experts * down.input_dims * down.output_dims * dtype.size  # one projection's dense experts
+    info = mx.device_info()
+    left = int(info.get("memory_size", 0)) - mx.get_active_memory()
+    if info.get("memory_size") and transient > HEADROOM_SHARE * left:
+        return False, f"one projection's dense experts ({transient / 2**30:.2f} GiB) exceed {HEADROOM_SHARE:.0%} " \
+                      f"of the memory left ({left / 2**30:.1f} GiB)"
+    top_k = min(block.top_k, experts)
+    rows = max(2, -(-pairs // top_k))
+    key = mx.random.key(20261129)
+    x = (mx.random.normal((1, rows, switch.up_proj.input_dims), key=key) * 0.5).astype(dtype)
+    order = mx.argsort(mx.random.uniform(shape=(1, rows, experts), key=mx.random.split(key)[0]), axis=-1)
+    indices = order[..., :top_k].astype(mx.uint32)
+    dense, reference = experts_dense(switch, x, indices), experts_unsorted(switch, x, indices)
+    scale = mx.maximum(mx.abs(reference.astype(mx.float32)).max(), 1e-6)
+    difference = float((mx.abs(dense.astype(mx.float32) - reference.astype(mx.float32)).max() / scale).item())
+    if difference > CHECK_TOLERANCE:
+        return False, f"the dense experts differ from the quantized ones by {difference:.3g} (relative)"
+    return True, f"relative difference {difference:.2e} at {rows * top_k} pairs"
+
+
+def use_prompt_dense(modules: Sequence[nn.Module], blocks: Sequence[Any]) -> dict[str, str]:
+    """Give the quantized linear layers of ``modules`` (a backbone, the MTP head) the dense path for prompt-sized
+    calls, and the quantized MoE ``blocks`` dense experts where ``check_experts`` passes. Returns what was done
+    (``"dense 4096->12288 4-bit g64"`` -> ``"ok: from 512 rows"``); nothing unless ``setting`` allows it here."""
+    where, min_rows = setting()
+    if where == "off" or (where == "cuda" and not on_cuda()):
+        return {}
+    min_work = MIN_WORK if where == "cuda" else 0
+    found: dict[str, str] = {}
+    for tree in modules:
+        for _, leaf in tree.named_modules():
+            if isinstance(leaf, nn.QuantizedLinear) and leaf.weight.ndim == 2:
+                make_dense_rows(leaf, min_rows, min_work)
+                n, k = leaf.weight.shape[0], leaf.weight.shape[1] * 32 // leaf.bits
+                smallest = max(min_rows, -(-min_work // (n * k)))
+                found[f"dense {k}->{n} {leaf.bits}-bit g{leaf.group_size}"] = f"ok: from {smallest} rows"
+    quantized = [b for b in blocks if _quantized_experts(b.switch_mlp)]
+    if quantized:
+        pairs = min_rows * quantized[0].top_k  # (row, expert) pairs of a call of min_rows rows
+        passed, what = check_experts(quantized[0], pairs)
+        found[f"dense experts from {min_rows} rows"] = ("ok: " if passed else "not used: ") + what
+        for block in quantized:
+            block.dense_experts_from = min_rows * block.top_k if passed else 0
+    return found
