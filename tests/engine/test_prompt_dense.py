@@ -107,7 +107,7 @@ def test_dense_experts_agree_with_the_quantized_ones_and_the_check_refuses_wrong
     assert dense.shape == reference.shape
     scale = mx.abs(reference.astype(mx.float32)).max()
     assert (mx.abs(dense.astype(mx.float32) - reference.astype(mx.float32)).max() / scale).item() < 2e-2
-    ok, what = check_experts(block, 64)
+    ok, what = check_experts(block, 64, experts_unsorted)
     assert ok and what.startswith("relative difference"), what
     real = mx.gather_mm
 
@@ -115,7 +115,7 @@ def test_dense_experts_agree_with_the_quantized_ones_and_the_check_refuses_wrong
         return real(a, b, rhs_indices=(kw["rhs_indices"] + 1) % experts, sorted_indices=False)
 
     monkeypatch.setattr(mx, "gather_mm", wrong)
-    ok, what = check_experts(block, 64)
+    ok, what = check_experts(block, 64, experts_unsorted)
     assert not ok and what.startswith("the dense experts differ from the quantized ones"), what
 
 

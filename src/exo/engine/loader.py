@@ -30,7 +30,7 @@ from safetensors import safe_open
 
 from .models import SUPPORTED_MODEL_TYPES, UnsupportedModelError, get_model_classes, stage_model_classes
 from .models.backbone import SpeculativeBackbone
-from .models.layers import SparseMoeBlock, check_expert_sort, use_gdn_kernel, use_qgemv
+from .models.layers import SparseMoeBlock, check_expert_sort, experts_unsorted, use_gdn_kernel, use_qgemv
 from .models.mtp import HEAD_NORM_SUFFIXES, MTPHead
 from .models.padded_rows import use_padded_rows
 from .models.prompt_dense import use_prompt_dense
@@ -606,7 +606,7 @@ def load_checkpoint(
     check_expert_sort(blocks)  # before any prefill: a device whose sorted expert kernels are wrong goes unsorted
     qgemv = use_qgemv([model] + ([head] if head is not None else []))
     padded = use_padded_rows([model] + ([head] if head is not None else []))  # shapes the kernel left to MLX
-    dense = use_prompt_dense([model] + ([head] if head is not None else []), blocks)  # prompt-sized calls
+    dense = use_prompt_dense([model] + ([head] if head is not None else []), blocks, experts_unsorted)  # prompt-sized calls
     gdn = use_gdn_kernel(model)
     return LoadedModel(
         path=path,

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -147,11 +147,10 @@ def _quantized_experts(switch: nn.Module) -> bool:
                for name in ("up_proj", "gate_proj", "down_proj"))
 
 
-def check_experts(block: Any, pairs: int) -> tuple[bool, str]:
-    """Whether ``experts_dense`` computes what the unsorted quantized path does on ``block``'s experts at
-    ``pairs`` random (row, expert) pairs, and fits in memory: (ok, what was found)."""
-    from .layers import experts_unsorted  # layers imports this module
-
+def check_experts(block: Any, pairs: int, reference: Callable[..., mx.array]) -> tuple[bool, str]:
+    """Whether ``experts_dense`` computes what ``reference`` (the unsorted quantized path,
+    ``layers.experts_unsorted``: layers imports this module) does on ``block``'s experts at ``pairs`` random
+    (row, expert) pairs, and fits in memory: (ok, what was found)."""
     switch = block.switch_mlp
     down = switch.down_proj
     experts, dtype = down.num_experts, down.scales.dtype
@@ -167,17 +166,19 @@ def check_experts(block: Any, pairs: int) -> tuple[bool, str]:
     x = (mx.random.normal((1, rows, switch.up_proj.input_dims), key=key) * 0.5).astype(dtype)
     order = mx.argsort(mx.random.uniform(shape=(1, rows, experts), key=mx.random.split(key)[0]), axis=-1)
     indices = order[..., :top_k].astype(mx.uint32)
-    dense, reference = experts_dense(switch, x, indices), experts_unsorted(switch, x, indices)
-    scale = mx.maximum(mx.abs(reference.astype(mx.float32)).max(), 1e-6)
-    difference = float((mx.abs(dense.astype(mx.float32) - reference.astype(mx.float32)).max() / scale).item())
+    dense, want = experts_dense(switch, x, indices), reference(switch, x, indices)
+    scale = mx.maximum(mx.abs(want.astype(mx.float32)).max(), 1e-6)
+    difference = float((mx.abs(dense.astype(mx.float32) - want.astype(mx.float32)).max() / scale).item())
     if difference > CHECK_TOLERANCE:
         return False, f"the dense experts differ from the quantized ones by {difference:.3g} (relative)"
     return True, f"relative difference {difference:.2e} at {rows * top_k} pairs"
 
 
-def use_prompt_dense(modules: Sequence[nn.Module], blocks: Sequence[Any]) -> dict[str, str]:
+def use_prompt_dense(modules: Sequence[nn.Module], blocks: Sequence[Any],
+                     reference: Callable[..., mx.array] | None = None) -> dict[str, str]:
     """Give the quantized linear layers of ``modules`` (a backbone, the MTP head) the dense path for prompt-sized
-    calls, and the quantized MoE ``blocks`` dense experts where ``check_experts`` passes. Returns what was done
+    calls, and the quantized MoE ``blocks`` dense experts where ``check_experts`` passes against ``reference``.
+    Returns what was done
     (``"dense 4096->12288 4-bit g64"`` -> ``"ok: from 512 rows"``); nothing unless ``setting`` allows it here."""
     where, min_rows = setting()
     if where == "off" or (where == "cuda" and not on_cuda()):
@@ -192,9 +193,9 @@ def use_prompt_dense(modules: Sequence[nn.Module], blocks: Sequence[Any]) -> dic
                 smallest = max(min_rows, -(-min_work // (n * k)))
                 found[f"dense {k}->{n} {leaf.bits}-bit g{leaf.group_size}"] = f"ok: from {smallest} rows"
     quantized = [b for b in blocks if _quantized_experts(b.switch_mlp)]
-    if quantized:
+    if quantized and reference is not None:
         pairs = min_rows * quantized[0].top_k  # (row, expert) pairs of a call of min_rows rows
-        passed, what = check_experts(quantized[0], pairs)
+        passed, what = check_experts(quantized[0], pairs, reference)
         found[f"dense experts from {min_rows} rows"] = ("ok: " if passed else "not used: ") + what
         for block in quantized:
             block.dense_experts_from = min_rows * block.top_k if passed else 0
