@@ -340,7 +340,9 @@ def _mlp_parts(parts: Parts, mlp: Any, x: mx.array) -> mx.array:
     if not isinstance(mlp, layers.SparseMoeBlock):
         return parts("mlp", lambda: mlp(x))
     inds, scores = parts("moe router", lambda: mlp._route(x))
-    if mlp.sort_experts:
+    if mlp.dense_experts_from and inds.size >= mlp.dense_experts_from and prompt_dense.active():  # as _block
+        experts = parts("moe experts", lambda: prompt_dense.experts_dense(mlp.switch_mlp, x, inds))
+    elif mlp.sort_experts:
         experts = parts("moe experts", lambda: mlp.switch_mlp(x, inds))
     else:
         experts = parts("moe experts", lambda: layers.experts_unsorted(mlp.switch_mlp, x, inds))
@@ -389,7 +391,7 @@ def profile_phase(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
     chunks = -(-n // step)
     total = sum(parts.s.values())
     print(f"\n[profile] {n} tokens in {chunks} chunks of {step}, every part evaluated on its own "
-          f"(gdn_prefill auto: {'chunked' if layers.chunked_prefill('auto', 2, _on_cuda()) else 'kernel/loop'})")
+          f"(gdn_prefill auto: {'chunked' if layers.chunked_prefill('auto', step, _on_cuda()) else 'kernel/loop'})")
     print(f"{'part':>40} {'s':>8} {'share':>7}")
     rows = {}
     for name, s in sorted(parts.s.items(), key=lambda kv: -kv[1]):

@@ -257,12 +257,14 @@ def test_a_snapshot_at_a_chunk_edge_restored_equals_a_cold_run(checkpoint, arch)
 
 
 @pytest.mark.parametrize(("mode", "rows", "on_cuda", "chunked"), [
-    ("auto", 100, True, True), ("auto", 2, True, True), ("auto", 1, True, False), ("auto", 100, False, False),
+    ("auto", 100, True, True), ("auto", 12, True, True), ("auto", 11, True, False), ("auto", 2, True, False),
+    ("auto", 1, True, False), ("auto", 100, False, False), ("chunked", 2, False, True),
     ("chunked", 100, False, True), ("chunked", 1, False, False), ("loop", 100, True, False),
 ])
 def test_which_calls_take_the_chunked_form(mode, rows, on_cuda, chunked):
-    """``auto``: a prompt chunk (more than one row) on MLX CUDA only; ``chunked``: on any device; never a
-    one-row decode step (a recorded verify call's rows go one by one: rows == 1)."""
+    """``auto``: a prompt chunk of ``CHUNKED_MIN_ROWS`` rows or more on MLX CUDA only (fewer go faster by steps);
+    ``chunked``: any call of more than one row on any device; never a one-row decode step (a recorded verify call's
+    rows go one by one: rows == 1)."""
     assert layers.chunked_prefill(mode, rows, on_cuda) is chunked
 
 

@@ -403,9 +403,15 @@ class RollbackArraysCache(ArraysCache):
 GdnPrefill = Literal["auto", "chunked", "loop"]
 
 
+# ``auto`` on MLX CUDA takes the chunked form from this many rows: below, mlx-lm's per-row steps are faster (one
+# 9B layer on an H200: 8 rows 1.27 ms by steps vs 1.86 ms chunked, 64 rows 7.4 vs 1.97 ms; ~0.16 ms a row against
+# ~1.8 ms a call: h200-mlx-cuda-prefill-dense-2026-11-29.txt). The prefix cache's snapshot edges cut such pieces.
+CHUNKED_MIN_ROWS = 12
+
+
 def chunked_prefill(mode: GdnPrefill, rows: int, on_cuda: bool) -> bool:
     """Whether a non-recorded call of ``rows`` rows takes the chunked form."""
-    return rows > 1 and (mode == "chunked" or (mode == "auto" and on_cuda))
+    return rows > 1 and (mode == "chunked" or (mode == "auto" and on_cuda and rows >= CHUNKED_MIN_ROWS))
 
 
 def states_kernel(mode: GdnPrefill, dk: int, dv: int) -> bool:
