@@ -111,11 +111,17 @@ class Server:
         env.pop("EXO_API_KEY", None)
         argv = [sys.executable, "-m", "exo.cli.main", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                 "--grpc-port", str(free_port("127.0.0.1")), "--no-discovery", "--model", str(self.model_dir)]
-        self.process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 300
+        # Its log goes to a file, never to a pipe nobody reads: a server whose stderr pipe filled (64 KiB of log
+        # lines over a long session) would block in its next log write, and the session with it.
+        self.log = self.home / f"serve-{'on' if self.cache else 'off'}.log"
+        self.home.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        with open(self.log, "a") as log:
+            self.process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
+        deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"exo serve exited: {self.process.stderr.read() if self.process.stderr else ''}")
+                raise RuntimeError(f"exo serve exited: {self.log_tail()}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     break
@@ -126,7 +132,16 @@ class Server:
         # The first request loads the model (and warms it) if --model did not already. A long prompt that
         # shares no prefix with the session (a new one per start, so the cache holds none of it): a backend
         # that compiles kernels on first use (MLX CUDA) does so here, not in the session's first turn.
+        ready = time.monotonic()
         self.chat([{"role": "user", "content": self.warm_texts.pop(0) if self.warm_texts else "hi"}], 4)
+        print(f"  server (cache {'on' if self.cache else 'off'}): up in {ready - started:.1f} s, its first request "
+              f"(load, warm-up) {time.monotonic() - ready:.1f} s", flush=True)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
 
     @property
     def url(self) -> str:
@@ -141,6 +156,9 @@ class Server:
                 self.process.kill()
                 self.process.wait()
             self.process = None
+            size = self.log.stat().st_size if self.log.exists() else 0
+            print(f"  server (cache {'on' if self.cache else 'off'}) stopped; its log so far {size / 1024:.1f} KiB",
+                  flush=True)
 
     def chat(self, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
         body = {"model": self.model_id, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
@@ -201,6 +219,9 @@ def run(servers: list[Server], system: str, results: list[str], turns: int, max_
             messages[i] = messages[i] + [{"role": "assistant", "content": reply["text"]},
                                          {"role": "user", "content": f"Tool result (step {turn + 1}):\n{results[turn]}"}]
         each(turn, send)
+        print(f"  turn {turn + 1}: TTFT " + ", ".join(
+            f"cache {'on' if server.cache else 'off'} {outs[i]['turns'][-1]['ttft_s']:.3f} s"
+            for i, server in enumerate(servers)), flush=True)  # as it goes: a run cut short keeps its turns
     other = [{"role": "system", "content": system},
              {"role": "user", "content": "Add a --verbose flag to the command line and document it."}]
     each(turns, lambda i: outs[i].__setitem__("new_conversation", servers[i].chat(other, max_tokens)))
