@@ -166,3 +166,25 @@ def test_prompts_run_dense_while_decoding_mtp_and_batches_keep_their_identities(
     got = _run_batch(engine, requests, join_at=[0, 0, 2])
     for i, request in enumerate(requests):
         assert got[i][0] == engine.complete(request).token_ids, i
+
+
+def test_a_pipeline_with_dense_prompts_gives_the_single_node_s_tokens(checkpoint, monkeypatch):
+    """Stages loaded with ``EXO_PROMPT_DENSE=on:16`` (dense prompt calls and experts in each stage's part) run a
+    24-token prompt, plain and drafting, and give the single dense node's tokens. What this holds is that the
+    pipeline's stage loop runs with the dense classes (a stage's calls are not observed from here, and on this
+    fixture the dense and the quantized products give the same tokens)."""
+    from exo.runner.local_pipeline import run_local_pipeline
+
+    path = checkpoint("qwen3_5_moe", layout="mlx_q4_sidecar", head="trained", dtype="bfloat16")
+    monkeypatch.setenv("EXO_PROMPT_DENSE", "on:16")
+    loaded = dataclasses.replace(load_checkpoint(path), eos_token_ids=frozenset())
+    assert "dense experts from 16 rows" in loaded.dense
+    engine = Engine(loaded, EngineConfig())
+    prompt = (loaded.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n    return fib(n - 1)") * 3)[:24]
+    plain = engine.complete(GenerationRequest(prompt, max_tokens=10, native_mtp="off"))
+    requests = [{"prompt": prompt, "max_tokens": 10, "ignore_eos": True, "native_mtp": "off"},
+                {"prompt": prompt, "max_tokens": 10, "ignore_eos": True, "native_mtp": "on", "mtp_k": 2}]
+    out = run_local_pipeline(path, [(0, 2), (2, 4)], requests, timeout_s=240)
+    for request, result in zip(requests, out["results"], strict=True):
+        assert result["token_ids"] == plain.token_ids, request["native_mtp"]
+        assert result["stats"]["mode"] == "pipeline", request["native_mtp"]
