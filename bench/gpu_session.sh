@@ -88,7 +88,7 @@ for p in "$@"; do
     # issue 49: a prompt chunk's linears: MLX's quantized product vs dequantize + dense product (cuBLAS)
     linears9) phase linears9 $PY bench/prefill_linears.py "$Q9" $([ "$CPU" = 1 ] && echo --rows 64 --calls 2 --repeats 1 || echo --rows 128 256 512 2048 4096) ;;
     linears35) phase linears35 $PY bench/prefill_linears.py "$Q35" $([ "$CPU" = 1 ] && echo --rows 64 --calls 2 --repeats 1 || echo --rows 2048 4096) ;;
-    qmmrows) phase qmmrows $PY bench/qmm_rows.py "$Q9" --rows 1 2 4 7 8 9 16 --pad 8 ;;
+    qmmrows) phase qmmrows $PY bench/qmm_rows.py "$Q9" --rows 1 2 3 4 5 6 7 8 16 --pad 8 ;;
     # issue 50/51: the same with every quantized layer that passes padded_rows.check padded to 8 rows (MLX's tiled
     # product for decode steps, verify calls and small batches alike); compare with rounds / stock / batch9
     roundspad) EXO_PAD_ROWS=8 phase roundspad $PY bench/round_phases.py "$Q9" --replay 0.0,0.6,0.8,0.9 --repeats 1 --max-tokens 48 ;;
