@@ -178,8 +178,8 @@ def use_prompt_dense(modules: Sequence[nn.Module], blocks: Sequence[Any],
                      reference: Callable[..., mx.array] | None = None) -> dict[str, str]:
     """Give the quantized linear layers of ``modules`` (a backbone, the MTP head) the dense path for prompt-sized
     calls, and the quantized MoE ``blocks`` dense experts where ``check_experts`` passes against ``reference``.
-    Returns what was done
-    (``"dense 4096->12288 4-bit g64"`` -> ``"ok: from 512 rows"``); nothing unless ``setting`` allows it here."""
+    Returns what was done (``"dense 4096->12288 4-bit g64"`` -> ``"ok: from 512 rows"``); nothing unless
+    ``setting`` allows it here."""
     where, min_rows = setting()
     if where == "off" or (where == "cuda" and not on_cuda()):
         return {}
