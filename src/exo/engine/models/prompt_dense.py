@@ -9,14 +9,15 @@ through the sorted ``gather_mm`` on dequantized experts (bench/results/h200-mlx-
 ``bench/prefill_linears.py``, ``bench/moe_experts.py``). A decode step, a verify call and a batch step have few
 rows and keep MLX's quantized product (``qmv``): nothing they compute changes.
 
-- ``DenseRowsLinear``: a quantized linear layer whose calls of ``MIN_ROWS`` rows or more, on a layer with
+- ``_DenseRows`` (``make_dense_rows`` gives a layer the class ``DenseRows<its class>``): a quantized linear layer whose calls of ``MIN_ROWS`` rows or more, on a layer with
   enough weights (``MIN_WORK``: rows x outputs x inputs; small layers lose to the dequantization's launch),
   run ``x @ dequantize(w).T``.
 - ``experts_dense``: a MoE block's experts on ``MIN_ROWS`` rows or more (the 35B-A3B's top-8 experts at 512 rows,
   4,096 (row, expert) pairs: 1.21x; at 4,096 rows 6.8x): mlx-lm's sort by expert, then ``gather_mm`` on each
   projection's experts dequantized. ``use_prompt_dense`` compares it with the unsorted quantized path on the
-  first block at that many pairs before any block uses it (MLX CUDA's
-  sorted gathers have returned wrong products before: ``layers.check_expert_sort``), and keeps it off where
+  first block at that many pairs before any block uses it (MLX CUDA's sorted gathers have returned wrong products
+  before: ``layers.check_expert_sort``; on the CPU the quantized path's own bfloat16 error, ~8% of the scale on the
+  35B-A3B's expert shapes, fails the check), and keeps it off where
   one projection's dequantized experts would take more than ``HEADROOM_SHARE`` of the device memory left.
 
 The rounding is a dense product's, not MLX's quantized one's: a prompt's logits differ from stock mlx-lm's in
