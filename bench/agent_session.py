@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
-from common import report_to  # bench/ is this script's folder
+from common import report_to, stop_on_signals  # bench/ is this script's folder
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 sys.path.insert(0, str(SRC))
@@ -201,6 +201,15 @@ def run(servers: list[Server], system: str, results: list[str], turns: int, max_
     first = [{"role": "system", "content": system},
              {"role": "user", "content": "The tests in tests/test_parser.py fail. Find out why and fix it."}]
     messages = [list(first) for _ in servers]
+    try:
+        return _session(servers, system, messages, outs, results, turns, max_tokens)
+    finally:  # killed or failed (a timeout's SIGTERM: stop_on_signals), no server is left running
+        for server in servers:
+            server.stop()
+
+
+def _session(servers: list[Server], system: str, messages: list[list[dict[str, str]]],
+             outs: list[dict[str, Any]], results: list[str], turns: int, max_tokens: int) -> list[dict[str, Any]]:
     for server in servers:
         server.start()
 
@@ -253,6 +262,7 @@ def main() -> None:
                         help="print the report as one JSON object on stdout (the table goes to stderr)")
     args = parser.parse_args()
     args.model = args.model_option or args.model or "exo-demo"
+    stop_on_signals()  # killed (a phase's timeout), it stops its servers (run's finally)
     with report_to(args.json) as report:
         report.update(session(args))
 

@@ -62,7 +62,9 @@ phase() {  # phase NAME COMMAND...: run, tee to $OUT/NAME.log, report the time
     local name=$1; shift
     local start=$SECONDS
     echo "== $name: $*" | tee -a "$OUT/$name.log"
-    "$@" 2>&1 | tee -a "$OUT/$name.log"
+    # a phase ends by PHASE_TIMEOUT (SIGTERM: the benches stop what they started), inside the call's 10 minutes,
+    # so the phases after it in the same call still run and the call returns what they printed
+    timeout "${PHASE_TIMEOUT:-540}" "$@" 2>&1 | tee -a "$OUT/$name.log"
     local rc=${PIPESTATUS[0]}
     echo "== $name: rc=$rc in $((SECONDS - start)) s" | tee -a "$OUT/$name.log"
 }
