@@ -371,3 +371,34 @@ def test_a_model_loaded_on_the_cpu_runs_fused_norms_with_the_same_logits(checkpo
         for m in norms:
             m.__class__ = FusedRMSNorm if type(m) is nn.RMSNorm else FusedRMSNormGated
     assert mx.array_equal(fused, plain).item()
+
+
+@pytest.mark.parametrize("mode", ["auto", "chunked"])
+@pytest.mark.parametrize("make", [lambda: GatedDeltaNet(_qwen35_args()), lambda: NextGatedDeltaNet(_next_args())])
+def test_an_armed_prompt_chunk_keeps_its_state_at_each_offset_as_a_chunk_cut_there(make, mode):
+    """A prompt chunk armed at offsets (``RollbackArraysCache.arm``: a prefix cache's snapshot edges inside it)
+    keeps (conv window, state) after that many rows: what a chunk cut there ends with, bit for bit, and its
+    outputs and final state are the cut chunks' (the recurrence stops at each offset; the rest is row by row).
+    Each call captures once: the next call is not armed."""
+    mx.random.seed(1)
+    layer = make()
+    layer.gdn_prefill = mode  # chunked: the form's C-row blocks restart at each offset, as in chunks cut there
+    context, rows = mx.random.normal((1, 5, 64)), mx.random.normal((1, 40, 64))
+    armed = _prefilled(layer, context)
+    armed.arm([7, 30])
+    out = layer(rows, cache=armed)
+    cut = _prefilled(layer, context)
+    pieces, states = [], {}
+    for lo, hi in ((0, 7), (7, 30), (30, 40)):
+        pieces.append(layer(rows[:, lo:hi], cache=cut))
+        states[hi] = (cut[0], cut[1])
+    mx.eval(out, armed.state, armed.captured, pieces, states)
+    assert sorted(armed.captured) == [7, 30] and armed.capture_at == ()
+    for offset in (7, 30):
+        assert mx.array_equal(armed.captured[offset][0], states[offset][0]).item()
+        assert mx.array_equal(armed.captured[offset][1], states[offset][1]).item()
+    assert mx.array_equal(out, mx.concatenate(pieces, axis=1)).item()
+    assert mx.array_equal(armed[1], cut[1]).item() and mx.array_equal(armed[0], cut[0]).item()
+    again = layer(rows[:, :9], cache=armed)  # not armed: nothing captured
+    mx.eval(again)
+    assert sorted(armed.captured) == [7, 30]

@@ -277,8 +277,11 @@ def test_snapshot_edges():
     assert pc.snapshot_edges(tokens[:12], starts, 0, 2) == [4, 7]  # a generation header: no end snapshot
     assert pc.snapshot_edges(tokens, frozenset(), 0, 2) == [38]
     plan = pc.PrefillPlan(None, tokens, [], None, [4, 7, 16, 32, 38], False)  # type: ignore[arg-type]
-    assert list(plan.spans(0, 39, 10)) == [(0, 4), (4, 7), (7, 16), (16, 26), (26, 32), (32, 38), (38, 39)]
-    assert list(plan.spans(7, 39, 100)) == [(7, 16), (16, 32), (32, 38), (38, 39)]
+    # Edges do not cut the prefill's chunks: the chunk keeps its GatedDeltaNet states at the edges inside it.
+    assert list(plan.spans(0, 39, 10)) == [(0, 10), (10, 20), (20, 30), (30, 39)]
+    assert [plan.inside(a, b) for a, b in plan.spans(0, 39, 10)] == [[4, 7], [16], [], [32, 38]]
+    assert list(plan.spans(7, 39, 100)) == [(7, 39)] and plan.inside(7, 39) == [16, 32, 38]
+    assert pc.NoPlan().inside(0, 39) == [] and list(pc.NoPlan().spans(0, 39, 10))[-1] == (30, 39)
 
 
 def test_a_summary_lets_a_router_find_the_held_prefix(checkpoint):

@@ -726,6 +726,9 @@ def serve_member(
             # slice: the collectives off).
             probe(model, verify.moe)
             probed = True
+        prefix = prefixes.get(header.slot)
+        if prefix is not None and verify is None:
+            prefix.arm(header.rows, cache)  # the leader's snapshot edges inside this prompt step
         with transport.layers(verify):
             if header.invariant:
                 model.set_batch_invariant(True)

@@ -628,30 +628,47 @@ class PrefillPlan:
         return fill
 
     def spans(self, start: int, n: int, chunk: int) -> Iterator[tuple[int, int]]:
-        """The prefill's chunks from ``start`` (the restored prefix) to ``n``, also ending at every snapshot
-        edge."""
-        stops = [p for p in self.edges if p > start]
-        while start < n:
-            end = min(start + chunk, n)
-            while stops and stops[0] <= start:
-                stops.pop(0)
-            if stops and stops[0] < end:
-                end = stops[0]
-            yield start, end
-            start = end
+        """The prefill's chunks from ``start`` (the restored prefix) to ``n``. A snapshot edge inside a chunk
+        does not cut it: the chunk's GatedDeltaNet layers keep their states there (``arm``)."""
+        for begin in range(start, n, chunk):
+            yield begin, min(begin + chunk, n)
+
+    def inside(self, start: int, end: int) -> list[int]:
+        """The snapshot edges strictly inside the chunk ``[start, end)``."""
+        return [p for p in self.edges if start < p < end]
+
+    def arm(self, caches: list[Any], start: int, end: int) -> None:
+        """Before the forward of the chunk ``[start, end)``: its GatedDeltaNet layers keep their states at the
+        snapshot edges inside it (``RollbackArraysCache.arm``), for ``reached``."""
+        offsets = [p - start for p in self.inside(start, end) if self._wanted(p)]
+        for c in caches:
+            if isinstance(c, RollbackArraysCache):
+                c.arm(offsets)
+
+    def _wanted(self, p: int) -> bool:
+        name = snapshot_key(p, self.chain, self.tokens, self.cache.block)
+        return self.need_head or not self.cache.store.has(self.cache.key(name))
 
     @_storing("keeping a snapshot", None)
-    def reached(self, end: int, caches: list[Any], hidden: mx.array) -> None:
-        """A prefill chunk ended at ``end`` with its hiddens ``hidden`` [1, T, H]: keep the GatedDeltaNet
-        states there when ``end`` is a snapshot edge not held yet (references: the caches move on to new
-        arrays, these stay)."""
-        if end not in self.edges:
-            return
-        name = snapshot_key(end, self.chain, self.tokens, self.cache.block)
-        if self.cache.store.has(self.cache.key(name)) and not self.need_head:
-            return
-        gdn = [(c[0], c[1]) if isinstance(c, RollbackArraysCache) else None for c in caches]
-        self._taken.append(_Edge(end, gdn, hidden[:, -1:]))  # type: ignore[arg-type]
+    def reached(self, end: int, caches: list[Any], hidden: mx.array, start: int | None = None) -> None:
+        """A prefill chunk ``[start, end)`` ended with its hiddens ``hidden`` [1, T, H] (``start``: end - T when
+        not given): keep the GatedDeltaNet states at the snapshot edges it reached that are not held yet: inside
+        it, as its layers captured them (``arm``), and at its end, the caches' own (references: the caches move
+        on to new arrays, these stay)."""
+        begin = end - hidden.shape[1] if start is None else start
+        for p in [*self.inside(begin, end), end]:
+            if p not in self.edges or not self._wanted(p):
+                continue
+            if p == end:
+                gdn = [(c[0], c[1]) if isinstance(c, RollbackArraysCache) else None for c in caches]
+            else:
+                gdn = [c.captured.get(p - begin) if isinstance(c, RollbackArraysCache) else None for c in caches]
+                if any(g is None for g, c in zip(gdn, caches, strict=True) if isinstance(c, RollbackArraysCache)):
+                    continue  # a call that captured nothing there (a batch's padded rows): no snapshot at p
+            self._taken.append(_Edge(p, gdn, hidden[:, p - 1 - begin : p - begin]))  # type: ignore[arg-type]
+        for c in caches:
+            if isinstance(c, RollbackArraysCache):
+                c.captured = {}
 
     @_storing("storing a prompt")
     def capture(self, caches: list[Any], head_cache: KVCache | None) -> int:
@@ -797,7 +814,13 @@ class NoPlan:
         for begin in range(start, n, chunk):
             yield begin, min(begin + chunk, n)
 
-    def reached(self, end: int, caches: list[Any], hidden: mx.array) -> None:
+    def inside(self, start: int, end: int) -> list[int]:
+        return []
+
+    def arm(self, caches: list[Any], start: int, end: int) -> None:
+        pass
+
+    def reached(self, end: int, caches: list[Any], hidden: mx.array, start: int | None = None) -> None:
         pass
 
     def capture(self, caches: list[Any], head_cache: KVCache | None) -> int:
@@ -858,12 +881,18 @@ class StagePrefix:
         self.plan, self.position = plan, position
         return True
 
+    def arm(self, rows: int, caches: list[Any]) -> None:
+        """Before a forward step of ``rows``: its GatedDeltaNet layers keep their states at the leader's snapshot
+        edges inside it (``PrefillPlan.arm``)."""
+        if self.plan is not None:
+            self.plan.arm(caches, self.position, self.position + rows)
+
     def step(self, rows: int, caches: list[Any], hidden: mx.array) -> None:
         """After a forward step of ``rows`` (its caches evaluated)."""
         if self.plan is None:
             return
         self.position += rows
-        self.plan.reached(self.position, caches, hidden)
+        self.plan.reached(self.position, caches, hidden, self.position - rows)
         if self.position >= self.plan.n:
             if self.position == self.plan.n:  # the prompt, no more: store it
                 self.plan.capture(caches, None)

@@ -150,7 +150,8 @@ class SequenceState:
         start = self.prefilled
         scheduled: list[Any] = []  # the last chunk's states in flight: at most two chunks' work is outstanding
         while start < n:
-            _, end = next(self.prefix.spans(start, n, chunk))  # it ends at a prefix cache's snapshot edge too
+            _, end = next(self.prefix.spans(start, n, chunk))
+            self.prefix.arm(self.cache, start, end)  # a prefix cache's snapshot edges inside it are kept as it runs
             self._fed(prompt, start, end, self.forward.hidden(prompt[None, start:end], self.cache))
             if end < n:
                 states = [[c.state for c in self.cache], self.head.cache.state]
@@ -166,7 +167,7 @@ class SequenceState:
         the prefix cache keeps one, its rows with a known next token to the head, and at the prompt's end the
         first token chosen (lazily: ``Phase.FIRST``)."""
         n = prompt.shape[0]
-        self.prefix.reached(end, self.cache, hidden)
+        self.prefix.reached(end, self.cache, hidden, start)
         known = min(end, n - 1) - start  # rows whose next token is known prime the head now
         if known > 0:
             self.head.wait(hidden[:, :known], prompt[start + 1 : start + 1 + known])
@@ -182,7 +183,7 @@ class SequenceState:
         """Whether the prompt can enter the caches in one chunk of at most ``tokens`` tokens from position 0
         (nothing restored or fed yet, no prefix-cache snapshot edge inside it): what ``prefill_with`` takes."""
         n = len(self.request.prompt_tokens)
-        return self.phase is Phase.NEW and n <= tokens and next(self.prefix.spans(0, n, n)) == (0, n)
+        return self.phase is Phase.NEW and n <= tokens and not self.prefix.inside(0, n)
 
     def prefill_with(self, cache: list[Any], hidden: mx.array, started: float | None = None) -> None:
         """``prefill`` done by a backbone call shared with other sequences (``engine.batch_prefill``): ``cache``

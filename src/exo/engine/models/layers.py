@@ -355,6 +355,14 @@ class RollbackArraysCache(ArraysCache):
         self.recording = False
         self._conv_input: mx.array | None = None
         self._states: list[mx.array] | None = None
+        # A prompt chunk's snapshot edges inside it (offsets from the chunk's first row, ``arm``): the layer keeps
+        # (conv window, recurrent state) after that many rows in ``captured`` (a prefix cache's snapshot there)
+        self.capture_at: tuple[int, ...] = ()
+        self.captured: dict[int, tuple[mx.array, mx.array]] = {}
+
+    def arm(self, offsets: Sequence[int]) -> None:
+        """The next call (a prompt chunk) keeps its state after each of ``offsets`` rows (0 < offset < rows)."""
+        self.capture_at, self.captured = tuple(sorted(offsets)), {}
 
     def record(self, conv_input: mx.array, states: list[mx.array]) -> None:
         """``states[0]`` is the state before the call, ``states[t]`` the state after row t."""
@@ -502,6 +510,17 @@ def _shifted_conv(conv_input: mx.array, conv: nn.Module) -> mx.array:
 # unmeasured here); the CPU has exo's kernels. ``EXO_GDN_COMPILED=0`` turns it off (A/B measurement);
 # "always" runs it on any device (tests run it on the CPU).
 COMPILED_ROWS = {"0": "off", "always": "always"}.get(os.environ.get("EXO_GDN_COMPILED", ""), "cuda")
+
+
+def _capture_points(cache: Any, rows: int, mask: Any) -> tuple[int, ...]:
+    """The armed offsets of a solo prompt chunk (``RollbackArraysCache.arm``), disarmed here: each call captures once."""
+    points = getattr(cache, "capture_at", ())
+    if not points:
+        return ()
+    cache.capture_at = ()
+    if mask is not None or cache.lengths is not None:
+        return ()  # a batch's padded rows: no capture (the prefix cache then keeps no snapshot inside the chunk)
+    return tuple(o for o in points if 0 < o < rows)
 
 
 def _recording(cache: Any) -> bool:
@@ -679,7 +698,18 @@ def _mix(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array,
         out = mx.concatenate(outs, axis=1)
         cache.record(conv_input, states)
     else:
-        out, state = _recurrence(layer, q, k, v, a, b, state, mask)
+        points = _capture_points(cache, S, mask)
+        if points:  # a prompt chunk with snapshot edges inside it: the recurrence stops at each, its state kept
+            outs, lo = [], 0
+            for o in (*points, S):
+                y, state = _recurrence(layer, q[:, lo:o], k[:, lo:o], v[:, lo:o], a[:, lo:o], b[:, lo:o], state, None)
+                outs.append(y)
+                if o < S:  # conv_input holds the n_keep rows before the chunk: the window after o rows starts at o
+                    cache.captured[o] = (conv_input[:, o : o + n_keep], state)
+                lo = o
+            out = mx.concatenate(outs, axis=1)
+        else:
+            out, state = _recurrence(layer, q, k, v, a, b, state, mask)
     if cache is not None:
         cache[1] = state
         cache.advance(S)
