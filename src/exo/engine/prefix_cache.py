@@ -18,7 +18,8 @@ What is kept, per model and stage (``namespace``) in a ``PrefixStore`` (a key ->
   head computes a chunk's last hidden at all (otherwise the last layer's output of a chunk that is not the
   prompt's last is never evaluated, and evaluating it for a snapshot cost seconds a turn on this CPU).
 
-Snapshots are taken where the prefill stops anyway or is made to stop (``snapshot_edges``): the start of
+Snapshots are taken at ``snapshot_edges`` (inside a prefill chunk, without cutting it: its GatedDeltaNet layers
+keep their states there, ``PrefillPlan.arm``): the start of
 the last message, i.e. the generation header (where the next turn continues: it resends everything before
 it), the start of the second message (the end of the system + tools part, where conversations diverge),
 the end of a prompt that is not a chat, and every ``stride_tokens``.
@@ -31,7 +32,7 @@ accepted-but-unemitted position past a finish): an agent's next turn resends the
 The hook: ``Engine.start`` ends with ``restore_prefix``, which looks the prompt up (``PrefixCache.plan``)
 and hands the restored caches to the new sequence through its seam (``SequenceState.restore``), so a solo
 run, a batch newcomer and constrained or logprobs runs all get it; the sequence keeps the plan
-(``PrefillPlan``) for its prefill's chunk edges (``spans``, ``reached``) and calls ``capture`` once its
+(``PrefillPlan``) for its prefill's chunks and snapshot edges (``spans``, ``arm``, ``reached``) and calls ``capture`` once its
 first token is out; ``store_reply`` calls ``capture_end`` where a sequence ends (a member leaving the one decode
 loop, ``BatchDecoder._store_ended``: a lone member's own caches, a batched one's row); on a pipeline the other
 stages store their part of it too (``StagePrefix.store_end``, the leader's STORE_END op record).

@@ -25,8 +25,8 @@ The rules, per step (``Scheduler.plan``):
 
 The plan names jobs by a key of the caller's (``runner.device`` uses the jobs themselves). The caller tells
 the scheduler what happened: ``begun`` (an admitted newcomer's prompt tokens left to prefill, after a prefix
-cache restored the rest; or ``left`` when it ended there), ``fed`` (a chunk ran: a chunk may stop short of
-its plan at a prefix-cache snapshot edge), ``joined`` (its first token is out: it decodes from the next step)
+cache restored the rest; or ``left`` when it ended there), ``fed`` (a chunk ran: the tokens it fed, which may
+be fewer than planned), ``joined`` (its first token is out: it decodes from the next step)
 and ``left`` (a member or newcomer ended).
 """
 
@@ -51,7 +51,7 @@ class Waiting:
 
 @dataclass(frozen=True)
 class Chunk:
-    """Prompt tokens of a newcomer that this step feeds (a prefix-cache snapshot edge may end it sooner)."""
+    """Prompt tokens of a newcomer that this step feeds."""
 
     key: Hashable
     tokens: int

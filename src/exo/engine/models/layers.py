@@ -413,7 +413,7 @@ GdnPrefill = Literal["auto", "chunked", "loop"]
 
 # ``auto`` on MLX CUDA takes the chunked form from this many rows: below, mlx-lm's per-row steps are faster (one
 # 9B layer on an H200: 8 rows 1.27 ms by steps vs 1.86 ms chunked, 64 rows 7.4 vs 1.97 ms; ~0.16 ms a row against
-# ~1.8 ms a call: h200-mlx-cuda-prefill-dense-2026-11-29.txt). The prefix cache's snapshot edges cut such pieces.
+# ~1.8 ms a call: h200-mlx-cuda-prefill-dense-2026-11-29.txt). A prompt's tail after a restore can be that short.
 CHUNKED_MIN_ROWS = 12
 
 
