@@ -220,7 +220,12 @@ def test_prefill_chunk_reaches_the_engine(home: Path) -> None:
 
     resolved = resolve_model(str(bundled_model_dir("exo-demo")))
     assert engine_config(resolved, load_settings(env=env_for(home, EXO_PREFILL_CHUNK="8"))).prefill_chunk == 8
-    assert engine_config(resolved, load_settings(env=env_for(home))).prefill_chunk == 2048
+    default = engine_config(resolved, load_settings(env=env_for(home)))
+    assert default.prefill_chunk is None  # the device's: the engine chooses (512 on the CPU)
+    from exo.engine import Engine, load_checkpoint
+    from exo.engine.generate import CPU_PREFILL_CHUNK
+
+    assert Engine(load_checkpoint(resolved.path), default).config.prefill_chunk == CPU_PREFILL_CHUNK == 512
 
 
 def test_batch_invariant_reaches_the_engine(home: Path) -> None:

@@ -60,7 +60,7 @@ class Settings(BaseModel):
     # reserves. A generation that does not fit waits in the queue; a lone generation always runs.
     kv_budget_tokens: int | None = Field(default=None, ge=1)
     # Prompt tokens one prefill step feeds the model at most (EngineConfig.prefill_chunk). None: the engine's
-    # default (2048). Small values exercise the chunk edges (tests) or bound one step's activations.
+    # default for the device (512 on the CPU, 2048 on a GPU: EngineConfig.prefill_chunk). Small values exercise the chunk edges (tests) or bound one step's activations.
     prefill_chunk: int | None = Field(default=None, ge=1)
     # Prompt tokens per prefill chunk of a generation joining a running batch, which decodes a step between
     # its chunks (EngineConfig.batch_prefill_chunk). None: the engine's default (256).
