@@ -704,8 +704,9 @@ def _mix(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array,
             for o in (*points, S):
                 y, state = _recurrence(layer, q[:, lo:o], k[:, lo:o], v[:, lo:o], a[:, lo:o], b[:, lo:o], state, None)
                 outs.append(y)
-                if o < S:  # conv_input holds the n_keep rows before the chunk: the window after o rows starts at o
-                    cache.captured[o] = (conv_input[:, o : o + n_keep], state)
+                if o < S:  # conv_input holds the n_keep rows before the chunk: the window after o rows starts at o;
+                    # a copy (``* 1``: exact), so the chunk's whole conv_input is not kept until the prompt is stored
+                    cache.captured[o] = (conv_input[:, o : o + n_keep] * 1, state)
                 lo = o
             out = mx.concatenate(outs, axis=1)
         else:
