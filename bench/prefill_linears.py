@@ -20,9 +20,7 @@ shape times how many layers have it): the linears of one chunk of M rows.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -31,23 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 from common import add_common_arguments, report_to, use_device  # noqa: E402
-from qmm_rows import in_features, shapes  # noqa: E402
+from qmm_rows import in_features, shapes, timed  # noqa: E402 (timed: microseconds a call)
 
 from exo.engine import load_checkpoint, resolve_model  # noqa: E402
 from exo.engine.costs import device_name  # noqa: E402
-
-
-def timed(fn, x: mx.array, calls: int, repeats: int) -> float:
-    xs = [x + 0 for _ in range(calls)]
-    mx.eval(xs, fn(x))
-    times = []
-    for _ in range(repeats):
-        mx.synchronize()
-        start = time.perf_counter()
-        mx.eval([fn(v) for v in xs])
-        mx.synchronize()
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times) * 1e3
 
 
 def methods(m: nn.QuantizedLinear) -> dict:
@@ -92,7 +77,7 @@ def main() -> None:
             scale = mx.abs(ref).max().item()
             base = None
             for method, fn in fns.items():
-                ms = timed(fn, x, args.calls, args.repeats)
+                ms = timed(fn, x, args.calls, args.repeats) / 1e3
                 err = (mx.abs(fn(x).astype(mx.float32) - ref).max() / scale).item()
                 base = base or ms
                 tflops = 2 * rows * k * wshape[0] / ms / 1e9
