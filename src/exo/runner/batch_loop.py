@@ -23,8 +23,8 @@ The loop reads the device's queue only through ``Device.plan_step`` (under the q
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any
 
 from .scheduler import Scheduler, StepPlan, Waiting, shared_call
 
@@ -319,22 +319,21 @@ def pipeline_failed(engine: Engine | None) -> bool:
 
 
 def _drop(batch: BatchLanes) -> None:
-    """A batch whose step failed: its caches dropped wherever the layers are (not through a pipeline that
-    failed: its group is formed anew)."""
-    if pipeline_failed(batch.engine):
-        return
-    try:
-        batch.drop()
-    except Exception:  # noqa: BLE001 - the step's own error is the one reported
-        log.exception("could not drop a failed batch's caches")
+    """A batch whose step failed: its caches dropped (``_free``)."""
+    _free(batch.engine, batch.drop, "a failed batch's")
 
 
 def _release(run: SequenceState) -> None:
-    """A newcomer that failed before it joined: its caches dropped wherever the layers are (not through a
-    pipeline that failed: its group is formed anew)."""
-    if pipeline_failed(run.engine):
+    """A newcomer that failed before it joined: its caches dropped (``_free``)."""
+    _free(run.engine, run.release, "a failed newcomer's")
+
+
+def _free(engine: Any, drop: Callable[[], None], whose: str) -> None:
+    """Drop caches wherever the layers are, not through a pipeline that failed (its group is formed anew); a
+    failure here is logged, never raised: the step's or the newcomer's own error is the one reported."""
+    if pipeline_failed(engine):
         return
     try:
-        run.release()
-    except Exception:  # noqa: BLE001 - the newcomer's own error is the one reported
-        log.exception("could not drop a failed newcomer's caches")
+        drop()
+    except Exception:  # noqa: BLE001
+        log.exception("could not drop %s caches", whose)
