@@ -48,11 +48,13 @@ if [ "$CPU" = 1 ]; then
     PREFILL35="--tokens 128 --prefill-chunk 128 --profile-tokens 128 --repeats 1"
     AGENT9="--turns 2 --system-tokens 600 --max-tokens 8"
     CACHED9="--turns 2 --system-tokens 600 --max-tokens 8 --warm-tokens 200 --turn1-repeats 1"
+    CONTEXT19=300; PROFILE19="64 128"
 else
     PREFILL9="--tokens 4096 32768 --prefill-chunk 2048 4096 --gdn-chunk 32 64 128 --layer-tokens 4096 64 8 --repeats 2"
     PREFILL35="--tokens 4096 --prefill-chunk 2048 --profile-tokens 4096 --repeats 2"
     AGENT9="--turns 10 --system-tokens 15000 --max-tokens 16"
     CACHED9="--turns 10 --system-tokens 15000 --max-tokens 16 --turn1-repeats 3"
+    CONTEXT19=18697; PROFILE19="554 2048"
 fi
 Q9=${Q9:-/tmp/q9}
 Q35=${Q35:-/tmp/q35}
@@ -96,6 +98,9 @@ for p in "$@"; do
     roundspad) EXO_PAD_ROWS=8 phase roundspad $PY bench/round_phases.py "$Q9" --replay 0.0,0.6,0.8,0.9 --repeats 1 --max-tokens 48 ;;
     stockpad) EXO_PAD_ROWS=8 phase stockpad $PY bench/engine.py "$Q9" --max-tokens 128 --repeats 3 ;;
     batchpad) EXO_PAD_ROWS=8 phase batchpad $PY bench/batch_identity.py "$Q9" --sizes 1,2,4,8,32 --max-tokens 64 ;;
+    # issue 50: what a launch costs the host: MLX's ops vs mx.fast.cuda_kernel calls, and a decode step's graph
+    # building vs its evaluation with exo's qgemv off and on (why the kernel's faster rows lost in a whole step)
+    launch) phase launch $PY bench/launch_cost.py "$Q9" --chain 200 --repeats 5 --steps 16 --rows 1 2 4 ;;
     gdn) phase gdn $PY bench/gdn_check.py "$Q9" --rows 1 2 3 4 8 --repeats 5 ;;
     layers) phase layers $PY bench/verify_layers.py "$Q9" --rows 2 3 4 --context 256 2048 ;;
     rounds) phase rounds $PY bench/round_phases.py "$Q9" --replay 0.0,0.6,0.8,0.9 --repeats 1 --max-tokens 48 ;;
@@ -115,6 +120,11 @@ for p in "$@"; do
     # a cached turn part by part (render, tokenize, lookup, restore and again, prefill and again, first token,
     # store) against the cold cost of its new tokens (ratio target <= 1.2), turn 1 on vs off alone (<= 1.05)
     cached9) EXO_NATIVE_MTP_ENABLED=0 phase cached9 $PY bench/cached_turn.py "$Q9" $CACHED9 ;;
+    # issue 49: a cached turn's new tokens (554 after 18,697 in the caches, as cached9's turn 4) part by part,
+    # and a whole 2,048-token chunk at the same context: what a short chunk pays beyond its share
+    profile19) for t in $PROFILE19; do
+            phase profile19 $PY bench/prefill.py "$Q9" --phases profile --profile-context $CONTEXT19 --profile-tokens $t --repeats 3
+        done ;;
     phases9) phase phases9 $PY bench/prefix_phases.py "$Q9" ${AGENT9/--turns 10/--turns 4} ;;
     *) echo "unknown phase $p" >&2; exit 2 ;;
     esac

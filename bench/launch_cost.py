@@ -1,0 +1,189 @@
+"""What one launch costs the host on MLX CUDA: MLX's own ops against ``mx.fast.cuda_kernel`` calls, and a decode
+step's graph building against its evaluation, with exo's quantized GEMV off and on.
+
+    python bench/launch_cost.py [MODEL] [--chain 200] [--repeats 5] [--steps 16] [--rows 1 2 4]
+
+Issue 50's verify kernel (``engine/kernels/cuda_qgemv.py``) reads the weights once for all of a verify's rows,
+and each of its launches ran at or under MLX's one-row product on the device; yet a whole decode step ran at
+0.654x stock mlx-lm with it. This finds where the host's time goes:
+
+1. ``ops``: a chain of ``--chain`` calls (each call's output the next one's input, [1, 4096] bfloat16 through
+   a 4096x4096 4-bit layer where there is one), per call: the Python graph building (``build``) and the
+   evaluation (``eval``: the chain's encoding and launches; each op's device time is a few microseconds, so
+   this is the host's), median of ``--repeats``. Ops: a tiny MLX op, MLX's quantized product, exo's qgemv as
+   the engine calls it, the same kernel called with its arguments prepared once, a tiny custom kernel with
+   a small source and with a source as long as qgemv's, and qgemv's source with its comments stripped;
+2. ``model``: MODEL's decode forward at ``--rows`` rows of one sequence, ms per step of graph
+   building and of evaluation, MLX's products against exo's qgemv (two loads of the model).
+
+CUDA only (``mx.fast.cuda_kernel``); on another device it says so and stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+from common import add_common_arguments, report_to, use_device  # bench/ is this script's folder
+
+from exo.engine.costs import device_name
+from exo.engine.kernels import cuda_qgemv
+
+TINY = """
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < x_shape[1]) { out[i] = x[i]; }
+"""
+
+
+def _strip(text: str) -> str:
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    text = re.sub(r"//[^\n]*", "", text)
+    return "\n".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _ops(k: int) -> dict[str, Callable[[mx.array], mx.array]]:
+    w = mx.random.normal((k, k), key=mx.random.key(1)).astype(mx.bfloat16) * 0.02
+    wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    mx.eval(wq, s, b)
+    kern = cuda_qgemv._kernel()
+    stripped = mx.fast.cuda_kernel(name="exo_qgemv_stripped", input_names=["x", "w", "scales", "biases"],
+                                   output_names=["out"], source=_strip(cuda_qgemv.SOURCE),
+                                   header=_strip(cuda_qgemv.HEADER), ensure_row_contiguous=True)
+    tiny = mx.fast.cuda_kernel(name="exo_tiny", input_names=["x"], output_names=["out"], source=TINY)
+    pad = "// " + "x" * 78 + "\n"
+    long_source = pad * ((len(cuda_qgemv.SOURCE) + len(cuda_qgemv.HEADER)) // len(pad)) + TINY
+    tiny_long = mx.fast.cuda_kernel(name="exo_tiny_long", input_names=["x"], output_names=["out"], source=long_source)
+    split = cuda_qgemv.split_for(k, k, 4)
+    per_warp = cuda_qgemv.outputs_per_warp(1)
+    blocks = -(-k // (per_warp * (cuda_qgemv.WARPS // split)))
+    template = [("T", mx.bfloat16), ("ST", s.dtype), ("BITS", 4), ("GROUP", 64), ("ROWS", 1), ("OUTS", per_warp),
+                ("SPLIT", split)]
+    grid, group = (cuda_qgemv.WARP * cuda_qgemv.WARPS * blocks, 1, 1), (cuda_qgemv.WARP * cuda_qgemv.WARPS, 1, 1)
+    shapes, dtypes = [(1, k)], [mx.bfloat16]
+
+    def raw(x: mx.array, kernel: Any = kern) -> mx.array:
+        return kernel(inputs=[x, wq, s, b], template=template, grid=grid, threadgroup=group, output_shapes=shapes,
+                      output_dtypes=dtypes)[0]
+
+    def tiny_call(x: mx.array, kernel: Any = tiny) -> mx.array:
+        return kernel(inputs=[x], grid=(k, 1, 1), threadgroup=(256, 1, 1), output_shapes=shapes, output_dtypes=dtypes)[0]
+
+    return {
+        "mx.add (an MLX op)": lambda x: x + 1,
+        "mx.quantized_matmul, one row": lambda x: mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=64,
+                                                                       bits=4),
+        "qgemv as the engine calls it": lambda x: cuda_qgemv.qgemv(x, wq, s, b, group_size=64, bits=4),
+        "qgemv kernel, arguments prepared": raw,
+        "qgemv kernel, comments stripped": lambda x: raw(x, stripped),
+        "tiny kernel, short source": tiny_call,
+        "tiny kernel, source as long as qgemv's": lambda x: tiny_call(x, tiny_long),
+    }
+
+
+def ops_phase(args: argparse.Namespace) -> dict[str, Any]:
+    k = 4096
+    rows = {}
+    print(f"\n[ops] a chain of {args.chain} calls, [1, {k}] bfloat16, us per call (median of {args.repeats}); "
+          f"qgemv source {len(cuda_qgemv.SOURCE) + len(cuda_qgemv.HEADER)} chars, stripped "
+          f"{len(_strip(cuda_qgemv.SOURCE)) + len(_strip(cuda_qgemv.HEADER))}")
+    print(f"{'op':>42} {'build':>9} {'eval':>9} {'total':>9}")
+    for name, op in _ops(k).items():
+        x0 = mx.random.normal((1, k), key=mx.random.key(2)).astype(mx.bfloat16)
+        mx.eval(op(x0))  # compile / warm
+        builds, evals = [], []
+        for _ in range(args.repeats + 1):
+            mx.synchronize()
+            t0 = time.perf_counter()
+            y = x0
+            for _ in range(args.chain):
+                y = op(y)
+            t1 = time.perf_counter()
+            mx.eval(y)
+            mx.synchronize()
+            t2 = time.perf_counter()
+            builds.append((t1 - t0) / args.chain * 1e6)
+            evals.append((t2 - t1) / args.chain * 1e6)
+        b, e = statistics.median(builds[1:]), statistics.median(evals[1:])
+        rows[name] = dict(build_us=b, eval_us=e)
+        print(f"{name:>42} {b:9.1f} {e:9.1f} {b + e:9.1f}")
+    return rows
+
+
+def model_phase(args: argparse.Namespace) -> dict[str, Any]:
+    from exo.engine import load_checkpoint, resolve_model
+
+    path = resolve_model(args.model).path
+    models = {}
+    for label, value in (("MLX's products", "0"), ("exo qgemv", "1")):
+        os.environ["EXO_QGEMV"] = value
+        loaded = load_checkpoint(path)
+        models[label] = loaded.model
+        print(f"[model] {label}: qgemv {len(loaded.qgemv)} shapes "
+              f"{'ok' if all(v.startswith('ok') for v in loaded.qgemv.values()) else loaded.qgemv}", flush=True)
+    vocab = int(next(iter(models.values())).text_model.embed_tokens.weight.shape[0])
+    prompt = mx.random.randint(0, vocab, (1, 256), key=mx.random.key(3))
+    results: dict[str, Any] = {}
+    print(f"\n[model] decode forward of one sequence at R rows, ms per step (median of {args.repeats} x "
+          f"{args.steps} steps): graph building, evaluation")
+    print(f"{'rows':>5} {'products':>16} {'build':>8} {'eval':>8} {'total':>8}")
+    for R in args.rows:
+        caches = {}
+        for label, model in models.items():
+            caches[label] = model.make_cache()
+            mx.eval(model.logits(model.hidden(prompt, caches[label])[:, -1:]))
+        token = mx.zeros((1, R), dtype=mx.int32)
+        times: dict[str, tuple[list[float], list[float]]] = {label: ([], []) for label in models}
+        for rep in range(args.repeats + 1):
+            for label, model in models.items():
+                cache = caches[label]
+                builds, evals = 0.0, 0.0
+                for _ in range(args.steps):
+                    mx.synchronize()
+                    t0 = time.perf_counter()
+                    out = model.logits(model.hidden(token, cache))
+                    t1 = time.perf_counter()
+                    mx.eval(out, [c.state for c in cache])
+                    mx.synchronize()
+                    t2 = time.perf_counter()
+                    builds += t1 - t0
+                    evals += t2 - t1
+                if rep:  # the first is a warm-up (kernels built for R rows)
+                    times[label][0].append(builds / args.steps * 1e3)
+                    times[label][1].append(evals / args.steps * 1e3)
+        for label in models:
+            b, e = statistics.median(times[label][0]), statistics.median(times[label][1])
+            results[f"{label} R={R}"] = dict(build_ms=b, eval_ms=e)
+            print(f"{R:5d} {label:>16} {b:8.2f} {e:8.2f} {b + e:8.2f}")
+        del caches
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_arguments(parser, repeats=5)
+    parser.add_argument("--chain", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--phases", nargs="+", default=["ops", "model"], choices=["ops", "model"])
+    args = parser.parse_args()
+    use_device(args.device)
+    if not cuda_qgemv.on_cuda():
+        print(f"launch_cost: MLX CUDA only (this is {device_name()})", file=sys.stderr)
+        raise SystemExit(0)
+    with report_to(args.json) as report:
+        print(f"device: {device_name()} (MLX {mx.__version__})")
+        if "ops" in args.phases:
+            report["ops"] = ops_phase(args)
+        if "model" in args.phases:
+            report["model"] = model_phase(args)
+
+
+if __name__ == "__main__":
+    main()
