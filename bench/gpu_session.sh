@@ -58,6 +58,7 @@ else
 fi
 Q9=${Q9:-/tmp/q9}
 Q35=${Q35:-/tmp/q35}
+Q9S=${Q9S:-/tmp/q9s}  # the 9B's 32 layers at tiny widths: a step's host work without the device's
 Q27=${Q27:-/tmp/q27}
 
 phase() {  # phase NAME COMMAND...: run, tee to $OUT/NAME.log, report the time
@@ -78,6 +79,7 @@ for p in "$@"; do
     install3) bash .gpu3/device-install.sh && export PYTHONPATH=/tmp/site:$PWD/src ;;
     grpc) $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu4/*.whl ;;
     q9) [ -d "$Q9" ] || phase q9 $PY bench/make_random_model.py --shape qwen3.5-9b --bits 4 --out "$Q9" $SHRINK9 ;;
+    q9s) [ -d "$Q9S" ] || phase q9s $PY bench/make_random_model.py --shape qwen3.5-9b --bits 4 --out "$Q9S" --set hidden_size=256 --set intermediate_size=512 --set vocab_size=4096 ;;
     q35) [ -d "$Q35" ] || phase q35 $PY bench/make_random_model.py --shape qwen3.6-35b-a3b --bits 4 --out "$Q35" $SHRINK35 ;;
     q27) [ -d "$Q27" ] || phase q27 $PY bench/make_random_model.py --shape qwen3.5-27b --bits 4 --out "$Q27" $SHRINK27 ;;
     # issue 53: a 2-member tensor group vs one GPU (27B >= 1.4x, 9B never below 0.9x or not chosen by auto, 35B-A3B
@@ -101,6 +103,10 @@ for p in "$@"; do
     # issue 50: what a launch costs the host: MLX's ops vs mx.fast.cuda_kernel calls, and a decode step's graph
     # building vs its evaluation with exo's qgemv off and on (why the kernel's faster rows lost in a whole step)
     launch) phase launch $PY bench/launch_cost.py "$Q9" --chain 200 --repeats 5 --steps 16 --rows 1 2 4 ;;
+    # the same step on the 9B's layers at tiny widths (q9s): its evaluation is the host's alone; and the steps' graphs
+    # by primitive: is a decode step on MLX CUDA the device's work or the host's?
+    opcount) phase opcount $PY bench/launch_cost.py "$Q9" --phases model --qgemv 0 --steps 8 --repeats 3 --rows 1 2 4
+        phase opcount $PY bench/launch_cost.py "$Q9S" --phases model --qgemv 0 --steps 8 --repeats 3 --rows 1 2 4 ;;
     gdn) phase gdn $PY bench/gdn_check.py "$Q9" --rows 1 2 3 4 8 --repeats 5 ;;
     layers) phase layers $PY bench/verify_layers.py "$Q9" --rows 2 3 4 --context 256 2048 ;;
     rounds) phase rounds $PY bench/round_phases.py "$Q9" --replay 0.0,0.6,0.8,0.9 --repeats 1 --max-tokens 48 ;;

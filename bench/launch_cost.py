@@ -14,7 +14,9 @@ and each of its launches ran at or under MLX's one-row product on the device; ye
    the engine calls it, the same kernel called with its arguments prepared once, a tiny custom kernel with
    a small source and with a source as long as qgemv's, and qgemv's source with its comments stripped;
 2. ``model``: MODEL's decode forward at ``--rows`` rows of one sequence, ms per step of graph
-   building and of evaluation, MLX's products against exo's qgemv (two loads of the model).
+   building and of evaluation, MLX's products against exo's qgemv (two loads of the model), and the step's
+   graph: its primitives, counted by kind (``mx.export_to_dot``). Run on a model of the same layers with tiny
+   widths (``make_random_model.py --set hidden_size=256 ...``), the evaluation is the host's alone.
 
 CUDA only (``mx.fast.cuda_kernel``); on another device it says so and stops.
 """
@@ -26,7 +28,9 @@ import os
 import re
 import statistics
 import sys
+import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -121,7 +125,7 @@ def model_phase(args: argparse.Namespace) -> dict[str, Any]:
 
     path = resolve_model(args.model).path
     models = {}
-    for label, value in (("MLX's products", "0"), ("exo qgemv", "1")):
+    for label, value in [p for p in (("MLX's products", "0"), ("exo qgemv", "1")) if p[1] in args.qgemv]:
         os.environ["EXO_QGEMV"] = value
         loaded = load_checkpoint(path)
         models[label] = loaded.model
@@ -132,7 +136,7 @@ def model_phase(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
     print(f"\n[model] decode forward of one sequence at R rows, ms per step (median of {args.repeats} x "
           f"{args.steps} steps): graph building, evaluation")
-    print(f"{'rows':>5} {'products':>16} {'build':>8} {'eval':>8} {'total':>8}")
+    print(f"{'rows':>5} {'products':>16} {'build':>8} {'eval':>8} {'total':>8}    ops (primitives in the step's graph)")
     for R in args.rows:
         caches = {}
         for label, model in models.items():
@@ -157,12 +161,26 @@ def model_phase(args: argparse.Namespace) -> dict[str, Any]:
                 if rep:  # the first is a warm-up (kernels built for R rows)
                     times[label][0].append(builds / args.steps * 1e3)
                     times[label][1].append(evals / args.steps * 1e3)
-        for label in models:
+        for label, model in models.items():
             b, e = statistics.median(times[label][0]), statistics.median(times[label][1])
-            results[f"{label} R={R}"] = dict(build_ms=b, eval_ms=e)
-            print(f"{R:5d} {label:>16} {b:8.2f} {e:8.2f} {b + e:8.2f}")
+            kinds = _op_count(model.logits(model.hidden(token, caches[label])), caches[label])
+            results[f"{label} R={R}"] = dict(build_ms=b, eval_ms=e, ops=sum(kinds.values()), kinds=kinds)
+            top = ", ".join(f"{k} {v}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])[:args.kinds])
+            print(f"{R:5d} {label:>16} {b:8.2f} {e:8.2f} {b + e:8.2f} {sum(kinds.values()):6d} ops: {top}")
         del caches
     return results
+
+
+def _op_count(out: mx.array, cache: list[Any]) -> dict[str, int]:
+    """The primitives of ``out``'s graph (with the caches' new states) by kind, from ``mx.export_to_dot``;
+    leaves the graph evaluated."""
+    states = [a for c in cache for a in (c.state if isinstance(c.state, (list, tuple)) else [c.state])
+              if isinstance(a, mx.array)]
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, out, *states)
+        kinds = Counter(re.findall(r'label\s*=\s*"([A-Za-z_][A-Za-z0-9_]*)', f.read()))
+    mx.eval(out, states)
+    return dict(kinds)
 
 
 def main() -> None:
@@ -172,6 +190,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--phases", nargs="+", default=["ops", "model"], choices=["ops", "model"])
+    parser.add_argument("--qgemv", nargs="+", default=["0", "1"], choices=["0", "1"],
+                        help="model phase: EXO_QGEMV values to load the model with")
+    parser.add_argument("--kinds", type=int, default=12, help="model phase: primitive kinds listed per step")
     args = parser.parse_args()
     use_device(args.device)
     if not cuda_qgemv.on_cuda():

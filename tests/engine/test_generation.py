@@ -324,6 +324,38 @@ def test_verify_calls_start_evaluating_while_built_on_the_cpu(dense, monkeypatch
     assert result.token_ids == _greedy(engine, prompt, native_mtp="off", max_tokens=48).token_ids
 
 
+def test_prompt_chunks_on_a_gpu_start_evaluating_while_built(dense, monkeypatch):
+    """A forward call of PROMPT_EVAL_MIN_ROWS rows or more on a GPU is evaluated PROMPT_EVAL_EVERY layers at a
+    time as it is built (the device computes the first layers while the host builds the rest); smaller calls and
+    every call on the CPU stay one evaluation. The same graph: the engine's output does not change."""
+    import mlx.core as mx
+
+    from exo.engine import forward as forward_module
+    from exo.engine.models import backbone
+
+    assert forward_module.prompt_eval_every(4096) == (4 if mx.default_device() == mx.gpu else 0)
+    prompt = _prompt(dense, 40)
+    engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK))
+    want = _greedy(engine, prompt, native_mtp="off", max_tokens=24).token_ids
+    layers = len(engine.model.stage_layers)
+    # as on a GPU, with a threshold this prompt's chunks reach and its decode steps do not
+    monkeypatch.setattr(forward_module, "_on_gpu", lambda: True)
+    monkeypatch.setattr(forward_module, "PROMPT_EVAL_MIN_ROWS", 8)
+    monkeypatch.setattr(forward_module, "PROMPT_EVAL_EVERY", 2)
+    assert forward_module.prompt_eval_every(8) == 2 and forward_module.prompt_eval_every(7) == 0
+    calls = []
+    real = mx.async_eval
+    monkeypatch.setattr(backbone.mx, "async_eval", lambda *a: calls.append(a) or real(*a))
+    cache = engine.forward.new_cache()
+    mx.eval(engine.forward.hidden(mx.array([prompt[:20]], dtype=mx.uint32), cache))
+    assert len(calls) == (layers - 1) // 2
+    calls.clear()
+    mx.eval(engine.forward.hidden(mx.array([prompt[20:21]], dtype=mx.uint32), cache))
+    assert not calls  # a decode step is one evaluation
+    got = _greedy(engine, prompt, native_mtp="off", max_tokens=24).token_ids
+    assert calls and got == want
+
+
 def test_sync_and_async_draft_evaluation_agree(checkpoint):
     path = checkpoint("qwen3_5", dtype="float32")
     prompt = _prompt(_loaded(path), 10)

@@ -28,6 +28,23 @@ def verify_eval_every() -> int:
     """How many layers a verify call builds between evaluations on the default device (0: one evaluation)."""
     return VERIFY_EVAL_EVERY if mx.default_device() == mx.cpu else 0
 
+
+# A prompt chunk on a GPU: the host builds a 9B-shaped model's graph in ~16 ms, while the device waits for its
+# first kernel, and a 554-row chunk then computes for ~90 ms (an H200: bench/prefill.py --profile-context). Started
+# every few layers as it is built, the device computes the first layers while the host builds the rest. Small
+# calls (decode steps, verify rows, batch steps) stay one evaluation: their graphs are mostly the host's work.
+PROMPT_EVAL_EVERY = 4
+PROMPT_EVAL_MIN_ROWS = 256
+
+
+def _on_gpu() -> bool:
+    return mx.default_device() == mx.gpu
+
+
+def prompt_eval_every(rows: int) -> int:
+    """How many layers a forward call of ``rows`` rows (not a verify) builds between evaluations (0: one)."""
+    return PROMPT_EVAL_EVERY if _on_gpu() and rows >= PROMPT_EVAL_MIN_ROWS else 0
+
 # The MoE verify mode on the wire of a pipeline (a header field): 0 is "not a verify call".
 MOE_MODES: tuple[MoEVerifyMode, ...] = ("route_locked", "batched", "safe")
 class Forward(Protocol):
@@ -144,7 +161,7 @@ class LocalForward:
 
     def hidden(self, tokens: mx.array, cache: list[Any], *, verify: bool = False) -> mx.array:
         if not verify:
-            return self.model.stage_hidden(tokens, cache)
+            return self.model.stage_hidden(tokens, cache, eval_every=prompt_eval_every(tokens.size))
         with verify_call(self.model, cache, self.verify):
             return self.model.stage_hidden(tokens, cache, eval_every=verify_eval_every())
 
