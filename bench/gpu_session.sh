@@ -131,6 +131,8 @@ for p in "$@"; do
     profile19) for t in $PROFILE19; do
             phase profile19 $PY bench/prefill.py "$Q9" --phases profile --profile-context $CONTEXT19 --profile-tokens $t --repeats 3
         done ;;
+    # the same 554-token chunk at shapes new to the process, part by part, then again: what a new shape costs
+    cold19) phase cold19 $PY bench/prefill.py "$Q9" --phases profile --profile-context $CONTEXT19 --profile-tokens ${PROFILE19%% *} --profile-cold --repeats 1 ;;
     phases9) phase phases9 $PY bench/prefix_phases.py "$Q9" ${AGENT9/--turns 10/--turns 4} ;;
     *) echo "unknown phase $p" >&2; exit 2 ;;
     esac

@@ -27,7 +27,9 @@ where a prompt's time goes. Three phases in one process, each printing its own f
    the real forward (``forward.hidden``, one evaluation per chunk as the engine prefills) for the total, and
    the engine's prefill for what its per-chunk host work adds. The real forward is also split into the host's
    graph building and the evaluation. ``--profile-context C`` profiles the chunks after C tokens already in the
-   caches (a cached turn's new tokens after its restored prefix; each run starts from a copy of those caches).
+   caches (a cached turn's new tokens after its restored prefix; each run starts from a copy of those caches);
+   ``--profile-cold`` runs the parts first at shapes the process has not run (as a cached turn meets them), then
+   again: which part pays for a new shape.
 
     python bench/prefill.py MODEL [--tokens 4096 32768] [--prefill-chunk 2048 4096] [--phases layer model profile]
     python bench/prefill.py exo-demo --device cpu --tokens 128 --layer-tokens 256 8 --layer-shape 2,4,64 --profile-tokens 256
@@ -78,6 +80,8 @@ def main() -> None:
     parser.add_argument("--profile-context", type=int, default=0,
                         help="tokens in the caches before the profiled chunks (a cached turn's new tokens: the "
                              "prefix prefilled first, untimed)")
+    parser.add_argument("--profile-cold", action="store_true",
+                        help="profile: the parts first at shapes new to the process (no warm-up), then again")
     args = parser.parse_args()
     use_device(args.device)
     with report_to(args.json) as report:
@@ -365,34 +369,42 @@ def profile_phase(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
     n, step, context = args.profile_tokens, args.prefill_chunk[0], args.profile_context
     prompt = mx.array(_prompt(vocab, context + n))[None]
     engine = Engine(loaded, EngineConfig(prefill_chunk=step))  # gdn_prefill "auto": what this device runs
-    parts = Parts()
     mx.eval(model.hidden(prompt[:, :256], model.make_cache()))  # warm-up
     base = model.make_cache()
     for lo in range(0, context, step):  # the prefix (untimed)
         mx.eval(model.hidden(prompt[:, lo : min(lo + step, context)], base), [c.state for c in base])
     spans = [(lo, min(lo + step, context + n)) for lo in range(context, context + n, step)]
-    mx.eval(model.hidden(prompt[:, context : context + spans[0][1] - spans[0][0]], copy.deepcopy(base)))  # warm
-    cache = copy.deepcopy(base)
-    _sync()
-    start = time.perf_counter()
-    for lo, hi in spans:
-        tokens = prompt[:, lo:hi]
-        h = parts("embedding", lambda: model.text_model.embed_tokens(tokens))  # noqa: B023
-        fa = next(i for i, layer in enumerate(model.stage_layers) if not layer.is_linear)
-        mask = create_attention_mask(h, cache[fa])
-        for layer, c in zip(model.stage_layers, cache, strict=True):
-            x = parts("norms", layer.input_layernorm, h)
-            if layer.is_linear:
-                r = _gdn_parts(parts, layer.linear_attn, x, c)
-            else:
-                r = _attention_parts(parts, layer.self_attn, x, c, mask)
-            h = parts("residuals", lambda: h + r)  # noqa: B023
-            x = parts("norms", layer.post_attention_layernorm, h)
-            m = _mlp_parts(parts, layer.mlp, x)
-            h = parts("residuals", lambda: h + m)  # noqa: B023
-        h = parts("norms", model.text_model.norm, h)
-        parts("lm_head (last row)", lambda: model.logits(h[:, -1:]))  # noqa: B023
-    by_parts = time.perf_counter() - start
+
+    def parts_pass() -> tuple[Parts, float]:
+        parts = Parts()
+        cache = copy.deepcopy(base)
+        _sync()
+        start = time.perf_counter()
+        for lo, hi in spans:
+            tokens = prompt[:, lo:hi]
+            h = parts("embedding", lambda: model.text_model.embed_tokens(tokens))  # noqa: B023
+            fa = next(i for i, layer in enumerate(model.stage_layers) if not layer.is_linear)
+            mask = create_attention_mask(h, cache[fa])
+            for layer, c in zip(model.stage_layers, cache, strict=True):
+                x = parts("norms", layer.input_layernorm, h)
+                if layer.is_linear:
+                    r = _gdn_parts(parts, layer.linear_attn, x, c)
+                else:
+                    r = _attention_parts(parts, layer.self_attn, x, c, mask)
+                h = parts("residuals", lambda: h + r)  # noqa: B023
+                x = parts("norms", layer.post_attention_layernorm, h)
+                m = _mlp_parts(parts, layer.mlp, x)
+                h = parts("residuals", lambda: h + m)  # noqa: B023
+            h = parts("norms", model.text_model.norm, h)
+            parts("lm_head (last row)", lambda: model.logits(h[:, -1:]))  # noqa: B023
+        return parts, time.perf_counter() - start
+
+    first = None
+    if args.profile_cold:  # the parts at shapes this process has not run yet (a cached turn's new chunk), then again
+        first, first_s = parts_pass()
+    else:
+        mx.eval(model.hidden(prompt[:, context : context + spans[0][1] - spans[0][0]], copy.deepcopy(base)))  # warm
+    parts, by_parts = parts_pass()
     every = prompt_eval_every(spans[0][1] - spans[0][0])  # what the engine's forward does on this device
     runs: dict[int, list[tuple[float, float, float]]] = {0: [], every: []}
     for _ in range(max(1, args.repeats)):
@@ -417,12 +429,14 @@ def profile_phase(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
     where = f" after {context} tokens in the caches" if context else ""
     print(f"\n[profile] {n} tokens in {chunks} chunks of {step}{where}, every part evaluated on its own "
           f"(gdn_prefill auto: {'chunked' if layers.chunked_prefill('auto', hi - lo, _on_cuda()) else 'kernel/loop'})")
-    print(f"{'part':>40} {'s':>8} {'share':>7}")
+    print(f"{'part':>40} {'s':>8} {'share':>7}" + (f" {'first s':>8} {'first-s':>8}" if first else ""))
     rows = {}
     for name, s in sorted(parts.s.items(), key=lambda kv: -kv[1]):
         rows[name] = s
-        print(f"{name:>40} {s:8.3f} {s / total:6.1%}")
-    print(f"{'sum of parts (a sync after each)':>40} {by_parts:8.3f}")
+        extra = f" {first.s[name]:8.3f} {first.s[name] - s:8.3f}" if first else ""
+        print(f"{name:>40} {s:8.3f} {s / total:6.1%}{extra}")
+    print(f"{'sum of parts (a sync after each)':>40} {by_parts:8.3f}" + (f"        {first_s:8.3f} (first: shapes new to "
+          "this process)" if first else ""))
     print(f"{'real forward (one sync per chunk)':>40} {forward:8.3f}  {n / forward:8.0f} tok/s  (median of "
           f"{len(runs[0])}: the host's graph building {build * 1e3:.1f} ms, evaluation {evaluate * 1e3:.1f} ms)")
     if every:
