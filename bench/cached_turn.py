@@ -25,6 +25,8 @@ Per turn it prints:
   restore far above it paid for paging entries back into the GPU's memory (``--writer-copies off`` brings
   back the disk writer reading the RAM tier's own entries, which moved them out); prefill2: the same new
   tokens again onto it, in the same chunks, against prefill + first: what shapes new to the backend cost;
+- prefill0: the same as prefill2 but before the turn (its shapes new to the process then): a turn's prefill
+  far above prefill0 pays for the engine's path, prefill0 far above prefill2 for new shapes or buffers;
 - turn 1 (a miss on the cached engine) against the cold engine: on / off and where the extra goes (the
   lookup, the prefill's extra chunks at the snapshot edges, the first token).
 
@@ -184,6 +186,23 @@ def main() -> None:
             t = time.perf_counter()
             ids = tokenize(tokenizer, messages=messages)
             row["tokenize"] = ms(time.perf_counter() - t)
+            # Before the turn: its new tokens onto a restore of what it will find, in its chunks, without the
+            # engine (prefill0): against the turn's own prefill, whether what a first prefill pays is for shapes
+            # (and buffers) new to the process or for the engine's path (snapshot edges kept inside the chunk).
+            ahead = warm.prefix_cache.plan(ids, False)
+            if ahead.found is not None:
+                fresh = warm.forward.new_cache()
+                ahead.restore(fresh, None)
+                mx.eval([c.state for c in fresh])
+                prompt = mx.array(ids, dtype=mx.uint32)
+                t = time.perf_counter()
+                for begin, end in ahead.spans(ahead.found[0], len(ids), warm.config.prefill_chunk):
+                    hidden = warm.forward.hidden(prompt[None, begin:end], fresh)
+                    mx.eval([c.state for c in fresh])
+                mx.eval(warm.model.logits(hidden[:, -1:]))
+                row["prefill0"] = ms(time.perf_counter() - t)
+                del fresh, hidden
+            del ahead
             parts: dict[str, float] = {}
             reply, run = timed_turn(warm, ids, args.max_tokens, parts)
             row.update(parts)
@@ -235,12 +254,13 @@ def main() -> None:
         drain = ms(time.perf_counter() - t)
         store.close()
 
-    cols = ["turn", "prompt", "restored", "chunks", "render", "tokenize", "lookup", "restore", "restore2", "prefill",
+    cols = ["turn", "prompt", "restored", "chunks", "render", "tokenize", "lookup", "restore", "restore2", "prefill0", "prefill",
             "first", "prefill2", "ttft", "store", "backlog", "cold_full", "cold_prefix", "marginal", "ratio", "alone", "ratio2"]
     print("\ntimes in ms; ttft = lookup + restore + prefill + first (from the ids; tokenize comes before it); "
           "marginal = cold_full - cold_prefix; ratio = ttft / marginal (target <= 1.2); alone: the new tokens "
           "prefilled cold as a prompt of their own, ratio2 = ttft / alone; restore2: the "
-          "same restore again; prefill2: the same new tokens again, in the same chunks (vs prefill + first)")
+          "same restore again; prefill0 / prefill2: the same new tokens before / after the turn, in the same chunks, "
+          "without the engine (vs prefill + first)")
     print(" ".join(f"{c:>10}" for c in cols))
     for row in rows:
         print(" ".join(f"{row.get(c, '-')!s:>10}" for c in cols))
