@@ -103,6 +103,7 @@ class Server:
         self.port = 0
         self.model_id = ""
         self.warm_texts: list[str] = []  # one per start: a long prompt shared with nothing (see ``start``)
+        self.ready = False  # answered its first request
 
     def start(self) -> None:
         self.port = free_port("127.0.0.1")
@@ -119,6 +120,8 @@ class Server:
         with open(self.log, "a") as log:
             self.process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
         deadline = time.monotonic() + 600
+        said = started
+        self.ready = False
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"exo serve exited: {self.log_tail()}")
@@ -127,6 +130,10 @@ class Server:
                     break
             except httpx.HTTPError:
                 pass
+            if time.monotonic() - said >= 30:  # a slow start says where it is (the log's last line)
+                said = time.monotonic()
+                print(f"  server (cache {'on' if self.cache else 'off'}): not up after {said - started:.0f} s; its log: "
+                      f"{self.log_tail(1)[:200]}", flush=True)
             time.sleep(0.3)
         self.model_id = httpx.get(self.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         # The first request loads the model (and warms it) if --model did not already. A long prompt that
@@ -134,6 +141,7 @@ class Server:
         # that compiles kernels on first use (MLX CUDA) does so here, not in the session's first turn.
         ready = time.monotonic()
         self.chat([{"role": "user", "content": self.warm_texts.pop(0) if self.warm_texts else "hi"}], 4)
+        self.ready = True
         print(f"  server (cache {'on' if self.cache else 'off'}): up in {ready - started:.1f} s, its first request "
               f"(load, warm-up) {time.monotonic() - ready:.1f} s", flush=True)
 
@@ -159,6 +167,8 @@ class Server:
             size = self.log.stat().st_size if self.log.exists() else 0
             print(f"  server (cache {'on' if self.cache else 'off'}) stopped; its log so far {size / 1024:.1f} KiB",
                   flush=True)
+            if not self.ready:  # stopped before it served: what it was doing
+                print("    " + self.log_tail(15).replace("\n", "\n    "), flush=True)
 
     def chat(self, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
         body = {"model": self.model_id, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
