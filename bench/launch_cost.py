@@ -167,6 +167,10 @@ def model_phase(args: argparse.Namespace) -> dict[str, Any]:
             results[f"{label} R={R}"] = dict(build_ms=b, eval_ms=e, ops=sum(kinds.values()), kinds=kinds)
             top = ", ".join(f"{k} {v}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])[:args.kinds])
             print(f"{R:5d} {label:>16} {b:8.2f} {e:8.2f} {b + e:8.2f} {sum(kinds.values()):6d} ops: {top}")
+            for kind, layer_kinds in _layer_counts(model, caches[label], R).items():  # one layer of each kind
+                results[f"{label} R={R}"][kind] = layer_kinds
+                every = ", ".join(f"{k} {v}" for k, v in sorted(layer_kinds.items(), key=lambda kv: -kv[1]))
+                print(f"{'':5} {kind:>16} {'':8} {'':8} {'':8} {sum(layer_kinds.values()):6d} ops: {every}")
         del caches
     return results
 
@@ -181,6 +185,18 @@ def _op_count(out: mx.array, cache: list[Any]) -> dict[str, int]:
         kinds = Counter(re.findall(r'label\s*=\s*"([A-Za-z_][A-Za-z0-9_]*)', f.read()))
     mx.eval(out, states)
     return dict(kinds)
+
+
+def _layer_counts(model: Any, cache: list[Any], rows: int) -> dict[str, dict[str, int]]:
+    """The primitives of one GatedDeltaNet layer's and one attention layer's call (with its cache's new state) on
+    ``rows`` rows of hidden states, by kind (the first layer of each kind; its cache moves on by ``rows``)."""
+    out: dict[str, dict[str, int]] = {}
+    h = mx.zeros((1, rows, model.hidden_size), dtype=mx.bfloat16)
+    for i, layer in enumerate(model.stage_layers):
+        kind = "gated delta layer" if layer.is_linear else "attention layer"
+        if kind not in out:
+            out[kind] = _op_count(layer(h, mask=None, cache=cache[i]), [cache[i]])
+    return out
 
 
 def main() -> None:
