@@ -107,6 +107,10 @@ for p in "$@"; do
     # by primitive: is a decode step on MLX CUDA the device's work or the host's?
     opcount) phase opcount $PY bench/launch_cost.py "$Q9" --phases model --qgemv 0 --steps 8 --repeats 3 --rows 1 2 4
         phase opcount $PY bench/launch_cost.py "$Q9S" --phases model --qgemv 0 --steps 8 --repeats 3 --rows 1 2 4 ;;
+    # a native-MTP round's verify calls (K + 1 = 2-4 rows, the engine's probed verify mode) the same way: what a
+    # round's verify costs the host and the device (issue 50's round cost: <= 1.25x a plain step at K = 1)
+    opverify) phase opverify $PY bench/launch_cost.py "$Q9" --phases model --qgemv 0 1 --verify --steps 8 --repeats 3 --rows 1 2 3 4
+        phase opverify $PY bench/launch_cost.py "$Q9S" --phases model --qgemv 0 --verify --steps 8 --repeats 3 --rows 1 2 3 4 ;;
     gdn) phase gdn $PY bench/gdn_check.py "$Q9" --rows 1 2 3 4 8 --repeats 5 ;;
     layers) phase layers $PY bench/verify_layers.py "$Q9" --rows 2 3 4 --context 256 2048 ;;
     rounds) phase rounds $PY bench/round_phases.py "$Q9" --replay 0.0,0.6,0.8,0.9 --repeats 1 --max-tokens 48 ;;

@@ -17,6 +17,8 @@ and each of its launches ran at or under MLX's one-row product on the device; ye
    building and of evaluation, MLX's products against exo's qgemv (two loads of the model), and the step's
    graph: its primitives, counted by kind (``mx.export_to_dot``). Run on a model of the same layers with tiny
    widths (``make_random_model.py --set hidden_size=256 ...``), the evaluation is the host's alone.
+   ``--verify``: rows past one go as verify calls, built as a native-MTP round builds them (the engine's
+   probed verify mode: GatedDeltaNet rows recorded, rows alone where the device needs it).
 
 CUDA only (``mx.fast.cuda_kernel``); on another device it says so and stops.
 """
@@ -121,14 +123,19 @@ def ops_phase(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def model_phase(args: argparse.Namespace) -> dict[str, Any]:
-    from exo.engine import load_checkpoint, resolve_model
+    from exo.engine import Engine, EngineConfig, load_checkpoint, resolve_model
 
     path = resolve_model(args.model).path
     models = {}
+    forwards = {}
     for label, value in [p for p in (("MLX's products", "0"), ("exo qgemv", "1")) if p[1] in args.qgemv]:
         os.environ["EXO_QGEMV"] = value
         loaded = load_checkpoint(path)
         models[label] = loaded.model
+        if args.verify:  # verify calls as the engine builds them, in the mode its probe finds on this device
+            engine = Engine(loaded, EngineConfig())
+            engine.verify_mode  # noqa: B018 - probes once, sets engine.forward.verify
+            forwards[label] = engine.forward
         print(f"[model] {label}: qgemv {len(loaded.qgemv)} shapes "
               f"{'ok' if all(v.startswith('ok') for v in loaded.qgemv.values()) else loaded.qgemv}", flush=True)
     vocab = int(next(iter(models.values())).text_model.embed_tokens.weight.shape[0])
@@ -151,23 +158,27 @@ def model_phase(args: argparse.Namespace) -> dict[str, Any]:
                 for _ in range(args.steps):
                     mx.synchronize()
                     t0 = time.perf_counter()
-                    out = model.logits(model.hidden(token, cache))
+                    out = _step(model, forwards.get(label), token, cache)
                     t1 = time.perf_counter()
                     mx.eval(out, [c.state for c in cache])
                     mx.synchronize()
                     t2 = time.perf_counter()
                     builds += t1 - t0
                     evals += t2 - t1
+                    if label in forwards and R > 1:
+                        forwards[label].rollback(cache, R, R)  # every row kept: the next call goes on from there
                 if rep:  # the first is a warm-up (kernels built for R rows)
                     times[label][0].append(builds / args.steps * 1e3)
                     times[label][1].append(evals / args.steps * 1e3)
         for label, model in models.items():
             b, e = statistics.median(times[label][0]), statistics.median(times[label][1])
-            kinds = _op_count(model.logits(model.hidden(token, caches[label])), caches[label])
+            kinds = _op_count(_step(model, forwards.get(label), token, caches[label]), caches[label])
+            if label in forwards and R > 1:
+                forwards[label].rollback(caches[label], R, R)
             results[f"{label} R={R}"] = dict(build_ms=b, eval_ms=e, ops=sum(kinds.values()), kinds=kinds)
             top = ", ".join(f"{k} {v}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])[:args.kinds])
             print(f"{R:5d} {label:>16} {b:8.2f} {e:8.2f} {b + e:8.2f} {sum(kinds.values()):6d} ops: {top}")
-            for kind, layer_kinds in _layer_counts(model, caches[label], R).items():  # one layer of each kind
+            for kind, layer_kinds in ({} if label in forwards else _layer_counts(model, caches[label], R)).items():
                 results[f"{label} R={R}"][kind] = layer_kinds
                 every = ", ".join(f"{k} {v}" for k, v in sorted(layer_kinds.items(), key=lambda kv: -kv[1]))
                 print(f"{'':5} {kind:>16} {'':8} {'':8} {'':8} {sum(layer_kinds.values()):6d} ops: {every}")
@@ -185,6 +196,14 @@ def _op_count(out: mx.array, cache: list[Any]) -> dict[str, int]:
         kinds = Counter(re.findall(r'label\s*=\s*"([A-Za-z_][A-Za-z0-9_]*)', f.read()))
     mx.eval(out, states)
     return dict(kinds)
+
+
+def _step(model: Any, forward: Any, token: mx.array, cache: list[Any]) -> mx.array:
+    """A decode forward of ``token``'s rows and their logits; with ``forward`` (``--verify``), rows past one go
+    as a verify call (GatedDeltaNet rows recorded, the probed verify mode), as a native-MTP round's is."""
+    if forward is not None and token.shape[1] > 1:
+        return model.logits(forward.hidden(token, cache, verify=True))
+    return model.logits(model.hidden(token, cache))
 
 
 def _layer_counts(model: Any, cache: list[Any], rows: int) -> dict[str, dict[str, int]]:
@@ -209,6 +228,8 @@ def main() -> None:
     parser.add_argument("--qgemv", nargs="+", default=["0", "1"], choices=["0", "1"],
                         help="model phase: EXO_QGEMV values to load the model with")
     parser.add_argument("--kinds", type=int, default=12, help="model phase: primitive kinds listed per step")
+    parser.add_argument("--verify", action="store_true",
+                        help="model phase: rows past one as verify calls (the engine's probed mode), not a forward")
     args = parser.parse_args()
     use_device(args.device)
     if not cuda_qgemv.on_cuda():
