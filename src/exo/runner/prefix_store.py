@@ -78,14 +78,16 @@ def write_entry(path: Path, prepared: Prepared) -> int:
     """``prepared`` arrays as a safetensors file with a blake2b of its data in the metadata, written to a
     temporary name and renamed (a crash leaves no half file under the real name). Returns its size."""
     header: dict[str, Any] = {}
-    chunks: list[bytes] = []
+    chunks: list[np.ndarray] = []
     offset = 0
     for name in sorted(prepared):
         dtype, a = prepared[name]
-        raw = np.asarray(a).tobytes()
-        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [offset, offset + len(raw)]}
+        # The array's own bytes where they are contiguous (no copy under the GIL: hashing and writing them below
+        # release it, so the device thread's graph building and decode loop go on beside a large store)
+        raw = np.ascontiguousarray(np.asarray(a))
+        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [offset, offset + raw.nbytes]}
         chunks.append(raw)
-        offset += len(raw)
+        offset += raw.nbytes
     digest = hashlib.blake2b(digest_size=16)
     for raw in chunks:
         digest.update(raw)
