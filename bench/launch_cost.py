@@ -66,12 +66,8 @@ def _ops(k: int) -> dict[str, Callable[[mx.array], mx.array]]:
     pad = "// " + "x" * 78 + "\n"
     long_source = pad * ((len(cuda_qgemv.SOURCE) + len(cuda_qgemv.HEADER)) // len(pad)) + TINY
     tiny_long = mx.fast.cuda_kernel(name="exo_tiny_long", input_names=["x"], output_names=["out"], source=long_source)
-    split = cuda_qgemv.split_for(k, k, 4)
-    per_warp = cuda_qgemv.outputs_per_warp(1)
-    blocks = -(-k // (per_warp * (cuda_qgemv.WARPS // split)))
-    template = [("T", mx.bfloat16), ("ST", s.dtype), ("BITS", 4), ("GROUP", 64), ("ROWS", 1), ("OUTS", per_warp),
-                ("SPLIT", split)]
-    grid, group = (cuda_qgemv.WARP * cuda_qgemv.WARPS * blocks, 1, 1), (cuda_qgemv.WARP * cuda_qgemv.WARPS, 1, 1)
+    template, grid = cuda_qgemv._launch(1, k, k, 4, 64, mx.bfloat16, s.dtype)
+    group = cuda_qgemv.THREADGROUP
     shapes, dtypes = [(1, k)], [mx.bfloat16]
 
     def raw(x: mx.array, kernel: Any = kern) -> mx.array:

@@ -33,6 +33,23 @@ def test_the_shapes_reach_every_split():
     assert {cuda_qgemv.split_for(n, k, 4) for n, k in SHAPES} == {1, 2, 4}
 
 
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_a_launch_covers_every_output_for_every_row_count(n, k):
+    """The kept launch arguments (``_launch``): the grid's warps reach every output of the layer at each row count,
+    the template carries the layer's K (the kernel reads x as ROWS rows of K, whatever its leading dims)."""
+    for rows in range(1, cuda_qgemv.MAX_ROWS + 1):
+        template, grid = cuda_qgemv._launch(rows, n, k, 4, 64, mx.bfloat16, mx.bfloat16)
+        constants = dict(template)
+        assert constants["K"] == k and constants["ROWS"] == rows
+        split = constants["SPLIT"]
+        assert split == cuda_qgemv.split_for(n, k, 4)
+        blocks = grid[0] // cuda_qgemv.THREADGROUP[0]
+        covered = blocks * (cuda_qgemv.WARPS // split) * constants["OUTS"]
+        assert covered >= n > covered - (cuda_qgemv.WARPS // split) * constants["OUTS"]
+        assert cuda_qgemv._launch(rows, n, k, 4, 64, mx.bfloat16, mx.bfloat16) is cuda_qgemv._launch(
+            rows, n, k, 4, 64, mx.bfloat16, mx.bfloat16)  # kept, not rebuilt per call
+
+
 @pytest.mark.parametrize("bits", cuda_qgemv.BITS)
 @pytest.mark.parametrize("group", cuda_qgemv.GROUPS)
 @pytest.mark.parametrize("dtype", cuda_qgemv.DTYPES, ids=["bfloat16", "float16"])

@@ -99,8 +99,8 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int j) {
 }  // namespace exo_qgemv
 """
 
-# The kernel's body: MLX writes the signature (x, w, scales, biases with x_shape and w_shape, then out) and the
-# template constants T, ST, BITS, GROUP, ROWS, OUTS, SPLIT.
+# The kernel's body: MLX writes the signature (x, w, scales, biases with w_shape, then out) and the template
+# constants T, ST, BITS, GROUP, K, ROWS, OUTS, SPLIT. x is ROWS rows of K, whatever its shape's leading dims.
 SOURCE = r"""
   using namespace exo_qgemv;
   constexpr int WARPS = 4;
@@ -109,7 +109,7 @@ SOURCE = r"""
   constexpr int PER_WORD = 32 / BITS;     // weights in a 32-bit word
   const float scale_up = static_cast<float>(1 << BITS);
   const int n_out = w_shape[0];
-  const int k = x_shape[1];
+  const int k = K;
   const int chunks = k / CHUNK;
   const int groups_per_row = k / GROUP;
   const int lane = threadIdx.x & 31;
@@ -286,7 +286,7 @@ def mode() -> str:
 
 
 def on_cuda() -> bool:
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+    return mx.default_device() == mx.gpu and on_cuda_device()
 
 
 def supported(module: Any) -> bool:
@@ -311,24 +311,41 @@ def qgemv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group
     if not on_cuda():
         return emulate(x, w, scales, biases, group_size=group_size, bits=bits)
     k, n = x.shape[-1], w.shape[0]
+    rows = x.size // k
+    if rows <= MAX_ROWS:  # a decode step's, a verify call's, a small batch's: one launch, its arguments kept
+        template, grid = _launch(rows, n, k, bits, group_size, x.dtype, scales.dtype)
+        return _kernel()(inputs=[x, w, scales, biases], template=template, grid=grid, threadgroup=THREADGROUP,
+                         output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype])[0]
     flat = x.reshape(-1, k)
-    split = split_for(n, k, bits)
     outs = []
     for start in range(0, flat.shape[0], MAX_ROWS):
         rows = flat[start : start + MAX_ROWS]
-        per_warp = outputs_per_warp(rows.shape[0])
-        blocks = -(-n // (per_warp * (WARPS // split)))
-        outs.append(_kernel()(
-            inputs=[rows, w, scales, biases],
-            template=[("T", x.dtype), ("ST", scales.dtype), ("BITS", bits), ("GROUP", group_size),
-                      ("ROWS", rows.shape[0]), ("OUTS", per_warp), ("SPLIT", split)],
-            grid=(WARP * WARPS * blocks, 1, 1),
-            threadgroup=(WARP * WARPS, 1, 1),
-            output_shapes=[(rows.shape[0], n)],
-            output_dtypes=[x.dtype],
-        )[0])
+        template, grid = _launch(rows.shape[0], n, k, bits, group_size, x.dtype, scales.dtype)
+        outs.append(_kernel()(inputs=[rows, w, scales, biases], template=template, grid=grid, threadgroup=THREADGROUP,
+                              output_shapes=[(rows.shape[0], n)], output_dtypes=[x.dtype])[0])
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
     return out.reshape(*x.shape[:-1], n)
+
+
+THREADGROUP = (WARP * WARPS, 1, 1)
+
+
+@functools.cache
+def _launch(rows: int, n: int, k: int, bits: int, group_size: int, dtype: mx.Dtype,
+            scale_dtype: mx.Dtype) -> tuple[list[tuple[str, Any]], tuple[int, int, int]]:
+    """A launch's template constants and grid for ``rows`` rows of a layer's shape (kept: a decode step makes
+    ~250 launches, and building these each time cost the host more than the launch itself)."""
+    split = split_for(n, k, bits)
+    per_warp = outputs_per_warp(rows)
+    blocks = -(-n // (per_warp * (WARPS // split)))
+    template = [("T", dtype), ("ST", scale_dtype), ("BITS", bits), ("GROUP", group_size), ("K", k), ("ROWS", rows),
+                ("OUTS", per_warp), ("SPLIT", split)]
+    return template, (WARP * WARPS * blocks, 1, 1)
+
+
+@functools.cache
+def on_cuda_device() -> bool:
+    return mx.cuda.is_available()
 
 
 def emulate(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int, bits: int,

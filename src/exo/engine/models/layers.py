@@ -35,6 +35,7 @@ from mlx_lm.models.qwen3_next import (
     Qwen3NextSparseMoeBlock,
 )
 
+from ..kernels import cuda_qgemv
 from . import gated_delta_states_cuda as states_cuda
 from . import prompt_dense
 from .gated_delta_chunked import gated_delta_chunked_update
@@ -226,11 +227,9 @@ QGEMV_ON = True  # benchmarks switch the installed kernel off and on within one 
 
 
 def _qgemv_takes(module: nn.Module, x: mx.array) -> bool:
-    from ..kernels.cuda_qgemv import DTYPES, MAX_ROWS
-
     rows = x.size // x.shape[-1] if x.ndim else 0
-    return (QGEMV_ON and x.dtype in DTYPES and 0 < rows
-            and (rows <= MAX_ROWS or module.exact_verify or module.exact_batch))
+    return (QGEMV_ON and x.dtype in cuda_qgemv.DTYPES and 0 < rows
+            and (rows <= cuda_qgemv.MAX_ROWS or module.exact_verify or module.exact_batch))
 
 
 class QGemvLinear(nn.QuantizedLinear):
@@ -241,9 +240,7 @@ class QGemvLinear(nn.QuantizedLinear):
 
     def __call__(self, x: mx.array) -> mx.array:
         if _qgemv_takes(self, x):
-            from ..kernels.cuda_qgemv import module_product
-
-            return module_product(self, x)
+            return cuda_qgemv.module_product(self, x)
         return super().__call__(x)
 
 
@@ -255,9 +252,7 @@ class QGemvEmbedding(nn.QuantizedEmbedding):
 
     def as_linear(self, x: mx.array) -> mx.array:
         if _qgemv_takes(self, x):
-            from ..kernels.cuda_qgemv import module_product
-
-            return module_product(self, x)
+            return cuda_qgemv.module_product(self, x)
         return super().as_linear(x)
 
 
@@ -266,8 +261,6 @@ def use_qgemv(modules: Sequence[nn.Module]) -> dict[str, str]:
     classes, for each distinct shape where ``kernels.cuda_qgemv.check`` passes on this device (else MLX's product
     stays for that shape). Returns what was found per shape (``"qgemv 4096->12288 4-bit g64 bfloat16"`` ->
     ``"ok: ..."`` or why not). Nothing unless ``EXO_QGEMV`` opts in (``1``: on MLX CUDA; ``always``: anywhere)."""
-    from ..kernels import cuda_qgemv
-
     mode = cuda_qgemv.mode()
     if mode == "off" or (mode == "cuda" and not cuda_qgemv.on_cuda()):
         return {}
