@@ -88,6 +88,25 @@ def test_exo_gdn_kernel_0_keeps_the_compiled_rows(checkpoint, monkeypatch):
     assert cuda_gdn.mode() == "cuda"
 
 
+def test_the_check_measures_both_against_the_step_in_float32(checkpoint):
+    """``check`` reports how far the kernel and mlx-lm's ops each are from the same step computed in float32
+    throughout (no rounding to bfloat16 between ops): a distance between the two that their roundings alone make
+    (as large as either's own error) is then told apart from an error of the kernel. Off MLX CUDA ``gdn_rows`` is
+    ``reference``, so both are the same distance from it, and that distance is bfloat16's, not float32's."""
+    import re
+
+    from exo.engine.models.layers import GatedDeltaNet
+
+    loaded = load_checkpoint(checkpoint("qwen3_5", layout="mlx_sidecar", head="trained", dtype="bfloat16"))
+    layer = next(leaf for _, leaf in loaded.model.named_modules() if isinstance(leaf, GatedDeltaNet))
+    passed, found = cuda_gdn.check(layer)
+    assert passed, found
+    kernel_y, kernel_state, ops_y, ops_state = map(float, re.search(
+        r"the kernel y (\S+), state (\S+), mlx-lm's ops y (\S+), state (\S+)$", found).groups())
+    assert (kernel_y, kernel_state) == (ops_y, ops_state)
+    assert 1e-5 < ops_state < 2.0**-4 and 1e-5 < ops_y < 2.0**-4  # bfloat16's roundings: above float32's, small
+
+
 def _prompt(engine: Engine) -> list[int]:
     return engine.loaded.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n    return fib")[:11]
 

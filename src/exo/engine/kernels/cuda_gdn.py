@@ -318,7 +318,8 @@ def check(layer: Any, *, rows: int = 4, key: mx.array | None = None) -> tuple[bo
             s = s1[0]
         blocks = [gdn_rows(layer, window, qkv[:, :r], a[:, :r], b[:, :r], state) for r in range(2, rows)]
         ref_y, ref_states = reference(layer, window, qkv, a, b, state)
-        mx.eval(y, states, steps_y, steps_state, blocks, ref_y, ref_states)
+        exact_y, exact_states = reference(_float32(layer), *(t.astype(mx.float32) for t in (window, qkv, a, b)), state)
+        mx.eval(y, states, steps_y, steps_state, blocks, ref_y, ref_states, exact_y, exact_states)
     except Exception as e:  # noqa: BLE001 - any failure of the custom kernel leaves the compiled rows in place
         return False, f"the kernel did not run: {type(e).__name__}: {str(e)[:300]}"
     stepped_y, stepped_states = mx.concatenate(steps_y, axis=1), mx.stack(steps_state)
@@ -327,11 +328,30 @@ def check(layer: Any, *, rows: int = 4, key: mx.array | None = None) -> tuple[bo
         same = same and _equal(by, stepped_y[:, :r]) and _equal(bs, stepped_states[:r])
     if not same:
         return False, "a call of several rows differs from its rows one after another"
-    y_error = float((mx.abs(y.astype(mx.float32) - ref_y.astype(mx.float32)).max()
-                     / mx.maximum(mx.abs(ref_y.astype(mx.float32)).max(), 1e-30)).item())
-    state_error = float((mx.abs(states - ref_states).max() / mx.maximum(mx.abs(ref_states).max(), 1e-30)).item())
-    found = f"y {y_error:.2e}, state {state_error:.2e} from mlx-lm's ops"
+    y_error, state_error = _relative(y, ref_y), _relative(states, ref_states)
+    # Both against the same step in float32 throughout (no rounding to the activations' type anywhere): how far
+    # each is from the exact value, so that a distance between them can be told apart from an error of the kernel
+    found = (f"y {y_error:.2e}, state {state_error:.2e} from mlx-lm's ops; from float32 throughout: the kernel y "
+             f"{_relative(y, exact_y):.2e}, state {_relative(states, exact_states):.2e}, mlx-lm's ops y "
+             f"{_relative(ref_y, exact_y):.2e}, state {_relative(ref_states, exact_states):.2e}")
     return y_error <= Y_TOLERANCE and state_error <= STATE_TOLERANCE, found
+
+
+def _relative(got: mx.array, want: mx.array) -> float:
+    """The largest |got - want| over the largest |want|."""
+    want = want.astype(mx.float32)
+    return float((mx.abs(got.astype(mx.float32) - want).max() / mx.maximum(mx.abs(want).max(), 1e-30)).item())
+
+
+def _float32(layer: Any) -> Any:
+    """The parts of ``layer`` that ``reference`` reads, in float32."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        num_k_heads=layer.num_k_heads, num_v_heads=layer.num_v_heads, head_k_dim=layer.head_k_dim,
+        head_v_dim=layer.head_v_dim, conv_kernel_size=layer.conv_kernel_size,
+        conv1d=SimpleNamespace(weight=layer.conv1d.weight.astype(mx.float32)),
+        A_log=layer.A_log.astype(mx.float32), dt_bias=layer.dt_bias.astype(mx.float32))
 
 
 def _equal(a: mx.array, b: mx.array) -> bool:
