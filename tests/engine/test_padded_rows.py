@@ -17,6 +17,7 @@ import pytest
 
 from exo.engine import Engine, EngineConfig, GenerationRequest, load_checkpoint
 from exo.engine.models.padded_rows import PaddedRowsLinear, check, setting, use_padded_rows
+from tests.engine.quantized import quantized_linear
 from tests.engine.test_batch import _request, _run_batch
 
 
@@ -39,9 +40,7 @@ def test_a_bad_setting_is_a_clear_error(monkeypatch, value):
 
 
 def _layer(n: int = 96, k: int = 128, bits: int = 4) -> nn.QuantizedLinear:
-    linear = nn.Linear(k, n, bias=False)
-    linear.weight = mx.random.normal((n, k), key=mx.random.key(3)) * 0.05
-    return nn.QuantizedLinear.from_linear(linear, group_size=64, bits=bits)
+    return quantized_linear(n, k, bits)
 
 
 def test_a_padded_call_returns_each_row_s_own_product(monkeypatch):

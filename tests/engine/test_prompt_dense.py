@@ -27,6 +27,7 @@ from exo.engine.models.prompt_dense import (
     setting,
     use_prompt_dense,
 )
+from tests.engine.quantized import quantized_linear
 from tests.engine.test_batch import _request, _run_batch
 
 
@@ -48,9 +49,7 @@ def test_a_bad_setting_is_a_clear_error(monkeypatch, value):
 
 
 def _layer(n: int = 96, k: int = 128, bits: int = 4) -> nn.QuantizedLinear:
-    linear = nn.Linear(k, n, bias=False)
-    linear.weight = mx.random.normal((n, k), key=mx.random.key(3)) * 0.05
-    return nn.QuantizedLinear.from_linear(linear, group_size=64, bits=bits)
+    return quantized_linear(n, k, bits)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -18,15 +18,14 @@ from exo.engine import Engine, EngineConfig, GenerationRequest, load_checkpoint
 from exo.engine.kernels import cuda_qgemv
 from exo.engine.models.layers import QGemvEmbedding, QGemvLinear, use_qgemv
 from exo.engine.verify import verify_logits
+from tests.engine.quantized import quantized_linear
 
 # (N, K): K split over 1, 2 and 4 warps (``split_for`` at 4 bits), a K of one group
 SHAPES = ((4096, 256), (2048, 4096), (32, 4096), (40, 64))
 
 
 def _layer(n: int, k: int, bits: int, group: int, dtype, key: mx.array) -> nn.QuantizedLinear:
-    linear = nn.Linear(k, n, bias=False)
-    linear.weight = (mx.random.normal((n, k), key=key) * 0.05).astype(dtype)
-    return nn.QuantizedLinear.from_linear(linear, group_size=group, bits=bits)
+    return quantized_linear(n, k, bits, group, dtype, key)
 
 
 def test_the_shapes_reach_every_split():
