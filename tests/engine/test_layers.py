@@ -402,3 +402,39 @@ def test_an_armed_prompt_chunk_keeps_its_state_at_each_offset_as_a_chunk_cut_the
     again = layer(rows[:, :9], cache=armed)  # not armed: nothing captured
     mx.eval(again)
     assert sorted(armed.captured) == [7, 30]
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32], ids=["bfloat16", "float32"])
+@pytest.mark.parametrize("hk,hv", [(16, 32), (8, 8)])
+def test_one_row_delta_is_mlx_lm_s_step_bit_for_bit_in_fewer_nodes(dtype, hk, hv):
+    """``one_row_delta`` (the compiled decode / verify row's recurrence on MLX CUDA) gives mlx-lm's
+    ``gated_delta_update`` output and state bit for bit, alone and compiled, with fewer graph nodes (each one a
+    few microseconds of a host-bound decode step there)."""
+    import re
+    import tempfile
+
+    from mlx_lm.models.gated_delta import gated_delta_update
+
+    from exo.engine.models.layers import one_row_delta
+
+    def nodes(*outs: mx.array) -> int:
+        with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+            mx.export_to_dot(f.name, *outs)
+            return len(re.findall(r'label\s*=\s*"[A-Za-z]', f.read()))
+
+    ks = mx.random.split(mx.random.key(7), 8)
+    B, dk, dv = 2, 64, 32
+    q = mx.random.normal((B, 1, hk, dk), key=ks[0]).astype(dtype)
+    k = (mx.random.normal((B, 1, hk, dk), key=ks[1]) * 0.2).astype(dtype)
+    v = mx.random.normal((B, 1, hv, dv), key=ks[2]).astype(dtype)
+    a, b = (mx.random.normal((B, 1, hv), key=key).astype(dtype) for key in ks[3:5])
+    A_log, dt_bias = mx.random.normal((hv,), key=ks[5]), mx.random.normal((hv,), key=ks[6]).astype(dtype)
+    state = mx.random.normal((B, hv, dv, dk), key=ks[7])
+    args = (q, k, v, a, b, A_log, dt_bias, state)
+    mx.eval(*args)
+    want = gated_delta_update(*args, None)
+    for got in (one_row_delta(*args), mx.compile(one_row_delta)(*args)):
+        assert all(g.dtype == w.dtype and g.shape == w.shape and mx.array_equal(g, w).item()
+                   for g, w in zip(got, want, strict=True))
+    stock = mx.compile(lambda *x: gated_delta_update(*x, None))(*args)
+    assert nodes(*mx.compile(one_row_delta)(*args)) < nodes(*stock)

@@ -540,11 +540,39 @@ def _kernel_rows_apply(layer: Any, rows: int, mask: Any, cache: Any) -> bool:
             and mask is None and cache.lengths is None and not layer.training)
 
 
+def one_row_delta(q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, A_log: mx.array,
+                  dt_bias: mx.array, state: mx.array) -> tuple[mx.array, mx.array]:
+    """mlx-lm's ``gated_delta_update`` for one row (q, k [B, 1, Hk, Dk], v [B, 1, Hv, Dv], a, b [B, 1, Hv], state
+    [B, Hv, Dv, Dk] float32), value for value, in fewer graph nodes: its ops path slices each input out of the
+    row (a slice and a squeeze each) and broadcasts with an expand per use, here one reshape each. Every
+    arithmetic op is its op on the same values and shapes (tests/engine/test_layers.py: bit for bit). On MLX CUDA a
+    decode step is the host's work, ~5.7 us per graph node evaluated (docs/performance.md): ~10 fewer per layer."""
+    B, _, hk, dk = q.shape
+    hv, dv = v.shape[-2:]
+    beta = mx.sigmoid(b)
+    g = compute_g(A_log, a, dt_bias)
+    r = hv // hk
+
+    def heads(x: mx.array) -> mx.array:  # [B, 1, Hk, Dk] -> [B, Hv, 1, Dk], each key head r times (mx.repeat's order)
+        if r == 1:
+            return x.reshape(B, hv, 1, dk)
+        return mx.broadcast_to(x.reshape(B, hk, 1, 1, dk), (B, hk, r, 1, dk)).reshape(B, hv, 1, dk)
+
+    q, k = heads(q), heads(k)
+    state = state * g.reshape(B, hv, 1, 1)
+    kv_mem = (state * k).sum(axis=-1)
+    delta = (v.reshape(B, hv, dv) - kv_mem) * beta.reshape(B, hv, 1)
+    state = state + k * delta.reshape(B, hv, dv, 1)
+    y = (state * q).sum(axis=-1)
+    return y.astype(q.dtype).reshape(B, 1, hv, dv), state
+
+
 @cache
 def _row_step(taps: int, key_dim: int, hk: int, hv: int, dk: int, dv: int, norm_eps: float) -> Callable[..., Any]:
     """The compiled row step for one layer shape: (conv window, qkv row, z, a, b, state, conv weight, A_log,
     dt_bias, norm weight) -> (gated-norm output, next conv window, next state). The same ops as ``_mix``
-    with mlx-lm's ``conv1d``, ``normalize_qk``, ``gated_delta_update`` and ``Qwen3NextRMSNormGated``."""
+    with mlx-lm's ``conv1d``, ``normalize_qk``, ``gated_delta_update`` (as ``one_row_delta``) and
+    ``Qwen3NextRMSNormGated``."""
 
     def step(window, qkv, z, a, b, state, conv_w, A_log, dt_bias, norm_w):  # noqa: ANN001, ANN202
         B = qkv.shape[0]
@@ -552,7 +580,7 @@ def _row_step(taps: int, key_dim: int, hk: int, hv: int, dk: int, dv: int, norm_
         conv_out = nn.silu(mx.conv1d(conv_input, conv_w, groups=conv_input.shape[-1]))
         q, k, v = mx.split(conv_out, [key_dim, 2 * key_dim], -1)
         q, k = normalize_qk(q.reshape(B, 1, hk, dk), k.reshape(B, 1, hk, dk), inv_scale=dk**-0.5, eps=1e-6)
-        y, state = gated_delta_update(q, k, v.reshape(B, 1, hv, dv), a, b, A_log, dt_bias, state, None)
+        y, state = one_row_delta(q, k, v.reshape(B, 1, hv, dv), a, b, A_log, dt_bias, state)
         out = precise_swiglu(y, z, mx.fast.rms_norm(y, norm_w, norm_eps))
         return out, mx.contiguous(conv_input[:, 1:]), state
 
