@@ -438,3 +438,39 @@ def test_one_row_delta_is_mlx_lm_s_step_bit_for_bit_in_fewer_nodes(dtype, hk, hv
                    for g, w in zip(got, want, strict=True))
     stock = mx.compile(lambda *x: gated_delta_update(*x, None))(*args)
     assert nodes(*mx.compile(one_row_delta)(*args)) < nodes(*stock)
+
+
+@pytest.mark.parametrize("make", [lambda: GatedDeltaNet(_qwen35_args()), lambda: NextGatedDeltaNet(_next_args())])
+def test_a_batch_s_one_row_recurrence_is_mlx_lm_s_bit_for_bit(make):
+    """Where mlx-lm runs its ops (not Metal, no CPU kernel on the layer), a call of one row per sequence (a batch's
+    decode step) goes through ``one_row_delta``: mlx-lm's values bit for bit, with or without a state; a masked
+    call keeps mlx-lm's path."""
+    from mlx_lm.models.gated_delta import gated_delta_update
+
+    from exo.engine.models import layers
+
+    layer = make()
+    layer.eval()  # (as the loader leaves a model)
+    assert getattr(layer, "cpu_gated_delta", None) is None
+    hk, hv, dk, dv = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
+    ks = mx.random.split(mx.random.key(11), 6)
+    B = 3
+    q = mx.random.normal((B, 1, hk, dk), key=ks[0]).astype(mx.bfloat16)
+    k = (mx.random.normal((B, 1, hk, dk), key=ks[1]) * 0.2).astype(mx.bfloat16)
+    v = mx.random.normal((B, 1, hv, dv), key=ks[2]).astype(mx.bfloat16)
+    a, b = (mx.random.normal((B, 1, hv), key=key).astype(mx.bfloat16) for key in ks[3:5])
+    state = mx.random.normal((B, hv, dv, dk), key=ks[5])
+    calls = []
+    real = layers.one_row_delta
+    try:
+        layers.one_row_delta = lambda *x: calls.append(1) or real(*x)
+        for s in (state, None):
+            got = layers._recurrence(layer, q, k, v, a, b, s, None)
+            want = gated_delta_update(q, k, v, a, b, layer.A_log, layer.dt_bias, s, None)
+            assert all(mx.array_equal(g, w).item() and g.dtype == w.dtype for g, w in zip(got, want, strict=True))
+        assert len(calls) == 2
+        mask = mx.array([[True], [False], [True]])
+        layers._recurrence(layer, q, k, v, a, b, state, mask)
+        assert len(calls) == 2  # a masked call: mlx-lm's path
+    finally:
+        layers.one_row_delta = real

@@ -443,7 +443,17 @@ def _recurrence(layer: Any, q, k, v, a, b, state, mask) -> tuple[mx.array, mx.ar
             state = mx.zeros((B, *v.shape[-2:], Dk), dtype=mx.float32)
         if _gated_delta_fits(q, k, v, g, beta, state, mask):
             return kernel(q, k, v, g, beta, state, mask)
+    if q.shape[1] == 1 and mask is None and not layer.training and not _on_metal():
+        # one row (a batch's decode step) where mlx-lm runs its ops: the same values in fewer graph nodes
+        if state is None:
+            state = mx.zeros((q.shape[0], *v.shape[-2:], q.shape[-1]), dtype=mx.float32)
+        return one_row_delta(q, k, v, a, b, layer.A_log, layer.dt_bias, state)
     return gated_delta_update(q, k, v, a, b, layer.A_log, layer.dt_bias, state, mask, use_kernel=not layer.training)
+
+
+def _on_metal() -> bool:
+    """Where mlx-lm's ``gated_delta_update`` runs its Metal kernel (exo keeps it there, as stock decodes)."""
+    return mx.default_device() == mx.gpu and mx.metal.is_available()
 
 
 def _gated_delta_fits(q, k, v, g, beta, state, mask) -> bool:
