@@ -318,11 +318,11 @@ def qgemv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group
                          output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype])[0]
     flat = x.reshape(-1, k)
     outs = []
-    for start in range(0, flat.shape[0], MAX_ROWS):
-        rows = flat[start : start + MAX_ROWS]
-        template, grid = _launch(rows.shape[0], n, k, bits, group_size, x.dtype, scales.dtype)
-        outs.append(_kernel()(inputs=[rows, w, scales, biases], template=template, grid=grid, threadgroup=THREADGROUP,
-                              output_shapes=[(rows.shape[0], n)], output_dtypes=[x.dtype])[0])
+    for start in range(0, rows, MAX_ROWS):
+        part = flat[start : start + MAX_ROWS]
+        template, grid = _launch(part.shape[0], n, k, bits, group_size, x.dtype, scales.dtype)
+        outs.append(_kernel()(inputs=[part, w, scales, biases], template=template, grid=grid, threadgroup=THREADGROUP,
+                              output_shapes=[(part.shape[0], n)], output_dtypes=[x.dtype])[0])
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
     return out.reshape(*x.shape[:-1], n)
 
