@@ -10,6 +10,7 @@ downloaded first when the node can (``fetching.InstanceFetcher``): the instance 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import platform
@@ -370,17 +371,36 @@ class NodeServicer(pb_grpc.NodeServicer):
         except (UnknownInstanceError, InstanceFailedError) as e:
             yield pb.GenerateChunk(error=pb.GenerateError(type="model_unavailable", message=_text(e)))
             return
-        try:
-            async for chunk in call:
+        async with contextlib.aclosing(relay_generation(call, request.model, context)) as chunks:
+            async for chunk in chunks:  # (closed with this handler: the runner's generation is cancelled at once)
                 yield chunk
-        except grpc.aio.AioRpcError as e:
-            # The runner went away mid-generation (crashed, or killed with its pipeline group); a call cancelled
-            # while our caller is still there was cancelled under us (the runner's channel closed as it died).
-            if e.code() != grpc.StatusCode.CANCELLED or not context.cancelled():
-                message = f"the runner of {request.model} failed: {e.code().name}: {e.details()}"
-                yield pb.GenerateChunk(error=pb.GenerateError(type="model_unavailable", message=message))
-        finally:
-            call.cancel()  # our caller went away (or we are done): stop the runner's generation
+
+
+async def relay_generation(call: grpc.aio.UnaryStreamCall, model: str,
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateChunk]:
+    """A runner's Generate stream relayed to a peer's call: every chunk, and an error chunk (never a silent end
+    or a hang) when the runner goes away mid-generation. Two ways it does: its socket closes (the call fails),
+    or its supervisor, seeing the process gone, closes the channel first. grpc.aio then raises
+    ``asyncio.CancelledError`` from the read; were that to end this handler, gRPC's server would leave the
+    peer's call open with nothing more to read (the peer's router gave up after ``STREAM_IDLE_S``)."""
+    try:
+        async for chunk in call:
+            yield chunk
+    except grpc.aio.AioRpcError as e:
+        # The runner went away mid-generation (crashed, or killed with its pipeline group); a call cancelled
+        # while our caller is still there was cancelled under us (the runner's channel closed as it died).
+        if e.code() != grpc.StatusCode.CANCELLED or not context.cancelled():
+            message = f"the runner of {model} failed: {e.code().name}: {e.details()}"
+            yield pb.GenerateChunk(error=pb.GenerateError(type="model_unavailable", message=message))
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if context.cancelled() or (task is not None and task.cancelling()):
+            raise  # our caller went away: this handler is what was cancelled
+        # The call, not this handler, was cancelled: the runner's channel closed under it (its process ended).
+        message = f"the runner of {model} went away mid-generation (its channel closed)"
+        yield pb.GenerateChunk(error=pb.GenerateError(type="model_unavailable", message=message))
+    finally:
+        call.cancel()  # our caller went away (or we are done): stop the runner's generation
 
 
 def _text(exc: BaseException) -> str:
