@@ -311,15 +311,7 @@ class Parts:
 def _gdn_parts(parts: Parts, layer: Any, x: mx.array, cache: Any) -> mx.array:
     """The GatedDeltaNet layer's prefill (``layers._mix``'s unmasked, unrecorded path) part by part."""
     B, S, _ = x.shape
-    if hasattr(layer, "in_proj_qkv"):  # Qwen3.5 / 3.6
-        qkv, z, b, a = parts("gdn input projections", lambda: (
-            layer.in_proj_qkv(x), layer.in_proj_z(x).reshape(B, S, layer.num_v_heads, layer.head_v_dim),
-            layer.in_proj_b(x), layer.in_proj_a(x)))
-    else:  # Qwen3-Next
-        def project() -> tuple[mx.array, ...]:
-            q, k, v, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(x), layer.in_proj_ba(x))
-            return mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1), z, b, a
-        qkv, z, b, a = parts("gdn input projections", project)
+    qkv, z, b, a = parts("gdn input projections", layer.input_projections, x)  # (fused or not, as the layer runs)
 
     def conv() -> tuple[mx.array, ...]:
         window = cache[0] if cache[0] is not None else mx.zeros((B, layer.conv_kernel_size - 1, layer.conv_dim), qkv.dtype)

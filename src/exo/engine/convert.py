@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import quantize_model, save_config, save_model
 
 from .loader import LoadedModel, load_checkpoint
+from .models.fused_inputs import unfuse_inputs
 
 HeadPlacement = Literal["in-shard", "sidecar", "drop"]
 _NON_TOKENIZER_JSON = {"config.json", "model.safetensors.index.json"}
@@ -62,6 +63,7 @@ def convert_checkpoint(
         raise FileExistsError(f"{dst} already exists")
     loaded = loaded or load_checkpoint(src)
     model, config = loaded.model, dict(loaded.config)
+    unfuse_inputs(model)  # the checkpoint's own layout, projection by projection
     if bits is not None:
         model, config = quantize_model(
             model, config, group_size, bits, quant_predicate=getattr(model, "quant_predicate", None)

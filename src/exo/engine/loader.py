@@ -30,6 +30,7 @@ from safetensors import safe_open
 
 from .models import SUPPORTED_MODEL_TYPES, UnsupportedModelError, get_model_classes, stage_model_classes
 from .models.backbone import SpeculativeBackbone
+from .models.fused_inputs import use_fused_inputs
 from .models.layers import SparseMoeBlock, check_expert_sort, experts_unsorted, use_gdn_kernel, use_qgemv
 from .models.mtp import HEAD_NORM_SUFFIXES, MTPHead
 from .models.padded_rows import use_padded_rows
@@ -102,6 +103,9 @@ class LoadedModel:
     dense: dict[str, str] = field(default_factory=dict)
     # Per GatedDeltaNet layer shape, whether its decode steps and verify rows run exo's kernel (``use_gdn_kernel``)
     gdn: dict[str, str] = field(default_factory=dict)
+    # Per GatedDeltaNet layer shape, whether its input projections run as one product (``models.fused_inputs``,
+    # ``EXO_FUSED_INPUTS``: on wherever its check finds the same bits)
+    fused: dict[str, str] = field(default_factory=dict)
 
     @property
     def backbone(self) -> SpeculativeBackbone:
@@ -573,6 +577,7 @@ def load_checkpoint(
     except (ValueError, KeyError, FileNotFoundError, RuntimeError) as e:
         raise CheckpointError(f"{path}: the weights do not match config.json: {e}") from e
     cpu_compatible(model)
+    fused = use_fused_inputs(model)  # measured on the CPU kernels' classes; before qgemv's, padded rows', dense's
     tokenizer = None
     if last:
         try:
@@ -621,4 +626,5 @@ def load_checkpoint(
         padded=padded,
         dense=dense,
         gdn=gdn,
+        fused=fused,
     )

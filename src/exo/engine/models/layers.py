@@ -754,29 +754,45 @@ class GatedDeltaNet(Qwen35GatedDeltaNet):
     """Qwen3.5 / Qwen3.6 GatedDeltaNet with per-row state capture for rollback."""
 
     gdn_kernel = False  # its steps on ``kernels.cuda_gdn`` (``use_gdn_kernel``)
+    fused_inputs: tuple[int, ...] | None = None  # ``in_proj_fused``'s split points (``models.fused_inputs``)
 
     def __call__(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
         if self.sharding_group is not None:
-            # Tensor parallelism is not used by exo (pipelines split by layers).
+            # A tensor-sharded layer (``engine/sharding.py``): mlx-lm's call, with its all-reduce
             return super().__call__(inputs, mask, cache)
+        return _mix(self, *self.input_projections(inputs), mask, cache)
+
+    def input_projections(self, inputs: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """(qkv, z [B, S, Hv, Dv], b, a): four products, or one fused (``models.fused_inputs``) split four ways."""
         B, S, _ = inputs.shape
-        qkv = self.in_proj_qkv(inputs)
-        z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
-        return _mix(self, qkv, z, self.in_proj_b(inputs), self.in_proj_a(inputs), mask, cache)
+        if self.fused_inputs is not None:
+            qkv, z, b, a = mx.split(self.in_proj_fused(inputs), self.fused_inputs, axis=-1)
+        else:
+            qkv, z, b, a = (self.in_proj_qkv(inputs), self.in_proj_z(inputs), self.in_proj_b(inputs),
+                            self.in_proj_a(inputs))
+        return qkv, z.reshape(B, S, self.num_v_heads, self.head_v_dim), b, a
 
 
 class NextGatedDeltaNet(Qwen3NextGatedDeltaNet):
     """Qwen3-Next GatedDeltaNet with per-row state capture for rollback."""
 
     gdn_kernel = False
+    fused_inputs: tuple[int, ...] | None = None  # ``in_proj_fused``'s split point (``models.fused_inputs``)
 
     def __call__(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
+        return _mix(self, *self.input_projections(inputs), mask, cache)
+
+    def input_projections(self, inputs: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """(qkv, z, b, a) from ``in_proj_qkvz`` and ``in_proj_ba``, or from their fused product
+        (``models.fused_inputs``) split in two."""
         B, S, _ = inputs.shape
-        q, k, v, z, b, a = self.fix_query_key_value_ordering(
-            self.in_proj_qkvz(inputs), self.in_proj_ba(inputs)
-        )
+        if self.fused_inputs is not None:
+            qkvz, ba = mx.split(self.in_proj_fused(inputs), self.fused_inputs, axis=-1)
+        else:
+            qkvz, ba = self.in_proj_qkvz(inputs), self.in_proj_ba(inputs)
+        q, k, v, z, b, a = self.fix_query_key_value_ordering(qkvz, ba)
         mixed_qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
-        return _mix(self, mixed_qkv, z, b, a, mask, cache)
+        return mixed_qkv, z, b, a
 
 
 class SparseMoeBlock(Qwen3NextSparseMoeBlock):
