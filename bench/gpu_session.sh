@@ -111,7 +111,7 @@ for p in "$@"; do
     # round's verify costs the host and the device (issue 50's round cost: <= 1.25x a plain step at K = 1)
     opverify) phase opverify $PY bench/launch_cost.py "$Q9" --phases model --qgemv 0 1 --verify --steps 8 --repeats 3 --rows 1 2 3 4
         phase opverify $PY bench/launch_cost.py "$Q9S" --phases model --qgemv 0 --verify --steps 8 --repeats 3 --rows 1 2 3 4 ;;
-    # a GatedDeltaNet layer's input projections as one product (models.fused_inputs, on by default) against apart,
+    # layers' input projections as one product (models.fused_inputs, on by default: GatedDeltaNet, q/k/v, gate/up) vs apart,
     # alternating in one process: a decode step and a round's verify calls, ms and primitives (issue 50)
     fused) phase fused $PY bench/launch_cost.py "$Q9" --phases model --qgemv 0 --fused 1 0 --steps 8 --repeats 3 --rows 1 2 4
         phase fused $PY bench/launch_cost.py "$Q9" --phases model --qgemv 0 --fused 1 0 --verify --steps 8 --repeats 3 --rows 2 3 4 ;;

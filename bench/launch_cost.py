@@ -124,7 +124,7 @@ def model_phase(args: argparse.Namespace) -> dict[str, Any]:
     path = resolve_model(args.model).path
     models = {}
     forwards = {}
-    variants = [(("MLX's products" if q == "0" else "exo qgemv") + ("" if f == "1" else ", gdn inputs apart"), q, f)
+    variants = [(("MLX's products" if q == "0" else "exo qgemv") + ("" if f == "1" else ", projections apart"), q, f)
                 for q in ("0", "1") if q in args.qgemv for f in ("1", "0") if f in args.fused]
     for label, qgemv, fused in variants:
         os.environ["EXO_QGEMV"], os.environ["EXO_FUSED_INPUTS"] = qgemv, fused
@@ -227,8 +227,8 @@ def main() -> None:
     parser.add_argument("--qgemv", nargs="+", default=["0", "1"], choices=["0", "1"],
                         help="model phase: EXO_QGEMV values to load the model with")
     parser.add_argument("--fused", nargs="+", default=["1"], choices=["0", "1"],
-                        help="model phase: EXO_FUSED_INPUTS values to load the model with (a GatedDeltaNet layer's "
-                             "input projections as one product, or apart)")
+                        help="model phase: EXO_FUSED_INPUTS values to load the model with (the layers' input "
+                             "projections as one product, or apart: models.fused_inputs)")
     parser.add_argument("--kinds", type=int, default=12, help="model phase: primitive kinds listed per step")
     parser.add_argument("--verify", action="store_true",
                         help="model phase: rows past one as verify calls (the engine's probed mode), not a forward")

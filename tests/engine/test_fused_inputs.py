@@ -1,5 +1,5 @@
-"""A GatedDeltaNet layer's input projections as one product (``models.fused_inputs``): fused by the loader where its
-check finds the same bits, the hiddens of a prompt, a decode step and a verify call bit for bit those of the
+"""A layer's input projections as one product (``models.fused_inputs``: a GatedDeltaNet layer's, an attention layer's
+q / k / v, a dense MLP's gate / up): fused by the loader where its check finds the same bits, the hiddens of a prompt, a decode step and a verify call bit for bit those of the
 separate products, greedy plain and native-MTP decoding the same tokens; a device whose wide product rounds
 otherwise keeps the separate products; ``EXO_FUSED_INPUTS=0`` keeps them too."""
 
@@ -11,10 +11,18 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
+from mlx_lm.models.qwen3_next import Qwen3NextMLP
 
 from exo.engine import Engine, EngineConfig, GenerationRequest, load_checkpoint
 from exo.engine.models import fused_inputs
-from exo.engine.models.layers import GatedDeltaNet, NextGatedDeltaNet
+from exo.engine.models.layers import (
+    Attention,
+    CpuMLP,
+    FusedCpuMLP,
+    FusedMLP,
+    GatedDeltaNet,
+    NextGatedDeltaNet,
+)
 
 from .quantized import quantized_linear
 
@@ -35,6 +43,10 @@ def _load(path, monkeypatch, on: bool):
 
 def _gdn_layers(model) -> list[nn.Module]:
     return [m for _, m in model.named_modules() if isinstance(m, (GatedDeltaNet, NextGatedDeltaNet))]
+
+
+def _fused_modules(model) -> list[nn.Module]:
+    return [m for _, m in model.named_modules() if getattr(m, "fused_inputs", None)]
 
 
 def _hiddens(model, prompt: list[int]) -> list[mx.array]:
@@ -59,6 +71,11 @@ def test_fused_inputs_compute_the_separate_products_bits_and_decode_the_same_tok
         assert layer.fused_inputs is not None and "in_proj_fused" in layer and not any(n in layer for n in names)
     for layer in _gdn_layers(separate.model):
         assert layer.fused_inputs is None and "in_proj_fused" not in layer and all(n in layer for n in names)
+    attention = [m for _, m in fused.model.named_modules() if isinstance(m, Attention)]
+    mlps = [m for _, m in fused.model.named_modules() if isinstance(m, (FusedMLP, FusedCpuMLP))]
+    assert attention and all(m.fused_inputs and "qkv_proj" in m and "q_proj" not in m for m in attention)
+    assert mlps and all("gate_up_proj" in m and "up_proj" not in m for m in mlps)
+    assert not [m for _, m in fused.model.named_modules() if type(m) in (Qwen3NextMLP, CpuMLP)]
     sizes = [sum(v.size for _, v in tree_flatten(m.model.parameters())) for m in (fused, separate)]
     assert sizes[0] == sizes[1]
 
@@ -92,10 +109,11 @@ def test_a_shape_whose_fused_product_differs_keeps_its_separate_products(checkpo
 
     monkeypatch.setattr(fused_inputs, "fused_linear", rounding_otherwise)
     loaded = _load(path, monkeypatch, True)
-    [(name, verdict)] = loaded.fused.items()
-    assert name.startswith("GatedDeltaNet in_proj_qkv+in_proj_z+in_proj_b+in_proj_a ")
-    assert verdict == "not used: its columns differ from the separate products at 1 rows", verdict
+    assert {name.split(" ")[1] for name in loaded.fused} == {"in_proj_qkv+in_proj_z+in_proj_b+in_proj_a",
+                                                              "q_proj+k_proj+v_proj", "gate_proj+up_proj"}
+    assert set(loaded.fused.values()) == {"not used: its columns differ from the separate products at 1 rows"}
     assert all(layer.fused_inputs is None and "in_proj_qkv" in layer for layer in _gdn_layers(loaded.model))
+    assert not [m for _, m in loaded.model.named_modules() if getattr(m, "fused_inputs", None)]
     monkeypatch.undo()
     separate = _load(path, monkeypatch, False)
     prompt = list(range(3, 16))
@@ -129,7 +147,9 @@ def test_unfused_the_model_has_the_checkpoint_s_parameters_again(checkpoint, mon
     """What ``exo convert`` saves: every parameter by its checkpoint name, the same values."""
     path = _path(checkpoint, arch, layout)
     fused, separate = _load(path, monkeypatch, True), _load(path, monkeypatch, False)
-    assert fused_inputs.unfuse_inputs(fused.model) == len(_gdn_layers(fused.model))
+    count = len(_fused_modules(fused.model))
+    assert count > len(_gdn_layers(fused.model)) and fused_inputs.unfuse_inputs(fused.model) == count
+    assert not _fused_modules(fused.model)
     mine, theirs = dict(tree_flatten(fused.model.parameters())), dict(tree_flatten(separate.model.parameters()))
     assert sorted(mine) == sorted(theirs)
     assert all(mine[k].dtype == theirs[k].dtype and bool(mx.array_equal(mine[k], theirs[k])) for k in mine)

@@ -632,6 +632,7 @@ def test_a_row_count_sensitive_linear_runs_per_row_in_verify_calls_and_mtp_stays
     computes every linear layer whose rows can go as one-row products in one call (``vector_matmul``)
     that way, the ones found to differ otherwise one call per row, and greedy MTP still equals plain
     decoding. ``differ`` stands for a backend whose batched one-row products do not round as one row."""
+    monkeypatch.setenv("EXO_FUSED_INPUTS", "0")  # the MLPs' own up projections, the layers this test swaps
     if vectors == "differ":
         real = layers.vector_matmul
         monkeypatch.setattr(layers, "vector_matmul", lambda x, w: real(x, w) * (1.05 if x.size > x.shape[-1] else 1.0))

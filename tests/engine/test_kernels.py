@@ -245,7 +245,7 @@ def test_the_engine_runs_its_layers_on_the_kernels_with_plain_mlx_outputs(linear
     assert nn.Linear not in classes and nn.Embedding not in classes
     deltas = [m for _, m in model.named_modules() if isinstance(m, GatedDeltaNet)]
     assert deltas and all(m.cpu_gated_delta is not None for m in deltas)
-    assert CpuMLP in classes and all(m.cpu_silu is not None for m in deltas)
+    assert any(issubclass(c, CpuMLP) for c in classes) and all(m.cpu_silu is not None for m in deltas)  # (fused or not)
     kernel_layers = [m for _, m in model.named_modules() if type(m) in (CpuLinear, CpuEmbedding)]
     assert all("_exo_packed" in m.__dict__ for m in kernel_layers)  # packed at load, not in a step
     head_modules = list(engine.loaded.head.named_modules()) if engine.loaded.head is not None else []

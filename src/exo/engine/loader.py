@@ -577,7 +577,8 @@ def load_checkpoint(
     except (ValueError, KeyError, FileNotFoundError, RuntimeError) as e:
         raise CheckpointError(f"{path}: the weights do not match config.json: {e}") from e
     cpu_compatible(model)
-    fused = use_fused_inputs(model)  # measured on the CPU kernels' classes; before qgemv's, padded rows', dense's
+    # measured on the CPU kernels' classes; before qgemv's, padded rows', dense's (a tensor member: mlx-lm's calls)
+    fused = use_fused_inputs(model) if tensor is None else {}
     tokenizer = None
     if last:
         try:

@@ -1,39 +1,72 @@
-"""A GatedDeltaNet layer's input projections as one product: Qwen3.5's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``
-and ``in_proj_a`` (Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba``) all read the same rows, so one linear layer
-holding their weights one after another computes them in one call, split after it (views, no copy).
+"""A layer's input projections as one product. Projections that read the same rows (a GatedDeltaNet layer's:
+Qwen3.5's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, Qwen3-Next's ``in_proj_qkvz`` and
+``in_proj_ba``; an attention layer's ``q_proj``, ``k_proj``, ``v_proj``; a dense MLP's ``gate_proj`` and
+``up_proj``) become one linear layer holding their weights one after another, its output split after it (views).
 
 Why: on MLX CUDA a decode step is the host's work, about 14 us per quantized product (graph building plus
-evaluation) whatever its size (docs/performance.md, the H200 launch costs): a Qwen3.5 layer's four products are
-three too many, 72 of a 9B step's 249. On Apple GPUs each is a dispatch too.
+evaluation) whatever its size (docs/performance.md, the H200 launch costs): of a 9B step's 249 products, 72 are a
+GatedDeltaNet layer's extra three, 16 an attention layer's extra two, 32 an MLP's extra one (120 in all). On Apple
+GPUs each is a dispatch too.
 
 Exact: a product's output column is its weight row against the input row, the same sums whichever rows sit
 beside it in the weight, on every backend measured so far; ``check`` measures it on this device, per shape,
 before a layer is fused (the first layer of a shape, on random rows, at the row counts of decode steps, verify
-calls, batch steps and prompt chunks): a shape whose fused columns are not bit for bit its separate products
-stays as it is. So plain decoding still computes what stock mlx-lm computes; it is not one of exo's own ops.
+calls, batch steps and prompt chunks: each kernel MLX CUDA picks by rows): a shape whose fused columns are not bit
+for bit its separate products stays as it is. So plain decoding still computes what stock mlx-lm computes; it is
+not one of exo's own ops.
 
 ``use_fused_inputs`` (the loader, after the CPU kernels' classes, so that the check measures the products that will
 run, and before qgemv, padded rows, dense prompts and verify rows, which then apply to the fused layer as to any
 other, each with its own check) fuses wherever ``check`` passes; ``unfuse_inputs`` puts the checkpoint's layout back
-(``exo convert`` saves the model's parameters by name);
-``EXO_FUSED_INPUTS=0`` keeps the separate products. Not for a tensor-sharded model: its projections are sliced
-per member by name (``engine/sharding.py``).
+(``exo convert`` saves the model's parameters by name); ``EXO_FUSED_INPUTS=0`` keeps the separate products. Not for
+a tensor-sharded model: its projections are sliced per member by name (``engine/sharding.py``), and its layers run
+mlx-lm's calls. The MTP head keeps its own.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.qwen3_next import Qwen3NextMLP
 
-from .layers import CpuLinear, GatedDeltaNet, NextGatedDeltaNet, _Packed
+from .layers import (
+    Attention,
+    CpuLinear,
+    CpuMLP,
+    FusedCpuMLP,
+    FusedMLP,
+    GatedDeltaNet,
+    NextGatedDeltaNet,
+    _Packed,
+)
 
 # Rows the check compares at: a decode step, verify calls of K + 1 = 2-5 rows, batch steps, prompt chunks
-CHECK_ROWS = (1, 2, 3, 4, 5, 8, 16, 33, 128)
-PROJECTIONS = {GatedDeltaNet: ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
-               NextGatedDeltaNet: ("in_proj_qkvz", "in_proj_ba")}
+CHECK_ROWS = (1, 2, 3, 4, 5, 8, 17, 33)  # (MLX CUDA: one-row qmv to 7 rows, then its 16-, 32- and 64-row tiles)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A module whose input projections can be one product: their names, the fused layer's name, and the class the
+    module takes once fused (None: it keeps its own, which reads ``fused_inputs``)."""
+
+    parts: tuple[str, ...]
+    fused: str
+    becomes: type | None = None
+
+
+KINDS: dict[type, Kind] = {
+    GatedDeltaNet: Kind(("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), "in_proj_fused"),
+    NextGatedDeltaNet: Kind(("in_proj_qkvz", "in_proj_ba"), "in_proj_fused"),
+    Attention: Kind(("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+    Qwen3NextMLP: Kind(("gate_proj", "up_proj"), "gate_up_proj", FusedMLP),
+    CpuMLP: Kind(("gate_proj", "up_proj"), "gate_up_proj", FusedCpuMLP),
+}
+UNFUSED = {kind.becomes: cls for cls, kind in KINDS.items() if kind.becomes is not None}
+PROJECTIONS = {cls: kind.parts for cls, kind in KINDS.items()}
 
 
 def enabled() -> bool:
@@ -45,7 +78,7 @@ def projections(layer: nn.Module) -> list[nn.Module] | None:
     """The layer's input projections, when they can be one layer: ``nn.Linear`` (or its CPU kernel's class) without
     bias or ``nn.QuantizedLinear``, all alike (one class, input width, dtype, quantization)."""
     names = PROJECTIONS.get(type(layer))
-    if names is None or layer.fused_inputs is not None or getattr(layer, "sharding_group", None) is not None:
+    if names is None or getattr(layer, "fused_inputs", None) is not None or getattr(layer, "sharding_group", None):
         return None
     parts = [layer[name] for name in names if name in layer]
     if len(parts) != len(names):
@@ -116,8 +149,9 @@ def check(parts: list[nn.Module], fused: nn.Module, rows: tuple[int, ...] = CHEC
 
 
 def use_fused_inputs(model: nn.Module) -> dict[str, str]:
-    """Fuse the input projections of ``model``'s GatedDeltaNet layers wherever ``check`` passes (the first layer
-    of each shape checked); what was found per shape. Nothing where ``EXO_FUSED_INPUTS=0``."""
+    """Fuse the input projections of ``model``'s GatedDeltaNet layers, attention layers and dense MLPs wherever
+    ``check`` passes (the first layer of each shape checked); what was found per shape. Nothing where
+    ``EXO_FUSED_INPUTS=0``."""
     if not enabled():
         return {}
     found: dict[str, str] = {}
@@ -141,9 +175,12 @@ def use_fused_inputs(model: nn.Module) -> dict[str, str]:
             found[name] = ("ok: " if passed else "not used: ") + what
         if not verdicts[signature]:
             continue
-        for name in PROJECTIONS[type(layer)]:
+        kind = KINDS[type(layer)]
+        for name in kind.parts:
             delattr(layer, name)
-        layer.in_proj_fused = fused
+        setattr(layer, kind.fused, fused)
+        if kind.becomes is not None:
+            layer.__class__ = kind.becomes
         object.__setattr__(layer, "fused_inputs", widths(parts))  # an attribute, not a parameter of the tree
     return found
 
@@ -154,10 +191,11 @@ def unfuse_inputs(model: nn.Module) -> int:
     count = 0
     for _, layer in model.named_modules():
         points = getattr(layer, "fused_inputs", None)
-        if points is None or "in_proj_fused" not in layer:
+        cls = UNFUSED.get(type(layer), type(layer))
+        if not points or cls not in KINDS or KINDS[cls].fused not in layer:
             continue
-        fused = layer.in_proj_fused
-        names = PROJECTIONS[type(layer)]
+        fused = layer[KINDS[cls].fused]
+        names = KINDS[cls].parts
         pieces = {key: mx.split(fused[key], points, axis=0) for key in ("weight", "scales", "biases") if key in fused}
         for i, name in enumerate(names):
             part = type(fused).__new__(type(fused))
@@ -173,7 +211,8 @@ def unfuse_inputs(model: nn.Module) -> int:
             if isinstance(part, CpuLinear) and part.weight.dtype == mx.bfloat16:
                 object.__setattr__(part, "_exo_packed", _Packed(part.weight))
             setattr(layer, name, part)
-        delattr(layer, "in_proj_fused")
+        delattr(layer, KINDS[cls].fused)
+        layer.__class__ = cls
         object.__setattr__(layer, "fused_inputs", None)
         count += 1
     return count

@@ -164,6 +164,29 @@ class CpuMLP(Qwen3NextMLP):
         return self.down_proj(swiglu(gate, up))
 
 
+class FusedMLP(Qwen3NextMLP):
+    """mlx-lm's dense MLP whose gate and up projections are one product (``gate_up_proj``, split after it:
+    ``models.fused_inputs``), the same values."""
+
+    fused_inputs: tuple[int, ...] = ()
+
+    def __call__(self, x: mx.array) -> mx.array:
+        gate, up = mx.split(self.gate_up_proj(x), self.fused_inputs, axis=-1)
+        return self.down_proj(swiglu(gate, up))
+
+
+class FusedCpuMLP(CpuMLP):
+    """``CpuMLP`` whose gate and up projections are one product (``models.fused_inputs``)."""
+
+    fused_inputs: tuple[int, ...] = ()
+
+    def __call__(self, x: mx.array) -> mx.array:
+        gate, up = mx.split(self.gate_up_proj(x), self.fused_inputs, axis=-1)
+        if gate.dtype == mx.bfloat16 and mx.default_device() == mx.cpu:
+            return self.down_proj(self.kernel(mx.contiguous(gate), mx.contiguous(up)))  # (its kernel reads rows)
+        return self.down_proj(swiglu(gate, up))
+
+
 def _silu(layer: nn.Module, x: mx.array) -> mx.array:
     kernel = getattr(layer, "cpu_silu", None)  # exo's CPU kernel (``use_cpu_kernels``) where built
     if kernel is not None and x.dtype == mx.bfloat16 and mx.default_device() == mx.cpu:
@@ -983,6 +1006,7 @@ class Attention(Qwen3NextAttention):
     per_row: bool = False  # set by the engine around verify calls only
     per_sequence: bool = False  # batch-invariant batch steps: each sequence alone, as its solo step
     cpu_linear: Callable[[mx.array, mx.array], mx.array] | None = None  # set by ``use_cpu_kernels``
+    fused_inputs: tuple[int, ...] | None = None  # ``qkv_proj``'s split points (``models.fused_inputs``)
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask: Any) -> mx.array:
         """mlx-lm's ``scaled_dot_product_attention``, on exo's CPU kernel where it is set (the same bits)."""
@@ -994,10 +1018,8 @@ class Attention(Qwen3NextAttention):
         B, L, _ = x.shape
         if self.per_sequence and B > 1 and isinstance(cache, BatchKVCache):
             return self._per_sequence(x, cache)
-        if cache is None:
-            return super().__call__(x, mask, cache)
-        if not self.per_row or L == 1:
-            if self.cpu_linear is None:
+        if cache is None or not self.per_row or L == 1:
+            if self.cpu_linear is None and self.fused_inputs is None:
                 return super().__call__(x, mask, cache)
             queries, keys, values, gate = self._project(x, cache)  # the stock call's, then its attention here
             output = self.attend(queries, keys, values, cache, mask).transpose(0, 2, 1, 3).reshape(B, L, -1)
@@ -1019,12 +1041,17 @@ class Attention(Qwen3NextAttention):
         """Queries, keys and values [B, heads, T, D] of ``x`` (rope applied at the cache's offsets, the keys and
         values stored and fetched: every key of the cache) and the output gate, as the stock call computes them."""
         B, L, _ = x.shape
-        queries, gate = mx.split(self.q_proj(x).reshape(B, L, self.num_attention_heads, -1), 2, axis=-1)
+        if self.fused_inputs is not None:
+            q, keys, values = mx.split(self.qkv_proj(x), self.fused_inputs, axis=-1)
+        else:
+            q, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        queries, gate = mx.split(q.reshape(B, L, self.num_attention_heads, -1), 2, axis=-1)
         gate = gate.reshape(B, L, -1)
-        keys, values = self.k_proj(x), self.v_proj(x)
         queries = self.q_norm(queries).transpose(0, 2, 1, 3)
         keys = self.k_norm(keys.reshape(B, L, self.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
         values = values.reshape(B, L, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+        if cache is None:  # (a call without a cache: from position 0, as the stock call's)
+            return self.rope(queries), self.rope(keys), values, gate
         queries = self.rope(queries, offset=cache.offset)
         keys = self.rope(keys, offset=cache.offset)
         keys, values = cache.update_and_fetch(keys, values)
