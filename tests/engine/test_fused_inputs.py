@@ -156,3 +156,15 @@ def test_unfused_the_model_has_the_checkpoint_s_parameters_again(checkpoint, mon
     prompt = list(range(3, 16))
     for a, b in zip(_hiddens(fused.model, prompt), _hiddens(separate.model, prompt), strict=True):
         assert bool(mx.array_equal(a, b))
+
+
+def test_a_microscaled_format_fuses_too():
+    """mxfp4 (integer scales, no biases): the check's rows are bfloat16, the fused layer keeps the mode."""
+    parts = []
+    for i, n in enumerate((64, 32)):
+        linear = nn.Linear(128, n, bias=False)
+        linear.weight = (mx.random.normal((n, 128), key=mx.random.key(i)) * 0.05).astype(mx.bfloat16)
+        parts.append(nn.QuantizedLinear.from_linear(linear, group_size=32, bits=4, mode="mxfp4"))
+    fused = fused_inputs.fused_linear(parts)
+    assert fused.mode == "mxfp4" and "biases" not in fused
+    assert fused_inputs.check(parts, fused, rows=(1, 3, 9)) == (True, "one product of 96 outputs for 2, equal at 3 row counts")

@@ -102,11 +102,12 @@ def fused_linear(parts: list[nn.Module]) -> nn.Module:
         fused.scales = mx.concatenate([p.scales for p in parts])
         if "biases" in first:
             fused.biases = mx.concatenate([p.biases for p in parts])
-        fused.freeze()
     else:
         fused = nn.Linear.__new__(type(first))  # (CpuLinear: exo's CPU kernel, as its parts)
         nn.Module.__init__(fused)
     fused.weight = mx.concatenate([p.weight for p in parts])
+    if isinstance(fused, nn.QuantizedLinear):
+        fused.freeze()  # as nn.QuantizedLinear is
     mx.eval(fused.parameters())
     if isinstance(fused, CpuLinear) and fused.weight.dtype == mx.bfloat16:
         object.__setattr__(fused, "_exo_packed", _Packed(fused.weight))  # packed now, as use_cpu_kernels does
@@ -136,6 +137,8 @@ def check(parts: list[nn.Module], fused: nn.Module, rows: tuple[int, ...] = CHEC
     ``rows`` row counts; what was found."""
     width = _inputs(parts[0])
     dtype = parts[0].scales.dtype if isinstance(parts[0], nn.QuantizedLinear) else parts[0].weight.dtype
+    if not mx.issubdtype(dtype, mx.floating):
+        dtype = mx.bfloat16  # (a microscaled format's scales are integers)
     points = widths(parts)
     for i, n in enumerate(rows):
         x = (mx.random.normal((1, n, width), key=mx.random.key(17 + i)) * 0.5).astype(dtype)
