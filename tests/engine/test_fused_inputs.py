@@ -76,6 +76,7 @@ def test_fused_inputs_compute_the_separate_products_bits_and_decode_the_same_tok
     assert attention and all(m.fused_inputs and "qkv_proj" in m and "q_proj" not in m for m in attention)
     assert mlps and all("gate_up_proj" in m and "up_proj" not in m for m in mlps)
     assert not [m for _, m in fused.model.named_modules() if type(m) in (Qwen3NextMLP, CpuMLP)]
+    assert fused.head is not None and len(_fused_modules(fused.head)) == 2  # the MTP head's attention and MLP
     sizes = [sum(v.size for _, v in tree_flatten(m.model.parameters())) for m in (fused, separate)]
     assert sizes[0] == sizes[1]
 
@@ -150,6 +151,10 @@ def test_unfused_the_model_has_the_checkpoint_s_parameters_again(checkpoint, mon
     count = len(_fused_modules(fused.model))
     assert count > len(_gdn_layers(fused.model)) and fused_inputs.unfuse_inputs(fused.model) == count
     assert not _fused_modules(fused.model)
+    assert fused_inputs.unfuse_inputs(fused.head) == 2 and not _fused_modules(fused.head)
+    mine, theirs = dict(tree_flatten(fused.head.parameters())), dict(tree_flatten(separate.head.parameters()))
+    assert sorted(mine) == sorted(theirs) and all(bool(mx.array_equal(mine[k], theirs[k])) for k in mine)
+    assert ({n: type(m) for n, m in fused.head.named_modules()} == {n: type(m) for n, m in separate.head.named_modules()})
     mine, theirs = dict(tree_flatten(fused.model.parameters())), dict(tree_flatten(separate.model.parameters()))
     assert sorted(mine) == sorted(theirs)
     assert all(mine[k].dtype == theirs[k].dtype and bool(mx.array_equal(mine[k], theirs[k])) for k in mine)

@@ -69,6 +69,8 @@ def convert_checkpoint(
             model, config, group_size, bits, quant_predicate=getattr(model, "quant_predicate", None)
         )
     mtp = loaded.head if head != "drop" else None
+    if mtp is not None:
+        unfuse_inputs(mtp)
     if mtp is not None and quantize_head_too and bits is not None:
         quantize_head(mtp, bits, group_size)
     parent = _head_parent(model)

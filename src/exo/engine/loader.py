@@ -442,6 +442,7 @@ def build_head(
     cpu_compatible(head)
     head.eval()
     mx.eval(head.parameters())
+    use_fused_inputs(head)  # its attention's and MLP's projections, as the backbone's (the same shapes: its report)
     status = HeadStatus(
         available=True,
         source=source,

@@ -20,7 +20,8 @@ run, and before qgemv, padded rows, dense prompts and verify rows, which then ap
 other, each with its own check) fuses wherever ``check`` passes; ``unfuse_inputs`` puts the checkpoint's layout back
 (``exo convert`` saves the model's parameters by name); ``EXO_FUSED_INPUTS=0`` keeps the separate products. Not for
 a tensor-sharded model: its projections are sliced per member by name (``engine/sharding.py``), and its layers run
-mlx-lm's calls. The MTP head keeps its own.
+mlx-lm's calls. The MTP head's layer fuses too (``loader.build_head``; its attention takes exo's call, the same
+ops).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.qwen3_next import Qwen3NextMLP
+from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextMLP
 
 from .layers import (
     Attention,
@@ -62,10 +63,11 @@ KINDS: dict[type, Kind] = {
     GatedDeltaNet: Kind(("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), "in_proj_fused"),
     NextGatedDeltaNet: Kind(("in_proj_qkvz", "in_proj_ba"), "in_proj_fused"),
     Attention: Kind(("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+    # the MTP head's attention layer is mlx-lm's (exo's call is the same ops: the CPU kernels give it that one too)
+    Qwen3NextAttention: Kind(("q_proj", "k_proj", "v_proj"), "qkv_proj", Attention),
     Qwen3NextMLP: Kind(("gate_proj", "up_proj"), "gate_up_proj", FusedMLP),
     CpuMLP: Kind(("gate_proj", "up_proj"), "gate_up_proj", FusedCpuMLP),
 }
-UNFUSED = {kind.becomes: cls for cls, kind in KINDS.items() if kind.becomes is not None}
 PROJECTIONS = {cls: kind.parts for cls, kind in KINDS.items()}
 
 
@@ -182,6 +184,7 @@ def use_fused_inputs(model: nn.Module) -> dict[str, str]:
         for name in kind.parts:
             delattr(layer, name)
         setattr(layer, kind.fused, fused)
+        object.__setattr__(layer, "_unfused_class", type(layer))  # (``unfuse_inputs`` gives it back)
         if kind.becomes is not None:
             layer.__class__ = kind.becomes
         object.__setattr__(layer, "fused_inputs", widths(parts))  # an attribute, not a parameter of the tree
@@ -194,7 +197,7 @@ def unfuse_inputs(model: nn.Module) -> int:
     count = 0
     for _, layer in model.named_modules():
         points = getattr(layer, "fused_inputs", None)
-        cls = UNFUSED.get(type(layer), type(layer))
+        cls = layer.__dict__.get("_unfused_class", type(layer))
         if not points or cls not in KINDS or KINDS[cls].fused not in layer:
             continue
         fused = layer[KINDS[cls].fused]
@@ -217,5 +220,6 @@ def unfuse_inputs(model: nn.Module) -> int:
         delattr(layer, KINDS[cls].fused)
         layer.__class__ = cls
         object.__setattr__(layer, "fused_inputs", None)
+        del layer.__dict__["_unfused_class"]
         count += 1
     return count
