@@ -621,6 +621,12 @@ def _row_step(taps: int, key_dim: int, hk: int, hv: int, dk: int, dv: int, norm_
     return mx.compile(step)
 
 
+def _rows(x: mx.array) -> list[mx.array]:
+    """``x``'s rows (axis 1), each kept as a 1-row axis: the views ``x[:, t : t + 1]`` in one graph node (a split)
+    rather than one slice node per row (on MLX CUDA a verify call is the host's work, per node)."""
+    return [x] if x.shape[1] == 1 else mx.split(x, x.shape[1], axis=1)
+
+
 def _compiled_rows(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, cache: Any) -> mx.array:
     """``_mix`` through the compiled row step (``_compiled_rows_apply``): a decode step's one row, or a
     recorded call's rows one by one."""
@@ -637,9 +643,8 @@ def _compiled_rows(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a:
     else:  # a verify call: its rows one by one, every row's state recorded
         conv_input = mx.concatenate([window, mixed_qkv], axis=1)
         outs, states = [], [state]
-        for t in range(S):
-            rows = slice(t, t + 1)
-            y, window, state = step(window, mixed_qkv[:, rows], z[:, rows], a[:, rows], b[:, rows], state, *weights)
+        for qkv_t, z_t, a_t, b_t in zip(*(_rows(x) for x in (mixed_qkv, z, a, b)), strict=True):
+            y, window, state = step(window, qkv_t, z_t, a_t, b_t, state, *weights)
             outs.append(y)
             states.append(state)
         out = mx.concatenate(outs, axis=1)
@@ -745,9 +750,8 @@ def _mix(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array,
         if state is None:
             state = mx.zeros((B, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim), dtype=mx.float32)
         outs, states = [], [state]
-        for t in range(S):
-            rows = slice(t, t + 1)
-            y, state = _recurrence(layer, q[:, rows], k[:, rows], v[:, rows], a[:, rows], b[:, rows], state, None)
+        for q_t, k_t, v_t, a_t, b_t in zip(*(_rows(x) for x in (q, k, v, a, b)), strict=True):
+            y, state = _recurrence(layer, q_t, k_t, v_t, a_t, b_t, state, None)
             outs.append(y)
             states.append(state)
         out = mx.concatenate(outs, axis=1)
