@@ -325,7 +325,7 @@ class _RowwiseLinear:
         if self.as_vectors:
             return vector_matmul(x, self.weight)  # type: ignore[attr-defined]
         call = super().__call__  # type: ignore[misc]
-        return mx.concatenate([call(x[..., t : t + 1, :]) for t in range(rows)], axis=-2)
+        return mx.concatenate([call(row) for row in mx.split(x, rows, axis=-2)], axis=-2)
 
 
 def vector_matmul(x: mx.array, weight: mx.array) -> mx.array:
@@ -832,7 +832,7 @@ class SparseMoeBlock(Qwen3NextSparseMoeBlock):
 
     def _route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         if self.verify_mode == "route_locked" and x.shape[1] > 1:
-            gates = mx.concatenate([self.gate(x[:, i : i + 1]) for i in range(x.shape[1])], axis=1)
+            gates = mx.concatenate([self.gate(row) for row in _rows(x)], axis=1)
         else:
             gates = self.gate(x)
         gates = mx.softmax(gates, axis=-1, precise=True)
@@ -860,7 +860,7 @@ class SparseMoeBlock(Qwen3NextSparseMoeBlock):
         if self.sharding_group is not None:
             return super().__call__(x)
         if self.verify_mode == "safe" and x.shape[1] > 1:
-            return mx.concatenate([self._block(x[:, i : i + 1]) for i in range(x.shape[1])], axis=1)
+            return mx.concatenate([self._block(row) for row in _rows(x)], axis=1)
         return self._block(x)
 
 
