@@ -96,24 +96,26 @@ def projections(layer: nn.Module) -> list[nn.Module] | None:
 
 def fused_linear(parts: list[nn.Module]) -> nn.Module:
     """One linear layer whose output is ``parts``' outputs one after another (their weights stacked by rows)."""
-    first = parts[0]
-    if isinstance(first, nn.QuantizedLinear):
-        fused = nn.QuantizedLinear.__new__(nn.QuantizedLinear)
-        nn.Module.__init__(fused)
-        fused.group_size, fused.bits, fused.mode = first.group_size, first.bits, first.mode
-        fused.scales = mx.concatenate([p.scales for p in parts])
-        if "biases" in first:
-            fused.biases = mx.concatenate([p.biases for p in parts])
-    else:
-        fused = nn.Linear.__new__(type(first))  # (CpuLinear: exo's CPU kernel, as its parts)
-        nn.Module.__init__(fused)
-    fused.weight = mx.concatenate([p.weight for p in parts])
-    if isinstance(fused, nn.QuantizedLinear):
-        fused.freeze()  # as nn.QuantizedLinear is
-    mx.eval(fused.parameters())
-    if isinstance(fused, CpuLinear) and fused.weight.dtype == mx.bfloat16:
-        object.__setattr__(fused, "_exo_packed", _Packed(fused.weight))  # packed now, as use_cpu_kernels does
-    return fused
+    keys = [key for key in ("weight", "scales", "biases") if key in parts[0]]
+    return _linear_like(parts[0], {key: mx.concatenate([p[key] for p in parts]) for key in keys})
+
+
+def _linear_like(like: nn.Module, arrays: dict[str, mx.array]) -> nn.Module:
+    """A linear layer of ``like``'s class and quantization holding ``arrays`` (weight, scales, biases), evaluated;
+    a CPU kernel's layer with its packed weight, as ``use_cpu_kernels`` leaves one."""
+    linear = type(like).__new__(type(like))
+    nn.Module.__init__(linear)
+    for attr in ("group_size", "bits", "mode"):
+        if hasattr(like, attr):
+            setattr(linear, attr, getattr(like, attr))
+    for key, value in arrays.items():
+        linear[key] = value
+    if isinstance(linear, nn.QuantizedLinear):
+        linear.freeze()  # as nn.QuantizedLinear is
+    mx.eval(linear.parameters())
+    if isinstance(linear, CpuLinear) and linear.weight.dtype == mx.bfloat16:
+        object.__setattr__(linear, "_exo_packed", _Packed(linear.weight))  # packed now, not in a step
+    return linear
 
 
 def widths(parts: list[nn.Module]) -> tuple[int, ...]:
@@ -204,19 +206,7 @@ def unfuse_inputs(model: nn.Module) -> int:
         names = KINDS[cls].parts
         pieces = {key: mx.split(fused[key], points, axis=0) for key in ("weight", "scales", "biases") if key in fused}
         for i, name in enumerate(names):
-            part = type(fused).__new__(type(fused))
-            nn.Module.__init__(part)
-            for attr in ("group_size", "bits", "mode"):
-                if hasattr(fused, attr):
-                    setattr(part, attr, getattr(fused, attr))
-            for key, split in pieces.items():
-                part[key] = mx.contiguous(split[i])
-            if isinstance(part, nn.QuantizedLinear):
-                part.freeze()
-            mx.eval(part.parameters())
-            if isinstance(part, CpuLinear) and part.weight.dtype == mx.bfloat16:
-                object.__setattr__(part, "_exo_packed", _Packed(part.weight))
-            setattr(layer, name, part)
+            setattr(layer, name, _linear_like(fused, {key: mx.contiguous(split[i]) for key, split in pieces.items()}))
         delattr(layer, KINDS[cls].fused)
         layer.__class__ = cls
         object.__setattr__(layer, "fused_inputs", None)

@@ -157,11 +157,19 @@ class CpuMLP(Qwen3NextMLP):
 
     kernel: Any = None
 
+    def gate_up(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        return self.gate_proj(x), self.up_proj(x)
+
     def __call__(self, x: mx.array) -> mx.array:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = self.gate_up(x)
         if gate.dtype == mx.bfloat16 and up.dtype == mx.bfloat16 and gate.shape == up.shape and mx.default_device() == mx.cpu:
             return self.down_proj(self.kernel(gate, up))
         return self.down_proj(swiglu(gate, up))
+
+
+def _fused_gate_up(mlp: nn.Module, x: mx.array) -> tuple[mx.array, mx.array]:
+    gate, up = mx.split(mlp.gate_up_proj(x), mlp.fused_inputs, axis=-1)
+    return gate, up
 
 
 class FusedMLP(Qwen3NextMLP):
@@ -171,20 +179,14 @@ class FusedMLP(Qwen3NextMLP):
     fused_inputs: tuple[int, ...] = ()
 
     def __call__(self, x: mx.array) -> mx.array:
-        gate, up = mx.split(self.gate_up_proj(x), self.fused_inputs, axis=-1)
-        return self.down_proj(swiglu(gate, up))
+        return self.down_proj(swiglu(*_fused_gate_up(self, x)))
 
 
 class FusedCpuMLP(CpuMLP):
     """``CpuMLP`` whose gate and up projections are one product (``models.fused_inputs``)."""
 
     fused_inputs: tuple[int, ...] = ()
-
-    def __call__(self, x: mx.array) -> mx.array:
-        gate, up = mx.split(self.gate_up_proj(x), self.fused_inputs, axis=-1)
-        if gate.dtype == mx.bfloat16 and mx.default_device() == mx.cpu:
-            return self.down_proj(self.kernel(mx.contiguous(gate), mx.contiguous(up)))  # (its kernel reads rows)
-        return self.down_proj(swiglu(gate, up))
+    gate_up = _fused_gate_up
 
 
 def _silu(layer: nn.Module, x: mx.array) -> mx.array:
