@@ -154,6 +154,43 @@ def test_ram_tier_spills_to_disk_and_promotes_on_a_hit(tmp_path):
     store.close()
 
 
+def test_the_disk_writer_waits_out_a_quiet_lease_and_then_writes(tmp_path):
+    """``quiet``: nothing reaches the disk while a lease runs (a prefill's chunks); the writes follow once it
+    ends by itself; the RAM tier serves meanwhile."""
+    store = TieredStore(1 << 30, DiskTier(tmp_path, 1 << 30))
+    store.quiet(30.0)
+    store.put("k0", _entry(0))
+    time.sleep(0.3)  # the writer had its time: it must not have used it
+    assert store.disk is not None and not store.disk.has("k0") and store.ram.has("k0") and store.has("k0")
+    store.quiet(0.0)  # (no lease: leaves the one running as it is)
+    assert not store.disk.has("k0")
+    with store._quiet:  # the lease as if it ran out now
+        store._quiet_until = time.monotonic() + 0.2
+    begun = time.monotonic()
+    store.flush()
+    assert store.disk.has("k0") and time.monotonic() - begun >= 0.15
+    store.close()
+
+
+def test_a_prefill_takes_the_writers_quiet_lease_chunk_by_chunk(checkpoint, tmp_path):
+    loaded = dataclasses.replace(load_checkpoint(checkpoint("qwen3_5", dtype="float32")), eos_token_ids=frozenset())
+    settings = load_settings(env={"EXO_HOME": str(tmp_path), "EXO_PREFIX_CACHE_BLOCK_TOKENS": "16"})
+    from exo.runner.prefix_store import open_prefix_cache
+
+    engine = Engine(loaded, EngineConfig(prefill_chunk=16))
+    engine.prefix_cache = open_prefix_cache(loaded, settings)
+    store = engine.prefix_cache.store
+    leases: list[float] = []
+    real = store.quiet
+    store.quiet = lambda seconds: leases.append(seconds) or real(seconds)
+    prompt = list(range(5, 5 + 70))
+    engine.complete(GenerationRequest(prompt, max_tokens=4, sampling=SamplingParams(temperature=0.0)))
+    assert leases == [pc.QUIET_S] * 5  # one per chunk of 16 of the 70 tokens
+    store.flush()  # the lease ran out by itself: everything stored is on disk
+    assert store.disk is not None and store.disk.keys()
+    store.close()
+
+
 def test_the_next_turn_after_a_restart_restores_from_disk(checkpoint, tmp_path):
     loaded = dataclasses.replace(load_checkpoint(checkpoint("qwen3_5_moe", dtype="float32")), eos_token_ids=frozenset())
     settings = load_settings(env={"EXO_HOME": str(tmp_path), "EXO_PREFIX_CACHE_BLOCK_TOKENS": "16",

@@ -67,6 +67,9 @@ FORMAT_VERSION = 2  # 2: the hidden of p - 1 moved from the snapshot to the head
 BLOCK_TOKENS = 256
 STRIDE_TOKENS = 8192
 MIN_SNAPSHOT_TOKENS = 64  # a snapshot of a shorter prefix costs more than the prefill it saves
+# A store's disk writer waits this long from each prefill chunk's start (``PrefillPlan.arm``): a lease longer than a
+# GPU's chunk (0.1-0.25 s on an H200), so it holds through a prompt's chunks and ends by itself after them.
+QUIET_S = 1.0
 # Chat templates' message-start tokens: a snapshot at the second one is the end of the system + tools part,
 # at the last one the start of the newest message (what the next turn resends unchanged).
 MESSAGE_START_TOKENS = ("<|im_start|>",)
@@ -640,7 +643,11 @@ class PrefillPlan:
 
     def arm(self, caches: list[Any], start: int, end: int) -> None:
         """Before the forward of the chunk ``[start, end)``: its GatedDeltaNet layers keep their states at the
-        snapshot edges inside it (``RollbackArraysCache.arm``), for ``reached``."""
+        snapshot edges inside it (``RollbackArraysCache.arm``), for ``reached``; a store that writes to disk beside
+        the device (``exo.runner.prefix_store.TieredStore.quiet``) waits while the chunk runs."""
+        quiet = getattr(self.cache.store, "quiet", None)
+        if quiet is not None:
+            quiet(QUIET_S)
         offsets = [p - start for p in self.inside(start, end) if self._wanted(p)]
         for c in caches:
             if isinstance(c, RollbackArraysCache):

@@ -357,6 +357,8 @@ class TieredStore:
         # as recent, in the same group: what RAM serves is not the first out of the disk), None to stop.
         self._writes: queue.Queue[tuple[str, Prepared | None, str | None] | None] = queue.Queue()
         self._writer: threading.Thread | None = None
+        self._quiet = threading.Condition()
+        self._quiet_until = 0.0  # (time.monotonic) the writer waits until then: ``quiet``
         if disk is not None:
             self._writer = threading.Thread(target=self._write_loop, name="prefix-cache-writer", daemon=True)
             self._writer.start()
@@ -395,6 +397,22 @@ class TieredStore:
         evicted = self.ram.put(key, arrays, group)
         self.ram_counts.evictions += len(evicted)
 
+    def quiet(self, seconds: float) -> None:
+        """Let the disk writer write nothing for the next ``seconds`` (a lease: renewed by each call, it ends by
+        itself). The engine takes one before each prefill chunk (``PrefillPlan.arm``): a cached turn's new tokens
+        then prefill without the previous turn's entries being read off the device and written beside them (on
+        an H200 that backlog cost a turn's prefill 50-90 ms, docs/performance.md); they go to disk after."""
+        if self.disk is None or seconds <= 0:
+            return
+        with self._quiet:
+            self._quiet_until = max(self._quiet_until, time.monotonic() + seconds)
+            self._quiet.notify_all()
+
+    def _wait_quiet(self) -> None:
+        with self._quiet:
+            while (left := self._quiet_until - time.monotonic()) > 0:
+                self._quiet.wait(left)
+
     def _write_loop(self) -> None:
         assert self.disk is not None
         while True:
@@ -402,6 +420,7 @@ class TieredStore:
             try:
                 if item is None:
                     return
+                self._wait_quiet()
                 key, prepared, group = item
                 if prepared is not None:
                     self.disk.put(key, prepared, group)
