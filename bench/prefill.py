@@ -342,14 +342,15 @@ def _attention_parts(parts: Parts, attn: Any, x: mx.array, cache: Any, mask: Any
 def _mlp_parts(parts: Parts, mlp: Any, x: mx.array) -> mx.array:
     if not isinstance(mlp, layers.SparseMoeBlock):
         return parts("mlp", lambda: mlp(x))
-    inds, scores = parts("moe router", lambda: mlp._route(x))
+    inds, scores, shared_logit = parts("moe router", lambda: mlp._routed(x))  # (the shared gate's too, fused)
     if mlp.dense_experts_from and inds.size >= mlp.dense_experts_from and prompt_dense.active():  # as _block
         experts = parts("moe experts", lambda: prompt_dense.experts_dense(mlp.switch_mlp, x, inds))
     elif mlp.sort_experts:
         experts = parts("moe experts", lambda: mlp.switch_mlp(x, inds))
     else:
         experts = parts("moe experts", lambda: layers.experts_unsorted(mlp.switch_mlp, x, inds))
-    shared = parts("moe shared expert", lambda: mx.sigmoid(mlp.shared_expert_gate(x)) * mlp.shared_expert(x))
+    shared = parts("moe shared expert", lambda: mx.sigmoid(
+        mlp.shared_expert_gate(x) if shared_logit is None else shared_logit) * mlp.shared_expert(x))
     return parts("moe combine", lambda: (experts * scores[..., None]).sum(axis=-2) + shared)
 
 

@@ -11,6 +11,10 @@ from exo.engine.kernel_warmup import ROWS, warm_products
 from exo.engine.models.layers import SparseMoeBlock
 
 
+def _router(block: SparseMoeBlock) -> nn.Module:
+    return block.gates_fused if block.fused_inputs is not None else block.gate  # (models.fused_inputs)
+
+
 def _spy(monkeypatch) -> list[tuple[str, tuple, int]]:
     """(kind, weight shape, rows) of every call the warm-up makes."""
     seen = []
@@ -21,7 +25,7 @@ def _spy(monkeypatch) -> list[tuple[str, tuple, int]]:
                         lambda self, x: seen.append(("embedding", tuple(self.weight.shape), x.shape[0]))
                         or embedding(self, x))
     monkeypatch.setattr(SparseMoeBlock, "__call__",
-                        lambda self, x, *a, **k: seen.append(("moe", tuple(self.gate.weight.shape), x.shape[0]))
+                        lambda self, x, *a, **k: seen.append(("moe", tuple(_router(self).weight.shape), x.shape[0]))
                         or moe(self, x, *a, **k))
     return seen
 

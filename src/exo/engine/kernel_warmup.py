@@ -47,7 +47,7 @@ def warm_products(modules: Sequence[nn.Module], *, force: bool = False) -> dict[
                     fn = leaf.as_linear if isinstance(leaf, nn.QuantizedEmbedding) else leaf
                     calls.append(("quantized products", fn, width, leaf.scales.dtype))
             elif isinstance(leaf, SparseMoeBlock):
-                gate = leaf.gate
+                gate = leaf.gates_fused if leaf.fused_inputs is not None else leaf.gate  # (models.fused_inputs)
                 key = ("moe", tuple(gate.weight.shape), getattr(gate, "bits", None))
                 if key not in seen:
                     seen.add(key)

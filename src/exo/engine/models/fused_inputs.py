@@ -1,7 +1,7 @@
 """A layer's input projections as one product. Projections that read the same rows (a GatedDeltaNet layer's:
 Qwen3.5's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, Qwen3-Next's ``in_proj_qkvz`` and
 ``in_proj_ba``; an attention layer's ``q_proj``, ``k_proj``, ``v_proj``; a dense MLP's ``gate_proj`` and
-``up_proj``) become one linear layer holding their weights one after another, its output split after it (views).
+``up_proj``; a MoE block's router ``gate`` and ``shared_expert_gate``) become one linear layer holding their weights one after another, its output split after it (views).
 
 Why: on MLX CUDA a decode step is the host's work, about 14 us per quantized product (graph building plus
 evaluation) whatever its size (docs/performance.md, the H200 launch costs): of a 9B step's 249 products, 72 are a
@@ -42,6 +42,7 @@ from .layers import (
     FusedMLP,
     GatedDeltaNet,
     NextGatedDeltaNet,
+    SparseMoeBlock,
     _Packed,
 )
 
@@ -65,6 +66,9 @@ KINDS: dict[type, Kind] = {
     Attention: Kind(("q_proj", "k_proj", "v_proj"), "qkv_proj"),
     # the MTP head's attention layer is mlx-lm's (exo's call is the same ops: the CPU kernels give it that one too)
     Qwen3NextAttention: Kind(("q_proj", "k_proj", "v_proj"), "qkv_proj", Attention),
+    # a MoE block's router and its shared expert's gate (both 8-bit in mlx-lm's conversions: the experts' 4 bits
+    # keep them apart from the shared expert's own gate / up, fused as a dense MLP's)
+    SparseMoeBlock: Kind(("gate", "shared_expert_gate"), "gates_fused"),
     Qwen3NextMLP: Kind(("gate_proj", "up_proj"), "gate_up_proj", FusedMLP),
     CpuMLP: Kind(("gate_proj", "up_proj"), "gate_up_proj", FusedCpuMLP),
 }

@@ -831,22 +831,33 @@ class SparseMoeBlock(Qwen3NextSparseMoeBlock):
     sort_experts: bool = True  # False where ``check_expert_sort`` found the sorted expert kernels wrong
     unsorted_in_batch: bool = False  # batch-invariant batch steps (each row as alone)
     dense_experts_from: int = 0  # (row, expert) pairs from which the experts run dequantized (prompt_dense); 0: never
+    fused_inputs: tuple[int, ...] | None = None  # ``gates_fused``'s split point: router | shared gate (fused_inputs)
 
     def _route(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        inds, scores, _ = self._routed(x)
+        return inds, scores
+
+    def _routed(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array | None]:
+        """The experts chosen per row and their scores; with the router and the shared expert's gate fused into
+        one product (``models.fused_inputs``), that gate's logit too (None: ``shared_expert_gate`` computes it)."""
+        router = self.gates_fused if self.fused_inputs is not None else self.gate
         if self.verify_mode == "route_locked" and x.shape[1] > 1:
-            gates = mx.concatenate([self.gate(row) for row in _rows(x)], axis=1)
+            gates = mx.concatenate([router(row) for row in _rows(x)], axis=1)
         else:
-            gates = self.gate(x)
+            gates = router(x)
+        shared = None
+        if self.fused_inputs is not None:
+            gates, shared = mx.split(gates, self.fused_inputs, axis=-1)
         gates = mx.softmax(gates, axis=-1, precise=True)
         k = self.top_k
         inds = mx.stop_gradient(mx.argpartition(gates, kth=-k, axis=-1)[..., -k:])
         scores = mx.take_along_axis(gates, inds, axis=-1)
         if self.norm_topk_prob:
             scores = scores / scores.sum(axis=-1, keepdims=True)
-        return inds, scores
+        return inds, scores, shared
 
     def _block(self, x: mx.array) -> mx.array:
-        inds, scores = self._route(x)
+        inds, scores, shared_logit = self._routed(x)
         if (self.dense_experts_from and inds.size >= self.dense_experts_from and not self.unsorted_in_batch
                 and prompt_dense.active()):
             experts = experts_dense(self.switch_mlp, x, inds)
@@ -855,7 +866,9 @@ class SparseMoeBlock(Qwen3NextSparseMoeBlock):
         else:
             experts = experts_unsorted(self.switch_mlp, x, inds)
         y = (experts * scores[..., None]).sum(axis=-2)
-        shared = mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if shared_logit is None:
+            shared_logit = self.shared_expert_gate(x)
+        shared = mx.sigmoid(shared_logit) * self.shared_expert(x)
         return y + shared
 
     def __call__(self, x: mx.array) -> mx.array:
