@@ -160,9 +160,9 @@ def check(parts: list[nn.Module], fused: nn.Module, rows: tuple[int, ...] = CHEC
 
 
 def use_fused_inputs(model: nn.Module) -> dict[str, str]:
-    """Fuse the input projections of ``model``'s GatedDeltaNet layers, attention layers and dense MLPs wherever
-    ``check`` passes (the first layer of each shape checked); what was found per shape. Nothing where
-    ``EXO_FUSED_INPUTS=0``."""
+    """Fuse the input projections of ``model``'s layers of every kind in ``KINDS`` (GatedDeltaNet, attention, dense
+    MLPs, MoE routers) wherever ``check`` passes (the first layer of each shape checked); what was found per shape.
+    Nothing where ``EXO_FUSED_INPUTS=0``."""
     if not enabled():
         return {}
     found: dict[str, str] = {}
