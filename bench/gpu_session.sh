@@ -114,7 +114,9 @@ for p in "$@"; do
     # layers' input projections as one product (models.fused_inputs, on by default: GatedDeltaNet, q/k/v, gate/up) vs apart,
     # alternating in one process: a decode step and a round's verify calls, ms and primitives (issue 50)
     fused) phase fused $PY bench/launch_cost.py "$Q9" --phases model --qgemv 0 --fused 1 0 --steps 8 --repeats 3 --rows 1 2 4
-        phase fused $PY bench/launch_cost.py "$Q9" --phases model --qgemv 0 --fused 1 0 --verify --steps 8 --repeats 3 --rows 2 3 4 ;;
+        phase fused $PY bench/launch_cost.py "$Q9" --phases model --qgemv 0 --fused 1 0 --verify --steps 8 --repeats 3 --rows 2 3 4
+        # the 35B-A3B too where its checkpoint is there (the q35 phase): its routers fuse with their shared gates
+        if [ -d "$Q35" ]; then phase fused $PY bench/launch_cost.py "$Q35" --phases model --qgemv 0 --fused 1 0 --steps 8 --repeats 3 --rows 1 2 4; fi ;;
     gdn) phase gdn $PY bench/gdn_check.py "$Q9" --rows 1 2 3 4 8 --repeats 5 ;;
     layers) phase layers $PY bench/verify_layers.py "$Q9" --rows 2 3 4 --context 256 2048 ;;
     rounds) phase rounds $PY bench/round_phases.py "$Q9" --replay 0.0,0.6,0.8,0.9 --repeats 1 --max-tokens 48 ;;
