@@ -165,7 +165,7 @@ def head_weights(
     if scheme is None:
         return weights, None, layout
     bits, group_size = scheme
-    head, _ = build_head(loaded.model, weights, "mlx", source.repo)
+    head, _ = build_head(loaded.model, weights, "mlx", source.repo, fuse=False)  # saved: the checkpoint's names
     quantize_head(head, bits, group_size)
     dtype = weights["fc.weight"].dtype
     # The CPU backend computes gathered experts in float32 (loader.cpu_compatible); store the source dtype.

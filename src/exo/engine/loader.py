@@ -400,9 +400,11 @@ def sanitize_head_weights(
 
 
 def build_head(
-    model: SpeculativeBackbone, weights: dict[str, mx.array], convention: NormConvention, source: str
+    model: SpeculativeBackbone, weights: dict[str, mx.array], convention: NormConvention, source: str,
+    fuse: bool = True,
 ) -> tuple[MTPHead, HeadStatus]:
-    """An MTPHead for ``model`` from its tensors (names relative to the head), validated and loaded."""
+    """An MTPHead for ``model`` from its tensors (names relative to the head), validated and loaded; ``fuse``: its
+    layers' input projections as one product each (``models.fused_inputs``: to run it, not to save it)."""
     weights, layout = sanitize_head_weights(weights, convention)
     moe = any(".mlp.switch_mlp." in k or k == "layers.0.mlp.gate.weight" for k in weights)
     args = model.text_args
@@ -442,7 +444,8 @@ def build_head(
     cpu_compatible(head)
     head.eval()
     mx.eval(head.parameters())
-    use_fused_inputs(head)  # its attention's and MLP's projections, as the backbone's (the same shapes: its report)
+    if fuse:
+        use_fused_inputs(head)  # its attention's and MLP's projections, as the backbone's (the same shapes: its report)
     status = HeadStatus(
         available=True,
         source=source,
