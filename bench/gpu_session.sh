@@ -56,6 +56,10 @@ else
     CACHED9="--turns 10 --system-tokens 15000 --max-tokens 16 --turn1-repeats 3"
     CONTEXT19=18697; PROFILE19="554 2048"
 fi
+# One MLX CUDA kernel cache for every phase and every server a phase starts (a runner keeps its own under EXO_HOME
+# otherwise: a fresh home compiled the 9B's kernels again, ~3 minutes before the server answered). `ptxsave` packs it
+# into $OUT; carried back as .gpu5/mlx-ptx.tar.gz, `install3` unpacks it: a session skips the first compile.
+export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx}
 Q9=${Q9:-/tmp/q9}
 Q35=${Q35:-/tmp/q35}
 Q9S=${Q9S:-/tmp/q9s}  # the 9B's 32 layers at tiny widths: a step's host work without the device's
@@ -76,7 +80,9 @@ for p in "$@"; do
     case $p in
     install1) mkdir -p /root/.gpu-wheel && cp .gpu1/part_* /root/.gpu-wheel/ ;;
     install2) cp .gpu2/part_* /root/.gpu-wheel/ ;;
-    install3) bash .gpu3/device-install.sh && export PYTHONPATH=/tmp/site:$PWD/src ;;
+    install3) bash .gpu3/device-install.sh && export PYTHONPATH=/tmp/site:$PWD/src
+              if [ -f .gpu5/mlx-ptx.tar.gz ]; then mkdir -p "$MLX_PTX_CACHE_DIR" && tar -xzf .gpu5/mlx-ptx.tar.gz -C "$MLX_PTX_CACHE_DIR" && echo "ptx cache: $(ls "$MLX_PTX_CACHE_DIR" | wc -l) entries unpacked"; fi ;;
+    ptxsave) tar -czf "$OUT/mlx-ptx.tar.gz" -C "$MLX_PTX_CACHE_DIR" . && ls -la "$OUT/mlx-ptx.tar.gz" ;;
     grpc) $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu4/*.whl ;;
     q9) [ -d "$Q9" ] || phase q9 $PY bench/make_random_model.py --shape qwen3.5-9b --bits 4 --out "$Q9" $SHRINK9 ;;
     q9s) [ -d "$Q9S" ] || phase q9s $PY bench/make_random_model.py --shape qwen3.5-9b --bits 4 --out "$Q9S" --set hidden_size=256 --set intermediate_size=512 --set vocab_size=4096 ;;
@@ -117,6 +123,9 @@ for p in "$@"; do
         phase fused $PY bench/launch_cost.py "$Q9" --phases model --qgemv 0 --fused 1 0 --verify --steps 8 --repeats 3 --rows 2 3 4
         # the 35B-A3B too where its checkpoint is there (the q35 phase): its routers fuse with their shared gates
         if [ -d "$Q35" ]; then phase fused $PY bench/launch_cost.py "$Q35" --phases model --qgemv 0 --fused 1 0 --steps 8 --repeats 3 --rows 1 2 4; fi ;;
+    gdnstep) phase gdnstep $PY bench/launch_cost.py "$Q9" --phases model --qgemv 0 --gdn 1 force --verify --steps 8 --repeats 3 --rows 1 2 4 ;;
+    roundsk) EXO_GDN_KERNEL=force phase roundsk $PY bench/round_phases.py "$Q9" --replay 0.8 --depths 1 2 3 --repeats 1 --max-tokens 48 ;;
+    stockk) EXO_GDN_KERNEL=force phase stockk $PY bench/engine.py "$Q9" --max-tokens 128 --repeats 3 ;;
     gdn) phase gdn $PY bench/gdn_check.py "$Q9" --rows 1 2 3 4 8 --repeats 5 ;;
     layers) phase layers $PY bench/verify_layers.py "$Q9" --rows 2 3 4 --context 256 2048 ;;
     rounds) phase rounds $PY bench/round_phases.py "$Q9" --replay 0.0,0.6,0.8,0.9 --repeats 1 --max-tokens 48 ;;

@@ -124,10 +124,13 @@ def model_phase(args: argparse.Namespace) -> dict[str, Any]:
     path = resolve_model(args.model).path
     models = {}
     forwards = {}
-    variants = [(("MLX's products" if q == "0" else "exo qgemv") + ("" if f == "1" else ", projections apart"), q, f)
-                for q in ("0", "1") if q in args.qgemv for f in ("1", "0") if f in args.fused]
-    for label, qgemv, fused in variants:
-        os.environ["EXO_QGEMV"], os.environ["EXO_FUSED_INPUTS"] = qgemv, fused
+    gdn_labels = {"1": "", "0": ", gdn graph", "force": ", gdn kernel"}
+    variants = [(("MLX's products" if q == "0" else "exo qgemv") + ("" if f == "1" else ", projections apart")
+                 + gdn_labels[g], q, f, g)
+                for q in ("0", "1") if q in args.qgemv for f in ("1", "0") if f in args.fused
+                for g in ("1", "0", "force") if g in args.gdn]
+    for label, qgemv, fused, gdn in variants:
+        os.environ["EXO_QGEMV"], os.environ["EXO_FUSED_INPUTS"], os.environ["EXO_GDN_KERNEL"] = qgemv, fused, gdn
         loaded = load_checkpoint(path)
         models[label] = loaded.model
         if args.verify:  # verify calls as the engine builds them, in the mode its probe finds on this device
@@ -136,13 +139,13 @@ def model_phase(args: argparse.Namespace) -> dict[str, Any]:
             forwards[label] = engine.forward
         print(f"[model] {label}: qgemv {len(loaded.qgemv)} shapes "
               f"{'ok' if all(v.startswith('ok') for v in loaded.qgemv.values()) else loaded.qgemv}; "
-              f"fused inputs {loaded.fused or 'off'}", flush=True)
+              f"fused inputs {loaded.fused or 'off'}; gdn kernel {loaded.gdn or 'off'}", flush=True)
     vocab = int(next(iter(models.values())).text_model.embed_tokens.weight.shape[0])
     prompt = mx.random.randint(0, vocab, (1, 256), key=mx.random.key(3))
     results: dict[str, Any] = {}
     print(f"\n[model] decode forward of one sequence at R rows, ms per step (median of {args.repeats} x "
           f"{args.steps} steps): graph building, evaluation")
-    print(f"{'rows':>5} {'products':>34} {'build':>8} {'eval':>8} {'total':>8}    ops (primitives in the step's graph)")
+    print(f"{'rows':>5} {'products':>44} {'build':>8} {'eval':>8} {'total':>8}    ops (primitives in the step's graph)")
     for R in args.rows:
         caches = {}
         for label, model in models.items():
@@ -176,11 +179,11 @@ def model_phase(args: argparse.Namespace) -> dict[str, Any]:
                 forwards[label].rollback(caches[label], R, R)
             results[f"{label} R={R}"] = dict(build_ms=b, eval_ms=e, ops=sum(kinds.values()), kinds=kinds)
             top = ", ".join(f"{k} {v}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])[:args.kinds])
-            print(f"{R:5d} {label:>34} {b:8.2f} {e:8.2f} {b + e:8.2f} {sum(kinds.values()):6d} ops: {top}")
+            print(f"{R:5d} {label:>44} {b:8.2f} {e:8.2f} {b + e:8.2f} {sum(kinds.values()):6d} ops: {top}")
             for kind, layer_kinds in ({} if label in forwards else _layer_counts(model, caches[label], R)).items():
                 results[f"{label} R={R}"][kind] = layer_kinds
                 every = ", ".join(f"{k} {v}" for k, v in sorted(layer_kinds.items(), key=lambda kv: -kv[1]))
-                print(f"{'':5} {kind:>34} {'':8} {'':8} {'':8} {sum(layer_kinds.values()):6d} ops: {every}")
+                print(f"{'':5} {kind:>44} {'':8} {'':8} {'':8} {sum(layer_kinds.values()):6d} ops: {every}")
         del caches
     return results
 
@@ -229,6 +232,10 @@ def main() -> None:
     parser.add_argument("--fused", nargs="+", default=["1"], choices=["0", "1"],
                         help="model phase: EXO_FUSED_INPUTS values to load the model with (the layers' input "
                              "projections as one product, or apart: models.fused_inputs)")
+    parser.add_argument("--gdn", nargs="+", default=["1"], choices=["1", "0", "force"],
+                        help="model phase: EXO_GDN_KERNEL values to load the model with (1: exo's GatedDeltaNet "
+                             "step kernel where its load-time check passes; force: wherever its rows equal their "
+                             "steps; 0: the compiled row graph)")
     parser.add_argument("--kinds", type=int, default=12, help="model phase: primitive kinds listed per step")
     parser.add_argument("--verify", action="store_true",
                         help="model phase: rows past one as verify calls (the engine's probed mode), not a forward")

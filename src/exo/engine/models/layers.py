@@ -670,7 +670,7 @@ def use_gdn_kernel(model: nn.Module) -> dict[str, str]:
     from ..kernels import cuda_gdn
 
     mode = cuda_gdn.mode()
-    if mode == "off" or (mode == "cuda" and not cuda_gdn.on_cuda()):
+    if mode == "off" or (mode in ("cuda", "force") and not cuda_gdn.on_cuda()):
         return {}
     shapes: dict[tuple[Any, ...], list[nn.Module]] = {}
     for _, leaf in model.named_modules():
