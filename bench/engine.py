@@ -8,8 +8,7 @@ For each repeat and each of ``exo bench``'s prompts: stock mlx-lm (its own model
 checkpoint directory), then exo plain decoding, then exo plain decoding on MLX's ops: its GatedDeltaNet rows
 uncompiled and off exo's step kernel, its quantized products MLX's (``EXO_GDN_COMPILED=0``, ``EXO_GDN_KERNEL=0``,
 ``EXO_QGEMV=0``: ops as stock runs them; the same on devices other than CUDA), EOS ignored. The header says which
-of exo's own kernels loaded (their load-time checks; the quantized one only with ``EXO_QGEMV=1``, being off by
-default). Prints the median tokens/s of each (first to
+of exo's own kernels loaded (their load-time checks; on MLX CUDA only). Prints the median tokens/s of each (first to
 last token) and the median and quartiles of the per-pair ratios exo / stock: on a host whose speed drifts
 (an H100 host went from 119 to 66 tokens/s within one run), pairs run seconds apart are what compare.
 """

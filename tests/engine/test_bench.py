@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from exo.engine import Engine, EngineConfig, load_checkpoint
 from exo.engine import bench as bench_module
 from exo.engine.bench import run_bench
@@ -117,6 +119,45 @@ def test_the_warm_up_times_its_parts_side_by_side():
     verify = [0.9, 1.9, 2.0, 2.1, 2.0]
     assert ratio_of(verify, plain) == 2.0
     assert min(verify) / min(plain) == 1.8  # the old account: two moments
+
+
+def test_the_warm_up_times_whole_rounds_and_counts_drafting_beyond_the_verify(checkpoint, monkeypatch):
+    """A round's cost is timed as a round runs: its drafts, the verify call built on them (K + 1 rows: the token,
+    then the head's drafts), one sync, the caches rolled back; delta(K) is what that adds beyond the verify call
+    alone. Drafts timed alone and summed with the verify over-counted deeper rounds (an H200's 9B, K = 3: 3.49
+    plain steps by parts, 1.77 live), and adaptive depth chose K = 2 where K = 3 ran fastest."""
+    from exo.engine import costs as costs_module
+
+    loaded = load_checkpoint(checkpoint("qwen3_5"))
+    engine = Engine(loaded, EngineConfig(max_k=3))
+    verified: list[list[int]] = []
+    hidden = engine.forward.hidden
+
+    def recorded(rows, cache, verify=False, **kwargs):
+        if verify:
+            verified.append(rows[0].tolist())
+        return hidden(rows, cache, verify=verify, **kwargs)
+
+    monkeypatch.setattr(engine.forward, "hidden", recorded)
+    fake = {"plain": 1.0, "burst": 8 * 0.9, "verify1": 1.2, "verify2": 1.4, "verify3": 1.6,
+            "round1": 1.5, "round2": 1.6, "round3": 1.7}
+    names: list[str] = []
+
+    def interleaved(fns, reps, warmup=2):
+        names.extend(fns)
+        for fn in fns.values():
+            fn()  # each runs for real once
+        return {name: [fake[name] * 1e-3] * reps for name in fns}
+
+    monkeypatch.setattr(costs_module, "_interleaved", interleaved)
+    costs = costs_module.measure_costs(engine.model, engine.forward, loaded.head, 3)
+    assert sorted(names) == sorted(fake)  # no drafts timed alone
+    assert costs.beta == pytest.approx((1.2, 1.4, 1.6))
+    assert [costs.round_cost(k) for k in (1, 2, 3)] == pytest.approx([1.5, 1.6, 1.7])
+    assert costs.delta == pytest.approx((0.3, 0.2, 0.1))
+    token = verified[0][0]
+    rounds = [rows for rows in verified if len(rows) > 1 and rows[1:] != [token] * (len(rows) - 1)]
+    assert sorted(len(rows) for rows in rounds) == [2, 3, 4]  # each round verified its own drafts
 
 
 def test_check_names_every_greedy_configuration_that_is_not_identical():

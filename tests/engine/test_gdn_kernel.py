@@ -113,3 +113,19 @@ def _prompt(engine: Engine) -> list[int]:
 
 def _plain(engine: Engine):
     return engine.complete(GenerationRequest(_prompt(engine), max_tokens=16, native_mtp="off"))
+
+
+@pytest.mark.parametrize(("distances", "passes"), [
+    # (y, state) from mlx-lm's ops; (y, state) of the kernel from float32 throughout; of mlx-lm's ops from it
+    ((1e-3, 5e-5, 3e-3, 3e-3, 3e-3, 3e-3), True),  # near mlx-lm's ops
+    # the H200's 9B layer: far from mlx-lm's ops, and closer than they are to the exact step
+    ((4.31e-3, 7.51e-3, 4.26e-3, 4.67e-3, 4.95e-3, 7.48e-3), True),
+    ((4.31e-3, 7.51e-3, 9e-3, 4.67e-3, 4.95e-3, 7.48e-3), False),  # its y further from exact than stock's
+    ((4.31e-3, 7.51e-3, 4.26e-3, 1.2e-2, 4.95e-3, 7.48e-3), False),  # its states further
+    ((5e-2, 5e-2, 4e-2, 4e-2, 4e-2, 4e-2), False),  # as far as a broken stock, beyond the cap
+])
+def test_the_kernel_passes_near_mlx_lm_or_no_further_than_it_from_the_exact_step(distances, passes):
+    """``cuda_gdn.accepted``: within the tolerances of mlx-lm's ops, or (the two bfloat16 graphs rounding at other
+    points) no further from the step in float32 throughout than mlx-lm's ops are, with ``STOCK_SLACK``'s margin and
+    under ``EXACT_CAP``."""
+    assert cuda_gdn.accepted(*distances) is passes

@@ -392,9 +392,9 @@ def _quartiles(values: list[float]) -> list[float] | None:
 
 
 def parts_alone(engine: Engine, k: int, context: int = 64) -> float | None:
-    """Seconds of a depth-k round's parts timed alone now, after ``context`` tokens (a request's mean: its
-    prompt and half its completion): its (k+1)-row verify call and k draft steps (medians of a few
-    repetitions)."""
+    """Seconds of a depth-k round timed alone now, after ``context`` tokens (a request's mean: its prompt and
+    half its completion): its k draft steps and (k+1)-row verify call as a round runs them, without the engine's
+    bookkeeping (``costs.measure_costs``; medians of a few repetitions)."""
     head = engine.loaded.head
     if head is None:
         return None

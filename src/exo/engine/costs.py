@@ -1,7 +1,9 @@
 """Warm-up measurement of speculative round costs on this machine (beta(K), delta(K)).
 
 beta(K): a (K+1)-row verify call of the backbone, relative to a one-row decode step.
-delta(K): drafting K tokens with the MTP head (head layer + lm_head per token), same unit.
+delta(K): what drafting K tokens with the MTP head (head layer + lm_head per token) adds to a round beyond its
+verify call, same unit: a whole round is timed as the engine runs it (the drafts evaluated while the verify graph
+is built on them, one host sync), beta + delta its cost.
 The unit, one plain step built, computed and read back, is not what a plain token costs in the decode loop,
 which builds each step while the previous one computes: that is timed too (``plain_pipelined_s``), and the
 adaptive policy compares rounds with it (a step alone costs more than a pipelined one, so against steps
@@ -214,22 +216,42 @@ def measure_costs(
 
             return run
 
-        def draft(k: int) -> Callable[[], None]:
-            return _drafts(model, head, head_cache, one, last_hidden, k)
+        def whole_round(k: int) -> Callable[[], None]:
+            # As a round runs (``round.draft``, ``round.verify_round``): the drafts' evaluation started, the verify
+            # graph built on them meanwhile, one host sync, the caches rolled back.
+            offset = head_cache.offset
 
-        # Every part timed once per repetition, in turn: beta and delta are medians of ratios to the plain step
-        # timed beside them, not one moment's fastest verify over another moment's fastest plain step.
+            def run() -> None:
+                out = head(model.embed(one), last_hidden, head_cache)[:, -1:]
+                drafts = [mx.argmax(model.logits(out)[:, -1], axis=-1)]
+                for _ in range(k - 1):
+                    out = head(model.embed(drafts[-1][None]), out, head_cache)
+                    drafts.append(mx.argmax(model.logits(out)[:, -1], axis=-1))
+                tokens = mx.concatenate(drafts).astype(one.dtype)
+                mx.async_eval(tokens)
+                hidden = forward.hidden(mx.concatenate([one, tokens[None]], axis=1), cache, verify=True)
+                mx.eval(mx.argmax(verify_logits(model, hidden, forward.verify), axis=-1))
+                forward.rollback(cache, k + 1, 0)
+                head_cache.trim(head_cache.offset - offset)
+
+            return run
+
+        # Every part timed once per repetition, in turn: beta and the round's cost are medians of ratios to the
+        # plain step timed beside them, not one moment's fastest verify over another moment's fastest plain step.
         ks = range(1, max_k + 1)
         times = _interleaved(
             {"plain": plain, "burst": plain_burst, **{f"verify{k}": verify(k) for k in ks},
-             **{f"draft{k}": draft(k) for k in ks}},
+             **{f"round{k}": whole_round(k) for k in ks}},
             reps,
         )
         plain_s = statistic(times["plain"])
         pipelined_s = statistic(times["burst"]) / PIPELINED_STEPS
         # A verify of K+1 rows never really costs less than one row; timer noise on tiny models can say so.
         beta = tuple(max(1.0, ratio_of(times[f"verify{k}"], times["plain"])) for k in ks)
-        delta = tuple(ratio_of(times[f"draft{k}"], times["plain"]) for k in ks)
+        # What drafting adds to a round beyond its verify call: the drafts' device work partly hides behind the
+        # verify graph's building, so their cost timed alone (head and lm_head, evaluated) over-counted it, more so
+        # the deeper the round (an H200's 9B at K = 3: 3.49 plain steps by parts, 1.77 live).
+        delta = tuple(max(0.0, ratio_of(times[f"round{k}"], times["plain"]) - b) for k, b in zip(ks, beta, strict=True))
     finally:
         forward.end(cache)
     return DepthCosts(beta=beta, delta=delta, device=device_name(), plain_s=plain_s, stages=forward.stages,

@@ -292,12 +292,30 @@ def reference(layer: Any, window: mx.array, qkv: mx.array, a: mx.array, b: mx.ar
 
 Y_TOLERANCE = 2.0**-6  # of the largest |y|: a few roundings of a bfloat16 output, summed over Dk
 STATE_TOLERANCE = 1e-4  # of the largest |state|: float32 sums in another order, over the probe's rows
+# Or, further from mlx-lm's ops than that: no further from the step in float32 throughout than mlx-lm's own ops
+# are (times STOCK_SLACK, for the probe's chance), and never beyond EXACT_CAP of it. On an H200 the 9B's layer was
+# 7.5e-3 from mlx-lm's ops in its states, where mlx-lm's ops are 7.5e-3 from float32 and the kernel 4.7e-3: the two
+# bfloat16 graphs round at other points; the kernel is the closer of them to the exact step.
+STOCK_SLACK = 1.25
+EXACT_CAP = 2.0**-5
+
+
+def accepted(y_stock: float, state_stock: float, y_exact: float, state_exact: float, stock_y_exact: float,
+             stock_state_exact: float) -> bool:
+    """Whether the kernel's distances pass: from mlx-lm's ops (``*_stock``), within ``Y_TOLERANCE`` /
+    ``STATE_TOLERANCE``; or from the step in float32 throughout (``*_exact``), no further than mlx-lm's ops are
+    from it (``stock_*_exact``) times ``STOCK_SLACK`` and within ``EXACT_CAP``. All relative to the largest value."""
+    if y_stock <= Y_TOLERANCE and state_stock <= STATE_TOLERANCE:
+        return True
+    return (y_exact <= min(EXACT_CAP, stock_y_exact * STOCK_SLACK)
+            and state_exact <= min(EXACT_CAP, stock_state_exact * STOCK_SLACK))
 
 
 def check(layer: Any, *, rows: int = 4, key: mx.array | None = None) -> tuple[bool, str]:
     """Whether ``gdn_rows`` computes ``layer``'s step as it should on this device: on random inputs, (1) one call
-    of 1..``rows`` rows gives each row the bits (y and state) of the calls of one row after another, (2) it is
-    within ``Y_TOLERANCE`` / ``STATE_TOLERANCE`` of ``reference``. A failure of the JIT counts as not passed."""
+    of 1..``rows`` rows gives each row the bits (y and state) of the calls of one row after another, (2) its
+    distances pass ``accepted``: near ``reference`` (mlx-lm's ops), or no further than they are from the step in
+    float32 throughout. A failure of the JIT counts as not passed."""
     key = mx.random.key(20261130) if key is None else key
     dtype = layer.conv1d.weight.dtype
     conv_dim = layer.conv1d.weight.shape[0]
@@ -332,12 +350,13 @@ def check(layer: Any, *, rows: int = 4, key: mx.array | None = None) -> tuple[bo
     y_error, state_error = _relative(y, ref_y), _relative(states, ref_states)
     # Both against the same step in float32 throughout (no rounding to the activations' type anywhere): how far
     # each is from the exact value, so that a distance between them can be told apart from an error of the kernel
-    found = (f"y {y_error:.2e}, state {state_error:.2e} from mlx-lm's ops; from float32 throughout: the kernel y "
-             f"{_relative(y, exact_y):.2e}, state {_relative(states, exact_states):.2e}, mlx-lm's ops y "
-             f"{_relative(ref_y, exact_y):.2e}, state {_relative(ref_states, exact_states):.2e}")
+    distances = (y_error, state_error, _relative(y, exact_y), _relative(states, exact_states),
+                 _relative(ref_y, exact_y), _relative(ref_states, exact_states))
+    found = ("y {:.2e}, state {:.2e} from mlx-lm's ops; from float32 throughout: the kernel y {:.2e}, state {:.2e}, "
+             "mlx-lm's ops y {:.2e}, state {:.2e}").format(*distances)
     if mode() == "force":
         return True, found + " (EXO_GDN_KERNEL=force: used whatever the distance)"
-    return y_error <= Y_TOLERANCE and state_error <= STATE_TOLERANCE, found
+    return accepted(*distances), found
 
 
 def _relative(got: mx.array, want: mx.array) -> float:

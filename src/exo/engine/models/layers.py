@@ -241,10 +241,9 @@ def use_cpu_kernels(module: nn.Module) -> bool:
 # MLX CUDA's one-row quantized product reads the weights at a fraction of the memory's bandwidth, and sums a block
 # of rows by reading the weights again per row. ``kernels.cuda_qgemv`` computes 1-8 rows in one launch, each row's
 # sums in an order that does not depend on the rows (so a verify call's rows round as their decode steps do, by
-# construction), near the memory's bandwidth. ``use_qgemv`` (the loader, on MLX CUDA, only with ``EXO_QGEMV=1``:
-# off by default, since a whole model decoded slower on it) gives the model's and the head's quantized linear
-# layers and quantized embeddings (their ``as_linear``: a tied lm_head) these classes, shape by shape, where the
-# kernel checks out on the device. Calls of more rows (a prefill chunk, a large batch) keep MLX's product unless a
+# construction), near the memory's bandwidth. ``use_qgemv`` (the loader, on MLX CUDA unless ``EXO_QGEMV=0``) gives
+# the model's and the head's quantized linear layers and quantized embeddings (their ``as_linear``: a tied lm_head)
+# these classes, shape by shape, where the kernel checks out on the device. Calls of more rows (a prefill chunk, a large batch) keep MLX's product unless a
 # verify call or a batch-invariant step needs every row exact.
 
 
@@ -285,7 +284,7 @@ def use_qgemv(modules: Sequence[nn.Module]) -> dict[str, str]:
     """Give the quantized linear layers and embeddings of ``modules`` (a backbone, the MTP head) exo's kernel
     classes, for each distinct shape where ``kernels.cuda_qgemv.check`` passes on this device (else MLX's product
     stays for that shape). Returns what was found per shape (``"qgemv 4096->12288 4-bit g64 bfloat16"`` ->
-    ``"ok: ..."`` or why not). Nothing unless ``EXO_QGEMV`` opts in (``1``: on MLX CUDA; ``always``: anywhere)."""
+    ``"ok: ..."`` or why not). Nothing where ``EXO_QGEMV=0``, or off MLX CUDA unless ``EXO_QGEMV=always``."""
     mode = cuda_qgemv.mode()
     if mode == "off" or (mode == "cuda" and not cuda_qgemv.on_cuda()):
         return {}
