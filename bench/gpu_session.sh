@@ -3,12 +3,15 @@
 #
 #   bash bench/gpu_session.sh install1            (carry .gpu1)   } MLX's CUDA build in three parts
 #   bash bench/gpu_session.sh install2            (carry .gpu2)   } (shared/gpu/README.md, prepare.sh)
-#   bash bench/gpu_session.sh install3 q9 PHASE.. (carry .gpu3)   }
+#   bash bench/gpu_session.sh install3 q9 PHASE.. (carry .gpu3 [.gpu5]) }
 #   bash bench/gpu_session.sh grpc PHASE...       (carry .gpu4: grpcio, for exo serve)
 #   bash bench/gpu_session.sh PHASE...            (later calls while the machine stays warm)
 #   (prefill9, prefill35, agent9, phases9, identity49: issue 49's prefill and prefix-cache figures, and greedy
 #   plain decoding against stock mlx-lm on the demos with the chunked prefill; EXO_GDN_PREFILL=loop: without;
 #   cached9: a cached agent turn's parts against the cold cost of its new tokens, turn 1 on vs off)
+#   (gdnstep: a decode step and verify calls with exo's GatedDeltaNet step kernel against the row graph; roundsk /
+#   stockk: round_phases at acceptance 0.8 and plain vs stock with the kernel forced on (EXO_GDN_KERNEL=force);
+#   ptxsave: MLX's compiled kernels into $OUT/mlx-ptx.tar.gz: keep it as .gpu5/ and carry .gpu5 with .gpu3)
 #   (q27 tensor9 tensor27 tensor35: issue 53's tensor groups, one member per GPU over NCCL, against one GPU:
 #   needs the two-GPU machine, nvidia-h200-x2; q9 q35 q27 first)
 #   (qmmrows: MLX's own product at 1-16 rows, and whether rows padded to 8 keep their bits whatever their
