@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
-from common import report_to, stop_on_signals  # bench/ is this script's folder
+from common import BENCH_PTX_CACHE, report_to, stop_on_signals  # bench/ is this script's folder
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 sys.path.insert(0, str(SRC))
@@ -110,6 +110,7 @@ class Server:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
                "EXO_HOME": str(self.home), "EXO_PREFIX_CACHE_ENABLED": "1" if self.cache else "0"}
         env.pop("EXO_API_KEY", None)
+        env.setdefault("MLX_PTX_CACHE_DIR", BENCH_PTX_CACHE)  # both servers and their restarts share one compile
         argv = [sys.executable, "-m", "exo.cli.main", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                 "--grpc-port", str(free_port("127.0.0.1")), "--no-discovery", "--model", str(self.model_dir)]
         # Its log goes to a file, never to a pipe nobody reads: a server whose stderr pipe filled (64 KiB of log

@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,12 @@ def free_port() -> int:
     return _free()
 
 
+# MLX CUDA's compiled kernels for every server a benchmark starts (a runner keeps them under its EXO_HOME otherwise:
+# each fresh home compiled the 9B's kernels again, ~4 minutes before the server answered on an H200). A value set
+# outside wins; off MLX CUDA nothing reads it.
+BENCH_PTX_CACHE = os.path.join(tempfile.gettempdir(), "exo-bench-mlx-ptx")
+
+
 def start_server(model: str | None, port: int, grpc_port: int, peers: str | None = None,
                  home: str | None = None) -> subprocess.Popen:
     """`exo serve` (this checkout's) on 127.0.0.1, discovery off, once its /health answers."""
@@ -88,6 +95,7 @@ def start_server(model: str | None, port: int, grpc_port: int, peers: str | None
     env.pop("EXO_API_KEY", None)
     if home is not None:
         env["EXO_HOME"] = home
+    env.setdefault("MLX_PTX_CACHE_DIR", BENCH_PTX_CACHE)
     argv = [sys.executable, "-m", "exo.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--grpc-port", str(grpc_port), "--no-discovery"]
     argv += ["--model", model] if model is not None else []
