@@ -181,3 +181,12 @@ def test_malformed_head_falls_back_with_the_reason(malformed_checkpoint, kind, m
 def test_not_a_directory(tmp_path):
     with pytest.raises(CheckpointError, match="not a directory"):
         load_checkpoint(tmp_path / "nope")
+
+
+def test_the_load_says_where_its_seconds_went(checkpoint):
+    """``LoadedModel.load_seconds``: the weights, then each device check in load order (on MLX CUDA a machine's
+    first load spends minutes compiling kernels in them: the runner logs these, so a slow start says where)."""
+    loaded = load_checkpoint(checkpoint("qwen3_5"))
+    assert list(loaded.load_seconds) == ["weights", "fused inputs", "tokenizer and head", "expert sort", "qgemv",
+                                         "padded rows", "prompt dense", "gdn kernel"]
+    assert all(v >= 0 for v in loaded.load_seconds.values()) and loaded.load_seconds["weights"] > 0

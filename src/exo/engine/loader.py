@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -106,6 +107,9 @@ class LoadedModel:
     # Per GatedDeltaNet layer shape, whether its input projections run as one product (``models.fused_inputs``,
     # ``EXO_FUSED_INPUTS``: on wherever its check finds the same bits)
     fused: dict[str, str] = field(default_factory=dict)
+    # Seconds the load spent per part ("weights", then each device check: on MLX CUDA a first load on a machine
+    # spends most of it compiling kernels, kept under MLX_PTX_CACHE_DIR for later loads)
+    load_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def backbone(self) -> SpeculativeBackbone:
@@ -546,6 +550,8 @@ def load_checkpoint(
     norm, lm_head, the tokenizer and the MTP head, which the others do without.
     """
     path = Path(path).expanduser().resolve()
+    seconds: dict[str, float] = {}
+    mark = _timer(seconds)
     config = read_config(path)
     # A stage may load from a partial checkpoint (only its shards downloaded): its model drops the other
     # stages' layers before the weights arrive, so mlx-lm's strict check covers what the stage keeps.
@@ -581,8 +587,10 @@ def load_checkpoint(
     except (ValueError, KeyError, FileNotFoundError, RuntimeError) as e:
         raise CheckpointError(f"{path}: the weights do not match config.json: {e}") from e
     cpu_compatible(model)
+    mark("weights")
     # measured on the CPU kernels' classes; before qgemv's, padded rows', dense's (a tensor member: mlx-lm's calls)
     fused = use_fused_inputs(model) if tensor is None else {}
+    mark("fused inputs")
     tokenizer = None
     if last:
         try:
@@ -610,14 +618,20 @@ def load_checkpoint(
         )
     else:
         status = HeadStatus(available=False, reason=f"{path.name} has no MTP head")
+    mark("tokenizer and head")
     blocks = list(model.moe_blocks())
     if head is not None:
         blocks += [layer.mlp for layer in head.layers if isinstance(layer.mlp, SparseMoeBlock)]
     check_expert_sort(blocks)  # before any prefill: a device whose sorted expert kernels are wrong goes unsorted
+    mark("expert sort")
     qgemv = use_qgemv([model] + ([head] if head is not None else []))
+    mark("qgemv")
     padded = use_padded_rows([model] + ([head] if head is not None else []))  # shapes the kernel left to MLX
+    mark("padded rows")
     dense = use_prompt_dense([model] + ([head] if head is not None else []), blocks, experts_unsorted)  # prompt-sized calls
+    mark("prompt dense")
     gdn = use_gdn_kernel(model)
+    mark("gdn kernel")
     return LoadedModel(
         path=path,
         model_id=model_id or path.name,
@@ -632,4 +646,17 @@ def load_checkpoint(
         dense=dense,
         gdn=gdn,
         fused=fused,
+        load_seconds=seconds,
     )
+
+
+def _timer(seconds: dict[str, float]) -> Any:
+    """``mark(name)``: the seconds since the previous mark (or since this call) go to ``seconds[name]``."""
+    last = [time.perf_counter()]
+
+    def mark(name: str) -> None:
+        now = time.perf_counter()
+        seconds[name] = seconds.get(name, 0.0) + now - last[0]
+        last[0] = now
+
+    return mark

@@ -151,7 +151,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         from .loading import ready_engine
 
         state.update("warming up", 0.75)
+        started = time.perf_counter()
         engine = ready_engine(loaded, config, settings)  # (with the node's prefix cache: runner.prefix_store)
+        log.info("warmed up in %.1f s (%s)", time.perf_counter() - started, _seconds(engine.warmup_seconds))
         state.decode_bytes_per_s = _decode_rate(engine)
         state.ready(summary, engine)
         log.info("ready: %s", args.model_id)
@@ -242,7 +244,10 @@ def _serve_stage(args: argparse.Namespace, state: RunnerState, device: object, l
         summary.mtp_reason = "" if head_status.available else (head_status.reason or "no MTP head")
     engine = Engine(loaded, config, forward=forward)  # type: ignore[arg-type]
     state.update("warming up", 0.75)
+    started = time.perf_counter()
     engine.warmup()
+    logging.getLogger(__name__).info("warmed up in %.1f s (%s)", time.perf_counter() - started,
+                                     _seconds(engine.warmup_seconds))
     from .loading import attach_prefix_cache
 
     attach_prefix_cache(engine, settings, layers)  # each stage restores its own layers' part (engine/prefix_cache.py)
@@ -311,7 +316,10 @@ def _serve_tensor(args: argparse.Namespace, state: RunnerState, device: object, 
         summary.mtp_reason = "" if loaded.head_status.available else (loaded.head_status.reason or "no MTP head")
     engine = Engine(loaded, config, forward=forward)  # type: ignore[arg-type]
     state.update("warming up", 0.75)
+    started = time.perf_counter()
     engine.warmup()
+    logging.getLogger(__name__).info("warmed up in %.1f s (%s)", time.perf_counter() - started,
+                                     _seconds(engine.warmup_seconds))
     attach_prefix_cache(engine, settings)  # each member restores its own slice's part (its namespace)
     state.ready(summary, engine)
     log.info("ready: %s, leading a tensor group of %d", args.model_id, member.world_size)
@@ -356,6 +364,8 @@ def _load(args: argparse.Namespace, settings: Settings, state: RunnerState) -> t
 
         share = TensorShare(None, args.rank, args.world_size)  # its group once joined (the slices need none)
     loaded, config = load_for_serving(resolved, settings, layers=layers, tensor=share)
+    logging.getLogger(__name__).info("loaded %s in %.1f s (%s)", resolved.model_id, sum(loaded.load_seconds.values()),
+                                     _seconds(loaded.load_seconds))
     n_layers = loaded.model.num_layers
     if (args.world_size == 1 or tensor) and (args.start_layer, args.end_layer) not in ((0, 0), (0, n_layers)):
         raise ValueError(f"layers [{args.start_layer}, {args.end_layer}) of {n_layers} on a single runner")
@@ -374,3 +384,8 @@ def _load(args: argparse.Namespace, settings: Settings, state: RunnerState) -> t
         owned_by=owner,
     )
     return loaded, config, summary
+
+
+def _seconds(parts: dict[str, float]) -> str:
+    """A load's or warm-up's seconds per part, for the log (MLX CUDA compiles kernels in them on a first start)."""
+    return ", ".join(f"{name} {value:.1f} s" for name, value in parts.items() if value >= 0.05) or "-"
