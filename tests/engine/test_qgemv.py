@@ -183,3 +183,24 @@ def test_the_kernel_is_on_for_mlx_cuda_unless_exo_qgemv_is_0(monkeypatch, value,
     else:
         monkeypatch.setenv("EXO_QGEMV", value)
     assert cuda_qgemv.mode() == mode
+
+
+def test_calls_up_to_call_rows_take_the_kernel_and_longer_ones_mlx(monkeypatch):
+    """A batch step of up to ``CALL_ROWS`` sequences (or a short prompt chunk) goes through the kernel in launches of
+    ``MAX_ROWS`` (MLX's product re-read the weights per row there on an H200); a prompt's longer chunks keep MLX's
+    product; a verify call or a batch-invariant step takes the kernel at any length."""
+    layer = _layer(64, 128, 4, 64, mx.bfloat16, mx.random.key(5))
+    monkeypatch.setenv("EXO_QGEMV", "always")
+    use_qgemv([layer])
+    taken: list[int] = []
+    product = cuda_qgemv.module_product
+    monkeypatch.setattr(cuda_qgemv, "module_product", lambda m, x: taken.append(x.size // x.shape[-1]) or product(m, x))
+    rows = cuda_qgemv.CALL_ROWS
+    for shape in [(1, 1, 128), (8, 1, 128), (rows, 1, 128), (1, rows, 128), (rows + 1, 1, 128), (1, 4 * rows, 128)]:
+        x = (mx.random.normal(shape, key=mx.random.key(6)) * 0.5).astype(mx.bfloat16)
+        out = layer(x)
+        assert out.shape == (*shape[:-1], 64)
+    assert taken == [1, 8, rows, rows]
+    layer.exact_verify = True
+    layer(mx.zeros((1, 4 * rows, 128), dtype=mx.bfloat16))
+    assert taken[-1] == 4 * rows

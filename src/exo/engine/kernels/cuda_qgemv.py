@@ -50,6 +50,12 @@ import mlx.core as mx
 WARPS = 4  # warps per block
 WARP = 32
 MAX_ROWS = 8  # rows per launch; more go in launches of this many
+# Calls of up to this many rows (a batch step of up to 32 sequences, a short prompt chunk) go through the kernel in
+# launches of MAX_ROWS; more keep MLX's product (a prompt's chunks: its tiled product, or dense, ``prompt_dense``).
+# On an H200 MLX's product grows with its rows (the 9B's up_proj: 59 us at one row, 207 at 8, 378 at 16: each row
+# re-read the weights, ``bench/qmm_rows.py``) where a launch of 8 rows of this kernel took 85 us (``qmv_check.py``):
+# 16 rows in two launches ~170 us. ``EXO_QGEMV_ROWS`` sets it (8: only what one launch takes).
+CALL_ROWS = max(MAX_ROWS, int(os.environ.get("EXO_QGEMV_ROWS", "32") or 32))
 BITS = (4, 8)
 GROUPS = (32, 64, 128)
 DTYPES = (mx.bfloat16, mx.float16)

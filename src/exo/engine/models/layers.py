@@ -243,8 +243,8 @@ def use_cpu_kernels(module: nn.Module) -> bool:
 # sums in an order that does not depend on the rows (so a verify call's rows round as their decode steps do, by
 # construction), near the memory's bandwidth. ``use_qgemv`` (the loader, on MLX CUDA unless ``EXO_QGEMV=0``) gives
 # the model's and the head's quantized linear layers and quantized embeddings (their ``as_linear``: a tied lm_head)
-# these classes, shape by shape, where the kernel checks out on the device. Calls of more rows (a prefill chunk, a large batch) keep MLX's product unless a
-# verify call or a batch-invariant step needs every row exact.
+# these classes, shape by shape, where the kernel checks out on the device. Calls of more than ``CALL_ROWS`` rows (a
+# prompt's chunks) keep MLX's product unless a verify call or a batch-invariant step needs every row exact.
 
 
 QGEMV_ON = True  # benchmarks switch the installed kernel off and on within one process (A/B)
@@ -253,7 +253,7 @@ QGEMV_ON = True  # benchmarks switch the installed kernel off and on within one 
 def _qgemv_takes(module: nn.Module, x: mx.array) -> bool:
     rows = x.size // x.shape[-1] if x.ndim else 0
     return (QGEMV_ON and x.dtype in cuda_qgemv.DTYPES and 0 < rows
-            and (rows <= cuda_qgemv.MAX_ROWS or module.exact_verify or module.exact_batch))
+            and (rows <= cuda_qgemv.CALL_ROWS or module.exact_verify or module.exact_batch))
 
 
 class QGemvLinear(nn.QuantizedLinear):
