@@ -144,15 +144,21 @@ def _drafts(model: Any, head: MTPHead, head_cache: KVCache, tokens: mx.array, hi
     offset = head_cache.offset
 
     def run() -> None:
-        out = head(model.embed(tokens), hidden, head_cache)[:, -1:]
-        drafts = [mx.argmax(model.logits(out)[:, -1], axis=-1)]
-        for _ in range(k - 1):
-            out = head(model.embed(drafts[-1][None]), out, head_cache)
-            drafts.append(mx.argmax(model.logits(out)[:, -1], axis=-1))
-        mx.eval(drafts)
+        mx.eval(_draft_tokens(model, head, head_cache, tokens, hidden, k))
         head_cache.trim(head_cache.offset - offset)
 
     return run
+
+
+def _draft_tokens(model: Any, head: MTPHead, head_cache: KVCache, tokens: mx.array, hidden: mx.array,
+                  k: int) -> list[mx.array]:
+    """k greedy drafts (lazy), as ``_drafts`` describes; the head's cache moves on by their rows."""
+    out = head(model.embed(tokens), hidden, head_cache)[:, -1:]
+    drafts = [mx.argmax(model.logits(out)[:, -1], axis=-1)]
+    for _ in range(k - 1):
+        out = head(model.embed(drafts[-1][None]), out, head_cache)
+        drafts.append(mx.argmax(model.logits(out)[:, -1], axis=-1))
+    return drafts
 
 
 def catch_up_seconds(
@@ -222,12 +228,7 @@ def measure_costs(
             offset = head_cache.offset
 
             def run() -> None:
-                out = head(model.embed(one), last_hidden, head_cache)[:, -1:]
-                drafts = [mx.argmax(model.logits(out)[:, -1], axis=-1)]
-                for _ in range(k - 1):
-                    out = head(model.embed(drafts[-1][None]), out, head_cache)
-                    drafts.append(mx.argmax(model.logits(out)[:, -1], axis=-1))
-                tokens = mx.concatenate(drafts).astype(one.dtype)
+                tokens = mx.concatenate(_draft_tokens(model, head, head_cache, one, last_hidden, k)).astype(one.dtype)
                 mx.async_eval(tokens)
                 hidden = forward.hidden(mx.concatenate([one, tokens[None]], axis=1), cache, verify=True)
                 mx.eval(mx.argmax(verify_logits(model, hidden, forward.verify), axis=-1))
