@@ -129,3 +129,16 @@ def test_the_kernel_passes_near_mlx_lm_or_no_further_than_it_from_the_exact_step
     points) no further from the step in float32 throughout than mlx-lm's ops are, with ``STOCK_SLACK``'s margin and
     under ``EXACT_CAP``."""
     assert cuda_gdn.accepted(*distances) is passes
+
+
+def test_the_kernels_scalars_are_made_once_per_head_size_and_dtype(checkpoint):
+    """Every step of every layer passes the kernel q's and k's scales and the norms' eps: one evaluated array per
+    head size and dtype, not two primitives a layer a step; its values are ``normalize_qk``'s, rounded as it
+    rounds them."""
+    layer = next(m for _, m in load_checkpoint(checkpoint("qwen3_5")).model.named_modules() if isinstance(m, GatedDeltaNet))
+    first = cuda_gdn._scalars(layer, mx.bfloat16)
+    assert cuda_gdn._scalars(layer, mx.bfloat16) is first
+    inv = layer.head_k_dim**-0.5
+    want = [float(mx.array(inv**2, dtype=mx.bfloat16).item()), float(mx.array(inv, dtype=mx.bfloat16).item()),
+            1e-6 * inv**2]
+    assert first.dtype == mx.float32 and first.tolist() == pytest.approx(want, rel=1e-6)

@@ -239,10 +239,18 @@ def supported(layer: Any) -> bool:
 
 def _scalars(layer: Any, dtype: mx.Dtype) -> mx.array:
     """q's and k's scales as mlx-lm's ``normalize_qk`` applies them (Python floats times arrays of ``dtype``:
-    rounded to it) and its eps for ``rms_norm``."""
-    inv_scale = layer.head_k_dim**-0.5
+    rounded to it) and its eps for ``rms_norm``. Computed once per head size and dtype (every step of every layer
+    passes them: built anew, they were two more primitives a layer a step)."""
+    return _scalars_for(layer.head_k_dim, dtype)
+
+
+@functools.cache
+def _scalars_for(head_k_dim: int, dtype: mx.Dtype) -> mx.array:
+    inv_scale = head_k_dim**-0.5
     scales = mx.array([inv_scale**2, inv_scale], dtype=dtype).astype(mx.float32)
-    return mx.concatenate([scales, mx.array([1e-6 * inv_scale**2], dtype=mx.float32)])
+    out = mx.concatenate([scales, mx.array([1e-6 * inv_scale**2], dtype=mx.float32)])
+    mx.eval(out)
+    return out
 
 
 def gdn_rows(layer: Any, window: mx.array, qkv: mx.array, a: mx.array, b: mx.array,
