@@ -262,7 +262,7 @@ def gdn_rows(layer: Any, window: mx.array, qkv: mx.array, a: mx.array, b: mx.arr
         return reference(layer, window, qkv, a, b, state)
     B, T, _ = qkv.shape
     hv, dv, dk = layer.num_v_heads, layer.head_v_dim, layer.head_k_dim
-    promote = (a[:1, :1, :1] + layer.dt_bias[:1]).dtype == mx.float32
+    promote = mx.result_type(a, layer.dt_bias) == mx.float32  # (a + dt_bias in mlx-lm's graph)
     y, states = _kernel()(
         inputs=[window, qkv, layer.conv1d.weight, a, b, layer.A_log, layer.dt_bias, state, _scalars(layer, qkv.dtype)],
         template=[("T", qkv.dtype), ("ROWS", T), ("TAPS", layer.conv_kernel_size), ("HK", layer.num_k_heads),
