@@ -57,3 +57,21 @@ def test_the_engine_s_warm_up_runs_it_on_mlx_cuda_only(checkpoint, monkeypatch):
     engine.warmup()
     assert {rows for _, _, rows in seen} >= set(ROWS)
     assert "quantized products" in engine.warmup_seconds
+
+
+def test_layers_on_exo_s_quantized_kernel_also_run_at_every_launch_row_count(checkpoint, monkeypatch):
+    """exo's kernel is compiled per row count of a launch (1-8: a batch of 13 runs launches of 8 and 5) and MLX keeps
+    none of a custom kernel's compiles between processes: the warm-up runs each such layer at every count, so no
+    batch size compiles one inside a step."""
+    from exo.engine.kernels.cuda_qgemv import MAX_ROWS
+    from exo.engine.models.layers import QGemvLinear
+
+    monkeypatch.setenv("EXO_QGEMV", "always")
+    loaded = load_checkpoint(checkpoint("qwen3_5", layout="mlx_q4_sidecar", head="trained", dtype="bfloat16"))
+    assert loaded.qgemv and all(v.startswith("ok") for v in loaded.qgemv.values())
+    counted: dict[tuple, set[int]] = {}
+    call = QGemvLinear.__call__
+    monkeypatch.setattr(QGemvLinear, "__call__", lambda self, x: counted.setdefault(
+        tuple(self.weight.shape), set()).add(x.shape[0]) or call(self, x))
+    warm_products([loaded.model], force=True)
+    assert counted and all(rows >= set(range(1, MAX_ROWS + 1)) | set(ROWS) for rows in counted.values())

@@ -8,6 +8,9 @@ inside a step: every stream of the batch waited seconds (issue 51's stall after 
 each quantized layer shape at ``ROWS`` (one row count per tile), and of one MoE block at each, compiles them at
 load, where the engine's warm-up already waits (MLX keeps the PTX under ``MLX_PTX_CACHE_DIR`` for later starts).
 
+exo's quantized kernel (``kernels.cuda_qgemv``: calls of up to 32 rows, in launches of at most 8) is compiled per
+row count of a launch, and MLX keeps no custom kernel's compile between processes: its layers run at 1-8 rows too.
+
 Only on MLX CUDA: the CPU and Metal compile nothing at these points.
 """
 
@@ -29,14 +32,19 @@ def on_cuda() -> bool:
 
 def warm_products(modules: Sequence[nn.Module], *, force: bool = False) -> dict[str, float]:
     """Run every distinct quantized linear shape (an embedding's ``as_linear`` too) and one MoE block of each
-    shape among ``modules``' leaves at each of ``ROWS`` rows, on zeros. Returns seconds per kind (empty off
+    shape among ``modules``' leaves at each of ``ROWS`` rows, on zeros (a layer on exo's quantized kernel also at
+    every row count of one launch). Returns seconds per kind (empty off
     MLX CUDA unless ``force``)."""
     if not (force or on_cuda()):
         return {}
-    from .models.layers import SparseMoeBlock
+    from .kernels.cuda_qgemv import MAX_ROWS
+    from .models.layers import QGemvEmbedding, QGemvLinear, SparseMoeBlock
 
+    # exo's quantized kernel is compiled per row count of a launch (1 to MAX_ROWS; longer calls go in launches of
+    # MAX_ROWS and the rest) and MLX keeps no custom kernel's PTX between processes: every count, here
+    qgemv_rows = tuple(sorted(set(ROWS) | set(range(1, MAX_ROWS + 1))))
     seen: set[tuple[Any, ...]] = set()
-    calls: list[tuple[str, Any, int, mx.Dtype]] = []
+    calls: list[tuple[str, Any, int, mx.Dtype, tuple[int, ...]]] = []
     for tree in modules:
         for _, leaf in tree.named_modules():
             if isinstance(leaf, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and leaf.weight.ndim == 2:
@@ -45,7 +53,8 @@ def warm_products(modules: Sequence[nn.Module], *, force: bool = False) -> dict[
                     seen.add(key)
                     width = leaf.weight.shape[1] * 32 // leaf.bits
                     fn = leaf.as_linear if isinstance(leaf, nn.QuantizedEmbedding) else leaf
-                    calls.append(("quantized products", fn, width, leaf.scales.dtype))
+                    own = isinstance(leaf, (QGemvLinear, QGemvEmbedding))
+                    calls.append(("quantized products", fn, width, leaf.scales.dtype, qgemv_rows if own else ROWS))
             elif isinstance(leaf, SparseMoeBlock):
                 gate = leaf.gates_fused if leaf.fused_inputs is not None else leaf.gate  # (models.fused_inputs)
                 key = ("moe", tuple(gate.weight.shape), getattr(gate, "bits", None))
@@ -53,11 +62,11 @@ def warm_products(modules: Sequence[nn.Module], *, force: bool = False) -> dict[
                     seen.add(key)
                     width = gate.weight.shape[1] * 32 // gate.bits if hasattr(gate, "bits") else gate.weight.shape[1]
                     dtype = gate.scales.dtype if hasattr(gate, "scales") else gate.weight.dtype
-                    calls.append(("moe blocks", leaf, width, dtype))
+                    calls.append(("moe blocks", leaf, width, dtype, ROWS))
     seconds: dict[str, float] = {}
-    for kind, fn, width, dtype in calls:
+    for kind, fn, width, dtype, row_counts in calls:
         start = time.perf_counter()
-        for rows in ROWS:
+        for rows in row_counts:
             mx.eval(fn(mx.zeros((rows, 1, width), dtype=dtype)))
         seconds[kind] = seconds.get(kind, 0.0) + time.perf_counter() - start
     return seconds
