@@ -11,6 +11,8 @@
 #   cached9: a cached agent turn's parts against the cold cost of its new tokens, turn 1 on vs off)
 #   (gdnstep: a decode step and verify calls with exo's GatedDeltaNet step kernel against the row graph; roundsk /
 #   stockk: round_phases at acceptance 0.8 and plain vs stock with the kernel forced on (EXO_GDN_KERNEL=force);
+#   attnstep / roundsa / stocka: exo's decode-attention kernel (EXO_ATTN_KERNEL=1, off by default) against MLX's
+#   attention in a step and verify calls, in rounds at acceptance 0.8, and plain vs stock;
 #   ptxsave: MLX's compiled kernels into $OUT/mlx-ptx.tar.gz: keep it as .gpu5/ and carry .gpu5 with .gpu3)
 #   (q27 tensor9 tensor27 tensor35: issue 53's tensor groups, one member per GPU over NCCL, against one GPU:
 #   needs the two-GPU machine, nvidia-h200-x2; q9 q35 q27 first)
@@ -126,6 +128,9 @@ for p in "$@"; do
         phase fused $PY bench/launch_cost.py "$Q9" --phases model --qgemv 0 --fused 1 0 --verify --steps 8 --repeats 3 --rows 2 3 4
         # the 35B-A3B too where its checkpoint is there (the q35 phase): its routers fuse with their shared gates
         if [ -d "$Q35" ]; then phase fused $PY bench/launch_cost.py "$Q35" --phases model --qgemv 0 --fused 1 0 --steps 8 --repeats 3 --rows 1 2 4; fi ;;
+    attnstep) phase attnstep $PY bench/launch_cost.py "$Q9" --phases model --qgemv 1 --attn 0 1 --verify --steps 8 --repeats 3 --rows 1 2 4 ;;
+    roundsa) EXO_ATTN_KERNEL=1 phase roundsa $PY bench/round_phases.py "$Q9" --replay 0.8 --depths 1 2 3 --repeats 1 --max-tokens 48 ;;
+    stocka) EXO_ATTN_KERNEL=1 phase stocka $PY bench/engine.py "$Q9" --max-tokens 128 --repeats 2 ;;
     gdnstep) phase gdnstep $PY bench/launch_cost.py "$Q9" --phases model --qgemv 0 --gdn 1 force --verify --steps 8 --repeats 3 --rows 1 2 4 ;;
     roundsk) EXO_GDN_KERNEL=force phase roundsk $PY bench/round_phases.py "$Q9" --replay 0.8 --depths 1 2 3 --repeats 1 --max-tokens 48 ;;
     stockk) EXO_GDN_KERNEL=force phase stockk $PY bench/engine.py "$Q9" --max-tokens 128 --repeats 3 ;;

@@ -126,11 +126,12 @@ def model_phase(args: argparse.Namespace) -> dict[str, Any]:
     forwards = {}
     gdn_labels = {"1": "", "0": ", gdn graph", "force": ", gdn kernel"}
     variants = [(("MLX's products" if q == "0" else "exo qgemv") + ("" if f == "1" else ", projections apart")
-                 + gdn_labels[g], q, f, g)
+                 + gdn_labels[g] + (", attention kernel" if a == "1" else ""), q, f, g, a)
                 for q in ("0", "1") if q in args.qgemv for f in ("1", "0") if f in args.fused
-                for g in ("1", "0", "force") if g in args.gdn]
-    for label, qgemv, fused, gdn in variants:
+                for g in ("1", "0", "force") if g in args.gdn for a in ("0", "1") if a in args.attn]
+    for label, qgemv, fused, gdn, attn in variants:
         os.environ["EXO_QGEMV"], os.environ["EXO_FUSED_INPUTS"], os.environ["EXO_GDN_KERNEL"] = qgemv, fused, gdn
+        os.environ["EXO_ATTN_KERNEL"] = attn
         loaded = load_checkpoint(path)
         models[label] = loaded.model
         if args.verify:  # verify calls as the engine builds them, in the mode its probe finds on this device
@@ -139,7 +140,8 @@ def model_phase(args: argparse.Namespace) -> dict[str, Any]:
             forwards[label] = engine.forward
         print(f"[model] {label}: qgemv {len(loaded.qgemv)} shapes "
               f"{'ok' if all(v.startswith('ok') for v in loaded.qgemv.values()) else loaded.qgemv}; "
-              f"fused inputs {loaded.fused or 'off'}; gdn kernel {loaded.gdn or 'off'}", flush=True)
+              f"fused inputs {loaded.fused or 'off'}; gdn kernel {loaded.gdn or 'off'}; attention kernel "
+              f"{loaded.attn or 'off'}", flush=True)
     vocab = int(next(iter(models.values())).text_model.embed_tokens.weight.shape[0])
     prompt = mx.random.randint(0, vocab, (1, 256), key=mx.random.key(3))
     results: dict[str, Any] = {}
@@ -236,6 +238,9 @@ def main() -> None:
                         help="model phase: EXO_GDN_KERNEL values to load the model with (1: exo's GatedDeltaNet "
                              "step kernel where its load-time check passes; force: wherever its rows equal their "
                              "steps; 0: the compiled row graph)")
+    parser.add_argument("--attn", nargs="+", default=["0"], choices=["0", "1"],
+                        help="model phase: EXO_ATTN_KERNEL values to load the model with (exo's decode-attention "
+                             "kernel where its load-time check passes, or MLX's attention)")
     parser.add_argument("--kinds", type=int, default=12, help="model phase: primitive kinds listed per step")
     parser.add_argument("--verify", action="store_true",
                         help="model phase: rows past one as verify calls (the engine's probed mode), not a forward")

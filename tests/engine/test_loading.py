@@ -188,5 +188,5 @@ def test_the_load_says_where_its_seconds_went(checkpoint):
     first load spends minutes compiling kernels in them: the runner logs these, so a slow start says where)."""
     loaded = load_checkpoint(checkpoint("qwen3_5"))
     assert list(loaded.load_seconds) == ["weights", "fused inputs", "tokenizer and head", "expert sort", "qgemv",
-                                         "padded rows", "prompt dense", "gdn kernel"]
+                                         "padded rows", "prompt dense", "gdn kernel", "attention kernel"]
     assert all(v >= 0 for v in loaded.load_seconds.values()) and loaded.load_seconds["weights"] > 0

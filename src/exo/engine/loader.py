@@ -32,7 +32,14 @@ from safetensors import safe_open
 from .models import SUPPORTED_MODEL_TYPES, UnsupportedModelError, get_model_classes, stage_model_classes
 from .models.backbone import SpeculativeBackbone
 from .models.fused_inputs import use_fused_inputs
-from .models.layers import SparseMoeBlock, check_expert_sort, experts_unsorted, use_gdn_kernel, use_qgemv
+from .models.layers import (
+    SparseMoeBlock,
+    check_expert_sort,
+    experts_unsorted,
+    use_attn_kernel,
+    use_gdn_kernel,
+    use_qgemv,
+)
 from .models.mtp import HEAD_NORM_SUFFIXES, MTPHead
 from .models.padded_rows import use_padded_rows
 from .models.prompt_dense import use_prompt_dense
@@ -107,6 +114,9 @@ class LoadedModel:
     # Per GatedDeltaNet layer shape, whether its input projections run as one product (``models.fused_inputs``,
     # ``EXO_FUSED_INPUTS``: on wherever its check finds the same bits)
     fused: dict[str, str] = field(default_factory=dict)
+    # Per attention layer shape, whether its decode steps and verify rows run exo's attention kernel
+    # (``use_attn_kernel``, ``EXO_ATTN_KERNEL``: off by default, unmeasured)
+    attn: dict[str, str] = field(default_factory=dict)
     # Seconds the load spent per part ("weights", then each device check: on MLX CUDA a first load on a machine
     # spends most of it compiling kernels, kept under MLX_PTX_CACHE_DIR for later loads)
     load_seconds: dict[str, float] = field(default_factory=dict)
@@ -632,6 +642,8 @@ def load_checkpoint(
     mark("prompt dense")
     gdn = use_gdn_kernel(model)
     mark("gdn kernel")
+    attn = use_attn_kernel(model) if tensor is None else {}
+    mark("attention kernel")
     return LoadedModel(
         path=path,
         model_id=model_id or path.name,
@@ -646,6 +658,7 @@ def load_checkpoint(
         dense=dense,
         gdn=gdn,
         fused=fused,
+        attn=attn,
         load_seconds=seconds,
     )
 

@@ -687,6 +687,42 @@ def use_gdn_kernel(model: nn.Module) -> dict[str, str]:
     return found
 
 
+ATTN_KERNEL_ON = True  # benchmarks switch the installed kernel off and on within one process (A/B)
+
+
+def _attn_kernel_applies(cache: Any, mask: Any, batch: int, rows: int) -> bool:
+    """A solo call of at most ``cuda_attn.MAX_ROWS`` rows (a decode step, a verify call, a short chunk) on a plain
+    KV cache, causal: what ``cuda_attn.attend_rows`` computes."""
+    from mlx_lm.models.cache import KVCache
+
+    from ..kernels.cuda_attn import MAX_ROWS
+
+    return (batch == 1 and rows <= MAX_ROWS and type(cache) is KVCache
+            and (mask is None or (isinstance(mask, str) and mask == "causal")))
+
+
+def use_attn_kernel(model: nn.Module) -> dict[str, str]:
+    """Give ``model``'s attention layers exo's decode-attention kernel where ``kernels.cuda_attn.check`` passes on
+    this device (one layer checked per shape); what was found per shape. Nothing unless ``EXO_ATTN_KERNEL`` opts
+    in (``1``: on MLX CUDA; ``always``: its reference anywhere)."""
+    from ..kernels import cuda_attn
+
+    mode = cuda_attn.mode()
+    if mode == "off" or (mode == "cuda" and not cuda_attn.on_cuda()):
+        return {}
+    shapes: dict[tuple[Any, ...], list[nn.Module]] = {}
+    for _, leaf in model.named_modules():
+        if isinstance(leaf, Attention) and cuda_attn.supported(leaf):
+            shapes.setdefault((leaf.num_attention_heads, leaf.num_key_value_heads, leaf.head_dim), []).append(leaf)
+    found: dict[str, str] = {}
+    for (hq, hkv, dim), leaves in shapes.items():
+        passed, what = cuda_attn.check(leaves[0])
+        found[f"attention {hq} heads {hkv} kv heads dim {dim}"] = ("ok: " if passed else "not used: ") + what
+        for leaf in leaves:
+            leaf.attn_kernel = passed
+    return found
+
+
 def _kernel_rows(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, cache: Any) -> mx.array:
     """``_mix`` through ``kernels.cuda_gdn``: a decode step's row or a recorded call's rows in one launch."""
     from ..kernels.cuda_gdn import gdn_rows
@@ -1023,6 +1059,7 @@ class Attention(Qwen3NextAttention):
 
     per_row: bool = False  # set by the engine around verify calls only
     per_sequence: bool = False  # batch-invariant batch steps: each sequence alone, as its solo step
+    attn_kernel: bool = False  # exo's decode-attention kernel (``kernels.cuda_attn``; ``use_attn_kernel``, at load)
     cpu_linear: Callable[[mx.array, mx.array], mx.array] | None = None  # set by ``use_cpu_kernels``
     fused_inputs: tuple[int, ...] | None = None  # ``qkv_proj``'s split points (``models.fused_inputs``)
 
@@ -1036,6 +1073,12 @@ class Attention(Qwen3NextAttention):
         B, L, _ = x.shape
         if self.per_sequence and B > 1 and isinstance(cache, BatchKVCache):
             return self._per_sequence(x, cache)
+        if self.attn_kernel and ATTN_KERNEL_ON and _attn_kernel_applies(cache, mask, B, L):
+            from ..kernels.cuda_attn import attend_rows
+
+            queries, _, _, gate = self._project(x, cache)  # (the cache's buffers hold the new keys now)
+            output = attend_rows(queries, cache.keys, cache.values, cache.offset, self.scale)
+            return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate))
         if cache is None or not self.per_row or L == 1:
             if self.cpu_linear is None and self.fused_inputs is None:
                 return super().__call__(x, mask, cache)
