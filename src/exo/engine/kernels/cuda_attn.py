@@ -42,6 +42,7 @@ template <> __device__ __forceinline__ float to_float<__half>(__half v) { return
 template <typename T> __device__ __forceinline__ T from_float(float v);
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+__device__ __forceinline__ float neg_inf() { return __int_as_float(static_cast<int>(0xff800000u)); }
 }  // namespace exo_attn
 """
 
@@ -72,7 +73,7 @@ PASS1 = r"""
   const T* qrow = q + ((static_cast<int64_t>(b) * HQ + hq) * rows + t) * D + lane * PER;
 #pragma unroll
   for (int i = 0; i < PER; ++i) qv[i] = to_float(qrow[i]);
-  float m = -INFINITY;
+  float m = neg_inf();
   float l = 0.0f;
   float acc[PER];
 #pragma unroll
@@ -107,12 +108,12 @@ PASS1 = r"""
   __syncthreads();
   const int64_t at = static_cast<int64_t>(r) * chunks + chunk;
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float mm = -INFINITY;
+    float mm = neg_inf();
 #pragma unroll
     for (int w = 0; w < WARPS_; ++w) mm = fmaxf(mm, wm[w]);
     float ll = 0.0f;
     float aa = 0.0f;
-    if (mm != -INFINITY) {
+    if (mm != neg_inf()) {  // (a chunk no warp had a key of: nothing)
 #pragma unroll
       for (int w = 0; w < WARPS_; ++w) {
         const float f = expf(wm[w] - mm);
@@ -139,7 +140,7 @@ PASS2 = r"""
   const int used = (before + t + 1 + CHUNK - 1) / CHUNK;
   const int64_t base = static_cast<int64_t>(r) * chunks;
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float mm = -INFINITY;
+    float mm = neg_inf();
     for (int c = 0; c < used; ++c) mm = fmaxf(mm, m[base + c]);
     float ll = 0.0f;
     float aa = 0.0f;
