@@ -272,6 +272,28 @@ def _check_silu(silu: Silu) -> str | None:
     return None
 
 
+def relative_error(got: mx.array, want: mx.array) -> float:
+    """The largest |got - want| over the largest |want| (float32): the load-time checks' distance."""
+    want = want.astype(mx.float32)
+    return float((mx.abs(got.astype(mx.float32) - want).max() / mx.maximum(mx.abs(want).max(), 1e-30)).item())
+
+
+def cuda_conversions(namespace: str) -> str:
+    """CUDA source for a ``cuda_kernel``'s header: ``to_float`` / ``from_float`` for float, bfloat16 and half, in
+    ``namespace`` (exo's CUDA kernels share them)."""
+    return f"""
+namespace {namespace} {{
+
+template <typename T> __device__ __forceinline__ float to_float(T v) {{ return static_cast<float>(v); }}
+template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {{ return __bfloat162float(v); }}
+template <> __device__ __forceinline__ float to_float<__half>(__half v) {{ return __half2float(v); }}
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {{ return __float2bfloat16_rn(v); }}
+template <> __device__ __forceinline__ __half from_float<__half>(float v) {{ return __float2half_rn(v); }}
+"""
+
+
 def bits_equal(a: mx.array, b: mx.array) -> bool:
     """Same dtype, shape and bits (a -0 is not a +0, a NaN equals its own bits)."""
     if a.dtype != b.dtype or a.shape != b.shape:

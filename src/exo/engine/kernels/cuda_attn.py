@@ -29,19 +29,14 @@ from typing import Any
 
 import mlx.core as mx
 
+from . import bits_equal, cuda_conversions, relative_error
+
 MAX_ROWS = 8
 CHUNK = 256  # keys per block of pass 1
 WARPS = 4
 DTYPES = (mx.bfloat16, mx.float16)
 
-HEADER = r"""
-namespace exo_attn {
-template <typename T> __device__ __forceinline__ float to_float(T v) { return static_cast<float>(v); }
-template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+HEADER = cuda_conversions("exo_attn") + r"""
 __device__ __forceinline__ float neg_inf() { return __int_as_float(static_cast<int>(0xff800000u)); }
 }  // namespace exo_attn
 """
@@ -277,19 +272,9 @@ def check(layer: Any, *, rows: int = 4, key: mx.array | None = None) -> tuple[bo
     except Exception as e:  # noqa: BLE001 - any failure of the custom kernel leaves MLX's attention in place
         return False, f"the kernel did not run: {type(e).__name__}: {str(e)[:300]}"
     stepped = mx.concatenate(alone, axis=2)
-    same = _equal(together, stepped) and all(_equal(b, stepped[:, :, : b.shape[2]]) for b in blocks)
+    same = bits_equal(together, stepped) and all(bits_equal(b, stepped[:, :, : b.shape[2]]) for b in blocks)
     if not same:
         return False, "a call of several rows differs from its rows one at a time"
-    error, stock_error = _relative(together, want), _relative(stock, want)
+    error, stock_error = relative_error(together, want), relative_error(stock, want)
     found = f"{error:.2e} from float32 throughout (mlx-lm's attention {stock_error:.2e})"
     return error <= max(TOLERANCE, min(EXACT_CAP, stock_error * STOCK_SLACK)), found
-
-
-def _relative(got: mx.array, want: mx.array) -> float:
-    want = want.astype(mx.float32)
-    return float((mx.abs(got.astype(mx.float32) - want).max() / mx.maximum(mx.abs(want).max(), 1e-30)).item())
-
-
-def _equal(a: mx.array, b: mx.array) -> bool:
-    view = mx.uint16 if a.dtype.size == 2 else mx.uint32
-    return a.shape == b.shape and a.dtype == b.dtype and bool(mx.array_equal(a.view(view), b.view(view)).item())

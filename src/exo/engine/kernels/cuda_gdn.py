@@ -33,22 +33,14 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import bits_equal, cuda_conversions, relative_error
+
 MAX_ROWS = 8
 THREADS = 128
 TILE = 32  # value rows per block
 DTYPES = (mx.bfloat16, mx.float16)
 
-HEADER = r"""
-namespace exo_gdn {
-
-template <typename T> __device__ __forceinline__ float to_float(T v) { return static_cast<float>(v); }
-template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
-
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-
+HEADER = cuda_conversions("exo_gdn") + r"""
 // v rounded to T, as an op of mlx-lm's graph in T rounds its result.
 template <typename T> __device__ __forceinline__ float in_t(float v) { return to_float(from_float<T>(v)); }
 
@@ -350,27 +342,21 @@ def check(layer: Any, *, rows: int = 4, key: mx.array | None = None) -> tuple[bo
     except Exception as e:  # noqa: BLE001 - any failure of the custom kernel leaves the compiled rows in place
         return False, f"the kernel did not run: {type(e).__name__}: {str(e)[:300]}"
     stepped_y, stepped_states = mx.concatenate(steps_y, axis=1), mx.stack(steps_state)
-    same = _equal(y, stepped_y) and _equal(states, stepped_states)
+    same = bits_equal(y, stepped_y) and bits_equal(states, stepped_states)
     for r, (by, bs) in enumerate(blocks, start=2):
-        same = same and _equal(by, stepped_y[:, :r]) and _equal(bs, stepped_states[:r])
+        same = same and bits_equal(by, stepped_y[:, :r]) and bits_equal(bs, stepped_states[:r])
     if not same:
         return False, "a call of several rows differs from its rows one after another"
-    y_error, state_error = _relative(y, ref_y), _relative(states, ref_states)
+    y_error, state_error = relative_error(y, ref_y), relative_error(states, ref_states)
     # Both against the same step in float32 throughout (no rounding to the activations' type anywhere): how far
     # each is from the exact value, so that a distance between them can be told apart from an error of the kernel
-    distances = (y_error, state_error, _relative(y, exact_y), _relative(states, exact_states),
-                 _relative(ref_y, exact_y), _relative(ref_states, exact_states))
+    distances = (y_error, state_error, relative_error(y, exact_y), relative_error(states, exact_states),
+                 relative_error(ref_y, exact_y), relative_error(ref_states, exact_states))
     found = ("y {:.2e}, state {:.2e} from mlx-lm's ops; from float32 throughout: the kernel y {:.2e}, state {:.2e}, "
              "mlx-lm's ops y {:.2e}, state {:.2e}").format(*distances)
     if mode() == "force":
         return True, found + " (EXO_GDN_KERNEL=force: used whatever the distance)"
     return accepted(*distances), found
-
-
-def _relative(got: mx.array, want: mx.array) -> float:
-    """The largest |got - want| over the largest |want|."""
-    want = want.astype(mx.float32)
-    return float((mx.abs(got.astype(mx.float32) - want).max() / mx.maximum(mx.abs(want).max(), 1e-30)).item())
 
 
 def _float32(layer: Any) -> Any:
@@ -382,8 +368,3 @@ def _float32(layer: Any) -> Any:
         head_v_dim=layer.head_v_dim, conv_kernel_size=layer.conv_kernel_size,
         conv1d=SimpleNamespace(weight=layer.conv1d.weight.astype(mx.float32)),
         A_log=layer.A_log.astype(mx.float32), dt_bias=layer.dt_bias.astype(mx.float32))
-
-
-def _equal(a: mx.array, b: mx.array) -> bool:
-    view = mx.uint16 if a.dtype.size == 2 else mx.uint32
-    return a.shape == b.shape and a.dtype == b.dtype and bool(mx.array_equal(a.view(view), b.view(view)).item())
