@@ -15,7 +15,7 @@
 #   attention in a step and verify calls, in rounds at acceptance 0.8, and plain vs stock;
 #   ptxsave: MLX's compiled kernels into $OUT/mlx-ptx.tar.gz: keep it as .gpu5/ and carry .gpu5 with .gpu3)
 #   (q27 tensor9 tensor27 tensor35: issue 53's tensor groups, one member per GPU over NCCL, against one GPU:
-#   needs the two-GPU machine, nvidia-h200-x2; q9 q35 q27 first)
+#   needs the two-GPU machine, nvidia-h200-x2; q9 q35 q27 first; TENSOR_ARGS="--backend ring --repeats 1": more)
 #   (qmmrows: MLX's own product at 1-16 rows, and whether rows padded to 8 keep their bits whatever their
 #   companions: a decode step, a verify call and a batch step padded alike would agree by construction;
 #   moeexperts: one 35B-A3B MoE layer's experts by method; batch9: the engine's batched steps at 1, 8, 32 on the
@@ -43,9 +43,13 @@ if [ "$CPU" = 1 ]; then
     SHRINK27="--layers 4 --set hidden_size=256 --set intermediate_size=512 --set vocab_size=4096"
     SHRINK35="--layers 4 --set num_experts=16 --set vocab_size=4096"
     TENSOR="--modes plain,k2 --max-tokens 8 --prompts 1 --repeats 1 --collective-reps 20"
+    PIPE="--max-tokens 8"; CLIENTS="--clients 1,4 --seconds 4 --max-tokens 8"
+    SERVING="--clients 1 4 --seconds 4 --max-tokens 8 --engine-vs-client 2"
 else
     SHRINK9=""; SHRINK27=""; SHRINK35=""
     TENSOR="--gpu-per-node --modes plain,k2 --max-tokens 64 --prompts 3 --repeats 2"
+    PIPE="--max-tokens 64"; CLIENTS="--clients 1,8,32 --seconds 15 --max-tokens 64"
+    SERVING="--clients 1 8 32 --seconds 15 --max-tokens 64 --engine-vs-client 4"
 fi
 # Prefill (issue 49): prompt lengths and the layer phase's shape, real on the GPU, small on the CPU.
 if [ "$CPU" = 1 ]; then
@@ -95,10 +99,18 @@ for p in "$@"; do
     q27) [ -d "$Q27" ] || phase q27 $PY bench/make_random_model.py --shape qwen3.5-27b --bits 4 --out "$Q27" $SHRINK27 ;;
     # issue 53: a 2-member tensor group vs one GPU (27B >= 1.4x, 9B never below 0.9x or not chosen by auto, 35B-A3B
     # measured); each prints the collectives alone, tok/s per mode, identity within the group, the estimate
-    tensor9) phase tensor9 $PY bench/tensor.py "$Q9" $TENSOR ;;
-    tensor27) phase tensor27 $PY bench/tensor.py "$Q27" $TENSOR ;;
-    tensor35) phase tensor35 $PY bench/tensor.py "$Q35" $TENSOR ;;
+    tensor9) phase tensor9 $PY bench/tensor.py "$Q9" $TENSOR ${TENSOR_ARGS:-} ;;
+    tensor27) phase tensor27 $PY bench/tensor.py "$Q27" $TENSOR ${TENSOR_ARGS:-} ;;
+    tensor35) phase tensor35 $PY bench/tensor.py "$Q35" $TENSOR ${TENSOR_ARGS:-} ;;
     smi) phase smi nvidia-smi ;;
+    # issue 51: a pipeline of 2 stages, stage i on GPU i, against one GPU (engine level, MTP off and K = 1, the
+    # hops broken down); the clients axis through two exo serve daemons (needs grpc); one GPU's serve path against
+    # the engine and its 8 / 32 clients (one GPU: serving9 takes GPU 0 unless CUDA_VISIBLE_DEVICES says otherwise)
+    pipe9) phase pipe9 $PY bench/pipeline.py "$Q9" --stages 1,2 --modes plain,k1 --repeats 2 $PIPE --gpu-per-stage \
+        --breakdown-modes plain --transports inline ;;
+    pipeclients9) phase pipeclients9 $PY bench/pipeline.py "$Q9" --stages 1 --repeats 0 --no-breakdown --gpu-per-stage \
+        $CLIENTS ;;
+    serving9) EXO_NATIVE_MTP_ENABLED=0 phase serving9 $PY bench/serving.py "$Q9" --mtp off --no-one-at-a-time $SERVING ;;
     # issue 50's checks (each well inside 10 minutes at 9B on an H200); qgemv and stock opt in to exo's quantized
     # kernel (off by default), so that stock compares exo on it with exo on MLX's products
     qgemv) EXO_QGEMV=1 phase qgemv $PY bench/qmv_check.py "$Q9" --rows 1 2 3 4 8 --repeats 5 ;;
