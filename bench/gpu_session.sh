@@ -103,6 +103,12 @@ for p in "$@"; do
     tensor27) phase tensor27 $PY bench/tensor.py "$Q27" $TENSOR ${TENSOR_ARGS:-} ;;
     tensor35) phase tensor35 $PY bench/tensor.py "$Q35" $TENSOR ${TENSOR_ARGS:-} ;;
     smi) phase smi nvidia-smi ;;
+    # exo's CUDA kernels compiled once per machine (EXO_CUDA_KERNEL_CACHE, default 1) against MLX compiling them in every
+    # process: the same bits, a process's start (import, load, warm-up) and decode tok/s, cold and warm
+    kcache) phase kcache $PY bench/kernel_cache.py "$Q9" --repeats 2 ;;
+    # the tensor group without CUDA graphs (MLX_USE_CUDA_GRAPHS=0, one GPU and the group alike): 13.0 tok/s against one
+    # GPU's 70.7 with them (2026-11-29), 9.7 ms of a 77 ms step in the all-reduces timed alone
+    tensor9g) MLX_USE_CUDA_GRAPHS=0 phase tensor9g $PY bench/tensor.py "$Q9" $TENSOR ${TENSOR_ARGS:-} ;;
     # issue 51: a pipeline of 2 stages, stage i on GPU i, against one GPU (engine level, MTP off and K = 1, the
     # hops broken down); the clients axis through two exo serve daemons (needs grpc); one GPU's serve path against
     # the engine and its 8 / 32 clients (one GPU: serving9 takes GPU 0 unless CUDA_VISIBLE_DEVICES says otherwise)

@@ -30,6 +30,7 @@ from typing import Any
 import mlx.core as mx
 
 from . import bits_equal, cuda_conversions, relative_error
+from .cuda_build import CudaKernel
 
 MAX_ROWS = 8
 CHUNK = 256  # keys per block of pass 1
@@ -151,10 +152,10 @@ PASS2 = r"""
 
 @functools.cache
 def _kernels() -> tuple[Any, Any]:
-    first = mx.fast.cuda_kernel(name="exo_attn_chunks", input_names=["q", "keys", "values", "meta", "scale"],
+    first = CudaKernel(name="exo_attn_chunks", input_names=["q", "keys", "values", "meta", "scale"],
                                 output_names=["m_out", "l_out", "acc_out"], source=PASS1, header=HEADER,
                                 ensure_row_contiguous=True)
-    second = mx.fast.cuda_kernel(name="exo_attn_rows", input_names=["m", "l", "acc", "meta"], output_names=["out"],
+    second = CudaKernel(name="exo_attn_rows", input_names=["m", "l", "acc", "meta"], output_names=["out"],
                                  source=PASS2, header=HEADER, ensure_row_contiguous=True)
     return first, second
 

@@ -34,6 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import bits_equal, cuda_conversions, relative_error
+from .cuda_build import CudaKernel
 
 MAX_ROWS = 8
 THREADS = 128
@@ -197,7 +198,7 @@ SOURCE = r"""
 
 @functools.cache
 def _kernel() -> Any:
-    return mx.fast.cuda_kernel(
+    return CudaKernel(
         name="exo_gdn_rows",
         input_names=["window", "qkv", "conv_w", "a", "b", "a_log", "dt_bias", "state", "scalars"],
         output_names=["y", "states"],

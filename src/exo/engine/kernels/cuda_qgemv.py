@@ -47,6 +47,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from .cuda_build import CudaKernel
+
 WARPS = 4  # warps per block
 WARP = 32
 MAX_ROWS = 8  # rows per launch; more go in launches of this many
@@ -276,7 +278,7 @@ def split_for(n: int, k: int, bits: int) -> int:
 
 @functools.cache
 def _kernel() -> Any:
-    return mx.fast.cuda_kernel(
+    return CudaKernel(
         name="exo_qgemv",
         input_names=["x", "w", "scales", "biases"],
         output_names=["out"],

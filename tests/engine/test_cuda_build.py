@@ -1,0 +1,113 @@
+"""exo's CUDA kernels compiled once per machine (``kernels.cuda_build``): with no GPU, by the NVRTC library MLX's
+CUDA wheel uses (a dev dependency on Linux x86-64), every kernel's source compiles for an H200 (sm_90a), each
+instance is kept on disk, and a later process reads it instead of compiling again."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from exo.engine.kernels import cuda_attn, cuda_gdn, cuda_qgemv
+from exo.engine.kernels.cuda_build import CudaBuildError, CudaKernel, kernel_source, shaped_inputs
+
+H200 = (9, 0)
+needs_nvrtc = pytest.mark.skipif(not (sys.platform == "linux" and platform.machine() == "x86_64"),
+                                 reason="NVRTC's wheel (a dev dependency) is for Linux x86-64")
+
+
+def qgemv_kernel() -> CudaKernel:
+    return cuda_qgemv._kernel()
+
+
+def test_the_source_is_mlxs_layout_with_shapes_as_ints_after_the_outputs():
+    text = kernel_source("f_1", "// header", "out[0] = x[0] + w_shape[1];", ["x", "w"], [mx.bfloat16, mx.uint32],
+                         ["out"], [mx.float32], [("T", mx.float16), ("ROWS", 3), ("FLAG", True)], [2, 2])
+    signature = text[text.index('extern "C" __global__ void f_1('):text.index(") {")]
+    assert signature.split("(", 1)[1].split(",\n") == [
+        "\n    const __nv_bfloat16* x", "    const uint32_t* w", "    float* out", "    const int w_shape_0",
+        "    const int w_shape_1"]
+    assert "  using T = __half;\n  constexpr int ROWS = 3;\n  constexpr bool FLAG = true;\n" in text
+    assert "  const int w_shape[2] = {w_shape_0, w_shape_1};\n  constexpr int w_ndim = 2;\n" in text
+    assert text.index("// header") < text.index("namespace mlx::core::cu {") < text.index("out[0] = x[0]")
+    assert shaped_inputs("x_shape[0] + w[1]", ["x", "w"]) == ["x"]
+    with pytest.raises(CudaBuildError, match="strides"):
+        shaped_inputs("x_strides[0]", ["x"])
+    with pytest.raises(TypeError, match="ROWS"):
+        kernel_source("f", "", "", ["x"], [mx.float32], ["o"], [mx.float32], [("ROWS", 1.5)])
+
+
+@needs_nvrtc
+def test_every_kernel_compiles_for_an_h200_once_and_is_read_from_disk_after(tmp_path: Path):
+    bf16, f16 = mx.bfloat16, mx.float16
+    built = []
+    q = qgemv_kernel()
+    assert isinstance(q, CudaKernel)
+    for bits in cuda_qgemv.BITS:  # every layout the engine hands the kernel
+        for group in cuda_qgemv.GROUPS:
+            for dtype in (bf16, f16):
+                template, _ = cuda_qgemv._launch(1, 4096, 4096, bits, group, dtype, dtype)
+                built.append(q.instance([dtype, mx.uint32, dtype, dtype], [dtype], template, [2, 2, 2, 2], H200,
+                                        tmp_path))
+    for rows in range(2, cuda_qgemv.MAX_ROWS + 1):  # a verify call's and a batch step's row counts
+        template, _ = cuda_qgemv._launch(rows, 12288, 4096, 4, 64, bf16, bf16)
+        built.append(q.instance([bf16, mx.uint32, bf16, bf16], [bf16], template, [2, 2, 2, 2], H200, tmp_path))
+    gdn = cuda_gdn._kernel()
+    for rows, promote in ((1, True), (4, False)):
+        built.append(gdn.instance([bf16] * 5 + [mx.float32, bf16, mx.float32, mx.float32], [bf16, mx.float32],
+                                  [("T", bf16), ("ROWS", rows), ("TAPS", 4), ("HK", 16), ("HV", 32), ("DK", 128),
+                                   ("DV", 128), ("PROMOTE_F32", promote)], [3, 3, 2, 3, 3, 1, 1, 4, 1], H200,
+                                  tmp_path))
+    first, second = cuda_attn._kernels()
+    built.append(first.instance([bf16] * 3 + [mx.int32, mx.float32], [mx.float32] * 3,
+                                [("T", bf16), ("D", 256), ("HQ", 16), ("HKV", 4), ("CHUNK", cuda_attn.CHUNK),
+                                 ("WARPS_", cuda_attn.WARPS)], [4, 4, 4, 1, 1], H200, tmp_path))
+    built.append(second.instance([mx.float32] * 3 + [mx.int32], [bf16], [("T", bf16), ("D", 256),
+                                                                          ("CHUNK", cuda_attn.CHUNK)],
+                                 [2, 2, 3, 1], H200, tmp_path))
+    assert all(b.compiled for b in built)
+    assert all(b.binary[:4] == b"\x7fELF" and b.function.encode() in b.binary for b in built)  # a cubin, its kernel
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == sorted(f"{b.function}.cubin" for b in built)  # one file an instance, no temporaries left
+    # another process: nothing compiled, the same binaries
+    script = (
+        "import sys, mlx.core as mx; from pathlib import Path; from exo.engine.kernels import cuda_qgemv;"
+        "t, _ = cuda_qgemv._launch(3, 12288, 4096, 4, 64, mx.bfloat16, mx.bfloat16);"
+        "b = cuda_qgemv._kernel().instance([mx.bfloat16, mx.uint32, mx.bfloat16, mx.bfloat16], [mx.bfloat16], t,"
+        " [2, 2, 2, 2], (9, 0), Path(sys.argv[1])); print(b.compiled, b.function)")
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr
+    compiled, function = out.stdout.split()
+    assert compiled == "False" and function == built[len(cuda_qgemv.BITS) * len(cuda_qgemv.GROUPS) * 2 + 1].function
+    assert sorted(p.name for p in tmp_path.iterdir()) == files
+
+
+@needs_nvrtc
+def test_the_binary_names_what_made_it(tmp_path: Path):
+    """Another architecture, another template constant or another body: another file (a stale binary is never
+    read for a changed kernel); the same: the same file."""
+    q = qgemv_kernel()
+    template, _ = cuda_qgemv._launch(1, 4096, 4096, 4, 64, mx.bfloat16, mx.bfloat16)
+    types = ([mx.bfloat16, mx.uint32, mx.bfloat16, mx.bfloat16], [mx.bfloat16])
+    a = q.instance(*types, template, [2, 2, 2, 2], H200, tmp_path)
+    b = q.instance(*types, template, [2, 2, 2, 2], (8, 0), tmp_path)
+    changed = CudaKernel(q.name, q.input_names, q.output_names, q.source + "\n// changed", q.header)
+    c = changed.instance(*types, template, [2, 2, 2, 2], H200, tmp_path)
+    again = CudaKernel(q.name, q.input_names, q.output_names, q.source, q.header).instance(
+        *types, template, [2, 2, 2, 2], H200, tmp_path)
+    assert len({a.function, b.function, c.function}) == 3
+    assert again.function == a.function and not again.compiled and again.binary == a.binary
+
+
+@needs_nvrtc
+def test_a_kernel_that_does_not_compile_says_why(tmp_path: Path):
+    broken = CudaKernel("broken", ["x"], ["out"], "out[0] = undefined_name;")
+    with pytest.raises(CudaBuildError, match="undefined_name"):
+        broken.instance([mx.float32], [mx.float32], [], [1], H200, tmp_path)
+    assert list(tmp_path.iterdir()) == []
