@@ -32,6 +32,8 @@ from common import SRC, add_common_arguments, report_to  # noqa: E402
 CHILD = r"""
 import dataclasses, json, sys, time
 started = time.perf_counter()
+import exo
+exo.without_torch()  # as exo's runners start
 import mlx.core as mx
 from exo.engine import load_checkpoint
 from exo.engine.generate import Engine, EngineConfig

@@ -168,3 +168,32 @@ def test_the_checks_see_what_they_look_for():
     assert not {"exo.runner.device", "exo.runner.job"} & graph["exo.runner.batch_loop"]  # TYPE_CHECKING only
     assert _room("exo.api.server") > _room("exo.cluster.orchestration") > _room("exo.runner.device") > _room("exo.engine.batch")
     assert _room("exo.wire.convert") < _room("exo.runner.service")
+
+
+def _run(code: str, **env: str) -> str:
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, **env, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_exos_own_processes_load_tokenizers_without_importing_torch():
+    """torch is installed with the dev dependencies, as on an NVIDIA node, where its import was most of a runner's
+    first ~20 s: the ``exo`` command, a runner and a pipeline's stage mark it absent first; the package alone does
+    not (a notebook's torch stays importable)."""
+    load = ("from mlx_lm.utils import load_tokenizer; from exo.engine import resolve_model;"
+            "t = load_tokenizer(resolve_model('exo-demo').path); assert t.encode('def f():');"
+            "import sys, transformers.utils as u; print(sys.modules.get('torch'), u.is_torch_available())")
+    assert _run("import exo; exo.without_torch();" + load) == "None False"
+    assert _run(load).startswith("<module 'torch'")  # the package alone: torch as installed
+    assert _run("import exo; exo.without_torch();" + load, EXO_IMPORT_TORCH="1").startswith("<module 'torch'")
+    entry = ("import sys; from exo.cli import main as m; sys.argv = ['exo', '--version']\n"
+             "try:\n    m.entry()\nexcept SystemExit:\n    pass\nprint(sys.modules.get('torch', 'absent'))")
+    assert _run(entry).splitlines()[-1] == "None"
+    for module in ("exo.runner.__main__", "exo.runner.local_pipeline"):
+        text = (SRC / Path(*module.split(".")[1:])).with_suffix(".py").read_text()
+        assert "exo.without_torch()" in text, module

@@ -263,5 +263,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return EXIT_USAGE
 
 
+def entry() -> int:
+    """The ``exo`` command (``[project.scripts]``): ``main`` in a process that never imports PyTorch
+    (``exo.without_torch``)."""
+    import exo
+
+    exo.without_torch()
+    return main()
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(entry())

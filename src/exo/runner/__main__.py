@@ -1,5 +1,9 @@
 """``python -m exo.runner ...``: see ``exo.runner.main``."""
 
-from exo.runner.main import main
+import exo
+
+exo.without_torch()
+
+from exo.runner.main import main  # noqa: E402
 
 main()

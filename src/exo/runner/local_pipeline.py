@@ -299,5 +299,8 @@ def _end_with(parent: int) -> None:
 
 
 if __name__ == "__main__":
+    import exo
+
+    exo.without_torch()
     _end_with(int(sys.argv[3]))
     _stage_main(sys.argv[1], int(sys.argv[2]))
