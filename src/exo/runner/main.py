@@ -98,16 +98,18 @@ def _take_sigterm(on_term: Callable[[], bool]) -> None:
     threading.Thread(target=take, name="exo-runner-sigterm", daemon=True).start()
 
 
-PTX_CACHE = Path("cache") / "mlx-ptx"  # under EXO_HOME
-
-
-def use_ptx_cache(home: Path) -> None:
+def use_ptx_cache() -> None:
     """MLX CUDA compiles its JIT kernels (compiled graphs, its generated ops) at their first launch and keeps the
-    PTX in ``MLX_PTX_CACHE_DIR`` (default: under the system's temporary folder, emptied by reboots): here under
-    EXO_HOME, so a machine compiles them once (a first warm-up spends most of its time compiling them:
-    docs/performance.md).
+    PTX in ``MLX_PTX_CACHE_DIR`` (default: under the system's temporary folder, emptied by reboots): here beside
+    exo's own compiled kernels (``kernels.kernel_dir()``: per machine, every EXO_HOME shares it; under each
+    EXO_HOME, a fresh home's 9B server took 241 s to answer on an H200, compiling them all again), a folder per MLX
+    version (its kernels' cache names do not change with its sources).
     A value set outside wins. MLX reads it at its first compile, after this."""
-    os.environ.setdefault("MLX_PTX_CACHE_DIR", str(Path(home).expanduser() / PTX_CACHE))
+    import mlx.core as mx
+
+    from exo.engine.kernels import kernel_dir
+
+    os.environ.setdefault("MLX_PTX_CACHE_DIR", str(kernel_dir() / "mlx-ptx" / mx.__version__))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -127,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from .service import RunnerState, start_server
 
     settings = load_settings()
-    use_ptx_cache(settings.home)
+    use_ptx_cache()
     shard = pb.Shard(start_layer=args.start_layer, end_layer=args.end_layer, rank=args.rank, world_size=args.world_size,
                      sharding=args.sharding if args.world_size > 1 else "",
                      backend=args.backend if args.sharding == "tensor" else "")
