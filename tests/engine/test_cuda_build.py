@@ -111,3 +111,29 @@ def test_a_kernel_that_does_not_compile_says_why(tmp_path: Path):
     with pytest.raises(CudaBuildError, match="undefined_name"):
         broken.instance([mx.float32], [mx.float32], [], [1], H200, tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+@needs_nvrtc
+def test_a_launch_finds_its_instance_once_and_hands_the_shapes_the_body_reads(tmp_path: Path, monkeypatch):
+    """What ``CudaKernel.__call__`` hands ``mx.fast.precompiled_cuda_kernel`` (which needs a GPU): the instance for the
+    call's types and constants, built on its first launch only, and as scalars the shapes of the inputs whose shape
+    the body reads (qgemv reads w's); off with EXO_CUDA_KERNEL_CACHE=0, or for a body that reads strides."""
+    from exo.engine.kernels import cuda_build
+
+    monkeypatch.setattr(cuda_build, "device_architecture", lambda: H200)  # (the GPU's answer; the compile is real)
+    monkeypatch.setenv("EXO_KERNEL_DIR", str(tmp_path))
+    q = CudaKernel("exo_qgemv", ["x", "w", "scales", "biases"], ["out"], cuda_qgemv.SOURCE, cuda_qgemv.HEADER)
+    template, _ = cuda_qgemv._launch(2, 256, 512, 4, 64, mx.bfloat16, mx.bfloat16)
+    x = mx.zeros((2, 512), dtype=mx.bfloat16)
+    w, scales, biases = mx.quantize(mx.zeros((256, 512), dtype=mx.bfloat16), group_size=64, bits=4)
+    first = q.launch([x, w, scales, biases], template, [mx.bfloat16])
+    assert first is not None and first[1] == [256, 64]  # w's shape, after the outputs
+    again = q.launch([x, w, scales, biases], list(template), [mx.bfloat16])
+    assert again is not None and again[0] is first[0] and q.compiled == 1
+    assert [p.name for p in (tmp_path / "cuda").iterdir()] == [f"{first[0].function}.cubin"]
+    monkeypatch.setenv("EXO_CUDA_KERNEL_CACHE", "0")
+    off = CudaKernel("exo_qgemv", ["x", "w", "scales", "biases"], ["out"], cuda_qgemv.SOURCE, cuda_qgemv.HEADER)
+    assert off.launch([x, w, scales, biases], template, [mx.bfloat16]) is None
+    monkeypatch.delenv("EXO_CUDA_KERNEL_CACHE")
+    strides = CudaKernel("reads_strides", ["x"], ["out"], "out[0] = x[x_strides[0]];")
+    assert strides.launch([x], [], [mx.bfloat16]) is None and CudaKernel.fallback_reason is None

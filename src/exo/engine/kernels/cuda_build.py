@@ -205,8 +205,12 @@ class Built:
 
 
 def device_architecture() -> tuple[int, int]:
-    info = mx.device_info(mx.gpu)
-    return int(info["compute_capability_major"]), int(info["compute_capability_minor"])
+    """The GPU's compute capability (major, minor), as MLX reports it."""
+    try:
+        info = mx.device_info(mx.gpu)
+        return int(info["compute_capability_major"]), int(info["compute_capability_minor"])
+    except (KeyError, ValueError, RuntimeError, TypeError) as e:
+        raise CudaBuildError(f"the GPU's compute capability is unknown ({type(e).__name__}: {e})") from e
 
 
 def build(name: str, source_of: Any, architecture: tuple[int, int], directory: Path | None = None) -> Built:
@@ -253,6 +257,9 @@ class CudaKernel:
         self.name, self.input_names, self.output_names = name, list(input_names), list(output_names)
         self.source, self.header, self.ensure_row_contiguous = source, header, ensure_row_contiguous
         self._built: dict[tuple[Any, ...], Built] = {}
+        self._launches: dict[tuple[Any, ...], Built] = {}
+        self._shaped: list[int] | None = None  # the inputs whose shapes the body reads (None: not called yet)
+        self._mine = True  # False: this kernel takes MLX's path (EXO_CUDA_KERNEL_CACHE=0, or strides read)
         self._mlx: Any = None
         self.compiled = 0  # instances this process compiled (the others it read)
 
@@ -283,24 +290,47 @@ class CudaKernel:
             self._built[key] = built
         return built
 
+    def launch(self, inputs: Sequence[mx.array], template: Template,
+               output_dtypes: Sequence[mx.Dtype]) -> tuple[Built, list[int]] | None:
+        """The call's compiled instance and its scalars (the shapes the body reads), or None where this process
+        uses MLX's path. The host's cost per launch (a decode step makes ~250): one key of the call's types and
+        constants, one dict lookup; the instance is built once per key."""
+        if self._shaped is None:  # first call: whether to compile here at all, and which shapes the body reads
+            self._shaped = []
+            try:
+                names = shaped_inputs(self.source, self.input_names)
+                self._shaped = [i for i, n in enumerate(self.input_names) if n in names]
+            except CudaBuildError as e:
+                self._mine = False
+                log.warning("exo: %s compiled by MLX in every process (%s)", self.name, e)
+            self._mine = self._mine and enabled()
+        if not self._mine or CudaKernel.fallback_reason is not None:
+            return None
+        shaped = self._shaped
+        key = (tuple(template), *(x.dtype for x in inputs), *output_dtypes, *(inputs[i].ndim for i in shaped))
+        found = self._launches.get(key)
+        if found is None:
+            try:
+                found = self.instance([x.dtype for x in inputs], output_dtypes, template, [x.ndim for x in inputs])
+            except (CudaBuildError, OSError, KeyError) as e:
+                CudaKernel.fallback_reason = str(e)
+                log.warning("exo: CUDA kernels compiled by MLX in every process (%s)", e)
+                return None
+            self._launches[key] = found
+        return found, [d for i in shaped for d in inputs[i].shape]
+
     def __call__(self, *, inputs: Sequence[mx.array], template: Template = (), grid: tuple[int, int, int],
                  threadgroup: tuple[int, int, int], output_shapes: Sequence[Sequence[int]],
                  output_dtypes: Sequence[mx.Dtype], init_value: float | None = None,
                  stream: Any = None) -> list[mx.array]:
-        if CudaKernel.fallback_reason is None and enabled():
-            try:
-                built = self.instance([x.dtype for x in inputs], output_dtypes, template, [x.ndim for x in inputs])
-                shaped = set(shaped_inputs(self.source, self.input_names))
-                scalars = [int(d) for n, x in zip(self.input_names, inputs, strict=True) if n in shaped for d in x.shape]
-            except (CudaBuildError, OSError, KeyError) as e:
-                CudaKernel.fallback_reason = str(e)
-                log.warning("exo: CUDA kernels compiled by MLX in every process (%s)", e)
-            else:
-                return mx.fast.precompiled_cuda_kernel(
-                    name=built.function, compiled_source=built.binary, inputs=list(inputs),
-                    output_shapes=[tuple(s) for s in output_shapes], output_dtypes=list(output_dtypes), scalars=scalars,
-                    grid=grid, threadgroup=threadgroup, init_value=init_value,
-                    ensure_row_contiguous=self.ensure_row_contiguous, stream=stream)
-        return self._fallback()(inputs=list(inputs), template=list(template), grid=grid, threadgroup=threadgroup,
-                                output_shapes=list(output_shapes), output_dtypes=list(output_dtypes),
-                                init_value=init_value, stream=stream)
+        launch = self.launch(inputs, template, output_dtypes)
+        if launch is not None:
+            built, scalars = launch
+            return mx.fast.precompiled_cuda_kernel(
+                name=built.function, compiled_source=built.binary, inputs=inputs,
+                output_shapes=output_shapes,  # type: ignore[arg-type]  # (sequences of ints, as MLX's binding takes)
+                output_dtypes=output_dtypes, scalars=scalars, grid=grid, threadgroup=threadgroup,
+                init_value=init_value, ensure_row_contiguous=self.ensure_row_contiguous, stream=stream)
+        return self._fallback()(inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
+                                output_shapes=output_shapes, output_dtypes=output_dtypes, init_value=init_value,
+                                stream=stream)
