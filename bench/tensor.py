@@ -10,7 +10,8 @@ and the group, so a slow moment of the machine hits both. Phases, each printed a
 
 1. collectives: every member times its all-reduce alone before serving (median microseconds of one of a decode
    step's [1, 1, H] and of a 4-row verify call's, interleaved; the fastest run's), times the 2 x layers + 1 a
-   token runs (two per layer, one for the step's ids): the collectives' share of a plain step of the group;
+   token runs (two per layer, one for the step's ids): the collectives' share of a plain step of the group; and
+   per all-reduce of a chain of that many in one evaluation (a step's graph, without its layers);
 2. speed: decode tokens/s per mode, one node and the group, and the ratio (median over prompts and repeats);
 3. identity: within the group, each MTP mode's greedy tokens against the group's plain ones (they must be
    equal: exit 1 otherwise); against one node, how many prompts give the same tokens and where the first
@@ -112,15 +113,20 @@ def main(argv: list[str] | None = None) -> int:
             # Each run's median, the fastest run's: a run that shared its cores with other work measures that work.
             one = min(c["all_sum_1_row_us"] for c in collectives)
             four = min(c["all_sum_4_row_us"] for c in collectives)
+            chained = [c["all_sum_chained_us"] for c in collectives if "all_sum_chained_us" in c]
             per_token_ms = (2 * n_layers + 1) * one / 1000
             step_ms = 1000 / tps("tensor", "plain") if "plain" in modes else None
             report["collectives"] = {"all_sum_1_row_us": round(one, 1), "all_sum_4_row_us": round(four, 1),
+                                     "all_sum_chained_us": round(min(chained), 1) if chained else None,
                                      "per_token_ms": round(per_token_ms, 3),
                                      "tensor_plain_step_ms": round(step_ms, 3) if step_ms else None,
                                      "share_of_step": round(per_token_ms / step_ms, 3) if step_ms else None}
             print(f"\ncollectives ({backend}, {args.nodes} members): all-reduce of [1, 1, {hidden}] {one:.0f} us, of "
                   f"[1, 4, {hidden}] {four:.0f} us; x {2 * n_layers + 1} a token = {per_token_ms:.2f} ms"
                   + (f" of a {step_ms:.2f} ms plain step ({per_token_ms / step_ms:.0%})" if step_ms else ""))
+            if chained:
+                print(f"  chained, {2 * n_layers + 1} in one evaluation (as a step meets them, without its layers): "
+                      f"{min(chained):.0f} us each, {min(chained) * (2 * n_layers + 1) / 1000:.2f} ms a token")
         # 2. speed
         print(f"\n{'mode':<9}{'one node':>12}{f'tensor x{args.nodes}':>12}{'ratio':>8}")
         report["speed"] = {}

@@ -119,7 +119,11 @@ def test_tensor_greedy_mtp_equals_its_own_plain_decoding(checkpoint, arch, recor
     requests = [{"prompt": p, "max_tokens": MAX_TOKENS, "ignore_eos": True, "native_mtp": "off"} for p in prompts]
     requests += [{"prompt": p, "max_tokens": MAX_TOKENS, "ignore_eos": True, "mtp_k": k, "native_mtp": "on"}
                  for k in DEPTHS for p in prompts]
-    out = run_local_tensor(path, 2, requests, prefill_chunk=CHUNK, timeout_s=300)["results"]
+    run = run_local_tensor(path, 2, requests, prefill_chunk=CHUNK, timeout_s=300, collective_reps=1)
+    out = run["results"]
+    # (the group's collectives timed before it served: alone at a step's and a verify call's rows, and chained)
+    assert set(run["collectives"]) == {"all_sum_1_row_us", "all_sum_4_row_us", "all_sum_chained_us"}, run
+    assert all(v > 0 for v in run["collectives"].values()), run
     plains = {tuple(r["prompt"]): result["token_ids"] for r, result in zip(requests, out, strict=False)
               if r["native_mtp"] == "off"}
     drafted = accepted = 0

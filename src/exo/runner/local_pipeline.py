@@ -217,7 +217,9 @@ def _stage_main(spec_file: str, rank: int) -> None:
 
 def _time_collectives(model: Any, reps: int) -> dict[str, float] | None:
     """A tensor group's all-reduce alone (``reps`` > 0; every member runs the same): median microseconds of one of a
-    decode step's ([1, 1, H], the activations' dtype) and of a 4-row verify call's, each evaluated on its own."""
+    decode step's ([1, 1, H], the activations' dtype) and of a 4-row verify call's, each evaluated on its own; and
+    per all-reduce of a chain of as many as a token runs (2 x layers + 1, each on the last one's sum, one
+    evaluation: how a step meets them, in one graph, without the layers' work between)."""
     if reps <= 0:
         return None
     import statistics
@@ -226,7 +228,9 @@ def _time_collectives(model: Any, reps: int) -> dict[str, float] | None:
 
     group = model.tensor_share.group
     dtype = model.text_model.layers[0].input_layernorm.weight.dtype
+    chain_length = 2 * model.num_layers + 1
     times: dict[int, list[float]] = {1: [], 4: []}
+    chains: list[float] = []
     for i in range(reps + 10):
         for rows, seconds in times.items():  # interleaved: a busy moment of the machine hits both
             x = mx.ones((1, rows, model.hidden_size), dtype=dtype)
@@ -235,7 +239,19 @@ def _time_collectives(model: Any, reps: int) -> dict[str, float] | None:
             mx.eval(mx.distributed.all_sum(x, group=group))
             if i >= 10:  # (the first ones set the connections up)
                 seconds.append(time.perf_counter() - started)
-    return {f"all_sum_{rows}_row_us": statistics.median(seconds) * 1e6 for rows, seconds in times.items()}
+        if i % 10 == 0:  # a chain costs as many as a token's: every tenth round
+            x = mx.ones((1, 1, model.hidden_size), dtype=dtype)
+            mx.eval(x)
+            started = time.perf_counter()
+            for _ in range(chain_length):
+                x = mx.distributed.all_sum(x, group=group) * 0.5
+            mx.eval(x)
+            if i >= 10:
+                chains.append((time.perf_counter() - started) / chain_length)
+    out = {f"all_sum_{rows}_row_us": statistics.median(seconds) * 1e6 for rows, seconds in times.items()}
+    if chains:
+        out["all_sum_chained_us"] = statistics.median(chains) * 1e6
+    return out
 
 
 def _run_batch(engine: Any, requests: list[Any], join_at: list[int] | None) -> list[dict[str, Any]]:
