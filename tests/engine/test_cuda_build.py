@@ -137,3 +137,19 @@ def test_a_launch_finds_its_instance_once_and_hands_the_shapes_the_body_reads(tm
     monkeypatch.delenv("EXO_CUDA_KERNEL_CACHE")
     strides = CudaKernel("reads_strides", ["x"], ["out"], "out[0] = x[x_strides[0]];")
     assert strides.launch([x], [], [mx.bfloat16]) is None and CudaKernel.fallback_reason is None
+
+
+def test_a_precompiled_launch_that_fails_turns_the_process_to_mlxs_compile_once(monkeypatch):
+    """A precompiled launch fails lazily, where a load check evaluates it: the check asks ``precompiled_failed``,
+    which turns every kernel to MLX's compile and has the check run again, once; with the cache off, never."""
+    from exo.engine.kernels import cuda_build
+
+    monkeypatch.setattr(CudaKernel, "fallback_reason", None)
+    assert cuda_build.precompiled_failed(RuntimeError("Failed to load compiled kernel"))
+    assert "Failed to load compiled kernel" in CudaKernel.fallback_reason
+    q = CudaKernel("exo_qgemv", ["x", "w", "scales", "biases"], ["out"], cuda_qgemv.SOURCE, cuda_qgemv.HEADER)
+    assert q.launch([mx.zeros((1, 512), dtype=mx.bfloat16)], [], [mx.bfloat16]) is None  # MLX's path from now on
+    assert not cuda_build.precompiled_failed(RuntimeError("again"))  # the check's second failure is its own
+    monkeypatch.setattr(CudaKernel, "fallback_reason", None)
+    monkeypatch.setenv("EXO_CUDA_KERNEL_CACHE", "0")
+    assert not cuda_build.precompiled_failed(RuntimeError("MLX's own compile failed"))

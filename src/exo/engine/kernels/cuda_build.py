@@ -246,6 +246,17 @@ def build(name: str, source_of: Any, architecture: tuple[int, int], directory: P
     return Built(function, binary, True)
 
 
+def precompiled_failed(error: BaseException) -> bool:
+    """For a kernel's load check whose launches raised when evaluated (a precompiled launch fails only there, lazily):
+    if they were this module's, the process turns every ``CudaKernel`` to MLX's compile, says why, and the check
+    should run again (True); False where they were MLX's already (the check then fails as before)."""
+    if CudaKernel.fallback_reason is not None or not enabled():
+        return False
+    CudaKernel.fallback_reason = f"a precompiled launch failed: {type(error).__name__}: {str(error)[:300]}"
+    log.warning("exo: CUDA kernels compiled by MLX in every process (%s)", CudaKernel.fallback_reason)
+    return True
+
+
 class CudaKernel:
     """``mx.fast.cuda_kernel(name=..., input_names=..., output_names=..., source=..., header=...,
     ensure_row_contiguous=...)``, compiled once per machine (see the module). Called as MLX's is."""
