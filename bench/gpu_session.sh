@@ -13,7 +13,8 @@
 #   stockk: round_phases at acceptance 0.8 and plain vs stock with the kernel forced on (EXO_GDN_KERNEL=force);
 #   attnstep / roundsa / stocka: exo's decode-attention kernel (EXO_ATTN_KERNEL=1, off by default) against MLX's
 #   attention in a step and verify calls, in rounds at acceptance 0.8, and plain vs stock;
-#   ptxsave: MLX's compiled kernels into $OUT/mlx-ptx.tar.gz: keep it as .gpu5/ and carry .gpu5 with .gpu3)
+#   ptxsave: MLX's compiled kernels into $OUT/mlx-ptx.tar.gz, exo's into $OUT/exo-kernels.tar.gz: keep them in .gpu5/ and
+#   carry .gpu5 with .gpu3)
 #   (q27 tensor9 tensor27 tensor35: issue 53's tensor groups, one member per GPU over NCCL, against one GPU:
 #   needs the two-GPU machine, nvidia-h200-x2; q9 q35 q27 first; TENSOR_ARGS="--backend ring --repeats 1": more)
 #   (qmmrows: MLX's own product at 1-16 rows, and whether rows padded to 8 keep their bits whatever their
@@ -69,6 +70,8 @@ fi
 # otherwise: a fresh home compiled the 9B's kernels again, ~3 minutes before the server answered). `ptxsave` packs it
 # into $OUT; carried back as .gpu5/mlx-ptx.tar.gz, `install3` unpacks it: a session skips the first compile.
 export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx}
+# exo's own compiled kernels (engine/kernels/cuda_build.py) likewise, one folder for every phase; `ptxsave` packs them too
+export EXO_KERNEL_DIR=${EXO_KERNEL_DIR:-/tmp/exo-kernels}
 Q9=${Q9:-/tmp/q9}
 Q35=${Q35:-/tmp/q35}
 Q9S=${Q9S:-/tmp/q9s}  # the 9B's 32 layers at tiny widths: a step's host work without the device's
@@ -90,8 +93,10 @@ for p in "$@"; do
     install1) mkdir -p /root/.gpu-wheel && cp .gpu1/part_* /root/.gpu-wheel/ ;;
     install2) cp .gpu2/part_* /root/.gpu-wheel/ ;;
     install3) bash .gpu3/device-install.sh && export PYTHONPATH=/tmp/site:$PWD/src
-              if [ -f .gpu5/mlx-ptx.tar.gz ]; then mkdir -p "$MLX_PTX_CACHE_DIR" && tar -xzf .gpu5/mlx-ptx.tar.gz -C "$MLX_PTX_CACHE_DIR" && echo "ptx cache: $(ls "$MLX_PTX_CACHE_DIR" | wc -l) entries unpacked"; fi ;;
-    ptxsave) tar -czf "$OUT/mlx-ptx.tar.gz" -C "$MLX_PTX_CACHE_DIR" . && ls -la "$OUT/mlx-ptx.tar.gz" ;;
+              if [ -f .gpu5/mlx-ptx.tar.gz ]; then mkdir -p "$MLX_PTX_CACHE_DIR" && tar -xzf .gpu5/mlx-ptx.tar.gz -C "$MLX_PTX_CACHE_DIR" && echo "ptx cache: $(ls "$MLX_PTX_CACHE_DIR" | wc -l) entries unpacked"; fi
+              if [ -f .gpu5/exo-kernels.tar.gz ]; then mkdir -p "$EXO_KERNEL_DIR" && tar -xzf .gpu5/exo-kernels.tar.gz -C "$EXO_KERNEL_DIR" && echo "exo kernels: $(ls "$EXO_KERNEL_DIR"/cuda 2>/dev/null | wc -l) unpacked"; fi ;;
+    ptxsave) tar -czf "$OUT/mlx-ptx.tar.gz" -C "$MLX_PTX_CACHE_DIR" . && ls -la "$OUT/mlx-ptx.tar.gz"
+             if [ -d "$EXO_KERNEL_DIR/cuda" ]; then tar -czf "$OUT/exo-kernels.tar.gz" -C "$EXO_KERNEL_DIR" cuda && ls -la "$OUT/exo-kernels.tar.gz"; fi ;;
     grpc) $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu4/*.whl ;;
     q9) [ -d "$Q9" ] || phase q9 $PY bench/make_random_model.py --shape qwen3.5-9b --bits 4 --out "$Q9" $SHRINK9 ;;
     q9s) [ -d "$Q9S" ] || phase q9s $PY bench/make_random_model.py --shape qwen3.5-9b --bits 4 --out "$Q9S" --set hidden_size=256 --set intermediate_size=512 --set vocab_size=4096 ;;
