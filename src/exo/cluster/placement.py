@@ -732,7 +732,11 @@ def _tensor_plan(req: ModelRequirement, order: Sequence[NodeCapacity], free: Map
 # measured yet counts at half its backend's peak, and the estimate says so (``basis``). Figures to order the
 # choices, not promises: docs/cluster.md, bench/tensor.py (which prints this estimate beside the measured ratio).
 PEAK_BYTES_PER_S = {"cuda": 3.3e12, "metal": 4.0e11, "cpu": 2.0e10}
-NOMINAL_COLLECTIVE_S = {"nccl": 3.0e-5, "jaccl": 5.0e-5}
+# An all-reduce as a decode step meets it. NCCL: measured on two H200s of one host, MLX 0.32.4 CUDA, the 9B shape
+# (docs/performance.md): the group's step 76.9 ms against one GPU's 14.1, over the 65 all-reduces of a token, 0.97 ms
+# each, though one timed alone takes 149 us; until the rest of that is understood (bench/tensor.py times them
+# chained, and without CUDA graphs), "auto" weighs what a step pays. JACCL: nominal, unmeasured.
+NOMINAL_COLLECTIVE_S = {"nccl": 9.7e-4, "jaccl": 5.0e-5}
 UNKNOWN_RTT_MS = 1.0  # a link the registry has no round trip for
 
 
