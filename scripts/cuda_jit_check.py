@@ -18,6 +18,10 @@ DIR holds what NVRTC needs (none of it ships with exo or on a CPU machine):
   runs), flat in DIR.
 SCRIPT sets things up so that exo's kernels think they run on MLX CUDA (e.g. `cuda_qgemv.on_cuda = lambda: True`)
 and calls them on CPU arrays. Exits 1 at the first kernel that does not compile, printing NVRTC's log.
+
+exo builds its kernels itself since 44c2a2a (`engine/kernels/cuda_build.py`, over a smaller prelude than MLX's), and
+the suite compiles every one of them that way with NVRTC's wheel (`tests/engine/test_cuda_build.py`); this script
+checks MLX's own build of them, the path exo falls back to (`EXO_CUDA_KERNEL_CACHE=0`, or a failed build).
 """
 
 from __future__ import annotations
