@@ -408,9 +408,12 @@ def print_clients(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
           f"native MTP {args.clients_mode}); ratios in this run")
     print(f"{'placement':>9} {'clients':>7} {'done':>5} {'errors':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'tok/s':>7} "
           f"{'vs 1 client':>11} {'vs one node':>11}")
+    def ratio(value: float | None) -> str:  # (None: the row it compares with streamed nothing in its window)
+        return f"{value:>10.2f}x" if value is not None else f"{'-':>11}"
+
     for r in rows:
         print(f"{r['placement']:>9} {r['clients']:>7} {r['completed']:>5} {r['errors']:>6} {r['ttft_p50_s']:>8.2f}s "
-              f"{r['ttft_p99_s']:>8.2f}s {r['tok_s']:>7.1f} {r['vs_one_client']:>10.2f}x {r['vs_one_node']:>10.2f}x")
+              f"{r['ttft_p99_s']:>8.2f}s {r['tok_s']:>7.1f} {ratio(r['vs_one_client'])} {ratio(r['vs_one_node'])}")
 
 
 if __name__ == "__main__":

@@ -329,8 +329,9 @@ def main() -> None:
                         versus_base = f"{r['tok_s'] / base:15.2f}x" if base else f"{'-':>16s}"
                         accept = f"{r['accepted'] / r['drafted']:.2f}" if r["drafted"] else "-"
                         per_round = f"{1 + r['accepted'] / r['rounds']:.2f}" if r["rounds"] else "-"
+                        versus_one = f"{r['tok_s'] / one:10.2f}x" if one else f"{'-':>11s}"  # (one client: none streamed)
                         print(f"{mode:8s} {name:14s} {n:7d} {r['completed']:9d} {r['errors']:6d} {quantile(r['ttft'], 0.5):8.2f}s "
-                              f"{quantile(r['ttft'], 0.99):8.2f}s {r['tok_s']:7.1f} {r['tok_s'] / one:10.2f}x "
+                              f"{quantile(r['ttft'], 0.99):8.2f}s {r['tok_s']:7.1f} {versus_one} "
                               f"{versus_base} {r['batched']:12d} {r['max_batch']:9d} "
                               f"{quantile(r['request_s'], 0.5):8.3f}s {accept:>6s} {per_round:>9s}")
             # Greedy output must not depend on what else runs: every response for a topic, on either server
