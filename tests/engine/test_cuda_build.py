@@ -103,6 +103,11 @@ def test_the_binary_names_what_made_it(tmp_path: Path):
         *types, template, [2, 2, 2, 2], H200, tmp_path)
     assert len({a.function, b.function, c.function}) == 3
     assert again.function == a.function and not again.compiled and again.binary == a.binary
+    # a damaged file (not a cubin) is compiled anew and replaced
+    (tmp_path / f"{a.function}.cubin").write_bytes(b"\0" * 64)
+    mended = CudaKernel(q.name, q.input_names, q.output_names, q.source, q.header).instance(
+        *types, template, [2, 2, 2, 2], H200, tmp_path)
+    assert mended.compiled and mended.binary == a.binary == (tmp_path / f"{a.function}.cubin").read_bytes()
 
 
 @needs_nvrtc

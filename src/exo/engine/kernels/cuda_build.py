@@ -232,7 +232,9 @@ def build(name: str, source_of: Any, architecture: tuple[int, int], directory: P
     directory = cache_dir() if directory is None else directory
     path = directory / f"{function}.{'cubin' if sass else 'ptx'}"
     try:
-        return Built(function, path.read_bytes(), False)
+        kept = path.read_bytes()
+        if kept.startswith(b"\x7fELF" if sass else b"//"):  # (anything else: a damaged file, compiled anew)
+            return Built(function, kept, False)
     except OSError:
         pass
     binary = compiler.compile(source_of(function), function, options, sass)
