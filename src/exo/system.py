@@ -1,4 +1,4 @@
-"""What a node has: memory (total, available), chip or CPU model, MLX backend, free disk.
+"""What a node has: memory (total, available), chip or CPU model, MLX backend, free disk, where it keeps compiled kernels.
 
 Read from the OS without extra dependencies: /proc on Linux, sysctl and vm_stat on macOS.
 """
@@ -104,3 +104,12 @@ def disk_free(path: Path) -> int:
         return shutil.disk_usage(path).free
     except OSError:
         return 0
+
+
+def kernel_dir() -> Path:
+    """Where this machine keeps the kernels compiled for it (exo's CPU and CUDA kernels, MLX's PTX): ``EXO_KERNEL_DIR``,
+    else ``$XDG_CACHE_HOME/exo/kernels`` (``~/.cache/exo/kernels``). Per machine, whatever the EXO_HOME."""
+    if os.environ.get("EXO_KERNEL_DIR"):
+        return Path(os.environ["EXO_KERNEL_DIR"])
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "exo" / "kernels"

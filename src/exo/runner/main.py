@@ -101,15 +101,19 @@ def _take_sigterm(on_term: Callable[[], bool]) -> None:
 def use_ptx_cache() -> None:
     """MLX CUDA compiles its JIT kernels (compiled graphs, its generated ops) at their first launch and keeps the
     PTX in ``MLX_PTX_CACHE_DIR`` (default: under the system's temporary folder, emptied by reboots): here beside
-    exo's own compiled kernels (``kernels.kernel_dir()``: per machine, every EXO_HOME shares it; under each
+    exo's own compiled kernels (``system.kernel_dir()``: per machine, every EXO_HOME shares it; under each
     EXO_HOME, a fresh home's 9B server took 241 s to answer on an H200, compiling them all again), a folder per MLX
     version (its kernels' cache names do not change with its sources).
     A value set outside wins. MLX reads it at its first compile, after this."""
-    import mlx.core as mx
+    from importlib.metadata import PackageNotFoundError, version
 
-    from exo.engine.kernels import kernel_dir
+    from exo.system import kernel_dir  # (not the engine: it loads with the model, after Status serves)
 
-    os.environ.setdefault("MLX_PTX_CACHE_DIR", str(kernel_dir() / "mlx-ptx" / mx.__version__))
+    try:
+        mlx = version("mlx")
+    except PackageNotFoundError:  # (an MLX built from source, unregistered)
+        mlx = "unknown"
+    os.environ.setdefault("MLX_PTX_CACHE_DIR", str(kernel_dir() / "mlx-ptx" / mlx))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -41,6 +41,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from exo.system import kernel_dir  # noqa: F401  (where exo compiles its kernels: its CPU and CUDA ones)
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_linear.cpp")
@@ -56,13 +58,6 @@ GatedDelta = Callable[..., tuple[mx.array, mx.array]]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
-
-
-def kernel_dir() -> Path:
-    if os.environ.get("EXO_KERNEL_DIR"):
-        return Path(os.environ["EXO_KERNEL_DIR"])
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "exo" / "kernels"
 
 
 def _module() -> Any:
