@@ -159,6 +159,10 @@ for p in "$@"; do
     stockk) EXO_GDN_KERNEL=force phase stockk $PY bench/engine.py "$Q9" --max-tokens 128 --repeats 3 ;;
     gdn) phase gdn $PY bench/gdn_check.py "$Q9" --rows 1 2 3 4 8 --repeats 5 ;;
     layers) phase layers $PY bench/verify_layers.py "$Q9" --rows 2 3 4 --context 256 2048 ;;
+    # a verify call evaluated every N layers as it is built (EXO_VERIFY_EVAL_EVERY; the GPU's default is 0, one
+    # evaluation): does the host's 4.5 ms verify_build of a 12.4 ms K = 1 round hide behind the device's work?
+    roundse) phase roundse $PY bench/round_phases.py "$Q9" --replay 0.8 --depths 1 2 3 --repeats 1 --max-tokens 48 \
+        --no-adaptive --verify-eval-every 0 2 4 8 ;;
     rounds) phase rounds $PY bench/round_phases.py "$Q9" --replay 0.0,0.6,0.8,0.9 --repeats 1 --max-tokens 48 ;;
     stock) EXO_QGEMV=1 phase stock $PY bench/engine.py "$Q9" --max-tokens 128 --repeats 3 ;;
     moe) phase moe $PY -m exo.cli.main bench "$Q35" --baseline --check --max-tokens 64 --repeats 1 ;;

@@ -43,6 +43,12 @@ verify_build + device_wait) over those parts alone, and ``glue``: the whole roun
 The engine's warm-up (the verify probe, the round costs, the head's warm acceptance) is timed phase by phase
 and printed first (``Engine.warmup_seconds``), then again on a second engine of the same model, whose kernels
 are compiled by then: the difference is compiling.
+
+``--verify-eval-every N ...``: each fixed depth once per N, its verify calls evaluated every N layers as they are
+built (``engine/forward.py``: 0 is one evaluation, the GPU's default; the device computes the first layers while the
+host builds the rest), named ``k=K/eN``: whether a round's ``verify_build`` (the host building the graph while the
+device waits) hides behind the device's work. Adaptive runs the default. (``EXO_VERIFY_EVAL_EVERY``, when set,
+overrides every setting.)
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ import statistics
 from collections import Counter
 
 from exo.engine import Engine, GenerationRequest, load
+from exo.engine import forward as forward_module
 from exo.engine.adaptive import AcceptanceTracker
 from exo.engine.bench import DEFAULT_PROMPTS, OUTSIDE_PHASES, catch_up_alone, encode_prompt, parts_alone
 from exo.engine.costs import device_name
@@ -71,20 +78,37 @@ def main() -> None:
     parser.add_argument("--replay", type=lambda s: [float(a) for a in s.split(",")], default=None,
                         metavar="A,B,...", help="acceptance rates to replay the plain continuation at")
     parser.add_argument("--no-adaptive", action="store_true", help="leave adaptive depth out")
+    parser.add_argument("--verify-eval-every", type=int, nargs="+", default=None, metavar="N",
+                        help="each fixed depth once per setting: a verify call evaluated every N layers as it is "
+                        "built (0: one evaluation; engine/forward.py), named k=K/eN")
     args = parser.parse_args()
     engine = load(args.model)
     engine.loaded = dataclasses.replace(engine.loaded, eos_token_ids=frozenset())
     engine.config = dataclasses.replace(engine.config, profile_rounds=True)
     prompts = [encode_prompt(engine, p, raw=True) for p in DEFAULT_PROMPTS]
     adaptive = not args.no_adaptive
-    configs: list[tuple[str, int | None]] = [("plain", 0), *((f"k={k}", k) for k in args.depths)]
+    configs: list[tuple[str, int | None]] = [("plain", 0)]
+    evals: dict[str, int] = {}  # config -> its verify calls' evaluation interval (the rest: the engine's default)
+    for k in args.depths:
+        for every in args.verify_eval_every or [None]:
+            name = f"k={k}" if every is None else f"k={k}/e{every}"
+            configs.append((name, k))
+            if every is not None:
+                evals[name] = every
     if adaptive:
         configs.append(("adaptive", None))
+    default_every = (forward_module.VERIFY_EVAL_EVERY, forward_module.VERIFY_EVAL_EVERY_GPU)
 
-    def run(prompt: list[int], k: int | None, max_tokens: int):
+    def run(prompt: list[int], k: int | None, max_tokens: int, name: str = ""):
         mode = "off" if k == 0 else "on"
-        return engine.complete(GenerationRequest(prompt, max_tokens=max_tokens, native_mtp=mode,
-                                                 mtp_k=None if k == 0 else k))
+        every = evals.get(name)
+        forward_module.VERIFY_EVAL_EVERY, forward_module.VERIFY_EVAL_EVERY_GPU = (
+            default_every if every is None else (every, every))
+        try:
+            return engine.complete(GenerationRequest(prompt, max_tokens=max_tokens, native_mtp=mode,
+                                                     mtp_k=None if k == 0 else k))
+        finally:
+            forward_module.VERIFY_EVAL_EVERY, forward_module.VERIFY_EVAL_EVERY_GPU = default_every
 
     # The engine's warm-up first (its phases printed), then every path compiled once over a whole request.
     if adaptive:
@@ -110,9 +134,9 @@ def main() -> None:
     plain_tokens = {}
     for prompt in prompts:  # the plain greedy continuations (replayed) and the reference for identity
         plain_tokens[tuple(prompt)] = run(prompt, 0, args.max_tokens).token_ids
-    for _, k in configs[1:]:
+    for name, k in configs[1:]:
         if k is not None:
-            run(longest, k, args.max_tokens)
+            run(longest, k, args.max_tokens, name)
     for acceptance in args.replay or [None]:
         if acceptance is not None:
             engine.replay = ReplayDrafter(plain_tokens, acceptance, engine.vocab_size, seed=1)
@@ -151,7 +175,7 @@ def measure(engine, args, configs, prompts, plain_tokens, run, acceptance: float
                 context = len(prompt) + args.max_tokens // 2  # the request's mean context
                 alone = args.alone and k not in (0, None)
                 before = parts_alone(engine, k, context) if alone else None
-                result = run(prompt, k, args.max_tokens)
+                result = run(prompt, k, args.max_tokens, name)
                 stats = result.stats
                 requests[name] += 1
                 identical[name] += result.token_ids == plain_tokens[tuple(prompt)]

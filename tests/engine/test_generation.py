@@ -324,6 +324,40 @@ def test_verify_calls_start_evaluating_while_built_on_the_cpu(dense, monkeypatch
     assert result.token_ids == _greedy(engine, prompt, native_mtp="off", max_tokens=48).token_ids
 
 
+def test_verify_eval_every_from_the_environment(dense, monkeypatch):
+    """EXO_VERIFY_EVAL_EVERY sets how many layers a verify call builds between evaluations on the device the
+    process runs on (the GPU's default is one evaluation): 3 starts one every 3 layers, 0 none; anything but a
+    whole number of layers is a clear error, never a silent default. Same graph, same tokens."""
+    import mlx.core as mx
+
+    from exo.engine import forward as forward_module
+    from exo.engine.models import backbone
+
+    engine = Engine(dense, EngineConfig(prefill_chunk=CHUNK))
+    layers = len(engine.model.stage_layers)
+    calls = []
+    real = mx.async_eval
+    monkeypatch.setattr(backbone.mx, "async_eval", lambda *a: calls.append(a) or real(*a))
+    prompt = _prompt(dense, 10)
+    for value, expected in (("3", (layers - 1) // 3), ("0", 0)):
+        monkeypatch.setenv("EXO_VERIFY_EVAL_EVERY", value)
+        assert forward_module.verify_eval_every() == int(value)
+        cache = engine.forward.new_cache()
+        mx.eval(engine.forward.hidden(mx.array([prompt], dtype=mx.uint32), cache))
+        calls.clear()
+        engine.forward.hidden(mx.array([prompt[:3]], dtype=mx.uint32), cache, verify=True)
+        assert len(calls) == expected
+    monkeypatch.setenv("EXO_VERIFY_EVAL_EVERY", "3")
+    assert _greedy(engine, prompt, mtp_k=2, max_tokens=32).token_ids == _greedy(
+        engine, prompt, native_mtp="off", max_tokens=32).token_ids
+    for bad in ("two", "-1", "1.5"):
+        monkeypatch.setenv("EXO_VERIFY_EVAL_EVERY", bad)
+        with pytest.raises(ValueError, match="EXO_VERIFY_EVAL_EVERY"):
+            forward_module.verify_eval_every()
+    monkeypatch.delenv("EXO_VERIFY_EVAL_EVERY")
+    assert forward_module.verify_eval_every() == forward_module.VERIFY_EVAL_EVERY  # this CPU's default
+
+
 def test_prompt_chunks_on_a_gpu_start_evaluating_while_built(dense, monkeypatch):
     """A forward call of PROMPT_EVAL_MIN_ROWS rows or more on a GPU is evaluated PROMPT_EVAL_EVERY layers at a
     time as it is built (the device computes the first layers while the host builds the rest); smaller calls and

@@ -7,6 +7,7 @@ process that holds the last stage.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -19,14 +20,35 @@ from .verify import VerifyMode
 
 # A verify call cannot be built while the previous round computes (its drafts need that round's verdict),
 # so on MLX's CPU backend, whose stream thread computes while the host builds, it is evaluated two layers
-# at a time as it is built (rounds took less time). On a GPU, where the host only launches kernels, the extra
-# syncs cost: off there (docs/performance.md, "The engine's constants"). Plain steps are pipelined across steps already.
-VERIFY_EVAL_EVERY = 2
+# at a time as it is built (rounds took less time). On a GPU the extra evaluations cost 0-10% on an H100's
+# demo models (docs/performance.md, "The engine's constants"), so off there; at 9B on an H200 the host builds a
+# K = 1 verify call for 4.5 ms of a 12.4 ms round while the device waits (bench/round_phases.py): started every
+# few layers, the device computes the first layers while the host builds the rest. ``EXO_VERIFY_EVAL_EVERY``
+# (layers; 0: one evaluation) sets it for the device the process runs on; ``bench/round_phases.py
+# --verify-eval-every`` compares settings in one run. Plain steps are pipelined across steps already.
+VERIFY_EVAL_EVERY = 2  # on MLX's CPU backend
+VERIFY_EVAL_EVERY_GPU = 0
+
+
+def _verify_eval_every_from_env() -> int | None:
+    value = os.environ.get("EXO_VERIFY_EVAL_EVERY", "").strip()
+    if not value:
+        return None
+    try:
+        every = int(value)
+    except ValueError:
+        raise ValueError(f"EXO_VERIFY_EVAL_EVERY must be a whole number of layers (0: off), not {value!r}") from None
+    if every < 0:
+        raise ValueError(f"EXO_VERIFY_EVAL_EVERY must be 0 or more layers, not {every}")
+    return every
 
 
 def verify_eval_every() -> int:
     """How many layers a verify call builds between evaluations on the default device (0: one evaluation)."""
-    return VERIFY_EVAL_EVERY if mx.default_device() == mx.cpu else 0
+    every = _verify_eval_every_from_env()
+    if every is not None:
+        return every
+    return VERIFY_EVAL_EVERY if mx.default_device() == mx.cpu else VERIFY_EVAL_EVERY_GPU
 
 
 # A prompt chunk on a GPU: the host builds a 9B-shaped model's graph in ~16 ms, while the device waits for its
