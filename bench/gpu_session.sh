@@ -110,7 +110,7 @@ for p in "$@"; do
     smi) phase smi nvidia-smi ;;
     # exo's CUDA kernels compiled once per machine (EXO_CUDA_KERNEL_CACHE, default 1) against MLX compiling them in every
     # process: the same bits, a process's start (import, load, warm-up) and decode tok/s, cold and warm
-    kcache) phase kcache $PY bench/kernel_cache.py "$Q9" --repeats 2 ;;
+    kcache) phase kcache $PY bench/kernel_cache.py "$Q9" --repeats ${KCACHE_REPEATS:-1} ;;
     # the tensor group without CUDA graphs (MLX_USE_CUDA_GRAPHS=0, one GPU and the group alike): 13.0 tok/s against one
     # GPU's 70.7 with them (2026-11-29), 9.7 ms of a 77 ms step in the all-reduces timed alone
     tensor9g) MLX_USE_CUDA_GRAPHS=0 phase tensor9g $PY bench/tensor.py "$Q9" $TENSOR ${TENSOR_ARGS:-} ;;
