@@ -179,7 +179,10 @@ class Server:
         text: list[str] = []
         usage: dict[str, Any] = {}
         with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=600) as response:
-            response.raise_for_status()
+            if response.status_code >= 400:  # what the server said, and what its log says, not only the status
+                response.read()
+                raise RuntimeError(f"exo serve (cache {'on' if self.cache else 'off'}) answered "
+                                   f"{response.status_code}: {response.text[:2000]}\nits log's end:\n{self.log_tail(60)}")
             for line in response.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue

@@ -11,7 +11,7 @@
 #   cached9: a cached agent turn's parts against the cold cost of its new tokens, turn 1 on vs off)
 #   (gdnstep: a decode step and verify calls with exo's GatedDeltaNet step kernel against the row graph; roundsk /
 #   stockk: round_phases at acceptance 0.8 and plain vs stock with the kernel forced on (EXO_GDN_KERNEL=force);
-#   attnstep / roundsa / stocka: exo's decode-attention kernel (EXO_ATTN_KERNEL=1, off by default) against MLX's
+#   attnstep / roundsa / stocka: exo's decode-attention kernel (EXO_ATTN_KERNEL=1, on by default since 2026-11-29) against MLX's
 #   attention in a step and verify calls, in rounds at acceptance 0.8, and plain vs stock;
 #   ptxsave: MLX's compiled kernels into $OUT/mlx-ptx.tar.gz, exo's into $OUT/exo-kernels.tar.gz: keep them in .gpu5/ and
 #   carry .gpu5 with .gpu3)

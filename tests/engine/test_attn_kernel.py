@@ -74,10 +74,13 @@ def test_the_check_compares_rows_with_steps_and_float32(checkpoint, monkeypatch)
     assert passed and "from float32 throughout" in found and "mlx-lm's attention" in found, found
 
 
-def test_exo_attn_kernel_is_off_unless_it_opts_in(checkpoint, monkeypatch):
-    """Off by default (unmeasured on a GPU); ``1`` opts in on MLX CUDA, ``always`` anywhere."""
+def test_exo_attn_kernel_is_on_by_default_on_mlx_cuda_only(checkpoint, monkeypatch):
+    """On by default on MLX CUDA (measured there), nothing on other devices; ``0`` turns it off, ``always`` runs
+    its reference anywhere."""
     loaded = load_checkpoint(checkpoint("qwen3_5", layout="mlx_sidecar", head="trained", dtype="bfloat16"))
     monkeypatch.delenv("EXO_ATTN_KERNEL", raising=False)
+    assert cuda_attn.mode() == "cuda" and use_attn_kernel(loaded.model) == {}  # (this CPU)
+    monkeypatch.setenv("EXO_ATTN_KERNEL", "0")
     assert cuda_attn.mode() == "off" and use_attn_kernel(loaded.model) == {}
     monkeypatch.setenv("EXO_ATTN_KERNEL", "1")
     assert cuda_attn.mode() == "cuda" and use_attn_kernel(loaded.model) == {}  # (this CPU)

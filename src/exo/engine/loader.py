@@ -115,7 +115,7 @@ class LoadedModel:
     # ``EXO_FUSED_INPUTS``: on wherever its check finds the same bits)
     fused: dict[str, str] = field(default_factory=dict)
     # Per attention layer shape, whether its decode steps and verify rows run exo's attention kernel
-    # (``use_attn_kernel``, ``EXO_ATTN_KERNEL``: off by default, unmeasured)
+    # (``use_attn_kernel``, ``EXO_ATTN_KERNEL``: on by default on MLX CUDA)
     attn: dict[str, str] = field(default_factory=dict)
     # Seconds the load spent per part ("weights", then each device check: on MLX CUDA a first load on a machine
     # spends most of it compiling kernels, kept under MLX_PTX_CACHE_DIR for later loads)

@@ -703,8 +703,8 @@ def _attn_kernel_applies(cache: Any, mask: Any, batch: int, rows: int) -> bool:
 
 def use_attn_kernel(model: nn.Module) -> dict[str, str]:
     """Give ``model``'s attention layers exo's decode-attention kernel where ``kernels.cuda_attn.check`` passes on
-    this device (one layer checked per shape); what was found per shape. Nothing unless ``EXO_ATTN_KERNEL`` opts
-    in (``1``: on MLX CUDA; ``always``: its reference anywhere)."""
+    this device (one layer checked per shape); what was found per shape. ``EXO_ATTN_KERNEL``: ``1`` (default) on MLX
+    CUDA, nothing elsewhere; ``0`` nothing; ``always`` its reference anywhere."""
     from ..kernels import cuda_attn
 
     mode = cuda_attn.mode()
