@@ -163,6 +163,10 @@ for p in "$@"; do
     # evaluation): does the host's 4.5 ms verify_build of a 12.4 ms K = 1 round hide behind the device's work?
     roundse) phase roundse $PY bench/round_phases.py "$Q9" --replay 0.8 --depths 1 2 3 --repeats 1 --max-tokens 48 \
         --no-adaptive --verify-eval-every 0 2 4 8 ;;
+    # the next round built while a round computes (engine/ahead.py, EXO_NATIVE_MTP_ROUND_AHEAD, on by default) against
+    # without, each fixed depth, in one process: the K = 1 round at 1.40 plain steps had 4-7 ms of host building
+    roundsahead) phase roundsahead $PY bench/round_phases.py "$Q9" --replay 0.6,0.8,0.9 --depths 1 2 3 --repeats 1 \
+        --max-tokens 48 --ahead on off ;;
     rounds) phase rounds $PY bench/round_phases.py "$Q9" --replay 0.0,0.6,0.8,0.9 --repeats 1 --max-tokens 48 ;;
     stock) EXO_QGEMV=1 phase stock $PY bench/engine.py "$Q9" --max-tokens 128 --repeats 3 ;;
     moe) phase moe $PY -m exo.cli.main bench "$Q35" --baseline --check --max-tokens 64 --repeats 1 ;;

@@ -49,6 +49,10 @@ built (``engine/forward.py``: 0 is one evaluation, the GPU's default; the device
 host builds the rest), named ``k=K/eN``: whether a round's ``verify_build`` (the host building the graph while the
 device waits) hides behind the device's work. Adaptive runs the default. (``EXO_VERIFY_EVAL_EVERY``, when set,
 overrides every setting.)
+
+``--ahead on off``: each fixed depth with and without the next round built while a round computes
+(``engine/ahead.py``, on by default on GPUs), named ``k=K/a1`` and ``k=K/a0``: a round built ahead shows its build in the
+round before (``draft_build`` and ``verify_build`` near 0 where it ran).
 """
 
 from __future__ import annotations
@@ -78,6 +82,9 @@ def main() -> None:
     parser.add_argument("--replay", type=lambda s: [float(a) for a in s.split(",")], default=None,
                         metavar="A,B,...", help="acceptance rates to replay the plain continuation at")
     parser.add_argument("--no-adaptive", action="store_true", help="leave adaptive depth out")
+    parser.add_argument("--ahead", choices=["on", "off"], nargs="+", default=None,
+                        help="each fixed depth once per setting: the next round built while a round computes "
+                        "(engine/ahead.py) or not, named k=K/a1, k=K/a0")
     parser.add_argument("--verify-eval-every", type=int, nargs="+", default=None, metavar="N",
                         help="each fixed depth once per setting: a verify call evaluated every N layers as it is "
                         "built (0: one evaluation; engine/forward.py), named k=K/eN")
@@ -89,12 +96,17 @@ def main() -> None:
     adaptive = not args.no_adaptive
     configs: list[tuple[str, int | None]] = [("plain", 0)]
     evals: dict[str, int] = {}  # config -> its verify calls' evaluation interval (the rest: the engine's default)
+    aheads: dict[str, str] = {}  # config -> rounds built ahead or not (the rest: the engine's default)
     for k in args.depths:
         for every in args.verify_eval_every or [None]:
-            name = f"k={k}" if every is None else f"k={k}/e{every}"
-            configs.append((name, k))
-            if every is not None:
-                evals[name] = every
+            for ahead in args.ahead or [None]:
+                name = f"k={k}" + ("" if every is None else f"/e{every}") + ("" if ahead is None else
+                                                                              f"/a{int(ahead == 'on')}")
+                configs.append((name, k))
+                if every is not None:
+                    evals[name] = every
+                if ahead is not None:
+                    aheads[name] = ahead
     if adaptive:
         configs.append(("adaptive", None))
     default_every = (forward_module.VERIFY_EVAL_EVERY, forward_module.VERIFY_EVAL_EVERY_GPU)
@@ -104,11 +116,15 @@ def main() -> None:
         every = evals.get(name)
         forward_module.VERIFY_EVAL_EVERY, forward_module.VERIFY_EVAL_EVERY_GPU = (
             default_every if every is None else (every, every))
+        config = engine.config
+        if name in aheads:
+            engine.config = dataclasses.replace(config, round_ahead=aheads[name])
         try:
             return engine.complete(GenerationRequest(prompt, max_tokens=max_tokens, native_mtp=mode,
                                                      mtp_k=None if k == 0 else k))
         finally:
             forward_module.VERIFY_EVAL_EVERY, forward_module.VERIFY_EVAL_EVERY_GPU = default_every
+            engine.config = config
 
     # The engine's warm-up first (its phases printed), then every path compiled once over a whole request.
     if adaptive:

@@ -74,6 +74,7 @@ def test_every_field_from_env(home: Path) -> None:
             EXO_NATIVE_MTP_ENABLED="false",
             EXO_NATIVE_MTP_MOE_VERIFY="batched",
             EXO_NATIVE_MTP_ASYNC_DRAFT_EVAL="0",
+            EXO_NATIVE_MTP_ROUND_AHEAD="off",
             EXO_API_HOST="127.0.0.1",
             EXO_API_PORT="8000",
             EXO_GRPC_PORT="8001",
@@ -101,10 +102,11 @@ def test_every_field_from_env(home: Path) -> None:
             EXO_TENSOR_BACKEND="nccl",
         )
     )
-    assert (s.native_mtp_enabled, s.native_mtp_moe_verify, s.native_mtp_async_draft_eval) == (
+    assert (s.native_mtp_enabled, s.native_mtp_moe_verify, s.native_mtp_async_draft_eval, s.native_mtp_round_ahead) == (
         False,
         "batched",
         False,
+        "off",
     )
     assert (s.api_host, s.api_port, s.grpc_port, s.namespace, s.discovery) == (
         "127.0.0.1",
@@ -226,6 +228,22 @@ def test_prefill_chunk_reaches_the_engine(home: Path) -> None:
     from exo.engine.generate import CPU_PREFILL_CHUNK
 
     assert Engine(load_checkpoint(resolved.path), default).config.prefill_chunk == CPU_PREFILL_CHUNK == 512
+
+
+def test_round_ahead_reaches_the_engine(home: Path) -> None:
+    """EXO_NATIVE_MTP_ROUND_AHEAD (engine/ahead.py): auto by default (GPUs only), on / off everywhere; anything
+    else is a clear error naming what it accepts."""
+    from exo.cards import bundled_model_dir
+    from exo.engine import engine_config, resolve_model
+    from exo.settings import SettingsError
+
+    resolved = resolve_model(str(bundled_model_dir("exo-demo")))
+    for value in ("on", "off"):
+        env = env_for(home, EXO_NATIVE_MTP_ROUND_AHEAD=value)
+        assert engine_config(resolved, load_settings(env=env)).round_ahead == value
+    assert engine_config(resolved, load_settings(env=env_for(home))).round_ahead == "auto"
+    with pytest.raises(SettingsError, match="auto, on, off"):
+        load_settings(env=env_for(home, EXO_NATIVE_MTP_ROUND_AHEAD="1"))
 
 
 def test_batch_invariant_reaches_the_engine(home: Path) -> None:

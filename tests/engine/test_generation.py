@@ -816,9 +816,9 @@ def test_a_restored_prefix_then_prefilling_the_rest_decodes_as_a_cold_prompt(den
         fed: list[int] = []
         original = engine.forward.hidden
 
-        def counted(rows, cache, *, verify=False, fed=fed, original=original):
+        def counted(rows, cache, *, verify=False, fed=fed, original=original, **kw):
             fed.append(rows.shape[1])
-            return original(rows, cache, verify=verify)
+            return original(rows, cache, verify=verify, **kw)
 
         engine.forward.hidden = counted
         try:

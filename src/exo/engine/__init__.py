@@ -66,6 +66,7 @@ def engine_config(resolved: ResolvedModel, settings: Settings, **overrides) -> E
         native_mtp_enabled=settings.native_mtp_enabled,
         moe_verify=settings.native_mtp_moe_verify,
         async_draft_eval=settings.native_mtp_async_draft_eval,
+        round_ahead=settings.native_mtp_round_ahead,
         default_k=resolved.default_k,
         max_k=resolved.max_k,
         disabled_reason=f"native MTP is disabled ({where.get(source, 'settings')})",

@@ -10,7 +10,7 @@ Every generation decodes here: a solo request is a batch of one (``Engine.genera
   host emits the tokens fed to it (a run that finishes has one wasted row computed after its last token,
   unless every run's pending token is its last);
 - a speculative round: each run drafts with its head (``round.draft``, its own head cache), ONE verify call of
-  [B, K+1] rows, then per run its own verdict and commit (``round.verify_round``), and the caches rolled back
+  [B, K+1] rows, then per run its own verdict and commit (``round.build_verify``, ``round.commit``), and the caches rolled back
   per run (runs accept different counts). A run whose depth is below the round's fills its rows past its
   drafts with its pending token, and keeps none of them.
 
@@ -40,11 +40,13 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from .ahead import RoundAhead
 from .batch_cache import BatchCaches
 from .batch_clock import StepClock
 from .batch_memory import batch_bytes, batch_fits, sequence_bytes, stage_bytes
 from .batch_step import PlainStep, PlainSteps, Prepared, Results, speculative_round
 from .depth import Plan, StepDepth, Stretch
+from .forward import LocalForward
 from .models.layers import vector_matmul
 from .prefix_cache import store_reply
 from .request import GenerationChunk
@@ -82,6 +84,9 @@ class BatchDecoder:
         self.depth = StepDepth(engine)
         self.clock = StepClock()
         self.plain = PlainSteps()
+        # The next round, built while the last one computed and kept all its drafts (``engine.ahead``): the
+        # caches hold it built; ``_abandon`` puts back the state after the last round wherever it will not run.
+        self._ahead: RoundAhead | None = None
 
     def __len__(self) -> int:
         return len(self.runs)
@@ -96,6 +101,7 @@ class BatchDecoder:
         if run.engine is not self.engine:
             raise ValueError("a batch decodes the runs of one engine")
         run.check_joinable()
+        self._abandon()
         if self.runs:
             self.interleaved()  # its prefill ran on the device: the running stretch is not timed alone
         self._end_stretch()
@@ -127,16 +133,38 @@ class BatchDecoder:
     def check_invariants(self) -> None:
         """Every member's ``SequenceState.check_invariants``, its positions read from its row of the batch's
         attention KV (its own caches: read there)."""
-        positions = self.caches.positions(len(self.runs))
-        assert len(positions) == len(self.runs)
-        for run, at in zip(self.runs, positions, strict=True):
-            assert not self.caches.rows or not run.cache, "a member's caches are the batch's"
-            run.check_invariants(at)
+        ahead = self.ahead
+        with ahead.as_after_round(self.caches.cache) if ahead is not None else contextlib.nullcontext():
+            positions = self.caches.positions(len(self.runs))
+            assert len(positions) == len(self.runs)
+            for run, at in zip(self.runs, positions, strict=True):
+                assert not self.caches.rows or not run.cache, "a member's caches are the batch's"
+                run.check_invariants(at)
+
+    @property
+    def ahead(self) -> RoundAhead | None:
+        """The next round, built while the last one computed (its run knows it too: ``check_invariants``)."""
+        return self._ahead
+
+    @ahead.setter
+    def ahead(self, ahead: RoundAhead | None) -> None:
+        if self._ahead is not None:
+            self._ahead.run.ahead = None
+        if ahead is not None:
+            ahead.run.ahead = ahead
+        self._ahead = ahead
+
+    def _abandon(self) -> None:
+        """A round built ahead will not run as built: the state after the last round, as if it never was."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            ahead.abandon()
 
     def _keep(self, keep: list[int], ended: bool = False) -> None:
         """The members at ``keep`` stay (in that order); the batch's caches follow, wherever the layers are
         (the last one leaving drops them). ``ended``: the others leave at the end of a step (finished or
         cancelled, not failed): the finished ones store their reply first (``_store_ended``)."""
+        self._abandon()
         if len(keep) < len(self.runs):
             self._end_stretch()
         if ended:
@@ -200,17 +228,26 @@ class BatchDecoder:
         start, quiet = self.clock.step()
         runs = self.runs
         if all(not run.pending_emitted and len(run.output.tokens) + 1 >= run.output.max_tokens for run in runs):
+            self._abandon()
             out = self._settle()  # every pending token is its run's last: no step computes past them
             return Prepared([], lambda: out)
         stretch = self.clock.stretch
         if stretch is None:
             plan = self.depth.plan(runs)
+            built, self.ahead = self.ahead, None
+            if built is not None and not (len(runs) == 1 and runs[0] is built.run and plan.depth(runs[0]) == built.k):
+                built.abandon()  # the policy chose another depth (or plain steps)
+                built = None
             if any(plan.depth(run) for run in runs):
                 out = self._settle()  # a round feeds on emitted tokens (its time starts after a plain step's)
                 if self.runs:
-                    self._round(plan, out, quiet)
+                    self._round(plan, out, quiet, built)
+                elif built is not None:
+                    built.abandon()
                 return Prepared([], lambda: out)
             stretch = self.clock.start_stretch(plan, start, quiet)
+        else:
+            self._abandon()
         return self._plain_step(stretch, start)
 
     def _logits(self, hidden: mx.array, *, verify: bool = False) -> mx.array:
@@ -252,14 +289,29 @@ class BatchDecoder:
         return out
 
     # -- speculative rounds (``batch_step``) --------------------------------------------------------------
-    def _round(self, plan: Plan, out: Results, quiet: bool) -> None:
-        """One speculative round of every run under ``plan`` (``out``: each run's chunks so far, appended to)."""
-        keep = speculative_round(self.runs, plan, out, self.engine.forward, self.caches,
-                                 lambda hidden: self._logits(hidden, verify=True), self.depth, quiet,
-                                 self.together or len(self.runs))
+    def _round(self, plan: Plan, out: Results, quiet: bool, built: RoundAhead | None = None) -> None:
+        """One speculative round of every run under ``plan`` (``out``: each run's chunks so far, appended to;
+        ``built``: this round, built while the last one computed)."""
+        keep, self.ahead = speculative_round(self.runs, plan, out, self.engine.forward, self.caches,
+                                             lambda hidden: self._logits(hidden, verify=True), self.depth, quiet,
+                                             self.together or len(self.runs), built, self._looks_ahead(plan))
         self.clock.after_plain = False
         if len(keep) < len(self.runs):
             self._keep(keep, ended=True)
+
+    def _looks_ahead(self, plan: Plan) -> bool:
+        """Whether this round builds the next one while it computes (``engine.ahead``): a batch of one on this
+        process's whole backbone, decoding greedily with nothing applied to its rows (no penalties, grammar or
+        logprobs), with room left for another round after this one."""
+        setting = self.engine.config.round_ahead
+        if setting == "off" or (setting == "auto" and mx.default_device() == mx.cpu):
+            return False
+        if len(self.runs) != 1 or self.caches.rows:
+            return False
+        run = self.runs[0]
+        k = plan.depth(run)
+        return (k > 0 and isinstance(self.engine.forward, LocalForward) and run.choice.bare_greedy
+                and run.head.tracked and len(run.output.tokens) + k + 1 < run.output.max_tokens)
 
 
 def decode_alone(run: SequenceState) -> Iterator[GenerationChunk]:

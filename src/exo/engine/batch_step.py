@@ -8,7 +8,7 @@ finishes has one wasted row computed after its last token, unless every run's pe
 (``PlainSteps.settle`` emits them with no step).
 
 A speculative round (``speculative_round``): each member drafts with its head (``round.draft``, its own head
-cache), ONE verify call of [B, K+1] rows, then per member its own verdict and commit (``round.verify_round``),
+cache), ONE verify call of [B, K+1] rows, then per member its own verdict and commit (``round.build_verify``, ``round.commit``),
 and the caches rolled back per member; the depth policy observes the round (``StepDepth.round_ran``).
 
 Invariant (``PlainSteps.last``): the last plain step's tokens are the next step's input row only while the
@@ -25,11 +25,12 @@ from typing import Any
 
 import mlx.core as mx
 
+from .ahead import RoundAhead, build_ahead
 from .batch_cache import BatchCaches
 from .depth import HEAD_FLUSH_ROWS, Plan, StepDepth, Stretch
 from .forward import Forward
 from .request import GenerationChunk
-from .round import draft, verify_round
+from .round import advance, build_verify, commit, draft, settle
 from .sequence import SequenceState
 
 Results = list[tuple[SequenceState, list[GenerationChunk]]]
@@ -167,10 +168,14 @@ class PlainSteps:
 
 def speculative_round(runs: list[SequenceState], plan: Plan, out: Results, forward: Forward, caches: BatchCaches,
                       logits_of: Callable[[mx.array], mx.array], depth: StepDepth, quiet: bool,
-                      counted: int) -> list[int]:
+                      counted: int, built: RoundAhead | None = None,
+                      look_ahead: bool = False) -> tuple[list[int], RoundAhead | None]:
     """One speculative round of every run under ``plan`` (``out``: each run's chunks so far, appended to;
     ``logits_of``: the verify call's logits; ``quiet``: nothing else ran since the last step; ``counted``: the
-    batch size a run's stats count). Returns the runs that stay (the others ended in it)."""
+    batch size a run's stats count). ``built``: this round, built while the round before computed
+    (``engine.ahead``); ``look_ahead``: build the next round while this one computes (a batch of one, decoding
+    greedily). Returns the runs that stay (the others ended in it) and the next round where it was built and
+    this round kept all its drafts."""
     start = time.perf_counter()
     for run in runs:
         run.stats.round_started(start)
@@ -179,10 +184,37 @@ def speculative_round(runs: list[SequenceState], plan: Plan, out: Results, forwa
         for run in runs:
             run.stats.mark(phase)
 
-    waiting = [run.head.waiting for run in runs]
-    drafts = [draft(run, plan.depth(run), plan.time_after_catch_up) for run in runs]
-    mark("draft_build")
-    decisions = verify_round(runs, drafts, forward, caches.cache, logits_of, caches.rollback, mark)
+    if built is not None:  # its host work is done: only its launch and the device's work are left
+        waiting, drafts, call = [built.waiting], [built.drafts], built.call
+        mark("draft_build")
+    else:
+        waiting = [run.head.waiting for run in runs]
+        drafts = [draft(run, plan.depth(run), plan.time_after_catch_up) for run in runs]
+        mark("draft_build")
+        call = build_verify(runs, drafts, forward, caches.cache, logits_of)
+    mark("verify_build")
+    arrays = call.arrays()
+    following = None
+    if look_ahead:
+        mx.async_eval(*arrays)  # the device computes this round while the host builds the next
+        following = build_ahead(runs[0], call, forward, caches.cache, caches.rollback, logits_of,
+                                plan.time_after_catch_up)
+    mx.eval(*arrays)
+    mark("device_wait")
+    decisions = call.decisions
+    if following is not None:
+        run, decision = runs[0], decisions[0]
+        tokens, decided, last = settle(run, decision)
+        if not (decided and len(tokens) == call.k + 1 and run.output.finish is None):
+            following.reject()  # round n's commit as the loop does it, on the state before the assumption
+            following = None
+            advance(run, decision, call.hidden, tokens, decided, last)
+            caches.rollback(call.k + 1, [len(tokens)])
+    else:
+        one = len(runs) == 1
+        kept = [commit(run, decision, call.hidden if one else call.hidden[b : b + 1])
+                for b, (run, decision) in enumerate(zip(runs, decisions, strict=True))]
+        caches.rollback(call.k + 1, kept)
     end = time.perf_counter()
     timed_from = drafts[0].timed_from  # (only a batch of one times its head's catch-up apart)
     depth.round_ran(plan, runs, decisions, end - (timed_from or start), quiet, waiting)
@@ -197,4 +229,7 @@ def speculative_round(runs: list[SequenceState], plan: Plan, out: Results, forwa
         chunks.extend(run.drain())
         if not ended(run, chunks):
             keep.append(i)
-    return keep
+    if following is not None and not keep:
+        following.abandon()  # (cancelled now)
+        following = None
+    return keep, following

@@ -223,7 +223,7 @@ def measure_costs(
             return run
 
         def whole_round(k: int) -> Callable[[], None]:
-            # As a round runs (``round.draft``, ``round.verify_round``): the drafts' evaluation started, the verify
+            # As a round runs (``round.draft``, ``round.build_verify``): the drafts' evaluation started, the verify
             # graph built on them meanwhile, one host sync, the caches rolled back.
             offset = head_cache.offset
 

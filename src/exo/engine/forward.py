@@ -181,11 +181,13 @@ class LocalForward:
     def new_cache(self) -> list[Any]:
         return self.model.make_cache()
 
-    def hidden(self, tokens: mx.array, cache: list[Any], *, verify: bool = False) -> mx.array:
+    def hidden(self, tokens: mx.array, cache: list[Any], *, verify: bool = False, lazy: bool = False) -> mx.array:
+        """``lazy``: a verify call built ahead of its round (``engine.ahead``): nothing of it starts evaluating
+        as it is built (``verify_eval_every``), it may never run."""
         if not verify:
             return self.model.stage_hidden(tokens, cache, eval_every=prompt_eval_every(tokens.size))
         with verify_call(self.model, cache, self.verify):
-            return self.model.stage_hidden(tokens, cache, eval_every=verify_eval_every())
+            return self.model.stage_hidden(tokens, cache, eval_every=0 if lazy else verify_eval_every())
 
     def rollback(self, cache: list[Any], rows: int, kept: int) -> None:
         keep_rows(cache, rows, kept)

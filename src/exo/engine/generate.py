@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import mlx.core as mx
 
@@ -79,6 +79,12 @@ class EngineConfig:
     # "batched" force them (tests, benchmarks).
     verify_rows: VerifyRows = "auto"
     async_draft_eval: bool = True
+    # A batch of one decoding greedily builds its next speculative round while a round computes, assuming the
+    # round keeps all its drafts (engine.ahead: the host's graph building hidden behind the device's work;
+    # rejected, every state it touched is put back). "auto": on GPUs only (on MLX's CPU backend the host's
+    # build takes the cores the computation runs on: 2-core CPU, exo-demo, K = 1-3 rounds 9-16% dearer with it);
+    # "on" / "off" anywhere (EXO_NATIVE_MTP_ROUND_AHEAD).
+    round_ahead: Literal["auto", "on", "off"] = "auto"
     # Prompt tokens one prefill chunk feeds the model at most. None: the device's (``default_prefill_chunk``):
     # CPU_PREFILL_CHUNK on MLX's CPU backend, GPU_PREFILL_CHUNK on a GPU.
     prefill_chunk: int | None = None

@@ -1,5 +1,5 @@
 """A speculative round's pieces, for one sequence or a batch of them: propose (``draft``: the head's drafts),
-score (``verify_round``: one verify call on every member's rows), decide (``decide``: penalties, grammar,
+score (``build_verify``: one verify call on every member's rows), decide (``decide``: penalties, grammar,
 acceptance test, logprobs, in that order, lazily) and commit (``commit``: after the one host sync, the tokens
 emitted up to the request's end, the head's speculative entries dropped, the grammar rolled back, the
 pending token moved; it says how many verify rows the backbone caches keep).
@@ -69,13 +69,14 @@ class Decision:
         return out
 
 
-def draft(seq: SequenceState, k: int, time_after_catch_up: bool = False) -> Drafts:
+def draft(seq: SequenceState, k: int, time_after_catch_up: bool = False, *, ahead: int = 0) -> Drafts:
     """1. ``seq``'s k drafts. k = 0: none (a member decoding plainly inside a batched round).
 
     ``time_after_catch_up``: when the head first takes in a plain stretch, that is computed before the drafts
     (one extra sync) and ``timed_from`` marks the end of it, so the round is timed like any other (the probes
     after plain stretches: untimed, a depth's cost stayed whatever its last rounds measured, however long
-    ago)."""
+    ago). ``ahead``: built before the round before it was decided (``engine.ahead``), which will have added
+    this many tokens to the output: nothing is evaluated (its drafts compute with its verify call)."""
     seq.drafting()
     if k == 0:
         return Drafts(0, mx.zeros((0,), dtype=mx.uint32), [], [], False)
@@ -84,7 +85,7 @@ def draft(seq: SequenceState, k: int, time_after_catch_up: bool = False) -> Draf
     out = head.flush()
     assert out is not None
     timed_from = None
-    if catch_up and time_after_catch_up:
+    if catch_up and time_after_catch_up and not ahead:
         mx.eval(out, head.cache.state)
         timed_from = time.perf_counter()
     out = out[:, -1:]
@@ -106,8 +107,11 @@ def draft(seq: SequenceState, k: int, time_after_catch_up: bool = False) -> Draf
     if replay is not None:  # a benchmark's known continuation (engine/replay.py): the head ran, its tokens go
         if not choice.params.greedy or choice.matcher is not None:
             raise ReplayError("a replayed continuation drafts for greedy, unconstrained requests only")
-        draft_tokens = mx.array(replay.drafts(seq.request.prompt_tokens, len(seq.output.tokens), k), dtype=mx.uint32)
-    if seq.engine.config.async_draft_eval:
+        position = len(seq.output.tokens) + ahead
+        draft_tokens = mx.array(replay.drafts(seq.request.prompt_tokens, position, k), dtype=mx.uint32)
+    if ahead:
+        pass  # evaluated with its verify call, once the round before is decided
+    elif seq.engine.config.async_draft_eval:
         mx.async_eval(draft_tokens, *logprobs)
     else:
         mx.eval(draft_tokens, *logprobs)
@@ -128,6 +132,16 @@ def commit(seq: SequenceState, decision: Decision, hidden: mx.array) -> int:
     grammar, pending token, penalty history, stats); ``hidden`` [1, k+1, H] are its verify rows. Returns how
     many verify rows its backbone caches keep: one per token added, so a run that ends inside an accepted run
     keeps exactly its reply (the prefix cache stores it) and never a draft past its finish."""
+    tokens, decided, last = settle(seq, decision)
+    advance(seq, decision, hidden, tokens, decided, last)
+    return len(tokens)
+
+
+def settle(seq: SequenceState, decision: Decision) -> tuple[list[int], bool, int | None]:
+    """4. The host's half of ``commit``: the verdict read, its tokens added to the output (up to where the
+    request ends), the round's stats; the sequence's device state (head, pending token, grammar) untouched
+    (``advance``). Returns the tokens added, whether the token after the accepted drafts was decided (not left
+    to a plain step by a near tie), and that token (None: not decided)."""
     k, verdict = decision.drafts.k, decision.verdict
     proposed = decision.drafts.tokens.tolist()
     accepted, decided = accepted_prefix(
@@ -141,18 +155,29 @@ def commit(seq: SequenceState, decision: Decision, hidden: mx.array) -> int:
         recorder.near_tie_fallbacks += 1
     decision.accepted = accepted
     if k > 0:
-        seq.head.drop(k - 1)
         recorder.round(k, accepted)
-    seq.choice.rolled_back(k - accepted, tokens[-1] if decided else None)
+    last = tokens[-1] if decided else None
     tokens = tokens[: emit(seq, decision, tokens)]  # (fewer where the output ended inside the run)
-    kept = len(tokens)
+    decision.emitted = tokens
+    return tokens, decided, last
+
+
+def advance(seq: SequenceState, decision: Decision, hidden: mx.array, tokens: list[int] | mx.array,
+            decided: bool, last: int | None = None) -> None:
+    """5. The sequence's device state after its round kept ``tokens`` (host values, or the lazy tokens of a
+    round assumed accepted whole: ``engine.ahead``): the head's speculative entries dropped and the kept rows
+    waiting for it, the grammar rolled back (``last``: the token it consumes after the accepted drafts), the
+    pending token moved."""
+    k = decision.drafts.k
+    kept = len(tokens) if isinstance(tokens, list) else tokens.shape[0]
+    if k > 0:
+        seq.head.drop(k - 1)
+    seq.choice.rolled_back(k - decision.accepted if isinstance(tokens, list) else 0, last)
     emitted = None
-    if tokens:
-        emitted = mx.array(tokens, dtype=mx.uint32)
+    if kept:
+        emitted = mx.array(tokens, dtype=mx.uint32) if isinstance(tokens, list) else tokens
         seq.head.wait(hidden[:, :kept], emitted)  # row i is followed by tokens[i]
     seq.decided(emitted, near_tie=not decided)
-    decision.emitted = tokens
-    return kept
 
 
 def emit(seq: SequenceState, decision: Decision, tokens: list[int]) -> int:
@@ -172,21 +197,23 @@ def emit(seq: SequenceState, decision: Decision, tokens: list[int]) -> int:
     return added
 
 
-def verify_round(
-    seqs: Sequence[SequenceState],
-    drafts: Sequence[Drafts],
-    forward: Forward,
-    cache: list[Any],
-    logits_of: Callable[[mx.array], mx.array],
-    rollback: Callable[[int, list[int]], None],
-    mark: Callable[[str], None],
-) -> list[Decision]:
-    """The scored half of one speculative round of ``seqs`` (each with its ``drafts``): ONE verify call on rows
-    [B, K+1] (the pending token, the drafts, then the pending token again up to the deepest sequence's K:
-    never kept), ``logits_of`` its hiddens ([B, K+1, V]), each sequence's ``decide`` on its own rows, ONE host
-    sync, each one's ``commit`` (its tokens emitted), and ``rollback(K + 1, kept)`` keeping each sequence's
-    rows of ``cache`` up to its last emitted token. ``mark``: the phase timer. The chunks are the caller's to
-    drain."""
+@dataclass
+class VerifyCall:
+    """A round's verify call built (lazy): its hiddens [B, K+1, H] and each sequence's decision."""
+
+    k: int
+    hidden: mx.array
+    decisions: list[Decision]
+
+    def arrays(self) -> list[mx.array]:
+        return [self.hidden, *[a for decision in self.decisions for a in decision.arrays()]]
+
+
+def build_verify(seqs: Sequence[SequenceState], drafts: Sequence[Drafts], forward: Forward, cache: list[Any],
+                 logits_of: Callable[[mx.array], mx.array], *, lazy: bool = False) -> VerifyCall:
+    """2-3. ONE verify call on rows [B, K+1] (the pending token, the drafts, then the pending token again up to
+    the deepest sequence's K: never kept), ``logits_of`` its hiddens ([B, K+1, V]), each sequence's ``decide``
+    on its own rows: built, not evaluated (``lazy``: none of it started as it is built, ``engine.ahead``)."""
     k = max(d.k for d in drafts)
     lines = []
     for seq, d in zip(seqs, drafts, strict=True):
@@ -194,14 +221,7 @@ def verify_round(
         pending = seq.pending_token.reshape(1)
         lines.append(mx.concatenate([pending, d.tokens, mx.repeat(pending, k - d.k)] if d.k < k else [pending, d.tokens]))
     rows = lines[0][None] if len(lines) == 1 else mx.stack(lines)
-    hidden = forward.hidden(rows, cache, verify=True)
+    hidden = forward.hidden(rows, cache, verify=True, lazy=True) if lazy else forward.hidden(rows, cache, verify=True)
     logits = logits_of(hidden)
     decisions = [decide(seq, d, logits[b, : d.k + 1]) for b, (seq, d) in enumerate(zip(seqs, drafts, strict=True))]
-    mark("verify_build")
-    mx.eval(hidden, *[a for decision in decisions for a in decision.arrays()])
-    mark("device_wait")
-    one = len(seqs) == 1
-    kept = [commit(seq, decision, hidden if one else hidden[b : b + 1])
-            for b, (seq, decision) in enumerate(zip(seqs, decisions, strict=True))]
-    rollback(k + 1, kept)
-    return decisions
+    return VerifyCall(k, hidden, decisions)

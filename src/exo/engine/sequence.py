@@ -81,6 +81,9 @@ class SequenceState:
         self.cache = self.forward.new_cache()  # its own; [] once a batch of several holds them (``hand_caches``)
         self.phase = Phase.NEW
         self.pending_token: mx.array | None = None  # [1] uint32
+        # Its next round, built while the last one computed (engine.ahead.RoundAhead; its batch sets it): the
+        # caches hold that round built, ``check_invariants`` reads the state after the last one
+        self.ahead: Any = None
         self._pending_lp: LogprobRows | None = None  # its logprob rows until it is emitted (FIRST, COMPUTED)
         self.prefilled = 0  # prompt positions ``restore`` put in the caches
         # The head is fed only when MTP can run and could pay off (on a compute-bound CPU it never can).
@@ -330,6 +333,13 @@ class SequenceState:
         ``positions``: the caches' positions when a batch holds them (its row's), else read here."""
         if self.pending_token is None or self.output.finish is not None:
             return
+        if self.ahead is not None:
+            with self.ahead.as_after_round(self.cache):
+                self._check_invariants(positions)
+        else:
+            self._check_invariants(positions)
+
+    def _check_invariants(self, positions: int | None) -> None:
         if positions is None:
             positions = next((c.offset for c in self.cache if isinstance(c, KVCache)), None)
         emitted = len(self.output.tokens)

@@ -1,0 +1,214 @@
+"""A speculative round built while the round before computes (``engine/ahead.py``): greedy output stays plain
+decoding's token for token whether the round built ahead runs (every draft kept), is rejected (a draft refused,
+the request ended inside the round) or abandoned (another depth, a second request joining), and the state it put
+back is the state the loop without it leaves (the invariants between steps, the rounds it ran)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import mlx.core as mx
+import pytest
+
+from exo.engine import Engine, EngineConfig, GenerationRequest, batch_step, load_checkpoint
+from exo.engine import ahead as ahead_module
+from exo.engine.batch import BatchDecoder
+from exo.engine.replay import ReplayDrafter
+
+CHUNK = 8
+
+
+@functools.cache
+def _loaded(path):
+    return dataclasses.replace(load_checkpoint(path), eos_token_ids=frozenset())
+
+
+def _prompt(loaded, length: int) -> list[int]:
+    ids = loaded.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n    return fib")
+    while len(ids) < length:
+        ids = ids + ids
+    return ids[:length]
+
+
+def _complete(engine: Engine, prompt, **request):
+    return engine.complete(GenerationRequest(prompt, max_tokens=request.pop("max_tokens", 40), **request))
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """How many rounds were built ahead, ran as built, were rejected, were abandoned."""
+    counts = {"built": 0, "ran": 0, "rejected": 0, "abandoned": 0}
+    build = batch_step.build_ahead
+
+    def built(*args, **kwargs):
+        counts["built"] += 1
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(batch_step, "build_ahead", built)
+    for name in ("reject", "abandon"):
+        method = getattr(ahead_module.RoundAhead, name)
+
+        def wrapped(self, method=method, name=name):
+            counts["rejected" if name == "reject" else "abandoned"] += 1
+            return method(self)
+
+        monkeypatch.setattr(ahead_module.RoundAhead, name, wrapped)
+    round_ = batch_step.speculative_round
+
+    def ran(*args, **kwargs):
+        if (args[9] if len(args) > 9 else kwargs.get("built")) is not None:
+            counts["ran"] += 1
+        return round_(*args, **kwargs)
+
+    monkeypatch.setattr(batch_step, "speculative_round", ran)
+    import exo.engine.batch as batch_module
+
+    monkeypatch.setattr(batch_module, "speculative_round", ran)
+    return counts
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("depth", [1, 2, 3, None], ids=["k1", "k2", "k3", "adaptive"])
+def test_rounds_built_ahead_give_plain_decodings_tokens(checkpoint, arch, depth, counted):
+    """The trained demo head keeps some drafts and refuses others: rounds built ahead run where every draft was
+    kept and are rejected elsewhere; greedy MTP with them equals plain decoding and MTP without them, token for
+    token, at prompt lengths across prefill chunks and budgets that end inside rounds."""
+    loaded = _loaded(checkpoint(arch, dtype="float32"))
+    on = Engine(loaded, EngineConfig(prefill_chunk=CHUNK, round_ahead="on"))
+    off = Engine(loaded, EngineConfig(prefill_chunk=CHUNK, round_ahead="off"))
+    for length, budget in ((1, 40), (CHUNK + 1, 23), (2 * CHUNK + 3, 31)):
+        prompt = _prompt(loaded, length)
+        plain = _complete(off, prompt, native_mtp="off", max_tokens=budget)
+        with_ahead = _complete(on, prompt, mtp_k=depth, max_tokens=budget)
+        without = _complete(off, prompt, mtp_k=depth, max_tokens=budget)
+        assert with_ahead.token_ids == plain.token_ids == without.token_ids, (length, budget)
+        assert with_ahead.finish_reason == plain.finish_reason
+        if depth is not None:  # the same rounds, the same drafts kept
+            assert (with_ahead.stats.rounds, with_ahead.stats.accepted_tokens) == (
+                without.stats.rounds, without.stats.accepted_tokens)
+    if depth is not None:
+        assert counted["built"] > 0 and counted["ran"] > 0 and counted["rejected"] > 0, counted
+
+
+def test_every_draft_kept_runs_every_round_built_ahead(checkpoint, counted):
+    """A replayed continuation at acceptance 1 keeps every draft: after the first round each one runs as built
+    ahead, none is rejected; the budget ends inside a round (rejected then: the request ended), and the
+    invariants hold between steps with a round built ahead in the caches."""
+    loaded = _loaded(checkpoint("qwen3_5", dtype="float32"))
+    engine = Engine(loaded, EngineConfig(prefill_chunk=CHUNK, round_ahead="on"))
+    prompt = _prompt(loaded, 11)
+    plain = _complete(engine, prompt, native_mtp="off", max_tokens=60)
+    engine.replay = ReplayDrafter({tuple(prompt): plain.token_ids}, 1.0, engine.vocab_size)
+    budget = 1 + 3 * 4 + 2  # the first token, 3 rounds of K = 3 kept whole, 2 of a 4th
+    run = engine.start(GenerationRequest(prompt, max_tokens=budget, mtp_k=3))
+    batch = BatchDecoder(engine)
+    tokens = []
+    for chunk in run.begin():
+        tokens.extend(chunk.token_ids)
+    batch.add(run)
+    while len(batch):
+        for _, chunks in batch.step():
+            for chunk in chunks:
+                tokens.extend(chunk.token_ids)
+        if len(batch):
+            batch.check_invariants()
+            assert batch.ahead is not None and run.ahead is batch.ahead
+    assert tokens == plain.token_ids[:budget]
+    # (no round is built where the budget would end inside the round before it)
+    assert counted["ran"] == counted["built"] >= 2 and counted["rejected"] == 0, counted
+    assert batch.ahead is None and run.ahead is None
+
+
+def test_a_stop_string_inside_a_round_kept_whole_rejects_the_round_built_ahead(checkpoint, counted):
+    """Every draft kept, but the request ends inside the round (a stop string): the round built ahead is
+    rejected, the commit keeps the reply up to the stop, as without it."""
+    loaded = _loaded(checkpoint("qwen3_5", dtype="float32"))
+    on = Engine(loaded, EngineConfig(prefill_chunk=CHUNK, round_ahead="on"))
+    off = Engine(loaded, EngineConfig(prefill_chunk=CHUNK, round_ahead="off"))
+    prompt = _prompt(loaded, 11)
+    plain = _complete(off, prompt, native_mtp="off", max_tokens=60)
+    for engine in (on, off):
+        engine.replay = ReplayDrafter({tuple(prompt): plain.token_ids}, 1.0, engine.vocab_size)
+    stop = loaded.tokenizer.decode(plain.token_ids[9:11])  # inside the third round of K = 3 (tokens 9-12)
+    assert stop and stop in loaded.tokenizer.decode(plain.token_ids)
+    with_ahead = _complete(on, prompt, mtp_k=3, max_tokens=60, stop=[stop])
+    without = _complete(off, prompt, mtp_k=3, max_tokens=60, stop=[stop])
+    stopped = _complete(off, prompt, native_mtp="off", max_tokens=60, stop=[stop])
+    assert with_ahead.finish_reason == without.finish_reason == stopped.finish_reason == "stop"
+    assert with_ahead.token_ids == without.token_ids == stopped.token_ids
+    assert with_ahead.text == stopped.text
+    assert counted["rejected"] >= 1, counted
+
+
+def test_a_round_built_ahead_is_abandoned_when_the_depth_changes_or_a_request_joins(checkpoint, counted):
+    """Between rounds the loop may not run the round built ahead: the policy chose another depth, or a second
+    request joined the batch (its rows are batched, the round was built for one). It is abandoned, the state
+    after the last round comes back, and every output is its solo one."""
+    loaded = _loaded(checkpoint("qwen3_5", dtype="float32"))
+    engine = Engine(loaded, EngineConfig(prefill_chunk=CHUNK, round_ahead="on"))
+    first, second = _prompt(loaded, 9), _prompt(loaded, 14)
+    solo = {tuple(p): _complete(engine, p, native_mtp="off", max_tokens=30).token_ids for p in (first, second)}
+    engine.replay = ReplayDrafter(solo, 1.0, engine.vocab_size)
+    # another depth: the policy's fixed depth changed under the round built ahead
+    run = engine.start(GenerationRequest(first, max_tokens=30, mtp_k=2))
+    batch = BatchDecoder(engine)
+    tokens = [t for chunk in run.begin() for t in chunk.token_ids]
+    batch.add(run)
+    steps = 0
+    while len(batch):
+        for _, chunks in batch.step():
+            tokens.extend(t for chunk in chunks for t in chunk.token_ids)
+        steps += 1
+        if steps == 2 and len(batch):
+            assert batch.ahead is not None
+            run.policy.fixed_k = 1
+    assert tokens == solo[tuple(first)]
+    assert counted["abandoned"] >= 1, counted
+    # a second request joins while a round is built ahead for the first
+    abandoned = counted["abandoned"]
+    one = engine.start(GenerationRequest(first, max_tokens=30, mtp_k=2))
+    two = engine.start(GenerationRequest(second, max_tokens=30, mtp_k=2))
+    batch = BatchDecoder(engine)
+    out = {id(one): [t for chunk in one.begin() for t in chunk.token_ids]}
+    batch.add(one)
+    for _ in range(2):
+        for run, chunks in batch.step():
+            out[id(run)].extend(t for chunk in chunks for t in chunk.token_ids)
+    assert batch.ahead is not None
+    out[id(two)] = [t for chunk in two.begin() for t in chunk.token_ids]
+    batch.add(two)
+    assert batch.ahead is None and counted["abandoned"] == abandoned + 1
+    batch.check_invariants()
+    while len(batch):
+        for run, chunks in batch.step():
+            out[id(run)].extend(t for chunk in chunks for t in chunk.token_ids)
+    assert out[id(one)] == solo[tuple(first)] and out[id(two)] == solo[tuple(second)]
+
+
+def test_a_snapshot_keeps_arrays_assigned_into_in_place():
+    """mlx-lm's KVCache writes its keys in place (``keys[..., a:b, :] = new``), which changes every handle of
+    that array object: a snapshot holds new handles, so what it restores is what was there."""
+    from mlx_lm.models.cache import KVCache
+
+    cache = KVCache()
+    keys = mx.ones((1, 1, 4, 2))
+    cache.update_and_fetch(keys, keys)
+    snapshot = ahead_module.Snapshot([cache])
+    before = mx.array(cache.keys)
+    cache.update_and_fetch(2 * keys[:, :, :1], 2 * keys[:, :, :1])
+    assert cache.offset == 5
+    snapshot.restore()
+    assert cache.offset == 4 and mx.array_equal(cache.keys[..., :4, :], before[..., :4, :]).item()
+    snapshot.restore()  # usable twice
+    assert cache.offset == 4
+
+
+def test_auto_builds_rounds_ahead_on_gpus_only(checkpoint, counted):
+    """``round_ahead="auto"`` (the default): on MLX's CPU backend the host's build takes the cores the
+    computation runs on (rounds were slower with it on a 2-core CPU), so no round is built ahead there."""
+    loaded = _loaded(checkpoint("qwen3_5", dtype="float32"))
+    engine = Engine(loaded, EngineConfig(prefill_chunk=CHUNK))
+    assert engine.config.round_ahead == "auto" and mx.default_device() == mx.cpu
+    result = _complete(engine, _prompt(loaded, 9), mtp_k=2)
+    assert result.stats.rounds > 0 and counted["built"] == 0
