@@ -93,9 +93,11 @@ for p in "$@"; do
     install1) mkdir -p /root/.gpu-wheel && cp .gpu1/part_* /root/.gpu-wheel/ ;;
     install2) cp .gpu2/part_* /root/.gpu-wheel/ ;;
     install3) bash .gpu3/device-install.sh && export PYTHONPATH=/tmp/site:$PWD/src
-              if [ -f .gpu5/mlx-ptx.tar.gz ]; then mkdir -p "$MLX_PTX_CACHE_DIR" && tar -xzf .gpu5/mlx-ptx.tar.gz -C "$MLX_PTX_CACHE_DIR" && echo "ptx cache: $(ls "$MLX_PTX_CACHE_DIR" | wc -l) entries unpacked"; fi
+              for f in .gpu5/mlx-ptx.tar.gz .gpu5/mlx-ptx.tar.xz; do  # (xz: 1.8 MB where gzip was 4.5: the carry's 64 MiB)
+                  if [ -f $f ]; then mkdir -p "$MLX_PTX_CACHE_DIR" && tar -xf $f -C "$MLX_PTX_CACHE_DIR" && echo "ptx cache: $(ls "$MLX_PTX_CACHE_DIR" | wc -l) entries unpacked"; fi
+              done
               if [ -f .gpu5/exo-kernels.tar.gz ]; then mkdir -p "$EXO_KERNEL_DIR" && tar -xzf .gpu5/exo-kernels.tar.gz -C "$EXO_KERNEL_DIR" && echo "exo kernels: $(ls "$EXO_KERNEL_DIR"/cuda 2>/dev/null | wc -l) unpacked"; fi ;;
-    ptxsave) tar -czf "$OUT/mlx-ptx.tar.gz" -C "$MLX_PTX_CACHE_DIR" . && ls -la "$OUT/mlx-ptx.tar.gz"
+    ptxsave) tar -cJf "$OUT/mlx-ptx.tar.xz" -C "$MLX_PTX_CACHE_DIR" . && ls -la "$OUT/mlx-ptx.tar.xz"
              if [ -d "$EXO_KERNEL_DIR/cuda" ]; then tar -czf "$OUT/exo-kernels.tar.gz" -C "$EXO_KERNEL_DIR" cuda && ls -la "$OUT/exo-kernels.tar.gz"; fi ;;
     grpc) $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu4/*.whl ;;
     q9) [ -d "$Q9" ] || phase q9 $PY bench/make_random_model.py --shape qwen3.5-9b --bits 4 --out "$Q9" $SHRINK9 ;;
@@ -163,7 +165,7 @@ for p in "$@"; do
     # evaluation): does the host's 4.5 ms verify_build of a 12.4 ms K = 1 round hide behind the device's work?
     roundse) phase roundse $PY bench/round_phases.py "$Q9" --replay 0.8 --depths 1 2 3 --repeats 1 --max-tokens 48 \
         --no-adaptive --verify-eval-every 0 2 4 8 ;;
-    # the next round built while a round computes (engine/ahead.py, EXO_NATIVE_MTP_ROUND_AHEAD, on by default) against
+    # the next round built while a round computes (engine/ahead.py, EXO_NATIVE_MTP_ROUND_AHEAD, off by default) against
     # without, each fixed depth, in one process: the K = 1 round at 1.40 plain steps had 4-7 ms of host building
     roundsahead) phase roundsahead $PY bench/round_phases.py "$Q9" --replay 0.6,0.8,0.9 --depths 1 2 3 --repeats 1 \
         --max-tokens 48 --ahead on off ;;

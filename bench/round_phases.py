@@ -51,7 +51,7 @@ device waits) hides behind the device's work. Adaptive runs the default. (``EXO_
 overrides every setting.)
 
 ``--ahead on off``: each fixed depth with and without the next round built while a round computes
-(``engine/ahead.py``, on by default on GPUs), named ``k=K/a1`` and ``k=K/a0``: a round built ahead shows its build in the
+(``engine/ahead.py``, off by default), named ``k=K/a1`` and ``k=K/a0``: a round built ahead shows its build in the
 round before (``draft_build`` and ``verify_build`` near 0 where it ran).
 """
 

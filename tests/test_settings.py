@@ -231,7 +231,7 @@ def test_prefill_chunk_reaches_the_engine(home: Path) -> None:
 
 
 def test_round_ahead_reaches_the_engine(home: Path) -> None:
-    """EXO_NATIVE_MTP_ROUND_AHEAD (engine/ahead.py): auto by default (GPUs only), on / off everywhere; anything
+    """EXO_NATIVE_MTP_ROUND_AHEAD (engine/ahead.py): off by default (slower where measured), on / off; anything
     else is a clear error naming what it accepts."""
     from exo.cards import bundled_model_dir
     from exo.engine import engine_config, resolve_model
@@ -241,8 +241,8 @@ def test_round_ahead_reaches_the_engine(home: Path) -> None:
     for value in ("on", "off"):
         env = env_for(home, EXO_NATIVE_MTP_ROUND_AHEAD=value)
         assert engine_config(resolved, load_settings(env=env)).round_ahead == value
-    assert engine_config(resolved, load_settings(env=env_for(home))).round_ahead == "auto"
-    with pytest.raises(SettingsError, match="auto, on, off"):
+    assert engine_config(resolved, load_settings(env=env_for(home))).round_ahead == "off"
+    with pytest.raises(SettingsError, match="on, off"):
         load_settings(env=env_for(home, EXO_NATIVE_MTP_ROUND_AHEAD="1"))
 
 

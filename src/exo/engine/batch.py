@@ -303,10 +303,7 @@ class BatchDecoder:
         """Whether this round builds the next one while it computes (``engine.ahead``): a batch of one on this
         process's whole backbone, decoding greedily with nothing applied to its rows (no penalties, grammar or
         logprobs), with room left for another round after this one."""
-        setting = self.engine.config.round_ahead
-        if setting == "off" or (setting == "auto" and mx.default_device() == mx.cpu):
-            return False
-        if len(self.runs) != 1 or self.caches.rows:
+        if self.engine.config.round_ahead != "on" or len(self.runs) != 1 or self.caches.rows:
             return False
         run = self.runs[0]
         k = plan.depth(run)

@@ -81,10 +81,13 @@ class EngineConfig:
     async_draft_eval: bool = True
     # A batch of one decoding greedily builds its next speculative round while a round computes, assuming the
     # round keeps all its drafts (engine.ahead: the host's graph building hidden behind the device's work;
-    # rejected, every state it touched is put back). "auto": on GPUs only (on MLX's CPU backend the host's
-    # build takes the cores the computation runs on: 2-core CPU, exo-demo, K = 1-3 rounds 9-16% dearer with it);
-    # "on" / "off" anywhere (EXO_NATIVE_MTP_ROUND_AHEAD).
-    round_ahead: Literal["auto", "on", "off"] = "auto"
+    # rejected, every state it touched is put back). Off until a device gains from it (EXO_NATIVE_MTP_ROUND_AHEAD):
+    # it overlaps the host's build with the device's work, and neither measured device had device work to hide
+    # it behind. A 2-core CPU (the build takes the cores the computation runs on): K = 1-3 rounds 9-16% dearer;
+    # an H200 at 9B, where MLX CUDA's eval is the host launching ~700 kernels as fast as the device runs them:
+    # 3-22% dearer (docs/performance.md). Where the device is the bottleneck (bandwidth-bound Apple GPUs, larger
+    # models) it should pay: unmeasured.
+    round_ahead: Literal["on", "off"] = "off"
     # Prompt tokens one prefill chunk feeds the model at most. None: the device's (``default_prefill_chunk``):
     # CPU_PREFILL_CHUNK on MLX's CPU backend, GPU_PREFILL_CHUNK on a GPU.
     prefill_chunk: int | None = None
