@@ -177,6 +177,9 @@ for p in "$@"; do
     prefill9) phase prefill9 $PY bench/prefill.py "$Q9" $PREFILL9 ;;
     batchstep) phase batchstep $PY bench/batch_step.py "$Q9" $([ "$CPU" = 1 ] && echo --sizes 1 4 8 --context 64 --steps 3 --repeats 1 || echo --sizes 1 2 4 8 16 32 --context 1024) ;;
     batch9) phase batch9 $PY bench/batch_identity.py "$Q9" --sizes 1,8,32 --max-tokens 64 ;;
+    # with the batch-invariant mode beside it (EXO_BATCH_INVARIANT=1, opt-in; in one process): batched rows equal solo
+    # ones (2026-11-29: 1/8 identical without it, out_proj / o_proj on MLX's product first to differ); its step's cost
+    batch9inv) phase batch9inv $PY bench/batch_identity.py "$Q9" --sizes 1,8,32 --max-tokens 64 --invariant ;;
     moeexperts) phase moeexperts $PY bench/moe_experts.py --tokens 4096 512 --repeats 5 $([ "$CPU" = 1 ] && echo --experts 16 --hidden 256 --inter 128 --tokens 64) ;;
     prefill35) phase prefill35 $PY bench/prefill.py "$Q35" --phases model profile $PREFILL35 ;;
     agent9) EXO_NATIVE_MTP_ENABLED=0 phase agent9 $PY bench/agent_session.py "$Q9" $AGENT9 ;;
