@@ -167,6 +167,8 @@ for p in "$@"; do
         --no-adaptive --verify-eval-every 0 2 4 8 ;;
     # the next round built while a round computes (engine/ahead.py, EXO_NATIVE_MTP_ROUND_AHEAD, off by default) against
     # without, each fixed depth, in one process: the K = 1 round at 1.40 plain steps had 4-7 ms of host building
+    # where the host's time goes building a step's and a verify call's graph (cProfile; the step is host-bound there)
+    buildprof) phase buildprof $PY bench/build_profile.py "$Q9" --rows 1 2 4 --repeats 50 --top 30 ;;
     roundsahead) phase roundsahead $PY bench/round_phases.py "$Q9" --replay 0.6,0.8,0.9 --depths 1 2 3 --repeats 1 \
         --max-tokens 48 --ahead on off ;;
     rounds) phase rounds $PY bench/round_phases.py "$Q9" --replay 0.0,0.6,0.8,0.9 --repeats 1 --max-tokens 48 ;;
