@@ -154,6 +154,26 @@ def test_ram_tier_spills_to_disk_and_promotes_on_a_hit(tmp_path):
     store.close()
 
 
+def test_an_entry_on_its_way_to_disk_is_found_when_ram_let_it_go(tmp_path):
+    """An entry RAM cannot keep (larger than its budget, or evicted by the next ones) and the writer has not
+    written yet (behind, or waiting out a quiet lease while the next turn prefills) is still found: an agent's
+    next turn asked at once hits, with the entry's exact arrays, and it is promoted to RAM as a disk hit is."""
+    one = pc.nbytes(_entry(0))
+    store = TieredStore(one - 1, DiskTier(tmp_path, 1 << 30))  # no entry fits in RAM
+    store.quiet(30.0)  # the writer writes nothing meanwhile
+    store.put("k0", _entry(0))
+    assert not store.ram.has("k0") and store.disk is not None and not store.disk.has("k0")
+    assert store.has("k0") and "k0" in store.keys()
+    assert _equal(store.get("k0"), _entry(0)) and store.ram_counts.pending_hits == 1
+    with store._quiet:  # the lease as if it ran out now
+        store._quiet_until = time.monotonic()
+        store._quiet.notify_all()
+    store.flush()
+    assert store.disk.has("k0") and not store._pending  # written: the disk serves it from now on
+    assert _equal(store.get("k0"), _entry(0)) and store.disk.counts.hits == 1
+    store.close()
+
+
 def test_the_disk_writer_waits_out_a_quiet_lease_and_then_writes(tmp_path):
     """``quiet``: nothing reaches the disk while a lease runs (a prefill's chunks); the writes follow once it
     ends by itself; the RAM tier serves meanwhile."""

@@ -74,6 +74,12 @@ def prepare(arrays: Arrays, copy: bool = False) -> Prepared:
     return out
 
 
+def unprepare(prepared: Prepared) -> Arrays:
+    """``prepare``'s arrays back as the entry's own (bfloat16 viewed as such again): what ``read_entry`` would
+    read from the file the writer makes of them."""
+    return {name: a.view(mx.bfloat16) if dtype == "BF16" else a for name, (dtype, a) in prepared.items()}
+
+
 def write_entry(path: Path, prepared: Prepared) -> int:
     """``prepared`` arrays as a safetensors file with a blake2b of its data in the metadata, written to a
     temporary name and renamed (a crash leaves no half file under the real name). Returns its size."""
@@ -137,6 +143,7 @@ class TierCounts:
     misses: int = 0
     evictions: int = 0
     corrupt: int = 0
+    pending_hits: int = 0  # (RAM's counts) misses served by an entry on its way to disk
 
 
 class DiskTier:
@@ -356,6 +363,11 @@ class TieredStore:
         # The writer's work: (key, prepared, group) to store, (key, None, group) for a RAM hit (the disk's copy is
         # as recent, in the same group: what RAM serves is not the first out of the disk), None to stop.
         self._writes: queue.Queue[tuple[str, Prepared | None, str | None] | None] = queue.Queue()
+        # Entries stored and not on disk yet (the writer behind, or waiting out a quiet lease), as the writer will
+        # write them: a lookup finds them here when RAM let them go (an entry larger than RAM's budget, or evicted
+        # by the next ones), so an agent's next turn, asked before the writer caught up, still hits.
+        self._pending: dict[str, tuple[Prepared, str | None]] = {}
+        self._pending_lock = threading.Lock()
         self._writer: threading.Thread | None = None
         self._quiet = threading.Condition()
         self._quiet_until = 0.0  # (time.monotonic) the writer waits until then: ``quiet``
@@ -364,10 +376,17 @@ class TieredStore:
             self._writer.start()
 
     def has(self, key: str) -> bool:
-        return self.ram.has(key) or (self.disk is not None and self.disk.has(key))
+        if self.ram.has(key):
+            return True
+        with self._pending_lock:
+            if key in self._pending:
+                return True
+        return self.disk is not None and self.disk.has(key)
 
     def keys(self) -> list[str]:
         keys = set(self.ram.keys())
+        with self._pending_lock:
+            keys.update(self._pending)
         if self.disk is not None:
             keys.update(self.disk.keys())
         return sorted(keys)
@@ -382,16 +401,26 @@ class TieredStore:
         self.ram_counts.misses += 1
         if self.disk is None:
             return None
-        arrays = self.disk.get(key, group)
-        if arrays is not None:
-            mx.eval(list(arrays.values()))
-            self._ram_put(key, arrays, group)
+        with self._pending_lock:
+            pending = self._pending.get(key)
+        if pending is not None:  # stored, out of RAM, not on disk yet: the writer's copy, as the disk will hold it
+            arrays = unprepare(pending[0])
+            self.ram_counts.pending_hits += 1
+        else:
+            arrays = self.disk.get(key, group)
+            if arrays is None:
+                return None
+        mx.eval(list(arrays.values()))
+        self._ram_put(key, arrays, group)
         return arrays
 
     def put(self, key: str, arrays: Arrays, group: str | None = None) -> None:
         self._ram_put(key, arrays, group)
         if self.disk is not None:
-            self._writes.put((key, prepare(arrays, self.copy_for_disk), group))
+            prepared = prepare(arrays, self.copy_for_disk)
+            with self._pending_lock:
+                self._pending[key] = (prepared, group)
+            self._writes.put((key, prepared, group))
 
     def _ram_put(self, key: str, arrays: Arrays, group: str | None = None) -> None:
         evicted = self.ram.put(key, arrays, group)
@@ -423,7 +452,12 @@ class TieredStore:
                 self._wait_quiet()
                 key, prepared, group = item
                 if prepared is not None:
-                    self.disk.put(key, prepared, group)
+                    try:
+                        self.disk.put(key, prepared, group)
+                    finally:  # on disk (or never: the disk refused it, as a full disk would evict it)
+                        with self._pending_lock:
+                            if self._pending.get(key, (None,))[0] is prepared:  # (not a newer put of the key)
+                                del self._pending[key]
                 else:
                     self.disk.touch(key, group)
             except Exception:  # noqa: BLE001 - a cache write must never take the runner down
