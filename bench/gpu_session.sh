@@ -123,6 +123,8 @@ for p in "$@"; do
         --breakdown-modes plain --transports inline ;;
     pipeclients9) phase pipeclients9 $PY bench/pipeline.py "$Q9" --stages 1 --repeats 0 --no-breakdown --gpu-per-stage \
         $CLIENTS ;;
+    # issue 51: a runner killed mid-batch through exo serve, the seconds until the 9B serves again (target 15 s)
+    restart9) phase restart9 $PY bench/runner_restart.py "$Q9" --kills 3 --members 4 ;;
     serving9) EXO_NATIVE_MTP_ENABLED=0 phase serving9 $PY bench/serving.py "$Q9" --mtp off --no-one-at-a-time $SERVING ;;
     # issue 50's checks (each well inside 10 minutes at 9B on an H200); qgemv and stock opt in to exo's quantized
     # kernel (off by default), so that stock compares exo on it with exo on MLX's products
