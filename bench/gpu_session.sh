@@ -170,6 +170,9 @@ for p in "$@"; do
     # the next round built while a round computes (engine/ahead.py, EXO_NATIVE_MTP_ROUND_AHEAD, off by default) against
     # without, each fixed depth, in one process: the K = 1 round at 1.40 plain steps had 4-7 ms of host building
     # where the host's time goes building a step's and a verify call's graph (cProfile; the step is host-bound there)
+    # issue 50: the primitives a plain step and a round at K = 1..3 evaluate, by the engine function that evaluated
+    # them (a host-bound step's cost is its primitives): what a round adds beyond the step
+    census) phase census $PY bench/round_phases.py "$Q9" --census --depths 1 2 3 --max-tokens ${CENSUS_TOKENS:-32} --no-adaptive ;;
     buildprof) phase buildprof $PY bench/build_profile.py "$Q9" --rows 1 2 4 --repeats 50 --top 30 ;;
     roundsahead) phase roundsahead $PY bench/round_phases.py "$Q9" --replay 0.6,0.8,0.9 --depths 1 2 3 --repeats 1 \
         --max-tokens 48 --ahead on off ;;

@@ -50,6 +50,11 @@ host builds the rest), named ``k=K/eN``: whether a round's ``verify_build`` (the
 device waits) hides behind the device's work. Adaptive runs the default. (``EXO_VERIFY_EVAL_EVERY``, when set,
 overrides every setting.)
 
+``--census``: instead of timing, one request per configuration with every ``mx.eval`` / ``mx.async_eval`` counted: the
+primitives each evaluates (``mx.export_to_dot``, each counted once), per plain step or round, by the engine function
+that evaluated them and by kind (on MLX CUDA the host builds and launches each: a round's primitives beyond a plain
+step's are what it costs more on a host-bound device).
+
 ``--ahead on off``: each fixed depth with and without the next round built while a round computes
 (``engine/ahead.py``, off by default), named ``k=K/a1`` and ``k=K/a0``: a round built ahead shows its build in the
 round before (``draft_build`` and ``verify_build`` near 0 where it ran).
@@ -59,8 +64,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import statistics
+import sys
+import tempfile
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from exo.engine import Engine, GenerationRequest, load
 from exo.engine import forward as forward_module
@@ -69,6 +82,7 @@ from exo.engine.bench import DEFAULT_PROMPTS, OUTSIDE_PHASES, catch_up_alone, en
 from exo.engine.costs import device_name
 from exo.engine.replay import ReplayDrafter
 
+PROMPT_SITES = ("prefill", "prefill_with", "first_token", "_fed")  # the prompt's evaluations (--census: apart)
 PHASES = ("draft_build", "verify_build", "device_wait", *OUTSIDE_PHASES)
 
 
@@ -88,6 +102,8 @@ def main() -> None:
     parser.add_argument("--verify-eval-every", type=int, nargs="+", default=None, metavar="N",
                         help="each fixed depth once per setting: a verify call evaluated every N layers as it is "
                         "built (0: one evaluation; engine/forward.py), named k=K/eN")
+    parser.add_argument("--census", action="store_true",
+                        help="count the primitives every evaluation runs, per plain step or round (no timing)")
     args = parser.parse_args()
     engine = load(args.model)
     engine.loaded = dataclasses.replace(engine.loaded, eos_token_ids=frozenset())
@@ -147,6 +163,9 @@ def main() -> None:
                                   or "none"))
     print("probe: " + ", ".join(f"{name}={value}" for name, value in engine.verify_probe.items()))
     longest = max(prompts, key=len)
+    if args.census:
+        census(configs, lambda k, name: run(longest, k, args.max_tokens, name), args.max_tokens)
+        return
     plain_tokens = {}
     for prompt in prompts:  # the plain greedy continuations (replayed) and the reference for identity
         plain_tokens[tuple(prompt)] = run(prompt, 0, args.max_tokens).token_ids
@@ -195,8 +214,8 @@ def measure(engine, args, configs, prompts, plain_tokens, run, acceptance: float
                 stats = result.stats
                 requests[name] += 1
                 identical[name] += result.token_ids == plain_tokens[tuple(prompt)]
-                tps[name].append(stats.decode_tokens_per_s)
-                speeds[name] = stats.decode_tokens_per_s
+                tps[name].append(stats.completion_tokens_per_s)
+                speeds[name] = stats.completion_tokens_per_s
                 histogram[name].update(stats.k_histogram)
                 if k != 0 and stats.rounds > 1 and stats.profile_ms:
                     # ("between" is counted from the second round on)
@@ -245,6 +264,66 @@ def measure(engine, args, configs, prompts, plain_tokens, run, acceptance: float
         best = max(["plain", *fixed], key=lambda n: statistics.median(tps[n]))
         pairs = [a / b for a, b in zip(ratios["adaptive"], ratios[best], strict=True)]
         print(f"adaptive vs the fastest fixed configuration ({best}): {_spread(pairs, 0).strip()}")
+
+
+def census(configs: list[tuple[str, int | None]], run: Callable[[int | None, str], Any], max_tokens: int) -> None:
+    """``--census``: per configuration (each run once unmeasured first: kernels built), one request with every
+    evaluation's new primitives counted, per plain step or round, by the function that evaluated them and by kind."""
+    real_eval, real_async = mx.eval, mx.async_eval
+    seen: set[str] = set()
+    sites: Counter[str] = Counter()
+    kinds: Counter[str] = Counter()
+    site_kinds: dict[str, Counter[str]] = {}
+
+    def count(args: tuple[Any, ...], how: str) -> None:
+        arrays = [a for _, a in tree_flatten(list(args)) if isinstance(a, mx.array)]
+        if not arrays:
+            return
+        frame = sys._getframe(2)  # noqa: SLF001 - the engine function that evaluated
+        site = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name} {how}"
+        with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+            mx.export_to_dot(f.name, *arrays)
+            nodes = re.findall(r'\{ (\d+) \[label\s*=\s*"([A-Za-z_][A-Za-z0-9_]*)"', f.read())
+        new = [(node, kind) for node, kind in nodes if node not in seen]
+        seen.update(node for node, _ in new)
+        sites[site] += len(new)
+        kinds.update(kind for _, kind in new)
+        site_kinds.setdefault(site, Counter()).update(kind for _, kind in new)
+
+    def counted_eval(*args: Any) -> None:
+        count(args, "eval")
+        real_eval(*args)
+        seen.clear()  # evaluated: its nodes are gone (their addresses may come back)
+
+    def counted_async(*args: Any) -> None:
+        count(args, "async_eval")
+        real_async(*args)
+
+    print(f"\nprimitives evaluated per plain step or round, one request of {max_tokens} tokens per configuration "
+          "(by the function that evaluated them; the kinds after)")
+    for name, k in configs:
+        run(k, name)  # unmeasured: every kernel built
+        sites.clear()
+        kinds.clear()
+        site_kinds.clear()
+        seen.clear()
+        mx.eval, mx.async_eval = counted_eval, counted_async
+        try:
+            stats = run(k, name).stats
+        finally:
+            mx.eval, mx.async_eval = real_eval, real_async
+        units = max(1, stats.rounds if k != 0 else stats.completion_tokens)
+        unit = "round" if k != 0 else "step"
+        prompt = {s: n for s, n in sites.items() if s.split(" ")[0].split(":")[1] in PROMPT_SITES}
+        total = sum(sites.values()) - sum(prompt.values())
+        print(f"{name:>8}: {total / units:7.1f} per {unit} ({units} {unit}s, {stats.completion_tokens} tokens; "
+              f"{total / max(1, stats.completion_tokens):.1f} per token; the prompt's "
+              f"{sum(prompt.values())} apart)")
+        for site, n in sites.most_common():
+            if site not in prompt:
+                print(f"{'':10}{n / units:7.1f}  {site}: " + ", ".join(
+                    f"{kind} {c / units:.1f}" for kind, c in site_kinds[site].most_common(12)))
+        print(f"{'':10}kinds: " + ", ".join(f"{kind} {n / units:.1f}" for kind, n in kinds.most_common(24)))
 
 
 def _spread(values: list[float], width: int = 7) -> str:
