@@ -51,7 +51,7 @@ device waits) hides behind the device's work. Adaptive runs the default. (``EXO_
 overrides every setting.)
 
 ``--census``: instead of timing, one request per configuration with every ``mx.eval`` / ``mx.async_eval`` counted: the
-primitives each evaluates (``mx.export_to_dot``, each counted once), per plain step or round, by the engine function
+primitives each evaluates (``mx.export_to_dot``), per plain step or round, by the engine function
 that evaluated them and by kind (on MLX CUDA the host builds and launches each: a round's primitives beyond a plain
 step's are what it costs more on a host-bound device).
 
@@ -214,8 +214,8 @@ def measure(engine, args, configs, prompts, plain_tokens, run, acceptance: float
                 stats = result.stats
                 requests[name] += 1
                 identical[name] += result.token_ids == plain_tokens[tuple(prompt)]
-                tps[name].append(stats.completion_tokens_per_s)
-                speeds[name] = stats.completion_tokens_per_s
+                tps[name].append(stats.decode_tokens_per_s)
+                speeds[name] = stats.decode_tokens_per_s
                 histogram[name].update(stats.k_histogram)
                 if k != 0 and stats.rounds > 1 and stats.profile_ms:
                     # ("between" is counted from the second round on)
@@ -270,7 +270,6 @@ def census(configs: list[tuple[str, int | None]], run: Callable[[int | None, str
     """``--census``: per configuration (each run once unmeasured first: kernels built), one request with every
     evaluation's new primitives counted, per plain step or round, by the function that evaluated them and by kind."""
     real_eval, real_async = mx.eval, mx.async_eval
-    seen: set[str] = set()
     sites: Counter[str] = Counter()
     kinds: Counter[str] = Counter()
     site_kinds: dict[str, Counter[str]] = {}
@@ -284,16 +283,15 @@ def census(configs: list[tuple[str, int | None]], run: Callable[[int | None, str
         with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
             mx.export_to_dot(f.name, *arrays)
             nodes = re.findall(r'\{ (\d+) \[label\s*=\s*"([A-Za-z_][A-Za-z0-9_]*)"', f.read())
-        new = [(node, kind) for node, kind in nodes if node not in seen]
-        seen.update(node for node, _ in new)
-        sites[site] += len(new)
-        kinds.update(kind for _, kind in new)
-        site_kinds.setdefault(site, Counter()).update(kind for _, kind in new)
+        # (an evaluation hands its arrays to the device as it goes, each then a leaf of later graphs: every
+        # primitive is in one evaluation's graph only)
+        sites[site] += len(nodes)
+        kinds.update(kind for _, kind in nodes)
+        site_kinds.setdefault(site, Counter()).update(kind for _, kind in nodes)
 
     def counted_eval(*args: Any) -> None:
         count(args, "eval")
         real_eval(*args)
-        seen.clear()  # evaluated: its nodes are gone (their addresses may come back)
 
     def counted_async(*args: Any) -> None:
         count(args, "async_eval")
@@ -306,7 +304,6 @@ def census(configs: list[tuple[str, int | None]], run: Callable[[int | None, str
         sites.clear()
         kinds.clear()
         site_kinds.clear()
-        seen.clear()
         mx.eval, mx.async_eval = counted_eval, counted_async
         try:
             stats = run(k, name).stats

@@ -83,6 +83,9 @@ class Settings(BaseModel):
     # The most memory (bytes) this node offers to models, whatever the OS has free: keep room for other
     # applications, or make a small node of a big machine. None: what the OS says is available.
     memory_budget_bytes: int | None = Field(default=None, ge=1)
+    # Bytes of freed buffers MLX may keep for reuse in each runner (engine/memory.py ``limit_buffer_cache``). None: an
+    # eighth of the device's memory on MLX CUDA, MLX's default elsewhere (up to its memory limit).
+    mlx_cache_bytes: int | None = Field(default=None, ge=0)
     # The prefix cache (engine/prefix_cache.py, runner/prefix_store.py): a prompt that starts like an earlier
     # one restores that prefix's caches instead of prefilling it. RAM: bytes each instance may hold (counted in
     # its placement); disk: bytes under $EXO_HOME/prefix-cache (0: no disk tier), kept across restarts.

@@ -29,6 +29,10 @@ def test_decode_steps_and_verify_calls_run_the_kernel_and_mtp_stays_exact(checkp
     assert loaded.attn and all(v.startswith("ok") for v in loaded.attn.values()), loaded.attn
     attention = [m for _, m in loaded.model.named_modules() if isinstance(m, Attention)]
     assert attention and all(m.attn_kernel for m in attention)
+    # the MTP head's layer too: its drafts' attention through the kernel, its projections fused as the backbone's
+    head_attention = loaded.head.layers[0].self_attn
+    assert isinstance(head_attention, Attention) and head_attention.attn_kernel
+    assert head_attention.fused_inputs is not None and "q_proj" not in head_attention
     rows: list[int] = []
     attend = cuda_attn.attend_rows
     monkeypatch.setattr(cuda_attn, "attend_rows", lambda q, *a: rows.append(q.shape[2]) or attend(q, *a))
@@ -36,11 +40,24 @@ def test_decode_steps_and_verify_calls_run_the_kernel_and_mtp_stays_exact(checkp
     prompt = engine.loaded.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n    return fib")[:11]
     plain = engine.complete(GenerationRequest(prompt, max_tokens=16, native_mtp="off"))
     assert rows and 1 in rows  # every decode step of every attention layer (and a short prompt chunk)
+    head_calls: list[int] = []  # per call of the head's attention: the kernel's calls it made
+    head_call = Attention.__call__
+
+    def counted(self, *a, **k):
+        before = len(rows)
+        out = head_call(self, *a, **k)
+        if self is head_attention:
+            head_calls.append(len(rows) - before)
+        return out
+
+    monkeypatch.setattr(Attention, "__call__", counted)
     for depth in (1, 3):
         rows.clear()
+        head_calls.clear()
         mtp = engine.complete(GenerationRequest(prompt, max_tokens=16, native_mtp="on", mtp_k=depth))
         assert mtp.token_ids == plain.token_ids, depth
         assert depth + 1 in rows, depth  # the verify calls' rows, one call each
+        assert head_calls and set(head_calls) == {1}, depth  # each of the head's drafting calls through the kernel
 
 
 def test_a_call_reads_the_cache_in_place_and_its_rows_equal_the_steps(checkpoint, monkeypatch):

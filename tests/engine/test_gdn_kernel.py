@@ -79,6 +79,45 @@ def test_a_recorded_call_keeps_each_row_s_state_and_window(checkpoint, monkeypat
         assert mx.array_equal(cache[0], after[kept][0]).item() and mx.array_equal(cache[1], after[kept][1]).item()
 
 
+def _kinds(*arrays: mx.array) -> list[str]:
+    import re
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as f:
+        mx.export_to_dot(f.name, *arrays)
+        return re.findall(r'label\s*=\s*"([A-Za-z_][A-Za-z0-9_]*)"', f.read())
+
+
+def test_the_kernel_s_states_are_kept_as_views_not_per_row_nodes(checkpoint, monkeypatch):
+    """A decode step keeps the kernel's state as a view (``states[0]`` would gather a copy, a launch on MLX CUDA);
+    a recorded call builds no node per row (its state after each row is taken at the commit) and leaves the cache's
+    window and state to the commit: its graph is the same size at 2 and at 4 rows."""
+    monkeypatch.setenv("EXO_GDN_KERNEL", "always")
+    loaded = load_checkpoint(checkpoint("qwen3_5", layout="mlx_sidecar", head="trained", dtype="bfloat16"))
+    layer = next(m for _, m in loaded.model.named_modules() if isinstance(m, GatedDeltaNet))
+    x = (mx.random.normal((1, 7, loaded.model.hidden_size), key=mx.random.key(2)) * 0.5).astype(mx.bfloat16)
+    cache = RollbackArraysCache()
+    mx.eval(layer(x[:, :3], cache=cache), cache[0], cache[1])
+    before = (cache[0], cache[1])
+    mx.eval(layer(x[:, 3:4], cache=cache))
+    assert cache[1] is not before[1] and "Gather" not in _kinds(cache[1])  # the step's state: reshape of a slice
+    counts = {}
+    for rows in (2, 4):
+        cache = RollbackArraysCache()
+        cache[0], cache[1] = before
+        cache.recording = True
+        out = layer(x[:, 3 : 3 + rows], cache=cache)
+        cache.recording = False
+        assert cache[0] is before[0] and cache[1] is before[1]  # the commit sets them
+        pending = cache.pending_arrays()
+        assert len(pending) == 3  # the conv input, the state before, the states after each row (stacked)
+        counts[rows] = (len(_kinds(out, *pending)), _kinds(out, *pending).count("Gather"))
+        cache.commit(rows - 1)
+        assert "Gather" not in _kinds(cache[1])
+    # (the CPU's stand-in computes each row with mlx-lm's ops: its nodes grow with the rows; the wiring's do not)
+    assert counts[4][1] == counts[2][1]
+
+
 def test_exo_gdn_kernel_0_keeps_the_compiled_rows(checkpoint, monkeypatch):
     loaded = load_checkpoint(checkpoint("qwen3_5", layout="mlx_sidecar", head="trained", dtype="bfloat16"))
     monkeypatch.setenv("EXO_GDN_KERNEL", "0")

@@ -67,6 +67,48 @@ def test_a_prompt_that_runs_out_of_memory_fails_typed_and_the_engine_serves_on(c
     assert got == fresh_engine(checkpoint("qwen3_5", dtype="float32"), eos=False).complete(_greedy(short)).token_ids
 
 
+def test_running_out_of_memory_while_the_forward_evaluates_its_layers_is_typed_too(checkpoint, monkeypatch):
+    """On a GPU a prompt chunk's forward evaluates every few layers as it builds them (``forward.prompt_eval_every``):
+    the allocation can fail there, inside the forward, before the chunk's own evaluation (an H200, 2026-11-29: an
+    HTTP 500 with MLX's message). It fails the request as the same typed error."""
+    from exo.engine import forward as forward_module
+
+    engine = fresh_engine(checkpoint("qwen3_5", dtype="float32"), eos=False, prefill_chunk=32)
+    monkeypatch.setattr(forward_module, "prompt_eval_every", lambda rows: 1 if rows >= 32 else 0)
+    real = mx.async_eval
+
+    def evaluate(*args):
+        import sys
+
+        if sys._getframe(1).f_code.co_name == "stage_hidden":  # noqa: SLF001 - the forward's own evaluations
+            raise RuntimeError(CUDA_OOM)
+        return real(*args)
+
+    monkeypatch.setattr(mx, "async_eval", evaluate)
+    huge = list(range(3, 3 + 2 * HUGE))
+    with pytest.raises(DeviceMemoryError, match=f"prefilling a prompt of {len(huge)} tokens"):
+        engine.complete(_greedy(huge))
+    short = list(range(10, 40))  # one chunk of 30 rows: evaluated once, as a whole
+    got = engine.complete(_greedy(short)).token_ids
+    assert got == fresh_engine(checkpoint("qwen3_5", dtype="float32"), eos=False).complete(_greedy(short)).token_ids
+
+
+def test_mlx_s_buffer_cache_is_bounded_where_asked(monkeypatch):
+    """``EXO_MLX_CACHE_BYTES`` bounds MLX's cache of freed buffers (engine/memory.py); unset, the CPU keeps MLX's
+    default (the bound is MLX CUDA's: an eighth of the device's memory)."""
+    from exo.engine import memory
+
+    calls = []
+    monkeypatch.setattr(mx, "set_cache_limit", lambda n: calls.append(n) or 0)
+    assert memory.limit_buffer_cache(3 << 30) == 3 << 30 and calls == [3 << 30]
+    calls.clear()
+    assert memory.limit_buffer_cache(None) is None and calls == []  # MLX's CPU backend: unchanged
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    monkeypatch.setattr(mx, "device_info", lambda *a: {"memory_size": 144 << 30})
+    assert memory.limit_buffer_cache(None) == 18 << 30 and calls == [18 << 30]
+
+
 def test_the_node_serves_the_others_while_one_prompt_runs_out_of_memory(checkpoint, failing_eval):
     """On the device queue: the huge prompt's job ends with ``Failed(DeviceMemoryError)``; the jobs around
     it (one before it, running, and one after) finish with their solo output."""

@@ -642,7 +642,7 @@ def load_checkpoint(
     mark("prompt dense")
     gdn = use_gdn_kernel(model)
     mark("gdn kernel")
-    attn = use_attn_kernel(model) if tensor is None else {}
+    attn = use_attn_kernel([model] + ([head] if head is not None else [])) if tensor is None else {}
     mark("attention kernel")
     return LoadedModel(
         path=path,

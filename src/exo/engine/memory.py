@@ -17,6 +17,29 @@ import mlx.core as mx
 
 ALLOCATION_FAILURES = ("out of memory", "unable to allocate", "[metal::malloc]", "alloc_failed")
 
+# MLX keeps the buffers a computation frees for the next one (its cache), by default up to its memory limit, which
+# counts this process alone. A process serving an agent's turns needs buffers a little larger each turn (a prompt
+# chunk's attention over a longer context): every turn's new sizes joined the cache and none left it. On an H200
+# two servers of the 9B shape on one GPU (bench/agent_session.py: cache off and on side by side) grew until the
+# second's allocation failed at turn 7 (2026-11-29). Bounded, the buffers past the bound go back to the device as
+# they are freed, and a process holds what it computes with plus at most that much.
+CUDA_CACHE_SHARE = 8  # on MLX CUDA: an eighth of the device's memory (an H200: ~17 GiB)
+
+
+def limit_buffer_cache(limit_bytes: int | None = None) -> int | None:
+    """Bound MLX's cache of freed buffers for this process (``EXO_MLX_CACHE_BYTES``): ``limit_bytes``, or by
+    default on MLX CUDA an eighth of the device's memory (elsewhere MLX's default stays: unmeasured on Apple GPUs,
+    where one runner per model is the rule). Returns the bound set (None: none set)."""
+    if limit_bytes is None:
+        if not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
+            return None
+        total = int(mx.device_info().get("memory_size", 0))
+        if not total:
+            return None
+        limit_bytes = total // CUDA_CACHE_SHARE
+    mx.set_cache_limit(limit_bytes)
+    return limit_bytes
+
 
 class DeviceMemoryError(RuntimeError):
     """The device ran out of memory for this request (an MLX allocation failed); other requests go on."""

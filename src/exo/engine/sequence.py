@@ -155,12 +155,14 @@ class SequenceState:
         while start < n:
             _, end = next(self.prefix.spans(start, n, chunk))
             self.prefix.arm(self.cache, start, end)  # a prefix cache's snapshot edges inside it are kept as it runs
-            self._fed(prompt, start, end, self.forward.hidden(prompt[None, start:end], self.cache))
-            if end < n:
-                states = [[c.state for c in self.cache], self.head.cache.state]
-                with out_of_memory(f"prefilling a prompt of {n} tokens"):  # a typed error; the node serves on
+            # a typed error (the node serves on), also where the forward evaluates layers as it builds them
+            with out_of_memory(f"prefilling a prompt of {n} tokens"):
+                self._fed(prompt, start, end, self.forward.hidden(prompt[None, start:end], self.cache))
+                if end < n:
+                    states = [[c.state for c in self.cache], self.head.cache.state]
                     mx.async_eval(states)
                     mx.eval(scheduled)  # the chunk before (this one keeps computing): a long prompt's memory stays bounded
+            if end < n:
                 scheduled = states
                 chunk = max(1, (yield end) or chunk)
             start = end

@@ -356,8 +356,13 @@ def _load(args: argparse.Namespace, settings: Settings, state: RunnerState) -> t
     from exo.engine import ResolvedModel
     from exo.wire.proto_gen import node_pb2 as pb
 
+    from exo.engine.memory import limit_buffer_cache
+
     from .loading import load_for_serving
 
+    cache_bytes = limit_buffer_cache(settings.mlx_cache_bytes)  # (MLX's default otherwise: engine/memory.py)
+    if cache_bytes is not None:
+        logging.getLogger(__name__).info("MLX's buffer cache: at most %d MiB", cache_bytes >> 20)
     state.update("resolving", 0.05)
     card = load_catalog(home=settings.home).get(args.card) if args.card else None
     resolved = ResolvedModel(Path(args.model_path), args.model_id, card)

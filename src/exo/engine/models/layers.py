@@ -372,6 +372,7 @@ class RollbackArraysCache(ArraysCache):
         self.recording = False
         self._conv_input: mx.array | None = None
         self._states: list[mx.array] | None = None
+        self._after: mx.array | None = None  # or the states after each row stacked [T, B, ...] (``record``'s ``after``)
         # A prompt chunk's snapshot edges inside it (offsets from the chunk's first row, ``arm``): the layer keeps
         # (conv window, recurrent state) after that many rows in ``captured`` (a prefix cache's snapshot there)
         self.capture_at: tuple[int, ...] = ()
@@ -381,16 +382,30 @@ class RollbackArraysCache(ArraysCache):
         """The next call (a prompt chunk) keeps its state after each of ``offsets`` rows (0 < offset < rows)."""
         self.capture_at, self.captured = tuple(sorted(offsets)), {}
 
-    def record(self, conv_input: mx.array, states: list[mx.array]) -> None:
-        """``states[0]`` is the state before the call, ``states[t]`` the state after row t."""
-        self._conv_input, self._states = conv_input, states
+    def record(self, conv_input: mx.array, states: list[mx.array], after: mx.array | None = None) -> None:
+        """``states[0]`` is the state before the call, ``states[t]`` the state after row t; or, with ``after``
+        (the states after each row stacked, [T, B, ...], as exo's GatedDeltaNet kernel writes them), ``states``
+        is ``[before]`` and the row a commit keeps is taken from ``after`` then: no graph node per row (on MLX
+        CUDA a verify call is the host's work, per node)."""
+        self._conv_input, self._states, self._after = conv_input, states, after
+
+    def _recorded_rows(self) -> int:
+        assert self._states is not None
+        return len(self._states) - 1 if self._after is None else self._after.shape[0]
+
+    def _state_after(self, r: int) -> mx.array:
+        """The recorded state after the first ``r`` rows (a view of ``after``'s row where stacked)."""
+        assert self._states is not None
+        if self._after is None or r == 0:
+            return self._states[r]
+        return self._after[r - 1 : r].reshape(self._after.shape[1:])
 
     def commit(self, rows: int | Sequence[int]) -> None:
         """Keep the state after the first ``rows`` rows (0: as before) of the last recorded call; in a batch,
         ``rows`` may give each sequence (batch row) its own count: its state is gathered from that row."""
         if self._states is None or self._conv_input is None:
             raise RuntimeError("commit() without a recorded verify call")
-        recorded_rows = len(self._states) - 1
+        recorded_rows = self._recorded_rows()
         n_keep = self._conv_input.shape[1] - recorded_rows
         counts = [rows] if isinstance(rows, int) else list(rows)
         if any(not 0 <= r <= recorded_rows for r in counts):
@@ -398,22 +413,22 @@ class RollbackArraysCache(ArraysCache):
         if isinstance(rows, int) or len(set(counts)) == 1:
             r = counts[0]
             self[0] = mx.contiguous(self._conv_input[:, r : r + n_keep])
-            self[1] = self._states[r]
+            self[1] = self._state_after(r)
         else:
             if len(counts) != self._conv_input.shape[0]:
                 raise ValueError(f"commit() of {len(counts)} sequences, the call had {self._conv_input.shape[0]}")
             self[0] = mx.concatenate([self._conv_input[b : b + 1, r : r + n_keep] for b, r in enumerate(counts)])
-            self[1] = mx.concatenate([self._states[r][b : b + 1] for b, r in enumerate(counts)])
+            self[1] = mx.concatenate([self._state_after(r)[b : b + 1] for b, r in enumerate(counts)])
         self.discard()
 
     def discard(self) -> None:
-        self._conv_input = self._states = None
+        self._conv_input = self._states = self._after = None
 
     def pending_arrays(self) -> list[mx.array]:
         """Arrays of the recorded call (to evaluate together with the verify outputs)."""
         if self._states is None or self._conv_input is None:
             return []
-        return [self._conv_input, *self._states]
+        return [self._conv_input, *self._states, *([] if self._after is None else [self._after])]
 
 
 # -- how a prompt's rows go through the recurrence ------------------------------------------------------
@@ -701,17 +716,19 @@ def _attn_kernel_applies(cache: Any, mask: Any, batch: int, rows: int) -> bool:
             and (mask is None or (isinstance(mask, str) and mask == "causal")))
 
 
-def use_attn_kernel(model: nn.Module) -> dict[str, str]:
-    """Give ``model``'s attention layers exo's decode-attention kernel where ``kernels.cuda_attn.check`` passes on
-    this device (one layer checked per shape); what was found per shape. ``EXO_ATTN_KERNEL``: ``1`` (default) on MLX
-    CUDA, nothing elsewhere; ``0`` nothing; ``always`` its reference anywhere."""
+def use_attn_kernel(model: nn.Module | Sequence[nn.Module]) -> dict[str, str]:
+    """Give the attention layers of ``model`` (or of each module: the backbone and the MTP head) exo's decode-attention
+    kernel where ``kernels.cuda_attn.check`` passes on this device (one layer checked per shape); what was found per
+    shape. ``EXO_ATTN_KERNEL``: ``1`` (default) on MLX CUDA, nothing elsewhere; ``0`` nothing; ``always`` its
+    reference anywhere."""
     from ..kernels import cuda_attn
 
     mode = cuda_attn.mode()
     if mode == "off" or (mode == "cuda" and not cuda_attn.on_cuda()):
         return {}
     shapes: dict[tuple[Any, ...], list[nn.Module]] = {}
-    for _, leaf in model.named_modules():
+    modules = [model] if isinstance(model, nn.Module) else list(model)
+    for _, leaf in (named for module in modules for named in module.named_modules()):
         if isinstance(leaf, Attention) and cuda_attn.supported(leaf):
             shapes.setdefault((leaf.num_attention_heads, leaf.num_key_value_heads, leaf.head_dim), []).append(leaf)
     found: dict[str, str] = {}
@@ -734,9 +751,13 @@ def _kernel_rows(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: m
     y, states = gdn_rows(layer, window, mixed_qkv, a, b, state)
     conv_input = mx.concatenate([window, mixed_qkv], axis=1)
     if _recording(cache):
-        cache.record(conv_input, [state, *(states[t] for t in range(S))])
-    cache[0] = mx.contiguous(conv_input[:, S:])
-    cache[1] = states[S - 1]
+        # The window and state stay the call's until its commit (every recorded call is committed, or restored
+        # by ``engine.ahead``'s snapshots, before the layer runs again): no node per row, none for the state
+        # after every row, which a commit keeping fewer rows never reads.
+        cache.record(conv_input, [state], after=states)
+    else:
+        cache[0] = mx.contiguous(conv_input[:, S:])
+        cache[1] = states[S - 1 : S].reshape(states.shape[1:])  # a view (``states[S - 1]`` would gather a copy)
     cache.advance(S)
     out = layer.norm(y, z)
     return layer.out_proj(out.reshape(B, S, -1))

@@ -9,6 +9,7 @@ from mlx_lm.models.qwen3_5 import DecoderLayer
 from mlx_lm.models.qwen3_next import Qwen3NextMLP
 
 from .backbone import SpeculativeBackbone, head_mlp
+from .layers import Attention
 
 ModelArgs = qwen3_5.ModelArgs
 
@@ -40,6 +41,7 @@ class Qwen35Backbone(SpeculativeBackbone):
 
     def make_head_layer(self, moe: bool) -> nn.Module:
         layer = DecoderLayer(self.text_args, self.full_attention_index)
+        layer.self_attn = Attention(self.text_args)  # exo's (fused projections, the decode-attention kernel)
         layer.mlp = head_mlp(self.text_args, moe, Qwen3NextMLP)
         return layer
 

@@ -8,7 +8,7 @@ from mlx_lm.models import qwen3_next
 from mlx_lm.models.qwen3_next import Qwen3NextDecoderLayer, Qwen3NextMLP
 
 from .backbone import SpeculativeBackbone, head_mlp
-from .layers import NextGatedDeltaNet
+from .layers import Attention, NextGatedDeltaNet
 
 
 class ModelArgs(qwen3_next.ModelArgs):
@@ -57,5 +57,6 @@ class Model(SpeculativeBackbone, qwen3_next.Model):
 
     def make_head_layer(self, moe: bool) -> nn.Module:
         layer = Qwen3NextDecoderLayer(self.args, self.full_attention_index)
+        layer.self_attn = Attention(self.args)  # exo's (fused projections, the decode-attention kernel)
         layer.mlp = head_mlp(self.args, moe, Qwen3NextMLP)
         return layer
