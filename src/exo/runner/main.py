@@ -354,9 +354,8 @@ def _load(args: argparse.Namespace, settings: Settings, state: RunnerState) -> t
     state.update("importing the engine", 0.02)
     from exo.cards import load_catalog
     from exo.engine import ResolvedModel
-    from exo.wire.proto_gen import node_pb2 as pb
-
     from exo.engine.memory import limit_buffer_cache
+    from exo.wire.proto_gen import node_pb2 as pb
 
     from .loading import load_for_serving
 
