@@ -222,6 +222,23 @@ def run(servers: list[Server], system: str, results: list[str], turns: int, max_
             server.stop()
 
 
+def gpu_memory() -> str:
+    """The GPU's memory in use and each process's (``nvidia-smi``), MiB; empty where there is none: which process
+    grows turn by turn when a long session runs out of device memory."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return ""
+    try:
+        total = subprocess.run([smi, "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"],
+                               capture_output=True, text=True, timeout=10).stdout.split()
+        apps = subprocess.run([smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=10).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    used = " ".join(total).replace(",", " of")
+    return f"GPU memory {used} MiB; by process " + ", ".join(a.replace(", ", ": ") for a in apps)
+
+
 def _session(servers: list[Server], system: str, messages: list[list[dict[str, str]]],
              outs: list[dict[str, Any]], results: list[str], turns: int, max_tokens: int) -> list[dict[str, Any]]:
     for server in servers:
@@ -245,6 +262,9 @@ def _session(servers: list[Server], system: str, messages: list[list[dict[str, s
         print(f"  turn {turn + 1}: TTFT " + ", ".join(
             f"cache {'on' if server.cache else 'off'} {outs[i]['turns'][-1]['ttft_s']:.3f} s"
             for i, server in enumerate(servers)), flush=True)  # as it goes: a run cut short keeps its turns
+        memory = gpu_memory()
+        if memory:
+            print(f"    {memory}", flush=True)
     other = [{"role": "system", "content": system},
              {"role": "user", "content": "Add a --verbose flag to the command line and document it."}]
     each(turns, lambda i: outs[i].__setitem__("new_conversation", servers[i].chat(other, max_tokens)))

@@ -172,6 +172,8 @@ for p in "$@"; do
     # where the host's time goes building a step's and a verify call's graph (cProfile; the step is host-bound there)
     # issue 50: the primitives a plain step and a round at K = 1..3 evaluate, by the engine function that evaluated
     # them (a host-bound step's cost is its primitives): what a round adds beyond the step
+    # issue 50's K = 1 target on a noisy host: K = 1 and 2 against plain at acceptance 0 and 0.8, 12 requests each
+    roundsk1) phase roundsk1 $PY bench/round_phases.py "$Q9" --replay 0.0,0.8 --depths 1 2 --repeats 3 --max-tokens 48 --no-adaptive ;;
     census) phase census $PY bench/round_phases.py "$Q9" --census --depths 1 2 3 --max-tokens ${CENSUS_TOKENS:-32} --no-adaptive ;;
     buildprof) phase buildprof $PY bench/build_profile.py "$Q9" --rows 1 2 4 --repeats 50 --top 30 ;;
     roundsahead) phase roundsahead $PY bench/round_phases.py "$Q9" --replay 0.6,0.8,0.9 --depths 1 2 3 --repeats 1 \
