@@ -262,9 +262,11 @@ def _session(servers: list[Server], system: str, messages: list[list[dict[str, s
         print(f"  turn {turn + 1}: TTFT " + ", ".join(
             f"cache {'on' if server.cache else 'off'} {outs[i]['turns'][-1]['ttft_s']:.3f} s"
             for i, server in enumerate(servers)), flush=True)  # as it goes: a run cut short keeps its turns
+        mlx = "; ".join(f"cache {'on' if server.cache else 'off'} " + ", ".join(
+            f"{kind} {server.metric('exo_device_memory_bytes', kind=kind) / 2**30:.1f}" for kind in ("active", "cache", "peak"))
+            for server in servers)
         memory = gpu_memory()
-        if memory:
-            print(f"    {memory}", flush=True)
+        print(f"    MLX's memory in each runner (GiB): {mlx}" + (f"\n    {memory}" if memory else ""), flush=True)
     other = [{"role": "system", "content": system},
              {"role": "user", "content": "Add a --verbose flag to the command line and document it."}]
     each(turns, lambda i: outs[i].__setitem__("new_conversation", servers[i].chat(other, max_tokens)))

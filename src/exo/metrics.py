@@ -89,6 +89,11 @@ class Metrics:
             "memory or disk, an unreadable entry): each a miss or a skipped store, never a failed request",
             ["model"], registry=r,
         )
+        self.device_memory = Gauge(
+            "exo_device_memory_bytes", "MLX's memory in the process that ran the model's last generation (kind: "
+            "active, cache = freed buffers kept for reuse, peak = the most active since that process started)",
+            ["model", "kind"], registry=r,
+        )
         self._prefix_totals: dict[str, list[int]] = {}
         self._lock = threading.Lock()
         self._mtp_totals: dict[str, list[int]] = {}
@@ -109,6 +114,8 @@ class Metrics:
             self.batch_size.observe(1)
         if stats.prefix_cache is not None:
             self._record_prefix(model, stats)
+        for kind, value in (stats.device_memory or {}).items():
+            self.device_memory.labels(model, kind.removesuffix("_bytes")).set(value)
         if stats.drafted_tokens:
             self.drafted.labels(model).inc(stats.drafted_tokens)
             self.accepted.labels(model).inc(stats.accepted_tokens)

@@ -217,3 +217,7 @@ def test_health_and_metrics(server):
     ):
         assert name in text, name
     assert server.metric("exo_completion_tokens_total", model=server.model) > 0
+    # MLX's memory in the process that ran the last generation (its runner): the weights at least are active
+    active = server.metric("exo_device_memory_bytes", model=server.model, kind="active")
+    peak = server.metric("exo_device_memory_bytes", model=server.model, kind="peak")
+    assert 0 < active <= peak and server.metric("exo_device_memory_bytes", model=server.model, kind="cache") >= 0

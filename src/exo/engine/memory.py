@@ -26,6 +26,13 @@ ALLOCATION_FAILURES = ("out of memory", "unable to allocate", "[metal::malloc]",
 CUDA_CACHE_SHARE = 8  # on MLX CUDA: an eighth of the device's memory (an H200: ~17 GiB)
 
 
+def figures() -> dict[str, int]:
+    """MLX's memory in this process: what arrays hold (``active_bytes``), the freed buffers it keeps for reuse
+    (``cache_bytes``), the most arrays held at once since the process started (``peak_bytes``)."""
+    return {"active_bytes": int(mx.get_active_memory()), "cache_bytes": int(mx.get_cache_memory()),
+            "peak_bytes": int(mx.get_peak_memory())}
+
+
 def limit_buffer_cache(limit_bytes: int | None = None) -> int | None:
     """Bound MLX's cache of freed buffers for this process (``EXO_MLX_CACHE_BYTES``): ``limit_bytes``, or by
     default on MLX CUDA an eighth of the device's memory (elsewhere MLX's default stays: unmeasured on Apple GPUs,

@@ -27,6 +27,7 @@ from mlx_lm.models.cache import KVCache
 from .adaptive import DepthPolicy
 from .choice import Choice
 from .head_rows import HeadRows
+from .memory import figures as memory_figures
 from .memory import out_of_memory
 from .output import LogprobRows, Output
 from .prefix_cache import NoPlan, PrefillPlan
@@ -317,6 +318,7 @@ class SequenceState:
             cached_tokens=self.prefilled,
             prefix_cache=self.engine.prefix_cache.figures() if self.engine.prefix_cache is not None else None,
             ttft_s=self.stats.first_time - self.stats.started, decode_s=time.perf_counter() - self.stats.first_time,
+            device_memory=memory_figures(),
         )
         final = self.output.chunk() or GenerationChunk("", [], self.output.finish)
         final.finish_reason = self.output.finish

@@ -41,6 +41,9 @@ class NativeMTPStats(BaseModel):
     profile_ms: dict[str, float] | None = None  # time per round phase, with EXO_ENGINE_PROFILE=1
     # Tokens this request decoded in a batch, per batch size (empty: it ran alone).
     batch_sizes: dict[int, int] = Field(default_factory=dict)
+    # MLX's memory in the process that ran the request, at its end (``engine.memory.figures``): active_bytes,
+    # cache_bytes (freed buffers kept for reuse), peak_bytes (the most active since the process started).
+    device_memory: dict[str, int] | None = None
 
 
 class StatsRecorder:
@@ -141,7 +144,7 @@ class SequenceStats:
 
     def report(self, *, policy: Any, reason: str | None, tracked: bool, stages: int, mode: str, prompt_tokens: int,
                completion_tokens: int, cached_tokens: int, prefix_cache: dict[str, int] | None,
-               ttft_s: float, decode_s: float) -> NativeMTPStats:
+               ttft_s: float, decode_s: float, device_memory: dict[str, int] | None = None) -> NativeMTPStats:
         """The final ``NativeMTPStats`` (``policy``: the sequence's ``DepthPolicy``, None without MTP;
         ``tracked``: whether its head was fed; ``mode``: how the model is split, ``Forward.mode``)."""
         rec = self.recorder
@@ -193,4 +196,5 @@ class SequenceStats:
             prefix_cache=prefix_cache,
             costs=costs,
             batch_sizes=dict(sorted(self.batch_sizes.items())),
+            device_memory=device_memory,
         )
