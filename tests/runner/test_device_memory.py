@@ -105,8 +105,10 @@ def test_mlx_s_buffer_cache_is_bounded_where_asked(monkeypatch):
     assert memory.limit_buffer_cache(None) is None and calls == []  # MLX's CPU backend: unchanged
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
     monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
-    monkeypatch.setattr(mx, "device_info", lambda *a: {"memory_size": 144 << 30})
+    monkeypatch.setattr(mx, "device_info", lambda *a: {"total_memory": 144 << 30, "free_memory": 1})  # CUDA's keys
     assert memory.limit_buffer_cache(None) == 18 << 30 and calls == [18 << 30]
+    monkeypatch.setattr(mx, "device_info", lambda *a: {"memory_size": 64 << 30})  # Metal's
+    assert memory.device_memory_bytes() == 64 << 30
 
 
 def test_the_node_serves_the_others_while_one_prompt_runs_out_of_memory(checkpoint, failing_eval):

@@ -26,6 +26,13 @@ ALLOCATION_FAILURES = ("out of memory", "unable to allocate", "[metal::malloc]",
 CUDA_CACHE_SHARE = 8  # on MLX CUDA: an eighth of the device's memory (an H200: ~17 GiB)
 
 
+def device_memory_bytes() -> int:
+    """The default device's memory (0: unknown). MLX names it ``memory_size`` on Metal and ``total_memory`` on
+    CUDA (``mx.device_info``): read as ``memory_size`` alone, an H200 had none, and its runners' caches no bound."""
+    info = mx.device_info()
+    return int(info.get("memory_size") or info.get("total_memory") or 0)
+
+
 def figures() -> dict[str, int]:
     """MLX's memory in this process: what arrays hold (``active_bytes``), the freed buffers it keeps for reuse
     (``cache_bytes``), the most arrays held at once since the process started (``peak_bytes``)."""
@@ -40,7 +47,7 @@ def limit_buffer_cache(limit_bytes: int | None = None) -> int | None:
     if limit_bytes is None:
         if not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
             return None
-        total = int(mx.device_info().get("memory_size", 0))
+        total = device_memory_bytes()
         if not total:
             return None
         limit_bytes = total // CUDA_CACHE_SHARE

@@ -36,6 +36,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..memory import device_memory_bytes
+
 MIN_ROWS = 512  # rows of a call from which a layer may run dense (H200: the 9B's large layers 1.4-2.2x at 512)
 MIN_WORK = 2**33  # rows x outputs x inputs: 512 rows of a 16M-weight layer, 2,048 of a 4M one (both faster)
 CHECK_TOLERANCE = 0.05  # relative, as layers.SORTED_EXPERTS_TOLERANCE: bfloat16 rounding of two paths ~6e-3
@@ -156,9 +158,9 @@ def check_experts(block: Any, pairs: int, reference: Callable[..., mx.array]) ->
     down = switch.down_proj
     experts, dtype = down.num_experts, down.scales.dtype
     transient = experts * down.input_dims * down.output_dims * dtype.size  # one projection's dense experts
-    info = mx.device_info()
-    left = int(info.get("memory_size", 0)) - mx.get_active_memory()
-    if info.get("memory_size") and transient > HEADROOM_SHARE * left:
+    total = device_memory_bytes()
+    left = total - mx.get_active_memory()
+    if total and transient > HEADROOM_SHARE * left:
         return False, f"one projection's dense experts ({transient / 2**30:.2f} GiB) exceed {HEADROOM_SHARE:.0%} " \
                       f"of the memory left ({left / 2**30:.1f} GiB)"
     top_k = min(block.top_k, experts)
