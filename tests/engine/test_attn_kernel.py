@@ -104,3 +104,32 @@ def test_exo_attn_kernel_is_on_by_default_on_mlx_cuda_only(checkpoint, monkeypat
     monkeypatch.setenv("EXO_ATTN_KERNEL", "always")
     assert use_attn_kernel(loaded.model)
     assert layers.ATTN_KERNEL_ON
+
+
+def test_batch_invariant_steps_attend_each_sequence_through_the_kernel(checkpoint, monkeypatch):
+    """EXO_BATCH_INVARIANT's batched steps attend each sequence as its solo step does: through the kernel where
+    the solo step takes it (on an H200 the invariant mode's B = 8 differed from solo at its first tokens while its
+    sequences attended through MLX's attention and their solo steps through the kernel), over the sequence's keys
+    from its position 0 (the same chunks)."""
+    monkeypatch.setenv("EXO_ATTN_KERNEL", "always")
+    loaded = dataclasses.replace(load_checkpoint(checkpoint("qwen3_5", layout="mlx_sidecar", head="trained",
+                                                            dtype="bfloat16")), eos_token_ids=frozenset())
+    engine = Engine(loaded, EngineConfig(prefill_chunk=8, batch_invariant=True))
+    calls: list[str] = []
+    attend = cuda_attn.attend_rows
+
+    def counted(q, *a):
+        import sys
+
+        calls.append(sys._getframe(1).f_code.co_name)  # noqa: SLF001
+        return attend(q, *a)
+
+    monkeypatch.setattr(cuda_attn, "attend_rows", counted)
+    from tests.engine.test_batch import _request, _run_batch, _solo
+
+    requests = [_request(engine, i, max_tokens=10, native_mtp="off") for i in range(3)]
+    solo = [_solo(engine, request).token_ids for request in requests]
+    calls.clear()
+    got = _run_batch(engine, requests, join_at=[0, 0, 2])
+    assert [g[0] for g in got.values()] == solo
+    assert "_per_sequence" in calls  # the batched steps' attention, sequence by sequence, through the kernel

@@ -1150,9 +1150,14 @@ class Attention(Qwen3NextAttention):
         queries, keys, values, gate = self._project(x, cache)
         end = keys.shape[2]
         outputs = []
+        from ..kernels.cuda_attn import MAX_ROWS, attend_rows
+
+        kernel = self.attn_kernel and ATTN_KERNEL_ON and L <= MAX_ROWS
         for b in range(B):
             q, k, v = queries[b : b + 1], keys[b : b + 1, :, pads[b] :], values[b : b + 1, :, pads[b] :]
-            if L == 1:
+            if kernel:  # as the solo call attends (exo's kernel): its keys from position 0, so the same chunks
+                outputs.append(attend_rows(q, k, v, k.shape[2], self.scale))
+            elif L == 1:
                 outputs.append(self.attend(q, k, v, None, None))
             elif self.per_row:
                 before = end - pads[b] - L
