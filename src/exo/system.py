@@ -1,6 +1,7 @@
 """What a node has: memory (total, available), chip or CPU model, MLX backend, free disk, where it keeps compiled kernels.
 
-Read from the OS without extra dependencies: /proc on Linux, sysctl and vm_stat on macOS.
+Read from the OS without extra dependencies: /proc on Linux, sysctl and vm_stat on macOS, ``nvidia-smi`` for an MLX
+CUDA node's GPU memory.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ class Memory:
 
 
 def memory(budget: int | None = None) -> Memory:
-    """The machine's memory; with a ``budget`` (``memory_budget_bytes``), at most that much of it."""
-    mem = _os_memory()
+    """The memory models get on this node: the machine's, or on an MLX CUDA node its GPU's (the one MLX runs on:
+    the first of ``CUDA_VISIBLE_DEVICES``), whatever the host has; with a ``budget`` (``memory_budget_bytes``), at
+    most that much of it."""
+    mem = (_gpu_memory() if backend() == "cuda" else None) or _os_memory()
     if budget is None:
         return mem
     return Memory(min(mem.total_bytes, budget), min(mem.available_bytes, budget))
@@ -44,6 +47,25 @@ def _os_memory() -> Memory:
         return Memory(total, _darwin_available(total))
     pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
     return Memory(pages * size, pages * size)
+
+
+def _gpu_memory() -> Memory | None:
+    """The memory of the GPU MLX CUDA runs on, from ``nvidia-smi`` (None: not readable). Placement counts a model's
+    weights and KV against it: on a 24 GB GPU in a 128 GB host, the host's memory would admit models the GPU
+    cannot hold."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    argv = [smi, "--query-gpu=memory.total,memory.free", "--format=csv,noheader,nounits"]
+    if visible:
+        argv += ["-i", visible]
+    try:
+        line = subprocess.run(argv, capture_output=True, text=True, timeout=5).stdout.strip().splitlines()[0]
+        total, free = (int(float(v)) << 20 for v in line.split(","))  # MiB
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return None
+    return Memory(total, min(free, total)) if total > 0 else None
 
 
 def _darwin_available(total: int) -> int:
