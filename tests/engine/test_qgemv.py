@@ -204,3 +204,31 @@ def test_calls_up_to_call_rows_take_the_kernel_and_longer_ones_mlx(monkeypatch):
     layer.exact_verify = True
     layer(mx.zeros((1, 4 * rows, 128), dtype=mx.bfloat16))
     assert taken[-1] == 4 * rows
+
+
+def test_a_verify_call_sets_only_the_flags_it_changes(checkpoint, qgemv_everywhere, monkeypatch):
+    """Around a verify call the backbone's flags (MoE routing, exact rows on the kernel, attention per row) are set
+    where they change: a call of at most ``CALL_ROWS`` rows (one sequence's K + 1) leaves the kernel's layers
+    alone (the kernel takes every such row anyway), a larger one (a batch's rounds) flags them all and the end
+    of the call clears them; the MoE blocks are locked and unlocked with every call."""
+    from exo.engine.models.layers import SparseMoeBlock
+
+    loaded = load_checkpoint(checkpoint("qwen3_5_moe", layout="mlx_q4_sidecar", head="trained", dtype="bfloat16"))
+    model = loaded.model
+    qgemv = [m for _, m in model.named_modules() if isinstance(m, QGemvLinear)]
+    blocks = [m for _, m in model.named_modules() if isinstance(m, SparseMoeBlock)]
+    assert qgemv and blocks
+    writes: list[str] = []
+    real = QGemvLinear.__setattr__
+    monkeypatch.setattr(QGemvLinear, "__setattr__", lambda self, k, v: writes.append(k) or real(self, k, v))
+    model.set_verify_mode("route_locked", False, rows=cuda_qgemv.CALL_ROWS)
+    assert all(b.verify_mode == "route_locked" for b in blocks) and not writes
+    assert not any(m.exact_verify for m in qgemv)
+    model.set_verify_mode(None, False)
+    assert all(b.verify_mode is None for b in blocks) and not writes
+    model.set_verify_mode("route_locked", False, rows=cuda_qgemv.CALL_ROWS + 1)
+    assert all(m.exact_verify for m in qgemv) and len(writes) == len(qgemv)
+    model.set_verify_mode(None, False)
+    assert not any(m.exact_verify for m in qgemv) and len(writes) == 2 * len(qgemv)
+    model.set_verify_mode(None, False)  # nothing changes: nothing is written
+    assert len(writes) == 2 * len(qgemv)

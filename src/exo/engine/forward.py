@@ -120,21 +120,22 @@ class Forward(Protocol):
         ...
 
 
-def verify_call(model: SpeculativeBackbone, cache: list[Any], mode: VerifyMode):
+def verify_call(model: SpeculativeBackbone, cache: list[Any], mode: VerifyMode, rows: int | None = None):
     """Context for building one verify call on a model's (stage's) layers: GatedDeltaNet recording,
-    MoE routing locked, attention per row where this device needs it (``verify.probe``)."""
-    return _VerifyCall(model, cache, mode)
+    MoE routing locked, attention per row where this device needs it (``verify.probe``); ``rows``: the call's
+    rows, all sequences together (None: unknown)."""
+    return _VerifyCall(model, cache, mode, rows)
 
 
 class _VerifyCall:
-    def __init__(self, model: SpeculativeBackbone, cache: list[Any], mode: VerifyMode) -> None:
-        self.model, self.cache, self.mode = model, cache, mode
+    def __init__(self, model: SpeculativeBackbone, cache: list[Any], mode: VerifyMode, rows: int | None) -> None:
+        self.model, self.cache, self.mode, self.rows = model, cache, mode, rows
 
     def __enter__(self) -> None:
         for c in self.cache:
             if isinstance(c, RollbackArraysCache):
                 c.recording = True
-        self.model.set_verify_mode(self.mode.moe, self.mode.per_row_attention)
+        self.model.set_verify_mode(self.mode.moe, self.mode.per_row_attention, self.rows)
 
     def __exit__(self, *exc: object) -> None:
         self.model.set_verify_mode(None, False)
@@ -186,7 +187,7 @@ class LocalForward:
         as it is built (``verify_eval_every``), it may never run."""
         if not verify:
             return self.model.stage_hidden(tokens, cache, eval_every=prompt_eval_every(tokens.size))
-        with verify_call(self.model, cache, self.verify):
+        with verify_call(self.model, cache, self.verify, tokens.size):
             return self.model.stage_hidden(tokens, cache, eval_every=0 if lazy else verify_eval_every())
 
     def rollback(self, cache: list[Any], rows: int, kept: int) -> None:

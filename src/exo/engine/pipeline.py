@@ -395,7 +395,7 @@ class PipelineForward:
         self.bytes_received += batch * rows * self.model.hidden_size * self.dtype.size
         if not verify:
             return self.model.stage_hidden(h, cache)
-        with verify_call(self.model, cache, self.verify):
+        with verify_call(self.model, cache, self.verify, batch * rows):
             return self.model.stage_hidden(h, cache)
 
     @_one_exchange
@@ -737,7 +737,7 @@ def serve_member(
                 if verify is None:
                     h = model.stage_hidden(x, cache)
                 else:
-                    with verify_call(model, cache, verify):
+                    with verify_call(model, cache, verify, x.shape[0] * x.shape[1]):
                         h = model.stage_hidden(x, cache)
             finally:
                 if header.invariant:

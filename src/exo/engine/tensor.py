@@ -110,7 +110,7 @@ class TensorForward(PipelineForward):
             if not verify:
                 h = self.model.stage_hidden(ids, cache)
             else:
-                with verify_call(self.model, cache, self.verify):
+                with verify_call(self.model, cache, self.verify, batch * rows):
                     h = self.model.stage_hidden(ids, cache, eval_every=verify_eval_every())
         mx.async_eval(h)  # (a step the loop builds and drops, e.g. past a finished sequence, still runs everywhere)
         return h

@@ -178,6 +178,8 @@ class SpeculativeBackbone:
         for linear in linears:
             make_rowwise(linear)
         object.__setattr__(self, "_rowwise_linears", tuple(linears))  # not a child module: no parameters
+        for linear in linears:
+            linear.per_row = self.__dict__.get("_verify_state", (None,))[0] is not None
 
     def set_batch_invariant(self, on: bool) -> None:
         """Around a batch's step (``EngineConfig.batch_invariant``): every bias-free linear layer computes each
@@ -222,19 +224,51 @@ class SpeculativeBackbone:
     def is_moe(self) -> bool:
         return any(True for _ in self.moe_blocks())
 
-    def set_verify_mode(self, moe: MoEVerifyMode | None, per_row_attention: bool = False) -> None:
+    def set_verify_mode(self, moe: MoEVerifyMode | None, per_row_attention: bool = False,
+                        rows: int | None = None) -> None:
         """Around a verify call: lock MoE routing (``moe``), attend row by row (``per_row_attention``), and
         run the linear layers that ``verify.probe`` found row-count-sensitive row by row (``moe`` set: a
-        verify call is on; None: it is over)."""
-        for block in self.moe_blocks():
-            block.verify_mode = moe
-        for linear in self.__dict__.get("_rowwise_linears", ()):
-            linear.per_row = moe is not None
-        for linear in self._qgemv_linears():
-            linear.exact_verify = moe is not None
-        for layer in self.stage_layers:
-            if isinstance(getattr(layer, "self_attn", None), Attention):
-                layer.self_attn.per_row = per_row_attention
+        verify call is on; None: it is over). ``rows``: the call's rows (None: unknown); exo's quantized kernel
+        takes every row of a call anyway up to ``cuda_qgemv.CALL_ROWS``, so only a larger call flags its layers.
+
+        Only what changes is set: a round sets the mode and clears it, and at 9B a pass over every flag of
+        every layer cost ~0.45 ms of the host's time each way on an H200 (``bench/build_profile.py``), serial
+        in each round where a plain step pays nothing. The flags are the models' own (set only here; a test
+        that sets one by hand puts it back)."""
+        from ..kernels.cuda_qgemv import CALL_ROWS
+
+        on = moe is not None
+        want = (moe, on and per_row_attention, on and (rows is None or rows > CALL_ROWS))
+        had = self.__dict__.get("_verify_state", (None, False, False))
+        if want == had:
+            return
+        if want[0] != had[0]:
+            for block in self._moe_blocks():
+                block.verify_mode = moe
+            for linear in self.__dict__.get("_rowwise_linears", ()):
+                linear.per_row = on
+        if want[2] != had[2]:
+            for linear in self._qgemv_linears():
+                linear.exact_verify = want[2]
+        if want[1] != had[1]:
+            for attention in self._attention_layers():
+                attention.per_row = want[1]
+        object.__setattr__(self, "_verify_state", want)  # (not a child module)
+
+    def _moe_blocks(self) -> tuple[SparseMoeBlock, ...]:
+        found = self.__dict__.get("_moe_found")
+        if found is None:
+            found = tuple(self.moe_blocks())
+            object.__setattr__(self, "_moe_found", found)
+        return found
+
+    def _attention_layers(self) -> tuple[Attention, ...]:
+        found = self.__dict__.get("_attention_found")
+        if found is None:
+            found = tuple(layer.self_attn for layer in self.stage_layers
+                          if isinstance(getattr(layer, "self_attn", None), Attention))
+            object.__setattr__(self, "_attention_found", found)
+        return found
 
     # -- MTP head ------------------------------------------------------------------------------------
     @property
