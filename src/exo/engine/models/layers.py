@@ -364,6 +364,13 @@ def make_rowwise(module: nn.Module) -> None:
     module.__class__ = _ROWWISE_CLASSES[cls]
 
 
+def _window(rows: mx.array) -> mx.array:
+    """A decode-sized call's next conv window, cut from its small conv input: one sequence's rows are contiguous
+    already (a view, no node beyond the slice: a step is the host's work per node on MLX CUDA); a batch's are
+    copied contiguous."""
+    return rows if rows.shape[0] == 1 else mx.contiguous(rows)
+
+
 class RollbackArraysCache(ArraysCache):
     """GatedDeltaNet cache ([0] conv window, [1] recurrent state) that can keep a verified prefix."""
 
@@ -412,7 +419,7 @@ class RollbackArraysCache(ArraysCache):
             raise ValueError(f"commit({rows}) outside 0..{recorded_rows}")
         if isinstance(rows, int) or len(set(counts)) == 1:
             r = counts[0]
-            self[0] = mx.contiguous(self._conv_input[:, r : r + n_keep])
+            self[0] = _window(self._conv_input[:, r : r + n_keep])
             self[1] = self._state_after(r)
         else:
             if len(counts) != self._conv_input.shape[0]:
@@ -756,7 +763,7 @@ def _kernel_rows(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: m
         # after every row, which a commit keeping fewer rows never reads.
         cache.record(conv_input, [state], after=states)
     else:
-        cache[0] = mx.contiguous(conv_input[:, S:])
+        cache[0] = _window(conv_input[:, S:])
         cache[1] = states[S - 1 : S].reshape(states.shape[1:])  # a view (``states[S - 1]`` would gather a copy)
     cache.advance(S)
     out = layer.norm(y, z)
