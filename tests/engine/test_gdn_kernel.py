@@ -11,6 +11,7 @@ rejected drafts roll the recorded states back) gives plain decoding's tokens.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import mlx.core as mx
 import pytest
@@ -101,7 +102,6 @@ def test_the_kernel_s_states_are_kept_as_views_not_per_row_nodes(checkpoint, mon
     before = (cache[0], cache[1])
     mx.eval(layer(x[:, 3:4], cache=cache))
     assert cache[1] is not before[1] and "Gather" not in _kinds(cache[1])  # the step's state: reshape of a slice
-    assert "Contiguous" not in _kinds(cache[0])  # one sequence's next window: a view of its conv input
     counts = {}
     for rows in (2, 4):
         cache = RollbackArraysCache()
@@ -114,7 +114,9 @@ def test_the_kernel_s_states_are_kept_as_views_not_per_row_nodes(checkpoint, mon
         assert len(pending) == 3  # the conv input, the state before, the states after each row (stacked)
         counts[rows] = (len(_kinds(out, *pending)), _kinds(out, *pending).count("Gather"))
         cache.commit(rows - 1)
-        assert "Gather" not in _kinds(cache[1]) and "Contiguous" not in _kinds(cache[0])
+        assert "Gather" not in _kinds(cache[1])
+        # one sequence's next window: a slice of the call's conv input, nothing more (no copy)
+        assert Counter(_kinds(cache[0])) - Counter(_kinds(pending[0])) == Counter({"Slice": 1})
     # (the CPU's stand-in computes each row with mlx-lm's ops: its nodes grow with the rows; the wiring's do not)
     assert counts[4][1] == counts[2][1]
 
