@@ -94,6 +94,7 @@ def test_every_field_from_env(home: Path) -> None:
             EXO_GDN_PREFILL="loop",
             EXO_OFFLINE="1",
             EXO_MEMORY_BUDGET_BYTES=str(16 << 30),
+            EXO_MLX_CACHE_BYTES=str(4 << 30),
             EXO_PREFIX_CACHE_ENABLED="0",
             EXO_PREFIX_CACHE_RAM_BYTES=str(1 << 30),
             EXO_PREFIX_CACHE_DISK_BYTES="0",
@@ -123,7 +124,7 @@ def test_every_field_from_env(home: Path) -> None:
     assert s.batch_lanes == 3 and s.batch_prefill_chunk == 16
     assert (s.prefix_cache_enabled, s.prefix_cache_ram_bytes, s.prefix_cache_disk_bytes) == (False, 1 << 30, 0)
     assert (s.prefix_cache_block_tokens, s.prefix_cache_stride_tokens) == (128, 4096)
-    assert s.tensor_backend == "nccl"
+    assert s.tensor_backend == "nccl" and s.mlx_cache_bytes == 4 << 30
     assert all(s.source(f) == "env" for f in Settings.model_fields)
 
 
