@@ -102,3 +102,31 @@ def test_only_whole_prompts_from_the_start_on_one_node_go_together(checkpoint):
         prefill_together([run, engine.start(requests[1])])
     invariant = fresh_engine(checkpoint("qwen3_5", dtype="float32"), batch_invariant=True)
     assert not can_prefill_together(invariant)
+
+
+def test_running_out_of_memory_while_prefilling_together_is_the_typed_error(checkpoint, monkeypatch):
+    """Prompts prefilled as rows of one call: an allocation failure inside the forward (a GPU's forward evaluates
+    layers as it builds them) is ``DeviceMemoryError`` (507 ``insufficient_memory``), not MLX's raw error; the
+    engine prefills the same prompts afterwards."""
+    import sys
+
+    from exo.engine import DeviceMemoryError
+    from exo.engine import forward as forward_module
+
+    engine = fresh_engine(checkpoint("qwen3_5", dtype="float32"), eos=False)
+    requests = _requests(engine, native_mtp="off")
+    monkeypatch.setattr(forward_module, "prompt_eval_every", lambda rows: 1)
+    real = mx.async_eval
+
+    def failing(*args):
+        if sys._getframe(1).f_code.co_name == "stage_hidden":  # noqa: SLF001 - the forward's own evaluations
+            raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
+        return real(*args)
+
+    monkeypatch.setattr(mx, "async_eval", failing)
+    with pytest.raises(DeviceMemoryError, match=f"prefilling {len(requests)} prompts"):
+        prefill_together([engine.start(r) for r in requests])
+    monkeypatch.setattr(mx, "async_eval", real)
+    runs = [engine.start(r) for r in requests]
+    prefill_together(runs)
+    assert all(list(run.first_token()) for run in runs)

@@ -28,6 +28,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from .generate import Engine
+from .memory import out_of_memory
 from .models.layers import RollbackArraysCache
 from .sequence import SequenceState
 
@@ -55,7 +56,8 @@ def prefill_together(runs: list[SequenceState]) -> None:
     for c in cache:
         if isinstance(c, RollbackArraysCache):
             c.lengths = mx.array(lengths)  # each row's own length: the padding after it leaves its state
-    hidden = engine.forward.hidden(tokens, cache)
+    with out_of_memory(f"prefilling {len(runs)} prompts of up to {longest} tokens together"):
+        hidden = engine.forward.hidden(tokens, cache)  # (a GPU's forward evaluates layers as it builds them)
     for b, (run, n) in enumerate(zip(runs, lengths, strict=True)):
         run.prefill_with(_row(cache, b, n), hidden[b : b + 1, :n], started)
 
