@@ -144,3 +144,55 @@ def test_the_node_serves_the_others_while_one_prompt_runs_out_of_memory(checkpoi
         tokens = [t for item in items[i] if hasattr(item, "token_ids") for t in item.token_ids]
         solo = fresh_engine(checkpoint("qwen3_5", dtype="float32"), eos=False).complete(_greedy(prompts[i])).token_ids
         assert finishes[i] == "length" and tokens == solo, i
+
+
+def test_a_batch_step_that_runs_out_of_memory_fails_its_members_typed_and_the_node_serves_on(checkpoint, monkeypatch):
+    """A batched decode step whose allocation fails: its members end with ``Failed(DeviceMemoryError)`` (507, not
+    MLX's raw error), and the next request decodes its solo output."""
+    from exo.engine.batch import BatchLanes
+
+    engine = fresh_engine(checkpoint("qwen3_5", dtype="float32"), eos=False)
+    real = BatchLanes.step
+    steps = [0]
+
+    def step(self):
+        steps[0] += 1
+        if steps[0] == 3:
+            raise RuntimeError(CUDA_OOM)
+        return real(self)
+
+    monkeypatch.setattr(BatchLanes, "step", step)
+    device = Device(8, max_batch=4)
+    prompts = [list(range(10, 30)), list(range(40, 55))]
+    items: list[list] = [[] for _ in prompts]
+    finishes: dict[int, str] = {}
+    done = threading.Event()
+
+    def on_done(i: int):
+        def record(finish, stats, queue_s, device_s) -> None:
+            finishes[i] = finish
+            if len(finishes) == len(prompts):
+                done.set()
+        return record
+
+    for i, prompt in enumerate(prompts):
+        params = GenerateParams(max_tokens=12, default_max_tokens=12, native_mtp="off")
+        device.submit(GenerationJob(device, lambda: engine, Prompt(token_ids=prompt), params, items[i].append,
+                                    timeout_s=600, on_done=on_done(i)))
+    thread = threading.Thread(target=device.serve, daemon=True)
+    thread.start()
+    assert done.wait(300), finishes
+    failed = [item for i in range(len(prompts)) for item in items[i] if isinstance(item, Failed)]
+    assert failed and all(isinstance(f.error, DeviceMemoryError) for f in failed)
+    assert "decoding a batch" in str(failed[0].error)
+    after: list = []
+    finished = threading.Event()
+    params = GenerateParams(max_tokens=12, default_max_tokens=12, native_mtp="off")
+    device.submit(GenerationJob(device, lambda: engine, Prompt(token_ids=prompts[0]), params, after.append,
+                                timeout_s=600, on_done=lambda *a: finished.set()))
+    assert finished.wait(300)
+    device.close()
+    thread.join(60)
+    tokens = [t for item in after if hasattr(item, "token_ids") for t in item.token_ids]
+    solo = fresh_engine(checkpoint("qwen3_5", dtype="float32"), eos=False).complete(_greedy(prompts[0])).token_ids
+    assert tokens == solo

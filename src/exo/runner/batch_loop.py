@@ -81,7 +81,7 @@ class BatchLoop:
                     continue
                 return
             try:
-                results = self.batch.step()
+                results = self._step()
             except Exception as e:
                 self._fail_all(e)
                 return
@@ -264,6 +264,14 @@ class BatchLoop:
             job.fail(failed)
         job.end()
         self.device.finished(job)
+
+    def _step(self) -> Any:
+        """The batch's step; a device that runs out of memory for it fails its members with the typed error (507
+        ``insufficient_memory``) and hands MLX's cache of free buffers back (``engine.memory``)."""
+        from exo.engine.memory import out_of_memory
+
+        with out_of_memory(f"decoding a batch of {len(self.batch)}"):
+            return self.batch.step()
 
     def _fail_all(self, error: BaseException) -> None:
         """The batch failed (a step, or a member's leaving): every member and newcomer ends with ``error``."""
