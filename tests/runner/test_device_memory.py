@@ -111,12 +111,9 @@ def test_mlx_s_buffer_cache_is_bounded_where_asked(monkeypatch):
     assert memory.device_memory_bytes() == 64 << 30
 
 
-def test_the_node_serves_the_others_while_one_prompt_runs_out_of_memory(checkpoint, failing_eval):
-    """On the device queue: the huge prompt's job ends with ``Failed(DeviceMemoryError)``; the jobs around
-    it (one before it, running, and one after) finish with their solo output."""
-    engine = fresh_engine(checkpoint("qwen3_5", dtype="float32"), eos=False, prefill_chunk=32, batch_prefill_chunk=32)
-    device = Device(8, max_batch=4)
-    prompts = [list(range(10, 30)), list(range(3, 3 + 2 * HUGE)), list(range(40, 55))]
+def _generate(device: Device, engine, prompts: list[list[int]]) -> tuple[list[list], dict[int, str]]:
+    """Greedy 12-token jobs of ``prompts`` on ``device`` (served by a thread), waited for: each job's items and
+    finish reason."""
     items: list[list] = [[] for _ in prompts]
     finishes: dict[int, str] = {}
     done = threading.Event()
@@ -125,7 +122,6 @@ def test_the_node_serves_the_others_while_one_prompt_runs_out_of_memory(checkpoi
         def record(finish, stats, queue_s, device_s) -> None:
             finishes[i] = finish
             if len(finishes) == len(prompts):
-                device.close()
                 done.set()
         return record
 
@@ -133,17 +129,31 @@ def test_the_node_serves_the_others_while_one_prompt_runs_out_of_memory(checkpoi
         params = GenerateParams(max_tokens=12, default_max_tokens=12, native_mtp="off")
         device.submit(GenerationJob(device, lambda: engine, Prompt(token_ids=prompt), params, items[i].append,
                                     timeout_s=600, on_done=on_done(i)))
+    assert done.wait(300), finishes
+    return items, finishes
+
+
+def _tokens(items: list) -> list[int]:
+    return [t for item in items if hasattr(item, "token_ids") for t in item.token_ids]
+
+
+def test_the_node_serves_the_others_while_one_prompt_runs_out_of_memory(checkpoint, failing_eval):
+    """On the device queue: the huge prompt's job ends with ``Failed(DeviceMemoryError)``; the jobs around
+    it (one before it, running, and one after) finish with their solo output."""
+    engine = fresh_engine(checkpoint("qwen3_5", dtype="float32"), eos=False, prefill_chunk=32, batch_prefill_chunk=32)
+    device = Device(8, max_batch=4)
     thread = threading.Thread(target=device.serve, daemon=True)
     thread.start()
-    assert done.wait(300), finishes
+    prompts = [list(range(10, 30)), list(range(3, 3 + 2 * HUGE)), list(range(40, 55))]
+    items, finishes = _generate(device, engine, prompts)
+    device.close()
     thread.join(60)
     assert finishes[1] == "error"
     failed = [item for item in items[1] if isinstance(item, Failed)]
     assert len(failed) == 1 and isinstance(failed[0].error, DeviceMemoryError)
     for i in (0, 2):
-        tokens = [t for item in items[i] if hasattr(item, "token_ids") for t in item.token_ids]
         solo = fresh_engine(checkpoint("qwen3_5", dtype="float32"), eos=False).complete(_greedy(prompts[i])).token_ids
-        assert finishes[i] == "length" and tokens == solo, i
+        assert finishes[i] == "length" and _tokens(items[i]) == solo, i
 
 
 def test_a_batch_step_that_runs_out_of_memory_fails_its_members_typed_and_the_node_serves_on(checkpoint, monkeypatch):
@@ -163,36 +173,15 @@ def test_a_batch_step_that_runs_out_of_memory_fails_its_members_typed_and_the_no
 
     monkeypatch.setattr(BatchLanes, "step", step)
     device = Device(8, max_batch=4)
-    prompts = [list(range(10, 30)), list(range(40, 55))]
-    items: list[list] = [[] for _ in prompts]
-    finishes: dict[int, str] = {}
-    done = threading.Event()
-
-    def on_done(i: int):
-        def record(finish, stats, queue_s, device_s) -> None:
-            finishes[i] = finish
-            if len(finishes) == len(prompts):
-                done.set()
-        return record
-
-    for i, prompt in enumerate(prompts):
-        params = GenerateParams(max_tokens=12, default_max_tokens=12, native_mtp="off")
-        device.submit(GenerationJob(device, lambda: engine, Prompt(token_ids=prompt), params, items[i].append,
-                                    timeout_s=600, on_done=on_done(i)))
     thread = threading.Thread(target=device.serve, daemon=True)
     thread.start()
-    assert done.wait(300), finishes
-    failed = [item for i in range(len(prompts)) for item in items[i] if isinstance(item, Failed)]
+    prompts = [list(range(10, 30)), list(range(40, 55))]
+    items, _ = _generate(device, engine, prompts)
+    failed = [item for per_job in items for item in per_job if isinstance(item, Failed)]
     assert failed and all(isinstance(f.error, DeviceMemoryError) for f in failed)
     assert "decoding a batch" in str(failed[0].error)
-    after: list = []
-    finished = threading.Event()
-    params = GenerateParams(max_tokens=12, default_max_tokens=12, native_mtp="off")
-    device.submit(GenerationJob(device, lambda: engine, Prompt(token_ids=prompts[0]), params, after.append,
-                                timeout_s=600, on_done=lambda *a: finished.set()))
-    assert finished.wait(300)
+    after, finishes = _generate(device, engine, prompts[:1])
     device.close()
     thread.join(60)
-    tokens = [t for item in after if hasattr(item, "token_ids") for t in item.token_ids]
     solo = fresh_engine(checkpoint("qwen3_5", dtype="float32"), eos=False).complete(_greedy(prompts[0])).token_ids
-    assert tokens == solo
+    assert finishes[0] == "length" and _tokens(after[0]) == solo
