@@ -12,6 +12,7 @@ import platform
 import re
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,14 +50,28 @@ def _os_memory() -> Memory:
     return Memory(pages * size, pages * size)
 
 
+_GPU_MEMORY_TTL_S = 1.0  # node info is asked for by every peer poll and cluster view: one nvidia-smi a second at most
+_gpu_memory_read: dict[tuple[str, str], tuple[float, Memory | None]] = {}
+
+
 def _gpu_memory() -> Memory | None:
-    """The memory of the GPU MLX CUDA runs on, from ``nvidia-smi`` (None: not readable). Placement counts a model's
-    weights and KV against it: on a 24 GB GPU in a 128 GB host, the host's memory would admit models the GPU
-    cannot hold."""
+    """The memory of the GPU MLX CUDA runs on, from ``nvidia-smi`` (None: not readable), read at most once a
+    second. Placement counts a model's weights and KV against it: on a 24 GB GPU in a 128 GB host, the host's
+    memory would admit models the GPU cannot hold."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return None
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    now = time.monotonic()
+    kept = _gpu_memory_read.get((smi, visible))
+    if kept is not None and now - kept[0] < _GPU_MEMORY_TTL_S:
+        return kept[1]
+    mem = _read_gpu_memory(smi, visible)
+    _gpu_memory_read[(smi, visible)] = (now, mem)
+    return mem
+
+
+def _read_gpu_memory(smi: str, visible: str) -> Memory | None:
     argv = [smi, "--query-gpu=memory.total,memory.free", "--format=csv,noheader,nounits"]
     if visible:
         argv += ["-i", visible]

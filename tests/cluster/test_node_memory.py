@@ -30,12 +30,16 @@ def smi(tmp_path, monkeypatch):
 
 def test_an_mlx_cuda_node_offers_its_gpu_s_memory_not_the_host_s(smi, monkeypatch):
     monkeypatch.setattr(system, "backend", lambda: "cuda")
+    monkeypatch.setattr(system, "_gpu_memory_read", {})
     mem = system.memory()
     assert (mem.total_bytes, mem.available_bytes) == (24564 << 20, 20470 << 20)  # the first GPU: MLX's device
     assert system.memory(budget=8 << 30).total_bytes == 8 << 30  # a budget still caps it
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
     assert system.memory().total_bytes == 81559 << 20
     assert "-i 1" in smi.read_text()
+    asked = smi.read_text().count("\n")
+    system.memory()
+    assert smi.read_text().count("\n") == asked  # read again within the second: nvidia-smi not asked
 
 
 def test_other_nodes_and_an_unreadable_gpu_offer_the_machine_s_memory(smi, monkeypatch, tmp_path):
@@ -44,5 +48,6 @@ def test_other_nodes_and_an_unreadable_gpu_offer_the_machine_s_memory(smi, monke
     monkeypatch.setattr(system, "backend", lambda: "cpu")
     assert system.memory() == host and not smi.exists()  # nvidia-smi is not asked off CUDA
     monkeypatch.setattr(system, "backend", lambda: "cuda")
+    monkeypatch.setattr(system, "_gpu_memory_read", {})
     (tmp_path / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
     assert system.memory() == host
