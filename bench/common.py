@@ -162,6 +162,27 @@ def device_trace(folder: str | None, start: float, end: float) -> dict[str, Any]
     }
 
 
+def device_profile(folder: str | None, start: float, end: float, top: int) -> str:
+    """The ``top`` functions by own time of the runners' device threads between ``start`` and ``end``
+    (``time.monotonic()``), from the per-second cProfile files ``EXO_DEVICE_PROFILE=folder`` makes them write
+    (``runner.trace.DeviceTrace``); "" without any."""
+    import io
+    import pstats
+
+    if folder is None:
+        return ""
+    paths = [str(p) for p in Path(folder).glob("profile-*.pstats")
+             if int(start) <= int(p.stem.rsplit("-", 1)[1]) <= end]
+    if not paths:
+        return ""
+    text = io.StringIO()
+    stats = pstats.Stats(*paths, stream=text)
+    stats.sort_stats("tottime").print_stats(top)
+    lines = text.getvalue().splitlines()  # from the totals on (not the list of files read)
+    first = next((i for i, line in enumerate(lines) if "function calls" in line), 0)
+    return "\n".join(line.replace(str(Path.cwd()) + "/", "") for line in lines[first:]).strip()
+
+
 def format_trace(t: dict[str, Any] | None) -> str:
     if not t:
         return ""

@@ -17,6 +17,8 @@
 #   carry .gpu5 with .gpu3)
 #   (q27 tensor9 tensor27 tensor35: issue 53's tensor groups, one member per GPU over NCCL, against one GPU:
 #   needs the two-GPU machine, nvidia-h200-x2; q9 q35 q27 first; TENSOR_ARGS="--backend ring --repeats 1": more)
+#   (serving9p: serving9 with the device threads under cProfile, each row's top functions; roundsahead1: issue 50's
+#   K = 1, 2 rounds with the next round built ahead on / off, acceptance 0.8)
 #   (qmmrows: MLX's own product at 1-16 rows, and whether rows padded to 8 keep their bits whatever their
 #   companions: a decode step, a verify call and a batch step padded alike would agree by construction;
 #   moeexperts: one 35B-A3B MoE layer's experts by method; batch9: the engine's batched steps at 1, 8, 32 on the
@@ -125,6 +127,10 @@ for p in "$@"; do
         $CLIENTS ;;
     # issue 51: a runner killed mid-batch through exo serve, the seconds until the 9B serves again (target 15 s)
     restart9) phase restart9 $PY bench/runner_restart.py "$Q9" --kills 3 --members 4 ;;
+    serving9p) EXO_NATIVE_MTP_ENABLED=0 phase serving9p $PY bench/serving.py "$Q9" --mtp off --no-one-at-a-time \
+                   $([ "$CPU" = 1 ] && echo --clients 1 4 --seconds 4 --max-tokens 8 || echo --clients 1 8 32 --seconds 10 --max-tokens 64) --profile 30 ;;
+    roundsahead1) phase roundsahead1 $PY bench/round_phases.py "$Q9" --replay 0.8 --depths 1 2 --repeats 3 --max-tokens 48 \
+                      --no-adaptive --ahead on off ;;
     serving9) EXO_NATIVE_MTP_ENABLED=0 phase serving9 $PY bench/serving.py "$Q9" --mtp off --no-one-at-a-time $SERVING ;;
     # issue 50's checks (each well inside 10 minutes at 9B on an H200); qgemv and stock opt in to exo's quantized
     # kernel (off by default), so that stock compares exo on it with exo on MLX's products

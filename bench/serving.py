@@ -1,7 +1,7 @@
 """Many clients at once: continuous batching vs one generation at a time, through `exo serve`.
 
     python bench/serving.py [MODEL] [--clients 1 8 32] [--seconds 30] [--max-tokens 64] [--mtp off,k1,adaptive]
-                            [--lanes 1 2] [--repeats 3] [--engine-vs-client N] [--no-one-at-a-time] [--json]
+                            [--lanes 1 2] [--repeats 3] [--engine-vs-client N] [--no-one-at-a-time] [--profile N] [--json]
 
 Starts two `exo serve --model MODEL` processes as users run them (the daemon relays to a runner
 subprocess over gRPC): one with EXO_MAX_BATCH=1 (requests strictly one at a time, as before batching)
@@ -23,6 +23,9 @@ Each row also says what the servers' device threads did in its window (``EXO_DEV
 ``runner.device.DeviceTrace``): decode steps per second, the mean batch, the step's median time, the longest
 stretch between two decode steps (a stall shows there), the prompt tokens prefilled (and in how many shared
 calls) and the share of the window the thread spent planning, prefilling, stepping, emitting, or idle.
+
+``--profile N`` runs the servers' device threads under cProfile (``EXO_DEVICE_PROFILE``; it slows them, so
+take its rows' speed as no figure) and prints after each row its N functions of most own time.
 
 ``--engine-vs-client N`` first runs N requests of the engine alone (in this process, a fresh engine on the same
 checkpoint, no prefix cache) against N of one client through the batching server (idle otherwise), the same
@@ -48,6 +51,7 @@ from typing import Any
 import aiohttp
 from common import (  # bench/ is this script's folder
     add_common_arguments,
+    device_profile,
     device_trace,
     format_trace,
     free_port,
@@ -265,6 +269,9 @@ def main() -> None:
     parser.add_argument("--engine-vs-client", type=int, default=0, metavar="N",
                         help="first, N requests of the engine alone (in this process) against N of one client through "
                         "the batching server, alternating, in the first --mtp mode")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="the runners' device threads under cProfile (EXO_DEVICE_PROFILE; slows them): each row "
+                        "also prints its N functions of most own time")
     args = parser.parse_args()
     modes = args.mtp.split(",")
     unknown = [m for m in modes if m not in MTP_MODES]
@@ -290,8 +297,11 @@ def main() -> None:
                 homes.append(home)
                 port = free_port()
                 traces[name] = os.environ["EXO_DEVICE_TRACE"] = os.path.join(home.name, "device-trace")
+                if args.profile:
+                    os.environ["EXO_DEVICE_PROFILE"] = os.path.join(home.name, "device-profile")
                 processes.append(start_server(args.model, port, free_port(), home=home.name))
                 os.environ.pop("EXO_DEVICE_TRACE")
+                os.environ.pop("EXO_DEVICE_PROFILE", None)
                 servers[name] = f"http://127.0.0.1:{port}"
                 asyncio.run(warm(servers[name], args.max_tokens))
             if args.engine_vs_client:
@@ -315,6 +325,9 @@ def main() -> None:
                                     rows[mode, name, n]["texts"].setdefault(topic, []).extend(texts)
                             print(f"  ran {mode:8s} {name:13s} clients={n:3d}: {r['completed']} completed, "
                                   f"{r['tok_s']:.1f} tok/s; {format_trace(r['device'])}", flush=True)
+                            if args.profile:
+                                folder = os.path.join(os.path.dirname(traces[name]), "device-profile")
+                                print(device_profile(folder, *r["window"], args.profile), flush=True)
             print(f"\nmodel {args.model}, {args.max_tokens}-token streamed chat completions, {args.seconds:.0f} s per row, "
                   f"temperature 0, {os.cpu_count()} CPUs")
             print(f"{'mtp':8s} {'server':14s} {'clients':>7s} {'completed':>9s} {'errors':>6s} {'TTFT p50':>9s} {'TTFT p99':>9s} "

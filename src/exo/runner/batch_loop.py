@@ -61,6 +61,12 @@ class BatchLoop:
 
     def serve(self) -> None:
         """Step until every member and newcomer has ended."""
+        try:
+            self._serve()
+        finally:
+            self.device.trace.pause()
+
+    def _serve(self) -> None:
         trace = self.device.trace
         while True:
             lap = trace.step()

@@ -14,26 +14,37 @@ class DeviceTrace:
     per step of a batch in ``DIR/device-<pid>.jsonl`` with its start (``time.monotonic()``, comparable across
     processes), the seconds of each phase (``plan``: the scheduler and tokenizing the queue's head; ``prefill``:
     beginning the admitted, their chunks and first tokens; ``step``: the members' decode step; ``emit``: their
-    tokens to their streams) and what it carried. For benchmarks (bench/serving.py reads it back)."""
+    tokens to their streams) and what it carried. For benchmarks (bench/serving.py reads it back).
 
-    def __init__(self, path: str | None) -> None:
+    ``EXO_DEVICE_PROFILE=DIR`` (apart from the trace; it slows the thread it measures): the device thread's
+    steps under cProfile, one ``DIR/profile-<pid>-<second>.pstats`` per second of ``time.monotonic()`` in which
+    steps ran, so a benchmark sums the seconds of its window (``bench/common.py`` ``device_profile``)."""
+
+    def __init__(self, path: str | None, profile: str | None = None) -> None:
         self._file = open(path, "a", buffering=1 << 16) if path else None  # noqa: SIM115 - open for the process
         self._flushed = time.monotonic()
+        self._profile_dir = profile
+        self._profile: Any = None  # cProfile.Profile of the current second
+        self._second = 0
 
     @classmethod
     def from_env(cls) -> DeviceTrace:
         folder = os.environ.get("EXO_DEVICE_TRACE")
+        profile = os.environ.get("EXO_DEVICE_PROFILE") or None
+        if profile:
+            os.makedirs(profile, exist_ok=True)
         if not folder:
-            return cls(None)
+            return cls(None, profile)
         os.makedirs(folder, exist_ok=True)
-        return cls(os.path.join(folder, f"device-{os.getpid()}.jsonl"))
+        return cls(os.path.join(folder, f"device-{os.getpid()}.jsonl"), profile)
 
     def step(self) -> Callable[..., None]:
         """A new step: returns ``lap(phase, **fields)``, which closes the phase (the last, "emit", writes the line)."""
-        if self._file is None:
+        if self._file is None and self._profile_dir is None:
             return _no_lap
         start = last = time.monotonic()
         line: dict[str, Any] = {"t": start}
+        profile = self._profiler(start)
 
         def lap(phase: str, **fields: Any) -> None:
             nonlocal last
@@ -42,9 +53,32 @@ class DeviceTrace:
             line.update(fields)
             last = now
             if phase == "emit":
-                self._write(line)
+                if profile is not None:
+                    profile.disable()
+                if self._file is not None:
+                    self._write(line)
 
         return lap
+
+    def pause(self) -> None:
+        """The batch ended (its last step may not have closed): the thread idles unprofiled."""
+        if self._profile is not None:
+            self._profile.disable()
+
+    def _profiler(self, now: float) -> Any:
+        """The profile of this second, enabled (the last second's written out when a new one begins)."""
+        if self._profile_dir is None:
+            return None
+        import cProfile
+
+        second = int(now)
+        if self._profile is not None and second != self._second:
+            self._profile.dump_stats(os.path.join(self._profile_dir, f"profile-{os.getpid()}-{self._second}.pstats"))
+            self._profile = None
+        if self._profile is None:
+            self._profile, self._second = cProfile.Profile(), second
+        self._profile.enable()
+        return self._profile
 
     def _write(self, line: dict[str, Any]) -> None:
         assert self._file is not None
