@@ -159,6 +159,10 @@ def device_trace(folder: str | None, start: float, end: float) -> dict[str, Any]
         "prefill_tokens": sum(line.get("prefill_tokens", 0) for line in lines),
         "shared_prefills": sum(1 for line in lines if line.get("together")),
         "share": {**{phase: s / window for phase, s in seconds.items()}, "idle": max(0.0, 1 - sum(seconds.values()) / window)},
+        # the longest step that ran past the trace's stall threshold: where its thread was (runner.trace)
+        "stall": max(({"seconds": sum(line.get(p, 0.0) for p in ("plan", "prefill", "step", "emit")),
+                       "stack": line["stall_stack"], **{k: line.get(k) for k in ("members", "admitted", "prefill_tokens")}}
+                      for line in lines if line.get("stall_stack")), key=lambda s: s["seconds"], default=None),
     }
 
 
@@ -192,4 +196,7 @@ def format_trace(t: dict[str, Any] | None) -> str:
     return (f"device: {t['steps']} steps ({t['steps_per_s']:.1f}/s, batch {t['mean_batch']:.1f}, step p50 "
             f"{t['step_ms_p50']:.1f} ms, max {t['step_ms_max']:.0f} ms), longest gap between steps "
             f"{t['longest_gap_s']:.2f} s, {t['prefill_tokens']} prompt tokens ({t['shared_prefills']} shared calls, "
-            f"a step's prefill at most {t['prefill_ms_max']:.0f} ms); time: {share}")
+            f"a step's prefill at most {t['prefill_ms_max']:.0f} ms); time: {share}"
+            + (f"\n    longest stall {t['stall']['seconds']:.2f} s (members {t['stall']['members']}, admitted "
+               f"{t['stall']['admitted']}, prompt tokens {t['stall']['prefill_tokens']}), the device thread in it:\n      "
+               + "\n      ".join(t["stall"]["stack"]) if t.get("stall") else ""))

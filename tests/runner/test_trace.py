@@ -60,3 +60,32 @@ def test_off_unless_set(monkeypatch, tmp_path: Path) -> None:
     lap = trace.step()
     lap("emit", stepped=1)
     assert trace._profile is not None and (tmp_path / "p").is_dir()
+
+
+def _stalls_here(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_a_stalled_step_says_where_its_thread_was(monkeypatch, tmp_path: Path) -> None:
+    from common import device_trace, format_trace
+
+    monkeypatch.setattr(DeviceTrace, "STALL_SECONDS", 0.2)
+    trace = DeviceTrace(str(tmp_path / "device-1.jsonl"))
+    start = time.monotonic()
+    lap = trace.step()
+    lap("plan")
+    _stalls_here(0.02)  # a quick step: not sampled
+    lap("step")
+    lap("emit", stepped=3, members=3)
+    lap = trace.step()
+    lap("plan")
+    _stalls_here(0.8)
+    lap("step")
+    lap("emit", stepped=3, members=3)
+    trace._file.flush()
+    lines = [json.loads(line) for line in (tmp_path / "device-1.jsonl").read_text().splitlines()]
+    assert "stall_stack" not in lines[0]
+    assert any("_stalls_here" in frame for frame in lines[1]["stall_stack"])
+    summary = device_trace(str(tmp_path), start, time.monotonic())
+    assert summary["stall"]["members"] == 3 and summary["stall"]["seconds"] >= 0.8
+    assert "_stalls_here" in format_trace(summary)

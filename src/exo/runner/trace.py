@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +21,13 @@ class DeviceTrace:
 
     ``EXO_DEVICE_PROFILE=DIR`` (apart from the trace; it slows the thread it measures): the device thread's
     steps under cProfile, one ``DIR/profile-<pid>-<second>.pstats`` per second of ``time.monotonic()`` in which
-    steps ran, so a benchmark sums the seconds of its window (``bench/common.py`` ``device_profile``)."""
+    steps ran, so a benchmark sums the seconds of its window (``bench/common.py`` ``device_profile``).
+
+    With the trace on, a watcher thread samples the device thread's Python stack once in a step that has run for
+    ``STALL_SECONDS``: the line of that step carries it (``stall_stack``, innermost frame last), so a benchmark
+    that sees a stall says where the thread was in it."""
+
+    STALL_SECONDS = 1.0
 
     def __init__(self, path: str | None, profile: str | None = None) -> None:
         self._file = open(path, "a", buffering=1 << 16) if path else None  # noqa: SIM115 - open for the process
@@ -26,6 +35,8 @@ class DeviceTrace:
         self._profile_dir = profile
         self._profile: Any = None  # cProfile.Profile of the current second
         self._second = 0
+        self._step: tuple[int, float, dict[str, Any]] | None = None  # the step under way: thread, start, line
+        self._watcher: threading.Thread | None = None
 
     @classmethod
     def from_env(cls) -> DeviceTrace:
@@ -45,6 +56,11 @@ class DeviceTrace:
         start = last = time.monotonic()
         line: dict[str, Any] = {"t": start}
         profile = self._profiler(start)
+        if self._file is not None:
+            self._step = (threading.get_ident(), start, line)
+            if self._watcher is None:
+                self._watcher = threading.Thread(target=self._watch, name="exo-device-trace", daemon=True)
+                self._watcher.start()
 
         def lap(phase: str, **fields: Any) -> None:
             nonlocal last
@@ -56,14 +72,34 @@ class DeviceTrace:
                 if profile is not None:
                     profile.disable()
                 if self._file is not None:
+                    self._step = None
                     self._write(line)
 
         return lap
 
     def pause(self) -> None:
-        """The batch ended (its last step may not have closed): the thread idles unprofiled."""
+        """The batch ended (its last step may not have closed): the thread idles unprofiled and unwatched."""
+        self._step = None
         if self._profile is not None:
             self._profile.disable()
+
+    def _watch(self) -> None:
+        """Sample the stack of a step that runs past ``STALL_SECONDS``, once per step."""
+        sampled: dict[str, Any] | None = None
+        while True:
+            time.sleep(self.STALL_SECONDS / 4)
+            step = self._step
+            if step is None:
+                continue
+            thread, start, line = step
+            if line is sampled or time.monotonic() - start < self.STALL_SECONDS:
+                continue
+            frame = sys._current_frames().get(thread)
+            if frame is None:
+                continue
+            line["stall_stack"] = [f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)[-16:]]
+            line["stall_at"] = time.monotonic() - start
+            sampled = line
 
     def _profiler(self, now: float) -> Any:
         """The profile of this second, enabled (the last second's written out when a new one begins)."""
