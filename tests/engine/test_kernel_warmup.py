@@ -75,3 +75,36 @@ def test_layers_on_exo_s_quantized_kernel_also_run_at_every_launch_row_count(che
         tuple(self.weight.shape), set()).add(x.shape[0]) or call(self, x))
     warm_products([loaded.model], force=True)
     assert counted and all(rows >= set(range(1, MAX_ROWS + 1)) | set(ROWS) for rows in counted.values())
+
+
+def test_a_batch_grows_to_max_batch_one_step_a_size_and_leaves_the_engine_as_it_was(checkpoint, monkeypatch):
+    from exo.engine import GenerationRequest
+    from exo.engine.batch import BatchLanes
+    from exo.engine.kernel_warmup import warm_batches
+
+    engine = Engine(load_checkpoint(checkpoint("qwen3_5")), EngineConfig())
+    request = GenerationRequest([5, 9, 2, 7], max_tokens=12)
+    before = [t for chunk in engine.generate(request) for t in chunk.token_ids]
+    sizes = []
+    step = BatchLanes.step
+    monkeypatch.setattr(BatchLanes, "step", lambda self: sizes.append(len(self)) or step(self))
+    assert warm_batches(engine, 1, force=True) is None  # a server of one at a time: nothing to warm
+    assert warm_batches(engine, 5) is None  # on the CPU MLX compiles nothing at these points
+    assert sizes == []
+    seconds = warm_batches(engine, 5, force=True)
+    assert seconds is not None and seconds > 0
+    assert sizes == [2, 3, 4, 5]
+    assert [t for chunk in engine.generate(request) for t in chunk.token_ids] == before
+    monkeypatch.setattr(kernel_warmup, "on_cuda", lambda: True)
+    engine.forward.stages = 2  # a pipeline stage: its steps need every stage
+    assert warm_batches(engine, 5) is None
+
+
+def test_a_served_engine_warms_its_batches_at_load(checkpoint, monkeypatch, tmp_path):
+    from exo.runner.loading import ready_engine
+    from exo.settings import Settings
+
+    monkeypatch.setattr(kernel_warmup, "on_cuda", lambda: True)  # as on MLX CUDA
+    settings = Settings(max_batch=3, home=tmp_path)
+    engine = ready_engine(load_checkpoint(checkpoint("qwen3_5")), EngineConfig(), settings)
+    assert engine.warmup_seconds["batch steps"] > 0

@@ -70,3 +70,32 @@ def warm_products(modules: Sequence[nn.Module], *, force: bool = False) -> dict[
             mx.eval(fn(mx.zeros((rows, 1, width), dtype=dtype)))
         seconds[kind] = seconds.get(kind, 0.0) + time.perf_counter() - start
     return seconds
+
+
+def warm_batches(engine: Any, max_batch: int, *, force: bool = False) -> float | None:
+    """A batch grown from 2 to ``max_batch`` members on one engine, one plain step at every size (members of
+    1-3 prompt tokens, so the batch's caches are padded as a server's are), then dropped: the kernels MLX CUDA
+    compiles for a batch's shapes compile at load, not inside a step of a server's first batch that size (issue
+    51: a step of 6 members waited 4.9 s in ``mx.async_eval`` the first time a machine served 8 clients, and
+    not on a second run there, MLX's PTX cache warm). Seconds taken, or None where nothing runs: off MLX CUDA
+    (unless ``force``), a batch of one, or a pipeline stage (its steps need every stage)."""
+    if max_batch < 2 or not (force or on_cuda()) or engine.forward.stages > 1:
+        return None
+    from .batch import BatchLanes
+    from .request import GenerationRequest
+
+    start = time.perf_counter()
+    batch = BatchLanes(engine)
+    vocab = engine.vocab_size
+    try:
+        for i in range(max_batch):
+            prompt = [(7 + 31 * i + j) % vocab for j in range(1 + i % 3)]
+            run = engine.start(GenerationRequest(prompt, max_tokens=max_batch + 2, native_mtp="off", ignore_eos=True))
+            for _ in run.begin():
+                pass
+            batch.add(run)
+            if i:
+                batch.step()
+    finally:
+        batch.drop()
+    return time.perf_counter() - start

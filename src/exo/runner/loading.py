@@ -51,6 +51,11 @@ def ready_engine(loaded: LoadedModel, config: EngineConfig, settings: Settings |
     engine = Engine(loaded, config)
     engine.warmup()
     if settings is not None:
+        from exo.engine.kernel_warmup import warm_batches
+
+        seconds = warm_batches(engine, settings.max_batch)  # a batch's kernels, before a user's batch waits on them
+        if seconds is not None:
+            engine.warmup_seconds["batch steps"] = seconds
         attach_prefix_cache(engine, settings)
     return engine
 
