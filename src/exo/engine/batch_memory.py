@@ -3,7 +3,13 @@
 A batch's attention KV is left-padded to its longest row, so n runs hold about n x the longest horizon
 (prompt + max_tokens) of KV rows, plus each run's GatedDeltaNet state (fixed per sequence). ``batch_bytes``
 is that estimate, ``sequence_bytes`` measures its two rates on the model itself; the device queue admits a
-run into a batch only while the estimate stays within the instance's KV budget (``batch_fits``).
+run into a batch only while the estimate stays within the instance's KV budget (``batch_fits``) and the room
+set aside for a full batch's recurrent states (``state_room``: ``max_batch`` of them where the device has
+them free at load; none otherwise, and the states count against the KV budget).
+
+Why the room: a Qwen3.5-9B sequence's GatedDeltaNet states are ~50 MB (24 layers of 32 x 128 x 128 float32),
+as much as ~1,600 tokens of its attention KV, so within the default KV budget (32,768 tokens, 1 GiB at 9B) a
+batch held at most 19 short chats: 32 clients on an H200 queued for seconds with 100+ GB free (issue 51).
 """
 
 from __future__ import annotations
@@ -41,11 +47,30 @@ def batch_bytes(horizons: list[int], per_token: int, per_sequence: int) -> int:
 def batch_fits(engine: Engine, horizons: list[int], budget_tokens: int) -> bool:
     """Whether runs with these horizons may decode together within ``budget_tokens`` tokens of the model's
     KV on every stage (each stage's memory holds its own layers' KV budget, as placement reserved it; a lone
-    run always may: its own context limit bounds it)."""
+    run always may: its own context limit bounds it), their recurrent states within ``engine.state_room``
+    (``state_room``; beyond it, they count against the KV budget)."""
     if len(horizons) < 2:
         return True
+    room = engine.state_room
     for per_token, per_sequence in stage_bytes(engine):
         # A stage without attention layers holds only the fixed states, which max_batch bounds.
-        if per_token and batch_bytes(horizons, per_token, per_sequence) > budget_tokens * per_token:
+        states = len(horizons) * per_sequence
+        over = max(0, states - room)  # the states that have no room of their own take KV budget
+        if per_token and batch_bytes(horizons, per_token, 0) + over > budget_tokens * per_token:
             return False
     return True
+
+
+def state_room(engine: Engine, max_batch: int, budget_tokens: int, margin_bytes: int) -> int:
+    """The bytes set aside at load for the recurrent states of a batch of ``max_batch``: all of them where the
+    device's memory less what MLX holds now (the weights), the KV budget and ``margin_bytes`` has room for them;
+    else 0 (and ``batch_fits`` counts the states against the KV budget). A single node's engine (a pipeline's
+    stages measure apart)."""
+    import mlx.core as mx
+
+    from .memory import device_memory_bytes
+
+    per_token, per_sequence = sequence_bytes(engine)
+    want = max_batch * per_sequence
+    free = device_memory_bytes() - mx.get_active_memory() - budget_tokens * per_token - margin_bytes
+    return want if max_batch > 1 and want and free >= want else 0

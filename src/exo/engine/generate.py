@@ -142,6 +142,8 @@ class Engine:
         self._grammars: dict[tuple[str, str], Grammar] = {}  # insertion order: least recently used first
         # Set by the runner (exo.runner.prefix_store) or a caller: prompts restore their cached prefixes.
         self.prefix_cache: PrefixCache | None = None
+        # bytes set aside for a full batch's recurrent states (``batch_memory.state_room``: a server sets it at load)
+        self.state_room = 0
         # Set by a benchmark or a test only (never by a setting or a request): rounds draft a known continuation
         # at a chosen acceptance instead of the head's tokens (engine/replay.py).
         self.replay: ReplayDrafter | None = None

@@ -23,7 +23,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-ROWS = (8, 17, 33)  # one row count per tile height of MLX CUDA's tiled quantized product: 16, 32, 64
+ROWS = (8, 17, 33)
+SHRINKS = 3  # members ``warm_batches`` takes out of a batch, a step after each  # one row count per tile height of MLX CUDA's tiled quantized product: 16, 32, 64
 
 
 def on_cuda() -> bool:
@@ -74,11 +75,14 @@ def warm_products(modules: Sequence[nn.Module], *, force: bool = False) -> dict[
 
 def warm_batches(engine: Any, max_batch: int, *, force: bool = False) -> float | None:
     """A batch grown from 2 to ``max_batch`` members on one engine, one plain step at every size (members of
-    1-3 prompt tokens, so the batch's caches are padded as a server's are), then dropped: the kernels MLX CUDA
-    compiles for a batch's shapes compile at load, not inside a step of a server's first batch that size (issue
-    51: a step of 6 members waited 4.9 s in ``mx.async_eval`` the first time a machine served 8 clients, and
-    not on a second run there, MLX's PTX cache warm). Seconds taken, or None where nothing runs: off MLX CUDA
-    (unless ``force``), a batch of one, or a pipeline stage (its steps need every stage)."""
+    1-3 prompt tokens, so the batch's caches are padded as a server's are), then members taken out of its middle
+    (``SHRINKS`` of them, a step after each), then dropped: the kernels MLX CUDA compiles for a batch compile at
+    load, not inside a server's step. Issue 51's stall: the first time a machine served 8 clients, a step of 5-6
+    members waited 4.9-5.1 s in ``mx.async_eval``, not on a second run there (MLX's PTX cache warm); the kernels
+    new in that cache were MLX's gathers (bfloat16 along an axis, float32, int32 by int32 and by uint32 indices),
+    which a batch reaches when a member leaves and its caches keep the other rows. Seconds taken, or None where
+    nothing runs: off MLX CUDA (unless ``force``), a batch of one, or a pipeline stage (its steps need every
+    stage)."""
     if max_batch < 2 or not (force or on_cuda()) or engine.forward.stages > 1:
         return None
     from .batch import BatchLanes
@@ -87,6 +91,7 @@ def warm_batches(engine: Any, max_batch: int, *, force: bool = False) -> float |
     start = time.perf_counter()
     batch = BatchLanes(engine)
     vocab = engine.vocab_size
+    runs = []
     try:
         for i in range(max_batch):
             prompt = [(7 + 31 * i + j) % vocab for j in range(1 + i % 3)]
@@ -94,8 +99,12 @@ def warm_batches(engine: Any, max_batch: int, *, force: bool = False) -> float |
             for _ in run.begin():
                 pass
             batch.add(run)
+            runs.append(run)
             if i:
                 batch.step()
+        for run in runs[1 : 1 + min(SHRINKS, max_batch - 1)]:
+            batch.remove(run)
+            batch.step()
     finally:
         batch.drop()
     return time.perf_counter() - start

@@ -56,6 +56,11 @@ def ready_engine(loaded: LoadedModel, config: EngineConfig, settings: Settings |
         seconds = warm_batches(engine, settings.max_batch)  # a batch's kernels, before a user's batch waits on them
         if seconds is not None:
             engine.warmup_seconds["batch steps"] = seconds
+        from exo.cards.schema import ACTIVATION_MARGIN_BYTES, CONTEXT_BUDGET_TOKENS
+        from exo.engine.batch_memory import state_room
+
+        engine.state_room = state_room(engine, settings.max_batch, settings.kv_budget_tokens or CONTEXT_BUDGET_TOKENS,
+                                       ACTIVATION_MARGIN_BYTES)
         attach_prefix_cache(engine, settings)
     return engine
 
@@ -119,4 +124,5 @@ def reserve_bytes(engine: Engine, settings: Settings) -> int:
     from exo.engine.batch import sequence_bytes
 
     per_token, per_sequence = sequence_bytes(engine)
-    return per_token * (settings.kv_budget_tokens or CONTEXT_BUDGET_TOKENS) + per_sequence + ACTIVATION_MARGIN_BYTES
+    states = max(per_sequence, engine.state_room)  # a full batch's, where set aside (``state_room``)
+    return per_token * (settings.kv_budget_tokens or CONTEXT_BUDGET_TOKENS) + states + ACTIVATION_MARGIN_BYTES

@@ -1,0 +1,55 @@
+"""A batch's recurrent states get room of their own where the device has it (engine/batch_memory.py
+``state_room``): a hybrid model's batch is then bounded by its attention KV and ``max_batch``, not by states
+counted as KV tokens (issue 51: 32 clients of the 9B shape queued behind a batch of 19)."""
+
+from __future__ import annotations
+
+from exo.engine import Engine, EngineConfig, load_checkpoint
+from exo.engine.batch_memory import batch_bytes, batch_fits, sequence_bytes, state_room
+
+
+def test_states_with_room_of_their_own_leave_the_kv_budget_to_attention(checkpoint):
+    engine = Engine(load_checkpoint(checkpoint("qwen3_5")), EngineConfig())
+    per_token, per_sequence = sequence_bytes(engine)
+    assert per_token > 0 and per_sequence > 0
+    horizons = [40] * 6
+    budget = (6 * 40 * per_token + per_sequence) // per_token  # the KV and one state's worth more
+    assert batch_bytes(horizons, per_token, per_sequence) > budget * per_token
+    assert engine.state_room == 0
+    assert not batch_fits(engine, horizons, budget)  # no room set aside: every state counts as KV (as before)
+    engine.state_room = 6 * per_sequence
+    assert batch_fits(engine, horizons, budget)
+    assert not batch_fits(engine, [40] * 7, budget)  # the attention KV of seven is over
+    engine.state_room = 4 * per_sequence  # room for four: the other two states take KV budget
+    assert not batch_fits(engine, horizons, budget)
+    assert batch_fits(engine, horizons, budget + (2 * per_sequence) // per_token + 1)
+
+
+def test_room_is_set_aside_only_where_the_device_has_it_free(checkpoint, monkeypatch):
+    engine = Engine(load_checkpoint(checkpoint("qwen3_5")), EngineConfig())
+    per_token, per_sequence = sequence_bytes(engine)
+    import mlx.core as mx
+
+    held = mx.get_active_memory()
+    need = held + 1000 * per_token + 64 + 8 * per_sequence  # weights, KV budget, margin, 8 states
+    monkeypatch.setattr("exo.engine.memory.device_memory_bytes", lambda: need + (1 << 20))
+    assert state_room(engine, 8, 1000, 64) == 8 * per_sequence
+    assert state_room(engine, 1, 1000, 64) == 0  # one at a time: its state is the KV budget's, as always
+    monkeypatch.setattr("exo.engine.memory.device_memory_bytes", lambda: need - 8 * per_sequence)
+    assert state_room(engine, 8, 1000, 64) == 0
+    monkeypatch.setattr("exo.engine.memory.device_memory_bytes", lambda: 0)  # unknown
+    assert state_room(engine, 8, 1000, 64) == 0
+
+
+def test_a_served_engine_sets_its_room_and_reserves_it_from_the_prefix_cache(checkpoint, monkeypatch, tmp_path):
+    from exo.runner.loading import reserve_bytes, ready_engine
+    from exo.settings import Settings
+
+    monkeypatch.setattr("exo.engine.memory.device_memory_bytes", lambda: 1 << 50)
+    settings = Settings(max_batch=5, home=tmp_path)
+    engine = ready_engine(load_checkpoint(checkpoint("qwen3_5")), EngineConfig(), settings)
+    per_token, per_sequence = sequence_bytes(engine)
+    assert engine.state_room == 5 * per_sequence
+    room = reserve_bytes(engine, settings)
+    engine.state_room = 0
+    assert room - reserve_bytes(engine, settings) == 4 * per_sequence
