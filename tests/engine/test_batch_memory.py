@@ -42,7 +42,7 @@ def test_room_is_set_aside_only_where_the_device_has_it_free(checkpoint, monkeyp
 
 
 def test_a_served_engine_sets_its_room_and_reserves_it_from_the_prefix_cache(checkpoint, monkeypatch, tmp_path):
-    from exo.runner.loading import reserve_bytes, ready_engine
+    from exo.runner.loading import ready_engine, reserve_bytes
     from exo.settings import Settings
 
     monkeypatch.setattr("exo.engine.memory.device_memory_bytes", lambda: 1 << 50)
