@@ -286,14 +286,21 @@ def test_batch_lanes_reach_the_engine(home: Path) -> None:
         load_settings(env=env_for(home, EXO_BATCH_LANES="0"))
 
 
-def test_batch_prefill_chunk_reaches_the_engine(home: Path) -> None:
+def test_batch_prefill_chunk_reaches_the_engine(home: Path, monkeypatch) -> None:
     """EXO_BATCH_PREFILL_CHUNK sets the prefill chunk of a generation joining a running batch (unset: the
-    engine's 256)."""
+    device's: 256, 2048 on MLX CUDA)."""
     from exo.cards import bundled_model_dir
-    from exo.engine import engine_config, resolve_model
+    from exo.engine import Engine, EngineConfig, engine_config, load_checkpoint, resolve_model
+    from exo.engine import generate as engine_generate
 
     resolved = resolve_model(str(bundled_model_dir("exo-demo")))
     assert engine_config(resolved, load_settings(env=env_for(home, EXO_BATCH_PREFILL_CHUNK="64"))).batch_prefill_chunk == 64
-    assert engine_config(resolved, load_settings(env=env_for(home))).batch_prefill_chunk == 256
+    assert engine_config(resolved, load_settings(env=env_for(home))).batch_prefill_chunk is None  # the device's
+    assert engine_generate.default_batch_prefill_chunk() == 256  # this CPU
+    engine = Engine(load_checkpoint(bundled_model_dir("exo-demo")), EngineConfig())
+    assert engine.config.batch_prefill_chunk == 256
+    monkeypatch.setattr(engine_generate, "on_cuda", lambda: True)  # as on MLX CUDA
+    assert Engine(engine.loaded, EngineConfig()).config.batch_prefill_chunk == 2048
+    assert Engine(engine.loaded, EngineConfig(batch_prefill_chunk=64)).config.batch_prefill_chunk == 64
     with pytest.raises(SettingsError):
         load_settings(env=env_for(home, EXO_BATCH_PREFILL_CHUNK="0"))

@@ -66,7 +66,7 @@ class Settings(BaseModel):
     # default for the device (512 on the CPU, 2048 on a GPU: EngineConfig.prefill_chunk). Small values exercise the chunk edges (tests) or bound one step's activations.
     prefill_chunk: int | None = Field(default=None, ge=1)
     # Prompt tokens per prefill chunk of a generation joining a running batch, which decodes a step between
-    # its chunks (EngineConfig.batch_prefill_chunk). None: the engine's default (256).
+    # its chunks (EngineConfig.batch_prefill_chunk). None: the engine's default (2048 on MLX CUDA, 256 elsewhere).
     batch_prefill_chunk: int | None = Field(default=None, ge=1)
     # EXO_BATCH_INVARIANT=1: a batched request's greedy output never depends on what else runs in its batch
     # (EngineConfig.batch_invariant). It makes batched steps dearer on GPUs (docs/performance.md,

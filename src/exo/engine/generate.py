@@ -28,7 +28,7 @@ from .batch import decode_alone
 from .constraints import ConstraintSpec, Grammar, ToolFormat, compile_grammar
 from .costs import warmup_costs
 from .forward import Forward, LocalForward
-from .kernel_warmup import warm_products
+from .kernel_warmup import on_cuda, warm_products
 from .loader import LoadedModel
 from .models.layers import GdnPrefill, MoEVerifyMode
 from .prefix_cache import PrefixCache, restore_prefix
@@ -68,6 +68,19 @@ def default_prefill_chunk() -> int:
     return CPU_PREFILL_CHUNK if mx.default_device() == mx.cpu else GPU_PREFILL_CHUNK
 
 
+# A running batch's step budget of prompt tokens by device (runner.scheduler; docs/performance.md, "The engine's
+# constants"). Each prefill call of a GPU step is host-bound (its launches) whatever its rows, so on an H200 at 9B a
+# small budget made 32 clients' prompts trickle in, a call each: 256 -> 2,048 took them from 4.0x one client to
+# 7.0x, their first tokens p50 from 0.66 to 0.28 s, a running stream's longest step 182 -> 270 ms. Elsewhere a
+# chunk costs its tokens' compute (the CPU; Apple GPUs, unmeasured there): 256 keeps a stream's wait short.
+BATCH_PREFILL_CHUNK = 256
+CUDA_BATCH_PREFILL_CHUNK = 2048
+
+
+def default_batch_prefill_chunk() -> int:
+    return CUDA_BATCH_PREFILL_CHUNK if on_cuda() else BATCH_PREFILL_CHUNK
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How an engine decodes (``verify_mode``: how its verify calls compute their rows)."""
@@ -92,8 +105,9 @@ class EngineConfig:
     # CPU_PREFILL_CHUNK on MLX's CPU backend, GPU_PREFILL_CHUNK on a GPU.
     prefill_chunk: int | None = None
     # Prompt tokens a step of a running batch prefills in all (runner.scheduler's step budget): the batch decodes
-    # a step between chunks, so a long prompt holds its streams for a chunk, not for the whole prompt (docs/performance.md, "The engine's constants").
-    batch_prefill_chunk: int = 256
+    # a step between chunks, so a long prompt holds its streams for a chunk, not for the whole prompt (docs/performance.md,
+    # "The engine's constants"). None: the device's (``default_batch_prefill_chunk``).
+    batch_prefill_chunk: int | None = None
     # How GatedDeltaNet layers run a prompt chunk (models.layers.GdnPrefill): "auto" takes the chunked form on
     # MLX CUDA only; "chunked" anywhere (tests force it on the CPU); "loop" never. Decode and verify rows never.
     gdn_prefill: GdnPrefill = "auto"
@@ -127,6 +141,8 @@ class Engine:
         self.config = config or EngineConfig()
         if self.config.prefill_chunk is None:
             self.config = replace(self.config, prefill_chunk=default_prefill_chunk())
+        if self.config.batch_prefill_chunk is None:
+            self.config = replace(self.config, batch_prefill_chunk=default_batch_prefill_chunk())
         self.forward = forward or LocalForward(loaded.model)
         if hasattr(loaded.model, "set_gdn_prefill"):  # the model's layers take this engine's choice
             loaded.model.set_gdn_prefill(self.config.gdn_prefill)
