@@ -25,27 +25,21 @@ def test_states_with_room_of_their_own_leave_the_kv_budget_to_attention(checkpoi
     assert batch_fits(engine, horizons, budget + (2 * per_sequence) // per_token + 1)
 
 
-def test_room_is_set_aside_only_where_the_device_has_it_free(checkpoint, monkeypatch):
+def test_room_is_set_aside_only_where_the_node_has_it_free(checkpoint):
     engine = Engine(load_checkpoint(checkpoint("qwen3_5")), EngineConfig())
-    per_token, per_sequence = sequence_bytes(engine)
-    import mlx.core as mx
-
-    held = mx.get_active_memory()
-    need = held + 1000 * per_token + 64 + 8 * per_sequence  # weights, KV budget, margin, 8 states
-    monkeypatch.setattr("exo.engine.memory.device_memory_bytes", lambda: need + (1 << 20))
-    assert state_room(engine, 8, 1000, 64) == 8 * per_sequence
-    assert state_room(engine, 1, 1000, 64) == 0  # one at a time: its state is the KV budget's, as always
-    monkeypatch.setattr("exo.engine.memory.device_memory_bytes", lambda: need - 8 * per_sequence)
-    assert state_room(engine, 8, 1000, 64) == 0
-    monkeypatch.setattr("exo.engine.memory.device_memory_bytes", lambda: 0)  # unknown
-    assert state_room(engine, 8, 1000, 64) == 0
+    per_sequence = sequence_bytes(engine)[1]
+    assert state_room(engine, 8, 8 * per_sequence) == 8 * per_sequence
+    assert state_room(engine, 8, 8 * per_sequence - 1) == 0
+    assert state_room(engine, 1, 1 << 40) == 0  # one at a time: its state is the KV budget's, as always
+    assert state_room(engine, 8, -5) == 0  # less free than the instance still takes
 
 
 def test_a_served_engine_sets_its_room_and_reserves_it_from_the_prefix_cache(checkpoint, monkeypatch, tmp_path):
+    from exo import system
     from exo.runner.loading import ready_engine, reserve_bytes
     from exo.settings import Settings
 
-    monkeypatch.setattr("exo.engine.memory.device_memory_bytes", lambda: 1 << 50)
+    monkeypatch.setattr(system, "memory", lambda budget=None: system.Memory(1 << 50, 1 << 45))  # (the node's, as read)
     settings = Settings(max_batch=5, home=tmp_path)
     engine = ready_engine(load_checkpoint(checkpoint("qwen3_5")), EngineConfig(), settings)
     per_token, per_sequence = sequence_bytes(engine)
@@ -53,3 +47,7 @@ def test_a_served_engine_sets_its_room_and_reserves_it_from_the_prefix_cache(che
     room = reserve_bytes(engine, settings)
     engine.state_room = 0
     assert room - reserve_bytes(engine, settings) == 4 * per_sequence
+    # a node with little free: no room, the states count against the KV budget as before
+    monkeypatch.setattr(system, "memory", lambda budget=None: system.Memory(1 << 50, reserve_bytes(engine, settings)))
+    engine = ready_engine(load_checkpoint(checkpoint("qwen3_5")), EngineConfig(), settings)
+    assert engine.state_room == 0

@@ -4,7 +4,7 @@ A batch's attention KV is left-padded to its longest row, so n runs hold about n
 (prompt + max_tokens) of KV rows, plus each run's GatedDeltaNet state (fixed per sequence). ``batch_bytes``
 is that estimate, ``sequence_bytes`` measures its two rates on the model itself; the device queue admits a
 run into a batch only while the estimate stays within the instance's KV budget (``batch_fits``) and the room
-set aside for a full batch's recurrent states (``state_room``: ``max_batch`` of them where the device has
+set aside for a full batch's recurrent states (``state_room``: ``max_batch`` of them where the node has
 them free at load; none otherwise, and the states count against the KV budget).
 
 Why the room: a Qwen3.5-9B sequence's GatedDeltaNet states are ~50 MB (24 layers of 32 x 128 x 128 float32),
@@ -61,16 +61,11 @@ def batch_fits(engine: Engine, horizons: list[int], budget_tokens: int) -> bool:
     return True
 
 
-def state_room(engine: Engine, max_batch: int, budget_tokens: int, margin_bytes: int) -> int:
-    """The bytes set aside at load for the recurrent states of a batch of ``max_batch``: all of them where the
-    device's memory less what MLX holds now (the weights), the KV budget and ``margin_bytes`` has room for them;
-    else 0 (and ``batch_fits`` counts the states against the KV budget). A single node's engine (a pipeline's
-    stages measure apart)."""
-    import mlx.core as mx
-
-    from .memory import device_memory_bytes
-
-    per_token, per_sequence = sequence_bytes(engine)
+def state_room(engine: Engine, max_batch: int, free_bytes: int) -> int:
+    """The bytes to set aside for the recurrent states of a batch of ``max_batch``: all of them where
+    ``free_bytes`` (what the node has free now, its weights loaded, less what the instance will still take: the
+    KV budget and the activation margin; the runner reads it as placement does) holds them; else 0 (and
+    ``batch_fits`` counts the states against the KV budget)."""
+    per_sequence = sequence_bytes(engine)[1]
     want = max_batch * per_sequence
-    free = device_memory_bytes() - mx.get_active_memory() - budget_tokens * per_token - margin_bytes
-    return want if max_batch > 1 and want and free >= want else 0
+    return want if max_batch > 1 and want and free_bytes >= want else 0
