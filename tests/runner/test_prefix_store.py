@@ -277,12 +277,19 @@ def test_a_served_engine_gets_the_shrunk_budget_and_reports_it(checkpoint, tmp_p
     assert per_token > 0 and reserve == per_token * 4096 + per_sequence + ACTIVATION_MARGIN_BYTES
     assert reserve_bytes(probe, load_settings(env={**env, "EXO_KV_BUDGET_TOKENS": ""})) >= per_token * CONTEXT_BUDGET_TOKENS
     # memory_budget_bytes caps what the node reports free, as placement reads it.
-    settings = load_settings(env={**env, "EXO_MEMORY_BUDGET_BYTES": str(reserve + (3 << 20))})
+    # (one generation at a time: no batch's states to set room aside for)
+    settings = load_settings(env={**env, "EXO_MEMORY_BUDGET_BYTES": str(reserve + (3 << 20)), "EXO_MAX_BATCH": "1"})
     engine = ready_engine(loaded, EngineConfig(), settings)
-    assert engine.prefix_cache is not None
+    assert engine.prefix_cache is not None and engine.state_room == 0
     assert engine.prefix_cache.store.ram.budget_bytes == 3 << 20
     figures = engine.prefix_cache.figures()
     assert figures["ram_budget_bytes"] == 3 << 20 and figures["disk_budget_bytes"] == settings.prefix_cache_disk_bytes
+    engine.prefix_cache.store.close()
+    # batching (max_batch 32): the room for its states (which the 3 MiB hold) comes before the RAM tier
+    settings = load_settings(env={**env, "EXO_MEMORY_BUDGET_BYTES": str(reserve + (3 << 20))})
+    engine = ready_engine(loaded, EngineConfig(), settings)
+    assert engine.state_room == 32 * per_sequence <= 3 << 20
+    assert engine.prefix_cache.store.ram.budget_bytes == (3 << 20) - (engine.state_room - per_sequence)
     engine.prefix_cache.store.close()
 
 
