@@ -199,4 +199,5 @@ def format_trace(t: dict[str, Any] | None) -> str:
             f"a step's prefill at most {t['prefill_ms_max']:.0f} ms); time: {share}"
             + (f"\n    longest stall {t['stall']['seconds']:.2f} s (members {t['stall']['members']}, admitted "
                f"{t['stall']['admitted']}, prompt tokens {t['stall']['prefill_tokens']}), the device thread in it:\n      "
-               + "\n      ".join(t["stall"]["stack"]) if t.get("stall") else ""))
+               + "\n      ".join(frame.replace(str(Path.cwd()) + "/", "") for frame in t["stall"]["stack"])
+               if t.get("stall") else ""))
