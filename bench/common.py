@@ -176,7 +176,7 @@ def device_profile(folder: str | None, start: float, end: float, top: int) -> st
     if folder is None:
         return ""
     paths = [str(p) for p in Path(folder).glob("profile-*.pstats")
-             if int(start) <= int(p.stem.rsplit("-", 1)[1]) <= end]
+             if int(start) <= int(p.stem.split("-")[2]) <= end]
     if not paths:
         return ""
     text = io.StringIO()

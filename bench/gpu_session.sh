@@ -128,7 +128,7 @@ for p in "$@"; do
     # issue 51: a runner killed mid-batch through exo serve, the seconds until the 9B serves again (target 15 s)
     restart9) phase restart9 $PY bench/runner_restart.py "$Q9" --kills 3 --members 4 ;;
     serving9p) EXO_NATIVE_MTP_ENABLED=0 phase serving9p $PY bench/serving.py "$Q9" --mtp off --no-one-at-a-time \
-                   $([ "$CPU" = 1 ] && echo --clients 1 4 --seconds 4 --max-tokens 8 || echo --clients 1 8 32 --seconds 10 --max-tokens 64) --profile 30 ;;
+                   $([ "$CPU" = 1 ] && echo --clients 1 4 --seconds 4 --max-tokens 8 --engine-vs-client 2 || echo --clients 1 8 32 --seconds 10 --max-tokens 64 --engine-vs-client 8) --profile 30 ;;
     roundsahead1) phase roundsahead1 $PY bench/round_phases.py "$Q9" --replay 0.8 --depths 1 2 --repeats 3 --max-tokens 48 \
                       --no-adaptive --ahead on off ;;
     serving9) EXO_NATIVE_MTP_ENABLED=0 phase serving9 $PY bench/serving.py "$Q9" --mtp off --no-one-at-a-time $SERVING ;;

@@ -25,7 +25,9 @@ stretch between two decode steps (a stall shows there), the prompt tokens prefil
 calls) and the share of the window the thread spent planning, prefilling, stepping, emitting, or idle.
 
 ``--profile N`` runs the servers' device threads under cProfile (``EXO_DEVICE_PROFILE``; it slows them, so
-take its rows' speed as no figure) and prints after each row its N functions of most own time.
+take its rows' speed as no figure) and prints after each row its N functions of most own time; with
+``--engine-vs-client``, also the engine alone's requests (profiled in this process) beside the runner's device
+thread over the client's: where the serving loop's extra time per token goes.
 
 ``--engine-vs-client N`` first runs N requests of the engine alone (in this process, a fresh engine on the same
 checkpoint, no prefix cache) against N of one client through the batching server (idle otherwise), the same
@@ -179,7 +181,8 @@ async def one_stream(session: aiohttp.ClientSession, url: str, topic: str, max_t
             "tokens": n}
 
 
-def engine_vs_client(model: str, url: str, requests: int, max_tokens: int, mtp: dict[str, Any] | None) -> dict[str, Any]:
+def engine_vs_client(model: str, url: str, requests: int, max_tokens: int, mtp: dict[str, Any] | None, profile: int = 0,
+                     profile_dir: str | None = None) -> dict[str, Any]:
     """The engine alone (in this process: a fresh engine on the same checkpoint, as `exo bench` runs it) against
     one client through `exo serve` (the server idle otherwise), the same chat requests, alternating."""
     from exo.engine import GenerationRequest, SamplingParams, resolve_model
@@ -196,6 +199,10 @@ def engine_vs_client(model: str, url: str, requests: int, max_tokens: int, mtp: 
     elif mtp is not None and "k" in mtp:
         fields["mtp_k"] = mtp["k"]
     rows: dict[str, list[dict[str, float]]] = {"engine": [], "client": []}
+    import cProfile
+
+    profiler = cProfile.Profile() if profile else None  # the engine alone's requests (this process, every thread)
+    window = [0.0, 0.0]  # the client requests' span (time.monotonic()): the runner's device profile of them
 
     async def run() -> None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
@@ -205,21 +212,38 @@ def engine_vs_client(model: str, url: str, requests: int, max_tokens: int, mtp: 
                 params = GenerateParams(max_tokens=max_tokens, default_max_tokens=max_tokens,
                                         sampling=SamplingParams(temperature=0.0), **fields)
                 start = time.perf_counter()
+                if profiler is not None and i:
+                    profiler.enable()
                 request: GenerationRequest = generation_request(engine, prompt, params)
                 stats = None
                 n = 0
                 for chunk in engine.generate(request):
                     n += len(chunk.token_ids)
                     stats = chunk.stats or stats
+                if profiler is not None:
+                    profiler.disable()
                 wall = time.perf_counter() - start
                 assert stats is not None
+                if i == 1:
+                    window[0] = time.monotonic()
                 client = await one_stream(session, url, topic, max_tokens, mtp)
+                window[1] = time.monotonic()
                 if i:
                     rows["engine"].append({"decode_tok_s": stats.decode_tokens_per_s, "request_tok_s": n / wall,
                                            "ttft_s": stats.ttft_ms / 1000})
                     rows["client"].append(client)
 
     asyncio.run(run())
+    if profiler is not None:
+        import io
+        import pstats
+
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(profile)
+        own = text.getvalue().strip().replace(os.getcwd() + "/", "")
+        print(f"\nthe engine alone's {requests} requests, by own time:\n{own}")
+        print(f"\nthe runner's device thread over the client's {requests} requests (and the engine's between them, "
+              f"idle there), by own time:\n{device_profile(profile_dir, *window, profile)}", flush=True)
     med = {side: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for side, rs in rows.items()}
     return {"requests": requests, **med,
             "client_decode_vs_engine": med["client"]["decode_tok_s"] / med["engine"]["decode_tok_s"],
@@ -306,7 +330,9 @@ def main() -> None:
                 asyncio.run(warm(servers[name], args.max_tokens))
             if args.engine_vs_client:
                 batching = next(url for name, url in servers.items() if name != "one at a time")
-                versus = engine_vs_client(args.model, batching, args.engine_vs_client, args.max_tokens, MTP_MODES[modes[0]])
+                name = next(name for name in servers if name != "one at a time")
+                versus = engine_vs_client(args.model, batching, args.engine_vs_client, args.max_tokens, MTP_MODES[modes[0]],
+                                          args.profile, os.path.join(os.path.dirname(traces[name]), "device-profile"))
                 print_engine_vs_client(versus, args.max_tokens)
                 report["engine_vs_client"] = versus
             rows: dict[tuple[str, str, int], dict[str, Any]] = {}

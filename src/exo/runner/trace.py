@@ -20,8 +20,8 @@ class DeviceTrace:
     tokens to their streams) and what it carried. For benchmarks (bench/serving.py reads it back).
 
     ``EXO_DEVICE_PROFILE=DIR`` (apart from the trace; it slows the thread it measures): the device thread's
-    steps under cProfile, one ``DIR/profile-<pid>-<second>.pstats`` per second of ``time.monotonic()`` in which
-    steps ran, so a benchmark sums the seconds of its window (``bench/common.py`` ``device_profile``).
+    steps under cProfile, one ``DIR/profile-<pid>-<second>-<n>.pstats`` per second of ``time.monotonic()`` in which
+    steps ran (and one when a batch ends), so a benchmark sums the seconds of its window (``bench/common.py`` ``device_profile``).
 
     With the trace on, a watcher thread samples the device thread's Python stack once in a step that has run for
     ``STALL_SECONDS``: the line of that step carries it (``stall_stack``, innermost frame last), so a benchmark
@@ -35,6 +35,7 @@ class DeviceTrace:
         self._profile_dir = profile
         self._profile: Any = None  # cProfile.Profile of the current second
         self._second = 0
+        self._dumps = 0
         self._step: tuple[int, float, dict[str, Any]] | None = None  # the step under way: thread, start, line
         self._watcher: threading.Thread | None = None
 
@@ -78,10 +79,18 @@ class DeviceTrace:
         return lap
 
     def pause(self) -> None:
-        """The batch ended (its last step may not have closed): the thread idles unprofiled and unwatched."""
+        """The batch ended (its last step may not have closed): the thread idles unprofiled and unwatched, and
+        the profile so far is written out (a benchmark reading the window that just ended finds it)."""
         self._step = None
         if self._profile is not None:
             self._profile.disable()
+            self._dump()
+
+    def _dump(self) -> None:
+        self._dumps += 1
+        name = f"profile-{os.getpid()}-{self._second}-{self._dumps}.pstats"
+        self._profile.dump_stats(os.path.join(self._profile_dir, name))
+        self._profile = None
 
     def _watch(self) -> None:
         """Sample the stack of a step that runs past ``STALL_SECONDS``, once per step."""
@@ -109,8 +118,7 @@ class DeviceTrace:
 
         second = int(now)
         if self._profile is not None and second != self._second:
-            self._profile.dump_stats(os.path.join(self._profile_dir, f"profile-{os.getpid()}-{self._second}.pstats"))
-            self._profile = None
+            self._dump()
         if self._profile is None:
             self._profile, self._second = cProfile.Profile(), second
         self._profile.enable()
