@@ -5,8 +5,9 @@ the compile of MLX's tiled quantized product)."""
 from __future__ import annotations
 
 import mlx.nn as nn
+import pytest
 
-from exo.engine import Engine, EngineConfig, kernel_warmup, load_checkpoint
+from exo.engine import Engine, EngineConfig, GenerationRequest, kernel_warmup, load_checkpoint
 from exo.engine.kernel_warmup import ROWS, warm_products
 from exo.engine.models.layers import SparseMoeBlock
 
@@ -108,3 +109,38 @@ def test_a_served_engine_warms_its_batches_at_load(checkpoint, monkeypatch, tmp_
     settings = Settings(max_batch=3, home=tmp_path)
     engine = ready_engine(load_checkpoint(checkpoint("qwen3_5")), EngineConfig(), settings)
     assert engine.warmup_seconds["batch steps"] > 0
+
+
+def test_the_batch_grows_only_as_far_as_the_kv_budget_admits_and_running_out_of_memory_skips_the_rest(
+        checkpoint, monkeypatch, caplog):
+    from exo.engine.batch import BatchLanes
+    from exo.engine.batch_memory import batch_fits, sequence_bytes
+    from exo.engine.kernel_warmup import warm_batches
+
+    engine = Engine(load_checkpoint(checkpoint("qwen3_5")), EngineConfig())
+    per_token, per_sequence = sequence_bytes(engine)
+    horizon = 3 + 6 + 2
+    budget = (3 * (horizon * per_token + per_sequence)) // per_token + 1  # three members fit, four do not
+    assert batch_fits(engine, [horizon] * 3, budget) and not batch_fits(engine, [horizon] * 4, budget)
+    sizes = []
+    step = BatchLanes.step
+    monkeypatch.setattr(BatchLanes, "step", lambda self: sizes.append(len(self)) or step(self))
+    assert warm_batches(engine, 6, budget, force=True) is not None
+    assert sizes == [2, 3, 2, 1]
+    assert warm_batches(engine, 6, 1, force=True) is None  # not even two fit
+
+    def out_of_memory(self):
+        if len(self) == 3:
+            raise RuntimeError("[cuda::malloc] Out of memory: failed to allocate 1 GB")
+        return step(self)
+
+    sizes.clear()
+    monkeypatch.setattr(BatchLanes, "step", out_of_memory)
+    with caplog.at_level("WARNING"):
+        assert warm_batches(engine, 6, force=True) is not None  # the load goes on
+    assert "ran out of memory at 3 members" in caplog.text
+    monkeypatch.setattr(BatchLanes, "step", lambda self: (_ for _ in ()).throw(RuntimeError("another failure")))
+    with pytest.raises(RuntimeError, match="another failure"):
+        warm_batches(engine, 6, force=True)
+    request = GenerationRequest([5, 9, 2, 7], max_tokens=6)
+    assert [t for chunk in engine.generate(request) for t in chunk.token_ids]  # the engine serves on

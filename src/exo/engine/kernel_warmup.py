@@ -16,12 +16,15 @@ Only on MLX CUDA: the CPU and Metal compile nothing at these points.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+
+log = logging.getLogger(__name__)
 
 ROWS = (8, 17, 33)
 SHRINKS = 3  # members ``warm_batches`` takes out of a batch, a step after each  # one row count per tile height of MLX CUDA's tiled quantized product: 16, 32, 64
@@ -73,25 +76,37 @@ def warm_products(modules: Sequence[nn.Module], *, force: bool = False) -> dict[
     return seconds
 
 
-def warm_batches(engine: Any, max_batch: int, *, force: bool = False) -> float | None:
+def warm_batches(engine: Any, max_batch: int, budget_tokens: int | None = None, *, force: bool = False) -> float | None:
     """A batch grown from 2 to ``max_batch`` members on one engine, one plain step at every size (members of
     1-3 prompt tokens, so the batch's caches are padded as a server's are), then members taken out of its middle
     (``SHRINKS`` of them, a step after each), then dropped: the kernels MLX CUDA compiles for a batch compile at
     load, not inside a server's step. Issue 51's stall: the first time a machine served 8 clients, a step of 5-6
     members waited 4.9-5.1 s in ``mx.async_eval``, not on a second run there (MLX's PTX cache warm); the kernels
     new in that cache were MLX's gathers (bfloat16 along an axis, float32, int32 by int32 and by uint32 indices),
-    which a batch reaches when a member leaves and its caches keep the other rows. Seconds taken, or None where
-    nothing runs: off MLX CUDA (unless ``force``), a batch of one, or a pipeline stage (its steps need every
-    stage)."""
+    which a batch reaches when a member leaves and its caches keep the other rows.
+
+    The batch grows only as far as a server's would (``budget_tokens``: the instance's KV budget, ``batch_fits``
+    with the engine's ``state_room``), and running out of memory here skips the rest of it (MLX's cache handed back,
+    a warning): a load never fails for its warm-up. Seconds taken, or None where nothing runs: off MLX CUDA (unless
+    ``force``), a batch of one, or a pipeline stage (its steps need every stage)."""
     if max_batch < 2 or not (force or on_cuda()) or engine.forward.stages > 1:
         return None
     from .batch import BatchLanes
+    from .batch_memory import batch_fits
+    from .memory import allocation_failed
     from .request import GenerationRequest
 
+    if budget_tokens is not None:
+        horizon = 3 + max_batch + 2  # a member's prompt and max_tokens below
+        while max_batch > 1 and not batch_fits(engine, [horizon] * max_batch, budget_tokens):
+            max_batch -= 1
+        if max_batch < 2:
+            return None
     start = time.perf_counter()
     batch = BatchLanes(engine)
     vocab = engine.vocab_size
     runs = []
+    failed: RuntimeError | None = None
     try:
         for i in range(max_batch):
             prompt = [(7 + 31 * i + j) % vocab for j in range(1 + i % 3)]
@@ -105,6 +120,14 @@ def warm_batches(engine: Any, max_batch: int, *, force: bool = False) -> float |
         for run in runs[1 : 1 + min(SHRINKS, max_batch - 1)]:
             batch.remove(run)
             batch.step()
+    except RuntimeError as e:
+        if not allocation_failed(e):
+            raise
+        failed = e
     finally:
         batch.drop()
+    if failed is not None:
+        mx.clear_cache()
+        log.warning("warming up batches: the device ran out of memory at %d members (%s); the rest is skipped",
+                    len(runs), failed)
     return time.perf_counter() - start

@@ -51,18 +51,19 @@ def ready_engine(loaded: LoadedModel, config: EngineConfig, settings: Settings |
     engine = Engine(loaded, config)
     engine.warmup()
     if settings is not None:
-        from exo.engine.kernel_warmup import warm_batches
-
-        seconds = warm_batches(engine, settings.max_batch)  # a batch's kernels, before a user's batch waits on them
-        if seconds is not None:
-            engine.warmup_seconds["batch steps"] = seconds
+        from exo.cards.schema import CONTEXT_BUDGET_TOKENS
         from exo.engine.batch_memory import state_room
+        from exo.engine.kernel_warmup import warm_batches
         from exo.system import memory
 
         # free for a full batch's states: the node's available memory (the GPU's on MLX CUDA, as placement reads
         # it) less what the instance will still take (reserve_bytes, before any room is set aside)
         free = memory(settings.memory_budget_bytes).available_bytes - reserve_bytes(engine, settings)
         engine.state_room = state_room(engine, settings.max_batch, free)
+        # a batch's kernels, before a user's batch waits on them (as large a batch as the server would admit)
+        seconds = warm_batches(engine, settings.max_batch, settings.kv_budget_tokens or CONTEXT_BUDGET_TOKENS)
+        if seconds is not None:
+            engine.warmup_seconds["batch steps"] = seconds
         attach_prefix_cache(engine, settings)
     return engine
 
