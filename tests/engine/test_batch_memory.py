@@ -25,13 +25,13 @@ def test_states_with_room_of_their_own_leave_the_kv_budget_to_attention(checkpoi
     assert batch_fits(engine, horizons, budget + (2 * per_sequence) // per_token + 1)
 
 
-def test_room_is_set_aside_only_where_the_node_has_it_free(checkpoint):
-    engine = Engine(load_checkpoint(checkpoint("qwen3_5")), EngineConfig())
-    per_sequence = sequence_bytes(engine)[1]
-    assert state_room(engine, 8, 8 * per_sequence) == 8 * per_sequence
-    assert state_room(engine, 8, 8 * per_sequence - 1) == 0
-    assert state_room(engine, 1, 1 << 40) == 0  # one at a time: its state is the KV budget's, as always
-    assert state_room(engine, 8, -5) == 0  # less free than the instance still takes
+def test_room_is_set_aside_only_where_the_node_has_it_free():
+    per_sequence = 400 << 10
+    assert state_room(per_sequence, 8, 8 * per_sequence) == 8 * per_sequence
+    assert state_room(per_sequence, 8, 8 * per_sequence - 1) == 0
+    assert state_room(per_sequence, 1, 1 << 40) == 0  # one at a time: its state is the KV budget's, as always
+    assert state_room(per_sequence, 8, -5) == 0  # less free than the instance still takes
+    assert state_room(0, 8, 1 << 40) == 0  # no recurrent layers: nothing to set aside
 
 
 def test_a_served_engine_sets_its_room_and_reserves_it_from_the_prefix_cache(checkpoint, monkeypatch, tmp_path):
@@ -51,3 +51,29 @@ def test_a_served_engine_sets_its_room_and_reserves_it_from_the_prefix_cache(che
     monkeypatch.setattr(system, "memory", lambda budget=None: system.Memory(1 << 50, reserve_bytes(engine, settings)))
     engine = ready_engine(load_checkpoint(checkpoint("qwen3_5")), EngineConfig(), settings)
     assert engine.state_room == 0
+
+
+def test_a_pipeline_stage_has_room_where_its_node_has_it_and_its_prefix_cache_leaves_it(checkpoint, monkeypatch,
+                                                                                         tmp_path):
+    from exo import system
+    from exo.engine.forward import cache_rates
+    from exo.runner.loading import stage_prefix_cache, stage_states_room
+    from exo.settings import Settings
+
+    loaded = load_checkpoint(checkpoint("qwen3_5"), layers=(0, 2))  # a first stage's layers
+    per_token, per_sequence = cache_rates(loaded.model)
+    assert per_sequence > 0
+    settings = Settings(max_batch=4, home=tmp_path, kv_budget_tokens=1000, prefix_cache_ram_bytes=1 << 30)
+    reserve = per_token * 1000 + per_sequence + (512 << 20)  # KV budget, one state, the activation margin
+    free = {"bytes": reserve + 4 * per_sequence}
+    monkeypatch.setattr(system, "memory", lambda budget=None: system.Memory(1 << 50, free["bytes"]))
+    assert stage_states_room(loaded, settings, True)
+    free["bytes"] -= 1
+    assert not stage_states_room(loaded, settings, True)
+    assert not stage_states_room(loaded, settings.model_copy(update={"max_batch": 1}), True)
+    free["bytes"] = reserve + (8 << 20)
+    without = stage_prefix_cache(loaded, settings, (0, 2), True)
+    with_room = stage_prefix_cache(loaded, settings, (0, 2), True, states_room=True)
+    assert without.store.ram.budget_bytes - with_room.store.ram.budget_bytes == 3 * per_sequence
+    without.store.close()
+    with_room.store.close()

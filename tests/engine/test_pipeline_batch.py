@@ -62,7 +62,7 @@ class _Pipeline:
     fixtures' 4 layers: (2, 4) is 0-1 | 2-3). ``slots``: each serving stage's slot table (what it holds)."""
 
     def __init__(self, path, eos: bool, config: EngineConfig, split: tuple[int, ...] = SPLIT,
-                 on_step=None) -> None:
+                 on_step=None, states_room: bool = False) -> None:
         n = len(split)
         ranges = [(split[r - 1] if r else 0, split[r]) for r in range(n)]
         stages = [load_checkpoint(path, layers=ranges[r]) for r in range(n - 1)]
@@ -80,7 +80,8 @@ class _Pipeline:
         def serve(r: int) -> None:
             try:
                 pipeline_module.serve_stage(stages[r].model, pipeline_module.StageSpec(r, n, *ranges[r]), self.links[r],
-                                            slots=self.all_slots[r], on_step=on_step if r == 0 else None)
+                                            slots=self.all_slots[r], on_step=on_step if r == 0 else None,
+                                            states_room=states_room)
             except BaseException as e:  # noqa: BLE001 - reported by the test
                 self.errors.append(e)
                 queues[(r, r + 1)].put(e)
@@ -109,10 +110,12 @@ def pipelined(checkpoint):
     """``pipelined(arch, eos=False, **config)`` -> (the pipelined leader's engine, the pipeline)."""
     made: list[_Pipeline] = []
 
-    def make(arch: str, eos: bool = False, path=None, split=SPLIT, on_step=None, **config) -> tuple[Engine, _Pipeline]:
-        """``split``: the stages' end layers (SPLIT: two stages)."""
+    def make(arch: str, eos: bool = False, path=None, split=SPLIT, on_step=None, states_room=False,
+             **config) -> tuple[Engine, _Pipeline]:
+        """``split``: the stages' end layers (SPLIT: two stages); ``states_room``: the serving stages' nodes set
+        room aside for a full batch's states (``serve_stage``)."""
         path = path or checkpoint(arch, dtype="float32")
-        pipe = _Pipeline(path, eos, EngineConfig(prefill_chunk=CHUNK, **config), split, on_step)
+        pipe = _Pipeline(path, eos, EngineConfig(prefill_chunk=CHUNK, **config), split, on_step, states_room)
         made.append(pipe)
         return pipe.engine, pipe
 
@@ -424,6 +427,29 @@ def test_admission_counts_every_stages_memory(pipelined):
     assert not batch_fits(engine, [100, 100], budget)
     assert batch_fits(engine, [100, 100], 4 * budget)
     assert batch_fits(engine, [4000], 1)  # a lone run always runs
+    _no_slots_left(pipe)
+
+
+def test_stages_with_room_for_a_batch_s_states_count_only_their_kv(pipelined):
+    """A serving stage whose node set room aside for a full batch's states (``states_room``) reports none per
+    sequence, and the leader's own room (``engine.state_room``) covers its own stage's: the pair stage 0's states
+    refused above (``test_admission_counts_every_stages_memory``) is admitted on the KV alone."""
+    from exo.cards import bundled_model_dir
+    from exo.engine.batch import batch_fits, stage_bytes
+    from exo.engine.forward import cache_rates
+
+    engine, pipe = pipelined("exo-demo", path=bundled_model_dir("exo-demo"), split=(6, 8), states_room=True)
+    (stage_token, stage_sequence), (leader_token, leader_sequence) = stage_bytes(engine)
+    assert (stage_token, stage_sequence) == (cache_rates(pipe.stage_model)[0], 0)
+    assert (leader_token, leader_sequence) == cache_rates(pipe.leader_model)
+    budget = 1000
+    assert not batch_fits(engine, [100, 100], budget // 10)  # the KV of two 100-token rows is over 100 tokens
+    assert batch_fits(engine, [100, 100], budget)  # stage 0 holds it now; the leader's states fit its KV budget
+    assert not batch_fits(engine, [400] * 3, budget)  # the leader's 3 x 400 rows of KV do not
+    engine.state_room = 3 * leader_sequence  # the leader's room: only its rows' KV counts
+    assert batch_fits(engine, [330] * 3, budget)
+    engine.state_room = 0
+    assert not batch_fits(engine, [330] * 3, budget)
     _no_slots_left(pipe)
 
 

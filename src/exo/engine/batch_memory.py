@@ -51,21 +51,22 @@ def batch_fits(engine: Engine, horizons: list[int], budget_tokens: int) -> bool:
     (``state_room``; beyond it, they count against the KV budget)."""
     if len(horizons) < 2:
         return True
-    room = engine.state_room
-    for per_token, per_sequence in stage_bytes(engine):
-        # A stage without attention layers holds only the fixed states, which max_batch bounds.
-        states = len(horizons) * per_sequence
-        over = max(0, states - room)  # the states that have no room of their own take KV budget
+    rates = stage_bytes(engine)
+    for stage, (per_token, per_sequence) in enumerate(rates):
+        # A stage without attention layers holds only the fixed states, which max_batch bounds. The engine's room
+        # is its own stage's (the last); a pipeline's other stages report no state bytes where their node set
+        # room aside (``serve_stage``'s ``states_room``).
+        room = engine.state_room if stage == len(rates) - 1 else 0
+        over = max(0, len(horizons) * per_sequence - room)  # the states that have no room of their own take KV budget
         if per_token and batch_bytes(horizons, per_token, 0) + over > budget_tokens * per_token:
             return False
     return True
 
 
-def state_room(engine: Engine, max_batch: int, free_bytes: int) -> int:
-    """The bytes to set aside for the recurrent states of a batch of ``max_batch``: all of them where
-    ``free_bytes`` (what the node has free now, its weights loaded, less what the instance will still take: the
-    KV budget and the activation margin; the runner reads it as placement does) holds them; else 0 (and
-    ``batch_fits`` counts the states against the KV budget)."""
-    per_sequence = sequence_bytes(engine)[1]
+def state_room(per_sequence: int, max_batch: int, free_bytes: int) -> int:
+    """The bytes to set aside for the recurrent states of a batch of ``max_batch`` sequences of ``per_sequence``
+    bytes each: all of them where ``free_bytes`` (what the node has free now, its weights loaded, less what the
+    instance will still take: the KV budget and the activation margin; the runner reads it as placement does)
+    holds them; else 0 (and ``batch_fits`` counts the states against the KV budget)."""
     want = max_batch * per_sequence
     return want if max_batch > 1 and want and free_bytes >= want else 0

@@ -62,7 +62,8 @@ log = logging.getLogger(__name__)
 OP_FORWARD, OP_END, OP_SHUTDOWN, OP_MEASURE = 1, 2, 3, 4
 # OP_MEASURE: every stage measures its layers' cache rates (``forward.cache_rates``) and passes every stage's so far
 # on to the next, as int32 [4 x stages before and itself] (each figure as high and low 30 bits): the leader gets
-# each stage's memory per token and per sequence (a batch's admission counts every stage's memory).
+# each stage's memory per token and per sequence (a batch's admission counts every stage's memory; a stage whose
+# node set room aside for a full batch's recurrent states reports 0 per sequence: ``serve_stage``'s ``states_room``).
 # The prefix cache's round trips (``PipelineForward.prefix_lookup`` / ``prefix_begin``): the header is followed by an
 # int32 [rows] payload that every stage reads, updates and passes on; the stage before the leader sends the leader
 # the payload alone. LOOKUP: [n, tokens(n), m, candidates(m)], each stage sets the positions it does not hold to
@@ -659,16 +660,19 @@ class StageTransport:
 
 def serve_stage(
     model: SpeculativeBackbone, stage: StageSpec, link: Link, *, on_step: Callable[[], None] | None = None,
-    slots: StageSlots | None = None, prefix_cache: PrefixCache | None = None,
+    slots: StageSlots | None = None, prefix_cache: PrefixCache | None = None, states_room: bool = False,
 ) -> None:
-    """A pipeline stage that does not lead: ``serve_member`` over send / recv between neighbours."""
+    """A pipeline stage that does not lead: ``serve_member`` over send / recv between neighbours. ``states_room``:
+    its node set aside room for a full batch's recurrent states (``batch_memory.state_room``), so it reports
+    its states as taking none of the KV budget (``OP_MEASURE``)."""
     serve_member(model, stage, link, StageTransport(model, stage, link), on_step=on_step, slots=slots,
-                 prefix_cache=prefix_cache)
+                 prefix_cache=prefix_cache, states_room=states_room)
 
 
 def serve_member(
     model: SpeculativeBackbone, member: StageSpec, link: Link, transport: StepTransport, *,
     on_step: Callable[[], None] | None = None, slots: StageSlots | None = None, prefix_cache: PrefixCache | None = None,
+    states_room: bool = False,
 ) -> None:
     """A member of a group that does not lead (a pipeline's stage, a tensor group's member): run the leader's steps
     until it shuts the group down, ``transport`` bringing each forward step's input and taking its output.
@@ -713,6 +717,8 @@ def serve_member(
             before = link.recv((4 * member.rank,), mx.int32, member.previous).tolist() if not member.first else []
             with transport.layers(None):
                 mine = cache_rates(model)
+            if states_room:  # a full batch's states have room of their own here: none count against the KV budget
+                mine = (mine[0], 0)
             link.send(mx.array(before + _pack_rates(mine), dtype=mx.int32), member.next)
             continue
         if header.op != transport.forward_op:

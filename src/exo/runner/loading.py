@@ -52,14 +52,9 @@ def ready_engine(loaded: LoadedModel, config: EngineConfig, settings: Settings |
     engine.warmup()
     if settings is not None:
         from exo.cards.schema import CONTEXT_BUDGET_TOKENS
-        from exo.engine.batch_memory import state_room
         from exo.engine.kernel_warmup import warm_batches
-        from exo.system import memory
 
-        # free for a full batch's states: the node's available memory (the GPU's on MLX CUDA, as placement reads
-        # it) less what the instance will still take (reserve_bytes, before any room is set aside)
-        free = memory(settings.memory_budget_bytes).available_bytes - reserve_bytes(engine, settings)
-        engine.state_room = state_room(engine, settings.max_batch, free)
+        set_state_room(engine, settings)
         # a batch's kernels, before a user's batch waits on them (as large a batch as the server would admit)
         seconds = warm_batches(engine, settings.max_batch, settings.kv_budget_tokens or CONTEXT_BUDGET_TOKENS)
         if seconds is not None:
@@ -81,27 +76,58 @@ def attach_prefix_cache(engine: Engine, settings: Settings, layers: tuple[int, i
     _log_budget(engine.prefix_cache, settings)
 
 
-def stage_prefix_cache(loaded: LoadedModel, settings: Settings, layers: tuple[int, int] | None, first: bool) -> Any:
-    """A pipeline stage's (not the leader's) prefix cache: its layers' part under its own namespace, its RAM tier
-    shrunk to fit what the stage will still take (its KV budget and state, measured on a one-token forward of
-    its layers, and the activation margin). None: turned off, or it failed (the stage then never restores and
-    the leader finds no prefix every stage holds)."""
+def _stage_rates(loaded: LoadedModel, first: bool) -> tuple[int, int]:
+    """A stage's (bytes of attention KV per token, bytes of recurrent state per sequence), measured on a one-token
+    forward of its layers."""
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
+    model = loaded.model
+    cache = model.make_cache()
+    x = mx.array([[0]], dtype=mx.uint32) if first else mx.zeros((1, 1, model.hidden_size),
+                                                               dtype=model.stage_layers[0].input_layernorm.weight.dtype)
+    mx.eval(model.stage_hidden(x, cache))
+    per_token = sum((c.keys.nbytes + c.values.nbytes) // c.keys.shape[2] for c in cache if isinstance(c, KVCache))
+    per_sequence = sum(a.nbytes for c in cache if not isinstance(c, KVCache) for a in c.cache if a is not None)
+    return per_token, per_sequence
+
+
+def _stage_reserve(per_token: int, per_sequence: int, settings: Settings, room: int = 0) -> int:
     from exo.cards.schema import ACTIVATION_MARGIN_BYTES, CONTEXT_BUDGET_TOKENS
 
+    budget = settings.kv_budget_tokens or CONTEXT_BUDGET_TOKENS
+    return per_token * budget + max(per_sequence, room) + ACTIVATION_MARGIN_BYTES
+
+
+def stage_states_room(loaded: LoadedModel, settings: Settings, first: bool) -> bool:
+    """Whether a pipeline stage's (not the leader's) node has room for a full batch's recurrent states beyond what
+    the stage will still take (``batch_memory.state_room``, read as a served engine reads it): then the stage
+    reports its states as needing none of the KV budget (``serve_stage``'s ``states_room``), and its prefix cache's
+    RAM tier leaves that room (``stage_prefix_cache``'s ``room``)."""
+    from exo.engine.batch_memory import state_room
+    from exo.system import memory
+
+    try:
+        per_token, per_sequence = _stage_rates(loaded, first)
+        free = memory(settings.memory_budget_bytes).available_bytes - _stage_reserve(per_token, per_sequence, settings)
+        return state_room(per_sequence, settings.max_batch, free) > 0
+    except Exception:  # noqa: BLE001 - the stage counts its states against the KV budget, as before
+        logging.getLogger(__name__).exception("room for a batch's states: not measured")
+        return False
+
+
+def stage_prefix_cache(loaded: LoadedModel, settings: Settings, layers: tuple[int, int] | None, first: bool,
+                       states_room: bool = False) -> Any:
+    """A pipeline stage's (not the leader's) prefix cache: its layers' part under its own namespace, its RAM tier
+    shrunk to fit what the stage will still take (its KV budget and state, measured on a one-token forward of
+    its layers, a full batch's states where ``states_room``, and the activation margin). None: turned off, or it
+    failed (the stage then never restores and the leader finds no prefix every stage holds)."""
     from .prefix_store import open_prefix_cache, ram_budget
 
     try:
-        model = loaded.model
-        cache = model.make_cache()
-        x = mx.array([[0]], dtype=mx.uint32) if first else mx.zeros((1, 1, model.hidden_size),
-                                                                   dtype=model.stage_layers[0].input_layernorm.weight.dtype)
-        mx.eval(model.stage_hidden(x, cache))
-        per_token = sum((c.keys.nbytes + c.values.nbytes) // c.keys.shape[2] for c in cache if isinstance(c, KVCache))
-        per_sequence = sum(a.nbytes for c in cache if not isinstance(c, KVCache) for a in c.cache if a is not None)
-        reserve = per_token * (settings.kv_budget_tokens or CONTEXT_BUDGET_TOKENS) + per_sequence + ACTIVATION_MARGIN_BYTES
+        per_token, per_sequence = _stage_rates(loaded, first)
+        room = settings.max_batch * per_sequence if states_room else 0
+        reserve = _stage_reserve(per_token, per_sequence, settings, room)
         prefix_cache = open_prefix_cache(loaded, settings, layers, ram_bytes=ram_budget(settings, reserve))
     except Exception:  # noqa: BLE001 - the stage serves without one
         logging.getLogger(__name__).exception("prefix cache: not available")
@@ -116,6 +142,19 @@ def _log_budget(cache: Any, settings: Settings) -> None:
         logging.getLogger(__name__).info(
             "prefix cache: RAM budget %d MiB (setting %d MiB), disk budget %d MiB", figures["ram_budget_bytes"] >> 20,
             settings.prefix_cache_ram_bytes >> 20, figures.get("disk_budget_bytes", 0) >> 20)
+
+
+def set_state_room(engine: Engine, settings: Settings) -> None:
+    """A served engine's ``state_room``: a full batch's recurrent states where the node's available memory (the
+    GPU's on MLX CUDA, as placement reads it) holds them beyond what the instance will still take
+    (``reserve_bytes``, before any room is set aside); a pipeline's leader, for its own stage's layers."""
+    from exo.engine.batch import sequence_bytes
+    from exo.engine.batch_memory import state_room
+    from exo.system import memory
+
+    engine.state_room = 0
+    free = memory(settings.memory_budget_bytes).available_bytes - reserve_bytes(engine, settings)
+    engine.state_room = state_room(sequence_bytes(engine)[1], settings.max_batch, free)
 
 
 def reserve_bytes(engine: Engine, settings: Settings) -> int:

@@ -228,13 +228,15 @@ def _serve_stage(args: argparse.Namespace, state: RunnerState, device: object, l
              stage.end_layer - 1, ",".join(hosts))
     layers = (stage.start_layer, stage.end_layer)
     if not stage.last:
-        from .loading import stage_prefix_cache
+        from .loading import stage_prefix_cache, stage_states_room
 
         loaded.model.set_gdn_prefill(config.gdn_prefill)  # type: ignore[attr-defined]  # (no Engine here sets it)
-        prefix_cache = stage_prefix_cache(loaded, settings, layers, stage.first)  # type: ignore[arg-type]
+        room = stage_states_room(loaded, settings, stage.first)  # type: ignore[arg-type]
+        prefix_cache = stage_prefix_cache(loaded, settings, layers, stage.first, room)  # type: ignore[arg-type]
         state.ready(summary, None)  # blocked in a receive until the leader shuts down: SIGTERM ends us at once
         try:
-            serve_stage(loaded.model, stage, link, prefix_cache=prefix_cache)  # type: ignore[attr-defined]
+            serve_stage(loaded.model, stage, link, prefix_cache=prefix_cache,  # type: ignore[attr-defined]
+                        states_room=room)
         finally:
             if prefix_cache is not None and hasattr(prefix_cache.store, "close"):
                 prefix_cache.store.close()
@@ -254,8 +256,9 @@ def _serve_stage(args: argparse.Namespace, state: RunnerState, device: object, l
     engine.warmup()
     logging.getLogger(__name__).info("warmed up in %.1f s (%s)", time.perf_counter() - started,
                                      _seconds(engine.warmup_seconds))
-    from .loading import attach_prefix_cache
+    from .loading import attach_prefix_cache, set_state_room
 
+    set_state_room(engine, settings)  # room for a full batch's states on this stage (the others say theirs)
     attach_prefix_cache(engine, settings, layers)  # each stage restores its own layers' part (engine/prefix_cache.py)
     state.ready(summary, engine)
     log.info("ready: %s, leading a pipeline of %d stages", args.model_id, stage.world_size)
