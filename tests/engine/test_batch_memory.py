@@ -57,7 +57,7 @@ def test_a_pipeline_stage_has_room_where_its_node_has_it_and_its_prefix_cache_le
                                                                                          tmp_path):
     from exo import system
     from exo.engine.forward import cache_rates
-    from exo.runner.loading import stage_prefix_cache, stage_states_room
+    from exo.runner.loading import stage_memory, stage_prefix_cache
     from exo.settings import Settings
 
     loaded = load_checkpoint(checkpoint("qwen3_5"), layers=(0, 2))  # a first stage's layers
@@ -67,13 +67,17 @@ def test_a_pipeline_stage_has_room_where_its_node_has_it_and_its_prefix_cache_le
     reserve = per_token * 1000 + per_sequence + (512 << 20)  # KV budget, one state, the activation margin
     free = {"bytes": reserve + 4 * per_sequence}
     monkeypatch.setattr(system, "memory", lambda budget=None: system.Memory(1 << 50, free["bytes"]))
-    assert stage_states_room(loaded, settings, True)
+    assert stage_memory(loaded, settings, batch_room=True) == (reserve + 3 * per_sequence, 4 * per_sequence)
+    assert stage_memory(loaded, settings, batch_room=False) == (reserve, 0)  # (a tensor member's)
     free["bytes"] -= 1
-    assert not stage_states_room(loaded, settings, True)
-    assert not stage_states_room(loaded, settings.model_copy(update={"max_batch": 1}), True)
+    assert stage_memory(loaded, settings, batch_room=True) == (reserve, 0)
+    assert stage_memory(loaded, settings.model_copy(update={"max_batch": 1}), batch_room=True) == (reserve, 0)
     free["bytes"] = reserve + (8 << 20)
-    without = stage_prefix_cache(loaded, settings, (0, 2), True)
-    with_room = stage_prefix_cache(loaded, settings, (0, 2), True, states_room=True)
+    without = stage_prefix_cache(loaded, settings, (0, 2), reserve)
+    with_room = stage_prefix_cache(loaded, settings, (0, 2), reserve + 3 * per_sequence)
     assert without.store.ram.budget_bytes - with_room.store.ram.budget_bytes == 3 * per_sequence
     without.store.close()
     with_room.store.close()
+    assert stage_prefix_cache(loaded, settings, (0, 2), None) is None  # the stage's memory was not measured
+    monkeypatch.setattr("exo.engine.forward.cache_rates", lambda model: 1 / 0)
+    assert stage_memory(loaded, settings, batch_room=True) == (None, 0)

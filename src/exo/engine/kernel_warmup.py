@@ -26,8 +26,8 @@ import mlx.nn as nn
 
 log = logging.getLogger(__name__)
 
-ROWS = (8, 17, 33)
-SHRINKS = 3  # members ``warm_batches`` takes out of a batch, a step after each  # one row count per tile height of MLX CUDA's tiled quantized product: 16, 32, 64
+ROWS = (8, 17, 33)  # one row count per tile height of MLX CUDA's tiled quantized product: 16, 32, 64
+SHRINKS = 3  # members ``warm_batches`` takes out of a batch, a step after each
 
 
 def on_cuda() -> bool:

@@ -51,12 +51,11 @@ def ready_engine(loaded: LoadedModel, config: EngineConfig, settings: Settings |
     engine = Engine(loaded, config)
     engine.warmup()
     if settings is not None:
-        from exo.cards.schema import CONTEXT_BUDGET_TOKENS
         from exo.engine.kernel_warmup import warm_batches
 
         set_state_room(engine, settings)
         # a batch's kernels, before a user's batch waits on them (as large a batch as the server would admit)
-        seconds = warm_batches(engine, settings.max_batch, settings.kv_budget_tokens or CONTEXT_BUDGET_TOKENS)
+        seconds = warm_batches(engine, settings.max_batch, _kv_budget(settings))
         if seconds is not None:
             engine.warmup_seconds["batch steps"] = seconds
         attach_prefix_cache(engine, settings)
@@ -76,58 +75,52 @@ def attach_prefix_cache(engine: Engine, settings: Settings, layers: tuple[int, i
     _log_budget(engine.prefix_cache, settings)
 
 
-def _stage_rates(loaded: LoadedModel, first: bool) -> tuple[int, int]:
-    """A stage's (bytes of attention KV per token, bytes of recurrent state per sequence), measured on a one-token
-    forward of its layers."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import KVCache
+def _kv_budget(settings: Settings) -> int:
+    from exo.cards.schema import CONTEXT_BUDGET_TOKENS
 
-    model = loaded.model
-    cache = model.make_cache()
-    x = mx.array([[0]], dtype=mx.uint32) if first else mx.zeros((1, 1, model.hidden_size),
-                                                               dtype=model.stage_layers[0].input_layernorm.weight.dtype)
-    mx.eval(model.stage_hidden(x, cache))
-    per_token = sum((c.keys.nbytes + c.values.nbytes) // c.keys.shape[2] for c in cache if isinstance(c, KVCache))
-    per_sequence = sum(a.nbytes for c in cache if not isinstance(c, KVCache) for a in c.cache if a is not None)
-    return per_token, per_sequence
+    return settings.kv_budget_tokens or CONTEXT_BUDGET_TOKENS
 
 
-def _stage_reserve(per_token: int, per_sequence: int, settings: Settings, room: int = 0) -> int:
-    from exo.cards.schema import ACTIVATION_MARGIN_BYTES, CONTEXT_BUDGET_TOKENS
+def _reserve(per_token: int, per_sequence: int, settings: Settings, room: int = 0) -> int:
+    """What an instance (or a stage) will still take: its KV budget, its recurrent states (one sequence's, or
+    ``room`` for a full batch's where set aside) and the activation margin placement counts."""
+    from exo.cards.schema import ACTIVATION_MARGIN_BYTES
 
-    budget = settings.kv_budget_tokens or CONTEXT_BUDGET_TOKENS
-    return per_token * budget + max(per_sequence, room) + ACTIVATION_MARGIN_BYTES
+    return per_token * _kv_budget(settings) + max(per_sequence, room) + ACTIVATION_MARGIN_BYTES
 
 
-def stage_states_room(loaded: LoadedModel, settings: Settings, first: bool) -> bool:
-    """Whether a pipeline stage's (not the leader's) node has room for a full batch's recurrent states beyond what
-    the stage will still take (``batch_memory.state_room``, read as a served engine reads it): then the stage
-    reports its states as needing none of the KV budget (``serve_stage``'s ``states_room``), and its prefix cache's
-    RAM tier leaves that room (``stage_prefix_cache``'s ``room``)."""
+def stage_memory(loaded: LoadedModel, settings: Settings, batch_room: bool) -> tuple[int | None, int]:
+    """A group member that does not lead (a pipeline's stage, a tensor member): (what it will still take, the room
+    in that for a full batch's recurrent states, 0: none), its rates measured on a one-token forward of its layers
+    (``forward.cache_rates``). ``batch_room``: set room aside where the node's available memory (read as a served
+    engine reads it, ``set_state_room``) holds it; the stage then reports its states as needing none of the KV
+    budget (``serve_stage``'s ``states_room``). (None, 0) where the measurement failed."""
     from exo.engine.batch_memory import state_room
+    from exo.engine.forward import cache_rates
     from exo.system import memory
 
     try:
-        per_token, per_sequence = _stage_rates(loaded, first)
-        free = memory(settings.memory_budget_bytes).available_bytes - _stage_reserve(per_token, per_sequence, settings)
-        return state_room(per_sequence, settings.max_batch, free) > 0
-    except Exception:  # noqa: BLE001 - the stage counts its states against the KV budget, as before
-        logging.getLogger(__name__).exception("room for a batch's states: not measured")
-        return False
+        per_token, per_sequence = cache_rates(loaded.model)
+        room = 0
+        if batch_room:
+            free = memory(settings.memory_budget_bytes).available_bytes - _reserve(per_token, per_sequence, settings)
+            room = state_room(per_sequence, settings.max_batch, free)
+    except Exception:  # noqa: BLE001 - no room for states, no prefix cache: the stage serves as before
+        logging.getLogger(__name__).exception("a stage's memory: not measured")
+        return None, 0
+    return _reserve(per_token, per_sequence, settings, room), room
 
 
-def stage_prefix_cache(loaded: LoadedModel, settings: Settings, layers: tuple[int, int] | None, first: bool,
-                       states_room: bool = False) -> Any:
+def stage_prefix_cache(loaded: LoadedModel, settings: Settings, layers: tuple[int, int] | None,
+                       reserve: int | None) -> Any:
     """A pipeline stage's (not the leader's) prefix cache: its layers' part under its own namespace, its RAM tier
-    shrunk to fit what the stage will still take (its KV budget and state, measured on a one-token forward of
-    its layers, a full batch's states where ``states_room``, and the activation margin). None: turned off, or it
-    failed (the stage then never restores and the leader finds no prefix every stage holds)."""
+    shrunk to fit what the stage will still take (``reserve``: ``stage_memory``'s). None: turned off, or it failed
+    (the stage then never restores and the leader finds no prefix every stage holds)."""
     from .prefix_store import open_prefix_cache, ram_budget
 
+    if reserve is None:
+        return None
     try:
-        per_token, per_sequence = _stage_rates(loaded, first)
-        room = settings.max_batch * per_sequence if states_room else 0
-        reserve = _stage_reserve(per_token, per_sequence, settings, room)
         prefix_cache = open_prefix_cache(loaded, settings, layers, ram_bytes=ram_budget(settings, reserve))
     except Exception:  # noqa: BLE001 - the stage serves without one
         logging.getLogger(__name__).exception("prefix cache: not available")
@@ -159,12 +152,10 @@ def set_state_room(engine: Engine, settings: Settings) -> None:
 
 def reserve_bytes(engine: Engine, settings: Settings) -> int:
     """What a loaded, warmed-up instance will still take beyond what the node's memory shows: its KV budget
-    (``kv_budget_tokens``, as the device admits batches) and the activation margin placement counts. The
-    prefix cache's RAM tier gets at most what is free after that, so it never takes what placement
-    promised the instance (docs/prefix-cache.md)."""
-    from exo.cards.schema import ACTIVATION_MARGIN_BYTES, CONTEXT_BUDGET_TOKENS
+    (``kv_budget_tokens``, as the device admits batches), its states (a full batch's where ``state_room`` set
+    them aside) and the activation margin placement counts. The prefix cache's RAM tier gets at most what is
+    free after that, so it never takes what placement promised the instance (docs/prefix-cache.md)."""
     from exo.engine.batch import sequence_bytes
 
     per_token, per_sequence = sequence_bytes(engine)
-    states = max(per_sequence, engine.state_room)  # a full batch's, where set aside (``state_room``)
-    return per_token * (settings.kv_budget_tokens or CONTEXT_BUDGET_TOKENS) + states + ACTIVATION_MARGIN_BYTES
+    return _reserve(per_token, per_sequence, settings, engine.state_room)

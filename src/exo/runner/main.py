@@ -228,15 +228,15 @@ def _serve_stage(args: argparse.Namespace, state: RunnerState, device: object, l
              stage.end_layer - 1, ",".join(hosts))
     layers = (stage.start_layer, stage.end_layer)
     if not stage.last:
-        from .loading import stage_prefix_cache, stage_states_room
+        from .loading import stage_memory, stage_prefix_cache
 
         loaded.model.set_gdn_prefill(config.gdn_prefill)  # type: ignore[attr-defined]  # (no Engine here sets it)
-        room = stage_states_room(loaded, settings, stage.first)  # type: ignore[arg-type]
-        prefix_cache = stage_prefix_cache(loaded, settings, layers, stage.first, room)  # type: ignore[arg-type]
+        reserve, room = stage_memory(loaded, settings, batch_room=True)  # type: ignore[arg-type]
+        prefix_cache = stage_prefix_cache(loaded, settings, layers, reserve)  # type: ignore[arg-type]
         state.ready(summary, None)  # blocked in a receive until the leader shuts down: SIGTERM ends us at once
         try:
             serve_stage(loaded.model, stage, link, prefix_cache=prefix_cache,  # type: ignore[attr-defined]
-                        states_room=room)
+                        states_room=room > 0)
         finally:
             if prefix_cache is not None and hasattr(prefix_cache.store, "close"):
                 prefix_cache.store.close()
@@ -291,7 +291,7 @@ def _serve_tensor(args: argparse.Namespace, state: RunnerState, device: object, 
     from exo.wire.runner import EXIT_GROUP_LOST
 
     from .group import DOORBELL_ONLY, JOIN_TIMEOUT_S, join_group, watch_hangups
-    from .loading import attach_prefix_cache, stage_prefix_cache
+    from .loading import attach_prefix_cache, stage_memory, stage_prefix_cache
 
     log = logging.getLogger(__name__)
     member = StageSpec(args.rank, args.world_size, 0, loaded.model.num_layers)
@@ -308,7 +308,7 @@ def _serve_tensor(args: argparse.Namespace, state: RunnerState, device: object, 
         watch_hangups(link, lost)
     log.info("tensor member %d of %d (%s) joined %s", member.rank, member.world_size, args.backend, ",".join(hosts))
     if not member.last:
-        prefix_cache = stage_prefix_cache(loaded, settings, None, True)
+        prefix_cache = stage_prefix_cache(loaded, settings, None, stage_memory(loaded, settings, batch_room=False)[0])
         state.ready(summary, None)  # in a receive until the leader shuts down: SIGTERM ends us at once
         try:
             serve_tensor(loaded.model, member, link, prefix_cache=prefix_cache)
