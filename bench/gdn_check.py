@@ -2,7 +2,7 @@
 row, near mlx-lm's ops, and what does a layer's decode step and verify call cost with it against the compiled
 row graph (models.layers._row_step), on a model's real layers?
 
-    python bench/gdn_check.py MODEL [--rows 1 2 3 4 8] [--calls 20] [--repeats 5]
+    python bench/gdn_check.py MODEL [--rows 1 2 3 4 8] [--calls 20] [--repeats 5] [--prompt-rows 8 64 554 2048 4096]
 
 Per distinct GatedDeltaNet shape of the model: the load-time check's finding (``cuda_gdn.check``: rows of one call
 against the calls of one row after another, bit for bit; y and the states against mlx-lm's ops), then per T on
@@ -14,6 +14,11 @@ the model's first such layer with random inputs after a random state:
   whole layer's recorded call of T rows (projections, the step, the gated norm, out_proj, the states recorded) with
   the kernel (``layer+k``) and with the compiled row graph once per row (``layer+c``, today's path), and
   ``layer+c / layer+k``.
+Then the prompt kernel (``cuda_gdn.gdn_prompt``: a prompt chunk of any length in one launch), per ``--prompt-rows``
+T: ``rows==steps``, its y and last state against the step kernel over the same rows in calls of ``MAX_ROWS``, bit
+for bit; milliseconds per call of the kernel alone, and of the whole layer on a prompt chunk of T rows (input
+projections, the recurrence, the gated norm, out_proj) through the prompt kernel (``layer+p``, the default under
+``gdn_prefill="auto"``) against the chunked form with its state steps' kernel (``layer+ch``, the default before).
 Exits 1 when a call's rows differ from its rows one after another. On the CPU the kernel is ``reference`` (the
 script runs; the times say nothing).
 """
@@ -53,6 +58,8 @@ def main() -> int:
     add_common_arguments(parser, repeats=5)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 8])
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--prompt-rows", type=int, nargs="*", default=[8, 64, 554, 2048, 4096],
+                        help="prompt chunk lengths for the prompt kernel's part (none: skip it)")
     args = parser.parse_args()
     use_device(args.device)
     engine = load(args.model)
@@ -121,9 +128,57 @@ def main() -> int:
             report["rows"].append({"rows": t, "rows_equal_steps": bool(same), "y_error": y_err, "state_error": s_err,
                                    "kernel_us": kernel_us, "layer_kernel_us": times["kernel"],
                                    "layer_compiled_us": times["compiled"]})
+        if args.prompt_rows:
+            ok &= prompt_part(args, layer, hidden, window0, state0, report)
         report["exact"] = ok
         print("every call's rows equal its rows one after another: " + ("yes" if ok else "NO"))
     return 0 if ok else 1
+
+
+def prompt_part(args: argparse.Namespace, layer, hidden: int, window0: mx.array, state0: mx.array,
+                report: dict) -> bool:
+    """The prompt kernel against the step kernel's rows (bits) and against the chunked form (time), per length."""
+    print(f"\nprompt kernel at load: {layer.gdn_prompt_kernel} (tile {cuda_gdn.tile_rows(layer.head_k_dim)} rows)")
+    print(f"{'T':>5} {'rows==steps':>11} {'kernel ms':>9} {'layer+p ms':>10} {'layer+ch ms':>11} {'ch / p':>7}")
+    dtype = layer.conv1d.weight.dtype
+    conv_dim = layer.conv1d.weight.shape[0]
+    ok, report["prompt"] = True, []
+    kernel_was, prefill_was = layer.gdn_prompt_kernel, layer.gdn_prefill
+    for t in args.prompt_rows:
+        k1, k2, k3, k4 = mx.random.split(mx.random.key(300 + t), 4)
+        qkv = (mx.random.normal((1, t, conv_dim), key=k1) * 0.5).astype(dtype)
+        a = mx.random.normal((1, t, layer.num_v_heads), key=k2).astype(dtype)
+        b = mx.random.normal((1, t, layer.num_v_heads), key=k3).astype(dtype)
+        y, after = cuda_gdn.gdn_prompt(layer, window0, qkv, a, b, state0)
+        steps_y, w, s = [], window0, state0
+        for lo in range(0, t, cuda_gdn.MAX_ROWS):
+            hi = min(t, lo + cuda_gdn.MAX_ROWS)
+            y1, s1 = cuda_gdn.gdn_rows(layer, w, qkv[:, lo:hi], a[:, lo:hi], b[:, lo:hi], s)
+            steps_y.append(y1)
+            w, s = mx.concatenate([w, qkv[:, lo:hi]], axis=1)[:, hi - lo :], s1[-1]
+            mx.eval(steps_y[-1], w, s)
+        same = mx.array_equal(y, mx.concatenate(steps_y, axis=1)).item() and mx.array_equal(after, s).item()
+        ok &= bool(same)
+        calls = max(1, min(args.calls, 20000 // t))
+        kernel_ms = per_call_us(lambda qkv=qkv, a=a, b=b: cuda_gdn.gdn_prompt(layer, window0, qkv, a, b, state0),
+                                calls, args.repeats) / 1e3
+        x = (mx.random.normal((1, t, hidden), key=k4) * 0.5).astype(dtype)
+
+        def layer_call(x=x):
+            cache = RollbackArraysCache()
+            cache[0], cache[1] = window0, state0
+            return [layer(x, cache=cache), cache[0], cache[1]]
+
+        times = {}
+        for name, (kernel, mode) in (("prompt", (kernel_was, "auto")), ("chunked", (False, "chunked"))):
+            layer.gdn_prompt_kernel, layer.gdn_prefill = kernel, mode
+            times[name] = per_call_us(layer_call, calls, args.repeats) / 1e3
+        layer.gdn_prompt_kernel, layer.gdn_prefill = kernel_was, prefill_was
+        print(f"{t:>5} {bool(same)!s:>11} {kernel_ms:>9.3f} {times['prompt']:>10.3f} {times['chunked']:>11.3f} "
+              f"{times['chunked'] / times['prompt']:>7.2f}")
+        report["prompt"].append({"rows": t, "rows_equal_steps": bool(same), "kernel_ms": kernel_ms,
+                                 "layer_prompt_ms": times["prompt"], "layer_chunked_ms": times["chunked"]})
+    return ok
 
 
 if __name__ == "__main__":

@@ -14,8 +14,10 @@ where a prompt's time goes. Three phases in one process, each printing its own f
    tolerance of tests/engine/test_gated_delta_chunked.py on the device).
 2. ``model``: MODEL's whole prefill, stock mlx-lm (its model classes, 2048-token steps as its
    ``generate_step`` prefills, the last token's logits) vs exo's engine (``SequenceState.prefill``, the first
-   token chosen) with the chunked GatedDeltaNet form at each ``--prefill-chunk`` (its state steps as MLX ops
-   and, where usable, in the CUDA kernel: what ``gdn_prefill="auto"`` runs on MLX CUDA) and, up to ``--loop-max``
+   token chosen) with the chunked GatedDeltaNet form at each ``--prefill-chunk`` (its state steps in their CUDA
+   kernel where usable, MLX ops elsewhere: ``gdn_prefill="chunked"``), with the prompt kernel where the load's
+   check passed (a chunk's rows in one launch a layer, each row its decode step's bits: what ``gdn_prefill="auto"``
+   runs on MLX CUDA) and, up to ``--loop-max``
    tokens, with the token loop (``gdn_prefill="loop"``), alternating, for each ``--tokens`` length. Stock runs
    up to ``--stock-max`` tokens (at ~340 tokens/s a 32k prompt takes stock 1.5 minutes per repeat). Prints
    tokens/s and exo / stock. The first token of stock and exo is compared (the same greedy token or not).
@@ -235,10 +237,12 @@ def model_phase(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
     gdn = next((layer.linear_attn for layer in text.layers if hasattr(layer, "linear_attn")), None)
     kernel = gdn is not None and states_cuda.usable(gdn.head_k_dim, gdn.head_v_dim)  # what "auto" runs here
     dense = any(found.startswith("ok") for found in loaded.dense.values())  # prompt_dense: on by default on CUDA
+    prompt_kernel = gdn is not None and gdn.gdn_prompt_kernel  # what "auto" runs where it passed its check
     for c in args.prefill_chunk:
-        modes = {("chunked", True): f"exo chunked, chunk {c}"}  # the state steps as MLX ops
-        if kernel:
-            modes[("auto", True)] = f"exo chunked+kernel, chunk {c}"  # the default on MLX CUDA: the state steps' kernel
+        # the chunked form (its state steps in their kernel where usable, as MLX ops elsewhere)
+        modes = {("chunked", True): f"exo chunked{'+kernel' if kernel else ''}, chunk {c}"}
+        if prompt_kernel:  # the default on MLX CUDA: a chunk's rows in one launch a layer (cuda_gdn.gdn_prompt)
+            modes[("auto", True)] = f"exo prompt kernel, chunk {c}"
         if dense:  # the same default with MLX's quantized products (EXO_PROMPT_DENSE=off)
             modes[("auto", False)] = f"exo default, qmm, chunk {c}"
         for mode, name in modes.items():
@@ -248,7 +252,8 @@ def model_phase(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
     engines_modes["exo loop"] = ("loop", True)
     print("\n[model] a prompt's quantized products on dequantized weights (prompt_dense): "
           + ("; ".join(f"{k}: {v}" for k, v in loaded.dense.items()) or "not used here"))
-    print(f"\n[model] the chunked form's state-steps kernel: {'usable (the default)' if kernel else 'not usable here'}")
+    print(f"\n[model] the chunked form's state-steps kernel: {'usable' if kernel else 'not usable here'}; the prompt "
+          f"kernel (a chunk's rows in one launch, the default where usable): {'usable' if prompt_kernel else 'not here'}")
     results = []
     print(f"\n[model] prefill of MODEL's whole forward: stock mlx-lm vs exo, alternating, {args.repeats} repeats")
     for n in args.tokens:

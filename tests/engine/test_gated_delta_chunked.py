@@ -304,9 +304,10 @@ def test_the_state_kernel_s_self_check_passes_its_arithmetic_and_refuses_a_wrong
     assert states_cuda.self_check(broken, 32, 16) == "failed: RuntimeError: nvrtc: error"
 
 
-def test_the_layers_take_the_state_kernel_under_auto_only_where_it_is_usable(monkeypatch, caplog):
-    """``auto`` runs the state steps in the kernel where ``usable`` (on MLX CUDA, its head dims, its self-check
-    passed; never on this CPU); ``chunked`` keeps the ops form everywhere; a refused kernel is logged once."""
+def test_the_layers_take_the_state_kernel_only_where_it_is_usable(monkeypatch, caplog):
+    """``auto`` and ``chunked`` run the chunked form's state steps in the kernel where ``usable`` (on MLX CUDA, its
+    head dims, its self-check passed; never on this CPU), the ops form elsewhere; ``loop`` has no chunked form; a
+    refused kernel is logged once."""
     from exo.engine.models import gated_delta_states_cuda as states_cuda
 
     assert not states_cuda.usable(128, 128)  # the CPU: not MLX CUDA
@@ -314,8 +315,8 @@ def test_the_layers_take_the_state_kernel_under_auto_only_where_it_is_usable(mon
     monkeypatch.setattr(states_cuda, "applies", lambda dk, dv: True)  # as on MLX CUDA, with a kernel that
     monkeypatch.setattr(states_cuda, "chunk_states", lambda *a: _steps_row_by_row(*a))  # computes right
     try:
-        assert layers.states_kernel("auto", 32, 16)
-        assert not layers.states_kernel("chunked", 32, 16) and not layers.states_kernel("loop", 32, 16)
+        assert layers.states_kernel("auto", 32, 16) and layers.states_kernel("chunked", 32, 16)
+        assert not layers.states_kernel("loop", 32, 16)
         monkeypatch.setattr(states_cuda, "chunk_states", lambda *a: (_steps_row_by_row(*a)[0], a[4] * 2))
         with caplog.at_level("WARNING"):
             assert not layers.states_kernel("auto", 64, 16) and not layers.states_kernel("auto", 64, 16)

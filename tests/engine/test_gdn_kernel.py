@@ -184,3 +184,102 @@ def test_the_kernels_scalars_are_made_once_per_head_size_and_dtype(checkpoint):
     want = [float(mx.array(inv**2, dtype=mx.bfloat16).item()), float(mx.array(inv, dtype=mx.bfloat16).item()),
             1e-6 * inv**2]
     assert first.dtype == mx.float32 and first.tolist() == pytest.approx(want, rel=1e-6)
+
+
+# -- a prompt's rows in one launch (``cuda_gdn.gdn_prompt``) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_prompts_run_the_prompt_kernel_and_decode_exactly_as_before(checkpoint, monkeypatch, arch):
+    """With the kernels installed, every prompt chunk of more than one row goes through the prompt kernel's wiring
+    (one call a layer a chunk), and greedy decoding gives the tokens it gave without any kernel; off
+    ``gdn_prefill="auto"`` the chunk takes the chunked form instead."""
+    path = checkpoint(arch, layout="mlx_sidecar", head="trained", dtype="bfloat16")
+    before = _plain(Engine(dataclasses.replace(load_checkpoint(path), eos_token_ids=frozenset())))
+    monkeypatch.setenv("EXO_GDN_KERNEL", "always")
+    loaded = dataclasses.replace(load_checkpoint(path), eos_token_ids=frozenset())
+    assert any(k.startswith("gdn prompt") and v.startswith("ok") for k, v in loaded.gdn.items()), loaded.gdn
+    gdn = [m for _, m in loaded.model.named_modules() if isinstance(m, (GatedDeltaNet, NextGatedDeltaNet))]
+    assert all(m.gdn_prompt_kernel for m in gdn)
+    rows: list[int] = []
+    prompt_rows = layers._prompt_rows
+    monkeypatch.setattr(layers, "_prompt_rows", lambda *a: rows.append(a[1].shape[1]) or prompt_rows(*a))
+    plain = _plain(Engine(loaded, EngineConfig(prefill_chunk=4)))
+    assert plain.token_ids == before.token_ids
+    assert rows and set(rows) == {4, 3} and len(rows) == 3 * len(gdn)  # 11 prompt tokens: chunks 4, 4, 3
+    rows.clear()
+    chunked = _plain(Engine(loaded, EngineConfig(prefill_chunk=4, gdn_prefill="chunked")))
+    assert not rows and len(chunked.token_ids) == len(plain.token_ids)
+
+
+def _layer_and_rows(checkpoint, monkeypatch, n: int, seed: int):
+    monkeypatch.setenv("EXO_GDN_KERNEL", "always")
+    loaded = load_checkpoint(checkpoint("qwen3_5", layout="mlx_sidecar", head="trained", dtype="bfloat16"))
+    layer = next(m for _, m in loaded.model.named_modules() if isinstance(m, GatedDeltaNet))
+    assert layer.gdn_prompt_kernel
+    x = (mx.random.normal((1, n, loaded.model.hidden_size), key=mx.random.key(seed)) * 0.5).astype(mx.bfloat16)
+    return layer, x
+
+
+def _stepped(layer, x: mx.array, first: int) -> tuple[mx.array, RollbackArraysCache]:
+    """``first`` rows as one chunk, then the rest as decode steps of one row (the step kernel's wiring)."""
+    cache = RollbackArraysCache()
+    outs = [layer(x[:, :first], cache=cache)]
+    outs += [layer(x[:, t : t + 1], cache=cache) for t in range(first, x.shape[1])]
+    return mx.concatenate(outs, axis=1), cache
+
+
+@pytest.mark.parametrize("lengths", [(1, 64), (2, 7, 2, 9), (20, 3), (3, 40)])
+def test_a_prompt_in_chunks_equals_its_rows_as_decode_steps(checkpoint, monkeypatch, lengths):
+    """Chunks of the given lengths through the prompt kernel's wiring leave the outputs, conv window and state that
+    the same rows as decode steps leave, bit for bit: each chunk starts from the last one's window (across chunks
+    shorter than the window too) and state."""
+    layer, x = _layer_and_rows(checkpoint, monkeypatch, sum(lengths), 3)
+    cache, outs, lo = RollbackArraysCache(), [], 0
+    for n in lengths:
+        outs.append(layer(x[:, lo : lo + n], cache=cache))
+        lo += n
+    want, steps = _stepped(layer, x, 1)
+    assert mx.array_equal(mx.concatenate(outs, axis=1), want).item()
+    assert mx.array_equal(cache[0], steps[0]).item() and mx.array_equal(cache[1], steps[1]).item()
+
+
+def test_a_prompt_chunk_keeps_its_snapshots_at_the_armed_edges(checkpoint, monkeypatch):
+    """A chunk armed at offsets inside it (the prefix cache's snapshot edges) keeps, at each, the window and state
+    that the rows before it leave as decode steps; a chunk restored from such a snapshot continues as the whole."""
+    layer, x = _layer_and_rows(checkpoint, monkeypatch, 30, 4)
+    cache = RollbackArraysCache()
+    cache.arm((2, 17))
+    out = layer(x, cache=cache)
+    assert sorted(cache.captured) == [2, 17]
+    for edge in (2, 17):
+        _, steps = _stepped(layer, x[:, :edge], 1)
+        window, state = cache.captured[edge]
+        assert mx.array_equal(window, steps[0]).item() and mx.array_equal(state, steps[1]).item()
+        restored = RollbackArraysCache()
+        restored[0], restored[1] = window, state
+        rest = layer(x[:, edge:], cache=restored)
+        assert mx.array_equal(rest, out[:, edge:]).item() and mx.array_equal(restored[1], cache[1]).item()
+
+
+def test_the_prompt_kernel_s_check_refuses_rows_that_are_not_their_steps(checkpoint, monkeypatch):
+    """``check_prompt`` passes the stand-in (its rows are the steps') and refuses a prompt kernel whose rows differ
+    from the steps in the last bit, or whose last state does; the loader then leaves prompts to the chunked form."""
+    layer, _ = _layer_and_rows(checkpoint, monkeypatch, 1, 5)
+    assert cuda_gdn.check_prompt(layer)[0]
+    good = cuda_gdn.gdn_prompt
+
+    def off_by(y_bump: float, state_bump: float):
+        def wrong(*args):
+            y, state = good(*args)
+            return y * mx.array(1 + y_bump, dtype=y.dtype), state * (1 + state_bump)
+        return wrong
+
+    for bumps in ((2.0**-6, 0.0), (0.0, 1e-6)):
+        monkeypatch.setattr(cuda_gdn, "gdn_prompt", off_by(*bumps))
+        passed, found = cuda_gdn.check_prompt(layer)
+        assert not passed and "differ" in found, bumps
+    loaded = load_checkpoint(checkpoint("qwen3_5", layout="mlx_sidecar", head="trained", dtype="bfloat16"))
+    gdn = [m for _, m in loaded.model.named_modules() if isinstance(m, GatedDeltaNet)]
+    assert gdn and all(m.gdn_kernel and not m.gdn_prompt_kernel for m in gdn)
+    assert any(k.startswith("gdn prompt") and v.startswith("not used") for k, v in loaded.gdn.items())

@@ -48,10 +48,12 @@ template <typename T> __device__ __forceinline__ float in_t(float v) { return to
 }  // namespace exo_gdn
 """
 
-# MLX writes the signature: window [B, TAPS - 1, C], qkv [B, ROWS, C], conv_w [C, TAPS, 1], a and b [B, ROWS, HV],
-# a_log and dt_bias [HV], state [B, HV, DV, DK] float32, scalars [3] float32 (q's scale, k's scale, the norms' eps),
-# then y [B, ROWS, HV, DV] and states [ROWS, B, HV, DV, DK] float32.
-SOURCE = r"""
+# The kernels' body, shared by the step (``SOURCE``: a call's every row, each row's state written out) and the prompt
+# kernel (``PROMPT_SOURCE``: any number of rows, ``TILE_ROWS`` at a time, the last state only). Both compute each
+# row with the same instructions in the same order, so a prompt's rows are its decode steps' bits (``check_prompt``).
+# @R0@: the first row of the rows being prepared (the call's row index), @N@: how many, @ROWS@: the call's rows,
+# @TILE@: the rows the shared arrays hold.
+_PRELUDE = r"""
   using namespace exo_gdn;
   constexpr int KEY_DIM = HK * DK;
   constexpr int C = 2 * KEY_DIM + HV * DV;
@@ -70,12 +72,12 @@ SOURCE = r"""
   const int part = lane & 3;
   const int dv = tile * 32 + row;
 
-  __shared__ __align__(16) float qn[ROWS][DK];
-  __shared__ __align__(16) float kn[ROWS][DK];
-  __shared__ float vv[ROWS][32];
-  __shared__ float gate[ROWS];
-  __shared__ float beta[ROWS];
-  __shared__ float inv_rms[2][ROWS];
+  __shared__ __align__(16) float qn[@TILE@][DK];
+  __shared__ __align__(16) float kn[@TILE@][DK];
+  __shared__ float vv[@TILE@][32];
+  __shared__ float gate[@TILE@];
+  __shared__ float beta[@TILE@];
+  __shared__ float inv_rms[2][@TILE@];
 
   // The state first: its loads are in flight while the rows' inputs are prepared.
   float s[PER_LANE];
@@ -85,18 +87,20 @@ SOURCE = r"""
     const float4 v = *reinterpret_cast<const float4*>(state_row + 16 * j + 4 * part);
     s[4 * j] = v.x; s[4 * j + 1] = v.y; s[4 * j + 2] = v.z; s[4 * j + 3] = v.w;
   }
+"""
 
+_PREPARE = r"""
   // The conv over [window; rows] of this block's channels, silu, for every row.
-  for (int idx = tid; idx < ROWS * CH; idx += blockDim.x) {
+  for (int idx = tid; idx < @N@ * CH; idx += blockDim.x) {
     const int t = idx / CH;
     const int i = idx % CH;
     const int c = i < DK ? hk * DK + i : i < 2 * DK ? KEY_DIM + hk * DK + (i - DK) : 2 * KEY_DIM + hv * DV + tile * 32 + (i - 2 * DK);
     float acc = 0.0f;
 #pragma unroll
     for (int j = 0; j < TAPS; ++j) {
-      const int r = t + j;  // row r of [window; rows]
+      const int r = @R0@ + t + j;  // row r of [window; rows]
       const float x = r < TAPS - 1 ? to_float(window[(static_cast<int64_t>(bi) * (TAPS - 1) + r) * C + c])
-                                   : to_float(qkv[(static_cast<int64_t>(bi) * ROWS + r - (TAPS - 1)) * C + c]);
+                                   : to_float(qkv[(static_cast<int64_t>(bi) * @ROWS@ + r - (TAPS - 1)) * C + c]);
       acc = __fmaf_rn(x, to_float(conv_w[c * TAPS + j]), acc);
     }
     const float conv = in_t<T>(acc);
@@ -109,8 +113,8 @@ SOURCE = r"""
       vv[t][i - 2 * DK] = act;
     }
   }
-  if (tid < ROWS) {
-    const int64_t at = (static_cast<int64_t>(bi) * ROWS + tid) * HV + hv;
+  if (tid < @N@) {
+    const int64_t at = (static_cast<int64_t>(bi) * @ROWS@ + @R0@ + tid) * HV + hv;
     float x = to_float(a[at]) + to_float(dt_bias[hv]);  // a + dt_bias, then softplus, in their promoted dtype
     if constexpr (!PROMOTE_F32) {
       x = in_t<T>(x);
@@ -125,7 +129,7 @@ SOURCE = r"""
   __syncthreads();
 
   // Each row's RMS of q and of k: one warp a vector, lanes in order, then the butterfly.
-  for (int p = warp; p < 2 * ROWS; p += blockDim.x / 32) {
+  for (int p = warp; p < 2 * @N@; p += blockDim.x / 32) {
     const float* v = (p & 1) ? kn[p >> 1] : qn[p >> 1];
     float sq = 0.0f;
     for (int i = lane; i < DK; i += 32) {
@@ -140,7 +144,7 @@ SOURCE = r"""
     }
   }
   __syncthreads();
-  for (int idx = tid; idx < ROWS * 2 * DK; idx += blockDim.x) {
+  for (int idx = tid; idx < @N@ * 2 * DK; idx += blockDim.x) {
     const int t = idx / (2 * DK);
     const int i = idx % (2 * DK);
     if (i < DK) {
@@ -150,9 +154,9 @@ SOURCE = r"""
     }
   }
   __syncthreads();
+"""
 
-  // The recurrence, row after row.
-  for (int t = 0; t < ROWS; ++t) {
+_ROW = r"""
     const float g = gate[t];
     float kv = 0.0f;
 #pragma unroll
@@ -184,14 +188,47 @@ SOURCE = r"""
     out = __fadd_rn(out, __shfl_xor_sync(0xffffffffu, out, 1));
     out = __fadd_rn(out, __shfl_xor_sync(0xffffffffu, out, 2));
     if (part == 0) {
-      y[((static_cast<int64_t>(bi) * ROWS + t) * HV + hv) * DV + dv] = from_float<T>(out);
+      y[((static_cast<int64_t>(bi) * @ROWS@ + @R0@ + t) * HV + hv) * DV + dv] = from_float<T>(out);
     }
-    float* state_out = states + (((static_cast<int64_t>(t) * batch + bi) * HV + hv) * DV + dv) * DK;
+"""
+
+
+def _fill(text: str, r0: str, n: str, rows: str, tile: str) -> str:
+    if r0 == "0":
+        text = text.replace("@R0@ + ", "")
+    return text.replace("@R0@", r0).replace("@N@", n).replace("@ROWS@", rows).replace("@TILE@", tile)
+
+
+# The step: MLX writes the signature: window [B, TAPS - 1, C], qkv [B, ROWS, C], conv_w [C, TAPS, 1], a and b
+# [B, ROWS, HV], a_log and dt_bias [HV], state [B, HV, DV, DK] float32, scalars [3] float32 (q's scale, k's scale,
+# the norms' eps), then y [B, ROWS, HV, DV] and states [ROWS, B, HV, DV, DK] float32.
+SOURCE = _fill(_PRELUDE + _PREPARE + r"""
+  // The recurrence, row after row.
+  for (int t = 0; t < ROWS; ++t) {""" + _ROW + r"""    float* state_out = states + (((static_cast<int64_t>(t) * batch + bi) * HV + hv) * DV + dv) * DK;
 #pragma unroll
     for (int j = 0; j < DK / 16; ++j) {
       *reinterpret_cast<float4*>(state_out + 16 * j + 4 * part) =
           make_float4(s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]);
     }
+  }
+""", "0", "ROWS", "ROWS", "ROWS")
+
+# The prompt: the same inputs, qkv [B, rows, C] and a, b [B, rows, HV] of any rows (read from qkv's shape), then y
+# [B, rows, HV, DV] and the state after the last row [B, HV, DV, DK] float32. ``TILE_ROWS`` rows are prepared at a
+# time (their conv, norms, gate and beta in shared memory), then stepped; the state stays in registers throughout.
+PROMPT_SOURCE = _fill(_PRELUDE, "", "", "", "TILE_ROWS") + r"""
+  const int rows = qkv_shape[1];
+  for (int t0 = 0; t0 < rows; t0 += TILE_ROWS) {
+    const int n = min(TILE_ROWS, rows - t0);
+""" + _fill(_PREPARE, "t0", "n", "rows", "TILE_ROWS") + r"""
+    for (int t = 0; t < n; ++t) {""" + _fill(_ROW, "t0", "n", "rows", "TILE_ROWS") + r"""    }
+    __syncthreads();  // every lane done with this tile's rows before the next tile overwrites them
+  }
+  float* state_out = state_after + ((static_cast<int64_t>(bi) * HV + hv) * DV + dv) * DK;
+#pragma unroll
+  for (int j = 0; j < DK / 16; ++j) {
+    *reinterpret_cast<float4*>(state_out + 16 * j + 4 * part) =
+        make_float4(s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]);
   }
 """
 
@@ -203,6 +240,18 @@ def _kernel() -> Any:
         input_names=["window", "qkv", "conv_w", "a", "b", "a_log", "dt_bias", "state", "scalars"],
         output_names=["y", "states"],
         source=SOURCE,
+        header=HEADER,
+        ensure_row_contiguous=True,
+    )
+
+
+@functools.cache
+def _prompt_kernel() -> Any:
+    return CudaKernel(
+        name="exo_gdn_prompt",
+        input_names=["window", "qkv", "conv_w", "a", "b", "a_log", "dt_bias", "state", "scalars"],
+        output_names=["y", "state_after"],
+        source=PROMPT_SOURCE,
         header=HEADER,
         ensure_row_contiguous=True,
     )
@@ -266,6 +315,36 @@ def gdn_rows(layer: Any, window: mx.array, qkv: mx.array, a: mx.array, b: mx.arr
         output_dtypes=[qkv.dtype, mx.float32],
     )
     return y, states
+
+
+def tile_rows(head_k_dim: int) -> int:
+    """The prompt kernel's rows prepared at a time: q and k of ``TILE_ROWS`` rows in float32 fit the 48 KB of a
+    block's static shared memory (32 rows at the 9B's head dim 128)."""
+    return max(8, min(32, 4096 // head_k_dim))
+
+
+def gdn_prompt(layer: Any, window: mx.array, qkv: mx.array, a: mx.array, b: mx.array,
+               state: mx.array) -> tuple[mx.array, mx.array]:
+    """The layer's recurrence over any number of rows of ``qkv`` [B, T, C] (a prompt's chunk), as ``gdn_rows``
+    computes each of them: (y [B, T, Hv, Dv] before the gated norm, the state after the last row [B, Hv, Dv, Dk]).
+    Every row is what the decode step that came to it would compute, bit for bit (``check_prompt``). On MLX CUDA
+    one launch; elsewhere ``reference``'s rows."""
+    if not on_cuda():
+        y, states = reference(layer, window, qkv, a, b, state)
+        return y, states[-1]
+    B, T, _ = qkv.shape
+    hv, dv, dk = layer.num_v_heads, layer.head_v_dim, layer.head_k_dim
+    promote = mx.result_type(a, layer.dt_bias) == mx.float32
+    y, after = _prompt_kernel()(
+        inputs=[window, qkv, layer.conv1d.weight, a, b, layer.A_log, layer.dt_bias, state, _scalars(layer, qkv.dtype)],
+        template=[("T", qkv.dtype), ("TILE_ROWS", tile_rows(dk)), ("TAPS", layer.conv_kernel_size),
+                  ("HK", layer.num_k_heads), ("HV", hv), ("DK", dk), ("DV", dv), ("PROMOTE_F32", promote)],
+        grid=(THREADS * B * hv * (dv // TILE), 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(B, T, hv, dv), (B, hv, dv, dk)],
+        output_dtypes=[qkv.dtype, mx.float32],
+    )
+    return y, after
 
 
 def reference(layer: Any, window: mx.array, qkv: mx.array, a: mx.array, b: mx.array,
@@ -360,6 +439,49 @@ def check(layer: Any, *, rows: int = 4, key: mx.array | None = None) -> tuple[bo
     if mode() == "force":
         return True, found + " (EXO_GDN_KERNEL=force: used whatever the distance)"
     return accepted(*distances), found
+
+
+def check_prompt(layer: Any, *, rows: int = 75, key: mx.array | None = None) -> tuple[bool, str]:
+    """Whether ``gdn_prompt`` computes ``layer``'s prompt rows as its decode steps do, bit for bit, on this device:
+    random inputs of ``rows`` rows (across several of its tiles, the last one partial), one call against
+    ``gdn_rows`` over the same rows in calls of ``MAX_ROWS`` (each of which ``check`` found equal to its rows one
+    after another), its y and its last state; and a call cut in two pieces, the second from the first's state and
+    window, equal to the whole. Run after ``check`` passed: the step's rows are the standard."""
+    key = mx.random.key(20261201) if key is None else key
+    dtype = layer.conv1d.weight.dtype
+    conv_dim = layer.conv1d.weight.shape[0]
+    taps = layer.conv_kernel_size
+    k1, k2, k3, k4, k5 = mx.random.split(key, 5)
+    window = (mx.random.normal((1, taps - 1, conv_dim), key=k1) * 0.5).astype(dtype)
+    qkv = (mx.random.normal((1, rows, conv_dim), key=k2) * 0.5).astype(dtype)
+    a = mx.random.normal((1, rows, layer.num_v_heads), key=k3).astype(dtype)
+    b = mx.random.normal((1, rows, layer.num_v_heads), key=k4).astype(dtype)
+    state = mx.random.normal((1, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim), key=k5) * 0.1
+    try:
+        y, after = gdn_prompt(layer, window, qkv, a, b, state)
+        steps_y, w, s = [], window, state
+        for lo in range(0, rows, MAX_ROWS):
+            hi = min(rows, lo + MAX_ROWS)
+            y1, s1 = gdn_rows(layer, w, qkv[:, lo:hi], a[:, lo:hi], b[:, lo:hi], s)
+            steps_y.append(y1)
+            w = mx.concatenate([w, qkv[:, lo:hi]], axis=1)[:, hi - lo :]
+            s = s1[-1]
+        cut = rows // 3
+        y_a, s_a = gdn_prompt(layer, window, qkv[:, :cut], a[:, :cut], b[:, :cut], state)
+        w_a = mx.concatenate([window, qkv[:, :cut]], axis=1)[:, cut:]
+        y_b, s_b = gdn_prompt(layer, w_a, qkv[:, cut:], a[:, cut:], b[:, cut:], s_a)
+        mx.eval(y, after, steps_y, s, y_a, s_a, y_b, s_b)
+    except Exception as e:  # noqa: BLE001 - any failure of the custom kernel leaves the chunked form in place
+        if precompiled_failed(e):
+            return check_prompt(layer, rows=rows, key=key)
+        return False, f"the prompt kernel did not run: {type(e).__name__}: {str(e)[:300]}"
+    stepped = mx.concatenate(steps_y, axis=1)
+    if not (bits_equal(y, stepped) and bits_equal(after, s)):
+        return False, (f"a prompt's rows differ from its steps (y {relative_error(y, stepped):.2e}, "
+                       f"state {relative_error(after, s):.2e})")
+    if not (bits_equal(mx.concatenate([y_a, y_b], axis=1), y) and bits_equal(s_b, after)):
+        return False, "a prompt cut in two differs from the whole"
+    return True, f"{rows} rows the bits of their steps"
 
 
 def _float32(layer: Any) -> Any:

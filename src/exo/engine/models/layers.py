@@ -462,9 +462,9 @@ def chunked_prefill(mode: GdnPrefill, rows: int, on_cuda: bool) -> bool:
 
 
 def states_kernel(mode: GdnPrefill, dk: int, dv: int) -> bool:
-    """Whether the chunked form's state steps run in exo's CUDA kernel (``gated_delta_states_cuda``): under
-    ``auto`` where it is usable (MLX CUDA, its head dims, its self-check passed); ``chunked`` keeps MLX ops."""
-    return mode == "auto" and states_cuda.usable(dk, dv)
+    """Whether the chunked form's state steps run in exo's CUDA kernel (``gated_delta_states_cuda``): where it is
+    usable (MLX CUDA, its head dims, its self-check passed); elsewhere MLX ops."""
+    return mode in ("auto", "chunked") and states_cuda.usable(dk, dv)
 
 
 def _recurrence(layer: Any, q, k, v, a, b, state, mask) -> tuple[mx.array, mx.array]:
@@ -596,6 +596,56 @@ def _kernel_rows_apply(layer: Any, rows: int, mask: Any, cache: Any) -> bool:
             and mask is None and cache.lengths is None and not layer.training)
 
 
+def _prompt_kernel_apply(layer: Any, rows: int, mask: Any, cache: Any) -> bool:
+    """A prompt's chunk of a solo sequence (or of rows of equal length: no mask) through ``kernels.cuda_gdn``'s prompt
+    kernel: where the loader found it equal to the layer's decode steps (``gdn_prompt_kernel``), under
+    ``gdn_prefill="auto"``; never a recorded (verify) call, which the step kernel takes."""
+    return (getattr(layer, "gdn_prompt_kernel", False) and GDN_KERNEL_ON and rows > 1 and mask is None
+            and getattr(layer, "gdn_prefill", "auto") == "auto" and not layer.training
+            and (cache is None or (not _recording(cache) and cache.lengths is None)))
+
+
+def _window_at(window: mx.array, qkv: mx.array, offset: int) -> mx.array:
+    """The conv window before row ``offset`` of ``qkv`` (the rows ``offset`` .. ``offset + taps - 2`` of
+    ``[window; qkv]``), without concatenating the whole chunk; a copy where it would be a view of ``qkv`` (``* 1``:
+    exact), so a kept window does not keep the chunk's projections alive."""
+    keep = window.shape[1]
+    if offset == 0:
+        return window
+    if offset >= keep:
+        return qkv[:, offset - keep : offset] * 1
+    return mx.concatenate([window[:, offset:], qkv[:, :offset]], axis=1)
+
+
+def _prompt_rows(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, cache: Any) -> mx.array:
+    """``_mix`` of a prompt's chunk through ``kernels.cuda_gdn.gdn_prompt``: one launch per layer for any number of
+    rows (a piece per prefix-cache snapshot edge inside the chunk), each row the bits its decode step would give."""
+    from ..kernels.cuda_gdn import gdn_prompt
+
+    B, S, _ = mixed_qkv.shape
+    window = cache[0] if cache is not None and cache[0] is not None else None
+    if window is None:
+        window = mx.zeros((B, layer.conv_kernel_size - 1, layer.conv_dim), dtype=mixed_qkv.dtype)
+    state = cache[1] if cache is not None and cache[1] is not None else None
+    if state is None:
+        state = mx.zeros((B, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim), dtype=mx.float32)
+    points = _capture_points(cache, S, None) if cache is not None else ()
+    outs, lo = [], 0
+    for o in (*points, S):
+        y, state = gdn_prompt(layer, _window_at(window, mixed_qkv, lo), mixed_qkv[:, lo:o], a[:, lo:o], b[:, lo:o],
+                              state)
+        outs.append(y)
+        if o < S:
+            cache.captured[o] = (_window_at(window, mixed_qkv, o), state)
+        lo = o
+    if cache is not None:
+        cache[0] = _window_at(window, mixed_qkv, S)
+        cache[1] = state
+        cache.advance(S)
+    out = layer.norm(outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1), z)
+    return layer.out_proj(out.reshape(B, S, -1))
+
+
 def one_row_delta(q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, A_log: mx.array,
                   dt_bias: mx.array, state: mx.array) -> tuple[mx.array, mx.array]:
     """mlx-lm's ``gated_delta_update`` for one row (q, k [B, 1, Hk, Dk], v [B, 1, Hv, Dv], a, b [B, 1, Hv], state
@@ -704,8 +754,13 @@ def use_gdn_kernel(model: nn.Module) -> dict[str, str]:
         name = f"gdn {hk}x{dk} keys {hv}x{dv} values conv {taps} {dtype}".replace("mlx.core.", "")
         passed, what = cuda_gdn.check(leaves[0])
         found[name] = ("ok: " if passed else "not used: ") + what
+        prompt = False
+        if passed:  # a prompt's rows in one launch, where they are the bits of the steps just checked
+            prompt, what = cuda_gdn.check_prompt(leaves[0])
+            found[name.replace("gdn ", "gdn prompt ", 1)] = ("ok: " if prompt else "not used: ") + what
         for leaf in leaves:
             leaf.gdn_kernel = passed
+            leaf.gdn_prompt_kernel = prompt
     return found
 
 
@@ -779,6 +834,8 @@ def _mix(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array,
     B, S, _ = mixed_qkv.shape
     if layer.gdn_kernel and GDN_KERNEL_ON and _kernel_rows_apply(layer, S, mask, cache):
         return _kernel_rows(layer, mixed_qkv, z, b, a, cache)
+    if _prompt_kernel_apply(layer, S, mask, cache):
+        return _prompt_rows(layer, mixed_qkv, z, b, a, cache)
     if _compiled_rows_apply(layer, S, mask, cache):
         return _compiled_rows(layer, mixed_qkv, z, b, a, cache)
     if cache is not None and cache[0] is not None:
@@ -846,6 +903,7 @@ class GatedDeltaNet(Qwen35GatedDeltaNet):
     """Qwen3.5 / Qwen3.6 GatedDeltaNet with per-row state capture for rollback."""
 
     gdn_kernel = False  # its steps on ``kernels.cuda_gdn`` (``use_gdn_kernel``)
+    gdn_prompt_kernel = False  # its prompts' rows too (``cuda_gdn.gdn_prompt``)
     fused_inputs: tuple[int, ...] | None = None  # ``in_proj_fused``'s split points (``models.fused_inputs``)
 
     def __call__(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
@@ -869,6 +927,7 @@ class NextGatedDeltaNet(Qwen3NextGatedDeltaNet):
     """Qwen3-Next GatedDeltaNet with per-row state capture for rollback."""
 
     gdn_kernel = False
+    gdn_prompt_kernel = False
     fused_inputs: tuple[int, ...] | None = None  # ``in_proj_fused``'s split point (``models.fused_inputs``)
 
     def __call__(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
