@@ -73,9 +73,10 @@ class Settings(BaseModel):
     # "The code's reasons": ``EXO_BATCH_INVARIANT``), so off by default;
     # on MLX's CPU backend batched steps already equal solo ones.
     batch_invariant: bool = Field(default=False, strict=True)
-    # How GatedDeltaNet layers run a prompt's rows (EngineConfig.gdn_prefill): "auto" = the chunked (WY) form
-    # on MLX CUDA, mlx-lm's Metal kernel on Apple GPUs, exo's kernel on the CPU; "chunked" = the chunked form
-    # on every device (unmeasured on Metal); "loop" = the token loop everywhere (as before).
+    # How GatedDeltaNet layers run a prompt's rows (EngineConfig.gdn_prefill): "auto" = exo's prompt kernel on
+    # MLX CUDA where its load check passes (else the chunked (WY) form), mlx-lm's Metal kernel on Apple GPUs,
+    # exo's kernel on the CPU; "chunked" = the chunked form on every device (unmeasured on Metal); "loop" = the
+    # token loop everywhere (as before).
     gdn_prefill: GdnPrefill = "auto"
     # Lanes a batch decodes in (EngineConfig.batch_lanes): on MLX's CPU backend each lane's steps run on a
     # stream thread of its own. None: 1 (two measured slower on a 2-core CPU: exo.engine.batch.default_lanes).

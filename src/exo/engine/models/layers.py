@@ -439,13 +439,14 @@ class RollbackArraysCache(ArraysCache):
 
 
 # -- how a prompt's rows go through the recurrence ------------------------------------------------------
-# ``auto``: the chunked (WY) form for a prompt chunk (T > 1 rows, not a recorded verify call) on MLX CUDA,
-# where mlx-lm's loop is T tiny compiled steps per layer, host-bound (docs/performance.md, "The code's reasons": the chunked
-# GatedDeltaNet prefill), its chunk-to-chunk state steps in exo's CUDA kernel where that passes its self-check
-# (``states_kernel``);
+# ``auto``: on MLX CUDA a prompt chunk (T > 1 rows, not a recorded verify call) goes through exo's prompt kernel
+# (``_prompt_rows``: the step kernel's rows, one launch a layer) where the loader's check passed; else the chunked
+# (WY) form, where mlx-lm's loop is T tiny compiled steps per layer, host-bound (docs/performance.md, "The code's
+# reasons": the chunked GatedDeltaNet prefill), its chunk-to-chunk state steps in exo's CUDA kernel where that
+# passes its self-check (``states_kernel``);
 # mlx-lm's Metal kernel on Apple GPUs and exo's kernel on the CPU stay (one fused pass over the rows there).
-# ``chunked``: the chunked form for every such call on any device, its state steps as MLX ops (tests run it on
-# the CPU; unmeasured on Metal); ``loop``: never. A one-row decode step and a verify call's recorded rows never take it, so they
+# ``chunked``: the chunked form for every such call on any device, its state steps in that kernel where usable
+# and as MLX ops elsewhere (tests run it on the CPU; unmeasured on Metal); ``loop``: never. A one-row decode step and a verify call's recorded rows never take it, so they
 # stay bit for bit what they were. Set per model by the engine (``EngineConfig.gdn_prefill``).
 GdnPrefill = Literal["auto", "chunked", "loop"]
 
