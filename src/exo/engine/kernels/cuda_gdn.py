@@ -20,6 +20,12 @@ and softplus (in their promoted dtype), the normalized q and k and beta in the a
 in float32. The order of sums and the fused multiply-adds are the kernel's own: it is not stock mlx-lm's op for op
 (``check`` bounds the difference on the device, against ``reference``, mlx-lm's ops).
 
+A prompt's chunk of any length goes through the same rows (``gdn_prompt``, ``PROMPT_SOURCE``): the body is composed
+from the same pieces, ``TILE_ROWS`` rows prepared at a time in shared memory, the state kept in registers from the
+first row to the last, only the last state written. Each row is thus its decode step's bits (``check_prompt``
+confirms it on the device at load): a prompt, a cached turn's rest after a restore and the same tokens as decode
+steps agree exactly, and a chunk is one launch a layer where the chunked form is ~350 primitives.
+
 Off MLX CUDA (``EXO_GDN_KERNEL=always``: tests of the wiring) ``gdn_rows`` computes ``reference``. ``EXO_GDN_KERNEL=0``
 keeps the compiled row graph.
 """
