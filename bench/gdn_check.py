@@ -56,7 +56,8 @@ def per_call_us(fn, calls: int, repeats: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_arguments(parser, repeats=5)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 8])
+    parser.add_argument("--rows", type=int, nargs="*", default=[1, 2, 3, 4, 8],
+                        help="rows of the step kernel's calls (none: skip that part)")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--prompt-rows", type=int, nargs="*", default=[8, 64, 554, 2048, 4096],
                         help="prompt chunk lengths for the prompt kernel's part (none: skip it)")
@@ -169,11 +170,13 @@ def prompt_part(args: argparse.Namespace, layer, hidden: int, window0: mx.array,
             cache[0], cache[1] = window0, state0
             return [layer(x, cache=cache), cache[0], cache[1]]
 
-        times = {}
+        times, limit = {}, model_layers.PROMPT_KERNEL_MAX_ROWS
+        model_layers.PROMPT_KERNEL_MAX_ROWS = max(limit, t)  # the kernel at every length here
         for name, (kernel, mode) in (("prompt", (kernel_was, "auto")), ("chunked", (False, "chunked"))):
             layer.gdn_prompt_kernel, layer.gdn_prefill = kernel, mode
             times[name] = per_call_us(layer_call, calls, args.repeats) / 1e3
         layer.gdn_prompt_kernel, layer.gdn_prefill = kernel_was, prefill_was
+        model_layers.PROMPT_KERNEL_MAX_ROWS = limit
         print(f"{t:>5} {bool(same)!s:>11} {kernel_ms:>9.3f} {times['prompt']:>10.3f} {times['chunked']:>11.3f} "
               f"{times['chunked'] / times['prompt']:>7.2f}")
         report["prompt"].append({"rows": t, "rows_equal_steps": bool(same), "kernel_ms": kernel_ms,

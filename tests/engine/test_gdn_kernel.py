@@ -210,6 +210,9 @@ def test_prompts_run_the_prompt_kernel_and_decode_exactly_as_before(checkpoint, 
     rows.clear()
     chunked = _plain(Engine(loaded, EngineConfig(prefill_chunk=4, gdn_prefill="chunked")))
     assert not rows and len(chunked.token_ids) == len(plain.token_ids)
+    monkeypatch.setattr(layers, "PROMPT_KERNEL_MAX_ROWS", 3)  # a longer chunk takes the chunked form
+    _plain(Engine(loaded, EngineConfig(prefill_chunk=4)))
+    assert rows and set(rows) == {3} and len(rows) == len(gdn)
 
 
 def _layer_and_rows(checkpoint, monkeypatch, n: int, seed: int):
