@@ -131,6 +131,13 @@ for p in "$@"; do
                    $([ "$CPU" = 1 ] && echo --clients 1 4 --seconds 4 --max-tokens 8 --engine-vs-client 2 || echo --clients 1 8 32 --seconds 10 --max-tokens 64 --engine-vs-client 8) --profile 30 ;;
     roundsahead1) phase roundsahead1 $PY bench/round_phases.py "$Q9" --replay 0.8 --depths 1 2 --repeats 3 --max-tokens 48 \
                       --no-adaptive --ahead on off ;;
+    # issue 51: one client through exo serve against the engine alone, as is / the GIL handed off 10x less often / no
+    # cyclic GC, in every process (bench/sitecustom): is the runner's 0.83-0.90x the interpreter's?
+    servinggil) for v in base switch50ms gcoff; do
+                    EXO_BENCH_SWITCH_INTERVAL=$([ $v = switch50ms ] && echo 0.05) EXO_BENCH_GC=$([ $v = gcoff ] && echo off) \
+                    PYTHONPATH=$PWD/bench/sitecustom:$PYTHONPATH EXO_NATIVE_MTP_ENABLED=0 phase servinggil-$v $PY bench/serving.py "$Q9" \
+                        --mtp off --no-one-at-a-time $([ "$CPU" = 1 ] && echo --clients 1 --seconds 2 --max-tokens 16 --engine-vs-client 3 || echo --clients 1 --seconds 4 --max-tokens 64 --engine-vs-client 8)
+                done ;;
     serving9) EXO_NATIVE_MTP_ENABLED=0 phase serving9 $PY bench/serving.py "$Q9" --mtp off --no-one-at-a-time $SERVING ;;
     # issue 50's checks (each well inside 10 minutes at 9B on an H200); qgemv and stock opt in to exo's quantized
     # kernel (off by default), so that stock compares exo on it with exo on MLX's products
