@@ -97,6 +97,12 @@ class Settings(BaseModel):
     # prompts (0: only the prompt's end and message starts); docs/prefix-cache.md says what each costs.
     prefix_cache_block_tokens: int = Field(default=256, ge=1)
     prefix_cache_stride_tokens: int = Field(default=8192, ge=0)
+    # How long a runner's other threads (gRPC's, each stream's) may wait for Python's GIL before the thread building
+    # the model's graphs is made to hand it over (``sys.setswitchinterval``; Python's default 0.005 s). That thread
+    # releases the GIL at every evaluation anyway (each step), so a longer interval only spares its graph building
+    # the handoffs: one client through exo serve decoded at 0.88x the engine alone at 0.005 s, 1.08x at 0.05 s
+    # (one H200, 9B shape: bench/gpu_session.sh servinggil).
+    runner_switch_interval_s: float = Field(default=0.05, gt=0, le=1.0)
     # EXO_OFFLINE=1: downloads use only the Hugging Face cache, never the network (as HF_HUB_OFFLINE=1).
     offline: bool = Field(default=False, strict=True)
     # The collectives of the tensor groups this node places (MLX's distributed backend, the same for every

@@ -98,6 +98,14 @@ def _take_sigterm(on_term: Callable[[], bool]) -> None:
     threading.Thread(target=take, name="exo-runner-sigterm", daemon=True).start()
 
 
+def prepare_process(settings: Settings) -> None:
+    """What the runner's process sets before anything else runs: MLX's PTX cache (``use_ptx_cache``) and how long
+    its threads wait for the GIL before the thread building graphs hands it over (``Settings.runner_switch_interval_s``
+    says why)."""
+    use_ptx_cache()
+    sys.setswitchinterval(settings.runner_switch_interval_s)
+
+
 def use_ptx_cache() -> None:
     """MLX CUDA compiles its JIT kernels (compiled graphs, its generated ops) at their first launch and keeps the
     PTX in ``MLX_PTX_CACHE_DIR`` (default: under the system's temporary folder, emptied by reboots): here beside
@@ -133,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from .service import RunnerState, start_server
 
     settings = load_settings()
-    use_ptx_cache()
+    prepare_process(settings)
     shard = pb.Shard(start_layer=args.start_layer, end_layer=args.end_layer, rank=args.rank, world_size=args.world_size,
                      sharding=args.sharding if args.world_size > 1 else "",
                      backend=args.backend if args.sharding == "tensor" else "")
