@@ -14,11 +14,13 @@ the model's first such layer with random inputs after a random state:
   whole layer's recorded call of T rows (projections, the step, the gated norm, out_proj, the states recorded) with
   the kernel (``layer+k``) and with the compiled row graph once per row (``layer+c``, today's path), and
   ``layer+c / layer+k``.
-Then the prompt kernel (``cuda_gdn.gdn_prompt``: a prompt chunk of any length in one launch), per ``--prompt-rows``
-T: ``rows==steps``, its y and last state against the step kernel over the same rows in calls of ``MAX_ROWS``, bit
+Then the prompt kernel (``cuda_gdn.gdn_prompt``: a prompt chunk of any length in one launch), both its forms
+(``PROMPT_VARIANT`` 1, the default, and 2, the next tile prepared while this one's rows step), per ``--prompt-rows``
+T: ``form N == steps``, its y and last state against the step kernel over the same rows in calls of ``MAX_ROWS``, bit
 for bit; milliseconds per call of the kernel alone, and of the whole layer on a prompt chunk of T rows (input
-projections, the recurrence, the gated norm, out_proj) through the prompt kernel (``layer+p``, the default under
-``gdn_prefill="auto"``) against the chunked form with its state steps' kernel (``layer+ch``, the default before).
+projections, the recurrence, the gated norm, out_proj) through it (``layer+pN``, the default under
+``gdn_prefill="auto"`` up to ``PROMPT_KERNEL_MAX_ROWS``, here at every T) against the chunked form with its state
+steps' kernel (``layer+ch``, the default beyond).
 Exits 1 when a call's rows differ from its rows one after another. On the CPU the kernel is ``reference`` (the
 script runs; the times say nothing).
 """
@@ -138,19 +140,22 @@ def main() -> int:
 
 def prompt_part(args: argparse.Namespace, layer, hidden: int, window0: mx.array, state0: mx.array,
                 report: dict) -> bool:
-    """The prompt kernel against the step kernel's rows (bits) and against the chunked form (time), per length."""
-    print(f"\nprompt kernel at load: {layer.gdn_prompt_kernel} (tile {cuda_gdn.tile_rows(layer.head_k_dim)} rows)")
-    print(f"{'T':>5} {'rows==steps':>11} {'kernel ms':>9} {'layer+p ms':>10} {'layer+ch ms':>11} {'ch / p':>7}")
+    """The prompt kernel's forms (``cuda_gdn.PROMPT_VARIANT`` 1 and 2) against the step kernel's rows (bits) and
+    against the chunked form (time), per length."""
+    variants = (1, 2)
+    print(f"\nprompt kernel at load: {layer.gdn_prompt_kernel} (form {cuda_gdn.PROMPT_VARIANT}; tiles of "
+          + ", ".join(f"{cuda_gdn.tile_rows(layer.head_k_dim, v)} rows (form {v})" for v in variants) + ")")
+    print(f"{'T':>5} " + " ".join(f"{f'form {v} == steps':>15} {f'kernel {v} ms':>11} {f'layer+p{v} ms':>12}"
+                                  for v in variants) + f" {'layer+ch ms':>11} {'ch / p1':>7} {'ch / p2':>7}")
     dtype = layer.conv1d.weight.dtype
     conv_dim = layer.conv1d.weight.shape[0]
     ok, report["prompt"] = True, []
-    kernel_was, prefill_was = layer.gdn_prompt_kernel, layer.gdn_prefill
+    kernel_was, prefill_was, variant_was = layer.gdn_prompt_kernel, layer.gdn_prefill, cuda_gdn.PROMPT_VARIANT
     for t in args.prompt_rows:
         k1, k2, k3, k4 = mx.random.split(mx.random.key(300 + t), 4)
         qkv = (mx.random.normal((1, t, conv_dim), key=k1) * 0.5).astype(dtype)
         a = mx.random.normal((1, t, layer.num_v_heads), key=k2).astype(dtype)
         b = mx.random.normal((1, t, layer.num_v_heads), key=k3).astype(dtype)
-        y, after = cuda_gdn.gdn_prompt(layer, window0, qkv, a, b, state0)
         steps_y, w, s = [], window0, state0
         for lo in range(0, t, cuda_gdn.MAX_ROWS):
             hi = min(t, lo + cuda_gdn.MAX_ROWS)
@@ -158,11 +163,8 @@ def prompt_part(args: argparse.Namespace, layer, hidden: int, window0: mx.array,
             steps_y.append(y1)
             w, s = mx.concatenate([w, qkv[:, lo:hi]], axis=1)[:, hi - lo :], s1[-1]
             mx.eval(steps_y[-1], w, s)
-        same = mx.array_equal(y, mx.concatenate(steps_y, axis=1)).item() and mx.array_equal(after, s).item()
-        ok &= bool(same)
+        stepped = mx.concatenate(steps_y, axis=1)
         calls = max(1, min(args.calls, 20000 // t))
-        kernel_ms = per_call_us(lambda qkv=qkv, a=a, b=b: cuda_gdn.gdn_prompt(layer, window0, qkv, a, b, state0),
-                                calls, args.repeats) / 1e3
         x = (mx.random.normal((1, t, hidden), key=k4) * 0.5).astype(dtype)
 
         def layer_call(x=x):
@@ -170,17 +172,40 @@ def prompt_part(args: argparse.Namespace, layer, hidden: int, window0: mx.array,
             cache[0], cache[1] = window0, state0
             return [layer(x, cache=cache), cache[0], cache[1]]
 
-        times, limit = {}, model_layers.PROMPT_KERNEL_MAX_ROWS
+        row: dict = {"rows": t}
+        limit = model_layers.PROMPT_KERNEL_MAX_ROWS
         model_layers.PROMPT_KERNEL_MAX_ROWS = max(limit, t)  # the kernel at every length here
-        for name, (kernel, mode) in (("prompt", (kernel_was, "auto")), ("chunked", (False, "chunked"))):
-            layer.gdn_prompt_kernel, layer.gdn_prefill = kernel, mode
-            times[name] = per_call_us(layer_call, calls, args.repeats) / 1e3
-        layer.gdn_prompt_kernel, layer.gdn_prefill = kernel_was, prefill_was
-        model_layers.PROMPT_KERNEL_MAX_ROWS = limit
-        print(f"{t:>5} {bool(same)!s:>11} {kernel_ms:>9.3f} {times['prompt']:>10.3f} {times['chunked']:>11.3f} "
-              f"{times['chunked'] / times['prompt']:>7.2f}")
-        report["prompt"].append({"rows": t, "rows_equal_steps": bool(same), "kernel_ms": kernel_ms,
-                                 "layer_prompt_ms": times["prompt"], "layer_chunked_ms": times["chunked"]})
+        try:
+            for v in variants:
+                cuda_gdn.PROMPT_VARIANT = v
+                try:
+                    y, after = cuda_gdn.gdn_prompt(layer, window0, qkv, a, b, state0)
+                    same = bool(mx.array_equal(y, stepped).item() and mx.array_equal(after, s).item())
+                except Exception as e:  # noqa: BLE001 - a form that does not run is reported, the other still timed
+                    print(f"  form {v} did not run: {type(e).__name__}: {str(e)[:200]}")
+                    row[f"form{v}"] = {"rows_equal_steps": False}
+                    ok = False
+                    continue
+                ok &= same
+                kernel_ms = per_call_us(lambda qkv=qkv, a=a, b=b: cuda_gdn.gdn_prompt(layer, window0, qkv, a, b, state0),
+                                        calls, args.repeats) / 1e3
+                layer.gdn_prompt_kernel, layer.gdn_prefill = kernel_was, "auto"
+                layer_ms = per_call_us(layer_call, calls, args.repeats) / 1e3
+                row[f"form{v}"] = {"rows_equal_steps": same, "kernel_ms": kernel_ms, "layer_ms": layer_ms}
+            layer.gdn_prompt_kernel, layer.gdn_prefill = False, "chunked"
+            row["layer_chunked_ms"] = per_call_us(layer_call, calls, args.repeats) / 1e3
+        finally:
+            layer.gdn_prompt_kernel, layer.gdn_prefill = kernel_was, prefill_was
+            model_layers.PROMPT_KERNEL_MAX_ROWS, cuda_gdn.PROMPT_VARIANT = limit, variant_was
+        cells = []
+        for v in variants:
+            f = row.get(f"form{v}", {})
+            cells.append(f"{f.get('rows_equal_steps', False)!s:>15} {f.get('kernel_ms', float('nan')):>11.3f} "
+                         f"{f.get('layer_ms', float('nan')):>12.3f}")
+        ratios = " ".join(f"{row['layer_chunked_ms'] / row.get(f'form{v}', {}).get('layer_ms', float('nan')):>7.2f}"
+                          for v in variants)
+        print(f"{t:>5} " + " ".join(cells) + f" {row['layer_chunked_ms']:>11.3f} {ratios}")
+        report["prompt"].append(row)
     return ok
 
 

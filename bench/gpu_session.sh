@@ -201,6 +201,10 @@ for p in "$@"; do
     # checked against the step kernel and timed against the chunked form on one 9B layer, then the whole 9B's prefill
     # (the prompt kernel, the default; the chunked form, the default before; stock) at 1k / 4k / 32k tokens
     gdnprompt) phase gdnprompt $PY bench/gdn_check.py "$Q9" $([ "$CPU" = 1 ] && echo --rows 1 --calls 2 --repeats 1 --prompt-rows 8 40 || echo --rows --prompt-rows 8 64 554 1024 2048 4096 16384) ;;
+    # the same with the prompt kernel's second form (the next tile prepared while this one's rows step), then a cached
+    # agent session's turns with it
+    prefill9k2) EXO_GDN_PROMPT_VARIANT=2 phase prefill9k2 $PY bench/prefill.py "$Q9" --phases model $([ "$CPU" = 1 ] && echo --tokens 128 300 --prefill-chunk 128 --repeats 1 --loop-max 0 || echo --tokens 1024 4096 32768 --prefill-chunk 2048 --repeats 2 --loop-max 0 --stock-max 0) ;;
+    cached9v2) EXO_GDN_PROMPT_VARIANT=2 EXO_NATIVE_MTP_ENABLED=0 phase cached9v2 $PY bench/cached_turn.py "$Q9" $CACHED9 ;;
     prefill9k) phase prefill9k $PY bench/prefill.py "$Q9" --phases model $([ "$CPU" = 1 ] && echo --tokens 128 300 --prefill-chunk 128 --repeats 1 --loop-max 0 || echo --tokens 1024 4096 32768 --prefill-chunk 2048 --repeats 2 --loop-max 0 --stock-max 4096) ;;
     batchstep) phase batchstep $PY bench/batch_step.py "$Q9" $([ "$CPU" = 1 ] && echo --sizes 1 4 8 --context 64 --steps 3 --repeats 1 || echo --sizes 1 2 4 8 16 32 --context 1024) ;;
     batch9) phase batch9 $PY bench/batch_identity.py "$Q9" --sizes 1,8,32 --max-tokens 64 ;;

@@ -163,11 +163,11 @@ _PREPARE = r"""
 """
 
 _ROW = r"""
-    const float g = gate[t];
+    const float g = gate@B@[t];
     float kv = 0.0f;
 #pragma unroll
     for (int j = 0; j < DK / 16; ++j) {
-      const float4 k4 = *reinterpret_cast<const float4*>(&kn[t][16 * j + 4 * part]);
+      const float4 k4 = *reinterpret_cast<const float4*>(&kn@B@[t][16 * j + 4 * part]);
       const float kk[4] = {k4.x, k4.y, k4.z, k4.w};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -177,12 +177,12 @@ _ROW = r"""
     }
     kv = __fadd_rn(kv, __shfl_xor_sync(0xffffffffu, kv, 1));
     kv = __fadd_rn(kv, __shfl_xor_sync(0xffffffffu, kv, 2));
-    const float delta = __fmul_rn(__fsub_rn(vv[t][row], kv), beta[t]);
+    const float delta = __fmul_rn(__fsub_rn(vv@B@[t][row], kv), beta@B@[t]);
     float out = 0.0f;
 #pragma unroll
     for (int j = 0; j < DK / 16; ++j) {
-      const float4 k4 = *reinterpret_cast<const float4*>(&kn[t][16 * j + 4 * part]);
-      const float4 q4 = *reinterpret_cast<const float4*>(&qn[t][16 * j + 4 * part]);
+      const float4 k4 = *reinterpret_cast<const float4*>(&kn@B@[t][16 * j + 4 * part]);
+      const float4 q4 = *reinterpret_cast<const float4*>(&qn@B@[t][16 * j + 4 * part]);
       const float kk[4] = {k4.x, k4.y, k4.z, k4.w};
       const float qq[4] = {q4.x, q4.y, q4.z, q4.w};
 #pragma unroll
@@ -199,10 +199,11 @@ _ROW = r"""
 """
 
 
-def _fill(text: str, r0: str, n: str, rows: str, tile: str) -> str:
+def _fill(text: str, r0: str, n: str, rows: str, tile: str, buffer: str = "") -> str:
     if r0 == "0":
         text = text.replace("@R0@ + ", "")
-    return text.replace("@R0@", r0).replace("@N@", n).replace("@ROWS@", rows).replace("@TILE@", tile)
+    return (text.replace("@R0@", r0).replace("@N@", n).replace("@ROWS@", rows).replace("@TILE@", tile)
+            .replace("@B@", buffer))
 
 
 # The step: MLX writes the signature: window [B, TAPS - 1, C], qkv [B, ROWS, C], conv_w [C, TAPS, 1], a and b
@@ -239,6 +240,157 @@ PROMPT_SOURCE = _fill(_PRELUDE, "", "", "", "TILE_ROWS") + r"""
 """
 
 
+# The prompt kernel, second form (``PROMPT_VARIANT`` 2; unmeasured on a GPU yet): the same rows, bit for bit, with
+# the preparation of the next tile overlapped with the rows of this one. The first form is latency-bound at ~1.6 us a
+# row a layer on an H200 (9B): one block of 4 warps per SM, each tile's conv (every row's window read from global
+# memory four times), norms and gate prepared between barriers before its rows step. Here a block has 4 stepping
+# warps (the state's lanes, as before) and ``PREP_THREADS`` preparing ones: they copy the next tile's raw rows
+# ([window; qkv], once each) into shared memory, convolve them from there, normalize and gate them into the other
+# half of double-buffered arrays (their own barriers: ``bar.sync 1``), while the steppers run this tile's rows;
+# one block-wide barrier a tile swaps the halves. Each row's arithmetic is the step kernel's (the same pieces, the
+# same order of sums); ``check_prompt`` confirms it on the device.
+PREP_THREADS = 256
+
+PROMPT2_SOURCE = r"""
+  using namespace exo_gdn;
+  constexpr int KEY_DIM = HK * DK;
+  constexpr int C = 2 * KEY_DIM + HV * DV;
+  constexpr int CH = 2 * DK + 32;   // channels a block convolves per row: q, k, its 32 v
+  constexpr int PER_LANE = DK / 4;  // state values a lane holds
+  constexpr int STEPPERS = 128;
+  const int rows = qkv_shape[1];
+  const int tiles = DV / 32;
+  const int tile = blockIdx.x % tiles;
+  const int hv = (blockIdx.x / tiles) % HV;
+  const int bi = blockIdx.x / (tiles * HV);
+  const int hk = hv / (HV / HK);
+  const int tid = threadIdx.x;
+  const bool stepper = tid < STEPPERS;
+  const int ptid = tid - STEPPERS;  // a preparing thread's index
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int row = warp * 8 + (lane >> 2);  // (a stepper's) value row of the tile its lane's group holds
+  const int part = lane & 3;
+  const int dv = tile * 32 + row;
+
+  __shared__ __align__(16) float qn[2][TILE_ROWS][DK];
+  __shared__ __align__(16) float kn[2][TILE_ROWS][DK];
+  __shared__ float vv[2][TILE_ROWS][32];
+  __shared__ float gate[2][TILE_ROWS];
+  __shared__ float beta[2][TILE_ROWS];
+  __shared__ float inv_rms[2][TILE_ROWS];
+  __shared__ unsigned short raw[TILE_ROWS + TAPS - 1][CH];  // the tile's rows of [window; qkv], as they are
+
+  // Tile `k`'s rows into half `h`, by the preparing threads only (their own barrier: bar.sync 1).
+  auto prepare = [&](int k, int h) {
+    const int t0 = k * TILE_ROWS;
+    const int n = min(TILE_ROWS, rows - t0);
+    for (int idx = ptid; idx < (n + TAPS - 1) * CH; idx += PREP_THREADS) {
+      const int rl = idx / CH;
+      const int i = idx % CH;
+      const int c = i < DK ? hk * DK + i : i < 2 * DK ? KEY_DIM + hk * DK + (i - DK) : 2 * KEY_DIM + hv * DV + tile * 32 + (i - 2 * DK);
+      const int r = t0 + rl;  // row r of [window; rows]
+      const T x = r < TAPS - 1 ? window[(static_cast<int64_t>(bi) * (TAPS - 1) + r) * C + c]
+                               : qkv[(static_cast<int64_t>(bi) * rows + r - (TAPS - 1)) * C + c];
+      raw[rl][i] = *reinterpret_cast<const unsigned short*>(&x);
+    }
+    asm volatile("bar.sync 1, %0;" :: "r"(PREP_THREADS) : "memory");
+    for (int idx = ptid; idx < n * CH; idx += PREP_THREADS) {
+      const int t = idx / CH;
+      const int i = idx % CH;
+      const int c = i < DK ? hk * DK + i : i < 2 * DK ? KEY_DIM + hk * DK + (i - DK) : 2 * KEY_DIM + hv * DV + tile * 32 + (i - 2 * DK);
+      float acc = 0.0f;
+#pragma unroll
+      for (int j = 0; j < TAPS; ++j) {
+        const float x = to_float(*reinterpret_cast<const T*>(&raw[t + j][i]));
+        acc = __fmaf_rn(x, to_float(conv_w[c * TAPS + j]), acc);
+      }
+      const float conv = in_t<T>(acc);
+      const float act = in_t<T>(conv * in_t<T>(1.0f / (1.0f + expf(-conv))));  // silu: x * sigmoid(x)
+      if (i < DK) {
+        qn[h][t][i] = act;
+      } else if (i < 2 * DK) {
+        kn[h][t][i - DK] = act;
+      } else {
+        vv[h][t][i - 2 * DK] = act;
+      }
+    }
+    if (ptid < n) {
+      const int64_t at = (static_cast<int64_t>(bi) * rows + t0 + ptid) * HV + hv;
+      float x = to_float(a[at]) + to_float(dt_bias[hv]);  // a + dt_bias, then softplus, in their promoted dtype
+      if constexpr (!PROMOTE_F32) {
+        x = in_t<T>(x);
+      }
+      float softplus = fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x)));
+      if constexpr (!PROMOTE_F32) {
+        softplus = in_t<T>(softplus);
+      }
+      gate[h][ptid] = expf(-expf(to_float(a_log[hv])) * softplus);
+      beta[h][ptid] = in_t<T>(1.0f / (1.0f + expf(-to_float(b[at]))));
+    }
+    asm volatile("bar.sync 1, %0;" :: "r"(PREP_THREADS) : "memory");
+    // Each row's RMS of q and of k: one warp a vector, lanes in order, then the butterfly.
+    for (int p = ptid >> 5; p < 2 * n; p += PREP_THREADS / 32) {
+      const float* v = (p & 1) ? kn[h][p >> 1] : qn[h][p >> 1];
+      float sq = 0.0f;
+      for (int i = lane; i < DK; i += 32) {
+        sq = __fmaf_rn(v[i], v[i], sq);
+      }
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) {
+        sq = __fadd_rn(sq, __shfl_xor_sync(0xffffffffu, sq, offset));
+      }
+      if (lane == 0) {
+        inv_rms[p & 1][p >> 1] = rsqrtf(sq / static_cast<float>(DK) + scalars[2]);
+      }
+    }
+    asm volatile("bar.sync 1, %0;" :: "r"(PREP_THREADS) : "memory");
+    for (int idx = ptid; idx < n * 2 * DK; idx += PREP_THREADS) {
+      const int t = idx / (2 * DK);
+      const int i = idx % (2 * DK);
+      if (i < DK) {
+        qn[h][t][i] = in_t<T>(in_t<T>(qn[h][t][i] * inv_rms[0][t]) * scalars[0]);
+      } else {
+        kn[h][t][i - DK] = in_t<T>(in_t<T>(kn[h][t][i - DK] * inv_rms[1][t]) * scalars[1]);
+      }
+    }
+  };
+
+  float s[PER_LANE];
+  if (stepper) {
+    const float* state_row = state + ((static_cast<int64_t>(bi) * HV + hv) * DV + dv) * DK;
+#pragma unroll
+    for (int j = 0; j < DK / 16; ++j) {
+      const float4 v = *reinterpret_cast<const float4*>(state_row + 16 * j + 4 * part);
+      s[4 * j] = v.x; s[4 * j + 1] = v.y; s[4 * j + 2] = v.z; s[4 * j + 3] = v.w;
+    }
+  } else {
+    prepare(0, 0);
+  }
+  __syncthreads();
+  const int count = (rows + TILE_ROWS - 1) / TILE_ROWS;
+  for (int k = 0; k < count; ++k) {
+    const int b = k & 1;
+    if (stepper) {
+      const int t0 = k * TILE_ROWS;
+      const int n = min(TILE_ROWS, rows - t0);
+      for (int t = 0; t < n; ++t) {""" + _fill(_ROW, "t0", "n", "rows", "TILE_ROWS", "[b]") + r"""      }
+    } else if (k + 1 < count) {
+      prepare(k + 1, b ^ 1);
+    }
+    __syncthreads();  // this tile's rows stepped, the next one's prepared: the halves swap
+  }
+  if (stepper) {
+    float* state_out = state_after + ((static_cast<int64_t>(bi) * HV + hv) * DV + dv) * DK;
+#pragma unroll
+    for (int j = 0; j < DK / 16; ++j) {
+      *reinterpret_cast<float4*>(state_out + 16 * j + 4 * part) =
+          make_float4(s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]);
+    }
+  }
+"""
+
+
 @functools.cache
 def _kernel() -> Any:
     return CudaKernel(
@@ -261,6 +413,23 @@ def _prompt_kernel() -> Any:
         header=HEADER,
         ensure_row_contiguous=True,
     )
+
+
+@functools.cache
+def _prompt2_kernel() -> Any:
+    return CudaKernel(
+        name="exo_gdn_prompt2",
+        input_names=["window", "qkv", "conv_w", "a", "b", "a_log", "dt_bias", "state", "scalars"],
+        output_names=["y", "state_after"],
+        source=PROMPT2_SOURCE,
+        header=HEADER,
+        ensure_row_contiguous=True,
+    )
+
+
+# Which form of the prompt kernel ``gdn_prompt`` launches: 1 (measured, the default) or 2 (``PROMPT2_SOURCE``);
+# ``EXO_GDN_PROMPT_VARIANT`` sets it, benchmarks switch it within a process.
+PROMPT_VARIANT = 2 if os.environ.get("EXO_GDN_PROMPT_VARIANT", "1").strip() == "2" else 1
 
 
 def mode() -> str:
@@ -323,9 +492,12 @@ def gdn_rows(layer: Any, window: mx.array, qkv: mx.array, a: mx.array, b: mx.arr
     return y, states
 
 
-def tile_rows(head_k_dim: int) -> int:
+def tile_rows(head_k_dim: int, variant: int = 1) -> int:
     """The prompt kernel's rows prepared at a time: q and k of ``TILE_ROWS`` rows in float32 fit the 48 KB of a
-    block's static shared memory (32 rows at the 9B's head dim 128)."""
+    block's static shared memory (32 rows at the 9B's head dim 128; the second form holds two tiles and the raw
+    rows of one: 16)."""
+    if variant == 2:
+        return max(8, min(16, 2048 // head_k_dim))
     return max(8, min(32, 4096 // head_k_dim))
 
 
@@ -341,12 +513,17 @@ def gdn_prompt(layer: Any, window: mx.array, qkv: mx.array, a: mx.array, b: mx.a
     B, T, _ = qkv.shape
     hv, dv, dk = layer.num_v_heads, layer.head_v_dim, layer.head_k_dim
     promote = mx.result_type(a, layer.dt_bias) == mx.float32
-    y, after = _prompt_kernel()(
+    variant = PROMPT_VARIANT
+    kernel, threads = (_prompt2_kernel(), THREADS + PREP_THREADS) if variant == 2 else (_prompt_kernel(), THREADS)
+    template = [("T", qkv.dtype), ("TILE_ROWS", tile_rows(dk, variant)), ("TAPS", layer.conv_kernel_size),
+                ("HK", layer.num_k_heads), ("HV", hv), ("DK", dk), ("DV", dv), ("PROMOTE_F32", promote)]
+    if variant == 2:
+        template.append(("PREP_THREADS", PREP_THREADS))
+    y, after = kernel(
         inputs=[window, qkv, layer.conv1d.weight, a, b, layer.A_log, layer.dt_bias, state, _scalars(layer, qkv.dtype)],
-        template=[("T", qkv.dtype), ("TILE_ROWS", tile_rows(dk)), ("TAPS", layer.conv_kernel_size),
-                  ("HK", layer.num_k_heads), ("HV", hv), ("DK", dk), ("DV", dv), ("PROMOTE_F32", promote)],
-        grid=(THREADS * B * hv * (dv // TILE), 1, 1),
-        threadgroup=(THREADS, 1, 1),
+        template=template,
+        grid=(threads * B * hv * (dv // TILE), 1, 1),
+        threadgroup=(threads, 1, 1),
         output_shapes=[(B, T, hv, dv), (B, hv, dv, dk)],
         output_dtypes=[qkv.dtype, mx.float32],
     )
