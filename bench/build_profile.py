@@ -8,7 +8,8 @@ R > 1: a verify call, ``verify=True``) and the logits, ``--repeats`` times, each
 they were (``engine.ahead.Snapshot``: nothing is evaluated), and prints per R: ms per build; ms of the same graph
 evaluated (one build evaluated, then put back, repeated: building + evaluation, minus the build); and the
 functions where the builds spent their own time (cProfile, ``tottime``), the ``--top`` first: what to make cheaper
-or fewer.
+or fewer. ``--emulate-cuda``: the same builds on a machine without a GPU along MLX CUDA's code paths
+(``bench/emulate_cuda.py``; the evaluation column then says nothing).
 """
 
 from __future__ import annotations
@@ -33,9 +34,17 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--emulate-cuda", action="store_true",
+                        help="on a machine without a GPU, MLX CUDA's code paths with exo's launches stubbed "
+                             "(bench/emulate_cuda.py: builds only, needs NVRTC)")
     args = parser.parse_args()
+    if args.emulate_cuda:
+        from emulate_cuda import emulate_cuda  # bench/ is this script's folder
+
+        emulate_cuda()
     engine = load(args.model)
-    engine.warmup()  # the verify probe (the verify mode the loop uses), kernels compiled
+    if not args.emulate_cuda:
+        engine.warmup()  # the verify probe (the verify mode the loop uses), kernels compiled
     forward = engine.forward
     # one evaluation per call (a verify call on the CPU is otherwise evaluated as it is built: not a build's time)
     forward_module.VERIFY_EVAL_EVERY = forward_module.VERIFY_EVAL_EVERY_GPU = 0
@@ -60,9 +69,9 @@ def main() -> None:
                 snapshot.restore()
             return (time.perf_counter() - start) / n
 
-        builds(5, evaluate=True)  # compiled, warm
+        builds(5, evaluate=not args.emulate_cuda)  # compiled, warm
         built = builds(args.repeats)
-        whole = builds(args.repeats, evaluate=True)
+        whole = built if args.emulate_cuda else builds(args.repeats, evaluate=True)
         profile = cProfile.Profile()
         profile.enable()
         builds(args.repeats)
