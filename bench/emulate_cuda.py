@@ -1,6 +1,6 @@
 """MLX CUDA's code paths on a machine without a GPU, for the host's cost of building graphs (``build_profile.py
 --emulate-cuda``): exo's kernels installed as the loader installs them on MLX CUDA (their load-time checks taken as
-passed), compiled for sm_90 by NVRTC (``kernel_compile.py`` says how to get it from pip wheels), and every launch
+passed), compiled for sm_90 by NVRTC (the dev install's wheel on Linux x86-64), and every launch
 stubbed (``mx.fast.precompiled_cuda_kernel`` returns zeros of the outputs' shapes, unevaluated). The Python that
 builds a step then is the GPU's, op for op; what MLX's own launch costs on the GPU (converting the arguments,
 copying the binary into the primitive, the launch at evaluation) is not here. Never part of exo itself."""

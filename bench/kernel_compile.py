@@ -1,11 +1,11 @@
 """Compile exo's GatedDeltaNet CUDA kernels (engine/kernels/cuda_gdn.py: the step, the prompt kernel's two forms) for
 a GPU architecture with NVRTC, without a GPU: whether they compile, and ptxas's registers, shared memory and spills
-per instance. For writing kernels on a machine with no GPU (NVRTC and CUDA's headers from pip wheels) before a GPU
-session spends its time on a build error or a block over the 48 KB of static shared memory.
+per instance. For writing kernels on a machine with no GPU (the dev install's NVRTC wheel on Linux x86-64, as
+``tests/engine/test_cuda_build.py`` uses it; elsewhere point ``EXO_NVRTC_LIBRARY`` and ``CUDA_HOME`` at NVRTC and
+CUDA's headers) before a GPU session spends its time on a build error or a block over the 48 KB of static shared
+memory.
 
-    pip install nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12   # (into any environment; then point at them:)
-    EXO_NVRTC_LIBRARY=.../nvidia/cuda_nvrtc/lib/libnvrtc.so.12 CUDA_HOME=.../nvidia/cuda_runtime \\
-        python bench/kernel_compile.py [--arch 90] [--head-dims 64 128 256]
+    python bench/kernel_compile.py [--arch 90] [--head-dims 64 128 256]
 
 Exits 1 when an instance does not compile or uses more than 48 KB of shared memory or 64K registers a block.
 """

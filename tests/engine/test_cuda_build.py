@@ -158,3 +158,104 @@ def test_a_precompiled_launch_that_fails_turns_the_process_to_mlxs_compile_once(
     monkeypatch.setattr(CudaKernel, "fallback_reason", None)
     monkeypatch.setenv("EXO_CUDA_KERNEL_CACHE", "0")
     assert not cuda_build.precompiled_failed(RuntimeError("MLX's own compile failed"))
+
+
+def test_a_bound_launch_hands_mlx_what_a_call_would_and_follows_the_process_to_mlxs_compile(tmp_path: Path, monkeypatch):
+    """``CudaKernel.bind`` (a call site's launch with its constants fixed once: qgemv's ~130 a decode step) hands
+    ``mx.fast.precompiled_cuda_kernel`` exactly the arguments ``CudaKernel.__call__`` does, its scalars the shapes of
+    each call's inputs; once the process turns to MLX's compile, it takes that path too; and qgemv's decode-sized
+    products go through it."""
+    from exo.engine.kernels import cuda_build
+
+    monkeypatch.setattr(cuda_build, "device_architecture", lambda: H200)  # (the GPU's answer; the compile is real)
+    monkeypatch.setenv("EXO_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setattr(CudaKernel, "fallback_reason", None)
+    calls: list[dict] = []
+
+    def precompiled(**kwargs):
+        calls.append(kwargs)
+        return [mx.zeros(tuple(s), dtype=d) for s, d in zip(kwargs["output_shapes"], kwargs["output_dtypes"], strict=True)]
+
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", precompiled)
+    q = CudaKernel("exo_qgemv", ["x", "w", "scales", "biases"], ["out"], cuda_qgemv.SOURCE, cuda_qgemv.HEADER)
+    template, grid = cuda_qgemv._launch(2, 256, 512, 4, 64, mx.bfloat16, mx.bfloat16)
+    w, scales, biases = mx.quantize(mx.zeros((256, 512), dtype=mx.bfloat16), group_size=64, bits=4)
+    bound = q.bind(template, [mx.bfloat16, mx.uint32, mx.bfloat16, mx.bfloat16], [3, 2, 2, 2], [mx.bfloat16], grid,
+                   cuda_qgemv.THREADGROUP)
+    for x in (mx.zeros((1, 2, 512), dtype=mx.bfloat16), mx.ones((2, 1, 512), dtype=mx.bfloat16)):
+        q(inputs=[x, w, scales, biases], template=template, grid=grid, threadgroup=cuda_qgemv.THREADGROUP,
+          output_shapes=[(*x.shape[:-1], 256)], output_dtypes=[mx.bfloat16])
+        bound([x, w, scales, biases], [(*x.shape[:-1], 256)])
+        by_call, by_bound = calls[-2:]
+        assert by_call.keys() == by_bound.keys() and by_call["inputs"][0] is x and by_bound["inputs"][0] is x
+        for name in by_call:
+            if name != "inputs":
+                assert list(by_call[name]) == list(by_bound[name]) if isinstance(by_call[name], (list, tuple)) \
+                    else by_call[name] == by_bound[name], name
+        assert by_bound["scalars"] == [256, 64] and by_bound["compiled_source"].startswith(b"\x7fELF")
+    assert q.compiled == 1  # one instance, built once for both
+    # the process turned to MLX's compile: the bound launch goes where a call goes
+    fallback: list[dict] = []
+    monkeypatch.setattr(CudaKernel, "fallback_reason", "a precompiled launch failed")
+    monkeypatch.setattr(q, "_fallback", lambda: lambda **kwargs: fallback.append(kwargs) or [mx.zeros((1, 2, 256))])
+    before = len(calls)
+    bound([x, w, scales, biases], [(*x.shape[:-1], 256)])
+    assert len(calls) == before and fallback and fallback[0]["template"] == list(template)
+    # qgemv's decode-sized products launch through bound launches, one per layer shape and row count
+    monkeypatch.setattr(CudaKernel, "fallback_reason", None)
+    monkeypatch.setattr(cuda_qgemv, "on_cuda", lambda: True)
+    cuda_qgemv._bound.cache_clear()
+    x = mx.zeros((1, 1, 512), dtype=mx.bfloat16)
+    calls.clear()
+    for _ in range(3):
+        cuda_qgemv.qgemv(x, w, scales, biases, group_size=64, bits=4)
+    assert len(calls) == 3 and cuda_qgemv._bound.cache_info().misses == 1
+    assert calls[0]["output_shapes"] == [(1, 1, 256)] and calls[0]["scalars"] == [256, 64]
+    cuda_qgemv._bound.cache_clear()
+
+
+def test_a_gatednet_step_launches_through_its_bound_launch_as_a_call_would(tmp_path: Path, monkeypatch):
+    """``cuda_gdn.gdn_rows`` (every GatedDeltaNet layer of every decode step) launches through a bound launch per
+    inputs' types and shapes, handing MLX what the kernel's ``__call__`` with the step's template would."""
+    from types import SimpleNamespace
+
+    from exo.engine.kernels import cuda_build
+
+    monkeypatch.setattr(cuda_build, "device_architecture", lambda: H200)
+    monkeypatch.setenv("EXO_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setattr(CudaKernel, "fallback_reason", None)
+    monkeypatch.setattr(cuda_gdn, "on_cuda", lambda: True)
+    calls: list[dict] = []
+
+    def precompiled(**kwargs):
+        calls.append(kwargs)
+        return [mx.zeros(tuple(s), dtype=d) for s, d in zip(kwargs["output_shapes"], kwargs["output_dtypes"], strict=True)]
+
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", precompiled)
+    hk, hv, dk, dv, taps = 2, 4, 64, 64, 4
+    conv_dim = 2 * hk * dk + hv * dv
+    layer = SimpleNamespace(num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv, conv_kernel_size=taps,
+                            conv1d=SimpleNamespace(weight=mx.zeros((conv_dim, taps, 1), dtype=mx.bfloat16)),
+                            A_log=mx.zeros((hv,), dtype=mx.float32), dt_bias=mx.zeros((hv,), dtype=mx.bfloat16))
+    window = mx.zeros((1, taps - 1, conv_dim), dtype=mx.bfloat16)
+    qkv = mx.zeros((1, 2, conv_dim), dtype=mx.bfloat16)
+    a = b = mx.zeros((1, 2, hv), dtype=mx.bfloat16)
+    state = mx.zeros((1, hv, dv, dk), dtype=mx.float32)
+    cuda_gdn._rows_launch.cache_clear()
+    for _ in range(2):
+        cuda_gdn.gdn_rows(layer, window, qkv, a, b, state)
+    assert cuda_gdn._rows_launch.cache_info().misses == 1
+    cuda_gdn._kernel()(
+        inputs=[window, qkv, layer.conv1d.weight, a, b, layer.A_log, layer.dt_bias, state,
+                cuda_gdn._scalars(layer, qkv.dtype)],
+        template=[("T", mx.bfloat16), ("ROWS", 2), ("TAPS", taps), ("HK", hk), ("HV", hv), ("DK", dk), ("DV", dv),
+                  ("PROMOTE_F32", False)],  # (a and dt_bias both bfloat16)
+        grid=(cuda_gdn.THREADS * hv * (dv // cuda_gdn.TILE), 1, 1), threadgroup=(cuda_gdn.THREADS, 1, 1),
+        output_shapes=[(1, 2, hv, dv), (2, 1, hv, dv, dk)], output_dtypes=[mx.bfloat16, mx.float32])
+    bound, called = calls[-2], calls[-1]
+    for name in called:
+        if name != "inputs":
+            assert list(bound[name]) == list(called[name]) if isinstance(called[name], (list, tuple)) \
+                else bound[name] == called[name], name
+    assert bound["scalars"] == [1, hv, dv, dk]  # the state's shape (the body reads its batch)
+    cuda_gdn._rows_launch.cache_clear()

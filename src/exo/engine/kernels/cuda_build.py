@@ -303,12 +303,9 @@ class CudaKernel:
             self._built[key] = built
         return built
 
-    def launch(self, inputs: Sequence[mx.array], template: Template,
-               output_dtypes: Sequence[mx.Dtype]) -> tuple[Built, list[int]] | None:
-        """The call's compiled instance and its scalars (the shapes the body reads), or None where this process
-        uses MLX's path. The host's cost per launch (a decode step makes ~250): one key of the call's types and
-        constants, one dict lookup; the instance is built once per key."""
-        if self._shaped is None:  # first call: whether to compile here at all, and which shapes the body reads
+    def _shapes_read(self) -> list[int]:
+        """The inputs whose shapes the body reads (decided at the first call, with whether to compile here at all)."""
+        if self._shaped is None:
             self._shaped = []
             try:
                 names = shaped_inputs(self.source, self.input_names)
@@ -317,20 +314,45 @@ class CudaKernel:
                 self._mine = False
                 log.warning("exo: %s compiled by MLX in every process (%s)", self.name, e)
             self._mine = self._mine and enabled()
+        return self._shaped
+
+    def _built_for(self, template: Template, input_dtypes: Sequence[mx.Dtype], output_dtypes: Sequence[mx.Dtype],
+                   input_ndims: Sequence[int]) -> Built | None:
+        """The compiled instance of a call of these types, constants and ndims, or None where this process uses
+        MLX's path (a build failure turns every kernel to it)."""
+        shaped = self._shapes_read()
         if not self._mine or CudaKernel.fallback_reason is not None:
             return None
-        shaped = self._shaped
-        key = (tuple(template), *(x.dtype for x in inputs), *output_dtypes, *(inputs[i].ndim for i in shaped))
+        key = (tuple(template), *input_dtypes, *output_dtypes, *(input_ndims[i] for i in shaped))
         found = self._launches.get(key)
         if found is None:
             try:
-                found = self.instance([x.dtype for x in inputs], output_dtypes, template, [x.ndim for x in inputs])
+                found = self.instance(input_dtypes, output_dtypes, template, input_ndims)
             except (CudaBuildError, OSError, KeyError) as e:
                 CudaKernel.fallback_reason = str(e)
                 log.warning("exo: CUDA kernels compiled by MLX in every process (%s)", e)
                 return None
             self._launches[key] = found
-        return found, [d for i in shaped for d in inputs[i].shape]
+        return found
+
+    def launch(self, inputs: Sequence[mx.array], template: Template,
+               output_dtypes: Sequence[mx.Dtype]) -> tuple[Built, list[int]] | None:
+        """The call's compiled instance and its scalars (the shapes the body reads), or None where this process
+        uses MLX's path. The host's cost per launch: one key of the call's types and constants, one dict lookup;
+        the instance is built once per key. (``bind``: a call site's launch with all of that done once.)"""
+        found = self._built_for(template, [x.dtype for x in inputs], output_dtypes, [x.ndim for x in inputs])
+        if found is None:
+            return None
+        return found, [d for i in self._shapes_read() for d in inputs[i].shape]
+
+    def bind(self, template: Template, input_dtypes: Sequence[mx.Dtype], input_ndims: Sequence[int],
+             output_dtypes: Sequence[mx.Dtype], grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
+             init_value: float | None = None) -> BoundLaunch:
+        """This kernel's launch with everything but the inputs and the output shapes fixed: what a call site that
+        makes the same launch again and again (a decode step's ~170) keeps, so that each launch is one call into
+        MLX (its arguments the ones ``__call__`` would pass)."""
+        return BoundLaunch(self, list(template), list(output_dtypes), grid, threadgroup, init_value,
+                           self._built_for(template, input_dtypes, output_dtypes, input_ndims))
 
     def __call__(self, *, inputs: Sequence[mx.array], template: Template = (), grid: tuple[int, int, int],
                  threadgroup: tuple[int, int, int], output_shapes: Sequence[Sequence[int]],
@@ -347,3 +369,35 @@ class CudaKernel:
         return self._fallback()(inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
                                 output_shapes=output_shapes, output_dtypes=output_dtypes, init_value=init_value,
                                 stream=stream)
+
+
+class BoundLaunch:
+    """``CudaKernel.bind``: ``bound(inputs, output_shapes)`` is ``kernel(inputs=inputs, output_shapes=output_shapes,
+    **the bound arguments)``, with the compiled instance and the launch's constants found once. The inputs must have
+    the types and ndims it was bound for. Where the process turned to MLX's compile (a failed build or launch, at
+    any time), it takes ``CudaKernel.__call__``'s path."""
+
+    __slots__ = ("kernel", "template", "output_dtypes", "grid", "threadgroup", "init_value", "built", "shaped",
+                 "contiguous")
+
+    def __init__(self, kernel: CudaKernel, template: list[tuple[str, Any]], output_dtypes: list[mx.Dtype],
+                 grid: tuple[int, int, int], threadgroup: tuple[int, int, int], init_value: float | None,
+                 built: Built | None) -> None:
+        self.kernel, self.template, self.output_dtypes = kernel, template, output_dtypes
+        self.grid, self.threadgroup, self.init_value, self.built = grid, threadgroup, init_value, built
+        self.shaped = kernel._shapes_read()
+        self.contiguous = kernel.ensure_row_contiguous
+
+    def __call__(self, inputs: Sequence[mx.array], output_shapes: Sequence[Sequence[int]],
+                 stream: Any = None) -> list[mx.array]:
+        built = self.built
+        if built is None or CudaKernel.fallback_reason is not None:
+            return self.kernel(inputs=inputs, template=self.template, grid=self.grid, threadgroup=self.threadgroup,
+                               output_shapes=output_shapes, output_dtypes=self.output_dtypes,
+                               init_value=self.init_value, stream=stream)
+        return mx.fast.precompiled_cuda_kernel(
+            name=built.function, compiled_source=built.binary, inputs=inputs,
+            output_shapes=output_shapes,  # type: ignore[arg-type]
+            output_dtypes=self.output_dtypes, scalars=[d for i in self.shaped for d in inputs[i].shape],
+            grid=self.grid, threadgroup=self.threadgroup, init_value=self.init_value,
+            ensure_row_contiguous=self.contiguous, stream=stream)

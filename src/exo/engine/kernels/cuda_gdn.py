@@ -479,17 +479,24 @@ def gdn_rows(layer: Any, window: mx.array, qkv: mx.array, a: mx.array, b: mx.arr
         return reference(layer, window, qkv, a, b, state)
     B, T, _ = qkv.shape
     hv, dv, dk = layer.num_v_heads, layer.head_v_dim, layer.head_k_dim
-    promote = mx.result_type(a, layer.dt_bias) == mx.float32  # (a + dt_bias in mlx-lm's graph)
-    y, states = _kernel()(
-        inputs=[window, qkv, layer.conv1d.weight, a, b, layer.A_log, layer.dt_bias, state, _scalars(layer, qkv.dtype)],
-        template=[("T", qkv.dtype), ("ROWS", T), ("TAPS", layer.conv_kernel_size), ("HK", layer.num_k_heads),
-                  ("HV", hv), ("DK", dk), ("DV", dv), ("PROMOTE_F32", promote)],
-        grid=(THREADS * B * hv * (dv // TILE), 1, 1),
-        threadgroup=(THREADS, 1, 1),
-        output_shapes=[(B, T, hv, dv), (T, B, hv, dv, dk)],
-        output_dtypes=[qkv.dtype, mx.float32],
-    )
+    inputs = [window, qkv, layer.conv1d.weight, a, b, layer.A_log, layer.dt_bias, state, _scalars(layer, qkv.dtype)]
+    bound = _rows_launch(tuple(x.dtype for x in inputs), B, T, layer.conv_kernel_size, layer.num_k_heads, hv, dk, dv)
+    y, states = bound(inputs, [(B, T, hv, dv), (T, B, hv, dv, dk)])
     return y, states
+
+
+@functools.cache
+def _rows_launch(dtypes: tuple[mx.Dtype, ...], batch: int, rows: int, taps: int, hk: int, hv: int, dk: int,
+                 dv: int) -> Any:
+    """``gdn_rows``'s launch for these inputs' types and shapes, bound once (``CudaKernel.bind``; every layer of
+    every decode step makes one)."""
+    dtype = dtypes[1]
+    promote = mx.result_type(dtypes[3], dtypes[6]) == mx.float32  # (a + dt_bias in mlx-lm's graph)
+    return _kernel().bind(
+        [("T", dtype), ("ROWS", rows), ("TAPS", taps), ("HK", hk), ("HV", hv), ("DK", dk), ("DV", dv),
+         ("PROMOTE_F32", promote)],
+        list(dtypes), [3, 3, 3, 3, 3, 1, 1, 4, 1], [dtype, mx.float32], (THREADS * batch * hv * (dv // TILE), 1, 1),
+        (THREADS, 1, 1))
 
 
 def tile_rows(head_k_dim: int, variant: int = 1) -> int:

@@ -320,12 +320,12 @@ def qgemv(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group
     ``MAX_ROWS``), ``emulate`` elsewhere."""
     if not on_cuda():
         return emulate(x, w, scales, biases, group_size=group_size, bits=bits)
-    k, n = x.shape[-1], w.shape[0]
+    shape = x.shape
+    k, n = shape[-1], w.shape[0]
     rows = x.size // k
-    if rows <= MAX_ROWS:  # a decode step's, a verify call's, a small batch's: one launch, its arguments kept
-        template, grid = _launch(rows, n, k, bits, group_size, x.dtype, scales.dtype)
-        return _kernel()(inputs=[x, w, scales, biases], template=template, grid=grid, threadgroup=THREADGROUP,
-                         output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype])[0]
+    if rows <= MAX_ROWS:  # a decode step's, a verify call's, a small batch's: one launch, bound once (_bound)
+        return _bound(rows, n, k, bits, group_size, x.dtype, scales.dtype, len(shape))(
+            [x, w, scales, biases], [(*shape[:-1], n)])[0]
     flat = x.reshape(-1, k)
     outs = []
     for start in range(0, rows, MAX_ROWS):
@@ -351,6 +351,17 @@ def _launch(rows: int, n: int, k: int, bits: int, group_size: int, dtype: mx.Dty
     template = [("T", dtype), ("ST", scale_dtype), ("BITS", bits), ("GROUP", group_size), ("K", k), ("ROWS", rows),
                 ("OUTS", per_warp), ("SPLIT", split)]
     return template, (WARP * WARPS * blocks, 1, 1)
+
+
+@functools.cache
+def _bound(rows: int, n: int, k: int, bits: int, group_size: int, dtype: mx.Dtype, scale_dtype: mx.Dtype,
+           ndim: int) -> Any:
+    """The kernel's launch for ``rows`` rows of a layer's shape and an input of ``ndim`` dims, bound once
+    (``CudaKernel.bind``): a decode step makes ~130 of these; through ``CudaKernel.__call__`` each cost the host
+    ~3.7 us more (a 2-core EPYC, ``bench/build_profile.py --emulate-cuda``)."""
+    template, grid = _launch(rows, n, k, bits, group_size, dtype, scale_dtype)
+    return _kernel().bind(template, [dtype, mx.uint32, scale_dtype, scale_dtype], [ndim, 2, 2, 2], [dtype], grid,
+                          THREADGROUP)
 
 
 @functools.cache
