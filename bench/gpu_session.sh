@@ -193,6 +193,9 @@ for p in "$@"; do
         --max-tokens 48 --ahead on off ;;
     rounds) phase rounds $PY bench/round_phases.py "$Q9" --replay 0.0,0.6,0.8,0.9 --repeats 1 --max-tokens 48 ;;
     stock) EXO_QGEMV=1 phase stock $PY bench/engine.py "$Q9" --max-tokens 128 --repeats 3 ;;
+    # the same without MLX's CUDA graphs (each evaluation's kernels launched one by one): a decode step is the host's
+    # work, and building and launching a graph of ~700 kernels is part of it
+    stockg) MLX_USE_CUDA_GRAPHS=0 phase stockg $PY bench/engine.py "$Q9" --max-tokens 128 --repeats 3 ;;
     moe) phase moe $PY -m exo.cli.main bench "$Q35" --baseline --check --max-tokens 64 --repeats 1 ;;
     # issue 49: prefill against stock (9B: 4k and 32k, the layer by method, the profile; 35B-A3B: 4k and its
     # profile), the prefix cache on an agent session (turn 1 on/off, later turns) and its phases in one process
