@@ -391,40 +391,27 @@ PROMPT2_SOURCE = r"""
 """
 
 
+INPUTS = ["window", "qkv", "conv_w", "a", "b", "a_log", "dt_bias", "state", "scalars"]
+
+
+def _gdn_kernel(name: str, source: str, outputs: list[str]) -> CudaKernel:
+    return CudaKernel(name=name, input_names=INPUTS, output_names=outputs, source=source, header=HEADER,
+                      ensure_row_contiguous=True)
+
+
 @functools.cache
 def _kernel() -> Any:
-    return CudaKernel(
-        name="exo_gdn_rows",
-        input_names=["window", "qkv", "conv_w", "a", "b", "a_log", "dt_bias", "state", "scalars"],
-        output_names=["y", "states"],
-        source=SOURCE,
-        header=HEADER,
-        ensure_row_contiguous=True,
-    )
+    return _gdn_kernel("exo_gdn_rows", SOURCE, ["y", "states"])
 
 
 @functools.cache
 def _prompt_kernel() -> Any:
-    return CudaKernel(
-        name="exo_gdn_prompt",
-        input_names=["window", "qkv", "conv_w", "a", "b", "a_log", "dt_bias", "state", "scalars"],
-        output_names=["y", "state_after"],
-        source=PROMPT_SOURCE,
-        header=HEADER,
-        ensure_row_contiguous=True,
-    )
+    return _gdn_kernel("exo_gdn_prompt", PROMPT_SOURCE, ["y", "state_after"])
 
 
 @functools.cache
 def _prompt2_kernel() -> Any:
-    return CudaKernel(
-        name="exo_gdn_prompt2",
-        input_names=["window", "qkv", "conv_w", "a", "b", "a_log", "dt_bias", "state", "scalars"],
-        output_names=["y", "state_after"],
-        source=PROMPT2_SOURCE,
-        header=HEADER,
-        ensure_row_contiguous=True,
-    )
+    return _gdn_kernel("exo_gdn_prompt2", PROMPT2_SOURCE, ["y", "state_after"])
 
 
 # Which form of the prompt kernel ``gdn_prompt`` launches: 1 (measured, the default) or 2 (``PROMPT2_SOURCE``);
