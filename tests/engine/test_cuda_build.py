@@ -63,6 +63,13 @@ def test_every_kernel_compiles_for_an_h200_once_and_is_read_from_disk_after(tmp_
                                   [("T", bf16), ("ROWS", rows), ("TAPS", 4), ("HK", 16), ("HV", 32), ("DK", 128),
                                    ("DV", 128), ("PROMOTE_F32", promote)], [3, 3, 2, 3, 3, 1, 1, 4, 1], H200,
                                   tmp_path))
+    for variant in (1, 2):  # the prompt kernel's forms (a chunk's rows in one launch), for 9B's GatedDeltaNet
+        kernel = cuda_gdn._prompt2_kernel() if variant == 2 else cuda_gdn._prompt_kernel()
+        template = [("T", bf16), ("TILE_ROWS", cuda_gdn.tile_rows(128, variant)), ("TAPS", 4), ("HK", 16),
+                    ("HV", 32), ("DK", 128), ("DV", 128), ("PROMOTE_F32", False)]
+        template += [("PREP_THREADS", cuda_gdn.PREP_THREADS)] if variant == 2 else []
+        built.append(kernel.instance([bf16] * 5 + [mx.float32, bf16, mx.float32, mx.float32], [bf16, mx.float32],
+                                     template, [3, 3, 3, 3, 3, 1, 1, 4, 1], H200, tmp_path))
     first, second = cuda_attn._kernels()
     built.append(first.instance([bf16] * 3 + [mx.int32, mx.float32], [mx.float32] * 3,
                                 [("T", bf16), ("D", 256), ("HQ", 16), ("HKV", 4), ("CHUNK", cuda_attn.CHUNK),

@@ -95,7 +95,7 @@ _PRELUDE = r"""
   }
 """
 
-_PREPARE = r"""
+_CONV = r"""
   // The conv over [window; rows] of this block's channels, silu, for every row.
   for (int idx = tid; idx < @N@ * CH; idx += blockDim.x) {
     const int t = idx / CH;
@@ -119,8 +119,12 @@ _PREPARE = r"""
       vv[t][i - 2 * DK] = act;
     }
   }
-  if (tid < @N@) {
-    const int64_t at = (static_cast<int64_t>(bi) * @ROWS@ + @R0@ + tid) * HV + hv;
+"""
+
+# A row's gate and beta, its q and k RMS norms and scales: @TID@ / @STRIDE@ the preparing threads' index and count,
+# @WARP@ / @WARPS@ their warps', @SYNC@ their barrier, @B@ the half of double-buffered arrays (the second form).
+_GATE = r"""  if (@TID@ < @N@) {
+    const int64_t at = (static_cast<int64_t>(bi) * @ROWS@ + @R0@ + @TID@) * HV + hv;
     float x = to_float(a[at]) + to_float(dt_bias[hv]);  // a + dt_bias, then softplus, in their promoted dtype
     if constexpr (!PROMOTE_F32) {
       x = in_t<T>(x);
@@ -129,14 +133,16 @@ _PREPARE = r"""
     if constexpr (!PROMOTE_F32) {
       softplus = in_t<T>(softplus);
     }
-    gate[tid] = expf(-expf(to_float(a_log[hv])) * softplus);
-    beta[tid] = in_t<T>(1.0f / (1.0f + expf(-to_float(b[at]))));
+    gate@B@[@TID@] = expf(-expf(to_float(a_log[hv])) * softplus);
+    beta@B@[@TID@] = in_t<T>(1.0f / (1.0f + expf(-to_float(b[at]))));
   }
-  __syncthreads();
+  @SYNC@
 
-  // Each row's RMS of q and of k: one warp a vector, lanes in order, then the butterfly.
-  for (int p = warp; p < 2 * @N@; p += blockDim.x / 32) {
-    const float* v = (p & 1) ? kn[p >> 1] : qn[p >> 1];
+"""
+
+_NORMS = r"""  // Each row's RMS of q and of k: one warp a vector, lanes in order, then the butterfly.
+  for (int p = @WARP@; p < 2 * @N@; p += @WARPS@) {
+    const float* v = (p & 1) ? kn@B@[p >> 1] : qn@B@[p >> 1];
     float sq = 0.0f;
     for (int i = lane; i < DK; i += 32) {
       sq = __fmaf_rn(v[i], v[i], sq);
@@ -149,18 +155,21 @@ _PREPARE = r"""
       inv_rms[p & 1][p >> 1] = rsqrtf(sq / static_cast<float>(DK) + scalars[2]);
     }
   }
-  __syncthreads();
-  for (int idx = tid; idx < @N@ * 2 * DK; idx += blockDim.x) {
+  @SYNC@
+"""
+
+_SCALE = r"""  for (int idx = @TID@; idx < @N@ * 2 * DK; idx += @STRIDE@) {
     const int t = idx / (2 * DK);
     const int i = idx % (2 * DK);
     if (i < DK) {
-      qn[t][i] = in_t<T>(in_t<T>(qn[t][i] * inv_rms[0][t]) * scalars[0]);
+      qn@B@[t][i] = in_t<T>(in_t<T>(qn@B@[t][i] * inv_rms[0][t]) * scalars[0]);
     } else {
-      kn[t][i - DK] = in_t<T>(in_t<T>(kn[t][i - DK] * inv_rms[1][t]) * scalars[1]);
+      kn@B@[t][i - DK] = in_t<T>(in_t<T>(kn@B@[t][i - DK] * inv_rms[1][t]) * scalars[1]);
     }
   }
-  __syncthreads();
 """
+
+_PREPARE = _CONV + _GATE + _NORMS + _SCALE + "  @SYNC@\n"
 
 _ROW = r"""
     const float g = gate@B@[t];
@@ -199,11 +208,15 @@ _ROW = r"""
 """
 
 
-def _fill(text: str, r0: str, n: str, rows: str, tile: str, buffer: str = "") -> str:
+def _fill(text: str, r0: str, n: str, rows: str, tile: str, buffer: str = "", *, tid: str = "tid",
+          stride: str = "blockDim.x", warp: str = "warp", warps: str = "blockDim.x / 32",
+          sync: str = "__syncthreads();") -> str:
     if r0 == "0":
         text = text.replace("@R0@ + ", "")
-    return (text.replace("@R0@", r0).replace("@N@", n).replace("@ROWS@", rows).replace("@TILE@", tile)
-            .replace("@B@", buffer))
+    for name, value in (("R0", r0), ("N", n), ("ROWS", rows), ("TILE", tile), ("B", buffer), ("TID", tid),
+                        ("STRIDE", stride), ("WARPS", warps), ("WARP", warp), ("SYNC", sync)):
+        text = text.replace(f"@{name}@", value)
+    return text
 
 
 # The step: MLX writes the signature: window [B, TAPS - 1, C], qkv [B, ROWS, C], conv_w [C, TAPS, 1], a and b
@@ -315,46 +328,9 @@ PROMPT2_SOURCE = r"""
         vv[h][t][i - 2 * DK] = act;
       }
     }
-    if (ptid < n) {
-      const int64_t at = (static_cast<int64_t>(bi) * rows + t0 + ptid) * HV + hv;
-      float x = to_float(a[at]) + to_float(dt_bias[hv]);  // a + dt_bias, then softplus, in their promoted dtype
-      if constexpr (!PROMOTE_F32) {
-        x = in_t<T>(x);
-      }
-      float softplus = fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x)));
-      if constexpr (!PROMOTE_F32) {
-        softplus = in_t<T>(softplus);
-      }
-      gate[h][ptid] = expf(-expf(to_float(a_log[hv])) * softplus);
-      beta[h][ptid] = in_t<T>(1.0f / (1.0f + expf(-to_float(b[at]))));
-    }
-    asm volatile("bar.sync 1, %0;" :: "r"(PREP_THREADS) : "memory");
-    // Each row's RMS of q and of k: one warp a vector, lanes in order, then the butterfly.
-    for (int p = ptid >> 5; p < 2 * n; p += PREP_THREADS / 32) {
-      const float* v = (p & 1) ? kn[h][p >> 1] : qn[h][p >> 1];
-      float sq = 0.0f;
-      for (int i = lane; i < DK; i += 32) {
-        sq = __fmaf_rn(v[i], v[i], sq);
-      }
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) {
-        sq = __fadd_rn(sq, __shfl_xor_sync(0xffffffffu, sq, offset));
-      }
-      if (lane == 0) {
-        inv_rms[p & 1][p >> 1] = rsqrtf(sq / static_cast<float>(DK) + scalars[2]);
-      }
-    }
-    asm volatile("bar.sync 1, %0;" :: "r"(PREP_THREADS) : "memory");
-    for (int idx = ptid; idx < n * 2 * DK; idx += PREP_THREADS) {
-      const int t = idx / (2 * DK);
-      const int i = idx % (2 * DK);
-      if (i < DK) {
-        qn[h][t][i] = in_t<T>(in_t<T>(qn[h][t][i] * inv_rms[0][t]) * scalars[0]);
-      } else {
-        kn[h][t][i - DK] = in_t<T>(in_t<T>(kn[h][t][i - DK] * inv_rms[1][t]) * scalars[1]);
-      }
-    }
-  };
+""" + _fill(_GATE + _NORMS + _SCALE, "t0", "n", "rows", "TILE_ROWS", "[h]", tid="ptid", stride="PREP_THREADS",
+            warp="(ptid >> 5)", warps="PREP_THREADS / 32",
+            sync='asm volatile("bar.sync 1, %0;" :: "r"(PREP_THREADS) : "memory");') + r"""  };
 
   float s[PER_LANE];
   if (stepper) {
