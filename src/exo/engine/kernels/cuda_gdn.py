@@ -59,7 +59,7 @@ template <typename T> __device__ __forceinline__ float in_t(float v) { return to
 # row with the same instructions in the same order, so a prompt's rows are its decode steps' bits (``check_prompt``).
 # @R0@: the first row of the rows being prepared (the call's row index), @N@: how many, @ROWS@: the call's rows,
 # @TILE@: the rows the shared arrays hold.
-_PRELUDE = r"""
+_INDICES = r"""
   using namespace exo_gdn;
   constexpr int KEY_DIM = HK * DK;
   constexpr int C = 2 * KEY_DIM + HV * DV;
@@ -77,7 +77,9 @@ _PRELUDE = r"""
   const int row = warp * 8 + (lane >> 2);  // the value row of the tile this lane's group holds
   const int part = lane & 3;
   const int dv = tile * 32 + row;
+"""
 
+_PRELUDE = _INDICES + r"""
   __shared__ __align__(16) float qn[@TILE@][DK];
   __shared__ __align__(16) float kn[@TILE@][DK];
   __shared__ float vv[@TILE@][32];
@@ -264,27 +266,10 @@ PROMPT_SOURCE = _fill(_PRELUDE, "", "", "", "TILE_ROWS") + r"""
 # same order of sums); ``check_prompt`` confirms it on the device.
 PREP_THREADS = 256
 
-PROMPT2_SOURCE = r"""
-  using namespace exo_gdn;
-  constexpr int KEY_DIM = HK * DK;
-  constexpr int C = 2 * KEY_DIM + HV * DV;
-  constexpr int CH = 2 * DK + 32;   // channels a block convolves per row: q, k, its 32 v
-  constexpr int PER_LANE = DK / 4;  // state values a lane holds
-  constexpr int STEPPERS = 128;
+PROMPT2_SOURCE = _INDICES + r"""  constexpr int STEPPERS = 128;  // (warps 0-3: the state's lanes, as in the step; the rest prepare)
   const int rows = qkv_shape[1];
-  const int tiles = DV / 32;
-  const int tile = blockIdx.x % tiles;
-  const int hv = (blockIdx.x / tiles) % HV;
-  const int bi = blockIdx.x / (tiles * HV);
-  const int hk = hv / (HV / HK);
-  const int tid = threadIdx.x;
   const bool stepper = tid < STEPPERS;
   const int ptid = tid - STEPPERS;  // a preparing thread's index
-  const int warp = tid >> 5;
-  const int lane = tid & 31;
-  const int row = warp * 8 + (lane >> 2);  // (a stepper's) value row of the tile its lane's group holds
-  const int part = lane & 3;
-  const int dv = tile * 32 + row;
 
   __shared__ __align__(16) float qn[2][TILE_ROWS][DK];
   __shared__ __align__(16) float kn[2][TILE_ROWS][DK];
