@@ -529,21 +529,26 @@ def accepted(y_stock: float, state_stock: float, y_exact: float, state_exact: fl
             and state_exact <= min(EXACT_CAP, stock_state_exact * STOCK_SLACK))
 
 
+def _random_inputs(layer: Any, rows: int, key: mx.array) -> tuple[mx.array, ...]:
+    """A check's inputs for ``layer``: window, qkv (``rows`` rows), a, b in its weights' type, a float32 state."""
+    dtype = layer.conv1d.weight.dtype
+    conv_dim = layer.conv1d.weight.shape[0]
+    k1, k2, k3, k4, k5 = mx.random.split(key, 5)
+    window = (mx.random.normal((1, layer.conv_kernel_size - 1, conv_dim), key=k1) * 0.5).astype(dtype)
+    qkv = (mx.random.normal((1, rows, conv_dim), key=k2) * 0.5).astype(dtype)
+    a = mx.random.normal((1, rows, layer.num_v_heads), key=k3).astype(dtype)
+    b = mx.random.normal((1, rows, layer.num_v_heads), key=k4).astype(dtype)
+    state = mx.random.normal((1, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim), key=k5) * 0.1
+    return window, qkv, a, b, state
+
+
 def check(layer: Any, *, rows: int = 4, key: mx.array | None = None) -> tuple[bool, str]:
     """Whether ``gdn_rows`` computes ``layer``'s step as it should on this device: on random inputs, (1) one call
     of 1..``rows`` rows gives each row the bits (y and state) of the calls of one row after another, (2) its
     distances pass ``accepted``: near ``reference`` (mlx-lm's ops), or no further than they are from the step in
     float32 throughout. A failure of the JIT counts as not passed."""
     key = mx.random.key(20261130) if key is None else key
-    dtype = layer.conv1d.weight.dtype
-    conv_dim = layer.conv1d.weight.shape[0]
-    k1, k2, k3, k4, k5 = mx.random.split(key, 5)
-    taps = layer.conv_kernel_size
-    window = (mx.random.normal((1, taps - 1, conv_dim), key=k1) * 0.5).astype(dtype)
-    qkv = (mx.random.normal((1, rows, conv_dim), key=k2) * 0.5).astype(dtype)
-    a = mx.random.normal((1, rows, layer.num_v_heads), key=k3).astype(dtype)
-    b = mx.random.normal((1, rows, layer.num_v_heads), key=k4).astype(dtype)
-    state = mx.random.normal((1, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim), key=k5) * 0.1
+    window, qkv, a, b, state = _random_inputs(layer, rows, key)
     try:
         y, states = gdn_rows(layer, window, qkv, a, b, state)
         steps_y, steps_state, w, s = [], [], window, state
@@ -586,15 +591,7 @@ def check_prompt(layer: Any, *, rows: int = 75, key: mx.array | None = None) -> 
     after another), its y and its last state; and a call cut in two pieces, the second from the first's state and
     window, equal to the whole. Run after ``check`` passed: the step's rows are the standard."""
     key = mx.random.key(20261201) if key is None else key
-    dtype = layer.conv1d.weight.dtype
-    conv_dim = layer.conv1d.weight.shape[0]
-    taps = layer.conv_kernel_size
-    k1, k2, k3, k4, k5 = mx.random.split(key, 5)
-    window = (mx.random.normal((1, taps - 1, conv_dim), key=k1) * 0.5).astype(dtype)
-    qkv = (mx.random.normal((1, rows, conv_dim), key=k2) * 0.5).astype(dtype)
-    a = mx.random.normal((1, rows, layer.num_v_heads), key=k3).astype(dtype)
-    b = mx.random.normal((1, rows, layer.num_v_heads), key=k4).astype(dtype)
-    state = mx.random.normal((1, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim), key=k5) * 0.1
+    window, qkv, a, b, state = _random_inputs(layer, rows, key)
     try:
         y, after = gdn_prompt(layer, window, qkv, a, b, state)
         steps_y, w, s = [], window, state
