@@ -9,7 +9,7 @@ they were (``engine.ahead.Snapshot``: nothing is evaluated), and prints per R: m
 evaluated (one build evaluated, then put back, repeated: building + evaluation, minus the build); and the
 functions where the builds spent their own time (cProfile, ``tottime``), the ``--top`` first: what to make cheaper
 or fewer. ``--emulate-cuda``: the same builds on a machine without a GPU along MLX CUDA's code paths
-(``bench/emulate_cuda.py``; the evaluation column then says nothing).
+(``bench/common.py`` ``emulate_cuda``; the evaluation column then says nothing).
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--emulate-cuda", action="store_true",
                         help="on a machine without a GPU, MLX CUDA's code paths with exo's launches stubbed "
-                             "(bench/emulate_cuda.py: builds only, needs NVRTC)")
+                             "(bench/common.py emulate_cuda: builds only)")
     args = parser.parse_args()
     if args.emulate_cuda:
-        from emulate_cuda import emulate_cuda  # bench/ is this script's folder
+        from common import emulate_cuda  # bench/ is this script's folder
 
         emulate_cuda()
     engine = load(args.model)
