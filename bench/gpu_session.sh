@@ -123,6 +123,10 @@ for p in "$@"; do
     # the engine and its 8 / 32 clients (one GPU: serving9 takes GPU 0 unless CUDA_VISIBLE_DEVICES says otherwise)
     pipe9) phase pipe9 $PY bench/pipeline.py "$Q9" --stages 1,2 --modes plain,k1 --repeats 2 $PIPE --gpu-per-stage \
         --breakdown-modes plain --transports inline ;;
+    # the same pipelines once per wire in each repeat (EXO_PIPELINE_WIRE): host (a stage reads its input, then builds
+    # its step) against graph (the transfers are ops of each stage's step, built before its input arrives; auto on a GPU)
+    pipe9w) phase pipe9w $PY bench/pipeline.py "$Q9" --stages 1,2 --modes plain,k1 --repeats 2 $PIPE --gpu-per-stage \
+        --no-breakdown --wires host,graph ;;
     pipeclients9) phase pipeclients9 $PY bench/pipeline.py "$Q9" --stages 1 --repeats 0 --no-breakdown --gpu-per-stage \
         $CLIENTS ;;
     # issue 51: a runner killed mid-batch through exo serve, the seconds until the 9B serves again (target 15 s)

@@ -3,19 +3,22 @@
     python bench/pipeline.py [MODEL] [--stages 1,2,3] [--modes plain,k1,k2,adaptive] [--max-tokens 128] [--repeats 3]
                              [--json] [--gpu-per-stage] [--no-breakdown | --breakdown-only] [--breakdown-modes plain]
                              [--breakdown-repeats 1] [--transports ring,inline] [--transport-ab]
-                             [--clients 1,8,32 [--seconds 20]]
+                             [--clients 1,8,32 [--seconds 20]] [--wires host,graph]
 
 Every configuration runs in fresh processes (one per stage, a ring over 127.0.0.1, exactly what a
 cluster's runners run: exo.runner.local_pipeline), the same prompts, greedy, EOS ignored so every
 generation is max-tokens long. Repeats alternate the configurations, so a slow moment of the machine
 hits all of them. Prints decode tokens/s (median over prompts and repeats) per stage count and mode, the
 ratio to one node in the same mode, acceptance, and what crosses a stage boundary (the leader's bytes,
-both ways) per round and per emitted token.
+both ways) per round and per emitted token. ``--wires host,graph``: every pipeline once per wire in each repeat
+(``EXO_PIPELINE_WIRE`` in every stage: "host", a stage reads its input and evaluates its output on the host, so
+the stages' graph building adds up; "graph", the transfers are ops of each stage's step, built before the input
+arrives; "auto", the default: graph on a GPU, host on a CPU), each against one node.
 
 The hop breakdown (on unless ``--no-breakdown``; printed as each run finishes): per pipeline, mode
 (``--breakdown-modes``), repeat (``--breakdown-repeats``) and transport (``--transports``:
 "inline", a step's message on the stage's own doorbell socket, as exo runs; "ring", every message on MLX's
-ring, as before) one more run with ``EXO_PIPELINE_PHASES=1``, every stage's ``RingLink`` phases, median
+ring, as before) one more run with ``EXO_PIPELINE_PHASES=1`` (on the host wire: its phases are host messages), every stage's ``RingLink`` phases, median
 microseconds per step message (medians over the run, then over the repeats): on a send, work (since its
 previous message: its layers, on the leader sampling and drafting too), ready (evaluating what is sent: on a
 GPU the stream's synchronisation), ring (the message's send: device to host and the socket's write, or
@@ -94,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", default="", help="e.g. 1,8,32: concurrent streams through exo serve, one node and 2 stages")
     p.add_argument("--clients-mode", default="plain", choices=sorted(MODES_API), help="the clients' native MTP mode")
     p.add_argument("--seconds", type=float, default=20.0, help="per row of the clients axis")
+    p.add_argument("--wires", default="auto",
+                   help="pipelines' wires, each a configuration: host, graph, auto (EXO_PIPELINE_WIRE; auto: graph on a GPU)")
     args = p.parse_args(argv)
     resolved = resolve_model(args.model)
     loaded = load_checkpoint(resolved.path)
@@ -107,30 +112,36 @@ def main(argv: list[str] | None = None) -> int:
             requests.append({"prompt": tokenizer.encode(prompt), "max_tokens": args.max_tokens, "ignore_eos": True,
                              **MODES[mode]})
             keys.append(mode)
-    rows: dict[tuple[int, str], list[dict]] = {}
+    wires = args.wires.split(",")
+    configs = [(stages, wire) for stages in stage_counts for wire in (wires if stages > 1 else ["-"])]
+    rows: dict[tuple[int, str, str], list[dict]] = {}
+    used: dict[tuple[int, str], str] = {}  # the wire each configuration's leader used ("graph" / "host")
     for repeat in range(0 if args.breakdown_only else args.repeats):
-        for stages in stage_counts:
-            env = [{"CUDA_VISIBLE_DEVICES": str(rank)} for rank in range(stages)] if args.gpu_per_stage else None
+        for stages, wire in configs:
+            env = [{**({"CUDA_VISIBLE_DEVICES": str(rank)} if args.gpu_per_stage else {}),
+                    **({"EXO_PIPELINE_WIRE": wire} if wire != "-" else {})} for rank in range(stages)]
             out = run_local_pipeline(resolved.path, split(n_layers, stages), requests, warmup=True, stage_env=env)
+            used[(stages, wire)] = out.get("wire") or "-"
             for mode, result in zip(keys, out["results"], strict=True):
-                rows.setdefault((stages, mode), []).append(result)
-            done = {mode: statistics.median(r["stats"]["decode_tokens_per_s"] for r in rows[(stages, mode)][-len(PROMPTS):])
-                    for mode in modes}
-            print(f"repeat {repeat + 1}/{args.repeats}: {stages} stage(s) done (tok/s: "
+                rows.setdefault((stages, wire, mode), []).append(result)
+            done = {mode: statistics.median(r["stats"]["decode_tokens_per_s"]
+                                            for r in rows[(stages, wire, mode)][-len(PROMPTS):]) for mode in modes}
+            print(f"repeat {repeat + 1}/{args.repeats}: {stages} stage(s) ({used[(stages, wire)]} wire) done (tok/s: "
                   + ", ".join(f"{mode} {tps:.1f}" for mode, tps in done.items()) + ")", file=sys.stderr, flush=True)
     report = []
-    for stages in stage_counts if rows else []:
+    first = configs[0]
+    for stages, wire in configs if rows else []:
         for mode in modes:
-            results = rows[(stages, mode)]
+            results = rows[(stages, wire, mode)]
             tps = statistics.median(r["stats"]["decode_tokens_per_s"] for r in results)
-            base = statistics.median(r["stats"]["decode_tokens_per_s"] for r in rows[(stage_counts[0], mode)])
+            base = statistics.median(r["stats"]["decode_tokens_per_s"] for r in rows[(*first, mode)])
             drafted = sum(r["stats"]["drafted_tokens"] for r in results)
             accepted = sum(r["stats"]["accepted_tokens"] for r in results)
             steps = sum(sum(r["stats"]["k_histogram"].values()) for r in results)  # rounds + plain steps
             tokens = sum(len(r["token_ids"]) for r in results)
             moved = sum(r["bytes_sent"] + r["bytes_received"] for r in results)
             report.append({
-                "stages": stages, "mode": mode, "decode_tokens_per_s": round(tps, 2),
+                "stages": stages, "wire": used[(stages, wire)], "mode": mode, "decode_tokens_per_s": round(tps, 2),
                 "vs_first": round(tps / base, 3) if base else None,
                 "acceptance": round(accepted / drafted, 3) if drafted else None,
                 "bytes_per_round": round(moved / steps) if stages > 1 and steps else 0,
@@ -189,9 +200,9 @@ def print_table(model_id: str, n_layers: int, args: argparse.Namespace, stage_co
                 report: list[dict[str, Any]]) -> None:
     print(f"{model_id} ({n_layers} layers), {args.max_tokens} tokens x {len(PROMPTS)} prompts x "
           f"{args.repeats} repeats; ratio vs {stage_counts[0]} stage(s) in the same mode")
-    print(f"{'stages':>6} {'mode':>9} {'tok/s':>8} {'ratio':>6} {'accept':>7} {'B/round':>8} {'B/token':>8}")
+    print(f"{'stages':>6} {'wire':>5} {'mode':>9} {'tok/s':>8} {'ratio':>6} {'accept':>7} {'B/round':>8} {'B/token':>8}")
     for row in report:
-        print(f"{row['stages']:>6} {row['mode']:>9} {row['decode_tokens_per_s']:>8.2f} {row['vs_first'] or 0:>6.3f} "
+        print(f"{row['stages']:>6} {row['wire']:>5} {row['mode']:>9} {row['decode_tokens_per_s']:>8.2f} {row['vs_first'] or 0:>6.3f} "
               f"{row['acceptance'] if row['acceptance'] is not None else '-':>7} {row['bytes_per_round']:>8} "
               f"{row['bytes_per_token']:>8}")
 
@@ -202,7 +213,7 @@ def hop_breakdown(path: Path, stages: list[tuple[int, int]], mode: str, tokenize
     ``order``: "inline" (a step's message on the doorbell, as exo runs) or "ring" (every message on MLX's ring)."""
     requests = [{"prompt": tokenizer.encode(p), "max_tokens": args.max_tokens, "ignore_eos": True, **MODES[mode]}
                 for p in PROMPTS]
-    env = [{"EXO_PIPELINE_PHASES": "1", **({"EXO_RING_INLINE_BYTES": "0"} if order == "ring" else {}),
+    env = [{"EXO_PIPELINE_PHASES": "1", "EXO_PIPELINE_WIRE": "host", **({"EXO_RING_INLINE_BYTES": "0"} if order == "ring" else {}),
             **({"CUDA_VISIBLE_DEVICES": str(r)} if args.gpu_per_stage else {})} for r in range(len(stages))]
     out = run_local_pipeline(path, stages, requests, warmup=True, stage_env=env)
     # Medians per step message: robust to the warm-up's first steps and to a shared machine's slow moments.

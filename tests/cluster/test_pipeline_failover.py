@@ -111,8 +111,11 @@ class Stream:
         self.thread.start()
 
 
-def test_a_middle_stage_dies_mid_stream_and_the_model_is_placed_anew(tmp_path, budget):
-    a, b, c, d = daemons(tmp_path, budget, "abcd")
+@pytest.mark.parametrize("wire", ["host", "graph"])
+def test_a_middle_stage_dies_mid_stream_and_the_model_is_placed_anew(tmp_path, budget, wire):
+    """On either wire (EXO_PIPELINE_WIRE): on the graph wire the loss shows in the leader's evaluation (the ring's
+    receive raises outside any call through the stages), and the leader's doorbells tell it was a stage's."""
+    a, b, c, d = daemons(tmp_path, budget, "abcd", env={"EXO_PIPELINE_WIRE": wire})
     try:
         created = a.post("/v1/instances", {"model": MODEL, "nodes": [b.node_id, c.node_id, d.node_id], "wait": True})
         assert created.status_code == 201 and created.json()["instance"]["state"] == "ready", created.text

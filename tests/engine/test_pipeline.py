@@ -205,6 +205,35 @@ def test_pipeline_without_a_head_runs_plain_and_says_why(checkpoint, tmp_path):
     assert result["stats"]["mode"] == "pipeline"
 
 
+@pytest.mark.parametrize("stages", [2, 3], ids=["2-stages", "3-stages"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_the_graph_wire_decodes_like_one_node(checkpoint, tmp_path, arch, stages):
+    """EXO_PIPELINE_WIRE=graph: a step's ids and hiddens cross the stages as ops of each stage's graph (MLX's ring send
+    and receive on the link's own stream), every stage building its step before its input arrives. Greedy output
+    is one node's, token for token: plain steps, MTP rounds (their rollbacks ride the next header), prompts that
+    cross the prefill chunk (ids that never fit a header), and a batch whose members join it mid-decode (op
+    records, wide steps). The host wire (the default on a CPU) serves the same requests alike."""
+    path = checkpoint(arch, dtype="float32")
+    engine = _single_node(path, True)
+    prompts = [_prompt(engine, n) for n in (1, 2 * CHUNK + 3, 3 * CHUNK)]
+    plain = [{"prompt": p, "max_tokens": MAX_TOKENS, "ignore_eos": True, "native_mtp": "off"} for p in prompts]
+    rounds = [{"prompt": p, "max_tokens": MAX_TOKENS, "ignore_eos": True, "mtp_k": k, "native_mtp": "on"}
+              for k in (1, 3) for p in prompts[1:]]
+    batch = {"batch": plain, "join_at": [0, 1, 4]}
+    expected = {tuple(p): engine.complete(GenerationRequest(p, max_tokens=MAX_TOKENS, native_mtp="off")).token_ids
+                for p in prompts}
+    for wire in ("graph", "host"):
+        out = run_local_pipeline(path, [tuple(s) for s in SPLITS[stages]], [*plain, *rounds, batch],
+                                 prefill_chunk=CHUNK, timeout_s=240, stage_env=[{"EXO_PIPELINE_WIRE": wire}] * stages)
+        assert out["wire"] == wire
+        *single, batched = out["results"]
+        for request, result in zip([*plain, *rounds], single, strict=True):
+            assert result["token_ids"] == expected[tuple(request["prompt"])], (wire, request.get("mtp_k"))
+            assert result["stats"]["mode"] == "pipeline" and result["stats"]["stages"] == stages
+        assert sum(r["stats"]["accepted_tokens"] for r in single) > 0  # rounds kept drafts through the stages
+        assert [r["token_ids"] for r in batched] == [expected[tuple(p)] for p in prompts], wire
+
+
 def test_each_stage_gets_its_own_environment(checkpoint):
     """``stage_env`` (bench/pipeline.py --gpu-per-stage: CUDA_VISIBLE_DEVICES per stage) reaches the stage
     processes: EXO_ENGINE_PROFILE=1 there puts round phases in the leader's stats, absent from this process."""

@@ -302,3 +302,99 @@ def test_a_tensor_member_and_a_pipeline_stage_act_alike_on_every_header_op(check
             serve(model, member, _ScriptedLink([_step(other_op, 0, 0, 1)]))
     assert replies["pipeline"] == replies["tensor"] == [[2, 5, 6, 1, -1], [0, *begin[1:]]]
     assert held["pipeline"] == held["tensor"] == set()
+
+
+# -- the graph wire (WIRE_GRAPH): a step's input and output as ops of the stage's graph -------------------------
+
+
+def test_a_graph_wire_header_carries_no_ids_and_round_trips():
+    from exo.engine.pipeline import OP_FORWARD, WIRE_GRAPH
+
+    header = StepHeader.forward(3, 1, 2, 1, None, (Op(ROLLBACK, 1, (2, 1, 0)),), wire=WIRE_GRAPH)
+    assert not header.tokens_inline  # one row: it would fit, but its ids are still being computed: an op sends them
+    assert StepHeader.decode(header.encode().tolist()) == header
+    with pytest.raises(ValueError, match="follow it"):
+        StepHeader.forward(3, 1, 1, 1, None, tokens=(5,), wire=WIRE_GRAPH).encode()
+    for changes in ({"wire": 2}, {"wire": WIRE_GRAPH, "op": OP_END}):
+        values = header.encode().tolist()
+        for name, value in changes.items():
+            values[HEADER_NAMES.index(name)] = value
+        with pytest.raises(StepHeaderError, match="malformed"):
+            StepHeader.decode(values)
+    assert header.op == OP_FORWARD
+
+
+def test_which_wire_a_leader_chooses():
+    from exo.engine.pipeline import graph_wire
+
+    class Ops:
+        graph_ops = True
+
+    class NoOps:
+        graph_ops = False
+
+    assert graph_wire(Ops(), "graph") and not graph_wire(Ops(), "host")
+    assert not graph_wire(NoOps(), "graph") and not graph_wire(object(), "graph")  # (a tensor group's, a test's link)
+    assert graph_wire(Ops(), "auto") == (mx.default_device() == mx.gpu)  # a CPU's stages compute on the ring's cores
+    with pytest.raises(ValueError, match="EXO_PIPELINE_WIRE"):
+        graph_wire(Ops(), "fast")
+
+
+class _GraphLink(_ScriptedLink):
+    """A scripted link with graph ops: a receive is the next message, still lazy; a send returns its op (here the
+    array itself) and records it."""
+
+    graph_ops = True
+
+    def __init__(self, messages: list[mx.array], inputs: list[mx.array]) -> None:
+        super().__init__(messages)
+        self.inputs = list(inputs)
+        self.graph_sent: list[mx.array] = []
+
+    def recv_op(self, shape, dtype, src: int):
+        x = self.inputs.pop(0)
+        assert tuple(x.shape) == tuple(shape) and x.dtype == dtype
+        return x * 1  # lazy, as a receive is
+
+    def send_op(self, x, dst: int):
+        self.graph_sent.append(x)
+        return x
+
+
+def test_a_stage_on_the_graph_wire_computes_what_it_would_on_the_host_wire(checkpoint):
+    """The same steps (a prompt, a decode step, a verify call and its rollback) as graph-wire headers: the stage
+    takes its ids from the link's receive op, hands its hiddens to its send op, never sends them as host messages,
+    and they are the host wire's bits; a link without graph ops refuses the header (``StepHeaderError``)."""
+    from exo.engine.pipeline import WIRE_GRAPH, WIRE_HOST
+
+    outputs = {}
+    for wire in (WIRE_HOST, WIRE_GRAPH):
+        loaded = load_checkpoint(checkpoint("qwen3_5", dtype="float32"), layers=(0, 2))
+        h = loaded.model.hidden_size
+        steps = [((5, 6, 7), None, ()), ((8,), None, ()), ((9, 10, 11), VerifyMode("route_locked"), ()),
+                 ((12,), None, (Op(ROLLBACK, 0, (3, 1)),))]
+        graph = wire == WIRE_GRAPH
+        messages = [StepHeader.forward(i, 0, 1, len(ids), verify, ops, () if graph else ids, wire=wire).encode()
+                    for i, (ids, verify, ops) in enumerate(steps)] + [StepHeader(OP_SHUTDOWN, len(steps)).encode()]
+        inputs = [mx.array(list(ids), dtype=mx.uint32) for ids, _, _ in steps]
+        link = _GraphLink(messages, inputs)
+        sent: list[mx.array] = []
+        if not graph:
+            original = link.send
+
+            def send(x, dst, original=original, sent=sent):
+                original(x, dst)
+                sent.append(x)
+
+            link.send = send
+        serve_stage(loaded.model, StageSpec(0, 2, 0, 2), link)
+        outputs[wire] = link.graph_sent if graph else sent
+        assert not link.inputs if graph else len(link.inputs) == len(steps)
+        assert link.sent == ([] if graph else [(1, len(ids), h) for ids, _, _ in steps])
+    assert len(outputs[WIRE_GRAPH]) == 4
+    for a, b in zip(outputs[WIRE_HOST], outputs[WIRE_GRAPH], strict=True):
+        assert mx.array_equal(a, b).item()
+    loaded = load_checkpoint(checkpoint("qwen3_5", dtype="float32"), layers=(0, 2))
+    link = _ScriptedLink([StepHeader.forward(0, 0, 1, 1, None, wire=WIRE_GRAPH).encode()])
+    with pytest.raises(StepHeaderError, match="graph wire"):
+        serve_stage(loaded.model, StageSpec(0, 2, 0, 2), link)

@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -75,10 +76,11 @@ OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN = 5, 6
 OP_GRAPH_FORWARD = 7
 FORWARD_OPS = (OP_FORWARD, OP_GRAPH_FORWARD)
 HEADER_OPS = (OP_FORWARD, OP_END, OP_SHUTDOWN, OP_MEASURE, OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN, OP_GRAPH_FORWARD)
-HEADER_VERSION = 5  # 3: the prefix cache's ops; 4: STORE_END; 5: OP_GRAPH_FORWARD
-HEADER_NAMES = ("version", "op", "step", "slot", "batch", "rows", "verify", "moe", "per_row", "invariant", "ops")
+HEADER_VERSION = 6  # 3: the prefix cache's ops; 4: STORE_END; 5: OP_GRAPH_FORWARD; 6: wire
+HEADER_NAMES = ("version", "op", "step", "slot", "batch", "rows", "verify", "moe", "per_row", "invariant", "wire",
+                "ops")
 HEADER_FIELDS = len(HEADER_NAMES)
-INLINE = 53  # ints after the fields: a 64-int32 (256-byte) header
+INLINE = 52  # ints after the fields: a 64-int32 (256-byte) header
 HEADER_LEN = HEADER_FIELDS + INLINE
 INLINE_TOKENS = INLINE  # the most token ids a header carries (with no op records)
 NO_ROLLBACK = -1
@@ -94,6 +96,30 @@ DROP = 4  # no args: the slot's caches are dropped (a request, or a batch, is ov
 # ``row`` of batch ``slot``, or the one-sequence slot itself when ``row`` is -1). Comes before the FILTER / DROP.
 STORE_END = 5
 OP_CODES = (ROLLBACK, JOIN, FILTER, DROP, STORE_END)
+
+# How a forward step's input and output cross between stages (the header's ``wire``):
+# WIRE_HOST: as messages the host sends and receives (``Link.send`` / ``Link.recv``): a stage reads its input
+# before it builds its step's graph, and evaluates its output before it sends it, so every stage's host work
+# (building the graph: ~3 ms a stage of a 9B on MLX CUDA) lies on the step's path, one stage after the other.
+# WIRE_GRAPH: as ops of the step's graph (``GraphLink.recv_op`` / ``send_op``: MLX's distributed send and receive,
+# run by a communication stream of their own): the header (host-known: slot, shape, ops) travels alone and at
+# once, the stage builds its whole step on a receive that has not happened and hands it to the device, and the
+# device waits for the bytes (MLX makes a GPU op wait on a CPU stream's output on the device), so a stage's
+# host builds while the stages before it compute: a step's path is the stages' device work and the hops.
+WIRE_HOST, WIRE_GRAPH = 0, 1
+WIRES = ("auto", "graph", "host")  # EXO_PIPELINE_WIRE: auto is graph where the default device is a GPU
+
+
+def graph_wire(link: Any, setting: str | None = None) -> bool:
+    """Whether a pipeline's leader sends its steps on the graph wire (``WIRE_GRAPH``): where ``link`` has graph
+    ops (the ring backend's send and receive) and ``setting`` (``EXO_PIPELINE_WIRE``: auto, graph, host) asks for
+    it; auto: on a GPU (on a CPU the ring's receive polls a core while it waits, the core a stage computes on)."""
+    setting = setting if setting is not None else os.environ.get("EXO_PIPELINE_WIRE", "auto")
+    if setting not in WIRES:
+        raise ValueError(f"EXO_PIPELINE_WIRE={setting!r}: one of {', '.join(WIRES)}")
+    if setting == "host" or not getattr(link, "graph_ops", False):
+        return False
+    return setting == "graph" or mx.default_device() == mx.gpu
 
 
 def _pack_rates(rates: tuple[int, int]) -> list[int]:
@@ -191,14 +217,15 @@ class StepHeader:
     ops: tuple[Op, ...] = ()
     tokens: tuple[int, ...] = ()
     version: int = HEADER_VERSION
+    wire: int = WIRE_HOST
 
     @classmethod
     def forward(cls, step: int, slot: int, batch: int, rows: int, verify: VerifyMode | None,
                 ops: tuple[Op, ...] = (), tokens: tuple[int, ...] = (), invariant: bool = False,
-                op: int = OP_FORWARD) -> StepHeader:
+                op: int = OP_FORWARD, wire: int = WIRE_HOST) -> StepHeader:
         moe = 0 if verify is None else MOE_MODES.index(verify.moe) + 1
         return cls(op, step, slot, batch, rows, verify is not None, moe,
-                   bool(verify is not None and verify.per_row_attention), invariant, ops, tokens)
+                   bool(verify is not None and verify.per_row_attention), invariant, ops, tokens, wire=wire)
 
     @property
     def ops_length(self) -> int:
@@ -211,13 +238,14 @@ class StepHeader:
 
     @property
     def tokens_inline(self) -> bool:
-        """Whether the step's ids travel in the header (else a uint32 message to the first stage follows)."""
-        return (self.op == OP_FORWARD and self.ops_inline
+        """Whether the step's ids travel in the header (else a uint32 message to the first stage follows; on the
+        graph wire always, as an op of the leader's graph)."""
+        return (self.op == OP_FORWARD and self.wire == WIRE_HOST and self.ops_inline
                 and self.ops_length + self.batch * self.rows <= INLINE)
 
     def fields(self) -> list[int]:
         return [self.version, self.op, self.step, self.slot, self.batch, self.rows, int(self.verify), self.moe,
-                int(self.per_row), int(self.invariant), self.ops_length]
+                int(self.per_row), int(self.invariant), self.wire, self.ops_length]
 
     def encode(self, inline: mx.array | None = None) -> mx.array:
         """The int32 [HEADER_LEN] message. ``inline``: the step's ids as an array (kept lazy: the leader's
@@ -247,13 +275,14 @@ class StepHeader:
         ``StepHeaderError`` for another version, an unknown op or fields out of range (never a guess)."""
         if len(values) != HEADER_LEN:
             raise StepHeaderError(f"a step header of {len(values)} int32, expected {HEADER_LEN}")
-        version, op, step, slot, batch, rows, verify, moe, per_row, invariant, ops_length = values[:HEADER_FIELDS]
+        version, op, step, slot, batch, rows, verify, moe, per_row, invariant, wire, ops_length = values[:HEADER_FIELDS]
         if version != HEADER_VERSION:
             raise StepHeaderError(f"step header version {version}, this stage speaks {HEADER_VERSION}: "
                                   "every stage of a pipeline must run the same exo version")
         if op not in HEADER_OPS:
             raise StepHeaderError(f"unknown step op {op} (step {step})")
         if (not 0 <= slot <= MAX_SLOT or ops_length < 0 or invariant not in (0, 1)
+                or wire not in (WIRE_HOST, WIRE_GRAPH) or wire == WIRE_GRAPH and op != OP_FORWARD
                 or op in (OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN) and (rows < 1 or batch != 1)
                 or op in FORWARD_OPS and (rows < 1 or batch < 1 or verify not in (0, 1) or not 0 <= moe <= len(MOE_MODES)
                                          or bool(verify) != (moe > 0) or per_row not in (0, 1))):
@@ -267,7 +296,8 @@ class StepHeader:
                                   f"{'none' if ops is None else len(ops)} followed it")
         else:
             records = ops
-        header = cls(op, step, slot, batch, rows, bool(verify), moe, bool(per_row), bool(invariant), Op.parse(records))
+        header = cls(op, step, slot, batch, rows, bool(verify), moe, bool(per_row), bool(invariant), Op.parse(records),
+                     wire=wire)
         if header.tokens_inline:
             header = dataclasses.replace(header, tokens=tuple(area[ops_length : ops_length + batch * rows]))
         return header
@@ -327,6 +357,19 @@ class Link(Protocol):
     def recv(self, shape: tuple[int, ...], dtype: mx.Dtype, src: int) -> mx.array: ...
 
 
+class GraphLink(Link, Protocol):
+    """A ``Link`` whose transfers can also be ops of a graph (``WIRE_GRAPH``): ``send_op`` returns the send, lazy
+    (evaluating it sends, once ``x`` is computed), ``recv_op`` a lazy array that receives when evaluated. Every
+    transfer of the link, host or graph, keeps one order per direction (one communication stream), so a peer
+    receives them in the order they were issued. ``graph_ops``: whether this link can (the ring backend)."""
+
+    graph_ops: bool
+
+    def send_op(self, x: mx.array, dst: int) -> mx.array: ...
+
+    def recv_op(self, shape: tuple[int, ...], dtype: mx.Dtype, src: int) -> mx.array: ...
+
+
 def hidden_dtype(model: SpeculativeBackbone) -> mx.Dtype:
     """The activations' dtype between stages: the dtype the layers compute in (their norms' weights)."""
     layer = model.stage_layers[0]
@@ -358,7 +401,12 @@ class PipelineForward:
     the next message arrives (no message of their own: a step stays one message each way).
 
     A call that raises breaks the forward for good (``broken``): the stages may be out of step. Anything that
-    fails between calls (the leader's own evaluation, a consumer of the output) leaves them in step."""
+    fails between calls (the leader's own evaluation, a consumer of the output) leaves them in step.
+
+    On the graph wire (``graph``, ``graph_wire``) a forward call sends its header at once and returns the step
+    built on a receive the device waits for, the ids sent as an op of the same graph: the call never waits for the
+    other stages. A lost stage then shows as an error of the evaluation (outside any call): ``broken`` looks at
+    the doorbells too, as a tensor group's leader does."""
 
     mode = "pipeline"
 
@@ -378,7 +426,29 @@ class PipelineForward:
         self._step = 0  # the next step header's number: every stage expects them in order from 0
         self._slots = 0  # the next slot id
         self._invariant = False
-        self.broken: BaseException | None = None  # what a call raised: the stages may be out of step since
+        self.graph = graph_wire(link)  # steps on the graph wire (WIRE_GRAPH)
+        self._broken: BaseException | None = None  # what a call raised: the stages may be out of step since
+
+    @property
+    def broken(self) -> BaseException | None:
+        """What a call raised, or (where errors show outside calls: the graph wire, a tensor group) a neighbour's
+        loss seen on its doorbell; None while the stages are in step."""
+        if self._broken is None and self._watch_doorbells:
+            lost = getattr(self.link, "peer_lost", None)
+            if lost is not None and lost():
+                self._broken = self._lost_error()
+        return self._broken
+
+    @broken.setter
+    def broken(self, value: BaseException | None) -> None:
+        self._broken = value
+
+    @property
+    def _watch_doorbells(self) -> bool:
+        return self.graph
+
+    def _lost_error(self) -> BaseException:
+        return PipelineBrokenError("a stage of the pipeline left (its connection closed)")
 
     def new_cache(self) -> StageCaches:
         return StageCaches(self.model.make_cache(), self._new_slot())
@@ -387,12 +457,26 @@ class PipelineForward:
     def hidden(self, tokens: mx.array, cache: list[Any], *, verify: bool = False) -> mx.array:
         batch, rows = (int(n) for n in tokens.shape)
         header = StepHeader.forward(self._next_step(), _slot(cache), batch, rows, self.verify if verify else None,
-                                    self._take_ops(), invariant=self._invariant)
-        self._send_header(header, tokens if header.tokens_inline else None)
-        if not header.tokens_inline:  # a prefill chunk's (or a wide batch's) ids follow the header
-            self.link.send(tokens.reshape(-1).astype(mx.uint32), 0)
+                                    self._take_ops(), invariant=self._invariant,
+                                    wire=WIRE_GRAPH if self.graph else WIRE_HOST)
+        shape = (batch, rows, self.model.hidden_size)
+        if self.graph:
+            # The header now (the first stage builds its step on it while these ids are computed), then the ids
+            # and the hiddens as ops: the step is started at once, so its transfers happen whatever the loop
+            # does with the result (a step built and dropped still pairs with the other stages').
+            self._send_header(header)
+            # Two evaluations, in this order: the link's transfers run in the order they reach its stream, and
+            # one evaluation of both may order the receive (no input) before the send (the ids'), and wait forever.
+            mx.async_eval(self.link.send_op(tokens.reshape(-1).astype(mx.uint32), 0))
+            h = self.link.recv_op(shape, self.dtype, self.stage.previous)
+            mx.async_eval(h)
             self.bytes_sent += 4 * batch * rows
-        h = self.link.recv((batch, rows, self.model.hidden_size), self.dtype, self.stage.previous)
+        else:
+            self._send_header(header, tokens if header.tokens_inline else None)
+            if not header.tokens_inline:  # a prefill chunk's (or a wide batch's) ids follow the header
+                self.link.send(tokens.reshape(-1).astype(mx.uint32), 0)
+                self.bytes_sent += 4 * batch * rows
+            h = self.link.recv(shape, self.dtype, self.stage.previous)
         self.bytes_received += batch * rows * self.model.hidden_size * self.dtype.size
         if not verify:
             return self.model.stage_hidden(h, cache)
@@ -627,6 +711,11 @@ class StepTransport(Protocol):
         """Pass the evaluated output on."""
         ...
 
+    def send_op(self, h: mx.array) -> mx.array:
+        """On the graph wire: the send of the output, lazy (evaluated with the step). ``StepHeaderError`` where
+        this member has no graph wire."""
+        ...
+
 
 class StageTransport:
     """A pipeline stage's ``StepTransport``: send / recv between neighbours."""
@@ -643,6 +732,11 @@ class StageTransport:
 
     def receive(self, header: StepHeader) -> mx.array:
         batch, rows = header.batch, header.rows
+        if header.wire == WIRE_GRAPH:
+            recv_op = self._graph_link(header).recv_op
+            if self.stage.first:
+                return recv_op((batch * rows,), mx.uint32, self.stage.previous).reshape(batch, rows)
+            return recv_op((batch, rows, self.hidden_size), self.dtype, self.stage.previous)
         if self.stage.first and header.tokens_inline:
             return mx.array(list(header.tokens), dtype=mx.uint32).reshape(batch, rows)
         if self.stage.first:
@@ -656,6 +750,16 @@ class StageTransport:
 
     def send(self, h: mx.array) -> None:
         self.link.send(h, self.stage.next)
+
+    def send_op(self, h: mx.array) -> mx.array:
+        return self._graph_link(None).send_op(h, self.stage.next)
+
+    def _graph_link(self, header: StepHeader | None) -> GraphLink:
+        if not getattr(self.link, "graph_ops", False):
+            step = f" (step {header.step})" if header is not None else ""
+            raise StepHeaderError(f"pipeline stage {self.stage.rank}: a step on the graph wire{step}, which its link "
+                                  "cannot carry (every stage of a pipeline must run the same exo version)")
+        return self.link  # type: ignore[return-value]
 
 
 def serve_stage(
@@ -749,9 +853,18 @@ def serve_member(
                 if header.invariant:
                     model.set_batch_invariant(False)
         h = transport.outgoing(h)
-        mx.eval(h, *[c.state for c in cache if c.state is not None])
-        transport.send(h)
+        states = [c.state for c in cache if c.state is not None]
         prefix = prefixes.get(header.slot)
+        if header.wire == WIRE_GRAPH:
+            # Started, not waited for: the host reads the next header and builds the next step while the device
+            # waits for this step's input, computes and sends (a prompt step the prefix cache snapshots is
+            # waited for: its snapshots read the caches).
+            mx.async_eval(transport.send_op(h), *states)
+            if prefix is not None and prefix.plan is not None:
+                mx.eval(h, *states)
+        else:
+            mx.eval(h, *states)
+            transport.send(h)
         if prefix is not None:
             prefix.step(header.rows, cache, h)
             if prefix.failed:  # its store raised (logged and counted): the sequence goes on without the cache

@@ -47,6 +47,7 @@ from .pipeline import (
     StageSlots,
     StageSpec,
     StepHeader,
+    StepHeaderError,
     _one_exchange,
     _slot,
     _unpack_rates,
@@ -80,20 +81,15 @@ class TensorForward(PipelineForward):
         share = getattr(model, "tensor_share", None)
         if share is None or not share.leader or share.size != stage.world_size:
             raise ValueError("TensorForward runs on the last member of a tensor group, its model sharded for it")
-        self._broken: BaseException | None = None
         super().__init__(model, stage, link, verify)
+        self.graph = False  # its steps' inputs come in a collective (OP_GRAPH_FORWARD), not on a stage's wire
 
-    @property  # type: ignore[override]
-    def broken(self) -> BaseException | None:
-        if self._broken is None:
-            lost = getattr(self.link, "peer_lost", None)
-            if lost is not None and lost():
-                self._broken = TensorGroupError("a member of the tensor group left (its connection closed)")
-        return self._broken
+    @property
+    def _watch_doorbells(self) -> bool:
+        return True
 
-    @broken.setter
-    def broken(self, value: BaseException | None) -> None:
-        self._broken = value
+    def _lost_error(self) -> BaseException:
+        return TensorGroupError("a member of the tensor group left (its connection closed)")
 
     @_one_exchange
     def hidden(self, tokens: mx.array, cache: list[Any], *, verify: bool = False) -> mx.array:
@@ -147,6 +143,9 @@ class TensorTransport:
 
     def send(self, h: mx.array) -> None:
         pass
+
+    def send_op(self, h: mx.array) -> mx.array:
+        raise StepHeaderError("a tensor group's steps never come on a stage's graph wire (OP_GRAPH_FORWARD)")
 
 
 def serve_tensor(

@@ -187,7 +187,7 @@ class RingLink:
     from the one before (the pipeline's ring order)."""
 
     def __init__(self, group: Any, to_next: socket.socket, from_previous: socket.socket, doorbell_port: int = 0,
-                 *, timed_receives: bool | None = None, inline_bytes: int | None = None) -> None:
+                 *, timed_receives: bool | None = None, inline_bytes: int | None = None, backend: str = "ring") -> None:
         self.group = group
         self.doorbell_port = doorbell_port  # closed once the previous member rang in: a later connection is refused
         self.rank, self.size = group.rank(), group.size()
@@ -200,6 +200,12 @@ class RingLink:
         self.inline_bytes = inline_bytes if inline_bytes is not None else int(
             os.environ.get("EXO_RING_INLINE_BYTES", INLINE_BYTES))
         self._buffers: dict[int, bytearray] = {}  # receive buffers by size, kept
+        # The graph wire (``exo.engine.pipeline.GraphLink``): MLX's ring send and receive as ops of a step's graph.
+        # Every transfer on the ring, graph or host, goes through one communication stream of this link's own, in
+        # the order issued: a message the host sends on the ring after a graph send still waiting for its input
+        # must not pass it on the ring's sockets (nor a receive another), nor wait behind the model's CPU ops.
+        self.graph_ops = backend == "ring" and self.inline_bytes != DOORBELL_ONLY
+        self._stream: Any = None
         self.samples: dict[str, list[float]] = {phase: [] for phase in PHASES}  # seconds, per message
         self._mark: float | None = None  # when the last message ended
 
@@ -230,11 +236,41 @@ class RingLink:
             # On the ring: it completes only while the peer receives it, so the rung goes first.
             self._write(dst, [_prefix(_ON_RING, 0)])
             t2 = time.perf_counter()
-            mx.eval(mx.distributed.send(x, dst, group=self.group))
+            mx.eval(mx.distributed.send(x, dst, group=self.group, stream=self.stream))
             t3 = time.perf_counter()
         work = t0 - self._mark if self._mark is not None else 0.0
         self._mark = t3
         self._sample(x.nbytes, send_work=work, send_ready=t1 - t0, send_ring=t3 - t2, send_bell=t2 - t1)
+
+    @property
+    def stream(self) -> Any:
+        """The communication stream every transfer on the ring goes through (made on first use)."""
+        if self._stream is None:
+            import mlx.core as mx
+
+            self._stream = mx.new_stream(mx.cpu)
+        return self._stream
+
+    def send_op(self, x: Any, dst: int) -> Any:
+        """The send of ``x`` to the next member as an op (lazy: evaluating it sends once ``x`` is computed)."""
+        import mlx.core as mx
+
+        self._check_graph(dst, (self.rank + 1) % self.size, "sends to the next member")
+        return mx.distributed.send(x, dst, group=self.group, stream=self.stream)
+
+    def recv_op(self, shape: tuple[int, ...], dtype: Any, src: int) -> Any:
+        """A receive from the member before as an op (lazy: it receives when evaluated; a device computing on it
+        waits for it on the device). A lost member raises in the evaluation ("connection to a peer was lost")."""
+        import mlx.core as mx
+
+        self._check_graph(src, (self.rank - 1) % self.size, "receives from the member before")
+        return mx.distributed.recv(shape, dtype, src, group=self.group, stream=self.stream)
+
+    def _check_graph(self, rank: int, allowed: int, what: str) -> None:
+        if not self.graph_ops:
+            raise ValueError("this link has no graph ops (the ring backend's, for a pipeline)")
+        if rank != allowed:
+            raise ValueError(f"rank {self.rank} {what} only, not rank {rank}")
 
     def _write(self, dst: int, parts: list[Any]) -> None:
         try:
@@ -271,7 +307,7 @@ class RingLink:
                 raise GroupError(f"member {src} of the pipeline group is gone ({e})") from e
             out = _from_bytes(buffer, shape, dtype)  # a copy: the buffer is the next message's
         elif kind == _ON_RING:
-            out = mx.distributed.recv(shape, dtype, src, group=self.group)
+            out = mx.distributed.recv(shape, dtype, src, group=self.group, stream=self.stream)
             if self.timed_receives:
                 mx.eval(out)
         else:
@@ -544,7 +580,7 @@ def join_group(hosts: Sequence[str], rank: int, timeout_s: float = JOIN_TIMEOUT_
         joined.set()
         if path is not None:
             os.unlink(path)
-    return RingLink(group, to_next, from_previous, doorbell_port, inline_bytes=inline_bytes)
+    return RingLink(group, to_next, from_previous, doorbell_port, inline_bytes=inline_bytes, backend=backend)
 
 
 def watch_hangups(link: RingLink, on_hangup: Any) -> None:

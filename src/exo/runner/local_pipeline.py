@@ -16,7 +16,8 @@ result: {"token_ids", "text", "finish_reason", "stats", "seconds", "bytes_sent",
 device queue does), request i joining before the batch's step join_at[i]; its result is the list of theirs.
 ``prefix_cache``: {"block_tokens": n, "min_snapshot_tokens": m} gives every member a prefix cache in memory;
 ``out["prefix"]`` then holds each member's figures (``PrefixStats``), the leader's last. ``collective_reps``: a tensor
-group first times its all-reduce alone (``out["collectives"]``, bench/tensor.py). A single
+group first times its all-reduce alone (``out["collectives"]``, bench/tensor.py). ``out["wire"]``: how the
+pipeline's steps crossed its stages ("graph" or "host": ``EXO_PIPELINE_WIRE`` in ``stage_env``). A single
 stage [(0, n)] runs the model whole in one process, for comparisons. ``links``: every stage's
 ``RingLink.report()`` (where its time went, per phase, over the whole run; ``EXO_PIPELINE_PHASES=1`` in a
 stage's environment times the ring's receives apart).
@@ -211,8 +212,10 @@ def _stage_main(spec_file: str, rank: int) -> None:
     received = forward.bytes_received if forward is not None else 0
     links = [forward.link.report()] if forward is not None and hasattr(forward.link, "report") else []
     prefix = [dataclasses.asdict(prefix_cache.stats)] if prefix_cache is not None else []
+    wire = None if forward is None else "graph" if forward.graph else "host"  # how its steps crossed the stages
     Path(spec["out"]).write_text(json.dumps({"results": results, "bytes": {"sent": sent, "received": received},
-                                             "links": links, "prefix": prefix, "collectives": collectives}))
+                                             "links": links, "prefix": prefix, "collectives": collectives,
+                                             "wire": wire}))
 
 
 def _time_collectives(model: Any, reps: int) -> dict[str, float] | None:

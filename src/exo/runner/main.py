@@ -269,7 +269,8 @@ def _serve_stage(args: argparse.Namespace, state: RunnerState, device: object, l
     set_state_room(engine, settings)  # room for a full batch's states on this stage (the others say theirs)
     attach_prefix_cache(engine, settings, layers)  # each stage restores its own layers' part (engine/prefix_cache.py)
     state.ready(summary, engine)
-    log.info("ready: %s, leading a pipeline of %d stages", args.model_id, stage.world_size)
+    log.info("ready: %s, leading a pipeline of %d stages (its steps on the %s wire)", args.model_id, stage.world_size,
+             "graph" if forward.graph else "host")
     return _lead(engine, state, device, forward, stopping)
 
 
