@@ -61,6 +61,7 @@ from exo.engine.costs import device_name
 from exo.engine.forward import prompt_eval_every
 from exo.engine.models import gated_delta_chunked as chunked
 from exo.engine.models import gated_delta_states_cuda as states_cuda
+from exo.engine.kernels import cuda_gdn
 from exo.engine.models import layers, prompt_dense
 
 
@@ -239,21 +240,23 @@ def model_phase(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
     dense = any(found.startswith("ok") for found in loaded.dense.values())  # prompt_dense: on by default on CUDA
     prompt_kernel = gdn is not None and gdn.gdn_prompt_kernel  # what "auto" runs where it passed its check
     limit = layers.PROMPT_KERNEL_MAX_ROWS
+    form = cuda_gdn.PROMPT_VARIANT
     for c in args.prefill_chunk:
-        # (gdn_prefill, prompt_dense on, the prompt kernel's longest call): the chunked form (its state steps in
-        # their kernel where usable, as MLX ops elsewhere)
-        modes = {("chunked", True, limit): f"exo chunked{'+kernel' if kernel else ''}, chunk {c}"}
+        # (gdn_prefill, prompt_dense on, the prompt kernel's longest call, its form): the chunked form (its state
+        # steps in their kernel where usable, as MLX ops elsewhere)
+        modes = {("chunked", True, limit, form): f"exo chunked{'+kernel' if kernel else ''}, chunk {c}"}
         if prompt_kernel:  # the default on MLX CUDA: a call of <= limit rows in one launch a layer (gdn_prompt)
-            modes[("auto", True, limit)] = f"exo default (prompt kernel <= {limit}), chunk {c}"
-            if c > limit:  # the kernel for every call, however long
-                modes[("auto", True, c)] = f"exo prompt kernel, chunk {c}"
+            modes[("auto", True, limit, form)] = f"exo default (prompt kernel <= {limit}), chunk {c}"
+            for variant in (1, 2):  # the kernel for every call, however long, in each form, in one process
+                if c > limit or variant != form:
+                    modes[("auto", True, c, variant)] = f"exo prompt kernel form {variant}, chunk {c}"
         if dense:  # the same default with MLX's quantized products (EXO_PROMPT_DENSE=off)
-            modes[("auto", False, limit)] = f"exo default, qmm, chunk {c}"
+            modes[("auto", False, limit, form)] = f"exo default, qmm, chunk {c}"
         for mode, name in modes.items():
             engines[name] = Engine(loaded, EngineConfig(prefill_chunk=c, gdn_prefill=mode[0]))
             engines_modes[name] = mode
     engines["exo loop"] = Engine(loaded, EngineConfig(prefill_chunk=args.prefill_chunk[0], gdn_prefill="loop"))
-    engines_modes["exo loop"] = ("loop", True, limit)
+    engines_modes["exo loop"] = ("loop", True, limit, form)
     print("\n[model] a prompt's quantized products on dequantized weights (prompt_dense): "
           + ("; ".join(f"{k}: {v}" for k, v in loaded.dense.items()) or "not used here"))
     print(f"\n[model] the chunked form's state-steps kernel: {'usable' if kernel else 'not usable here'}; the prompt "
@@ -271,12 +274,12 @@ def model_phase(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
 
             def run(engine=engine, mode=engines_modes[name], tokens=prompt) -> tuple[float, int]:
                 engine.model.set_gdn_prefill(mode[0])  # (the engines share the model's layers)
-                layers.PROMPT_KERNEL_MAX_ROWS = mode[2]
+                layers.PROMPT_KERNEL_MAX_ROWS, cuda_gdn.PROMPT_VARIANT = mode[2], mode[3]
                 try:
                     with contextlib.nullcontext() if mode[1] else prompt_dense.suspended():
                         return _exo_prefill(engine, tokens)
                 finally:
-                    layers.PROMPT_KERNEL_MAX_ROWS = limit
+                    layers.PROMPT_KERNEL_MAX_ROWS, cuda_gdn.PROMPT_VARIANT = limit, form
 
             configs[name] = run
         short = prompt[: min(n, 256)]
