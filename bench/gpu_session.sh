@@ -124,9 +124,14 @@ for p in "$@"; do
     pipe9) phase pipe9 $PY bench/pipeline.py "$Q9" --stages 1,2 --modes plain,k1 --repeats 2 $PIPE --gpu-per-stage \
         --breakdown-modes plain --transports inline ;;
     # the same pipelines once per wire in each repeat (EXO_PIPELINE_WIRE): host (a stage reads its input, then builds
-    # its step) against graph (the transfers are ops of each stage's step, built before its input arrives; auto on a GPU)
+    # its step) against graph (the transfers are ops of each stage's step, built before its input arrives; opt-in)
     pipe9w) phase pipe9w $PY bench/pipeline.py "$Q9" --stages 1,2 --modes plain,k1 --repeats 2 $PIPE --gpu-per-stage \
         --no-breakdown --wires host,graph ;;
+    # where the graph wire stops on a GPU (its first run on 2 x H200 did): two processes passing arrays as graph ops in
+    # patterns ever closer to a pipeline's steps (both on GPU 0 here; GRAPHWIRE_ARGS=--gpu-per-rank on two), then
+    # exo-demo and the 9B as 2-stage pipelines on the host and graph wires; every stuck process's stacks
+    graphwire) phase graphwire $PY bench/graph_wire.py exo-demo $([ "$CPU" = 1 ] && echo --steps 8 --timeout 30 || echo --steps 64 --timeout 40) ${GRAPHWIRE_ARGS:-}
+               [ "$CPU" = 1 ] || phase graphwire $PY bench/graph_wire.py "$Q9" --patterns both --steps 64 --timeout 40 ${GRAPHWIRE_ARGS:-} ;;
     pipeclients9) phase pipeclients9 $PY bench/pipeline.py "$Q9" --stages 1 --repeats 0 --no-breakdown --gpu-per-stage \
         $CLIENTS ;;
     # issue 51: a runner killed mid-batch through exo serve, the seconds until the 9B serves again (target 15 s)

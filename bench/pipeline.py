@@ -13,7 +13,7 @@ ratio to one node in the same mode, acceptance, and what crosses a stage boundar
 both ways) per round and per emitted token. ``--wires host,graph``: every pipeline once per wire in each repeat
 (``EXO_PIPELINE_WIRE`` in every stage: "host", a stage reads its input and evaluates its output on the host, so
 the stages' graph building adds up; "graph", the transfers are ops of each stage's step, built before the input
-arrives; "auto", the default: graph on a GPU, host on a CPU), each against one node.
+arrives, opt-in; "auto", the default: host for now), each against one node.
 
 The hop breakdown (on unless ``--no-breakdown``; printed as each run finishes): per pipeline, mode
 (``--breakdown-modes``), repeat (``--breakdown-repeats``) and transport (``--transports``:
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients-mode", default="plain", choices=sorted(MODES_API), help="the clients' native MTP mode")
     p.add_argument("--seconds", type=float, default=20.0, help="per row of the clients axis")
     p.add_argument("--wires", default="auto",
-                   help="pipelines' wires, each a configuration: host, graph, auto (EXO_PIPELINE_WIRE; auto: graph on a GPU)")
+                   help="pipelines' wires, each a configuration: host, graph, auto (EXO_PIPELINE_WIRE; auto: host for now)")
     args = p.parse_args(argv)
     resolved = resolve_model(args.model)
     loaded = load_checkpoint(resolved.path)

@@ -59,9 +59,9 @@ from mlx_lm.models.gated_delta import compute_g, gated_delta_kernel, gated_delta
 from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, load_checkpoint
 from exo.engine.costs import device_name
 from exo.engine.forward import prompt_eval_every
+from exo.engine.kernels import cuda_gdn
 from exo.engine.models import gated_delta_chunked as chunked
 from exo.engine.models import gated_delta_states_cuda as states_cuda
-from exo.engine.kernels import cuda_gdn
 from exo.engine.models import layers, prompt_dense
 
 

@@ -12,6 +12,7 @@ import json
 import os
 import queue
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -232,6 +233,22 @@ def test_the_graph_wire_decodes_like_one_node(checkpoint, tmp_path, arch, stages
             assert result["stats"]["mode"] == "pipeline" and result["stats"]["stages"] == stages
         assert sum(r["stats"]["accepted_tokens"] for r in single) > 0  # rounds kept drafts through the stages
         assert [r["token_ids"] for r in batched] == [expected[tuple(p)] for p in prompts], wire
+
+
+def test_a_pipeline_past_its_limit_is_killed_and_says_where_each_stage_was(checkpoint):
+    """``run_local_pipeline``'s limit is the whole run's: past it every stage is killed and the error carries what each
+    wrote, with its threads' stacks where EXO_STAGE_TRACEBACK_S asked for them (a stuck stage says where it waits)."""
+    from exo.runner.local_pipeline import LocalPipelineError
+
+    path = checkpoint("qwen3_5")
+    request = {"prompt": [1, 2, 3, 4], "max_tokens": 100_000, "ignore_eos": True, "native_mtp": "off"}
+    started = time.monotonic()
+    with pytest.raises(LocalPipelineError, match="did not finish within 6 s") as error:
+        run_local_pipeline(path, [(0, 2), (2, 4)], [request], timeout_s=6,
+                           stage_env=[{"EXO_STAGE_TRACEBACK_S": "4"}] * 2)
+    assert time.monotonic() - started < 30
+    message = str(error.value)
+    assert "stage 0:" in message and "stage 1:" in message and message.count("most recent call first") >= 2
 
 
 def test_each_stage_gets_its_own_environment(checkpoint):

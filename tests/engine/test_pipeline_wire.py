@@ -335,7 +335,7 @@ def test_which_wire_a_leader_chooses():
 
     assert graph_wire(Ops(), "graph") and not graph_wire(Ops(), "host")
     assert not graph_wire(NoOps(), "graph") and not graph_wire(object(), "graph")  # (a tensor group's, a test's link)
-    assert graph_wire(Ops(), "auto") == (mx.default_device() == mx.gpu)  # a CPU's stages compute on the ring's cores
+    assert not graph_wire(Ops(), "auto")  # (opt-in until it runs on a GPU: see graph_wire)
     with pytest.raises(ValueError, match="EXO_PIPELINE_WIRE"):
         graph_wire(Ops(), "fast")
 

@@ -107,19 +107,20 @@ OP_CODES = (ROLLBACK, JOIN, FILTER, DROP, STORE_END)
 # device waits for the bytes (MLX makes a GPU op wait on a CPU stream's output on the device), so a stage's
 # host builds while the stages before it compute: a step's path is the stages' device work and the hops.
 WIRE_HOST, WIRE_GRAPH = 0, 1
-WIRES = ("auto", "graph", "host")  # EXO_PIPELINE_WIRE: auto is graph where the default device is a GPU
+WIRES = ("auto", "graph", "host")  # EXO_PIPELINE_WIRE: auto is the host wire for now (below)
 
 
 def graph_wire(link: Any, setting: str | None = None) -> bool:
     """Whether a pipeline's leader sends its steps on the graph wire (``WIRE_GRAPH``): where ``link`` has graph
     ops (the ring backend's send and receive) and ``setting`` (``EXO_PIPELINE_WIRE``: auto, graph, host) asks for
-    it; auto: on a GPU (on a CPU the ring's receive polls a core while it waits, the core a stage computes on)."""
+    it. auto is the host wire: on a CPU the ring's receive polls a core while it waits, the core a stage computes
+    on; on 2 x H200 (MLX 0.32.4 CUDA) a 9B pipeline on the graph wire stopped in its first requests (2026-11-30,
+    bench/results/h200x2-mlx-cuda-pipeline-graph-wire-2026-11-30.txt), where it runs on this CPU:
+    ``bench/graph_wire.py`` looks for the step at which it stops, on one GPU."""
     setting = setting if setting is not None else os.environ.get("EXO_PIPELINE_WIRE", "auto")
     if setting not in WIRES:
         raise ValueError(f"EXO_PIPELINE_WIRE={setting!r}: one of {', '.join(WIRES)}")
-    if setting == "host" or not getattr(link, "graph_ops", False):
-        return False
-    return setting == "graph" or mx.default_device() == mx.gpu
+    return setting == "graph" and bool(getattr(link, "graph_ops", False))
 
 
 def _pack_rates(rates: tuple[int, int]) -> list[int]:

@@ -67,7 +67,9 @@ def run_local_pipeline(
     """Run ``requests`` on a pipeline of ``stages`` (one process each); the leader's results and the bytes
     its stage sent and received. ``stage_env``: environment variables per stage, over this process's (on a
     host with several GPUs, ``CUDA_VISIBLE_DEVICES`` puts each stage on its own, as separate nodes would be).
-    ``sharding`` "tensor": the stages are a tensor group's members instead (their layer ranges unused)."""
+    ``sharding`` "tensor": the stages are a tensor group's members instead (their layer ranges unused).
+    ``timeout_s``: the whole run's limit; past it every stage is killed and ``LocalPipelineError`` carries what
+    each wrote (``EXO_STAGE_TRACEBACK_S=N`` in ``stage_env``: each dumps its threads' stacks after N seconds)."""
     if stage_env is not None and len(stage_env) != len(stages):
         raise ValueError(f"{len(stage_env)} stage environments for {len(stages)} stages")
     with tempfile.TemporaryDirectory(prefix="exo-local-pipeline-") as tmp:
@@ -88,8 +90,17 @@ def run_local_pipeline(
                              env={**os.environ, **stage_env[rank]} if stage_env is not None else None)
             for rank in range(len(stages))
         ]
+        deadline = time.monotonic() + timeout_s
         try:
-            errors = [p.communicate(timeout=timeout_s)[1] for p in procs]
+            errors = [p.communicate(timeout=max(0.0, deadline - time.monotonic()))[1] for p in procs]
+        except subprocess.TimeoutExpired:
+            # Stuck (a stage waits for another) or slow: what every stage wrote, its tracebacks included where
+            # EXO_STAGE_TRACEBACK_S (``traceback_s``) had each dump its threads' stacks before the limit.
+            for p in procs:
+                p.kill()
+            errors = [p.communicate()[1] or "" for p in procs]
+            raise LocalPipelineError(f"the pipeline's stages did not finish within {timeout_s:.0f} s:\n" + "\n".join(
+                f"stage {i}: {e[-6000:]}" for i, e in enumerate(errors) if e)) from None
         finally:
             for p in procs:
                 p.kill()
@@ -321,5 +332,9 @@ if __name__ == "__main__":
     import exo
 
     exo.without_torch()
+    if os.environ.get("EXO_STAGE_TRACEBACK_S"):  # every thread's stack to stderr then (a stuck stage says where)
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["EXO_STAGE_TRACEBACK_S"]))
     _end_with(int(sys.argv[3]))
     _stage_main(sys.argv[1], int(sys.argv[2]))
