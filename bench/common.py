@@ -88,7 +88,9 @@ BENCH_PTX_CACHE = os.path.join(tempfile.gettempdir(), "exo-bench-mlx-ptx")
 
 def start_server(model: str | None, port: int, grpc_port: int, peers: str | None = None,
                  home: str | None = None) -> subprocess.Popen:
-    """`exo serve` (this checkout's) on 127.0.0.1, discovery off, once its /health answers."""
+    """`exo serve` (this checkout's) on 127.0.0.1, discovery off, once its /health answers. Its log (stderr, the
+    runners' lines included) goes to a file, ``process.log_path`` (a pipe nobody reads would stop the daemon once
+    its 64 KiB filled): ``server_log_lines`` reads it."""
     import aiohttp
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
@@ -100,13 +102,16 @@ def start_server(model: str | None, port: int, grpc_port: int, peers: str | None
             "--grpc-port", str(grpc_port), "--no-discovery"]
     argv += ["--model", model] if model is not None else []
     argv += ["--peers", peers] if peers is not None else []
-    process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log_fd, log_path = tempfile.mkstemp(prefix="exo-serve-", suffix=".log")
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log_fd, text=True)
+    os.close(log_fd)
+    process.log_path = log_path  # type: ignore[attr-defined]
 
     async def wait() -> None:
         async with aiohttp.ClientSession() as session:
             for _ in range(600):
                 if process.poll() is not None:
-                    raise RuntimeError(f"exo serve exited: {process.stderr.read() if process.stderr else ''}")
+                    raise RuntimeError(f"exo serve exited: {Path(log_path).read_text()[-6000:]}")
                 try:
                     async with session.get(f"http://127.0.0.1:{port}/health") as response:
                         if response.status == 200:
@@ -123,6 +128,15 @@ def start_server(model: str | None, port: int, grpc_port: int, peers: str | None
         process.wait(30)
         raise
     return process
+
+
+def server_log_lines(process: subprocess.Popen, *needles: str) -> list[str]:
+    """The lines of a server's log (``start_server``) that hold any of ``needles``."""
+    path = getattr(process, "log_path", None)
+    if path is None or not os.path.exists(path):
+        return []
+    with open(path, errors="replace") as f:
+        return [line.rstrip("\n") for line in f if any(n in line for n in needles)]
 
 
 def device_trace(folder: str | None, start: float, end: float) -> dict[str, Any] | None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -58,6 +59,7 @@ from common import (  # bench/ is this script's folder
     format_trace,
     free_port,
     report_to,
+    server_log_lines,
     start_server,
     stop_on_signals,
 )
@@ -410,6 +412,13 @@ def main() -> None:
             for process in processes:
                 process.terminate()
                 process.wait(30)
+            # What each server's runner chose at load (its device checks) and its warm-up: where one server's runner
+            # decodes slower than another's of the same model, a check that chose differently shows here.
+            for i, process in enumerate(processes):
+                for line in server_log_lines(process, "kernels:", "warmed up in"):
+                    print(f"server {i + 1}: {line.split(': ', 1)[-1] if 'runner' in line else line}")
+                with contextlib.suppress(OSError, AttributeError):
+                    os.unlink(process.log_path)
             for home in homes:
                 home.cleanup()
 

@@ -190,3 +190,13 @@ def test_the_load_says_where_its_seconds_went(checkpoint):
     assert list(loaded.load_seconds) == ["weights", "fused inputs", "tokenizer and head", "expert sort", "qgemv",
                                          "padded rows", "prompt dense", "gdn kernel", "attention kernel"]
     assert all(v >= 0 for v in loaded.load_seconds.values()) and loaded.load_seconds["weights"] > 0
+
+
+def test_a_load_says_in_one_line_what_its_device_checks_chose(checkpoint):
+    """``LoadedModel.kernels()`` (a runner logs it after its warm-up): per kind of check, the shapes that passed of
+    those checked; kinds without a check are left out."""
+    loaded = load_checkpoint(checkpoint("qwen3_5"))
+    chose = dataclasses.replace(loaded, qgemv={"4096->12352": "ok: kernel", "4096->4096": "not used: off by 1 ulp"},
+                                dense={}, gdn={"16x128": "ok: 75 rows"}, fused={}, attn={}, padded={})
+    assert chose.kernels() == "qgemv 1/2, gdn 1/1"
+    assert dataclasses.replace(chose, qgemv={}, gdn={}).kernels().startswith("no device checks")

@@ -125,6 +125,16 @@ class LoadedModel:
     def backbone(self) -> SpeculativeBackbone:
         return self.model
 
+    def kernels(self) -> str:
+        """What the load's device checks chose, one line (a runner logs it: two loads of one model that run at
+        different speeds show here whether a check chose differently): per kind, the shapes whose check passed
+        of those checked, e.g. "qgemv 6/6, dense 6/6, gdn 2/2, fused 1/1, attn 1/1"."""
+        kinds = {"qgemv": self.qgemv, "padded": self.padded, "dense": self.dense, "gdn": self.gdn,
+                 "fused": self.fused, "attn": self.attn}
+        parts = [f"{kind} {sum(v.startswith('ok') for v in found.values())}/{len(found)}"
+                 for kind, found in kinds.items() if found]
+        return ", ".join(parts) or "no device checks (none apply here)"
+
     @property
     def context_length(self) -> int | None:
         text = self.config.get("text_config", self.config)

@@ -168,6 +168,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         started = time.perf_counter()
         engine = ready_engine(loaded, config, settings)  # (with the node's prefix cache: runner.prefix_store)
         log.info("warmed up in %.1f s (%s)", time.perf_counter() - started, _seconds(engine.warmup_seconds))
+        log.info("kernels: %s", loaded.kernels())  # (what this load's device checks chose)
         state.decode_bytes_per_s = _decode_rate(engine)
         state.ready(summary, engine)
         log.info("ready: %s", args.model_id)
