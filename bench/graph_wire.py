@@ -55,6 +55,16 @@ waits = pattern in ("sync",)
 stage_waits = pattern in ("sync", "leader")
 leader_waits = pattern in ("sync", "stage")
 header = pattern == "header"
+
+
+def churn(t, phase):  # the alloc pattern: device memory allocated and freed every 4th step, the cache cleared
+    if pattern == "alloc" and t % 4 == phase:
+        junk = mx.zeros((64, 1024, 1024))
+        mx.eval(junk)
+        del junk
+        mx.clear_cache()
+
+
 print(f"rank {rank} joined ({mx.default_device()})", flush=True)
 started = time.perf_counter()
 if rank == 0:  # the first stage: ids in, hidden states out
@@ -71,11 +81,7 @@ if rank == 0:  # the first stage: ids in, hidden states out
             mx.eval(sent)
         else:
             mx.async_eval(sent)
-        if pattern == "alloc" and t % 4 == 0:
-            junk = mx.zeros((64, 1024, 1024))
-            mx.eval(junk)
-            del junk
-            mx.clear_cache()
+        churn(t, 0)
         if t % 16 == 0:
             print(f"rank 0 step {t}", flush=True)
     mx.eval(sent)
@@ -97,11 +103,7 @@ else:  # the leader: ids out, hidden states in, the next ids from them
             mx.eval(ids)
         else:
             mx.async_eval(ids)
-        if pattern == "alloc" and t % 4 == 2:
-            junk = mx.zeros((64, 1024, 1024))
-            mx.eval(junk)
-            del junk
-            mx.clear_cache()
+        churn(t, 2)
         if t % 16 == 0:
             print(f"rank 1 step {t}", flush=True)
     mx.eval(ids)
