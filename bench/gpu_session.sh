@@ -130,7 +130,7 @@ for p in "$@"; do
     # where the graph wire stops on a GPU (its first run on 2 x H200 did): two processes passing arrays as graph ops in
     # patterns ever closer to a pipeline's steps (both on GPU 0 here; GRAPHWIRE_ARGS=--gpu-per-rank on two), then
     # exo-demo and the 9B as 2-stage pipelines on the host and graph wires; every stuck process's stacks
-    graphwire) phase graphwire $PY bench/graph_wire.py exo-demo $([ "$CPU" = 1 ] && echo --steps 8 --timeout 30 || echo --steps 64 --timeout 40) ${GRAPHWIRE_ARGS:-}
+    graphwire) phase graphwire $PY bench/graph_wire.py exo-demo $([ "$CPU" = 1 ] && echo --steps 8 --timeout 30 || echo --steps 64 --timeout 30) ${GRAPHWIRE_ARGS:-}
                [ "$CPU" = 1 ] || phase graphwire $PY bench/graph_wire.py "$Q9" --patterns both --steps 64 --timeout 40 ${GRAPHWIRE_ARGS:-} ;;
     pipeclients9) phase pipeclients9 $PY bench/pipeline.py "$Q9" --stages 1 --repeats 0 --no-breakdown --gpu-per-stage \
         $CLIENTS ;;

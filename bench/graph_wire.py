@@ -10,12 +10,17 @@ states), rank 1 the leader (sends ids, receives hidden states, computes the next
 
 - sync: both evaluate every transfer as they go (the ops alone, no step started ahead);
 - stage: the stage starts each step (``async_eval``) and goes on to the next; the leader waits for each;
-- leader: the leader as ``PipelineForward.hidden`` on the graph wire (starts the send of its lazy ids, then the
-  receive, and computes the next ids on the received array, never waiting); the stage waits for each;
+- leader: the leader as ``PipelineForward.hidden`` on the graph wire (its ids evaluated alone, then their send
+  started; the receive evaluated with the step built on it, so its device ops wait on the host); the stage waits
+  for each;
 - both: both as on the graph wire (each step started, nothing waited for until the end);
 - header: both, plus a host message per step on the doorbell before the step (the step header);
 - alloc: both, the host allocating and freeing device buffers while steps are in flight (MLX's cache cleared:
-  a device-wide free synchronizes the device, where a step waits for bytes).
+  a device-wide free synchronizes the device, where a step waits for bytes);
+- leader-spin, both-spin: the leader as its first graph wire did (the receive started in an evaluation of its
+  own, the step built on it evaluated after: on MLX CUDA the step's first device op waits for the receive in a
+  kernel spinning on the device, its event's buffer freed with a device-wide ``cudaFree`` on another thread):
+  the first run on 2 x H200 stopped.
 
 Each prints ok and milliseconds per step, or that it stopped: every thread's stack of each process at the limit
 (``faulthandler``). Then MODEL (default exo-demo) as a 2-stage pipeline on the graph wire (``run_local_pipeline``,
@@ -35,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import free_port  # noqa: E402
 
-PATTERNS = ("sync", "stage", "leader", "both", "header", "alloc")
+PATTERNS = ("sync", "stage", "leader", "both", "header", "alloc", "leader-spin", "both-spin")
 
 MEMBER = r"""
 import faulthandler, sys, time
@@ -52,8 +57,9 @@ table = mx.random.normal((256, H)).astype(mx.bfloat16)
 mx.eval(w, table)
 other = 1 - rank
 waits = pattern in ("sync",)
-stage_waits = pattern in ("sync", "leader")
+stage_waits = pattern in ("sync", "leader", "leader-spin")
 leader_waits = pattern in ("sync", "stage")
+spin = pattern.endswith("-spin")
 header = pattern == "header"
 
 
@@ -90,11 +96,15 @@ else:  # the leader: ids out, hidden states in, the next ids from them
     for t in range(steps):
         if header:
             link.send(mx.array([t, 1, 1, 0], dtype=mx.int32), other)
-        mx.async_eval(link.send_op(ids, other)) if not leader_waits else mx.eval(link.send_op(ids, other))
+        if leader_waits:
+            mx.eval(link.send_op(ids, other))
+        else:
+            mx.async_eval(ids)  # (its own evaluation: the send waits for it on the link's stream)
+            mx.async_eval(link.send_op(ids, other))
         h = link.recv_op((1, H), mx.bfloat16, other)
         if leader_waits:
             mx.eval(h)
-        else:
+        elif spin:
             mx.async_eval(h)
         for _ in range(4):
             h = mx.tanh(h @ w)

@@ -114,9 +114,10 @@ def graph_wire(link: Any, setting: str | None = None) -> bool:
     """Whether a pipeline's leader sends its steps on the graph wire (``WIRE_GRAPH``): where ``link`` has graph
     ops (the ring backend's send and receive) and ``setting`` (``EXO_PIPELINE_WIRE``: auto, graph, host) asks for
     it. auto is the host wire: on a CPU the ring's receive polls a core while it waits, the core a stage computes
-    on; on 2 x H200 (MLX 0.32.4 CUDA) a 9B pipeline on the graph wire stopped in its first requests (2026-11-30,
-    bench/results/h200x2-mlx-cuda-pipeline-graph-wire-2026-11-30.txt), where it runs on this CPU:
-    ``bench/graph_wire.py`` looks for the step at which it stops, on one GPU."""
+    on; on 2 x H200 (MLX 0.32.4 CUDA) a 9B pipeline on the graph wire's first form stopped in its first requests
+    (2026-11-30, bench/results/h200x2-mlx-cuda-pipeline-graph-wire-2026-11-30.txt), where it runs on this CPU;
+    the present form (no device op waits for a receive on the device: ``hidden``) is not yet run on a GPU, and
+    ``bench/graph_wire.py`` runs both, on one GPU."""
     setting = setting if setting is not None else os.environ.get("EXO_PIPELINE_WIRE", "auto")
     if setting not in WIRES:
         raise ValueError(f"EXO_PIPELINE_WIRE={setting!r}: one of {', '.join(WIRES)}")
@@ -428,6 +429,7 @@ class PipelineForward:
         self._slots = 0  # the next slot id
         self._invariant = False
         self.graph = graph_wire(link)  # steps on the graph wire (WIRE_GRAPH)
+        self._pending: mx.array | None = None  # the graph wire: the last step's receive (``_settle``)
         self._broken: BaseException | None = None  # what a call raised: the stages may be out of step since
 
     @property
@@ -463,14 +465,17 @@ class PipelineForward:
         shape = (batch, rows, self.model.hidden_size)
         if self.graph:
             # The header now (the first stage builds its step on it while these ids are computed), then the ids
-            # and the hiddens as ops: the step is started at once, so its transfers happen whatever the loop
-            # does with the result (a step built and dropped still pairs with the other stages').
+            # as an op: the ids in an evaluation of their own first, so that the send waits for them on the link's
+            # stream (an event of the device's), not this thread. The hiddens' receive is left to the evaluation
+            # of the step built on it: a device op fed by a CPU stream's output of an earlier evaluation would
+            # wait for it in a kernel spinning on the device (MLX CUDA), one fed in the same evaluation waits on the
+            # host. A receive the loop builds and never evaluates is evaluated before the next exchange
+            # (``_settle``): the link's transfers run in the order they reach its stream, both ends alike.
             self._send_header(header)
-            # Two evaluations, in this order: the link's transfers run in the order they reach its stream, and
-            # one evaluation of both may order the receive (no input) before the send (the ids'), and wait forever.
-            mx.async_eval(self.link.send_op(tokens.reshape(-1).astype(mx.uint32), 0))
-            h = self.link.recv_op(shape, self.dtype, self.stage.previous)
-            mx.async_eval(h)
+            ids = tokens.reshape(-1).astype(mx.uint32)
+            mx.async_eval(ids)
+            mx.async_eval(self.link.send_op(ids, 0))
+            h = self._pending = self.link.recv_op(shape, self.dtype, self.stage.previous)
             self.bytes_sent += 4 * batch * rows
         else:
             self._send_header(header, tokens if header.tokens_inline else None)
@@ -576,7 +581,15 @@ class PipelineForward:
         self._ops = []
         self._send_header(StepHeader(OP_SHUTDOWN, self._next_step()))
 
+    def _settle(self) -> None:
+        """The graph wire: the last step's receive is started if its step was not (a step built and dropped), so
+        the other stages' sends and this link's later transfers stay in order."""
+        if self._pending is not None:
+            mx.async_eval(self._pending)
+            self._pending = None
+
     def _send_header(self, header: StepHeader, inline: mx.array | None = None) -> None:
+        self._settle()
         self.link.send(header.encode(inline), 0)
         self.bytes_sent += 4 * HEADER_LEN
         ops = header.ops_message()
