@@ -398,3 +398,44 @@ def test_a_stage_on_the_graph_wire_computes_what_it_would_on_the_host_wire(check
     link = _ScriptedLink([StepHeader.forward(0, 0, 1, 1, None, wire=WIRE_GRAPH).encode()])
     with pytest.raises(StepHeaderError, match="graph wire"):
         serve_stage(loaded.model, StageSpec(0, 2, 0, 2), link)
+
+
+def test_the_leader_starts_a_dropped_steps_receive_before_its_next_exchange(checkpoint, monkeypatch):
+    """On the graph wire the leader's receive runs with the step built on it. A step the loop builds and never
+    evaluates (past a finished sequence) would leave its receive unstarted while the stage before sent its
+    hiddens: the next exchange first starts it (``_settle``), so the link's transfers keep both ends' order."""
+    from exo.engine import pipeline
+    from exo.engine.pipeline import WIRE_GRAPH, PipelineForward
+
+    loaded = load_checkpoint(checkpoint("qwen3_5", dtype="float32"), layers=(2, 4))
+    h = loaded.model.hidden_size
+    events: list[tuple[str, object]] = []
+    receives: list[mx.array] = []
+
+    class Leader(_GraphLink):
+        def send(self, x, dst: int) -> None:
+            header = StepHeader.decode(x.tolist())
+            assert header.wire == WIRE_GRAPH and not header.tokens
+            events.append(("send", header.step))
+
+        def recv_op(self, shape, dtype, src: int):
+            receives.append(mx.zeros(shape, dtype=dtype) + len(receives))
+            return receives[-1]
+
+    started = pipeline.mx.async_eval
+
+    def async_eval(*arrays):
+        events.append(("started", [next((i for i, r in enumerate(receives) if a is r), None) for a in arrays]))
+        return started(*arrays)
+
+    monkeypatch.setattr(pipeline.mx, "async_eval", async_eval)
+    monkeypatch.setenv("EXO_PIPELINE_WIRE", "graph")
+    forward = PipelineForward(loaded.model, StageSpec(1, 2, 2, 4), Leader([], []))
+    assert forward.graph
+    cache = forward.new_cache()
+    forward.hidden(mx.array([[5]], dtype=mx.uint32), cache)  # built and dropped: never evaluated
+    assert ("started", [0]) not in events  # (its receive is left to the step's evaluation)
+    forward.hidden(mx.array([[6]], dtype=mx.uint32), cache)
+    second_header = events.index(("send", 1))
+    assert ("started", [0]) in events[:second_header]  # the dropped step's receive, before the next header
+    assert len(receives) == 2 and receives[0].shape == (1, 1, h)
