@@ -259,8 +259,9 @@ class RingLink:
         return mx.distributed.send(x, dst, group=self.group, stream=self.stream)
 
     def recv_op(self, shape: tuple[int, ...], dtype: Any, src: int) -> Any:
-        """A receive from the member before as an op (lazy: it receives when evaluated; a device computing on it
-        waits for it on the device). A lost member raises in the evaluation ("connection to a peer was lost")."""
+        """A receive from the member before as an op (lazy: it receives when evaluated; on MLX CUDA a device op fed
+        by it in the same evaluation waits for it on the host, MLX's fence, and in a later evaluation in a kernel
+        spinning on the device). A lost member raises in the evaluation ("connection to a peer was lost")."""
         import mlx.core as mx
 
         self._check_graph(src, (self.rank - 1) % self.size, "receives from the member before")
