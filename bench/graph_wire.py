@@ -63,6 +63,10 @@ spin = pattern.endswith("-spin")
 header = pattern == "header"
 
 
+def start(x, wait):  # waited for, or started and left
+    mx.eval(x) if wait else mx.async_eval(x)
+
+
 def churn(t, phase):  # the alloc pattern: device memory allocated and freed every 4th step, the cache cleared
     if pattern == "alloc" and t % 4 == phase:
         junk = mx.zeros((64, 1024, 1024))
@@ -83,10 +87,7 @@ if rank == 0:  # the first stage: ids in, hidden states out
         for _ in range(4):
             h = mx.tanh(h @ w)
         sent = link.send_op(h.astype(mx.bfloat16), other)
-        if stage_waits:
-            mx.eval(sent)
-        else:
-            mx.async_eval(sent)
+        start(sent, stage_waits)
         churn(t, 0)
         if t % 16 == 0:
             print(f"rank 0 step {t}", flush=True)
@@ -102,17 +103,12 @@ else:  # the leader: ids out, hidden states in, the next ids from them
             mx.async_eval(ids)  # (its own evaluation: the send waits for it on the link's stream)
             mx.async_eval(link.send_op(ids, other))
         h = link.recv_op((1, H), mx.bfloat16, other)
-        if leader_waits:
-            mx.eval(h)
-        elif spin:
-            mx.async_eval(h)
+        if leader_waits or spin:
+            start(h, leader_waits)
         for _ in range(4):
             h = mx.tanh(h @ w)
         ids = (mx.argmax(h, axis=-1) % 256).astype(mx.uint32).reshape(1)
-        if leader_waits:
-            mx.eval(ids)
-        else:
-            mx.async_eval(ids)
+        start(ids, leader_waits)
         churn(t, 2)
         if t % 16 == 0:
             print(f"rank 1 step {t}", flush=True)
