@@ -237,7 +237,7 @@ def test_the_graph_wire_decodes_like_one_node(checkpoint, tmp_path, arch, stages
 
 def test_a_pipeline_past_its_limit_is_killed_and_says_where_each_stage_was(checkpoint):
     """``run_local_pipeline``'s limit is the whole run's: past it every stage is killed and the error carries what each
-    wrote, with its threads' stacks where EXO_STAGE_TRACEBACK_S asked for them (a stuck stage says where it waits)."""
+    wrote, with its main thread's stack where EXO_STAGE_TRACEBACK_S asked for them (a stuck stage says where it waits)."""
     from exo.runner.local_pipeline import LocalPipelineError
 
     path = checkpoint("qwen3_5")

@@ -69,7 +69,7 @@ def run_local_pipeline(
     host with several GPUs, ``CUDA_VISIBLE_DEVICES`` puts each stage on its own, as separate nodes would be).
     ``sharding`` "tensor": the stages are a tensor group's members instead (their layer ranges unused).
     ``timeout_s``: the whole run's limit; past it every stage is killed and ``LocalPipelineError`` carries what
-    each wrote (``EXO_STAGE_TRACEBACK_S=N`` in ``stage_env``: each dumps its threads' stacks after N seconds)."""
+    each wrote (``EXO_STAGE_TRACEBACK_S=N`` in ``stage_env``: each dumps its main thread's stack after N seconds)."""
     if stage_env is not None and len(stage_env) != len(stages):
         raise ValueError(f"{len(stage_env)} stage environments for {len(stages)} stages")
     with tempfile.TemporaryDirectory(prefix="exo-local-pipeline-") as tmp:
@@ -95,7 +95,7 @@ def run_local_pipeline(
             errors = [p.communicate(timeout=max(0.0, deadline - time.monotonic()))[1] for p in procs]
         except subprocess.TimeoutExpired:
             # Stuck (a stage waits for another) or slow: what every stage wrote, its tracebacks included where
-            # EXO_STAGE_TRACEBACK_S (``traceback_s``) had each dump its threads' stacks before the limit.
+            # EXO_STAGE_TRACEBACK_S (``traceback_s``) had each dump its main thread's stack before the limit.
             for p in procs:
                 p.kill()
             errors = [p.communicate()[1] or "" for p in procs]
@@ -328,13 +328,28 @@ def _end_with(parent: int) -> None:
     threading.Thread(target=watch, name="exo-local-parent", daemon=True).start()
 
 
+def _dump_stack_after(seconds: float) -> None:
+    """Write the main thread's stack to stderr after ``seconds``, wherever it is (a C call that never returns
+    included). A signal sent to the main thread does it there, so the frames it reads hold still:
+    faulthandler's own timer reads them from another thread while the main thread runs on, and crashed a stage
+    that way. SA_RESTART: a blocking read the signal interrupts goes on."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=False)
+    signal.siginterrupt(signal.SIGUSR1, False)
+    main = threading.main_thread().ident
+    assert main is not None
+    timer = threading.Timer(seconds, signal.pthread_kill, (main, signal.SIGUSR1))
+    timer.daemon = True
+    timer.start()
+
+
 if __name__ == "__main__":
     import exo
 
     exo.without_torch()
-    if os.environ.get("EXO_STAGE_TRACEBACK_S"):  # every thread's stack to stderr then (a stuck stage says where)
-        import faulthandler
-
-        faulthandler.dump_traceback_later(float(os.environ["EXO_STAGE_TRACEBACK_S"]))
+    if os.environ.get("EXO_STAGE_TRACEBACK_S"):  # the main thread's stack to stderr then (a stuck stage says where)
+        _dump_stack_after(float(os.environ["EXO_STAGE_TRACEBACK_S"]))
     _end_with(int(sys.argv[3]))
     _stage_main(sys.argv[1], int(sys.argv[2]))
