@@ -221,7 +221,8 @@ def format_trace(t: dict[str, Any] | None) -> str:
 # MLX CUDA's code paths on a machine without a GPU, for the host's cost of building graphs (``build_profile.py
 # --emulate-cuda``): exo's kernels installed as the loader installs them on MLX CUDA (their load-time checks taken as
 # passed), compiled for sm_90 by NVRTC (the dev install's wheel on Linux x86-64), and every launch
-# stubbed (``mx.fast.precompiled_cuda_kernel`` returns zeros of the outputs' shapes, unevaluated). The Python that
+# stubbed (``mx.fast.precompiled_cuda_kernel`` returns zeros of the outputs' shapes, unevaluated, that depend on its
+# inputs). The Python that
 # builds a step then is the GPU's, op for op; what MLX's own launch costs on the GPU (converting the arguments,
 # copying the binary into the primitive, the launch at evaluation) is not here. Never part of exo itself.
 
@@ -244,6 +245,9 @@ def emulate_cuda() -> None:
     def launch(*, name: str, compiled_source: bytes, inputs: Any, output_shapes: Any, output_dtypes: Any,
                scalars: Any, grid: Any, threadgroup: Any, init_value: Any = None, ensure_row_contiguous: bool = True,
                stream: Any = None) -> list[mx.array]:
-        return [mx.zeros(tuple(s), dtype=d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+        outputs = [mx.zeros(tuple(s), dtype=d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+        # outputs that depend on the launch's inputs, as the kernel's do: a compiled function traced through it
+        # (bench/compiled_step.py) keeps the graph that feeds it rather than pruning it as unused
+        return mx.depends(outputs, [a for a in inputs if isinstance(a, mx.array)])
 
     mx.fast.precompiled_cuda_kernel = launch

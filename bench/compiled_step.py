@@ -1,7 +1,8 @@
 """Would a decode step whose layers are compiled functions cost the host less (issue 50's K = 1 round, a pipeline's
 stages: MLX CUDA's 9B step is host-bound, its build ~5.6 of ~9.5 ms)? A measurement, nothing in the engine uses it.
 
-    python bench/compiled_step.py [MODEL] [--context 256] [--steps 16] [--repeats 50] [--parts gdn,mlp]
+    python bench/compiled_step.py [MODEL] [--context 256] [--steps 16] [--repeats 50] [--parts gdn,mlp layer]
+                                  [--emulate-cuda]
 
 Each GatedDeltaNet layer's decode step (its input projections, its recurrence, its gated norm and out projection:
 a pure function of the row, the conv window and the state) and each layer's MLP become one ``mx.compile``d call
@@ -10,7 +11,12 @@ stay as they are (their KV cache's write position is a Python int). In one proce
 plain decode step and its logits (nothing evaluated; the caches put back after each: ``engine.ahead.Snapshot``),
 and ms per step of ``--steps`` greedy decode steps evaluated one by one (build + evaluation), op by op and compiled;
 then whether the compiled steps' logits are the op-by-op steps' bits (greedy tokens and every logit), which a
-compiled function may not keep where MLX fuses elementwise ops. ``--parts``: which layers' parts to compile.
+compiled function may not keep where MLX fuses elementwise ops. ``--parts``: which layers' parts to compile: "gdn"
+(a GatedDeltaNet layer's mixer), "mlp", or "layer": a GatedDeltaNet decoder layer whole (its norms, mixer,
+residuals and MLP: one call a layer) and an attention layer's residuals and MLP after its attention (which stays
+op by op); the rows name each set, e.g. ``--parts gdn,mlp layer`` (default) times op by op and both.
+``--emulate-cuda``: on a machine without a GPU, MLX CUDA's code paths with exo's launches stubbed
+(``bench/common.py`` ``emulate_cuda``): builds only, the host's Python and MLX's graph for the GPU's ops.
 """
 
 from __future__ import annotations
@@ -80,10 +86,63 @@ def compile_layers(model: Any, parts: set[str]) -> list[tuple[Any, str, Any]]:
     return restore
 
 
+class _WholeLayer:
+    """A decoder layer whose decode step is compiled calls (``--parts layer``): a GatedDeltaNet layer's step one
+    call of (row, conv window, state); an attention layer's residuals and MLP one call after its attention."""
+
+    def __init__(self, layer: Any) -> None:
+        self.layer, self.is_linear = layer, layer.is_linear
+        kind = type(layer)
+        if layer.is_linear:
+            def step(x: mx.array, window: mx.array, state: mx.array) -> tuple[mx.array, ...]:
+                arrays = _Arrays(window, state)
+                out = kind.__call__(layer, x, None, arrays)
+                return out, arrays[0], arrays[1]
+
+            self.step = mx.compile(step)
+        else:
+            mlp, norm = layer.mlp, layer.post_attention_layernorm
+            self.tail = mx.compile(lambda x, r: (h := x + r) + mlp(norm(h)))
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        layer = self.layer
+        if not self.is_linear:
+            return self.tail(x, layer.self_attn(layer.input_layernorm(x), mask, cache))
+        if (mask is None and cache is not None and cache[0] is not None and cache[1] is not None
+                and x.shape[1] == 1 and not getattr(cache, "recording", False) and cache.lengths is None):
+            out, cache[0], cache[1] = self.step(x, cache[0], cache[1])
+            cache.advance(1)
+            return out
+        return layer(x, mask, cache)
+
+
+def compile_whole_layers(model: Any) -> list[tuple[Any, str, Any]]:
+    """Swap each of ``model``'s layers for a ``_WholeLayer`` in its list; returns what to put back."""
+    layers = model.text_model.layers
+    restore: list[tuple[Any, str, Any]] = []
+    for i, layer in enumerate(layers):
+        if layer is not None:
+            restore.append((layers, str(i), layer))
+            layers[i] = _WholeLayer(layer)
+    return restore
+
+
 def put_back(restore: list[tuple[Any, str, Any]]) -> None:
     for obj, name, original in reversed(restore):
+        if isinstance(obj, list):
+            obj[int(name)] = original
+            continue
         object.__delattr__(obj, name)
         assert getattr(obj, name) is original
+
+
+def swap(model: Any, parts: set[str]) -> list[tuple[Any, str, Any]]:
+    """Compile ``parts`` of ``model``'s layers ("op by op": none); what to put back."""
+    if not parts:
+        return []
+    if "layer" in parts:
+        return compile_whole_layers(model)
+    return compile_layers(model, parts)
 
 
 def main() -> None:
@@ -92,17 +151,28 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument("--parts", default="gdn,mlp")
+    parser.add_argument("--parts", nargs="+", default=["gdn,mlp", "layer"],
+                        help="each a row: comma-separated parts of gdn, mlp, layer")
+    parser.add_argument("--emulate-cuda", action="store_true",
+                        help="on a machine without a GPU, MLX CUDA's code paths with exo's launches stubbed "
+                             "(bench/common.py emulate_cuda: builds only)")
     args = parser.parse_args()
+    if args.emulate_cuda:
+        from common import emulate_cuda  # bench/ is this script's folder
+
+        emulate_cuda()
     engine = load(args.model)  # (no warm-up: plain steps only, their kernels built by the warm pass below)
     model, forward = engine.model, engine.forward
     forward_module.VERIFY_EVAL_EVERY = forward_module.VERIFY_EVAL_EVERY_GPU = 0
     cache = forward.new_cache()
     prompt = mx.array([[(7 * i) % engine.vocab_size for i in range(args.context)]], dtype=mx.uint32)
-    mx.eval(forward.hidden(prompt, cache))
+    prefilled = forward.hidden(prompt, cache)
+    if not args.emulate_cuda:
+        mx.eval(prefilled)
     snapshot = Snapshot(cache)
     token = mx.array([[5]], dtype=mx.uint32)
-    print(f"{engine.loaded.model_id} on {device_name()}, context {args.context}, compiled parts: {args.parts}")
+    print(f"{engine.loaded.model_id} on {device_name()}{' (MLX CUDA emulated: builds only)' if args.emulate_cuda else ''}, "
+          f"context {args.context}, compiled parts: {' / '.join(args.parts)}")
 
     def builds(n: int) -> float:
         start = time.perf_counter()
@@ -125,34 +195,47 @@ def main() -> None:
         snapshot.restore()
         return seconds, tokens, logits
 
-    results: dict[str, dict[str, list[float]]] = {"op by op": {"build": [], "step": []}, "compiled": {"build": [], "step": []}}
+    rows = {"op by op": set(), **{name: set(name.split(",")) for name in args.parts}}
+    unknown = set().union(*rows.values()) - {"gdn", "mlp", "layer"}
+    if unknown:
+        parser.error(f"unknown parts {sorted(unknown)}: gdn, mlp, layer")
+    results: dict[str, dict[str, list[float]]] = {name: {"build": [], "step": []} for name in rows}
     outputs: dict[str, tuple[list[int], list[mx.array]]] = {}
-    parts = set(args.parts.split(","))
     try:
-        for name in ("op by op", "compiled"):  # warm: kernels built, traces compiled
-            restore = compile_layers(model, parts) if name == "compiled" else []
+        for name, parts in rows.items():  # warm: kernels built, traces compiled
+            restore = swap(model, parts)
             builds(3)
-            _, tokens, logits = decode()
-            outputs[name] = (tokens, logits)
+            if not args.emulate_cuda:
+                _, tokens, logits = decode()
+                outputs[name] = (tokens, logits)
             put_back(restore)
         for _ in range(3):
-            for name in ("op by op", "compiled"):
-                restore = compile_layers(model, parts) if name == "compiled" else []
+            for name, parts in rows.items():
+                restore = swap(model, parts)
                 results[name]["build"].append(builds(args.repeats))
-                results[name]["step"].append(decode()[0])
+                if not args.emulate_cuda:
+                    results[name]["step"].append(decode()[0])
                 put_back(restore)
     except Exception as e:  # noqa: BLE001 - the finding is that it cannot be compiled here
         print(f"compiled: {type(e).__name__}: {str(e)[:500]}")
         return
-    base = {k: statistics.median(v) for k, v in results["op by op"].items()}
+    base = statistics.median(results["op by op"]["build"])
+    base_step = statistics.median(results["op by op"]["step"]) if not args.emulate_cuda else 0.0
     for name, values in results.items():
-        build, step = statistics.median(values["build"]), statistics.median(values["step"])
-        print(f"{name:>9}: build {1e3 * build:.2f} ms ({build / base['build']:.2f}x), step built and evaluated "
-              f"{1e3 * step:.2f} ms ({step / base['step']:.2f}x)")
-    same_tokens = outputs["op by op"][0] == outputs["compiled"][0]
-    same_bits = same_tokens and all(mx.array_equal(a, b).item() for a, b in zip(*(o[1] for o in outputs.values()), strict=True))
-    print(f"greedy tokens equal: {same_tokens}; every logit's bits equal: {same_bits}")
-
+        build = statistics.median(values["build"])
+        line = f"{name:>9}: build {1e3 * build:.2f} ms ({build / base:.2f}x)"
+        if not args.emulate_cuda:
+            step = statistics.median(values["step"])
+            line += f", step built and evaluated {1e3 * step:.2f} ms ({step / base_step:.2f}x)"
+        print(line)
+    if args.emulate_cuda:
+        return
+    reference = outputs["op by op"]
+    for name in args.parts:
+        same_tokens = outputs[name][0] == reference[0]
+        same_bits = same_tokens and all(mx.array_equal(a, b).item()
+                                        for a, b in zip(outputs[name][1], reference[1], strict=True))
+        print(f"{name}: greedy tokens equal op by op's: {same_tokens}; every logit's bits equal: {same_bits}")
 
 if __name__ == "__main__":
     main()

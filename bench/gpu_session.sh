@@ -197,10 +197,12 @@ for p in "$@"; do
     # issue 50's K = 1 target on a noisy host: K = 1 and 2 against plain at acceptance 0 and 0.8, 12 requests each
     roundsk1) phase roundsk1 $PY bench/round_phases.py "$Q9" --replay 0.0,0.8 --depths 1 2 --repeats 3 --max-tokens 48 --no-adaptive ;;
     census) phase census $PY bench/round_phases.py "$Q9" --census --depths 1 2 3 --max-tokens ${CENSUS_TOKENS:-32} --no-adaptive ;;
-    # issue 50: a decode step with each GatedDeltaNet layer's step and each MLP one mx.compile'd call, against op by op:
-    # the host's build, the step built and evaluated, the same bits? (on this CPU's path: no gain, 1.94 vs 2.07 ms)
-    compiledstep) phase compiledstep $PY bench/compiled_step.py "$Q9" $([ "$CPU" = 1 ] && echo --repeats 5 --steps 2 || echo --repeats 50 --steps 16)
-                  [ "$CPU" = 1 ] || phase compiledstep $PY bench/compiled_step.py "$Q9" --repeats 50 --steps 16 --parts mlp ;;
+    # issue 50: a decode step with each GatedDeltaNet layer's step and each MLP one mx.compile'd call, then each
+    # GatedDeltaNet decoder layer whole (and each attention layer's residuals + MLP), against op by op: the host's
+    # build, the step built and evaluated, the same bits? (on this CPU's path no gain; along MLX CUDA's paths
+    # emulated here, --emulate-cuda: build 0.68x and 0.65x)
+    compiledstep) phase compiledstep $PY bench/compiled_step.py "$Q9" --parts mlp gdn,mlp layer \
+                      $([ "$CPU" = 1 ] && echo --repeats 5 --steps 2 || echo --repeats 50 --steps 16) ;;
     buildprof) phase buildprof $PY bench/build_profile.py "$Q9" --rows 1 2 4 --repeats 50 --top 30 ;;
     roundsahead) phase roundsahead $PY bench/round_phases.py "$Q9" --replay 0.6,0.8,0.9 --depths 1 2 3 --repeats 1 \
         --max-tokens 48 --ahead on off ;;
