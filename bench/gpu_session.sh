@@ -208,6 +208,16 @@ for p in "$@"; do
         --max-tokens 48 --ahead on off ;;
     rounds) phase rounds $PY bench/round_phases.py "$Q9" --replay 0.0,0.6,0.8,0.9 --repeats 1 --max-tokens 48 ;;
     stock) EXO_QGEMV=1 phase stock $PY bench/engine.py "$Q9" --max-tokens 128 --repeats 3 ;;
+    # issues 50 / 51: the engine's decoder layers as compiled calls (models.compiled_layers, EXO_COMPILED_LAYERS,
+    # off by default): plain decoding with and without in one process (the same tokens?), then a K = 1 / 2 round's
+    # cost in plain steps with them (against roundsk1's), one client through exo serve with them, and 2 stages
+    compiledlayers) phase compiled9 $PY bench/engine.py "$Q9" --compiled-layers $([ "$CPU" = 1 ] && echo --max-tokens 16 --repeats 1 || echo --max-tokens 128 --repeats 3)
+        EXO_COMPILED_LAYERS=1 phase roundsk1c $PY bench/round_phases.py "$Q9" --replay 0.0,0.8 --depths 1 2 \
+            $([ "$CPU" = 1 ] && echo --repeats 1 --max-tokens 12 || echo --repeats 3 --max-tokens 48) --no-adaptive
+        EXO_COMPILED_LAYERS=1 EXO_NATIVE_MTP_ENABLED=0 phase serving9c $PY bench/serving.py "$Q9" --mtp off --no-one-at-a-time \
+            $([ "$CPU" = 1 ] && echo --clients 1 --seconds 2 --max-tokens 16 --engine-vs-client 3 || echo --clients 1 8 --seconds 8 --max-tokens 64 --engine-vs-client 8) ;;
+    pipe9c) EXO_COMPILED_LAYERS=1 phase pipe9c $PY bench/pipeline.py "$Q9" --stages 1,2 --modes plain,k1 --repeats 2 $PIPE \
+        --gpu-per-stage --no-breakdown --wires host,graph ;;
     # the same without MLX's CUDA graphs (each evaluation's kernels launched one by one): a decode step is the host's
     # work, and building and launching a graph of ~700 kernels is part of it
     stockg) MLX_USE_CUDA_GRAPHS=0 phase stockg $PY bench/engine.py "$Q9" --max-tokens 128 --repeats 3 ;;

@@ -168,7 +168,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         started = time.perf_counter()
         engine = ready_engine(loaded, config, settings)  # (with the node's prefix cache: runner.prefix_store)
         log.info("warmed up in %.1f s (%s)", time.perf_counter() - started, _seconds(engine.warmup_seconds))
-        log.info("kernels: %s", loaded.kernels())  # (what this load's device checks chose)
+        from ..engine.models import compiled_layers
+
+        # what this load's device checks chose, and whether its decoder layers run as compiled calls
+        log.info("kernels: %s; compiled layers: %s", loaded.kernels(), compiled_layers.MODE)
         state.decode_bytes_per_s = _decode_rate(engine)
         state.ready(summary, engine)
         log.info("ready: %s", args.model_id)

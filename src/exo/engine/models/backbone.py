@@ -21,6 +21,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import KVCache
 
+from . import compiled_layers
 from .layers import (
     Attention,
     GatedDeltaNet,
@@ -132,8 +133,10 @@ class SpeculativeBackbone:
         ssm = next((i for i, layer in enumerate(layers) if layer.is_linear), None)
         fa_mask = create_attention_mask(h, cache[fa]) if fa is not None else None
         ssm_mask = create_ssm_mask(h, cache[ssm]) if ssm is not None else None
+        compiled = compiled_layers.mode_key(self)  # None: every layer op by op (``models.compiled_layers``)
         for i, (layer, c) in enumerate(zip(layers, cache, strict=True)):
-            h = layer(h, mask=ssm_mask if layer.is_linear else fa_mask, cache=c)
+            mask = ssm_mask if layer.is_linear else fa_mask
+            h = layer(h, mask=mask, cache=c) if compiled is None else compiled_layers.call(layer, h, mask, c, compiled)
             if eval_every and (i + 1) % eval_every == 0 and i + 1 < len(layers):
                 mx.async_eval(h)
         return text.norm(h) if self.last_stage else h
@@ -195,6 +198,7 @@ class SpeculativeBackbone:
             parts = (linears, attention, list(self.moe_blocks()))
             object.__setattr__(self, "_batch_invariant_parts", parts)  # not child modules: no parameters
         linears, attention, blocks = parts
+        object.__setattr__(self, "_batch_invariant_on", on)  # (``compiled_layers``: nothing compiled then)
         for linear in linears:
             linear.batch_vectors = on
         for linear in self._qgemv_linears():

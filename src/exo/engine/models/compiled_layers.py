@@ -1,0 +1,158 @@
+"""A decoder layer's decode step and verify rows as compiled calls (``EXO_COMPILED_LAYERS``, off by default).
+
+On MLX CUDA a 9B decode step is the host's work more than the device's: building its graph, op by op in Python,
+took 5.6 ms of a ~9.5 ms step on an H200 (``bench/build_profile.py``), and a speculative round's build is serial
+where plain steps overlap it (issue 50's K = 1 round), as is each pipeline stage's (issue 51). An ``mx.compile``d
+function is traced once per shape; a call replays its graph in C++, without the Python. Here:
+
+- a GatedDeltaNet decoder layer's call of one sequence (a decode step's row, or a verify call's recorded rows, at
+  most ``MAX_ROWS``) is one compiled call of (hidden rows, conv window, recurrent state): its norms, mixer (the same
+  path the layer takes op by op: exo's step kernel on MLX CUDA), residuals and dense MLP. What the layer writes
+  into its cache (window, state, a verify call's recorded rows) comes out of the call and goes into the real cache
+  as the layer would have put it. A layer with an MoE block keeps the block op by op (its routing is stateful
+  around a verify call), after the compiled mixer;
+- an attention decoder layer keeps its attention op by op (its KV cache's write position is a Python int) and
+  runs its residuals and dense MLP after it as one compiled call.
+
+The same ops in the same order: on this CPU the outputs are the op-by-op layers' bits (tests/engine/
+test_compiled_layers.py); where MLX fuses elementwise ops in a compiled graph on a GPU, ``bench/compiled_step.py``
+says whether the bits stay. Not compiled: prompt chunks (their lengths vary), batches of several sequences, a
+tensor-sharded model (its all-reduces), a batch-invariant step, masks and per-sequence lengths.
+
+A traced function bakes in the Python path it took, so the functions are kept per layer and per everything that
+changes that path at run time: the benchmarks' kernel switches (``layers.QGEMV_ON``, ``GDN_KERNEL_ON``,
+``COMPILED_ROWS``) and the model's verify state (``set_verify_mode``: MoE routing, per-row products).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+from . import layers
+from .layers import RollbackArraysCache, SparseMoeBlock
+
+log = logging.getLogger(__name__)
+
+# off (default: to be measured on the GPU first), "cuda" (also "1": on MLX CUDA), "always" (any device: the tests,
+# A/B on the CPU)
+MODE = {"1": "cuda", "cuda": "cuda", "always": "always"}.get(os.environ.get("EXO_COMPILED_LAYERS", ""), "off")
+
+# A call of more rows is a prompt chunk: op by op (a trace per length would be compiled once and rarely used again)
+MAX_ROWS = 8
+
+
+def mode_key(model: Any) -> tuple[Any, ...] | None:
+    """The run-time state the compiled functions of ``model``'s layers depend on, or None where nothing is compiled
+    now (off, another device, a tensor-sharded model, a batch-invariant step)."""
+    if MODE == "off" or (MODE == "cuda" and not (mx.default_device() == mx.gpu and mx.cuda.is_available())):
+        return None
+    state = model.__dict__
+    if state.get("tensor_share") is not None or state.get("_batch_invariant_on"):
+        return None
+    verify = state.get("_verify_state", (None, False, False))
+    return (layers.QGEMV_ON, layers.GDN_KERNEL_ON, layers.COMPILED_ROWS, verify)
+
+
+def call(layer: Any, x: mx.array, mask: Any, cache: Any, key: tuple[Any, ...]) -> mx.array:
+    """``layer(x, mask=mask, cache=cache)``, through compiled calls where they apply (``key``: ``mode_key``)."""
+    batch, rows = x.shape[0], x.shape[1]
+    if batch != 1 or rows > MAX_ROWS or mask is not None or layer.training:
+        return layer(x, mask=mask, cache=cache)
+    dense = not isinstance(layer.mlp, SparseMoeBlock) and not hasattr(layer.mlp, "switch_mlp")
+    if not layer.is_linear:
+        if not dense:
+            return layer(x, mask=mask, cache=cache)
+        r = layer.self_attn(layer.input_layernorm(x), mask, cache)
+        tail = _compiled(layer, ("tail", key), lambda: _tail(layer))
+        if tail is not None:
+            try:
+                return tail(x, r)
+            except Exception as e:  # noqa: BLE001 - MLX could not trace it: op by op from now on
+                _give_up(layer, ("tail", key), e)
+        h = x + r
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+    recording = layers._recording(cache)
+    if (not isinstance(cache, RollbackArraysCache) or cache[0] is None or cache[1] is None
+            or cache.lengths is not None or cache.capture_at or not (rows == 1 or recording)):
+        return layer(x, mask=mask, cache=cache)
+    structure: dict[tuple[int, ...], tuple[bool, bool, int, bool]] = _compiled(
+        layer, ("gdn-structure", recording, dense, key), dict)
+    name = ("gdn", recording, dense, key)
+    step = _compiled(layer, name, lambda: _gdn_step(layer, recording, dense, structure))
+    if step is None:
+        return layer(x, mask=mask, cache=cache)
+    try:
+        outputs = step(x, cache[0], cache[1])  # (nothing written into the cache before it returns)
+    except Exception as e:  # noqa: BLE001 - MLX could not trace it: op by op from now on
+        _give_up(layer, name, e)
+        return layer(x, mask=mask, cache=cache)
+    new_window, new_state, states, has_after = structure[tuple(x.shape)]
+    h, rest = outputs[0], list(outputs[1:])
+    if new_window:
+        cache[0] = rest.pop(0)
+    if new_state:
+        cache[1] = rest.pop(0)
+    if recording:
+        conv_input, recorded, after = rest[0], rest[1 : 1 + states], rest[1 + states] if has_after else None
+        cache.record(conv_input, recorded, after=after)
+    cache.advance(rows)
+    return h if dense else h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def _compiled(layer: Any, name: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+    found = layer.__dict__.setdefault("_compiled_layer_steps", {})  # (not a child module: no parameters)
+    if name not in found:
+        found[name] = make()
+    return found[name]
+
+
+def _give_up(layer: Any, name: tuple[Any, ...], error: Exception) -> None:
+    """A compiled call that failed (MLX 0.32's compile raised ``IndexError: _Map_base::at`` tracing an MLP whose
+    products run row by row in a verify call, on this CPU): that layer's calls of that kind go op by op."""
+    layer.__dict__["_compiled_layer_steps"][name] = None
+    log.warning("a compiled %s call of a decoder layer failed (%s: %s): op by op from now on", name[0],
+                type(error).__name__, str(error)[:200])
+
+
+def _tail(layer: Any) -> Callable[[mx.array, mx.array], mx.array]:
+    """An attention decoder layer after its attention: residual, norm, dense MLP, residual."""
+    mlp, norm = layer.mlp, layer.post_attention_layernorm
+
+    def tail(x: mx.array, r: mx.array) -> mx.array:
+        h = x + r
+        return h + mlp(norm(h))
+
+    return mx.compile(tail)
+
+
+def _gdn_step(layer: Any, recording: bool, dense: bool,
+              structure: dict[tuple[int, ...], tuple[bool, bool, int, bool]]) -> Callable[..., list[mx.array]]:
+    """A GatedDeltaNet decoder layer's call on a cache of (``window``, ``state``), recording or not: the hidden
+    rows out (after the dense MLP, or before an MoE block), then what the layer wrote into its cache, in the order
+    ``structure[x.shape]`` says (set while the function is traced: which of window and state it set, how many
+    recorded states, whether a stacked ``after``)."""
+
+    def step(x: mx.array, window: mx.array, state: mx.array) -> list[mx.array]:
+        cache = RollbackArraysCache()
+        cache[0], cache[1] = window, state
+        cache.recording = recording
+        h = x + layer.linear_attn(layer.input_layernorm(x), None, cache)
+        if dense:
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        out = [h]
+        new_window, new_state = cache[0] is not window, cache[1] is not state
+        out += [a for a, new in ((cache[0], new_window), (cache[1], new_state)) if new]
+        states, has_after = 0, False
+        if recording:
+            assert cache._conv_input is not None and cache._states is not None
+            states, has_after = len(cache._states), cache._after is not None
+            out += [cache._conv_input, *cache._states, *([cache._after] if has_after else [])]
+        structure[tuple(x.shape)] = (new_window, new_state, states, has_after)
+        return out
+
+    return mx.compile(step)
