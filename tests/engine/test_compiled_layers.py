@@ -34,8 +34,8 @@ def _traced(engine: Engine) -> dict[tuple, set]:
         for name, value in steps.items():
             if name[0] == "gdn-structure":
                 found.setdefault(("gdn", name[1]), set()).update(value)
-            elif name[0] == "tail":
-                found.setdefault(("tail",), set())
+            elif name[0] in ("tail", "heads", "after-attention") and value is not None:
+                found.setdefault((name[0],), set())
     return found
 
 
@@ -44,12 +44,20 @@ def _forget(engine: Engine) -> None:
         layer.__dict__.pop("_compiled_layer_steps", None)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("dtype", "paths"), [("float32", "cpu"), ("bfloat16", "cpu"), ("bfloat16", "cuda")])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_compiled_step_and_verify_call_give_the_op_by_op_bits(checkpoint, arch, dtype, monkeypatch):
+def test_a_compiled_step_and_verify_call_give_the_op_by_op_bits(checkpoint, arch, dtype, paths, monkeypatch):
     """One decode step and one recorded verify call of 3 rows, op by op and compiled, from the same caches: the
-    hidden states, every cache array after, and the verify call's recorded rows are the same bits."""
+    hidden states, every cache array after, and the verify call's recorded rows are the same bits. ``cuda``: the
+    layers wired as on MLX CUDA (exo's GatedDeltaNet step kernel and attention kernel, their references standing in
+    on this CPU: a verify call's states recorded stacked, the attention's projections and output compiled apart;
+    in bfloat16, the kernels' type)."""
+    if paths == "cuda":
+        monkeypatch.setenv("EXO_GDN_KERNEL", "always")
+        monkeypatch.setenv("EXO_ATTN_KERNEL", "always")
     engine = _engine(checkpoint(arch, dtype=dtype))
+    if paths == "cuda":
+        assert engine.loaded.gdn and engine.loaded.attn and all(v.startswith("ok") for v in engine.loaded.gdn.values())
     forward, model = engine.forward, engine.model
     cache = forward.new_cache()
     mx.eval(forward.hidden(mx.array([_prompt(engine, 13)], dtype=mx.uint32), cache))
@@ -91,14 +99,22 @@ def test_a_compiled_step_and_verify_call_give_the_op_by_op_bits(checkpoint, arch
     traced = _traced(engine)
     assert traced[("gdn", False)] == {(1, 1, model.hidden_size)}  # the decode step went through the compiled layers
     assert traced[("gdn", True)] == {(1, 3, model.hidden_size)}  # so did the verify call's rows
-    assert (("tail",) in traced) == (arch == "qwen3_5")  # attention layers' dense MLPs (the MoE fixtures: none)
+    # attention layers' dense MLPs (the MoE fixtures: none), around the attention kernel where it runs
+    dense_attention = arch == "qwen3_5"
+    assert (("tail",) in traced) == (dense_attention and paths == "cpu")
+    assert (("heads",) in traced and ("after-attention",) in traced) == (dense_attention and paths == "cuda")
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_compiled_layers_decode_as_before_and_mtp_stays_exact(checkpoint, arch, monkeypatch):
+@pytest.mark.parametrize(("arch", "dtype", "paths"), [*((a, "float32", "cpu") for a in ARCHS),
+                                                      ("qwen3_5", "bfloat16", "cuda"), ("qwen3_next", "bfloat16", "cuda")])
+def test_compiled_layers_decode_as_before_and_mtp_stays_exact(checkpoint, arch, dtype, paths, monkeypatch):
     """Greedy plain decoding through compiled layers gives the op-by-op tokens; native MTP at K = 1, 3 and
-    adaptive gives plain decoding's tokens through them, its verify calls' rows compiled too."""
-    engine = _engine(checkpoint(arch, dtype="float32"))
+    adaptive gives plain decoding's tokens through them, its verify calls' rows compiled too. ``cuda``: wired as
+    on MLX CUDA (the kernels' references standing in, as in the test above)."""
+    if paths == "cuda":
+        monkeypatch.setenv("EXO_GDN_KERNEL", "always")
+        monkeypatch.setenv("EXO_ATTN_KERNEL", "always")
+    engine = _engine(checkpoint(arch, dtype=dtype))
     prompts = [_prompt(engine, n) for n in (CHUNK - 1, 2 * CHUNK + 3)]
 
     def greedy(prompt: list[int], **request) -> list[int]:

@@ -12,7 +12,9 @@ function is traced once per shape; a call replays its graph in C++, without the 
   as the layer would have put it. A layer with an MoE block keeps the block op by op (its routing is stateful
   around a verify call), after the compiled mixer;
 - an attention decoder layer keeps its attention op by op (its KV cache's write position is a Python int) and
-  runs its residuals and dense MLP after it as one compiled call.
+  runs its residuals and dense MLP after it as one compiled call; where its attention takes exo's kernel (MLX
+  CUDA's decode steps and verify rows), its norm and projections are one compiled call too, rope, the KV write
+  and the kernel op by op, and the output gate and projection join the call after.
 
 The same ops in the same order: on this CPU the outputs are the op-by-op layers' bits (tests/engine/
 test_compiled_layers.py); where MLX fuses elementwise ops in a compiled graph on a GPU, ``bench/compiled_step.py``
@@ -34,7 +36,7 @@ from typing import Any
 import mlx.core as mx
 
 from . import layers
-from .layers import RollbackArraysCache, SparseMoeBlock
+from .layers import Attention, RollbackArraysCache, SparseMoeBlock
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +69,10 @@ def call(layer: Any, x: mx.array, mask: Any, cache: Any, key: tuple[Any, ...]) -
     if not layer.is_linear:
         if not dense:
             return layer(x, mask=mask, cache=cache)
-        r = layer.self_attn(layer.input_layernorm(x), mask, cache)
+        attention = layer.self_attn
+        if isinstance(attention, Attention) and attention.kernel_applies(cache, mask, batch, rows):
+            return _attention_layer(layer, attention, x, cache, key)
+        r = attention(layer.input_layernorm(x), mask, cache)
         tail = _compiled(layer, ("tail", key), lambda: _tail(layer))
         if tail is not None:
             try:
@@ -117,6 +122,43 @@ def _give_up(layer: Any, name: tuple[Any, ...], error: Exception) -> None:
     layer.__dict__["_compiled_layer_steps"][name] = None
     log.warning("a compiled %s call of a decoder layer failed (%s: %s): op by op from now on", name[0],
                 type(error).__name__, str(error)[:200])
+
+
+def _attention_layer(layer: Any, attention: Attention, x: mx.array, cache: Any, key: tuple[Any, ...]) -> mx.array:
+    """An attention decoder layer whose attention takes exo's kernel (MLX CUDA's decode step and verify rows): its
+    norm and projections one compiled call, rope, the KV cache's write and the kernel op by op (positions are
+    Python ints), then the output gate and projection, the residuals and the dense MLP one compiled call."""
+    from ..kernels.cuda_attn import attend_rows
+
+    heads = _compiled(layer, ("heads", key), lambda: mx.compile(lambda x: attention.heads(layer.input_layernorm(x))))
+    if heads is None:
+        return layer(x, mask=None, cache=cache)
+    try:
+        projected = heads(x)
+    except Exception as e:  # noqa: BLE001 - MLX could not trace it: op by op from now on
+        _give_up(layer, ("heads", key), e)
+        return layer(x, mask=None, cache=cache)
+    queries, _, _, gate = attention.place(*projected, cache)  # (the cache's buffers hold the new keys now)
+    output = attend_rows(queries, cache.keys, cache.values, cache.offset, attention.scale)
+    after = _compiled(layer, ("after-attention", key), lambda: _after_attention(layer))
+    if after is not None:
+        try:
+            return after(x, output, gate)
+        except Exception as e:  # noqa: BLE001 - MLX could not trace it: op by op from now on
+            _give_up(layer, ("after-attention", key), e)
+    h = x + attention.gated_output(output, gate)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def _after_attention(layer: Any) -> Callable[[mx.array, mx.array, mx.array], mx.array]:
+    """An attention decoder layer after its kernel: output gate and projection, residual, norm, MLP, residual."""
+    attention, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+
+    def after(x: mx.array, output: mx.array, gate: mx.array) -> mx.array:
+        h = x + attention.gated_output(output, gate)
+        return h + mlp(norm(h))
+
+    return mx.compile(after)
 
 
 def _tail(layer: Any) -> Callable[[mx.array, mx.array], mx.array]:

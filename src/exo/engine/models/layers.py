@@ -1176,7 +1176,7 @@ class Attention(Qwen3NextAttention):
 
             queries, _, _, gate = self._project(x, cache)  # (the cache's buffers hold the new keys now)
             output = attend_rows(queries, cache.keys, cache.values, cache.offset, self.scale)
-            return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate))
+            return self.gated_output(output, gate)
         if cache is None or not self.per_row or L == 1:
             if self.cpu_linear is None and self.fused_inputs is None:
                 return super().__call__(x, mask, cache)
@@ -1199,6 +1199,11 @@ class Attention(Qwen3NextAttention):
     def _project(self, x: mx.array, cache: Any) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """Queries, keys and values [B, heads, T, D] of ``x`` (rope applied at the cache's offsets, the keys and
         values stored and fetched: every key of the cache) and the output gate, as the stock call computes them."""
+        return self.place(*self.heads(x), cache)
+
+    def heads(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """``_project``'s part before the positions: queries, keys, values [B, heads, T, D] normed, without rope,
+        and the output gate (a function of ``x`` alone: ``compiled_layers`` compiles it)."""
         B, L, _ = x.shape
         if self.fused_inputs is not None:
             q, keys, values = mx.split(self.qkv_proj(x), self.fused_inputs, axis=-1)
@@ -1209,12 +1214,27 @@ class Attention(Qwen3NextAttention):
         queries = self.q_norm(queries).transpose(0, 2, 1, 3)
         keys = self.k_norm(keys.reshape(B, L, self.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
         values = values.reshape(B, L, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+        return queries, keys, values, gate
+
+    def place(self, queries: mx.array, keys: mx.array, values: mx.array, gate: mx.array,
+              cache: Any) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """``_project``'s part at the positions: rope at the cache's offset, the keys and values stored and every
+        key of the cache fetched."""
         if cache is None:  # (a call without a cache: from position 0, as the stock call's)
             return self.rope(queries), self.rope(keys), values, gate
         queries = self.rope(queries, offset=cache.offset)
         keys = self.rope(keys, offset=cache.offset)
         keys, values = cache.update_and_fetch(keys, values)
         return queries, keys, values, gate
+
+    def kernel_applies(self, cache: Any, mask: Any, batch: int, rows: int) -> bool:
+        """Whether a call takes exo's decode-attention kernel (``cuda_attn.attend_rows``)."""
+        return self.attn_kernel and ATTN_KERNEL_ON and _attn_kernel_applies(cache, mask, batch, rows)
+
+    def gated_output(self, output: mx.array, gate: mx.array) -> mx.array:
+        """The attention's rows [B, Hq, T, D] through the output gate and projection."""
+        B, _, L, _ = output.shape
+        return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate))
 
     def _per_sequence(self, x: mx.array, cache: BatchKVCache) -> mx.array:
         """A batch's call where each sequence's attention runs as its solo call would: its own keys without the
