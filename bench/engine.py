@@ -5,7 +5,8 @@
 (``exo bench MODEL --baseline`` adds native MTP at every depth and adaptive to the same comparison.)
 
 For each repeat and each of ``exo bench``'s prompts: stock mlx-lm (its own model classes on the same
-checkpoint directory), then exo plain decoding, then exo plain decoding on MLX's ops: its GatedDeltaNet rows
+checkpoint directory), then exo's rows in an order that rotates from prompt to prompt: exo plain decoding, exo plain
+decoding on MLX's ops: its GatedDeltaNet rows
 uncompiled and off exo's step kernel, its quantized products MLX's (``EXO_GDN_COMPILED=0``, ``EXO_GDN_KERNEL=0``,
 ``EXO_QGEMV=0``: ops as stock runs them; the same on devices other than CUDA), EOS ignored. The header says which
 of exo's own kernels loaded (their load-time checks; on MLX CUDA only). Prints the median tokens/s of each (first to
@@ -79,13 +80,18 @@ def run(args: argparse.Namespace, report: dict) -> None:
     tps: dict[str, list[float]] = {"stock": [], "exo": [], "exo, MLX's ops": []}
     if args.compiled_layers:
         tps["exo, compiled layers"] = []
+    runs = {"exo": lambda p: exo(p), "exo, MLX's ops": lambda p: exo(p, False),
+            "exo, compiled layers": lambda p: exo(p, compiled_steps=True)}
+    turn = 0
     for _ in range(args.repeats):
         for prompt in prompts:
             tps["stock"].append(stock.decode(prompt, args.max_tokens, 0.0)[0])
-            tps["exo"].append(exo(prompt))
-            tps["exo, MLX's ops"].append(exo(prompt, False))
-            if args.compiled_layers:
-                tps["exo, compiled layers"].append(exo(prompt, compiled_steps=True))
+            # exo's rows in a rotating order after stock's (the one right after stock ran measurably slower on a
+            # CPU: an order effect, not a row's own speed)
+            names = [name for name in tps if name != "stock"]
+            for name in names[turn % len(names):] + names[: turn % len(names)]:
+                tps[name].append(runs[name](prompt))
+            turn += 1
     print(f"{args.model}: {len(tps['stock'])} pairs of {args.max_tokens} tokens; median tokens/s "
           + ", ".join(f"{name} {statistics.median(v):.1f}" for name, v in tps.items()))
     report.update(model=args.model, device=device_name(), max_tokens=args.max_tokens, pairs=len(tps["stock"]),
