@@ -20,6 +20,7 @@ import pstats
 import time
 
 import mlx.core as mx
+from common import add_emulate_argument, emulate_cuda  # bench/ is this script's folder
 
 from exo.engine import forward as forward_module
 from exo.engine import load
@@ -34,13 +35,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--top", type=int, default=30)
-    parser.add_argument("--emulate-cuda", action="store_true",
-                        help="on a machine without a GPU, MLX CUDA's code paths with exo's launches stubbed "
-                             "(bench/common.py emulate_cuda: builds only)")
+    add_emulate_argument(parser)
     args = parser.parse_args()
     if args.emulate_cuda:
-        from common import emulate_cuda  # bench/ is this script's folder
-
         emulate_cuda()
     engine = load(args.model)
     if not args.emulate_cuda:

@@ -227,6 +227,13 @@ def format_trace(t: dict[str, Any] | None) -> str:
 # copying the binary into the primitive, the launch at evaluation) is not here. Never part of exo itself.
 
 
+def add_emulate_argument(parser: argparse.ArgumentParser) -> None:
+    """``--emulate-cuda`` (the script then calls ``emulate_cuda`` before it loads the model)."""
+    parser.add_argument("--emulate-cuda", action="store_true",
+                        help="on a machine without a GPU, MLX CUDA's code paths with exo's launches stubbed "
+                             "(bench/common.py emulate_cuda: builds only)")
+
+
 def emulate_cuda() -> None:
     """Install the emulation (before the model is loaded: the loader decides the kernels)."""
     import mlx.core as mx

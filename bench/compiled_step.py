@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 import mlx.core as mx
+from common import add_emulate_argument, emulate_cuda  # bench/ is this script's folder
 
 from exo.engine import forward as forward_module
 from exo.engine import load
@@ -153,13 +154,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--parts", nargs="+", default=["gdn,mlp", "layer"],
                         help="each a row: comma-separated parts of gdn, mlp, layer")
-    parser.add_argument("--emulate-cuda", action="store_true",
-                        help="on a machine without a GPU, MLX CUDA's code paths with exo's launches stubbed "
-                             "(bench/common.py emulate_cuda: builds only)")
+    add_emulate_argument(parser)
     args = parser.parse_args()
     if args.emulate_cuda:
-        from common import emulate_cuda  # bench/ is this script's folder
-
         emulate_cuda()
     engine = load(args.model)  # (no warm-up: plain steps only, their kernels built by the warm pass below)
     model, forward = engine.model, engine.forward
