@@ -5,9 +5,10 @@ took 5.6 ms of a ~9.5 ms step on an H200 (``bench/build_profile.py``), and a spe
 where plain steps overlap it (issue 50's K = 1 round), as is each pipeline stage's (issue 51). An ``mx.compile``d
 function is traced once per shape; a call replays its graph in C++, without the Python. Here:
 
-- a GatedDeltaNet decoder layer's call of one sequence (a decode step's row, or a verify call's recorded rows, at
-  most ``MAX_ROWS``) is one compiled call of (hidden rows, conv window, recurrent state): its norms, mixer (the same
-  path the layer takes op by op: exo's step kernel on MLX CUDA), residuals and dense MLP. What the layer writes
+- a GatedDeltaNet decoder layer's call of a decode step's rows, or of a verify call's recorded rows (at most
+  ``MAX_ROWS`` a sequence; of one sequence or a batch's, a trace per batch size) is one compiled call of (hidden
+  rows, conv window, recurrent state): its norms, mixer (the same path the layer takes op by op: exo's step
+  kernel on MLX CUDA), residuals and dense MLP. What the layer writes
   into its cache (window, state, a verify call's recorded rows) comes out of the call and goes into the real cache
   as the layer would have put it. A layer with an MoE block keeps the block op by op (its routing is stateful
   around a verify call), after the compiled mixer;
@@ -18,8 +19,9 @@ function is traced once per shape; a call replays its graph in C++, without the 
 
 The same ops in the same order: on this CPU the outputs are the op-by-op layers' bits (tests/engine/
 test_compiled_layers.py); where MLX fuses elementwise ops in a compiled graph on a GPU, ``bench/compiled_step.py``
-says whether the bits stay. Not compiled: prompt chunks (their lengths vary), batches of several sequences, a
-tensor-sharded model (its all-reduces), a batch-invariant step, masks and per-sequence lengths.
+says whether the bits stay. Not compiled: prompt chunks (their lengths vary), a tensor-sharded model (its
+all-reduces), a batch-invariant step, a GatedDeltaNet call under a mask or per-sequence lengths (a batch's
+prefill); a batch's attention runs under its mask op by op, its residuals and MLP compiled after it.
 
 A traced function bakes in the Python path it took, so the functions are kept per layer and per everything that
 changes that path at run time: the benchmarks' kernel switches (``layers.QGEMV_ON``, ``GDN_KERNEL_ON``,
@@ -63,7 +65,7 @@ def mode_key(model: Any) -> tuple[Any, ...] | None:
 def call(layer: Any, x: mx.array, mask: Any, cache: Any, key: tuple[Any, ...]) -> mx.array:
     """``layer(x, mask=mask, cache=cache)``, through compiled calls where they apply (``key``: ``mode_key``)."""
     batch, rows = x.shape[0], x.shape[1]
-    if batch != 1 or rows > MAX_ROWS or mask is not None or layer.training:
+    if rows > MAX_ROWS or layer.training:
         return layer(x, mask=mask, cache=cache)
     dense = not isinstance(layer.mlp, SparseMoeBlock) and not hasattr(layer.mlp, "switch_mlp")
     if not layer.is_linear:
@@ -72,7 +74,7 @@ def call(layer: Any, x: mx.array, mask: Any, cache: Any, key: tuple[Any, ...]) -
         attention = layer.self_attn
         if isinstance(attention, Attention) and attention.kernel_applies(cache, mask, batch, rows):
             return _attention_layer(layer, attention, x, cache, key)
-        r = attention(layer.input_layernorm(x), mask, cache)
+        r = attention(layer.input_layernorm(x), mask, cache)  # (a batch's attention under its mask)
         tail = _compiled(layer, ("tail", key), lambda: _tail(layer))
         if tail is not None:
             try:
@@ -82,7 +84,7 @@ def call(layer: Any, x: mx.array, mask: Any, cache: Any, key: tuple[Any, ...]) -
         h = x + r
         return h + layer.mlp(layer.post_attention_layernorm(h))
     recording = layers._recording(cache)
-    if (not isinstance(cache, RollbackArraysCache) or cache[0] is None or cache[1] is None
+    if (mask is not None or not isinstance(cache, RollbackArraysCache) or cache[0] is None or cache[1] is None
             or cache.lengths is not None or cache.capture_at or not (rows == 1 or recording)):
         return layer(x, mask=mask, cache=cache)
     structure: dict[tuple[int, ...], tuple[bool, bool, int, bool]] = _compiled(
