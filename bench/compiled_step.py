@@ -12,9 +12,9 @@ plain decode step and its logits (nothing evaluated; the caches put back after e
 and ms per step of ``--steps`` greedy decode steps evaluated one by one (build + evaluation), op by op and compiled;
 then whether the compiled steps' logits are the op-by-op steps' bits (greedy tokens and every logit), which a
 compiled function may not keep where MLX fuses elementwise ops. ``--parts``: which layers' parts to compile: "gdn"
-(a GatedDeltaNet layer's mixer), "mlp", or "layer": a GatedDeltaNet decoder layer whole (its norms, mixer,
-residuals and MLP: one call a layer) and an attention layer's residuals and MLP after its attention (which stays
-op by op); the rows name each set, e.g. ``--parts gdn,mlp layer`` (default) times op by op and both.
+(a GatedDeltaNet layer's mixer), "mlp", or "layer": the engine's compiled layers (``models.compiled_layers``,
+``EXO_COMPILED_LAYERS``: a GatedDeltaNet decoder layer whole, an attention layer's parts around its attention);
+the rows name each set, e.g. ``--parts gdn,mlp layer`` (default) times op by op and both.
 ``--emulate-cuda``: on a machine without a GPU, MLX CUDA's code paths with exo's launches stubbed
 (``bench/common.py`` ``emulate_cuda``): builds only, the host's Python and MLX's graph for the GPU's ops.
 """
@@ -33,6 +33,7 @@ from exo.engine import forward as forward_module
 from exo.engine import load
 from exo.engine.ahead import Snapshot
 from exo.engine.costs import device_name
+from exo.engine.models import compiled_layers
 
 
 class _Arrays:
@@ -87,51 +88,10 @@ def compile_layers(model: Any, parts: set[str]) -> list[tuple[Any, str, Any]]:
     return restore
 
 
-class _WholeLayer:
-    """A decoder layer whose decode step is compiled calls (``--parts layer``): a GatedDeltaNet layer's step one
-    call of (row, conv window, state); an attention layer's residuals and MLP one call after its attention."""
-
-    def __init__(self, layer: Any) -> None:
-        self.layer, self.is_linear = layer, layer.is_linear
-        kind = type(layer)
-        if layer.is_linear:
-            def step(x: mx.array, window: mx.array, state: mx.array) -> tuple[mx.array, ...]:
-                arrays = _Arrays(window, state)
-                out = kind.__call__(layer, x, None, arrays)
-                return out, arrays[0], arrays[1]
-
-            self.step = mx.compile(step)
-        else:
-            mlp, norm = layer.mlp, layer.post_attention_layernorm
-            self.tail = mx.compile(lambda x, r: (h := x + r) + mlp(norm(h)))
-
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        layer = self.layer
-        if not self.is_linear:
-            return self.tail(x, layer.self_attn(layer.input_layernorm(x), mask, cache))
-        if (mask is None and cache is not None and cache[0] is not None and cache[1] is not None
-                and x.shape[1] == 1 and not getattr(cache, "recording", False) and cache.lengths is None):
-            out, cache[0], cache[1] = self.step(x, cache[0], cache[1])
-            cache.advance(1)
-            return out
-        return layer(x, mask, cache)
-
-
-def compile_whole_layers(model: Any) -> list[tuple[Any, str, Any]]:
-    """Swap each of ``model``'s layers for a ``_WholeLayer`` in its list; returns what to put back."""
-    layers = model.text_model.layers
-    restore: list[tuple[Any, str, Any]] = []
-    for i, layer in enumerate(layers):
-        if layer is not None:
-            restore.append((layers, str(i), layer))
-            layers[i] = _WholeLayer(layer)
-    return restore
-
-
 def put_back(restore: list[tuple[Any, str, Any]]) -> None:
     for obj, name, original in reversed(restore):
-        if isinstance(obj, list):
-            obj[int(name)] = original
+        if obj is compiled_layers:
+            compiled_layers.MODE = original
             continue
         object.__delattr__(obj, name)
         assert getattr(obj, name) is original
@@ -141,8 +101,10 @@ def swap(model: Any, parts: set[str]) -> list[tuple[Any, str, Any]]:
     """Compile ``parts`` of ``model``'s layers ("op by op": none); what to put back."""
     if not parts:
         return []
-    if "layer" in parts:
-        return compile_whole_layers(model)
+    if "layer" in parts:  # the engine's own (``models.compiled_layers``), switched on
+        restore = [(compiled_layers, "MODE", compiled_layers.MODE)]
+        compiled_layers.MODE = "always"
+        return restore
     return compile_layers(model, parts)
 
 

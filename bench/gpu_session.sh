@@ -200,7 +200,7 @@ for p in "$@"; do
     # issue 50: a decode step with each GatedDeltaNet layer's step and each MLP one mx.compile'd call, then each
     # GatedDeltaNet decoder layer whole (and each attention layer's residuals + MLP), against op by op: the host's
     # build, the step built and evaluated, the same bits? (on this CPU's path no gain; along MLX CUDA's paths
-    # emulated here, --emulate-cuda: build 0.68x and 0.65x)
+    # emulated here, --emulate-cuda: build 0.67x and, the engine's compiled layers, 0.55x)
     compiledstep) phase compiledstep $PY bench/compiled_step.py "$Q9" --parts mlp gdn,mlp layer \
                       $([ "$CPU" = 1 ] && echo --repeats 5 --steps 2 || echo --repeats 50 --steps 16) ;;
     buildprof) phase buildprof $PY bench/build_profile.py "$Q9" --rows 1 2 4 --repeats 50 --top 30 ;;
