@@ -174,7 +174,7 @@ def prompt_part(args: argparse.Namespace, layer, hidden: int, window0: mx.array,
 
         row: dict = {"rows": t}
         limit = model_layers.PROMPT_KERNEL_MAX_ROWS
-        model_layers.PROMPT_KERNEL_MAX_ROWS = max(limit, t)  # the kernel at every length here
+        model_layers.PROMPT_KERNEL_MAX_ROWS = None  # the kernel at every length here
         try:
             for v in variants:
                 cuda_gdn.PROMPT_VARIANT = v

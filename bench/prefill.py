@@ -246,9 +246,10 @@ def model_phase(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
         # steps in their kernel where usable, as MLX ops elsewhere)
         modes = {("chunked", True, limit, form): f"exo chunked{'+kernel' if kernel else ''}, chunk {c}"}
         if prompt_kernel:  # the default on MLX CUDA: a call of <= limit rows in one launch a layer (gdn_prompt)
-            modes[("auto", True, limit, form)] = f"exo default (prompt kernel <= {limit}), chunk {c}"
+            reach = "every call" if limit is None else f"<= {limit}"
+            modes[("auto", True, limit, form)] = f"exo default (prompt kernel form {form}, {reach}), chunk {c}"
             for variant in (1, 2):  # the kernel for every call, however long, in each form, in one process
-                if c > limit or variant != form:
+                if (limit is not None and c > limit) or variant != form:
                     modes[("auto", True, c, variant)] = f"exo prompt kernel form {variant}, chunk {c}"
         if dense:  # the same default with MLX's quantized products (EXO_PROMPT_DENSE=off)
             modes[("auto", False, limit, form)] = f"exo default, qmm, chunk {c}"

@@ -149,8 +149,9 @@ def test_prompts_and_batch_invariant_steps_stay_op_by_op_and_a_batch_s_step_comp
     finally:
         model.set_batch_invariant(False)
     assert compiled_layers.mode_key(model) is not None
-    monkeypatch.setattr(compiled_layers, "MODE", "cuda")  # the default of "1": this CPU is not MLX CUDA
+    monkeypatch.setattr(compiled_layers, "MODE", "cuda")  # the default: this CPU is not MLX CUDA
     assert compiled_layers.mode_key(model) is None
+    assert compiled_layers.describe() == "cuda (off here)"
     two = forward.new_cache()
     mx.eval(forward.hidden(mx.array([_prompt(engine, 5), _prompt(engine, 9)[4:]], dtype=mx.uint32), two))
     snapshot = Snapshot(two)
@@ -210,7 +211,15 @@ def test_a_layer_mlx_cannot_trace_goes_op_by_op_and_mtp_stays_exact(checkpoint, 
             assert engine.complete(GenerationRequest(prompt, max_tokens=16, mtp_k=depth)).token_ids == plain, depth
     gave_up = [(layer, name) for layer in engine.model.stage_layers
                for name, step in layer.__dict__.get("_compiled_layer_steps", {}).items() if step is None]
-    # verify calls only (recording; an attention layer's MLP after its attention, under the verify state)
-    assert gave_up and all(name[1] if name[0] == "gdn" else name[1][-1][0] is not None for _, name in gave_up)
+    # verify calls only (recording; an attention layer's MLP after its attention, under the verify state: the key's
+    # fourth part, ``mode_key``)
+    assert gave_up and all(name[1] if name[0] == "gdn" else name[1][3][0] is not None for _, name in gave_up)
     assert "op by op from now on" in caplog.text
     assert _traced(engine)[("gdn", False)]  # the decode steps stayed compiled
+
+
+def test_the_setting_defaults_to_mlx_cuda_and_switches_off():
+    """``EXO_COMPILED_LAYERS``: unset (or ``1``, ``cuda``) is on MLX CUDA, ``0`` / ``off`` never, ``always`` anywhere."""
+    assert [compiled_layers.parse_mode(v) for v in ("", "1", "cuda", "CUDA")] == ["cuda"] * 4
+    assert [compiled_layers.parse_mode(v) for v in ("0", "off", " Off ")] == ["off"] * 3
+    assert compiled_layers.parse_mode("always") == "always"

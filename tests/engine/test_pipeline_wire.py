@@ -335,7 +335,9 @@ def test_which_wire_a_leader_chooses():
 
     assert graph_wire(Ops(), "graph") and not graph_wire(Ops(), "host")
     assert not graph_wire(NoOps(), "graph") and not graph_wire(object(), "graph")  # (a tensor group's, a test's link)
-    assert not graph_wire(Ops(), "auto")  # (opt-in until it runs on a GPU: see graph_wire)
+    assert graph_wire(Ops(), "auto", cuda=True) and not graph_wire(Ops(), "auto", cuda=False)  # (MLX CUDA: graph)
+    assert not graph_wire(NoOps(), "auto", cuda=True) and not graph_wire(Ops(), "host", cuda=True)
+    assert not graph_wire(Ops(), "auto")  # this CPU: the host wire
     with pytest.raises(ValueError, match="EXO_PIPELINE_WIRE"):
         graph_wire(Ops(), "fast")
 

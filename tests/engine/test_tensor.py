@@ -23,6 +23,7 @@ from exo.engine import load_checkpoint
 from exo.engine.sharding import (
     TensorShardingError,
     TensorShare,
+    member_process_settings,
     split_problem,
     tensor_node_counts,
 )
@@ -137,6 +138,35 @@ def test_tensor_greedy_mtp_equals_its_own_plain_decoding(checkpoint, arch, recor
         accepted += stats["accepted_tokens"]
     record_property("acceptance", accepted / drafted)
     assert drafted > 0 and 0 < accepted < drafted  # drafts were accepted and rejected: rollbacks on every member
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_a_tensor_group_through_compiled_layers_gives_its_op_by_op_tokens(checkpoint, arch):
+    """Every member's layers as compiled calls (``EXO_COMPILED_LAYERS=always``; MLX CUDA's default) with the group's
+    all-reduces inside them: plain decoding and native MTP give the op-by-op group's tokens; the members run with
+    MLX CUDA's graphs off (``sharding.member_process_settings``) unless told otherwise."""
+    path = checkpoint(arch, dtype="float32")
+    prompts = _prompts(path, (CHUNK - 1, CHUNK + 3))
+    requests = [{"prompt": p, "max_tokens": MAX_TOKENS, "ignore_eos": True, "native_mtp": "off"} for p in prompts]
+    requests += [{"prompt": p, "max_tokens": MAX_TOKENS, "ignore_eos": True, "mtp_k": 2, "native_mtp": "on"}
+                 for p in prompts]
+    op_by_op = run_local_tensor(path, 2, requests, prefill_chunk=CHUNK, timeout_s=300,
+                                stage_env=[{"EXO_COMPILED_LAYERS": "off"}, {"EXO_COMPILED_LAYERS": "off",
+                                                                             "MLX_USE_CUDA_GRAPHS": "1"}])
+    compiled = run_local_tensor(path, 2, requests, prefill_chunk=CHUNK, timeout_s=300,
+                                stage_env=[{"EXO_COMPILED_LAYERS": "always"}] * 2)
+    assert op_by_op["compiled_layers"] == 0 and compiled["compiled_layers"] > 0
+    assert op_by_op["cuda_graphs"] == "1" and compiled["cuda_graphs"] == "0"  # (the user's setting stays)
+    for request, a, b in zip(requests, op_by_op["results"], compiled["results"], strict=True):
+        assert b["token_ids"] == a["token_ids"], (len(request["prompt"]), request["native_mtp"])
+    assert sum(r["stats"]["drafted_tokens"] for r in compiled["results"]) > 0
+
+
+def test_a_tensor_members_process_settings_leave_the_users_alone():
+    env = {}
+    assert member_process_settings(env) == {"MLX_USE_CUDA_GRAPHS": "0"} and env == {"MLX_USE_CUDA_GRAPHS": "0"}
+    env = {"MLX_USE_CUDA_GRAPHS": "1"}
+    assert member_process_settings(env) == {} and env == {"MLX_USE_CUDA_GRAPHS": "1"}
 
 
 def test_a_tensor_batch_gives_every_member_its_solo_output(checkpoint):

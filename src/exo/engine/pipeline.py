@@ -107,21 +107,28 @@ OP_CODES = (ROLLBACK, JOIN, FILTER, DROP, STORE_END)
 # device waits for the bytes (MLX makes a GPU op wait on a CPU stream's output on the device), so a stage's
 # host builds while the stages before it compute: a step's path is the stages' device work and the hops.
 WIRE_HOST, WIRE_GRAPH = 0, 1
-WIRES = ("auto", "graph", "host")  # EXO_PIPELINE_WIRE: auto is the host wire for now (below)
+WIRES = ("auto", "graph", "host")  # EXO_PIPELINE_WIRE: auto is the graph wire on MLX CUDA, the host wire elsewhere
 
 
-def graph_wire(link: Any, setting: str | None = None) -> bool:
+def graph_wire(link: Any, setting: str | None = None, *, cuda: bool | None = None) -> bool:
     """Whether a pipeline's leader sends its steps on the graph wire (``WIRE_GRAPH``): where ``link`` has graph
     ops (the ring backend's send and receive) and ``setting`` (``EXO_PIPELINE_WIRE``: auto, graph, host) asks for
-    it. auto is the host wire: on a CPU the ring's receive polls a core while it waits, the core a stage computes
-    on; on 2 x H200 (MLX 0.32.4 CUDA) a 9B pipeline on the graph wire's first form stopped in its first requests
-    (2026-11-30, bench/results/h200x2-mlx-cuda-pipeline-graph-wire-2026-11-30.txt), where it runs on this CPU;
-    the present form (no device op waits for a receive on the device: ``hidden``) is not yet run on a GPU, and
-    ``bench/graph_wire.py`` runs both, on one GPU."""
+    it. auto is the graph wire on MLX CUDA (``cuda``: this process's device, None: look): on 2 x H200 (MLX 0.32.4)
+    a 9B pipeline of 2 stages with compiled layers ran 0.764x one GPU on it against 0.760x on the host wire, K = 1
+    0.799x against 0.778x, and one GPU's graph-wire patterns ran where the first form's leader (its receive
+    evaluated alone, a device wait on a CPU stream's output) stopped (bench/results/
+    h200-mlx-cuda-compiled-layers-prompt-form-graph-wire-9b-2026-11-30.txt,
+    h200x2-mlx-cuda-compiled-pipeline-tensor-no-graphs-2026-11-30.txt). Elsewhere
+    the host wire: on a CPU the ring's receive polls a core while it waits, the core a stage computes on (exo-demo
+    over 2 stages 0.45x one node on the graph wire, 0.66x on the host wire, on a 2-core AMD EPYC)."""
     setting = setting if setting is not None else os.environ.get("EXO_PIPELINE_WIRE", "auto")
     if setting not in WIRES:
         raise ValueError(f"EXO_PIPELINE_WIRE={setting!r}: one of {', '.join(WIRES)}")
-    return setting == "graph" and bool(getattr(link, "graph_ops", False))
+    if not getattr(link, "graph_ops", False) or setting == "host":
+        return False
+    if setting == "auto":
+        return mx.cuda.is_available() and mx.default_device() == mx.gpu if cuda is None else cuda
+    return True
 
 
 def _pack_rates(rates: tuple[int, int]) -> list[int]:

@@ -17,7 +17,10 @@ device queue does), request i joining before the batch's step join_at[i]; its re
 ``prefix_cache``: {"block_tokens": n, "min_snapshot_tokens": m} gives every member a prefix cache in memory;
 ``out["prefix"]`` then holds each member's figures (``PrefixStats``), the leader's last. ``collective_reps``: a tensor
 group first times its all-reduce alone (``out["collectives"]``, bench/tensor.py). ``out["wire"]``: how the
-pipeline's steps crossed its stages ("graph" or "host": ``EXO_PIPELINE_WIRE`` in ``stage_env``). A single
+pipeline's steps crossed its stages ("graph" or "host": ``EXO_PIPELINE_WIRE`` in ``stage_env``).
+``out["compiled_layers"]``: how many compiled functions the leader's layers traced (``models.compiled_layers``);
+``out["cuda_graphs"]``: the leader's ``MLX_USE_CUDA_GRAPHS`` (a tensor member's is "0": ``sharding.
+member_process_settings``). A single
 stage [(0, n)] runs the model whole in one process, for comparisons. ``links``: every stage's
 ``RingLink.report()`` (where its time went, per phase, over the whole run; ``EXO_PIPELINE_PHASES=1`` in a
 stage's environment times the ring's receives apart).
@@ -123,6 +126,7 @@ def _stage_main(spec_file: str, rank: int) -> None:
     from exo.downloads.heads import check_pending_head
     from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, load_checkpoint
     from exo.engine.constraints import ConstraintSpec, compile_grammar
+    from exo.engine.models import compiled_layers
     from exo.engine.pipeline import PipelineForward, StageSpec, serve_stage
     from exo.engine.prompt import prompt_tool_format
 
@@ -152,11 +156,12 @@ def _stage_main(spec_file: str, rank: int) -> None:
     collectives = None
     model = spec["models"][rank]
     if spec.get("sharding") == "tensor":
-        from exo.engine.sharding import TensorShare
+        from exo.engine.sharding import TensorShare, member_process_settings
         from exo.engine.tensor import TensorForward, serve_tensor
 
         from .group import DOORBELL_ONLY
 
+        member_process_settings()  # (before the process's first evaluation)
         share = TensorShare(None, rank, len(stages))
         loaded = load_checkpoint(model, tensor=share)  # this member's slices (the group is not needed to cut them)
         link = join_group(spec["hosts"], rank, secret=os.environ.get("EXO_CLUSTER_SECRET") or None,
@@ -226,7 +231,8 @@ def _stage_main(spec_file: str, rank: int) -> None:
     wire = None if forward is None else "graph" if forward.graph else "host"  # how its steps crossed the stages
     Path(spec["out"]).write_text(json.dumps({"results": results, "bytes": {"sent": sent, "received": received},
                                              "links": links, "prefix": prefix, "collectives": collectives,
-                                             "wire": wire}))
+                                             "wire": wire, "compiled_layers": compiled_layers.traced(loaded.model),
+                                             "cuda_graphs": os.environ.get("MLX_USE_CUDA_GRAPHS")}))
 
 
 def _time_collectives(model: Any, reps: int) -> dict[str, float] | None:

@@ -171,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         from ..engine.models import compiled_layers
 
         # what this load's device checks chose, and whether its decoder layers run as compiled calls
-        log.info("kernels: %s; compiled layers: %s", loaded.kernels(), compiled_layers.MODE)
+        log.info("kernels: %s; compiled layers: %s", loaded.kernels(), compiled_layers.describe())
         state.decode_bytes_per_s = _decode_rate(engine)
         state.ready(summary, engine)
         log.info("ready: %s", args.model_id)
@@ -386,8 +386,11 @@ def _load(args: argparse.Namespace, settings: Settings, state: RunnerState) -> t
     layers = (args.start_layer, args.end_layer) if args.world_size > 1 and not tensor else None
     share = None
     if tensor:
-        from exo.engine.sharding import TensorShare
+        from exo.engine.sharding import TensorShare, member_process_settings
 
+        changed = member_process_settings()  # (before the process's first evaluation)
+        if changed:
+            logging.getLogger(__name__).info("a tensor member: %s", ", ".join(f"{k}={v}" for k, v in changed.items()))
         share = TensorShare(None, args.rank, args.world_size)  # its group once joined (the slices need none)
     loaded, config = load_for_serving(resolved, settings, layers=layers, tensor=share)
     logging.getLogger(__name__).info("loaded %s in %.1f s (%s)", resolved.model_id, sum(loaded.load_seconds.values()),

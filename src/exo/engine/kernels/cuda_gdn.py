@@ -255,7 +255,8 @@ PROMPT_SOURCE = _fill(_PRELUDE, "", "", "", "TILE_ROWS") + r"""
 """
 
 
-# The prompt kernel, second form (``PROMPT_VARIANT`` 2; unmeasured on a GPU yet): the same rows, bit for bit, with
+# The prompt kernel, second form (``PROMPT_VARIANT`` 2, the default: the faster in a whole 9B prefill on an H200 at
+# 1,024-32,768 tokens, ``models.layers.PROMPT_KERNEL_MAX_ROWS``): the same rows, bit for bit, with
 # the preparation of the next tile overlapped with the rows of this one. The first form is latency-bound at ~1.6 us a
 # row a layer on an H200 (9B): one block of 4 warps per SM, each tile's conv (every row's window read from global
 # memory four times), norms and gate prepared between barriers before its rows step. Here a block has 4 stepping
@@ -375,9 +376,9 @@ def _prompt2_kernel() -> Any:
     return _gdn_kernel("exo_gdn_prompt2", PROMPT2_SOURCE, ["y", "state_after"])
 
 
-# Which form of the prompt kernel ``gdn_prompt`` launches: 1 (measured, the default) or 2 (``PROMPT2_SOURCE``);
-# ``EXO_GDN_PROMPT_VARIANT`` sets it, benchmarks switch it within a process.
-PROMPT_VARIANT = 2 if os.environ.get("EXO_GDN_PROMPT_VARIANT", "1").strip() == "2" else 1
+# Which form of the prompt kernel ``gdn_prompt`` launches: 2 (``PROMPT2_SOURCE``, the default) or 1; the loader's
+# ``check_prompt`` checks the one set; ``EXO_GDN_PROMPT_VARIANT`` sets it, benchmarks switch it within a process.
+PROMPT_VARIANT = 1 if os.environ.get("EXO_GDN_PROMPT_VARIANT", "2").strip() == "1" else 2
 
 
 def mode() -> str:

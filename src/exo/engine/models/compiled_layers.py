@@ -1,4 +1,4 @@
-"""A decoder layer's decode step and verify rows as compiled calls (``EXO_COMPILED_LAYERS``, off by default).
+"""A decoder layer's decode step and verify rows as compiled calls (``EXO_COMPILED_LAYERS``, on MLX CUDA by default).
 
 On MLX CUDA a 9B decode step is the host's work more than the device's: building its graph, op by op in Python,
 took 5.6 ms of a ~9.5 ms step on an H200 (``bench/build_profile.py``), and a speculative round's build is serial
@@ -19,13 +19,16 @@ function is traced once per shape; a call replays its graph in C++, without the 
 
 The same ops in the same order: on this CPU the outputs are the op-by-op layers' bits (tests/engine/
 test_compiled_layers.py); where MLX fuses elementwise ops in a compiled graph on a GPU, ``bench/compiled_step.py``
-says whether the bits stay. Not compiled: prompt chunks (their lengths vary), a tensor-sharded model (its
-all-reduces), a batch-invariant step, a GatedDeltaNet call under a mask or per-sequence lengths (a batch's
-prefill); a batch's attention runs under its mask op by op, its residuals and MLP compiled after it.
+says whether the bits stay. A tensor-sharded layer (``engine/sharding.py``) all-reduces its mixer's and its MLP's
+partial sums inside the same compiled calls (MLX's ``all_sum`` is an op of the traced graph), in the order the
+op-by-op layer runs them, so every member's collectives stay in step whichever path each takes. Not compiled: prompt
+chunks (their lengths vary), a batch-invariant step, a GatedDeltaNet call under a mask or per-sequence lengths (a
+batch's prefill); a batch's attention runs under its mask op by op, its residuals and MLP compiled after it.
 
 A traced function bakes in the Python path it took, so the functions are kept per layer and per everything that
 changes that path at run time: the benchmarks' kernel switches (``layers.QGEMV_ON``, ``GDN_KERNEL_ON``,
-``COMPILED_ROWS``) and the model's verify state (``set_verify_mode``: MoE routing, per-row products).
+``COMPILED_ROWS``), the model's verify state (``set_verify_mode``: MoE routing, per-row products) and whether a
+tensor forward's collectives are on (``sharding.collectives``).
 """
 
 from __future__ import annotations
@@ -37,14 +40,20 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..sharding import reduce_partial
 from . import layers
 from .layers import Attention, RollbackArraysCache, SparseMoeBlock
 
 log = logging.getLogger(__name__)
 
-# off (default: to be measured on the GPU first), "cuda" (also "1": on MLX CUDA), "always" (any device: the tests,
-# A/B on the CPU)
-MODE = {"1": "cuda", "cuda": "cuda", "always": "always"}.get(os.environ.get("EXO_COMPILED_LAYERS", ""), "off")
+# "cuda" (the default; also "1": on MLX CUDA, where one H200 decoded the 9B shape 1.26x faster with them, the
+# same greedy tokens: docs/performance.md), "always" (any device: the tests, A/B on the CPU), "off" (also "0")
+def parse_mode(value: str) -> str:
+    """``EXO_COMPILED_LAYERS``'s value as a mode: "off", "cuda" or "always" (anything else: the default, "cuda")."""
+    return {"0": "off", "off": "off", "always": "always"}.get(value.strip().lower(), "cuda")
+
+
+MODE = parse_mode(os.environ.get("EXO_COMPILED_LAYERS", ""))
 
 # A call of more rows is a prompt chunk: op by op (a trace per length would be compiled once and rarely used again)
 MAX_ROWS = 8
@@ -52,14 +61,27 @@ MAX_ROWS = 8
 
 def mode_key(model: Any) -> tuple[Any, ...] | None:
     """The run-time state the compiled functions of ``model``'s layers depend on, or None where nothing is compiled
-    now (off, another device, a tensor-sharded model, a batch-invariant step)."""
+    now (off, another device, a batch-invariant step)."""
     if MODE == "off" or (MODE == "cuda" and not (mx.default_device() == mx.gpu and mx.cuda.is_available())):
         return None
     state = model.__dict__
-    if state.get("tensor_share") is not None or state.get("_batch_invariant_on"):
+    if state.get("_batch_invariant_on"):
         return None
     verify = state.get("_verify_state", (None, False, False))
-    return (layers.QGEMV_ON, layers.GDN_KERNEL_ON, layers.COMPILED_ROWS, verify)
+    share = state.get("tensor_share")
+    return (layers.QGEMV_ON, layers.GDN_KERNEL_ON, layers.COMPILED_ROWS, verify, share is not None and share.active)
+
+
+def describe() -> str:
+    """What the runner's log says of them: the mode, and whether it applies on this process's device."""
+    applies = MODE == "always" or (MODE == "cuda" and mx.default_device() == mx.gpu and mx.cuda.is_available())
+    return f"{MODE} ({'on' if applies else 'off'} here)"
+
+
+def traced(model: Any) -> int:
+    """How many compiled functions ``model``'s layers hold now (each traced at its first call; a diagnostic)."""
+    return sum(1 for layer in model.stage_layers for name, f in layer.__dict__.get("_compiled_layer_steps", {}).items()
+               if f is not None and name[0] != "gdn-structure")
 
 
 def call(layer: Any, x: mx.array, mask: Any, cache: Any, key: tuple[Any, ...]) -> mx.array:
@@ -81,8 +103,8 @@ def call(layer: Any, x: mx.array, mask: Any, cache: Any, key: tuple[Any, ...]) -
                 return tail(x, r)
             except Exception as e:  # noqa: BLE001 - MLX could not trace it: op by op from now on
                 _give_up(layer, ("tail", key), e)
-        h = x + r
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        h = x + _reduce(layer, r)
+        return h + _reduce(layer, layer.mlp(layer.post_attention_layernorm(h)))
     recording = layers._recording(cache)
     if (mask is not None or not isinstance(cache, RollbackArraysCache) or cache[0] is None or cache[1] is None
             or cache.lengths is not None or cache.capture_at or not (rows == 1 or recording)):
@@ -108,7 +130,12 @@ def call(layer: Any, x: mx.array, mask: Any, cache: Any, key: tuple[Any, ...]) -
         conv_input, recorded, after = rest[0], rest[1 : 1 + states], rest[1 + states] if has_after else None
         cache.record(conv_input, recorded, after=after)
     cache.advance(rows)
-    return h if dense else h + layer.mlp(layer.post_attention_layernorm(h))
+    return h if dense else h + _reduce(layer, layer.mlp(layer.post_attention_layernorm(h)))
+
+
+def _reduce(layer: Any, partial: mx.array) -> mx.array:
+    """A tensor-sharded layer's partial sum summed over its group (``sharding.reduce_partial``; else itself)."""
+    return reduce_partial(layer.__dict__.get("_tensor_share"), partial)
 
 
 def _compiled(layer: Any, name: tuple[Any, ...], make: Callable[[], Any]) -> Any:
@@ -148,8 +175,8 @@ def _attention_layer(layer: Any, attention: Attention, x: mx.array, cache: Any, 
             return after(x, output, gate)
         except Exception as e:  # noqa: BLE001 - MLX could not trace it: op by op from now on
             _give_up(layer, ("after-attention", key), e)
-    h = x + attention.gated_output(output, gate)
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    h = x + _reduce(layer, attention.gated_output(output, gate))
+    return h + _reduce(layer, layer.mlp(layer.post_attention_layernorm(h)))
 
 
 def _after_attention(layer: Any) -> Callable[[mx.array, mx.array, mx.array], mx.array]:
@@ -157,8 +184,8 @@ def _after_attention(layer: Any) -> Callable[[mx.array, mx.array, mx.array], mx.
     attention, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
 
     def after(x: mx.array, output: mx.array, gate: mx.array) -> mx.array:
-        h = x + attention.gated_output(output, gate)
-        return h + mlp(norm(h))
+        h = x + _reduce(layer, attention.gated_output(output, gate))
+        return h + _reduce(layer, mlp(norm(h)))
 
     return mx.compile(after)
 
@@ -168,8 +195,8 @@ def _tail(layer: Any) -> Callable[[mx.array, mx.array], mx.array]:
     mlp, norm = layer.mlp, layer.post_attention_layernorm
 
     def tail(x: mx.array, r: mx.array) -> mx.array:
-        h = x + r
-        return h + mlp(norm(h))
+        h = x + _reduce(layer, r)
+        return h + _reduce(layer, mlp(norm(h)))
 
     return mx.compile(tail)
 
@@ -185,9 +212,9 @@ def _gdn_step(layer: Any, recording: bool, dense: bool,
         cache = RollbackArraysCache()
         cache[0], cache[1] = window, state
         cache.recording = recording
-        h = x + layer.linear_attn(layer.input_layernorm(x), None, cache)
+        h = x + _reduce(layer, layer.linear_attn(layer.input_layernorm(x), None, cache))
         if dense:
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + _reduce(layer, layer.mlp(layer.post_attention_layernorm(h)))
         out = [h]
         new_window, new_state = cache[0] is not window, cache[1] is not state
         out += [a for a, new in ((cache[0], new_window), (cache[1], new_state)) if new]

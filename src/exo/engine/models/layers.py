@@ -597,20 +597,22 @@ def _kernel_rows_apply(layer: Any, rows: int, mask: Any, cache: Any) -> bool:
             and mask is None and cache.lengths is None and not layer.training)
 
 
-# The prompt kernel takes a call of at most this many rows; a longer one takes the chunked form. One 9B on an H200
-# (``bench/prefill.py --phases model``, phase ``prefill9k``): a 1,024-row chunk costs the same either way (79 ms the
-# whole prefill), a 2,048-row chunk ~21 ms more through the kernel (its rows are serial: ~1.6 us a row a layer,
-# where the chunked form's cost per row falls with length), and a cached turn's few hundred new tokens half as much
-# (a chunked call is ~350 primitives a layer whatever its rows): h200-mlx-cuda-prompt-kernel-9b-2026-11-30.txt.
-PROMPT_KERNEL_MAX_ROWS = 1024
+# The longest call the prompt kernel takes (None: every call; a longer one takes the chunked form). One 9B on an H200
+# (``bench/prefill.py --phases model``, phase ``prefill9k``, both forms in one process): the kernel's second form
+# (the default, ``cuda_gdn.PROMPT_VARIANT``) for every call of 2,048-row chunks prefilled 17,118 tok/s at 1,024
+# tokens, 18,294 at 4,096 and 15,718 at 32,768, against the chunked form's 12,481 / 15,129 / 13,102; on one layer it
+# beat the chunked form up to 16,384 rows (h200-mlx-cuda-compiled-layers-prompt-form-graph-wire-9b-2026-11-30.txt).
+# The first form, slower in the whole model from 4,096 tokens, took calls up to 1,024 rows.
+PROMPT_KERNEL_MAX_ROWS: int | None = None
 
 
 def _prompt_kernel_apply(layer: Any, rows: int, mask: Any, cache: Any) -> bool:
     """A prompt's chunk of a solo sequence (or of rows of equal length: no mask) of 2 .. ``PROMPT_KERNEL_MAX_ROWS``
-    rows through ``kernels.cuda_gdn``'s prompt kernel: where the loader found it equal to the layer's decode steps
+    (None: any number of) rows through ``kernels.cuda_gdn``'s prompt kernel: where the loader found it equal to the layer's decode steps
     (``gdn_prompt_kernel``), under ``gdn_prefill="auto"``; never a recorded (verify) call, which the step kernel
     takes."""
-    return (getattr(layer, "gdn_prompt_kernel", False) and GDN_KERNEL_ON and 1 < rows <= PROMPT_KERNEL_MAX_ROWS
+    return (getattr(layer, "gdn_prompt_kernel", False) and GDN_KERNEL_ON and 1 < rows
+            and (PROMPT_KERNEL_MAX_ROWS is None or rows <= PROMPT_KERNEL_MAX_ROWS)
             and mask is None
             and getattr(layer, "gdn_prefill", "auto") == "auto" and not layer.training
             and (cache is None or (not _recording(cache) and cache.lengths is None)))
