@@ -121,11 +121,15 @@ def timed_turn(engine: Engine, ids: list[int], max_tokens: int, parts: dict[str,
     return tokens, run
 
 
-def cold_ttft(engine: Engine, ids: list[int]) -> float:
-    """A cold engine's time from the ids to its first token read back (the same parts as ``timed_turn``)."""
-    parts: dict[str, float] = {}
-    timed_turn(engine, ids, 1, parts)
-    return parts["ttft"]
+def cold_ttft(engine: Engine, ids: list[int], repeats: int = 1) -> float:
+    """A cold engine's time from the ids to its first token read back (the same parts as ``timed_turn``); the
+    median of ``repeats`` runs."""
+    times = []
+    for _ in range(repeats):
+        parts: dict[str, float] = {}
+        timed_turn(engine, ids, 1, parts)
+        times.append(parts["ttft"])
+    return round(statistics.median(times), 1)
 
 
 def main() -> None:
@@ -141,6 +145,10 @@ def main() -> None:
                         help="turn 1 (a miss) on vs off this many times apart from the session")
     parser.add_argument("--writer-copies", choices=("auto", "on", "off"), default="auto",
                         help="the disk writer reads copies of the RAM tier's entries (auto: where memory is apart, CUDA)")
+    parser.add_argument("--cold-repeats", type=int, default=1,
+                        help="each cold time (the whole prompt, its restored prefix, the new tokens alone) the median "
+                             "of this many runs: the marginal is a difference of two cold times of seconds, each off "
+                             "by tens of ms run to run on a GPU")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with report_to(args.json) as report, tempfile.TemporaryDirectory(prefix="exo-cached-turn-") as tmp:
@@ -236,11 +244,14 @@ def main() -> None:
             # the cold runs after the cached one (it learns p), alternating which goes first
             cold_parts: dict[str, float] = {}
             if p and turn % 2:
-                row["cold_prefix"] = cold_ttft(cold, ids[:p])
+                row["cold_prefix"] = cold_ttft(cold, ids[:p], args.cold_repeats)
             cold_reply, _ = timed_turn(cold, ids, args.max_tokens, cold_parts)
             row["cold_full"] = cold_parts["ttft"]
+            if args.cold_repeats > 1:
+                row["cold_full"] = round(statistics.median(
+                    [cold_parts["ttft"]] + [cold_ttft(cold, ids) for _ in range(args.cold_repeats - 1)]), 1)
             if p and not turn % 2:
-                row["cold_prefix"] = cold_ttft(cold, ids[:p])
+                row["cold_prefix"] = cold_ttft(cold, ids[:p], args.cold_repeats)
             row["identical"] = cold_reply == reply
             same.prefix_cache = open_prefix_cache(loaded, ram_only)  # empty: a miss, cut at the same edges
             same_reply, _ = timed_turn(same, ids, args.max_tokens, {})
@@ -251,7 +262,7 @@ def main() -> None:
             if p:
                 row["marginal"] = round(row["cold_full"] - row["cold_prefix"], 1)
                 row["ratio"] = round(row["ttft"] / row["marginal"], 3) if row["marginal"] > 0 else float("nan")
-                row["alone"] = cold_ttft(cold, ids[p:])  # the new tokens as a prompt of their own
+                row["alone"] = cold_ttft(cold, ids[p:], args.cold_repeats)  # the new tokens as a prompt of their own
                 row["ratio2"] = round(row["ttft"] / row["alone"], 3)
             rows.append(row)
             print(f"turn {turn + 1}: prompt {len(ids)}, restored {p}, TTFT {row['ttft']} ms, cold {row['cold_full']} ms",
@@ -268,7 +279,7 @@ def main() -> None:
     cols = ["turn", "prompt", "restored", "chunks", "render", "tokenize", "lookup", "restore", "restore2", "prefill0", "prefill",
             "first", "prefill2", "ttft", "store", "backlog", "cold_full", "cold_prefix", "marginal", "ratio", "alone", "ratio2"]
     print("\ntimes in ms; ttft = lookup + restore + prefill + first (from the ids; tokenize comes before it); "
-          "marginal = cold_full - cold_prefix; ratio = ttft / marginal (target <= 1.2); alone: the new tokens "
+          f"cold times the median of {args.cold_repeats}; marginal = cold_full - cold_prefix; ratio = ttft / marginal (target <= 1.2); alone: the new tokens "
           "prefilled cold as a prompt of their own, ratio2 = ttft / alone; restore2: the "
           "same restore again; prefill0 / prefill2: the same new tokens before / after the turn, in the same chunks, "
           "without the engine (vs prefill + first)")

@@ -115,8 +115,8 @@ for p in "$@"; do
     # exo's CUDA kernels compiled once per machine (EXO_CUDA_KERNEL_CACHE, default 1) against MLX compiling them in every
     # process: the same bits, a process's start (import, load, warm-up) and decode tok/s, cold and warm
     kcache) phase kcache $PY bench/kernel_cache.py "$Q9" --repeats ${KCACHE_REPEATS:-1} ;;
-    # the tensor group without CUDA graphs (MLX_USE_CUDA_GRAPHS=0, one GPU and the group alike): 13.0 tok/s against one
-    # GPU's 70.7 with them (2026-11-29), 9.7 ms of a 77 ms step in the all-reduces timed alone
+    # the tensor group and one GPU both without CUDA graphs (MLX_USE_CUDA_GRAPHS=0): the group 54.0 tok/s without them
+    # against 13.0 with them (2026-11-29/30); a member now turns them off itself (sharding.member_process_settings)
     tensor9g) MLX_USE_CUDA_GRAPHS=0 phase tensor9g $PY bench/tensor.py "$Q9" $TENSOR ${TENSOR_ARGS:-} ;;
     # issue 51: a pipeline of 2 stages, stage i on GPU i, against one GPU (engine level, MTP off and K = 1, the
     # hops broken down); the clients axis through two exo serve daemons (needs grpc); one GPU's serve path against
@@ -207,9 +207,13 @@ for p in "$@"; do
     roundsahead) phase roundsahead $PY bench/round_phases.py "$Q9" --replay 0.6,0.8,0.9 --depths 1 2 3 --repeats 1 \
         --max-tokens 48 --ahead on off ;;
     rounds) phase rounds $PY bench/round_phases.py "$Q9" --replay 0.0,0.6,0.8,0.9 --repeats 1 --max-tokens 48 ;;
+    # issue 50 with the defaults of 2026-11-30 (compiled layers on MLX CUDA): K = 1 / 2 rounds with the next round
+    # built ahead on / off and adaptive depth, at acceptance 0 (adaptive >= 0.97x plain) and 0.8 (K = 1 <= 1.25)
+    rounds50c) phase rounds50c $PY bench/round_phases.py "$Q9" --replay 0.0,0.8 --depths 1 2 --ahead on off \
+                   $([ "$CPU" = 1 ] && echo --repeats 1 --max-tokens 12 || echo --repeats 2 --max-tokens 48) ;;
     stock) EXO_QGEMV=1 phase stock $PY bench/engine.py "$Q9" --max-tokens 128 --repeats 3 ;;
     # issues 50 / 51: the engine's decoder layers as compiled calls (models.compiled_layers, EXO_COMPILED_LAYERS,
-    # off by default): plain decoding with and without in one process (the same tokens?), then a K = 1 / 2 round's
+    # on MLX CUDA by default since 2026-11-30): plain decoding with and without in one process (the same tokens?), then a K = 1 / 2 round's
     # cost in plain steps with them (against roundsk1's), one client through exo serve with them, and 2 stages
     compiledlayers) phase compiled9 $PY bench/engine.py "$Q9" --compiled-layers $([ "$CPU" = 1 ] && echo --max-tokens 16 --repeats 1 || echo --max-tokens 128 --repeats 3)
         EXO_COMPILED_LAYERS=1 phase roundsk1c $PY bench/round_phases.py "$Q9" --replay 0.0,0.8 --depths 1 2 \
@@ -248,6 +252,11 @@ for p in "$@"; do
     # a cached turn part by part (render, tokenize, lookup, restore and again, prefill and again, first token,
     # store) against the cold cost of its new tokens (ratio target <= 1.2), turn 1 on vs off alone (<= 1.05)
     cached9) EXO_NATIVE_MTP_ENABLED=0 phase cached9 $PY bench/cached_turn.py "$Q9" $CACHED9 ;;
+    # the same with each cold time the median of 3 runs (the marginal, a difference of two cold times of ~2 s, was off
+    # by tens of ms run to run: single turns' ratios 0.72-3.05 around a median of 1.24), 6 turns, turn 1 once
+    cached9r) EXO_NATIVE_MTP_ENABLED=0 phase cached9r $PY bench/cached_turn.py "$Q9" \
+                  $([ "$CPU" = 1 ] && echo --turns 2 --system-tokens 600 --max-tokens 8 --warm-tokens 200 || echo --turns 6 --system-tokens 15000 --max-tokens 16) \
+                  --turn1-repeats 1 --cold-repeats 3 ;;
     # issue 49: a cached turn's new tokens (554 after 18,697 in the caches, as cached9's turn 4) part by part,
     # and a whole 2,048-token chunk at the same context: what a short chunk pays beyond its share
     profile19) for t in $PROFILE19; do
