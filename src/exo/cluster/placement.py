@@ -732,11 +732,13 @@ def _tensor_plan(req: ModelRequirement, order: Sequence[NodeCapacity], free: Map
 # measured yet counts at half its backend's peak, and the estimate says so (``basis``). Figures to order the
 # choices, not promises: docs/cluster.md, bench/tensor.py (which prints this estimate beside the measured ratio).
 PEAK_BYTES_PER_S = {"cuda": 3.3e12, "metal": 4.0e11, "cpu": 2.0e10}
-# An all-reduce as a decode step meets it. NCCL: measured on two H200s of one host, MLX 0.32.4 CUDA, the 9B shape
-# (docs/performance.md): the group's step 76.9 ms against one GPU's 14.1, over the 65 all-reduces of a token, 0.97 ms
-# each, though one timed alone takes 149 us; until the rest of that is understood (bench/tensor.py times them
-# chained, and without CUDA graphs), "auto" weighs what a step pays. JACCL: nominal, unmeasured.
-NOMINAL_COLLECTIVE_S = {"nccl": 9.7e-4, "jaccl": 5.0e-5}
+# An all-reduce as a decode step meets it. NCCL: what a step pays beyond its compute, measured on two H200s of one
+# host, MLX 0.32.4 CUDA, members with compiled layers and without CUDA graphs (``sharding.member_process_settings``):
+# the 9B shape's group step 17.6 ms over 65 all-reduces a token, the 27B's 27.3 ms over 129, against this model's
+# compute from one GPU's measured speed (131.8 / 73.4 tok/s): 167 / 125 us each, though one timed alone takes 45-99
+# us and one of a chain 22 (bench/results/h200x2-mlx-cuda-defaults-rounds-tensor-cached-serving-9b-27b-2026-11-30.txt;
+# with CUDA graphs in the members it was 0.97 ms). JACCL: nominal, unmeasured.
+NOMINAL_COLLECTIVE_S = {"nccl": 1.5e-4, "jaccl": 5.0e-5}
 UNKNOWN_RTT_MS = 1.0  # a link the registry has no round trip for
 
 
