@@ -147,6 +147,10 @@ for p in "$@"; do
                     PYTHONPATH=$PWD/bench/sitecustom:$PYTHONPATH EXO_NATIVE_MTP_ENABLED=0 phase servinggil-$v $PY bench/serving.py "$Q9" \
                         --mtp off --no-one-at-a-time $([ "$CPU" = 1 ] && echo --clients 1 --seconds 2 --max-tokens 16 --engine-vs-client 3 || echo --clients 1 --seconds 4 --max-tokens 64 --engine-vs-client 8)
                 done ;;
+    # issue 51's one client with the server alone on GPU 1 (the x2 kind) and the bench's engine on GPU 0: whether two
+    # processes sharing one GPU made the one-client row bimodal (0.706-1.04x on one H200)
+    serving9x) EXO_NATIVE_MTP_ENABLED=0 phase serving9x $PY bench/serving.py "$Q9" --mtp off --no-one-at-a-time --server-gpu 1 \
+                   $([ "$CPU" = 1 ] && echo --clients 1 --seconds 2 --max-tokens 16 --engine-vs-client 3 || echo --clients 1 8 --seconds 10 --max-tokens 64 --engine-vs-client 8) ;;
     serving9) EXO_NATIVE_MTP_ENABLED=0 phase serving9 $PY bench/serving.py "$Q9" --mtp off --no-one-at-a-time $SERVING ;;
     # issue 50's checks (each well inside 10 minutes at 9B on an H200); qgemv and stock opt in to exo's quantized
     # kernel (off by default), so that stock compares exo on it with exo on MLX's products

@@ -295,6 +295,10 @@ def main() -> None:
     parser.add_argument("--engine-vs-client", type=int, default=0, metavar="N",
                         help="first, N requests of the engine alone (in this process) against N of one client through "
                         "the batching server, alternating, in the first --mtp mode")
+    parser.add_argument("--server-gpu", type=int, default=None, metavar="I",
+                        help="the servers on GPU I alone (CUDA_VISIBLE_DEVICES in their environment), the engine of "
+                             "--engine-vs-client on this process's default: one client's speed without two processes "
+                             "sharing a GPU (a host of two GPUs)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="the runners' device threads under cProfile (EXO_DEVICE_PROFILE; slows them): each row "
                         "also prints its N functions of most own time")
@@ -325,9 +329,16 @@ def main() -> None:
                 traces[name] = os.environ["EXO_DEVICE_TRACE"] = os.path.join(home.name, "device-trace")
                 if args.profile:
                     os.environ["EXO_DEVICE_PROFILE"] = os.path.join(home.name, "device-profile")
+                visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+                if args.server_gpu is not None:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = str(args.server_gpu)
                 processes.append(start_server(args.model, port, free_port(), home=home.name))
                 os.environ.pop("EXO_DEVICE_TRACE")
                 os.environ.pop("EXO_DEVICE_PROFILE", None)
+                if args.server_gpu is not None:
+                    os.environ.pop("CUDA_VISIBLE_DEVICES")
+                    if visible is not None:
+                        os.environ["CUDA_VISIBLE_DEVICES"] = visible
                 servers[name] = f"http://127.0.0.1:{port}"
                 asyncio.run(warm(servers[name], args.max_tokens))
             if args.engine_vs_client:
