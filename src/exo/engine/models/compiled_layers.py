@@ -62,7 +62,7 @@ MAX_ROWS = 8
 def mode_key(model: Any) -> tuple[Any, ...] | None:
     """The run-time state the compiled functions of ``model``'s layers depend on, or None where nothing is compiled
     now (off, another device, a batch-invariant step)."""
-    if MODE == "off" or (MODE == "cuda" and not (mx.default_device() == mx.gpu and mx.cuda.is_available())):
+    if not _applies():
         return None
     state = model.__dict__
     if state.get("_batch_invariant_on"):
@@ -72,10 +72,14 @@ def mode_key(model: Any) -> tuple[Any, ...] | None:
     return (layers.QGEMV_ON, layers.GDN_KERNEL_ON, layers.COMPILED_ROWS, verify, share is not None and share.active)
 
 
+def _applies() -> bool:
+    """Whether ``MODE`` compiles anything on this process's device."""
+    return MODE == "always" or (MODE == "cuda" and mx.default_device() == mx.gpu and mx.cuda.is_available())
+
+
 def describe() -> str:
     """What the runner's log says of them: the mode, and whether it applies on this process's device."""
-    applies = MODE == "always" or (MODE == "cuda" and mx.default_device() == mx.gpu and mx.cuda.is_available())
-    return f"{MODE} ({'on' if applies else 'off'} here)"
+    return f"{MODE} ({'on' if _applies() else 'off'} here)"
 
 
 def traced(model: Any) -> int:
@@ -85,52 +89,76 @@ def traced(model: Any) -> int:
 
 
 def call(layer: Any, x: mx.array, mask: Any, cache: Any, key: tuple[Any, ...]) -> mx.array:
-    """``layer(x, mask=mask, cache=cache)``, through compiled calls where they apply (``key``: ``mode_key``)."""
-    batch, rows = x.shape[0], x.shape[1]
+    """``layer(x, mask=mask, cache=cache)``, through compiled calls where they apply (``key``: ``mode_key``). On
+    every decode step of every layer: the per-layer facts are found once (``_facts``), the compiled function in one
+    lookup."""
+    shape = x.shape
+    rows = shape[1]
     if rows > MAX_ROWS or layer.training:
         return layer(x, mask=mask, cache=cache)
-    dense = not isinstance(layer.mlp, SparseMoeBlock) and not hasattr(layer.mlp, "switch_mlp")
-    if not layer.is_linear:
+    state = layer.__dict__
+    is_linear, dense, attention = state.get("_compiled_facts") or _facts(layer)
+    found = state.get("_compiled_layer_steps") or state.setdefault("_compiled_layer_steps", {})
+    if not is_linear:
         if not dense:
             return layer(x, mask=mask, cache=cache)
-        attention = layer.self_attn
-        if isinstance(attention, Attention) and attention.kernel_applies(cache, mask, batch, rows):
+        if attention is not None and attention.kernel_applies(cache, mask, shape[0], rows):
             return _attention_layer(layer, attention, x, cache, key)
-        r = attention(layer.input_layernorm(x), mask, cache)  # (a batch's attention under its mask)
-        tail = _compiled(layer, ("tail", key), lambda: _tail(layer))
+        r = layer.self_attn(layer.input_layernorm(x), mask, cache)  # (a batch's attention under its mask)
+        name = ("tail", key)
+        tail = found[name] if name in found else _compiled(layer, name, lambda: _tail(layer))
         if tail is not None:
             try:
                 return tail(x, r)
             except Exception as e:  # noqa: BLE001 - MLX could not trace it: op by op from now on
-                _give_up(layer, ("tail", key), e)
+                _give_up(layer, name, e)
         h = x + _reduce(layer, r)
         return h + _reduce(layer, layer.mlp(layer.post_attention_layernorm(h)))
-    recording = layers._recording(cache)
-    if (mask is not None or not isinstance(cache, RollbackArraysCache) or cache[0] is None or cache[1] is None
-            or cache.lengths is not None or cache.capture_at or not (rows == 1 or recording)):
+    if mask is not None or not isinstance(cache, RollbackArraysCache):
         return layer(x, mask=mask, cache=cache)
-    structure: dict[tuple[int, ...], tuple[bool, bool, int, bool]] = _compiled(
-        layer, ("gdn-structure", recording, dense, key), dict)
+    recording = cache.recording
+    window, recurrent = cache[0], cache[1]
+    if (window is None or recurrent is None or cache.lengths is not None or cache.capture_at
+            or not (rows == 1 or recording)):
+        return layer(x, mask=mask, cache=cache)
     name = ("gdn", recording, dense, key)
-    step = _compiled(layer, name, lambda: _gdn_step(layer, recording, dense, structure))
-    if step is None:
+    if name in found:
+        compiled = found[name]
+    else:  # (the shapes each trace saw, and what it wrote into its cache: ``_gdn_step``)
+        structure = _compiled(layer, ("gdn-structure", recording, dense, key), dict)
+        compiled = _compiled(layer, name, lambda: (_gdn_step(layer, recording, dense, structure), structure))
+    if compiled is None:  # (given up)
         return layer(x, mask=mask, cache=cache)
+    step, structure = compiled
     try:
-        outputs = step(x, cache[0], cache[1])  # (nothing written into the cache before it returns)
+        outputs = step(x, window, recurrent)  # (nothing written into the cache before it returns)
     except Exception as e:  # noqa: BLE001 - MLX could not trace it: op by op from now on
         _give_up(layer, name, e)
         return layer(x, mask=mask, cache=cache)
-    new_window, new_state, states, has_after = structure[tuple(x.shape)]
-    h, rest = outputs[0], list(outputs[1:])
+    new_window, new_state, states, has_after = structure[shape]
+    i = 1
     if new_window:
-        cache[0] = rest.pop(0)
+        cache[0] = outputs[i]
+        i += 1
     if new_state:
-        cache[1] = rest.pop(0)
+        cache[1] = outputs[i]
+        i += 1
     if recording:
-        conv_input, recorded, after = rest[0], rest[1 : 1 + states], rest[1 + states] if has_after else None
-        cache.record(conv_input, recorded, after=after)
+        cache.record(outputs[i], outputs[i + 1 : i + 1 + states], after=outputs[i + 1 + states] if has_after else None)
     cache.advance(rows)
+    h = outputs[0]
     return h if dense else h + _reduce(layer, layer.mlp(layer.post_attention_layernorm(h)))
+
+
+def _facts(layer: Any) -> tuple[bool, bool, Attention | None]:
+    """What ``call`` asks of a layer on every call, found once: whether it is a GatedDeltaNet layer, whether its MLP
+    is dense, and its attention where it is exo's ``Attention`` (whose kernel path the compiled calls go around)."""
+    mlp = layer.mlp
+    attention = None if layer.is_linear else layer.self_attn
+    facts = (bool(layer.is_linear), not isinstance(mlp, SparseMoeBlock) and not hasattr(mlp, "switch_mlp"),
+             attention if isinstance(attention, Attention) else None)
+    layer.__dict__["_compiled_facts"] = facts  # (not a child module: no parameters)
+    return facts
 
 
 def _reduce(layer: Any, partial: mx.array) -> mx.array:

@@ -608,9 +608,9 @@ PROMPT_KERNEL_MAX_ROWS: int | None = None
 
 def _prompt_kernel_apply(layer: Any, rows: int, mask: Any, cache: Any) -> bool:
     """A prompt's chunk of a solo sequence (or of rows of equal length: no mask) of 2 .. ``PROMPT_KERNEL_MAX_ROWS``
-    (None: any number of) rows through ``kernels.cuda_gdn``'s prompt kernel: where the loader found it equal to the layer's decode steps
-    (``gdn_prompt_kernel``), under ``gdn_prefill="auto"``; never a recorded (verify) call, which the step kernel
-    takes."""
+    (None: any number of) rows through ``kernels.cuda_gdn``'s prompt kernel: where the loader found it equal to the
+    layer's decode steps (``gdn_prompt_kernel``), under ``gdn_prefill="auto"``; never a recorded (verify) call,
+    which the step kernel takes."""
     return (getattr(layer, "gdn_prompt_kernel", False) and GDN_KERNEL_ON and 1 < rows
             and (PROMPT_KERNEL_MAX_ROWS is None or rows <= PROMPT_KERNEL_MAX_ROWS)
             and mask is None
