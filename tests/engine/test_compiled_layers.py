@@ -223,3 +223,35 @@ def test_the_setting_defaults_to_mlx_cuda_and_switches_off():
     assert [compiled_layers.parse_mode(v) for v in ("", "1", "cuda", "CUDA")] == ["cuda"] * 4
     assert [compiled_layers.parse_mode(v) for v in ("0", "off", " Off ")] == ["off"] * 3
     assert compiled_layers.parse_mode("always") == "always"
+
+
+@pytest.mark.parametrize("paths", ["cpu", "cuda"])
+def test_the_mtp_head_through_compiled_calls_gives_its_op_by_op_bits(checkpoint, paths, monkeypatch):
+    """The MTP head's decoder layer (``models.mtp``) runs through the compiled calls: a catch-up of several rows and
+    chained one-row drafts give the op-by-op head's bits, its cache alike; ``cuda``: wired as on MLX CUDA (the
+    attention kernel's reference standing in). The layer was traced (the compiled path ran)."""
+    if paths == "cuda":
+        monkeypatch.setenv("EXO_ATTN_KERNEL", "always")
+    loaded = load_checkpoint(checkpoint("qwen3_5", dtype="bfloat16"))
+    head, model = loaded.head, loaded.model
+    hidden = mx.random.normal((1, 5, model.hidden_size), key=mx.random.key(3)).astype(mx.bfloat16)
+    tokens = mx.array([[3, 9, 27, 81, 43]], dtype=mx.uint32)
+    outputs = {}
+    for mode in ("off", "always"):
+        monkeypatch.setattr(compiled_layers, "MODE", mode)
+        from mlx_lm.models.cache import KVCache
+
+        cache = KVCache()
+        out = head(model.embed(tokens), hidden, cache)  # a catch-up of 5 rows
+        chain = [out]
+        for token in (11, 12):  # chained drafts: one row each
+            chain.append(head(model.embed(mx.array([[token]], dtype=mx.uint32)), chain[-1][:, -1:], cache))
+        mx.eval(chain, cache.state)
+        outputs[mode] = (chain, cache.state)
+    for a, b in zip(outputs["off"][0], outputs["always"][0], strict=True):
+        assert mx.array_equal(a, b).item()
+    for a, b in zip(outputs["off"][1], outputs["always"][1], strict=True):
+        assert mx.array_equal(a, b).item()
+    steps = head.layers[0].__dict__.get("_compiled_layer_steps", {})
+    assert {name[0] for name, f in steps.items() if f is not None} == (
+        {"tail"} if paths == "cpu" else {"heads", "after-attention"})  # (MLX CUDA's kernel takes a catch-up's rows too)

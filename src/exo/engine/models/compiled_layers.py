@@ -12,6 +12,7 @@ function is traced once per shape; a call replays its graph in C++, without the 
   into its cache (window, state, a verify call's recorded rows) comes out of the call and goes into the real cache
   as the layer would have put it. A layer with an MoE block keeps the block op by op (its routing is stateful
   around a verify call), after the compiled mixer;
+- the MTP head's decoder layer (``models.mtp``, an attention layer) likewise, under ``head_key``;
 - an attention decoder layer keeps its attention op by op (its KV cache's write position is a Python int) and
   runs its residuals and dense MLP after it as one compiled call; where its attention takes exo's kernel (MLX
   CUDA's decode steps and verify rows), its norm and projections are one compiled call too, rope, the KV write
@@ -70,6 +71,13 @@ def mode_key(model: Any) -> tuple[Any, ...] | None:
     verify = state.get("_verify_state", (None, False, False))
     share = state.get("tensor_share")
     return (layers.QGEMV_ON, layers.GDN_KERNEL_ON, layers.COMPILED_ROWS, verify, share is not None and share.active)
+
+
+def head_key() -> tuple[Any, ...] | None:
+    """``mode_key`` for the MTP head's decoder layer (``models.mtp``: no verify state, never sharded), or None."""
+    if not _applies():
+        return None
+    return (layers.QGEMV_ON, layers.GDN_KERNEL_ON, layers.COMPILED_ROWS, "head")
 
 
 def _applies() -> bool:

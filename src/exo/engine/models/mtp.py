@@ -8,6 +8,10 @@ Forward (per the published head; docs/architecture.md "MTP head"):
     x = layers[0](x, own KV cache)              # a full-attention decoder layer (never GatedDeltaNet)
     out = norm(x); logits = lm_head(out)        # embeddings and lm_head are the backbone's
 
+The decoder layer runs through ``compiled_layers`` where they apply (MLX CUDA by default): its drafts' host work is
+on a speculative round's serial path (a K = 1 round's drafts were 73 primitives op by op, ``bench/round_phases.py
+--census``).
+
 Head cache entry p consumes (hidden[p], token[p+1]) at RoPE position p and predicts token[p+2]. For
 depth > 1 the head's own ``out`` stands in for the next hidden.
 """
@@ -17,6 +21,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
+
+from . import compiled_layers
 
 
 class MTPHead(nn.Module):
@@ -33,7 +39,10 @@ class MTPHead(nn.Module):
             [self.pre_fc_norm_embedding(embeddings), self.pre_fc_norm_hidden(hidden)], axis=-1
         )
         x = self.fc(x)
-        x = self.layers[0](x, mask=create_attention_mask(x, cache), cache=cache)
+        mask = create_attention_mask(x, cache)
+        key = compiled_layers.head_key()
+        layer = self.layers[0]
+        x = layer(x, mask=mask, cache=cache) if key is None else compiled_layers.call(layer, x, mask, cache, key)
         return self.norm(x)
 
 
