@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import mlx.core as mx
 
 from exo.engine import load_checkpoint, resolve_model
 from exo.runner.group import PHASES
@@ -98,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients-mode", default="plain", choices=sorted(MODES_API), help="the clients' native MTP mode")
     p.add_argument("--seconds", type=float, default=20.0, help="per row of the clients axis")
     p.add_argument("--wires", default="auto",
-                   help="pipelines' wires, each a configuration: host, graph, auto (EXO_PIPELINE_WIRE; auto: host for now)")
+                   help="pipelines' wires, each a configuration: host, graph, collective, auto (EXO_PIPELINE_WIRE); "
+                        "collective: the stages an NCCL group with --gpu-per-stage on MLX CUDA, else a ring group; "
+                        "a wire+nographs: its stages with MLX_USE_CUDA_GRAPHS=0")
     args = p.parse_args(argv)
     resolved = resolve_model(args.model)
     loaded = load_checkpoint(resolved.path)
@@ -118,10 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     used: dict[tuple[int, str], str] = {}  # the wire each configuration's leader used ("graph" / "host")
     for repeat in range(0 if args.breakdown_only else args.repeats):
         for stages, wire in configs:
+            name, _, variant = wire.partition("+")
             env = [{**({"CUDA_VISIBLE_DEVICES": str(rank)} if args.gpu_per_stage else {}),
-                    **({"EXO_PIPELINE_WIRE": wire} if wire != "-" else {})} for rank in range(stages)]
-            out = run_local_pipeline(resolved.path, split(n_layers, stages), requests, warmup=True, stage_env=env)
-            used[(stages, wire)] = out.get("wire") or "-"
+                    **({"EXO_PIPELINE_WIRE": name} if wire != "-" else {}),
+                    **({"MLX_USE_CUDA_GRAPHS": "0"} if variant == "nographs" else {})} for rank in range(stages)]
+            nccl = name in ("collective", "auto") and args.gpu_per_stage and mx.cuda.is_available() and stages == 2
+            out = run_local_pipeline(resolved.path, split(n_layers, stages), requests, warmup=True, stage_env=env,
+                                     backend="nccl" if nccl else "ring")
+            used[(stages, wire)] = (out.get("wire") or "-") + (f"+{variant}" if variant else "")
             for mode, result in zip(keys, out["results"], strict=True):
                 rows.setdefault((stages, wire, mode), []).append(result)
             done = {mode: statistics.median(r["stats"]["decode_tokens_per_s"]
@@ -200,9 +207,9 @@ def print_table(model_id: str, n_layers: int, args: argparse.Namespace, stage_co
                 report: list[dict[str, Any]]) -> None:
     print(f"{model_id} ({n_layers} layers), {args.max_tokens} tokens x {len(PROMPTS)} prompts x "
           f"{args.repeats} repeats; ratio vs {stage_counts[0]} stage(s) in the same mode")
-    print(f"{'stages':>6} {'wire':>5} {'mode':>9} {'tok/s':>8} {'ratio':>6} {'accept':>7} {'B/round':>8} {'B/token':>8}")
+    print(f"{'stages':>6} {'wire':>10} {'mode':>9} {'tok/s':>8} {'ratio':>6} {'accept':>7} {'B/round':>8} {'B/token':>8}")
     for row in report:
-        print(f"{row['stages']:>6} {row['wire']:>5} {row['mode']:>9} {row['decode_tokens_per_s']:>8.2f} {row['vs_first'] or 0:>6.3f} "
+        print(f"{row['stages']:>6} {row['wire']:>10} {row['mode']:>9} {row['decode_tokens_per_s']:>8.2f} {row['vs_first'] or 0:>6.3f} "
               f"{row['acceptance'] if row['acceptance'] is not None else '-':>7} {row['bytes_per_round']:>8} "
               f"{row['bytes_per_token']:>8}")
 

@@ -315,7 +315,7 @@ def test_a_graph_wire_header_carries_no_ids_and_round_trips():
     assert StepHeader.decode(header.encode().tolist()) == header
     with pytest.raises(ValueError, match="follow it"):
         StepHeader.forward(3, 1, 1, 1, None, tokens=(5,), wire=WIRE_GRAPH).encode()
-    for changes in ({"wire": 2}, {"wire": WIRE_GRAPH, "op": OP_END}):
+    for changes in ({"wire": 3}, {"wire": WIRE_GRAPH, "op": OP_END}, {"wire": 2, "op": OP_END}):
         values = header.encode().tolist()
         for name, value in changes.items():
             values[HEADER_NAMES.index(name)] = value
@@ -325,19 +325,30 @@ def test_a_graph_wire_header_carries_no_ids_and_round_trips():
 
 
 def test_which_wire_a_leader_chooses():
-    from exo.engine.pipeline import graph_wire
+    from exo.engine.pipeline import WIRE_COLLECTIVE, WIRE_GRAPH, WIRE_HOST, graph_wire, pipeline_wire
 
     class Ops:
-        graph_ops = True
+        graph_ops, collective_ops = True, False
 
     class NoOps:
         graph_ops = False
+
+    class Pair:  # a ring group of two: both kinds of ops, its all-sums on a CPU stream
+        graph_ops, collective_ops, device_collectives = True, True, False
+
+    class Nccl:  # an NCCL group of two: all-sums on the device, no send and receive
+        graph_ops, collective_ops, device_collectives = False, True, True
 
     assert graph_wire(Ops(), "graph") and not graph_wire(Ops(), "host")
     assert not graph_wire(NoOps(), "graph") and not graph_wire(object(), "graph")  # (a tensor group's, a test's link)
     assert graph_wire(Ops(), "auto", cuda=True) and not graph_wire(Ops(), "auto", cuda=False)  # (MLX CUDA: graph)
     assert not graph_wire(NoOps(), "auto", cuda=True) and not graph_wire(Ops(), "host", cuda=True)
     assert not graph_wire(Ops(), "auto")  # this CPU: the host wire
+    # The collective wire: where asked and the link has it; auto takes it only where the all-sums run on the device
+    assert pipeline_wire(Pair(), "collective") == WIRE_COLLECTIVE and pipeline_wire(Ops(), "collective") == WIRE_GRAPH
+    assert pipeline_wire(NoOps(), "collective") == WIRE_HOST and pipeline_wire(Nccl(), "graph") == WIRE_HOST
+    assert pipeline_wire(Nccl(), "auto", cuda=True) == WIRE_COLLECTIVE and pipeline_wire(Pair(), "auto", cuda=True) == WIRE_GRAPH
+    assert pipeline_wire(Nccl(), "auto", cuda=False) == WIRE_HOST and pipeline_wire(Nccl(), "host", cuda=True) == WIRE_HOST
     with pytest.raises(ValueError, match="EXO_PIPELINE_WIRE"):
         graph_wire(Ops(), "fast")
 

@@ -106,29 +106,50 @@ OP_CODES = (ROLLBACK, JOIN, FILTER, DROP, STORE_END)
 # once, the stage builds its whole step on a receive that has not happened and hands it to the device, and the
 # device waits for the bytes (MLX makes a GPU op wait on a CPU stream's output on the device), so a stage's
 # host builds while the stages before it compute: a step's path is the stages' device work and the hops.
-WIRE_HOST, WIRE_GRAPH = 0, 1
-WIRES = ("auto", "graph", "host")  # EXO_PIPELINE_WIRE: auto is the graph wire on MLX CUDA, the host wire elsewhere
+# WIRE_COLLECTIVE: as the graph wire, each transfer an all-sum of a group of two to which the receiver adds zeros
+# (``GraphLink.collective_send`` / ``collective_recv``): what NCCL carries (it has no send and receive in MLX
+# 0.32), on the GPU's own stream, device to device, no host and no socket on the step's path.
+WIRE_HOST, WIRE_GRAPH, WIRE_COLLECTIVE = 0, 1, 2
+WIRE_NAMES = {WIRE_HOST: "host", WIRE_GRAPH: "graph", WIRE_COLLECTIVE: "collective"}
+# EXO_PIPELINE_WIRE: auto is the collective wire where the link has it (a pipeline of two over NCCL), else the graph
+# wire on MLX CUDA, the host wire elsewhere
+WIRES = ("auto", "graph", "host", "collective")
 
 
-def graph_wire(link: Any, setting: str | None = None, *, cuda: bool | None = None) -> bool:
-    """Whether a pipeline's leader sends its steps on the graph wire (``WIRE_GRAPH``): where ``link`` has graph
-    ops (the ring backend's send and receive) and ``setting`` (``EXO_PIPELINE_WIRE``: auto, graph, host) asks for
-    it. auto is the graph wire on MLX CUDA (``cuda``: this process's device, None: look): on 2 x H200 (MLX 0.32.4)
-    a 9B pipeline of 2 stages with compiled layers ran 0.764x one GPU on it against 0.760x on the host wire, K = 1
-    0.799x against 0.778x, and one GPU's graph-wire patterns ran where the first form's leader (its receive
+def pipeline_wire(link: Any, setting: str | None = None, *, cuda: bool | None = None) -> int:
+    """How a pipeline's leader sends its steps (``WIRE_HOST``, ``WIRE_GRAPH`` or ``WIRE_COLLECTIVE``): what ``link``
+    can carry (``graph_ops``: the ring backend's send and receive; ``collective_ops``: a group of two's all-sums)
+    and ``setting`` (``EXO_PIPELINE_WIRE``: auto, graph, host, collective) asks for. "collective" falls back to the
+    graph wire, "graph" to the host wire, where the link cannot. auto, on MLX CUDA (``cuda``: this process's device,
+    None: look): the collective wire where the link's all-sums run on the device (``device_collectives``: NCCL),
+    else the graph wire: on 2 x H200 (MLX 0.32.4) a 9B
+    pipeline of 2 stages with compiled layers ran 0.764x one GPU on the graph wire against 0.760x on the host wire,
+    K = 1 0.799x against 0.778x, and one GPU's graph-wire patterns ran where the first form's leader (its receive
     evaluated alone, a device wait on a CPU stream's output) stopped (bench/results/
     h200-mlx-cuda-compiled-layers-prompt-form-graph-wire-9b-2026-11-30.txt,
-    h200x2-mlx-cuda-compiled-pipeline-tensor-no-graphs-2026-11-30.txt). Elsewhere
-    the host wire: on a CPU the ring's receive polls a core while it waits, the core a stage computes on (exo-demo
-    over 2 stages 0.45x one node on the graph wire, 0.66x on the host wire, on a 2-core AMD EPYC)."""
+    h200x2-mlx-cuda-compiled-pipeline-tensor-no-graphs-2026-11-30.txt). Elsewhere the host wire: on a CPU the ring's
+    receive polls a core while it waits, the core a stage computes on (exo-demo over 2 stages 0.45x one node on the
+    graph wire, 0.66x on the host wire, on a 2-core AMD EPYC)."""
     setting = setting if setting is not None else os.environ.get("EXO_PIPELINE_WIRE", "auto")
     if setting not in WIRES:
         raise ValueError(f"EXO_PIPELINE_WIRE={setting!r}: one of {', '.join(WIRES)}")
-    if not getattr(link, "graph_ops", False) or setting == "host":
-        return False
+    graph, collective = getattr(link, "graph_ops", False), getattr(link, "collective_ops", False)
+    if setting == "host":
+        return WIRE_HOST
     if setting == "auto":
-        return mx.cuda.is_available() and mx.default_device() == mx.gpu if cuda is None else cuda
-    return True
+        on_cuda = mx.cuda.is_available() and mx.default_device() == mx.gpu if cuda is None else cuda
+        if not on_cuda:
+            return WIRE_HOST
+        setting = "collective" if getattr(link, "device_collectives", False) else "graph"
+    if setting == "collective" and collective:
+        return WIRE_COLLECTIVE
+    return WIRE_GRAPH if graph else WIRE_HOST
+
+
+def graph_wire(link: Any, setting: str | None = None, *, cuda: bool | None = None) -> bool:
+    """Whether a pipeline's leader sends its steps as ops of its graph (the graph or the collective wire:
+    ``pipeline_wire``)."""
+    return pipeline_wire(link, setting, cuda=cuda) != WIRE_HOST
 
 
 def _pack_rates(rates: tuple[int, int]) -> list[int]:
@@ -291,7 +312,7 @@ class StepHeader:
         if op not in HEADER_OPS:
             raise StepHeaderError(f"unknown step op {op} (step {step})")
         if (not 0 <= slot <= MAX_SLOT or ops_length < 0 or invariant not in (0, 1)
-                or wire not in (WIRE_HOST, WIRE_GRAPH) or wire == WIRE_GRAPH and op != OP_FORWARD
+                or wire not in WIRE_NAMES or wire != WIRE_HOST and op != OP_FORWARD
                 or op in (OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN) and (rows < 1 or batch != 1)
                 or op in FORWARD_OPS and (rows < 1 or batch < 1 or verify not in (0, 1) or not 0 <= moe <= len(MOE_MODES)
                                          or bool(verify) != (moe > 0) or per_row not in (0, 1))):
@@ -370,13 +391,22 @@ class GraphLink(Link, Protocol):
     """A ``Link`` whose transfers can also be ops of a graph (``WIRE_GRAPH``): ``send_op`` returns the send, lazy
     (evaluating it sends, once ``x`` is computed), ``recv_op`` a lazy array that receives when evaluated. Every
     transfer of the link, host or graph, keeps one order per direction (one communication stream), so a peer
-    receives them in the order they were issued. ``graph_ops``: whether this link can (the ring backend)."""
+    receives them in the order they were issued. ``graph_ops``: whether this link can (the ring backend).
+
+    ``collective_ops``: whether it can carry ``WIRE_COLLECTIVE`` (a group of two): ``collective_send`` is an all-sum
+    of ``x``, ``collective_recv`` an all-sum of zeros (the peer's ``x``, the same bits: x + 0 is x but for the sign of
+    a zero), both lazy; both ends issue them in the same order (the stage loop's order is the leader's)."""
 
     graph_ops: bool
+    collective_ops: bool
 
     def send_op(self, x: mx.array, dst: int) -> mx.array: ...
 
     def recv_op(self, shape: tuple[int, ...], dtype: mx.Dtype, src: int) -> mx.array: ...
+
+    def collective_send(self, x: mx.array) -> mx.array: ...
+
+    def collective_recv(self, shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array: ...
 
 
 def hidden_dtype(model: SpeculativeBackbone) -> mx.Dtype:
@@ -435,7 +465,8 @@ class PipelineForward:
         self._step = 0  # the next step header's number: every stage expects them in order from 0
         self._slots = 0  # the next slot id
         self._invariant = False
-        self.graph = graph_wire(link)  # steps on the graph wire (WIRE_GRAPH)
+        self.wire = pipeline_wire(link)  # how its steps cross the stages (WIRE_HOST, WIRE_GRAPH, WIRE_COLLECTIVE)
+        self.graph = self.wire != WIRE_HOST  # as ops of the graphs (the graph or the collective wire)
         self._pending: mx.array | None = None  # the graph wire: the last step's receive (``_settle``)
         self._broken: BaseException | None = None  # what a call raised: the stages may be out of step since
 
@@ -468,7 +499,7 @@ class PipelineForward:
         batch, rows = (int(n) for n in tokens.shape)
         header = StepHeader.forward(self._next_step(), _slot(cache), batch, rows, self.verify if verify else None,
                                     self._take_ops(), invariant=self._invariant,
-                                    wire=WIRE_GRAPH if self.graph else WIRE_HOST)
+                                    wire=self.wire)
         shape = (batch, rows, self.model.hidden_size)
         if self.graph:
             # The header now (the first stage builds its step on it while these ids are computed), then the ids
@@ -478,11 +509,16 @@ class PipelineForward:
             # wait for it in a kernel spinning on the device (MLX CUDA), one fed in the same evaluation waits on the
             # host. A receive the loop builds and never evaluates is evaluated before the next exchange
             # (``_settle``): the link's transfers run in the order they reach its stream, both ends alike.
+            # On the collective wire both transfers are all-sums on the device's stream, in this order at both ends.
             self._send_header(header)
             ids = tokens.reshape(-1).astype(mx.uint32)
             mx.async_eval(ids)
-            mx.async_eval(self.link.send_op(ids, 0))
-            h = self._pending = self.link.recv_op(shape, self.dtype, self.stage.previous)
+            if self.wire == WIRE_COLLECTIVE:
+                mx.async_eval(self.link.collective_send(ids))
+                h = self._pending = self.link.collective_recv(shape, self.dtype)
+            else:
+                mx.async_eval(self.link.send_op(ids, 0))
+                h = self._pending = self.link.recv_op(shape, self.dtype, self.stage.previous)
             self.bytes_sent += 4 * batch * rows
         else:
             self._send_header(header, tokens if header.tokens_inline else None)
@@ -732,9 +768,9 @@ class StepTransport(Protocol):
         """Pass the evaluated output on."""
         ...
 
-    def send_op(self, h: mx.array) -> mx.array:
-        """On the graph wire: the send of the output, lazy (evaluated with the step). ``StepHeaderError`` where
-        this member has no graph wire."""
+    def send_op(self, h: mx.array, wire: int = WIRE_GRAPH) -> mx.array:
+        """On the graph or the collective wire (``wire``): the send of the output, lazy (evaluated with the step).
+        ``StepHeaderError`` where this member has no such wire."""
         ...
 
 
@@ -753,11 +789,14 @@ class StageTransport:
 
     def receive(self, header: StepHeader) -> mx.array:
         batch, rows = header.batch, header.rows
-        if header.wire == WIRE_GRAPH:
-            recv_op = self._graph_link(header).recv_op
-            if self.stage.first:
-                return recv_op((batch * rows,), mx.uint32, self.stage.previous).reshape(batch, rows)
-            return recv_op((batch, rows, self.hidden_size), self.dtype, self.stage.previous)
+        if header.wire != WIRE_HOST:
+            link = self._graph_link(header)
+            shape, dtype = ((batch * rows,), mx.uint32) if self.stage.first else ((batch, rows, self.hidden_size), self.dtype)
+            if header.wire == WIRE_COLLECTIVE:
+                x = link.collective_recv(shape, dtype)
+            else:
+                x = link.recv_op(shape, dtype, self.stage.previous)
+            return x.reshape(batch, rows) if self.stage.first else x
         if self.stage.first and header.tokens_inline:
             return mx.array(list(header.tokens), dtype=mx.uint32).reshape(batch, rows)
         if self.stage.first:
@@ -772,14 +811,17 @@ class StageTransport:
     def send(self, h: mx.array) -> None:
         self.link.send(h, self.stage.next)
 
-    def send_op(self, h: mx.array) -> mx.array:
-        return self._graph_link(None).send_op(h, self.stage.next)
+    def send_op(self, h: mx.array, wire: int = WIRE_GRAPH) -> mx.array:
+        link = self._graph_link(None, wire)
+        return link.collective_send(h) if wire == WIRE_COLLECTIVE else link.send_op(h, self.stage.next)
 
-    def _graph_link(self, header: StepHeader | None) -> GraphLink:
-        if not getattr(self.link, "graph_ops", False):
+    def _graph_link(self, header: StepHeader | None, wire: int | None = None) -> GraphLink:
+        wire = header.wire if header is not None else wire
+        if not getattr(self.link, "collective_ops" if wire == WIRE_COLLECTIVE else "graph_ops", False):
             step = f" (step {header.step})" if header is not None else ""
-            raise StepHeaderError(f"pipeline stage {self.stage.rank}: a step on the graph wire{step}, which its link "
-                                  "cannot carry (every stage of a pipeline must run the same exo version)")
+            raise StepHeaderError(f"pipeline stage {self.stage.rank}: a step on the {WIRE_NAMES[wire]} wire{step}, "
+                                  "which its link cannot carry (every stage of a pipeline must run the same exo "
+                                  "version, on the same distributed backend)")
         return self.link  # type: ignore[return-value]
 
 
@@ -876,11 +918,11 @@ def serve_member(
         h = transport.outgoing(h)
         states = [c.state for c in cache if c.state is not None]
         prefix = prefixes.get(header.slot)
-        if header.wire == WIRE_GRAPH:
+        if header.wire != WIRE_HOST:
             # Started, not waited for: the host reads the next header and builds the next step while the device
             # waits for this step's input, computes and sends (a prompt step the prefix cache snapshots is
             # waited for: its snapshots read the caches).
-            mx.async_eval(transport.send_op(h), *states)
+            mx.async_eval(transport.send_op(h, header.wire), *states)
             if prefix is not None and prefix.plan is not None:
                 mx.eval(h, *states)
         else:

@@ -42,6 +42,8 @@ from .models.backbone import SpeculativeBackbone
 from .pipeline import (
     OP_GRAPH_FORWARD,
     OP_MEASURE,
+    WIRE_GRAPH,
+    WIRE_HOST,
     Link,
     PipelineForward,
     StageSlots,
@@ -82,7 +84,7 @@ class TensorForward(PipelineForward):
         if share is None or not share.leader or share.size != stage.world_size:
             raise ValueError("TensorForward runs on the last member of a tensor group, its model sharded for it")
         super().__init__(model, stage, link, verify)
-        self.graph = False  # its steps' inputs come in a collective (OP_GRAPH_FORWARD), not on a stage's wire
+        self.wire, self.graph = WIRE_HOST, False  # its steps' inputs come in a collective (OP_GRAPH_FORWARD), not on a stage's wire
 
     @property
     def _watch_doorbells(self) -> bool:
@@ -144,7 +146,7 @@ class TensorTransport:
     def send(self, h: mx.array) -> None:
         pass
 
-    def send_op(self, h: mx.array) -> mx.array:
+    def send_op(self, h: mx.array, wire: int = WIRE_GRAPH) -> mx.array:
         raise StepHeaderError("a tensor group's steps never come on a stage's graph wire (OP_GRAPH_FORWARD)")
 
 

@@ -205,6 +205,11 @@ class RingLink:
         # the order issued: a message the host sends on the ring after a graph send still waiting for its input
         # must not pass it on the ring's sockets (nor a receive another), nor wait behind the model's CPU ops.
         self.graph_ops = backend == "ring" and self.inline_bytes != DOORBELL_ONLY
+        # The collective wire (``WIRE_COLLECTIVE``): a group of two's all-sums, on the device's stream under NCCL (no
+        # point-to-point transfers there), on this link's communication stream under the ring (the tests' CPU).
+        self.collective_ops = self.size == 2
+        self.device_collectives = backend == "nccl"  # (auto takes the collective wire only there)
+        self._backend = backend
         self._stream: Any = None
         self.samples: dict[str, list[float]] = {phase: [] for phase in PHASES}  # seconds, per message
         self._mark: float | None = None  # when the last message ended
@@ -266,6 +271,24 @@ class RingLink:
 
         self._check_graph(src, (self.rank - 1) % self.size, "receives from the member before")
         return mx.distributed.recv(shape, dtype, src, group=self.group, stream=self.stream)
+
+    def collective_send(self, x: Any) -> Any:
+        """The collective wire's send of ``x`` to the other member: an all-sum of the group of two (lazy)."""
+        import mlx.core as mx
+
+        return mx.distributed.all_sum(x, group=self.group, stream=self._collective_stream())
+
+    def collective_recv(self, shape: tuple[int, ...], dtype: Any) -> Any:
+        """The collective wire's receive from the other member: the all-sum its send pairs with, this member adding
+        zeros (lazy)."""
+        import mlx.core as mx
+
+        return mx.distributed.all_sum(mx.zeros(shape, dtype=dtype), group=self.group, stream=self._collective_stream())
+
+    def _collective_stream(self) -> Any:
+        if not self.collective_ops:
+            raise ValueError(f"the collective wire needs a group of two, not {self.size}")
+        return self.stream if self._backend == "ring" else None  # (NCCL: the device's own stream)
 
     def _check_graph(self, rank: int, allowed: int, what: str) -> None:
         if not self.graph_ops:

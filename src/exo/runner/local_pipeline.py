@@ -127,10 +127,10 @@ def _stage_main(spec_file: str, rank: int) -> None:
     from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, load_checkpoint
     from exo.engine.constraints import ConstraintSpec, compile_grammar
     from exo.engine.models import compiled_layers
-    from exo.engine.pipeline import PipelineForward, StageSpec, serve_stage
+    from exo.engine.pipeline import WIRE_NAMES, PipelineForward, StageSpec, serve_stage
     from exo.engine.prompt import prompt_tool_format
 
-    from .group import join_group
+    from .group import DOORBELL_ONLY, join_group
 
     stages = spec["stages"]
     start, end = stages[rank]
@@ -159,8 +159,6 @@ def _stage_main(spec_file: str, rank: int) -> None:
         from exo.engine.sharding import TensorShare, member_process_settings
         from exo.engine.tensor import TensorForward, serve_tensor
 
-        from .group import DOORBELL_ONLY
-
         member_process_settings()  # (before the process's first evaluation)
         share = TensorShare(None, rank, len(stages))
         loaded = load_checkpoint(model, tensor=share)  # this member's slices (the group is not needed to cut them)
@@ -180,7 +178,9 @@ def _stage_main(spec_file: str, rank: int) -> None:
     else:
         stage = StageSpec(rank, len(stages), start, end)
         loaded = load_checkpoint(model, layers=(start, end))
-        link = join_group(spec["hosts"], rank, secret=os.environ.get("EXO_CLUSTER_SECRET") or None)
+        backend = spec.get("backend", "ring")  # (nccl: the collective wire's group of two, its host messages on doorbells)
+        link = join_group(spec["hosts"], rank, secret=os.environ.get("EXO_CLUSTER_SECRET") or None, backend=backend,
+                          inline_bytes=None if backend == "ring" else DOORBELL_ONLY)
         if not stage.last:
             serve_stage(loaded.model, stage, link, prefix_cache=with_prefix_cache(loaded))
             Path(f"{spec['out']}.link{rank}.json").write_text(json.dumps(link.report()))
@@ -228,7 +228,7 @@ def _stage_main(spec_file: str, rank: int) -> None:
     received = forward.bytes_received if forward is not None else 0
     links = [forward.link.report()] if forward is not None and hasattr(forward.link, "report") else []
     prefix = [dataclasses.asdict(prefix_cache.stats)] if prefix_cache is not None else []
-    wire = None if forward is None else "graph" if forward.graph else "host"  # how its steps crossed the stages
+    wire = None if forward is None else WIRE_NAMES[forward.wire]  # how its steps crossed the stages
     Path(spec["out"]).write_text(json.dumps({"results": results, "bytes": {"sent": sent, "received": received},
                                              "links": links, "prefix": prefix, "collectives": collectives,
                                              "wire": wire, "compiled_layers": compiled_layers.traced(loaded.model),

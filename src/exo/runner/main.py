@@ -226,7 +226,7 @@ def _serve_stage(args: argparse.Namespace, state: RunnerState, device: object, l
     or serve steps (the others). Returns the exit status."""
     from exo.downloads.heads import PENDING_SIDECAR, check_pending_head
     from exo.engine import Engine
-    from exo.engine.pipeline import PipelineForward, StageSpec, serve_stage
+    from exo.engine.pipeline import WIRE_NAMES, PipelineForward, StageSpec, serve_stage
 
     from .group import JOIN_TIMEOUT_S, join_group
 
@@ -274,7 +274,7 @@ def _serve_stage(args: argparse.Namespace, state: RunnerState, device: object, l
     attach_prefix_cache(engine, settings, layers)  # each stage restores its own layers' part (engine/prefix_cache.py)
     state.ready(summary, engine)
     log.info("ready: %s, leading a pipeline of %d stages (its steps on the %s wire)", args.model_id, stage.world_size,
-             "graph" if forward.graph else "host")
+             WIRE_NAMES[forward.wire])
     return _lead(engine, state, device, forward, stopping)
 
 
