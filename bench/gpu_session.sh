@@ -215,6 +215,24 @@ for p in "$@"; do
     # built ahead on / off and adaptive depth, at acceptance 0 (adaptive >= 0.97x plain) and 0.8 (K = 1 <= 1.25)
     rounds50c) phase rounds50c $PY bench/round_phases.py "$Q9" --replay 0.0,0.8 --depths 1 2 --ahead on off \
                    $([ "$CPU" = 1 ] && echo --repeats 1 --max-tokens 12 || echo --repeats 2 --max-tokens 48) ;;
+    # issue 50 after the head's layer went through compiled calls (3afbd98) and compiled_layers.call's one lookup
+    # (d612378): K = 1 / 2 / 3 round costs and adaptive at acceptance 0 and 0.8 (K = 1 <= 1.25, K = 3 <= 1.5)
+    rounds50d) phase rounds50d $PY bench/round_phases.py "$Q9" --replay 0.0,0.8 --depths 1 2 3 \
+                   $([ "$CPU" = 1 ] && echo --repeats 1 --max-tokens 12 || echo --repeats 2 --max-tokens 48) ;;
+    # MLX CUDA's graph size (MLX_MAX_OPS_PER_BUFFER, 100 on an H200): a K = 1 round and a plain step at 50 / 200 / 400
+    opsbuf) for v in 50 200 400; do
+                MLX_MAX_OPS_PER_BUFFER=$v phase opsbuf$v $PY bench/round_phases.py "$Q9" --replay 0.8 --depths 1 --no-adaptive \
+                    $([ "$CPU" = 1 ] && echo --repeats 1 --max-tokens 8 || echo --repeats 1 --max-tokens 48)
+            done ;;
+    # the same sweep wider (OPS: the values): plain steps, K = 1 and K = 3 rounds at acceptance 0.8 per value
+    opssweep) for v in ${OPS:-10 20 30 50 100}; do
+                  MLX_MAX_OPS_PER_BUFFER=$v phase opssweep$v $PY bench/round_phases.py "$Q9" --replay 0.8 --depths 1 3 --no-adaptive \
+                      $([ "$CPU" = 1 ] && echo --repeats 1 --max-tokens 8 || echo --repeats 1 --max-tokens 48)
+              done ;;
+    # issue 51's 2 stages on the collective wire (a group of two's all-sums over NCCL, device to device) against the
+    # graph wire, and the collective wire with MLX's CUDA graphs off in the stages (NCCL captured in them or not)
+    pipe9n) phase pipe9n $PY bench/pipeline.py "$Q9" --stages 1,2 --modes plain,k1 --repeats 2 $PIPE \
+        --gpu-per-stage --no-breakdown --wires graph,collective,collective+nographs ;;
     stock) EXO_QGEMV=1 phase stock $PY bench/engine.py "$Q9" --max-tokens 128 --repeats 3 ;;
     # issues 50 / 51: the engine's decoder layers as compiled calls (models.compiled_layers, EXO_COMPILED_LAYERS,
     # on MLX CUDA by default since 2026-11-30): plain decoding with and without in one process (the same tokens?), then a K = 1 / 2 round's
