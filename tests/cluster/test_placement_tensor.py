@@ -106,6 +106,22 @@ def test_the_backend_follows_the_members_or_the_setting():
     assert placement(req(), cuda).backend == ""  # one node: no collectives
 
 
+def test_a_pipeline_of_two_cuda_nodes_forms_over_nccl_unless_another_wire_is_asked(monkeypatch):
+    """Two stages on CUDA nodes: the group over NCCL (its steps on the collective wire, device to device); three
+    stages, a node of another backend, or EXO_PIPELINE_WIRE naming another wire: MLX's ring ("")."""
+    from exo.cluster.placement import pipeline_backend_for
+
+    monkeypatch.delenv("EXO_PIPELINE_WIRE", raising=False)
+    cuda = [node(n, 5, backend="cuda") for n in "abc"]
+    assert placement(req(), cuda[:2], sharding="pipeline", min_nodes=2).backend == "nccl"
+    assert placement(req(), cuda, sharding="pipeline", min_nodes=3).backend == ""
+    assert placement(req(), [cuda[0], node("d", 5, backend="metal")], sharding="pipeline", min_nodes=2).backend == ""
+    assert pipeline_backend_for(cuda[:2], "collective") == "nccl"
+    assert pipeline_backend_for(cuda[:2], "graph") == pipeline_backend_for(cuda[:2], "host") == ""
+    monkeypatch.setenv("EXO_PIPELINE_WIRE", "graph")
+    assert placement(req(), cuda[:2], sharding="pipeline", min_nodes=2).backend == ""
+
+
 def test_the_estimates_count_bytes_read_over_measured_speed_and_the_links():
     r = req(weights_gib=8, layers=8, active_bytes=8 * GiB)
     rate, peak = 10 * GiB, PEAK_BYTES_PER_S["cpu"]  # measured; what reading the bytes alone would take

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -228,7 +229,8 @@ class Placement:
     # Per stage (in rank order): whether its node must download the weights (its stage's files) first.
     stage_downloads: tuple[bool, ...] = ()
     # How the model is split: "none" (one node), "pipeline" (by layers) or "tensor" (a slice of every layer on
-    # every member: its shards all hold layers 0..n); a tensor group's collectives' backend (ring | nccl | jaccl).
+    # every member: its shards all hold layers 0..n); a tensor group's collectives' backend (ring | nccl | jaccl), or a
+    # pipeline's group's ("" the ring; nccl: two stages on CUDA nodes, ``pipeline_backend_for``).
     sharding: str = "none"
     backend: str = ""
     # What placement weighed (``sharding`` "auto", and the preview): every split it considered, estimated.
@@ -595,8 +597,19 @@ def _pipeline(req: ModelRequirement, chosen: Sequence[NodeCapacity], free: dict[
         stage_free_bytes=tuple(free[n.node_id] for n in chosen),
         stage_needed_bytes=tuple(req.stage_bytes(a, b) for a, b in stages),
         stage_downloads=downloads,
-        sharding="pipeline",
+        sharding="pipeline", backend=pipeline_backend_for(chosen),
     )
+
+
+def pipeline_backend_for(nodes: Sequence[NodeCapacity], wire: str | None = None) -> str:
+    """A pipeline's group backend: "nccl" for two stages on CUDA nodes, whose steps then cross on the collective wire
+    (``engine.pipeline.WIRE_COLLECTIVE``: device to device; on 2 x H200 a 9B over 2 stages ran 1.00x one GPU on it
+    against 0.63x on the graph wire, docs/performance.md), unless ``wire`` (``EXO_PIPELINE_WIRE`` of the placing
+    daemon: None, look) asks for another wire; else "" (MLX's ring, every wire)."""
+    wire = wire if wire is not None else os.environ.get("EXO_PIPELINE_WIRE", "auto")
+    if wire in ("auto", "collective") and len(nodes) == 2 and all(n.backend == "cuda" for n in nodes):
+        return "nccl"
+    return ""
 
 
 # -- tensor groups ---------------------------------------------------------------------------------------------

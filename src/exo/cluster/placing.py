@@ -152,7 +152,7 @@ class Placer:
         if shard is not None:
             request.shard.CopyFrom(
                 pb.Shard(start_layer=shard.start_layer, end_layer=shard.end_layer, rank=shard.rank, world_size=shard.world_size,
-                         sharding=sharding if shard.world_size > 1 else "", backend=backend if sharding == "tensor" else "")
+                         sharding=sharding if shard.world_size > 1 else "", backend=backend if shard.world_size > 1 else "")
             )
         view.reserved[(request.instance_id, node_id)] = reserved
         if node_id == view.node_id:

@@ -113,6 +113,8 @@ class RunnerProcesses:
             ]
             if shard.sharding == "tensor":
                 cmd += ["--sharding", "tensor", "--backend", shard.backend or "ring"]
+            elif shard.backend:  # a pipeline's group on another backend than the ring (NCCL: the collective wire)
+                cmd += ["--backend", shard.backend]
         return cmd
 
     async def _spawn(self, entry: InstanceEntry) -> None:

@@ -50,7 +50,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sharding", choices=("pipeline", "tensor"), default="pipeline",
                    help="a group's split: by layers, or a slice of every layer (tensor)")
     p.add_argument("--backend", choices=("ring", "nccl", "jaccl"), default="ring",
-                   help="a tensor group's collectives (MLX's distributed backend)")
+                   help="a tensor group's collectives, or a pipeline's group (MLX's distributed backend; nccl: "
+                        "a pipeline of two on GPUs, its steps on the collective wire)")
     return p.parse_args(argv)
 
 
@@ -228,16 +229,26 @@ def _serve_stage(args: argparse.Namespace, state: RunnerState, device: object, l
     from exo.engine import Engine
     from exo.engine.pipeline import WIRE_NAMES, PipelineForward, StageSpec, serve_stage
 
-    from .group import JOIN_TIMEOUT_S, join_group
+    from .group import DOORBELL_ONLY, JOIN_TIMEOUT_S, join_group, watch_hangups
 
     log = logging.getLogger(__name__)
     stage = StageSpec(args.rank, args.world_size, args.start_layer, args.end_layer)
     state.update("waiting for the other stages", 0.7)
     hosts = state.wait_for_hosts(JOIN_TIMEOUT_S)
     state.update("joining the group", 0.72)
-    link = join_group(hosts, args.rank, secret=secret)  # every member proves the cluster's secret
-    log.info("stage %d of %d (layers %d-%d) joined %s", stage.rank, stage.world_size, stage.start_layer,
-             stage.end_layer - 1, ",".join(hosts))
+    # every member proves the cluster's secret; a group over NCCL carries its host messages on the doorbells
+    link = join_group(hosts, args.rank, secret=secret, backend=args.backend,
+                      inline_bytes=None if args.backend == "ring" else DOORBELL_ONLY)
+    if args.backend != "ring":  # NCCL waits for a lost member without end: its closed doorbell ends us
+        from exo.wire.runner import EXIT_GROUP_LOST
+
+        def lost() -> None:
+            print(f"exo runner: a stage of the pipeline of {args.model_id} left", file=sys.stderr, flush=True)
+            os._exit(EXIT_GROUP_LOST)
+
+        watch_hangups(link, lost)
+    log.info("stage %d of %d (layers %d-%d, %s) joined %s", stage.rank, stage.world_size, stage.start_layer,
+             stage.end_layer - 1, args.backend, ",".join(hosts))
     layers = (stage.start_layer, stage.end_layer)
     if not stage.last:
         from .loading import stage_memory, stage_prefix_cache
