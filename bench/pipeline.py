@@ -3,7 +3,7 @@
     python bench/pipeline.py [MODEL] [--stages 1,2,3] [--modes plain,k1,k2,adaptive] [--max-tokens 128] [--repeats 3]
                              [--json] [--gpu-per-stage] [--no-breakdown | --breakdown-only] [--breakdown-modes plain]
                              [--breakdown-repeats 1] [--transports ring,inline] [--transport-ab]
-                             [--clients 1,8,32 [--seconds 20]] [--wires host,graph]
+                             [--clients 1,8,32 [--seconds 20]] [--wires host,graph,collective]
 
 Every configuration runs in fresh processes (one per stage, a ring over 127.0.0.1, exactly what a
 cluster's runners run: exo.runner.local_pipeline), the same prompts, greedy, EOS ignored so every
@@ -60,7 +60,15 @@ from serving import load as load_clients  # noqa: E402
 from serving import quantile  # noqa: E402
 
 MODES = {"plain": {"native_mtp": "off"}, "k1": {"mtp_k": 1}, "k2": {"mtp_k": 2}, "k3": {"mtp_k": 3},
-         "adaptive": {}}
+         "adaptive": {}, "batch8": {"native_mtp": "off"}}
+BATCH = 8  # mode batch8: 8 plain requests decoded as one batch (the device queue's loop), per prompt
+
+
+def _batch_result(members: list[dict[str, Any]]) -> dict[str, Any]:
+    """A batch's members as one result: their tokens, their decode tok/s summed (they step together)."""
+    return {"token_ids": [t for m in members for t in m["token_ids"]], "bytes_sent": 0, "bytes_received": 0,
+            "stats": {"decode_tokens_per_s": sum(m["stats"]["decode_tokens_per_s"] for m in members),
+                      "drafted_tokens": 0, "accepted_tokens": 0, "k_histogram": {"0": sum(len(m["token_ids"]) for m in members)}}}
 PROMPTS = ("def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):\n")
 
 
@@ -78,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default=None, help="card id, repo or directory (default: exo-demo)")
     p.add_argument("--stages", default="1,2,3")
-    p.add_argument("--modes", default="plain,k1,k2,adaptive")
+    p.add_argument("--modes", default="plain,k1,k2,adaptive",
+                   help="plain, k1, k2, k3, adaptive; batch8: 8 plain requests as one batch per prompt (summed tok/s)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", action="store_true")
@@ -111,9 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     modes = args.modes.split(",")
     requests, keys = [], []
     for mode in modes:
-        for prompt in PROMPTS:
-            requests.append({"prompt": tokenizer.encode(prompt), "max_tokens": args.max_tokens, "ignore_eos": True,
-                             **MODES[mode]})
+        for i, prompt in enumerate(PROMPTS):
+            if mode == "batch8":
+                members = [{"prompt": tokenizer.encode(PROMPTS[(i + j) % len(PROMPTS)]), "max_tokens": args.max_tokens,
+                            "ignore_eos": True, **MODES[mode]} for j in range(BATCH)]
+                requests.append({"batch": members, "join_at": [0] * BATCH})
+            else:
+                requests.append({"prompt": tokenizer.encode(prompt), "max_tokens": args.max_tokens, "ignore_eos": True,
+                                 **MODES[mode]})
             keys.append(mode)
     wires = args.wires.split(",")
     configs = [(stages, wire) for stages in stage_counts for wire in (wires if stages > 1 else ["-"])]
@@ -130,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                                      backend="nccl" if nccl else "ring")
             used[(stages, wire)] = (out.get("wire") or "-") + (f"+{variant}" if variant else "")
             for mode, result in zip(keys, out["results"], strict=True):
-                rows.setdefault((stages, wire, mode), []).append(result)
+                rows.setdefault((stages, wire, mode), []).append(_batch_result(result) if isinstance(result, list) else result)
             done = {mode: statistics.median(r["stats"]["decode_tokens_per_s"]
                                             for r in rows[(stages, wire, mode)][-len(PROMPTS):]) for mode in modes}
             print(f"repeat {repeat + 1}/{args.repeats}: {stages} stage(s) ({used[(stages, wire)]} wire) done (tok/s: "
