@@ -231,7 +231,7 @@ for p in "$@"; do
               done ;;
     # issue 51's 8 clients over 2 stages (0.82x one GPU through exo serve): the engine alone, 8 plain requests decoded as
     # one batch, one GPU against 2 stages on the collective wire (is it the batch's step or the serving around it?)
-    pipe9b) phase pipe9b $PY bench/pipeline.py "$Q9" --stages 1,2 --modes plain,batch8 --repeats 2 $PIPE \
+    pipe9b) phase pipe9b $PY bench/pipeline.py "$Q9" --stages 1,2 --modes plain,batch8 --repeats ${PIPE9B_REPEATS:-2} $PIPE \
         --gpu-per-stage --no-breakdown --wires ${PIPE9B_WIRES:-collective} ;;
     # issue 51's 2 stages on the collective wire (a group of two's all-sums over NCCL, device to device) against the
     # graph wire, and the collective wire with MLX's CUDA graphs off in the stages (NCCL captured in them or not)
