@@ -603,8 +603,8 @@ def _pipeline(req: ModelRequirement, chosen: Sequence[NodeCapacity], free: dict[
 
 def pipeline_backend_for(nodes: Sequence[NodeCapacity], wire: str | None = None) -> str:
     """A pipeline's group backend: "nccl" for two stages on CUDA nodes, whose steps then cross on the collective wire
-    (``engine.pipeline.WIRE_COLLECTIVE``: device to device; on 2 x H200 a 9B over 2 stages ran 1.00x one GPU on it
-    against 0.63x on the graph wire, docs/performance.md), unless ``wire`` (``EXO_PIPELINE_WIRE`` of the placing
+    (``engine.pipeline.WIRE_COLLECTIVE``: device to device; on 2 x H200 a 9B over 2 stages ran 0.76-1.00x one GPU on
+    it against 0.50-0.63x on the graph wire, docs/performance.md), unless ``wire`` (``EXO_PIPELINE_WIRE`` of the placing
     daemon: None, look) asks for another wire; else "" (MLX's ring, every wire)."""
     wire = wire if wire is not None else os.environ.get("EXO_PIPELINE_WIRE", "auto")
     if wire in ("auto", "collective") and len(nodes) == 2 and all(n.backend == "cuda" for n in nodes):
