@@ -111,10 +111,12 @@ class Stream:
         self.thread.start()
 
 
-@pytest.mark.parametrize("wire", ["host", "graph"])
+@pytest.mark.parametrize("wire", ["host", "graph", "collective"])
 def test_a_middle_stage_dies_mid_stream_and_the_model_is_placed_anew(tmp_path, budget, wire):
-    """On either wire (EXO_PIPELINE_WIRE): on the graph wire the loss shows in the leader's evaluation (the ring's
-    receive raises outside any call through the stages), and the leader's doorbells tell it was a stage's."""
+    """On every wire (EXO_PIPELINE_WIRE): on the graph wire the loss shows in the leader's evaluation (the ring's
+    receive raises outside any call through the stages), and the leader's doorbells tell it was a stage's. On
+    "collective" the 3-stage pipeline takes the graph wire and the 2-stage one placed anew the collective wire (its
+    group of two's all-sums), whose leader then dies mid-stream."""
     a, b, c, d = daemons(tmp_path, budget, "abcd", env={"EXO_PIPELINE_WIRE": wire})
     try:
         created = a.post("/v1/instances", {"model": MODEL, "nodes": [b.node_id, c.node_id, d.node_id], "wait": True})
@@ -136,6 +138,9 @@ def test_a_middle_stage_dies_mid_stream_and_the_model_is_placed_anew(tmp_path, b
         # Placed anew on the nodes that are left (it fits on two), with no manual step.
         new = wait_for(lambda: ready_pipeline(a, without=c.node_id), 90, "the model to be placed anew")
         assert new["id"] != old["id"] and c.node_id not in {s["node"] for s in new["stages"]}
+        if wire == "collective":  # (the new leader's runner says how its steps cross; the 3 stages took the graph wire)
+            logs = "".join(x.log_path.read_text() for x in (a, b, d))
+            assert "2 stages (its steps on the collective wire)" in logs and "3 stages (its steps on the graph wire)" in logs
         gone = a.get(f"/v1/instances/{old['id']}").json()
         assert gone["state"] in ("gone", "failed"), gone
         reply = a.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
