@@ -76,7 +76,7 @@ OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN = 5, 6
 OP_GRAPH_FORWARD = 7
 FORWARD_OPS = (OP_FORWARD, OP_GRAPH_FORWARD)
 HEADER_OPS = (OP_FORWARD, OP_END, OP_SHUTDOWN, OP_MEASURE, OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN, OP_GRAPH_FORWARD)
-HEADER_VERSION = 6  # 3: the prefix cache's ops; 4: STORE_END; 5: OP_GRAPH_FORWARD; 6: wire
+HEADER_VERSION = 7  # 3: the prefix cache's ops; 4: STORE_END; 5: OP_GRAPH_FORWARD; 6: wire; 7: WIRE_COLLECTIVE
 HEADER_NAMES = ("version", "op", "step", "slot", "batch", "rows", "verify", "moe", "per_row", "invariant", "wire",
                 "ops")
 HEADER_FIELDS = len(HEADER_NAMES)
