@@ -233,6 +233,10 @@ for p in "$@"; do
     # one batch, one GPU against 2 stages on the collective wire (is it the batch's step or the serving around it?)
     pipe9b) phase pipe9b $PY bench/pipeline.py "$Q9" --stages 1,2 --modes plain,batch8 --repeats ${PIPE9B_REPEATS:-2} $PIPE \
         --gpu-per-stage --no-breakdown --wires ${PIPE9B_WIRES:-collective} ;;
+    # the same batch of 8 over 2 stages on the collective wire with each step timed (EXO_PIPELINE_PHASES=1): a stage's
+    # wait for the header and its build-and-launch, the leader's period per step
+    pipe9p) phase pipe9p $PY bench/pipeline.py "$Q9" --stages 1,2 --modes ${PIPE9P_MODES:-batch8} --repeats 1 $PIPE \
+        --gpu-per-stage --no-breakdown --wires collective --phases ;;
     # issue 51's 2 stages on the collective wire (a group of two's all-sums over NCCL, device to device) against the
     # graph wire, and the collective wire with MLX's CUDA graphs off in the stages (NCCL captured in them or not)
     pipe9n) phase pipe9n $PY bench/pipeline.py "$Q9" --stages 1,2 --modes plain,k1 --repeats 2 $PIPE \

@@ -51,7 +51,7 @@ import aiohttp
 import mlx.core as mx
 
 from exo.engine import load_checkpoint, resolve_model
-from exo.runner.group import PHASES
+from exo.runner.group import GRAPH_PHASES, PHASES
 from exo.runner.local_pipeline import run_local_pipeline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="pipelines' wires, each a configuration: host, graph, collective, auto (EXO_PIPELINE_WIRE); "
                         "collective: the stages an NCCL group with --gpu-per-stage on MLX CUDA, else a ring group; "
                         "a wire+nographs: its stages with MLX_USE_CUDA_GRAPHS=0")
+    p.add_argument("--phases", action="store_true",
+                   help="EXO_PIPELINE_PHASES=1 in every pipeline's stages: on the graph and collective wires, each "
+                        "stage's median graph.wait / graph.build and the leader's graph.period per step, printed per run")
     args = p.parse_args(argv)
     resolved = resolve_model(args.model)
     loaded = load_checkpoint(resolved.path)
@@ -138,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             name, _, variant = wire.partition("+")
             env = [{**({"CUDA_VISIBLE_DEVICES": str(rank)} if args.gpu_per_stage else {}),
                     **({"EXO_PIPELINE_WIRE": name} if wire != "-" else {}),
-                    **({"MLX_USE_CUDA_GRAPHS": "0"} if variant == "nographs" else {})} for rank in range(stages)]
+                    **({"MLX_USE_CUDA_GRAPHS": "0"} if variant == "nographs" else {}),
+                    **({"EXO_PIPELINE_PHASES": "1"} if args.phases and stages > 1 else {})} for rank in range(stages)]
             nccl = name in ("collective", "auto") and args.gpu_per_stage and mx.cuda.is_available() and stages == 2
             out = run_local_pipeline(resolved.path, split(n_layers, stages), requests, warmup=True, stage_env=env,
                                      backend="nccl" if nccl else "ring")
@@ -149,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                                             for r in rows[(stages, wire, mode)][-len(PROMPTS):]) for mode in modes}
             print(f"repeat {repeat + 1}/{args.repeats}: {stages} stage(s) ({used[(stages, wire)]} wire) done (tok/s: "
                   + ", ".join(f"{mode} {tps:.1f}" for mode, tps in done.items()) + ")", file=sys.stderr, flush=True)
+            if args.phases and stages > 1:
+                print("  " + graph_phases(out["links"]), file=sys.stderr, flush=True)
     report = []
     first = configs[0]
     for stages, wire in configs if rows else []:
@@ -215,6 +221,18 @@ def main(argv: list[str] | None = None) -> int:
     if clients:
         print_clients(clients, args)
     return 0
+
+
+def graph_phases(links: list[dict[str, Any]]) -> str:
+    """Each stage's graph-wire phases over a run (``group.GRAPH_PHASES``: medians in microseconds over every forward
+    step of every mode, prompts included), as one line."""
+    parts = []
+    for link in links:
+        medians = {phase: statistics.median(link["samples"].get(phase) or [0.0]) * 1e6 for phase in GRAPH_PHASES}
+        counted = {phase: len(link["samples"].get(phase) or []) for phase in GRAPH_PHASES}
+        shown = ", ".join(f"{phase} {medians[phase]:.0f} us" for phase in GRAPH_PHASES if counted[phase])
+        parts.append(f"rank {link['rank']}: {shown or 'no graph-wire steps timed'}")
+    return "graph-wire phases (medians): " + "; ".join(parts)
 
 
 def print_table(model_id: str, n_layers: int, args: argparse.Namespace, stage_counts: list[int],

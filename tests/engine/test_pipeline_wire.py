@@ -452,3 +452,26 @@ def test_the_leader_starts_a_dropped_steps_receive_before_its_next_exchange(chec
     second_header = events.index(("send", 1))
     assert ("started", [0]) in events[:second_header]  # the dropped step's receive, before the next header
     assert len(receives) == 2 and receives[0].shape == (1, 1, h)
+
+
+def test_a_graph_wire_stage_times_its_steps_where_asked(checkpoint):
+    """EXO_PIPELINE_PHASES=1 (the link's ``timed_receives``): a stage on the graph wire notes, per forward step, the
+    time from the header to its step launched (graph.build) and, from its second step, the wait for the header
+    (graph.wait); untimed, nothing is noted."""
+    from exo.engine.pipeline import WIRE_GRAPH
+
+    for timed in (True, False):
+        loaded = load_checkpoint(checkpoint("qwen3_5", dtype="float32"), layers=(0, 2))
+        steps = [(5, 6, 7), (8,), (9,)]
+        messages = [StepHeader.forward(i, 0, 1, len(ids), None, wire=WIRE_GRAPH).encode() for i, ids in enumerate(steps)]
+        link = _GraphLink([*messages, StepHeader(OP_SHUTDOWN, len(steps)).encode()],
+                          [mx.array(list(ids), dtype=mx.uint32) for ids in steps])
+        notes: list[tuple[str, float]] = []
+        link.timed_receives = timed
+        link.note = lambda phase, seconds, notes=notes: notes.append((phase, seconds))
+        serve_stage(loaded.model, StageSpec(0, 2, 0, 2), link)
+        if timed:
+            assert [p for p, _ in notes] == ["graph.build", "graph.wait", "graph.build", "graph.wait", "graph.build"]
+            assert all(seconds >= 0 for _, seconds in notes)
+        else:
+            assert notes == []

@@ -37,6 +37,7 @@ import dataclasses
 import functools
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -469,6 +470,9 @@ class PipelineForward:
         self.graph = self.wire != WIRE_HOST  # as ops of the graphs (the graph or the collective wire)
         self._pending: mx.array | None = None  # the graph wire: the last step's receive (``_settle``)
         self._broken: BaseException | None = None  # what a call raised: the stages may be out of step since
+        # EXO_PIPELINE_PHASES=1 on the graph and collective wires: the time from one step's header to the next
+        self._note = getattr(link, "note", None) if getattr(link, "timed_receives", False) else None
+        self._last_header: float | None = None
 
     @property
     def broken(self) -> BaseException | None:
@@ -511,6 +515,11 @@ class PipelineForward:
             # (``_settle``): the link's transfers run in the order they reach its stream, both ends alike.
             # On the collective wire both transfers are all-sums on the device's stream, in this order at both ends.
             self._send_header(header)
+            if self._note is not None:
+                now = time.perf_counter()
+                if self._last_header is not None:
+                    self._note("graph.period", now - self._last_header)
+                self._last_header = now
             ids = tokens.reshape(-1).astype(mx.uint32)
             mx.async_eval(ids)
             if self.wire == WIRE_COLLECTIVE:
@@ -861,8 +870,11 @@ def serve_member(
     rows_of: dict[int, list[StagePrefix | None]] = {}  # a batch slot -> its rows' (for their replies)
     expected = 0  # the step number the next header must carry
     probed = False
+    note = getattr(link, "note", None) if getattr(link, "timed_receives", False) else None  # (graph-wire phases)
+    launched = None  # when this member's last graph-wire step was launched
     while True:
         header = _receive_header(link, member, expected, forward_header)
+        arrived = time.perf_counter() if note is not None else 0.0
         expected += 1
         for op in header.ops:  # the cache operations the leader did since its last message, first
             slots.apply(op)
@@ -923,6 +935,12 @@ def serve_member(
             # waits for this step's input, computes and sends (a prompt step the prefix cache snapshots is
             # waited for: its snapshots read the caches).
             mx.async_eval(transport.send_op(h, header.wire), *states)
+            if note is not None:
+                now = time.perf_counter()
+                if launched is not None:
+                    note("graph.wait", arrived - launched)
+                note("graph.build", now - arrived)
+                launched = now
             if prefix is not None and prefix.plan is not None:
                 mx.eval(h, *states)
         else:

@@ -170,6 +170,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 #     with ``EXO_PIPELINE_PHASES=1``, otherwise it is evaluated inside the member's next compute.
 # Only step-sized messages (up to ``INLINE_BYTES``: headers, decode rounds) are sampled, not prefill chunks.
 PHASES = ("send.work", "send.ready", "send.ring", "send.bell", "recv.gap", "recv.wait", "recv.ring")
+# On the graph and collective wires a step's bytes never pass the host; with ``EXO_PIPELINE_PHASES=1`` each forward
+# step is timed instead (``RingLink.note``): on a stage, graph.wait (from its last step's launch to the next header:
+# asleep on the doorbell) and graph.build (from the header to its step launched: building the graph and MLX CUDA's
+# launches); on the leader, graph.period (from one step's header to the next: what a step costs the pipeline).
+GRAPH_PHASES = ("graph.wait", "graph.build", "graph.period")
 # A step's message up to this size (a header, a decode round's hiddens: at depth 3 of a model with H = 4096 in
 # bf16, 32 KiB) travels on the doorbell itself, after its 5-byte prefix: one write and one read of this
 # member's own socket, where the ring's send and receive hand the message between MLX's threads (tens of
@@ -211,8 +216,14 @@ class RingLink:
         self.device_collectives = backend == "nccl"  # (auto takes the collective wire only there)
         self._backend = backend
         self._stream: Any = None
-        self.samples: dict[str, list[float]] = {phase: [] for phase in PHASES}  # seconds, per message
+        self.samples: dict[str, list[float]] = {phase: [] for phase in (*PHASES, *GRAPH_PHASES)}  # seconds, per message
         self._mark: float | None = None  # when the last message ended
+
+    def note(self, phase: str, seconds: float) -> None:
+        """A graph-wire step's phase (``GRAPH_PHASES``), kept where ``EXO_PIPELINE_PHASES=1`` asked for timing."""
+        samples = self.samples[phase]
+        if self.timed_receives and len(samples) < MAX_SAMPLES:
+            samples.append(seconds)
 
     def _sample(self, nbytes: int, **phases: float) -> None:
         if nbytes <= INLINE_BYTES and len(self.samples["recv.wait"]) < MAX_SAMPLES:
