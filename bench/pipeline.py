@@ -450,6 +450,9 @@ async def _place(url: str, nodes: int) -> str:
         async with session.post(url + "/v1/instances", json=body) as response:
             if response.status != 201:
                 raise RuntimeError(f"placing {model_id} on {nodes} node(s): {response.status} {await response.text()}")
+            backend = (await response.json())["instance"].get("backend")
+        if nodes > 1:  # (nccl: a pair of CUDA nodes, the collective wire; null: MLX's ring)
+            print(f"  placed over {nodes} nodes, the group's backend: {backend or 'ring'}", file=sys.stderr, flush=True)
         return model_id
 
 

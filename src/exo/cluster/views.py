@@ -99,7 +99,8 @@ def instance_json(inst: pb.Instance, node_id: str, self_id: str) -> dict[str, An
         "shard": {"start_layer": inst.shard.start_layer, "end_layer": inst.shard.end_layer,
                   "rank": inst.shard.rank, "world_size": inst.shard.world_size or 1},
         # How the instance is split over nodes: "none" (one node), "pipeline" (layers) or "tensor" (every layer's
-        # slice on every member); a tensor group's collectives' backend (ring | nccl | jaccl; null otherwise).
+        # slice on every member); a tensor group's collectives' backend (ring | nccl | jaccl), a pipeline's group's
+        # where it is not the ring (nccl: a pipeline of two CUDA nodes, its steps on the collective wire); else null.
         "sharding": sharding_name(inst.shard),
         "backend": inst.shard.backend or None,
         "failure": failure,
