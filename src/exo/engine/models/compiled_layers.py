@@ -15,8 +15,8 @@ function is traced once per shape; a call replays its graph in C++, without the 
 - the MTP head's decoder layer (``models.mtp``, an attention layer) likewise, under ``head_key``;
 - an attention decoder layer keeps its attention op by op (its KV cache's write position is a Python int) and
   runs its residuals and dense MLP after it as one compiled call; where its attention takes exo's kernel (MLX
-  CUDA's decode steps and verify rows), its norm and projections are one compiled call too, rope, the KV write
-  and the kernel op by op, and the output gate and projection join the call after.
+  CUDA's decode steps and verify rows), its norm, projections and rope are one compiled call too (the position an
+  array input), the KV write and the kernel op by op, and the output gate and projection join the call after.
 
 The same ops in the same order: on this CPU the outputs are the op-by-op layers' bits (tests/engine/
 test_compiled_layers.py); where MLX fuses elementwise ops in a compiled graph on a GPU, ``bench/compiled_step.py``
@@ -34,6 +34,7 @@ tensor forward's collectives are on (``sharding.collectives``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -191,19 +192,20 @@ def _give_up(layer: Any, name: tuple[Any, ...], error: Exception) -> None:
 
 def _attention_layer(layer: Any, attention: Attention, x: mx.array, cache: Any, key: tuple[Any, ...]) -> mx.array:
     """An attention decoder layer whose attention takes exo's kernel (MLX CUDA's decode step and verify rows): its
-    norm and projections one compiled call, rope, the KV cache's write and the kernel op by op (positions are
-    Python ints), then the output gate and projection, the residuals and the dense MLP one compiled call."""
+    norm, projections and rope one compiled call (``_heads``), the KV cache's write and the kernel op by op (the
+    write's position is a Python int), then the output gate and projection, the residuals and the dense MLP one
+    compiled call."""
     from ..kernels.cuda_attn import attend_rows
 
-    heads = _compiled(layer, ("heads", key), lambda: mx.compile(lambda x: attention.heads(layer.input_layernorm(x))))
+    heads = _compiled(layer, ("heads", key), lambda: _heads(layer, attention))
     if heads is None:
         return layer(x, mask=None, cache=cache)
     try:
-        projected = heads(x)
+        queries, keys, values, gate = heads(x, _position(cache.offset))
     except Exception as e:  # noqa: BLE001 - MLX could not trace it: op by op from now on
         _give_up(layer, ("heads", key), e)
         return layer(x, mask=None, cache=cache)
-    queries, _, _, gate = attention.place(*projected, cache)  # (the cache's buffers hold the new keys now)
+    cache.update_and_fetch(keys, values)  # (the cache's buffers hold the new keys now: the kernel reads them there)
     output = attend_rows(queries, cache.keys, cache.values, cache.offset, attention.scale)
     after = _compiled(layer, ("after-attention", key), lambda: _after_attention(layer))
     if after is not None:
@@ -213,6 +215,25 @@ def _attention_layer(layer: Any, attention: Attention, x: mx.array, cache: Any, 
             _give_up(layer, ("after-attention", key), e)
     h = x + _reduce(layer, attention.gated_output(output, gate))
     return h + _reduce(layer, layer.mlp(layer.post_attention_layernorm(h)))
+
+
+def _heads(layer: Any, attention: Attention) -> Callable[[mx.array, mx.array], tuple[mx.array, ...]]:
+    """An attention decoder layer before its KV write: norm, projections and rope at ``position`` (an int32 array:
+    ``mx.fast.rope`` takes a Python int offset as exactly that array, so the bits are the op-by-op call's), one
+    compiled call where rope was two Python calls of its own."""
+    norm, rope = layer.input_layernorm, attention.rope
+
+    def heads(x: mx.array, position: mx.array) -> tuple[mx.array, ...]:
+        queries, keys, values, gate = attention.heads(norm(x))
+        return rope(queries, offset=position), rope(keys, offset=position), values, gate
+
+    return mx.compile(heads)
+
+
+@functools.lru_cache(maxsize=64)
+def _position(offset: int) -> mx.array:
+    """A cache offset as the int32 array rope takes (one a step, shared by its attention layers)."""
+    return mx.array(offset, dtype=mx.int32)
 
 
 def _after_attention(layer: Any) -> Callable[[mx.array, mx.array, mx.array], mx.array]:
