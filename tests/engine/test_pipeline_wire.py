@@ -325,7 +325,7 @@ def test_a_graph_wire_header_carries_no_ids_and_round_trips():
 
 
 def test_which_wire_a_leader_chooses():
-    from exo.engine.pipeline import WIRE_COLLECTIVE, WIRE_GRAPH, WIRE_HOST, graph_wire, pipeline_wire
+    from exo.engine.pipeline import WIRE_COLLECTIVE, WIRE_GRAPH, WIRE_HOST, pipeline_wire
 
     class Ops:
         graph_ops, collective_ops = True, False
@@ -339,18 +339,18 @@ def test_which_wire_a_leader_chooses():
     class Nccl:  # an NCCL group of two: all-sums on the device, no send and receive
         graph_ops, collective_ops, device_collectives = False, True, True
 
-    assert graph_wire(Ops(), "graph") and not graph_wire(Ops(), "host")
-    assert not graph_wire(NoOps(), "graph") and not graph_wire(object(), "graph")  # (a tensor group's, a test's link)
-    assert graph_wire(Ops(), "auto", cuda=True) and not graph_wire(Ops(), "auto", cuda=False)  # (MLX CUDA: graph)
-    assert not graph_wire(NoOps(), "auto", cuda=True) and not graph_wire(Ops(), "host", cuda=True)
-    assert not graph_wire(Ops(), "auto")  # this CPU: the host wire
+    assert pipeline_wire(Ops(), "graph") == WIRE_GRAPH and pipeline_wire(Ops(), "host") == WIRE_HOST
+    assert pipeline_wire(NoOps(), "graph") == pipeline_wire(object(), "graph") == WIRE_HOST  # (a tensor group's, a test's link)
+    assert pipeline_wire(Ops(), "auto", cuda=True) == WIRE_GRAPH and pipeline_wire(Ops(), "auto", cuda=False) == WIRE_HOST
+    assert pipeline_wire(NoOps(), "auto", cuda=True) == WIRE_HOST and pipeline_wire(Ops(), "host", cuda=True) == WIRE_HOST
+    assert pipeline_wire(Ops(), "auto") == WIRE_HOST  # this CPU: the host wire
     # The collective wire: where asked and the link has it; auto takes it only where the all-sums run on the device
     assert pipeline_wire(Pair(), "collective") == WIRE_COLLECTIVE and pipeline_wire(Ops(), "collective") == WIRE_GRAPH
     assert pipeline_wire(NoOps(), "collective") == WIRE_HOST and pipeline_wire(Nccl(), "graph") == WIRE_HOST
     assert pipeline_wire(Nccl(), "auto", cuda=True) == WIRE_COLLECTIVE and pipeline_wire(Pair(), "auto", cuda=True) == WIRE_GRAPH
     assert pipeline_wire(Nccl(), "auto", cuda=False) == WIRE_HOST and pipeline_wire(Nccl(), "host", cuda=True) == WIRE_HOST
     with pytest.raises(ValueError, match="EXO_PIPELINE_WIRE"):
-        graph_wire(Ops(), "fast")
+        pipeline_wire(Ops(), "fast")
 
 
 class _GraphLink(_ScriptedLink):

@@ -147,12 +147,6 @@ def pipeline_wire(link: Any, setting: str | None = None, *, cuda: bool | None = 
     return WIRE_GRAPH if graph else WIRE_HOST
 
 
-def graph_wire(link: Any, setting: str | None = None, *, cuda: bool | None = None) -> bool:
-    """Whether a pipeline's leader sends its steps as ops of its graph (the graph or the collective wire:
-    ``pipeline_wire``)."""
-    return pipeline_wire(link, setting, cuda=cuda) != WIRE_HOST
-
-
 def _pack_rates(rates: tuple[int, int]) -> list[int]:
     return [v for rate in rates for v in (rate >> 30, rate & ((1 << 30) - 1))]
 
@@ -443,7 +437,7 @@ class PipelineForward:
     A call that raises breaks the forward for good (``broken``): the stages may be out of step. Anything that
     fails between calls (the leader's own evaluation, a consumer of the output) leaves them in step.
 
-    On the graph wire (``graph``, ``graph_wire``) a forward call sends its header at once and returns the step
+    On the graph wire (``graph``, ``pipeline_wire``) a forward call sends its header at once and returns the step
     built on a receive the device waits for, the ids sent as an op of the same graph: the call never waits for the
     other stages. A lost stage then shows as an error of the evaluation (outside any call): ``broken`` looks at
     the doorbells too, as a tensor group's leader does."""
