@@ -241,6 +241,10 @@ for p in "$@"; do
     # graph wire, and the collective wire with MLX's CUDA graphs off in the stages (NCCL captured in them or not)
     pipe9n) phase pipe9n $PY bench/pipeline.py "$Q9" --stages 1,2 --modes plain,k1 --repeats 2 $PIPE \
         --gpu-per-stage --no-breakdown --wires graph,collective,collective+nographs ;;
+    # one GPU's plain decoding from process to process (128-216 tok/s on the same GPU, steady within a process), each
+    # process pinned to 1 / 2 / 4 CPUs, 2 cores with their SMT siblings, or not pinned, settings interleaved
+    spread9) phase spread9 $PY bench/decode_spread.py "$Q9" --settings ${SPREAD_SETTINGS:-all 1 2 4 2+sib} \
+                 --processes ${SPREAD_PROCESSES:-2} $([ "$CPU" = 1 ] && echo --max-tokens 8 --requests 2 || echo --max-tokens 64 --requests 3) ;;
     stock) EXO_QGEMV=1 phase stock $PY bench/engine.py "$Q9" --max-tokens 128 --repeats 3 ;;
     # issues 50 / 51: the engine's decoder layers as compiled calls (models.compiled_layers, EXO_COMPILED_LAYERS,
     # on MLX CUDA by default since 2026-11-30): plain decoding with and without in one process (the same tokens?), then a K = 1 / 2 round's

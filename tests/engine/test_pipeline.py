@@ -213,7 +213,8 @@ def test_the_graph_wire_decodes_like_one_node(checkpoint, tmp_path, arch, stages
     and receive on the link's own stream), every stage building its step before its input arrives. Greedy output
     is one node's, token for token: plain steps, MTP rounds (their rollbacks ride the next header), prompts that
     cross the prefill chunk (ids that never fit a header), and a batch whose members join it mid-decode (op
-    records, wide steps). The host wire (the default on a CPU) serves the same requests alike, and so does the
+    records, wide steps), and one whose prompts prefill as rows of one call (each row's length and owner in its
+    header). The host wire (the default on a CPU) serves the same requests alike, and so does the
     collective wire of a pipeline of two (EXO_PIPELINE_WIRE=collective: each transfer an all-sum of the group, the
     receiver adding zeros, as NCCL carries it on GPUs; here the ring backend's)."""
     path = checkpoint(arch, dtype="float32")
@@ -223,18 +224,21 @@ def test_the_graph_wire_decodes_like_one_node(checkpoint, tmp_path, arch, stages
     rounds = [{"prompt": p, "max_tokens": MAX_TOKENS, "ignore_eos": True, "mtp_k": k, "native_mtp": "on"}
               for k in (1, 3) for p in prompts[1:]]
     batch = {"batch": plain, "join_at": [0, 1, 4]}
+    together = {"batch": plain, "together": True}  # their prompts as rows of one call through the stages
     expected = {tuple(p): engine.complete(GenerationRequest(p, max_tokens=MAX_TOKENS, native_mtp="off")).token_ids
                 for p in prompts}
     for wire in ("graph", "host", "collective")[: 3 if stages == 2 else 2]:
-        out = run_local_pipeline(path, [tuple(s) for s in SPLITS[stages]], [*plain, *rounds, batch],
+        out = run_local_pipeline(path, [tuple(s) for s in SPLITS[stages]], [*plain, *rounds, batch, together],
                                  prefill_chunk=CHUNK, timeout_s=240, stage_env=[{"EXO_PIPELINE_WIRE": wire}] * stages)
         assert out["wire"] == wire
-        *single, batched = out["results"]
+        *single, batched, shared = out["results"]
         for request, result in zip([*plain, *rounds], single, strict=True):
             assert result["token_ids"] == expected[tuple(request["prompt"])], (wire, request.get("mtp_k"))
             assert result["stats"]["mode"] == "pipeline" and result["stats"]["stages"] == stages
         assert sum(r["stats"]["accepted_tokens"] for r in single) > 0  # rounds kept drafts through the stages
         assert [r["token_ids"] for r in batched] == [expected[tuple(p)] for p in prompts], wire
+        assert [r["token_ids"] for r in shared] == [expected[tuple(p)] for p in prompts], wire
+        assert all(r["together"] for r in shared) and not any(r["together"] for r in batched)
 
 
 def test_a_pipeline_past_its_limit_is_killed_and_says_where_each_stage_was(checkpoint):

@@ -248,6 +248,93 @@ def test_a_pipelined_batch_decodes_every_member_as_its_single_node_solo(checkpoi
     _no_slots_left(pipe)
 
 
+@pytest.mark.parametrize("split", [SPLIT, (1, 2, 4)], ids=["2-stages", "3-stages"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_prompts_prefilled_together_through_the_stages_decode_their_solo_output(checkpoint, pipelined, arch, split):
+    """Newcomers' whole prompts as rows of one call through a pipeline (``engine.batch_prefill``): the call's header
+    carries each row's length and the slot of the sequence that owns it (a ``PREFILL_ROWS`` record); every other
+    stage makes the call's caches with those lengths (the padding after a row leaves its GatedDeltaNet state) and
+    right after the step hands row b to sequence b's slot, its own positions only. Every member then decodes its
+    single-node solo output (plain, K = 2, seeded sampling) in a batch, and nothing of the call's slot is left."""
+    from mlx_lm.models.cache import KVCache
+
+    from exo.engine.batch_cache import BatchKVCache
+    from exo.engine.batch_prefill import can_prefill_together, prefill_together
+
+    engine, pipe = pipelined(arch, split=split)
+    assert can_prefill_together(engine)
+    modes = [dict(native_mtp="off"), dict(mtp_k=2), dict(sampling=SamplingParams(temperature=0.8, seed=4),
+                                                          native_mtp="off"), dict(native_mtp="off"), dict(mtp_k=1)]
+    specs = [dict(max_tokens=9 + i, length=n, **mode)
+             for i, (n, mode) in enumerate(zip((None, 30, 3, 17, 1), modes, strict=True))]
+    requests = _requests(engine, specs)
+    runs = [engine.start(r) for r in requests]
+    slots = [run.cache.slot for run in runs]
+    prefill_together(runs)
+    assert [run.cache.slot for run in runs] == slots  # each sequence keeps its slot
+    pipe.forward.memory_rates()  # (a round trip: every stage has split the call's rows by now)
+    lengths = [len(r.prompt_tokens) for r in requests]
+    for stage in pipe.all_slots:
+        assert sorted(stage.caches) == sorted(slots) and not stage.prompts and not stage.sizes
+        for slot, n in zip(slots, lengths, strict=True):
+            for c in stage.caches[slot]:
+                if isinstance(c, KVCache):
+                    assert not isinstance(c, BatchKVCache) and c.offset == n and c.keys.shape[:3:2] == (1, n)
+                else:
+                    assert all(a.shape[0] == 1 for a in c.cache)
+    batch = BatchDecoder(engine)
+    out = {i: ([], [], None, None) for i in range(len(runs))}
+    index = {id(run): i for i, run in enumerate(runs)}
+
+    def take(i, chunk):
+        tokens, text, _, _ = out[i]
+        tokens.extend(chunk.token_ids)
+        text.append(chunk.text)
+        if chunk.finish_reason is not None:
+            out[i] = (tokens, text, chunk.finish_reason, chunk.stats)
+
+    for i, run in enumerate(runs):
+        for chunk in run.first_token():
+            take(i, chunk)
+        batch.add(run)
+    while len(batch):
+        for run, chunks in batch.step():
+            for chunk in chunks:
+                take(index[id(run)], chunk)
+        batch.check_invariants()
+    got = {i: (tokens, "".join(text), finish, stats) for i, (tokens, text, finish, stats) in out.items()}
+    _check(_whole(checkpoint(arch, dtype="float32")), requests, got, stages=len(split))
+    assert sum(s.accepted_tokens for _, _, _, s in got.values()) > 0  # drafts kept through the stages
+    _no_slots_left(pipe)
+
+
+def test_prefill_rows_records_are_checked():
+    """A ``PREFILL_ROWS`` record: as many lengths (each >= 1) as owners, the owners distinct and not the call's
+    slot; a stage refuses one on a slot it holds, and a step whose shape is not the call's."""
+    from exo.engine.pipeline import PREFILL_ROWS, Op, StepHeader, StepHeaderError
+
+    assert Op.parse([PREFILL_ROWS, 9, 4, 3, 5, 1, 2]) == (Op(PREFILL_ROWS, 9, (3, 5, 1, 2)),)
+    for bad in ([PREFILL_ROWS, 9, 3, 3, 5, 1], [PREFILL_ROWS, 9, 4, 0, 5, 1, 2], [PREFILL_ROWS, 9, 4, 3, 5, 1, 1],
+                [PREFILL_ROWS, 9, 4, 3, 5, 1, 9], [PREFILL_ROWS, 9, 0]):
+        with pytest.raises(StepHeaderError, match="malformed op record"):
+            Op.parse(bad)
+    slots = pipeline_module.StageSlots(load_checkpoint(_demo(), layers=(0, 4)).model, 0)
+    slots.apply(Op(PREFILL_ROWS, 9, (3, 5, 1, 2)))
+    with pytest.raises(StepHeaderError, match="which it holds"):
+        slots.apply(Op(PREFILL_ROWS, 9, (3, 5, 1, 2)))
+    with pytest.raises(StepHeaderError, match="made for prompts of"):
+        slots.forward_cache(StepHeader.forward(0, 9, 2, 4, None))
+    assert slots.forward_cache(StepHeader.forward(0, 9, 2, 5, None)) is slots.caches[9]
+    slots.drop(9)  # (a call's slot dropped before its step: nothing of it is left to split)
+    assert not slots.caches and not slots.prompts and slots.split_rows(9) == []
+
+
+def _demo():
+    from exo.cards import bundled_model_dir
+
+    return bundled_model_dir("exo-demo")
+
+
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
 def test_adaptive_depth_in_a_pipelined_batch_switches_between_plain_steps_and_rounds(checkpoint, pipelined, arch):
     """With costs that say drafting pays (as on a GPU), the pipelined batch crosses between batched plain
@@ -380,14 +467,22 @@ def _serve(device, clients: list[_Client]) -> None:
     device.serve()
 
 
-def test_a_pipelined_leaders_device_queue_batches_its_generations(checkpoint, pipelined):
+def test_a_pipelined_leaders_device_queue_batches_its_generations(checkpoint, pipelined, monkeypatch):
     """Generations waiting on a pipelined leader decode as one batch, as on a single node: the first prefills
     in chunks alone, the others are admitted together once it decodes (their prompts fit one step's budget),
-    prefill in that step and join, and each gets its single-node solo output (greedy plain and drafting, seeded
-    sampling)."""
-    from exo.engine import GenerationRequest
+    prefill in that step as rows of one call through the stages (``engine.batch_prefill``) and join, and each
+    gets its single-node solo output (greedy plain and drafting, seeded sampling)."""
+    from exo.engine import GenerationRequest, batch_prefill
     from exo.runner.device import Device, Started
 
+    groups: list[int] = []
+    together = batch_prefill.prefill_together
+
+    def watched(runs) -> None:
+        groups.append(len(runs))
+        together(runs)
+
+    monkeypatch.setattr(batch_prefill, "prefill_together", watched)
     path = checkpoint("qwen3_5", dtype="float32")
     engine, pipe = pipelined("qwen3_5", batch_prefill_chunk=64)
     sizes: list[int] = []
@@ -404,7 +499,7 @@ def test_a_pipelined_leaders_device_queue_batches_its_generations(checkpoint, pi
                                     sampling=client.params.sampling, native_mtp="off")
         assert client.tokens == whole.complete(request).token_ids, f"client {i}"
         assert client.stats.batch_sizes and client.stats.mode == "pipeline", f"client {i}"
-    assert max(sizes) == 4 and device.generations == 5
+    assert max(sizes) == 4 and device.generations == 5 and max(groups, default=0) >= 2
     _no_slots_left(pipe)
 
 

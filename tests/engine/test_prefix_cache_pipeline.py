@@ -378,3 +378,43 @@ def test_a_stage_whose_restore_raises_answers_not_restored(checkpoint, pipeline)
     stage.store.garble = False
     assert answer[0] == 0 and stage.stats.failures == 2
     assert all(c.offset == 0 if isinstance(c, KVCache) else c[0] is None and c[1] is None for c in slots.caches[7])
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "demo"])
+def test_prompts_prefilled_together_are_stored_on_every_stage(checkpoint, pipeline, arch):
+    """Two whole prompts prefilled as rows of one call through the stages (``engine.batch_prefill``): each stage's
+    prefix cache finds each row as after that sequence's own prefill (``StagePrefix.step`` on the row it handed to
+    the sequence's slot), so after the batch both stages store each reply; the next turn of either restores
+    through its reply on both stages and equals a cold single node's."""
+    from exo.engine.batch import BatchDecoder
+    from exo.engine.batch_prefill import prefill_together
+
+    path, split = _path(checkpoint, arch)
+    pipe = pipeline(path, split)
+    warm, single = pipe.engine, _single(path)
+    encode = single.loaded.tokenizer.encode
+    # Prompts short of the cache's first snapshot edge (``min_snapshot_tokens``: a longer one has an edge inside, at
+    # its last token, and prefills alone): what each stage stores of them and then of their replies is its own.
+    prompts = [list(encode(SYSTEM))[:8], list(encode("Write a parser for TOML files in Python."))[:7]]
+    requests = [GenerationRequest(p, max_tokens=REPLY_TOKENS + 5 * i, sampling=SamplingParams(temperature=0.0),
+                                  native_mtp="off") for i, p in enumerate(prompts)]
+    runs = [warm.start(r) for r in requests]
+    assert all(run.whole_prompt_in(len(p)) for run, p in zip(runs, prompts, strict=True))
+    prefill_together(runs)
+    replies: list[list[int]] = [[], []]
+    batch = BatchDecoder(warm)
+    for run, reply in zip(runs, replies, strict=True):
+        reply += [t for chunk in run.first_token() for t in chunk.token_ids]
+        batch.add(run)
+    while len(batch):
+        for run, chunks in batch.step():
+            replies[runs.index(run)] += [t for chunk in chunks for t in chunk.token_ids]
+    pipe.forward.memory_rates()  # (a round trip: stage 0 has applied what the last message carried)
+    for prompt, request, reply in zip(prompts, requests, replies, strict=True):
+        assert reply == _complete(single, prompt, max_tokens=request.max_tokens, native_mtp="off").token_ids
+        assert _replies(pipe.stage_cache, prompt) >= _replies(warm.prefix_cache, prompt) != set()
+        turn = [*prompt, *reply, *encode(" Now explain it.")]
+        hit = _complete(warm, turn, max_tokens=12, native_mtp="off")
+        assert hit.stats.cached_tokens > len(prompt) + BLOCK
+        assert hit.token_ids == _complete(single, turn, max_tokens=12, native_mtp="off").token_ids
+    assert pipe.stage_cache.stats.hits == 2

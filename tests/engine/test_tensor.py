@@ -174,10 +174,13 @@ def test_a_tensor_batch_gives_every_member_its_solo_output(checkpoint):
     prompts = _prompts(path, (5, CHUNK + 3, 2 * CHUNK + 1))
     solo = [{"prompt": p, "max_tokens": MAX_TOKENS + 2 * i, "ignore_eos": True, **mtp}
             for mtp in ({"native_mtp": "off"}, {"mtp_k": 2, "native_mtp": "on"}) for i, p in enumerate(prompts)]
-    # Members join at different steps (a newcomer prefills beside the running batch) and leave at their budgets.
-    batches = [{"batch": solo[:3], "join_at": [0, 2, 5]}, {"batch": solo[3:], "join_at": [0, 0, 3]}]
+    # Members join at different steps (a newcomer prefills beside the running batch) and leave at their budgets;
+    # in the second batch the two that join first prefill as rows of one call (each row's length and owner in its
+    # header, every member's heads split alike).
+    batches = [{"batch": solo[:3], "join_at": [0, 2, 5]}, {"batch": solo[3:], "join_at": [0, 0, 3], "together": True}]
     out = run_local_tensor(path, 2, solo + batches, prefill_chunk=CHUNK, timeout_s=300)["results"]
     alone, together = out[: len(solo)], out[len(solo)][:] + out[len(solo) + 1][:]
+    assert [b["together"] for b in together] == [False, False, False, True, True, False]
     for i, (a, b) in enumerate(zip(alone, together, strict=True)):
         assert b["token_ids"] == a["token_ids"], i
         assert len(a["token_ids"]) == solo[i]["max_tokens"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .models.layers import RollbackArraysCache
@@ -62,6 +63,35 @@ def batch_row(cache: list[Any], index: int) -> list[Any]:
             row.keys = c.keys[index : index + 1, :, pad : c._idx]
             row.values = c.values[index : index + 1, :, pad : c._idx]
             row.offset = c._idx - pad
+        else:
+            raise TypeError(f"cannot take a row of a {type(c).__name__}")
+        out.append(row)
+    return out
+
+
+def prompt_rows(cache: list[Any], lengths: Sequence[int]) -> list[Any]:
+    """Fresh caches (``make_cache``'s) made ready for prompts of ``lengths`` as rows of one call, right-padded to the
+    longest (``engine.batch_prefill``): each GatedDeltaNet layer takes each row's length, so the padding after a
+    row leaves its recurrent state and conv window as its own prompt left them (mlx-lm's masked path)."""
+    for c in cache:
+        if isinstance(c, RollbackArraysCache):
+            c.lengths = mx.array(list(lengths))
+    return cache
+
+
+def prompt_row(cache: list[Any], b: int, n: int) -> list[Any]:
+    """Row ``b`` of caches a call of prompts as rows filled (``prompt_rows``) as one sequence's own: its first ``n``
+    positions (views of the shared buffers, the padding left out)."""
+    out: list[Any] = []
+    for c in cache:
+        if isinstance(c, RollbackArraysCache):
+            row = RollbackArraysCache()
+            row.cache = [c[0][b : b + 1], c[1][b : b + 1]]
+        elif isinstance(c, KVCache):
+            row = KVCache()
+            row.keys = c.keys[b : b + 1, :, :n]
+            row.values = c.values[b : b + 1, :, :n]
+            row.offset = n
         else:
             raise TypeError(f"cannot take a row of a {type(c).__name__}")
         out.append(row)

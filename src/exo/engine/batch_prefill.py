@@ -16,27 +16,30 @@ A host-bound device pays a forward's graph once for all of them rather than once
 stepped token by token (mlx-lm's path on MLX CUDA, host-bound: docs/performance.md, "The code's reasons"), short prompts
 together cost about one prompt's time, where one after the other each costs its own. Only whole prompts from position
 0 go together (``SequenceState.whole_prompt_in``: nothing restored from the prefix cache, no snapshot edge
-inside), on a single node (a pipeline's stages would need each row's length: not carried).
+inside).
+
+On a pipeline (or a tensor group) the call's step header carries a ``PREFILL_ROWS`` op record: each row's length
+and the slot of the sequence that owns it (``Forward.prompt_rows``). Every other stage makes the call's caches with
+those lengths, runs the step, and hands row b to sequence b's slot right after it (``Forward.split_rows`` on the
+leader, ``StageSlots.split_rows`` there), where the stage's prefix cache finds it as after that sequence's own
+prefill (``StagePrefix.step``).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
 from .generate import Engine
 from .memory import out_of_memory
-from .models.layers import RollbackArraysCache
 from .sequence import SequenceState
 
 
 def can_prefill_together(engine: Engine) -> bool:
-    """Whether ``engine``'s sequences may prefill as rows of one call (a single node, rows not forced to round
-    as alone)."""
-    return engine.forward.stages == 1 and not engine.config.batch_invariant
+    """Whether ``engine``'s sequences may prefill as rows of one call (rows not forced to round as alone; on one
+    node, a pipeline's stages or a tensor group's members alike)."""
+    return not engine.config.batch_invariant
 
 
 def prefill_together(runs: list[SequenceState]) -> None:
@@ -44,7 +47,7 @@ def prefill_together(runs: list[SequenceState]) -> None:
     then where its own ``prefill`` leaves it (``first_token`` next)."""
     engine = runs[0].engine
     if any(run.engine is not engine for run in runs) or not can_prefill_together(engine):
-        raise ValueError("runs prefill together on one single-node engine")
+        raise ValueError("runs prefill together on one engine whose rows may round as a batch's")
     prompts = [list(run.request.prompt_tokens) for run in runs]
     lengths = [len(p) for p in prompts]
     if not all(run.whole_prompt_in(n) for run, n in zip(runs, lengths, strict=True)):
@@ -52,29 +55,10 @@ def prefill_together(runs: list[SequenceState]) -> None:
     longest = max(lengths)
     tokens = mx.array([p + [0] * (longest - len(p)) for p in prompts], dtype=mx.uint32)
     started = time.perf_counter()
-    cache = engine.forward.new_cache()
-    for c in cache:
-        if isinstance(c, RollbackArraysCache):
-            c.lengths = mx.array(lengths)  # each row's own length: the padding after it leaves its state
+    owners = [run.cache for run in runs]
+    cache = engine.forward.prompt_rows(lengths, owners)  # (a pipeline's stages are told each row's length and owner)
     with out_of_memory(f"prefilling {len(runs)} prompts of up to {longest} tokens together"):
         hidden = engine.forward.hidden(tokens, cache)  # (a GPU's forward evaluates layers as it builds them)
-    for b, (run, n) in enumerate(zip(runs, lengths, strict=True)):
-        run.prefill_with(_row(cache, b, n), hidden[b : b + 1, :n], started)
-
-
-def _row(cache: list[Any], b: int, n: int) -> list[Any]:
-    """Row ``b`` of the shared caches as one sequence's own, its first ``n`` positions (views)."""
-    out: list[Any] = []
-    for c in cache:
-        if isinstance(c, RollbackArraysCache):
-            row = RollbackArraysCache()
-            row.cache = [c[0][b : b + 1], c[1][b : b + 1]]
-        elif isinstance(c, KVCache):
-            row = KVCache()
-            row.keys = c.keys[b : b + 1, :, :n]
-            row.values = c.values[b : b + 1, :, :n]
-            row.offset = n
-        else:
-            raise TypeError(f"cannot take a row of a {type(c).__name__}")
-        out.append(row)
-    return out
+    rows = engine.forward.split_rows(cache, lengths, owners)
+    for b, (run, n, row) in enumerate(zip(runs, lengths, rows, strict=True)):
+        run.prefill_with(row, hidden[b : b + 1, :n], started)

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
-from .batch_cache import batch_cache, keep_rows_per_sequence
+from .batch_cache import batch_cache, keep_rows_per_sequence, prompt_row, prompt_rows
 from .models.backbone import SpeculativeBackbone
 from .models.layers import MoEVerifyMode, RollbackArraysCache
 from .verify import VerifyMode
@@ -119,6 +119,17 @@ class Forward(Protocol):
         """Around a batch's step: every layer computes each sequence's rows as its solo step would."""
         ...
 
+    # -- prompts prefilled as rows of one call (engine/batch_prefill.py), everywhere the layers are -----------------
+    def prompt_rows(self, lengths: Sequence[int], owners: Sequence[list[Any]]) -> list[Any]:
+        """Fresh caches for one call of prompts of ``lengths`` as rows, right-padded to the longest (each row's
+        padding leaves its states); ``owners``: the sequences' own (fresh) caches, in row order."""
+        ...
+
+    def split_rows(self, cache: list[Any], lengths: Sequence[int], owners: Sequence[list[Any]]) -> list[list[Any]]:
+        """After that call: row b of ``cache`` (its first ``lengths[b]`` positions) as sequence b's caches, in
+        place of ``owners[b]``; ``cache`` is gone."""
+        ...
+
 
 def verify_call(model: SpeculativeBackbone, cache: list[Any], mode: VerifyMode, rows: int | None = None):
     """Context for building one verify call on a model's (stage's) layers: GatedDeltaNet recording,
@@ -217,3 +228,9 @@ class LocalForward:
 
     def set_batch_invariant(self, on: bool) -> None:
         self.model.set_batch_invariant(on)
+
+    def prompt_rows(self, lengths: Sequence[int], owners: Sequence[list[Any]]) -> list[Any]:
+        return prompt_rows(self.model.make_cache(), lengths)
+
+    def split_rows(self, cache: list[Any], lengths: Sequence[int], owners: Sequence[list[Any]]) -> list[list[Any]]:
+        return [prompt_row(cache, b, n) for b, n in enumerate(lengths)]

@@ -44,7 +44,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
-from .batch_cache import batch_cache, batch_row, keep_rows_per_sequence
+from .batch_cache import batch_cache, batch_row, keep_rows_per_sequence, prompt_row, prompt_rows
 from .forward import MOE_MODES, cache_rates, keep_rows, verify_call
 from .models.backbone import SpeculativeBackbone
 from .prefix_cache import PrefixCache, StagePrefix
@@ -77,7 +77,8 @@ OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN = 5, 6
 OP_GRAPH_FORWARD = 7
 FORWARD_OPS = (OP_FORWARD, OP_GRAPH_FORWARD)
 HEADER_OPS = (OP_FORWARD, OP_END, OP_SHUTDOWN, OP_MEASURE, OP_PREFIX_LOOKUP, OP_PREFIX_BEGIN, OP_GRAPH_FORWARD)
-HEADER_VERSION = 7  # 3: the prefix cache's ops; 4: STORE_END; 5: OP_GRAPH_FORWARD; 6: wire; 7: WIRE_COLLECTIVE
+HEADER_VERSION = 8  # 3: the prefix cache's ops; 4: STORE_END; 5: OP_GRAPH_FORWARD; 6: wire; 7: WIRE_COLLECTIVE;
+# 8: PREFILL_ROWS
 HEADER_NAMES = ("version", "op", "step", "slot", "batch", "rows", "verify", "moe", "per_row", "invariant", "wire",
                 "ops")
 HEADER_FIELDS = len(HEADER_NAMES)
@@ -96,7 +97,12 @@ DROP = 4  # no args: the slot's caches are dropped (a request, or a batch, is ov
 # (``StagePrefix.store_end``): ``tokens`` are what its caches hold past the prompt it knows (the sequence's row
 # ``row`` of batch ``slot``, or the one-sequence slot itself when ``row`` is -1). Comes before the FILTER / DROP.
 STORE_END = 5
-OP_CODES = (ROLLBACK, JOIN, FILTER, DROP, STORE_END)
+# args [n_0..n_{B-1}, s_0..s_{B-1}]: the step on ``slot`` (new) is B prompts as rows of one call
+# (``engine.batch_prefill``), right-padded to the longest: its caches are made with each row's length n_b (the
+# padding leaves a row's states), and right after the step row b (its first n_b positions) becomes slot s_b's
+# caches, a one-sequence slot (whatever it held is dropped) whose prefix cache goes on from there; ``slot`` is gone.
+PREFILL_ROWS = 6
+OP_CODES = (ROLLBACK, JOIN, FILTER, DROP, STORE_END, PREFILL_ROWS)
 
 # How a forward step's input and output cross between stages (the header's ``wire``):
 # WIRE_HOST: as messages the host sends and receives (``Link.send`` / ``Link.recv``): a stage reads its input
@@ -211,11 +217,18 @@ class Op:
                     or code == JOIN and (n != 1 or not 0 <= args[0] <= MAX_SLOT or args[0] == slot)
                     or code == FILTER and (n < 1 or min(args) < 0 or len(set(args)) != n)
                     or code == DROP and n != 0
-                    or code == STORE_END and (n < 2 or args[0] < -1 or min(args[1:]) < 0)):
+                    or code == STORE_END and (n < 2 or args[0] < -1 or min(args[1:]) < 0)
+                    or code == PREFILL_ROWS and not _prefill_rows_ok(slot, args)):
                 raise StepHeaderError(f"malformed op record {values[i : i + 3 + n]}")
             ops.append(Op(code, slot, args))
             i += 3 + n
         return tuple(ops)
+
+
+def _prefill_rows_ok(slot: int, args: tuple[int, ...]) -> bool:
+    lengths, owners = args[: len(args) // 2], args[len(args) // 2 :]
+    return (len(args) >= 2 and len(args) % 2 == 0 and min(lengths) >= 1 and len(set(owners)) == len(owners)
+            and all(0 <= s <= MAX_SLOT and s != slot for s in owners))
 
 
 def _op_ints(ops: tuple[Op, ...]) -> list[int]:
@@ -564,6 +577,18 @@ class PipelineForward:
         self._ops.append(Op(FILTER, _slot(cache), tuple(keep)))
 
     @_one_exchange
+    def prompt_rows(self, lengths: Sequence[int], owners: Sequence[list[Any]]) -> StageCaches:
+        """A new slot for one call of prompts as rows: the leader's layers' caches here, each row's length and owner
+        owed to the other stages (a ``PREFILL_ROWS`` record: the call's header carries it)."""
+        cache = StageCaches(prompt_rows(self.model.make_cache(), lengths), self._new_slot())
+        self._ops.append(Op(PREFILL_ROWS, cache.slot, (*lengths, *(_slot(o) for o in owners))))
+        return cache
+
+    def split_rows(self, cache: list[Any], lengths: Sequence[int], owners: Sequence[list[Any]]) -> list[StageCaches]:
+        """Row b as sequence b's caches under its own slot (every other stage did the same right after the step)."""
+        return [StageCaches(prompt_row(cache, b, n), _slot(o)) for b, (n, o) in enumerate(zip(lengths, owners, strict=True))]
+
+    @_one_exchange
     def store_end(self, cache: list[Any], row: int, tokens: Sequence[int]) -> None:
         """A sequence ended normally: every other stage stores its layers' part of the reply (``tokens``: what
         the caches hold past the prompt) from the sequence's caches, ``row`` of the batch ``cache`` (-1: ``cache``
@@ -663,6 +688,7 @@ class StageSlots:
         self.model, self.rank = model, rank
         self.caches: dict[int, list[Any]] = {}
         self.sizes: dict[int, int] = {}  # a batch slot's sequences; absent: a one-sequence slot
+        self.prompts: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # a PREFILL_ROWS slot: (lengths, owners)
 
     def _get(self, slot: int, what: str) -> list[Any]:
         cache = self.caches.get(slot)
@@ -710,6 +736,26 @@ class StageSlots:
             self.sizes[op.slot] = len(op.args)
         elif op.code == STORE_END:
             self._row(op.slot, op.args[0])  # (checked here; the stage's prefix cache stores it: serve_stage)
+        elif op.code == PREFILL_ROWS:
+            if op.slot in self.caches:
+                raise StepHeaderError(f"pipeline stage {self.rank}: prompts as rows on slot {op.slot}, which it holds")
+            half = len(op.args) // 2
+            self.caches[op.slot] = prompt_rows(self.model.make_cache(), op.args[:half])
+            self.prompts[op.slot] = (op.args[:half], op.args[half:])
+
+    def split_rows(self, slot: int) -> list[tuple[int, int, list[Any]]]:
+        """After the step on a ``PREFILL_ROWS`` slot: each row becomes its owner's one-sequence slot; returns (owner,
+        length, its caches) per row (none for any other slot)."""
+        prompt = self.prompts.pop(slot, None)
+        if prompt is None:
+            return []
+        cache = self.caches.pop(slot)
+        out = []
+        for b, (n, owner) in enumerate(zip(*prompt, strict=True)):
+            self.drop(owner)
+            self.caches[owner] = prompt_row(cache, b, n)
+            out.append((owner, n, self.caches[owner]))
+        return out
 
     def _row(self, slot: int, row: int) -> list[Any]:
         cache = self._get(slot, "a stored reply")
@@ -726,6 +772,12 @@ class StageSlots:
 
     def forward_cache(self, header: StepHeader) -> list[Any]:
         cache = self.caches.get(header.slot)
+        prompt = self.prompts.get(header.slot)
+        if prompt is not None:
+            if header.verify or header.batch != len(prompt[0]) or header.rows != max(prompt[0]):
+                raise StepHeaderError(f"pipeline stage {self.rank}: a step of {header.batch} x {header.rows} rows on "
+                                      f"slot {header.slot}, made for prompts of {list(prompt[0])}")
+            return cache
         if cache is None:
             if header.batch != 1:
                 raise StepHeaderError(f"pipeline stage {self.rank}: a step of {header.batch} sequences on a new slot")
@@ -740,6 +792,7 @@ class StageSlots:
         before its first step)."""
         self.caches.pop(slot, None)
         self.sizes.pop(slot, None)
+        self.prompts.pop(slot, None)
 
 
 class StepTransport(Protocol):
@@ -944,6 +997,12 @@ def serve_member(
             prefix.step(header.rows, cache, h)
             if prefix.failed:  # its store raised (logged and counted): the sequence goes on without the cache
                 del prefixes[header.slot]
+        for b, (owner, n, row) in enumerate(slots.split_rows(header.slot)):  # prompts as rows: each one's own now
+            mine = prefixes.get(owner)
+            if mine is not None:  # as after its own prefill's step
+                mine.step(n, row, h[b : b + 1, :n])
+                if mine.failed:
+                    del prefixes[owner]
         if on_step is not None:
             on_step()
 

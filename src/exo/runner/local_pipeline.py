@@ -13,7 +13,10 @@ Each request: {"prompt": [ids], "max_tokens": n, "mtp_k": k | None, "native_mtp"
 result: {"token_ids", "text", "finish_reason", "stats", "seconds", "bytes_sent", "bytes_received",
 "logprobs": [[token, logprob, [[token, logprob], ...]], ...]} (bytes: the leader's stage, both ways). A request
 {"batch": [request, ...], "join_at": [step, ...]} decodes its requests in one batch (``BatchDecoder``, as the
-device queue does), request i joining before the batch's step join_at[i]; its result is the list of theirs.
+device queue does), request i joining before the batch's step join_at[i]; its result is the list of theirs. With
+"together": true the requests joining at one step whose whole prompt can go (``SequenceState.whole_prompt_in``)
+prefill as rows of one call (``engine.batch_prefill``, as the serving scheduler admits newcomers), and each
+result's "together" says whether it did.
 ``prefix_cache``: {"block_tokens": n, "min_snapshot_tokens": m} gives every member a prefix cache in memory;
 ``out["prefix"]`` then holds each member's figures (``PrefixStats``), the leader's last. ``collective_reps``: a tensor
 group first times its all-reduce alone (``out["collectives"]``, bench/tensor.py). ``out["wire"]``: how the
@@ -212,7 +215,8 @@ def _stage_main(spec_file: str, rank: int) -> None:
             started = time.perf_counter()
             before = (forward.bytes_sent, forward.bytes_received) if forward is not None else (0, 0)
             if "batch" in req:
-                results.append(_run_batch(engine, [request_of(r) for r in req["batch"]], req.get("join_at")))
+                results.append(_run_batch(engine, [request_of(r) for r in req["batch"]], req.get("join_at"),
+                                          req.get("together", False)))
                 continue
             result = engine.complete(request_of(req))
             after = (forward.bytes_sent, forward.bytes_received) if forward is not None else (0, 0)
@@ -274,14 +278,17 @@ def _time_collectives(model: Any, reps: int) -> dict[str, float] | None:
     return out
 
 
-def _run_batch(engine: Any, requests: list[Any], join_at: list[int] | None) -> list[dict[str, Any]]:
+def _run_batch(engine: Any, requests: list[Any], join_at: list[int] | None, together: bool = False) -> list[dict[str, Any]]:
     """``requests`` decoded in one batch (``BatchDecoder``: the device queue's loop), request i joining before the
-    batch's step ``join_at[i]``; each one's token ids, text, finish reason and stats."""
+    batch's step ``join_at[i]``; each one's token ids, text, finish reason and stats. ``together``: those joining at
+    one step whose whole prompt can go prefill as rows of one call first."""
     from exo.engine.batch import BatchDecoder
+    from exo.engine.batch_prefill import prefill_together
 
     join_at = join_at or [0] * len(requests)
     batch = BatchDecoder(engine)
-    out: list[dict[str, Any]] = [{"token_ids": [], "text": "", "finish_reason": None, "stats": None} for _ in requests]
+    out: list[dict[str, Any]] = [{"token_ids": [], "text": "", "finish_reason": None, "stats": None, "together": False}
+                                 for _ in requests]
     index: dict[int, int] = {}
     pending, step = set(range(len(requests))), 0
 
@@ -292,19 +299,25 @@ def _run_batch(engine: Any, requests: list[Any], join_at: list[int] | None) -> l
             out[i]["finish_reason"], out[i]["stats"] = chunk.finish_reason, chunk.stats.model_dump()
 
     while pending or len(batch):
-        for i in sorted(pending):
-            if join_at[i] <= step:
-                pending.discard(i)
-                run = engine.start(requests[i])
-                for chunk in run.begin():
-                    if chunk is not None:
-                        take(i, chunk)
-                index[id(run)] = i
-                if run.output.finish is not None:
-                    take(i, run.final_chunk())
-                    run.release()
-                else:
-                    batch.add(run)
+        joining = [i for i in sorted(pending) if join_at[i] <= step]
+        runs = {i: engine.start(requests[i]) for i in joining} if together else {}
+        shared = [i for i in runs if runs[i].whole_prompt_in(len(requests[i].prompt_tokens))]
+        if len(shared) > 1:
+            prefill_together([runs[i] for i in shared])
+            for i in shared:
+                out[i]["together"] = True
+        for i in joining:
+            pending.discard(i)
+            run = runs[i] if i in runs else engine.start(requests[i])
+            for chunk in run.first_token() if out[i]["together"] else run.begin():
+                if chunk is not None:
+                    take(i, chunk)
+            index[id(run)] = i
+            if run.output.finish is not None:
+                take(i, run.final_chunk())
+                run.release()
+            else:
+                batch.add(run)
         for run, chunks in batch.step():
             for chunk in chunks:
                 take(index[id(run)], chunk)

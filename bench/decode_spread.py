@@ -1,0 +1,177 @@
+"""One device's plain decoding speed from process to process, each process pinned to a set of CPUs or not.
+
+    python bench/decode_spread.py MODEL [--settings all 1 2 4 2+sib] [--processes 3] [--max-tokens 64]
+                                        [--requests 3] [--first-cpu 2] [--json]
+
+On the H200 machines a 9B's greedy decoding ran 128-216 tok/s in processes started one after another on the same
+GPU with nothing else running, steady within each process (docs/performance.md, "Figures still to measure"): a
+decode step there is the host's work (building and launching ~700 kernels), so every ratio against one GPU
+inherited the spread. This starts ``--processes`` processes per setting, the settings interleaved (a drifting
+host hits all of them), each one loading MODEL, warming up and decoding ``--requests`` of ``exo bench``'s prompts
+``--max-tokens`` tokens each (MTP off, EOS ignored). A setting is ``all`` (not pinned: the CPUs the scheduler
+gives), ``N`` (pinned to N CPUs from ``--first-cpu`` on, one per core where the machine has SMT siblings),
+``N+sib`` (N cores with their SMT siblings) or an explicit list (``4,5``). Each process reports its decode tok/s
+per request, the CPU its main thread ended on, and the CPU seconds of its busiest threads (the main thread and
+MLX's: which threads the step keeps busy).
+
+Prints per setting every process's median tok/s, the setting's median and its spread (max / min), and the
+machine's CPUs (model, SMT, the allowed set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import add_common_arguments, report_to, stop_on_signals  # bench/ is this script's folder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_arguments(parser, repeats=1, device=False)  # (--repeats unused: --processes)
+    parser.add_argument("--settings", nargs="+", default=["all", "1", "2", "4"],
+                        help="CPU sets: all, N, N+sib, or a list like 4,5 (default: all 1 2 4)")
+    parser.add_argument("--processes", type=int, default=3, help="processes per setting (default 3)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=3, help="timed requests per process (default 3)")
+    parser.add_argument("--first-cpu", type=int, default=2,
+                        help="where pinned sets start among the allowed CPUs (default 2: clear of CPU 0's interrupts)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    stop_on_signals()
+    with report_to(args.json) as report:
+        run(args, report)
+
+
+def siblings() -> dict[int, list[int]]:
+    """CPU -> the CPUs of its core (itself included), from sysfs (each CPU alone where it says nothing)."""
+    out: dict[int, list[int]] = {}
+    for cpu in sorted(os.sched_getaffinity(0)):
+        path = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        cpus = [cpu]
+        if path.exists():
+            cpus = []
+            for part in path.read_text().strip().split(","):
+                a, _, b = part.partition("-")
+                cpus += list(range(int(a), int(b or a) + 1))
+        out[cpu] = cpus
+    return out
+
+
+def cpu_set(setting: str, first: int) -> list[int] | None:
+    """The CPUs of a setting (None: not pinned)."""
+    if setting == "all":
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    if "," in setting:
+        return [int(c) for c in setting.split(",")]
+    with_siblings = setting.endswith("+sib")
+    n = int(setting.removesuffix("+sib"))
+    cores: list[list[int]] = []
+    seen: set[int] = set()
+    sib = siblings()
+    for cpu in allowed[first:] + allowed[:first]:
+        if cpu in seen:
+            continue
+        core = [c for c in sib[cpu] if c in allowed]
+        seen.update(core)
+        cores.append(core if with_siblings else [cpu])
+        if len(cores) == n:
+            break
+    if len(cores) < n:
+        raise SystemExit(f"setting {setting}: only {len(cores)} cores allowed here")
+    return [c for core in cores for c in core]
+
+
+def threads_cpu() -> list[tuple[str, float]]:
+    """(name, CPU seconds) of this process's threads, busiest first."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+            name = (task / "comm").read_text().strip()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out.append((name, (int(fields[11]) + int(fields[12])) / tick))
+    return sorted(out, key=lambda t: -t[1])
+
+
+def child(args: argparse.Namespace) -> None:
+    import dataclasses
+
+    from exo.engine import GenerationRequest, SamplingParams, load
+    from exo.engine.bench import DEFAULT_PROMPTS, encode_prompt
+
+    started = time.perf_counter()
+    engine = load(args.model)
+    engine.loaded = dataclasses.replace(engine.loaded, eos_token_ids=frozenset())
+    prompts = [encode_prompt(engine, p, True) for p in DEFAULT_PROMPTS]
+
+    def decode(prompt: list[int]) -> float:
+        request = GenerationRequest(prompt, max_tokens=args.max_tokens, sampling=SamplingParams(temperature=0),
+                                    native_mtp="off")
+        return engine.complete(request).stats.decode_tokens_per_s
+
+    for prompt in prompts[:2]:  # warm-up
+        decode(prompt)
+    ready = time.perf_counter() - started
+    tps = [decode(prompts[i % len(prompts)]) for i in range(args.requests)]
+    stat = Path("/proc/self/stat").read_text()
+    last_cpu = int(stat[stat.rindex(")") + 2 :].split()[36])
+    print(json.dumps({"tps": tps, "ready_s": ready, "last_cpu": last_cpu, "threads": threads_cpu()[:4],
+                      "affinity": sorted(os.sched_getaffinity(0))}))
+
+
+def run(args: argparse.Namespace, report: dict) -> None:
+    model_name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                       if line.startswith("model name")), "?") if Path("/proc/cpuinfo").exists() else "?"
+    allowed = sorted(os.sched_getaffinity(0))
+    sib = siblings()
+    smt = max(len(v) for v in sib.values())
+    print(f"CPUs: {len(allowed)} allowed ({allowed[0]}-{allowed[-1]}), {model_name}, {smt} thread(s) a core; "
+          f"load {os.getloadavg()[0]:.2f}")
+    sets = {s: cpu_set(s, args.first_cpu) for s in args.settings}
+    for s, cpus in sets.items():
+        print(f"  setting {s}: {'not pinned' if cpus is None else cpus}")
+    results: dict[str, list[dict]] = {s: [] for s in args.settings}
+    for p in range(args.processes):
+        for s, cpus in sets.items():
+            command = [sys.executable, __file__, args.model, "--child", "--max-tokens", str(args.max_tokens),
+                       "--requests", str(args.requests)]
+            pin = (lambda cpus=cpus: os.sched_setaffinity(0, cpus)) if cpus is not None else None
+            out = subprocess.run(command, capture_output=True, text=True, preexec_fn=pin, check=False)
+            if out.returncode != 0:
+                print(f"  {s} #{p}: failed ({out.returncode}): {out.stderr[-2000:]}")
+                continue
+            got = json.loads(out.stdout.strip().splitlines()[-1])
+            results[s].append(got)
+            busiest = ", ".join(f"{n} {t:.1f}s" for n, t in got["threads"])
+            print(f"  {s} #{p}: {statistics.median(got['tps']):.1f} tok/s ({', '.join(f'{t:.1f}' for t in got['tps'])}); "
+                  f"ready in {got['ready_s']:.1f} s; main thread last on CPU {got['last_cpu']}; busiest threads: {busiest}")
+    print(f"{args.model}: plain decoding, {args.max_tokens} tokens x {args.requests} requests a process, "
+          f"{args.processes} processes a setting (interleaved)")
+    report.update(model=args.model, cpus=len(allowed), cpu_model=model_name, smt=smt, settings={})
+    for s, got in results.items():
+        medians = [statistics.median(g["tps"]) for g in got]
+        if not medians:
+            continue
+        spread = max(medians) / min(medians)
+        report["settings"][s] = {"cpus": sets[s], "process_medians": medians, "median": statistics.median(medians),
+                                 "spread": spread}
+        print(f"  {s:>8}: median {statistics.median(medians):.1f} tok/s; processes "
+              f"{', '.join(f'{m:.1f}' for m in medians)}; spread {spread:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
