@@ -151,6 +151,15 @@ for p in "$@"; do
     # processes sharing one GPU made the one-client row bimodal (0.706-1.04x on one H200)
     serving9x) EXO_NATIVE_MTP_ENABLED=0 phase serving9x $PY bench/serving.py "$Q9" --mtp off --no-one-at-a-time --server-gpu 1 \
                    $([ "$CPU" = 1 ] && echo --clients 1 --seconds 2 --max-tokens 16 --engine-vs-client 3 || echo --clients 1 8 --seconds 10 --max-tokens 64 --engine-vs-client 8) ;;
+    # the same one client against the engine, each run a fresh server and a fresh engine process (SERVING_RUNS of them):
+    # one process's speed against another's moved 0.87-1.08x between runs, so the ratio wants several processes
+    serving9m) for r in $(seq ${SERVING_RUNS:-3}); do
+                   EXO_NATIVE_MTP_ENABLED=0 phase serving9m $PY bench/serving.py "$Q9" --mtp off --no-one-at-a-time --server-gpu 1 \
+                       $([ "$CPU" = 1 ] && echo --clients 1 --seconds 2 --max-tokens 16 --engine-vs-client 2 || echo --clients 1 --seconds 4 --max-tokens 64 --engine-vs-client 4)
+               done ;;
+    # issue 51's one stream over 2 stages on the collective wire against one GPU, every repeat fresh processes (5 of each)
+    pipe9r) phase pipe9r $PY bench/pipeline.py "$Q9" --stages 1,2 --modes plain --repeats ${PIPE9R_REPEATS:-5} $PIPE \
+        --gpu-per-stage --no-breakdown --wires collective ;;
     serving9) EXO_NATIVE_MTP_ENABLED=0 phase serving9 $PY bench/serving.py "$Q9" --mtp off --no-one-at-a-time $SERVING ;;
     # issue 50's checks (each well inside 10 minutes at 9B on an H200); qgemv and stock opt in to exo's quantized
     # kernel (off by default), so that stock compares exo on it with exo on MLX's products
