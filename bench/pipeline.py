@@ -31,7 +31,9 @@ The clients axis (``--clients 1,8,32``): two ``exo serve`` daemons on 127.0.0.1 
 own GPU with ``--gpu-per-stage``), N clients streaming --max-tokens chat completions (temperature 0) back to
 back for --seconds through the first daemon's HTTP API, the model on one node, then placed over two
 (``min_nodes: 2``), in the same run: completed requests, errors, time to first token p50/p99, tokens/s
-of all clients together, and the ratio to one client on the same placement.
+of all clients together, and the ratio to one client on the same placement. ``--clients-repeats N``: the two
+placements N times, alternating, each placed anew (new runner processes: one process's speed moves against
+another's), every ratio against its own repeat's, and the medians over the repeats.
 """
 
 from __future__ import annotations
@@ -107,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", default="", help="e.g. 1,8,32: concurrent streams through exo serve, one node and 2 stages")
     p.add_argument("--clients-mode", default="plain", choices=sorted(MODES_API), help="the clients' native MTP mode")
     p.add_argument("--seconds", type=float, default=20.0, help="per row of the clients axis")
+    p.add_argument("--clients-repeats", type=int, default=1,
+                   help="the clients axis's placements this many times, alternating, each placed anew (new runners)")
     p.add_argument("--wires", default="auto",
                    help="pipelines' wires, each a configuration: host, graph, collective, auto (EXO_PIPELINE_WIRE); "
                         "collective: the stages an NCCL group with --gpu-per-stage on MLX CUDA, else a ring group; "
@@ -382,18 +386,20 @@ def clients_axis(resolved: Any, counts: list[int], args: argparse.Namespace) -> 
             processes.append(start_server(model, port, grpc_port, peers=peers, home=homes[i].name))
         url = f"http://127.0.0.1:{ports[0][0]}"
         asyncio.run(_wait_for_peer(url))
-        for placement in ("one node", "2 stages"):
-            model_id = asyncio.run(_place(url, 2 if placement == "2 stages" else 1))
-            asyncio.run(load_clients(url, 2, 3.0, args.max_tokens))  # warm
-            for n in counts:
-                r = asyncio.run(load_clients(url, n, args.seconds, args.max_tokens, MODES_API[args.clients_mode]))
-                device = device_trace(trace, *r["window"])
-                rows.append({"placement": placement, "model": model_id, "clients": n, "completed": r["completed"],
-                             "errors": r["errors"], "ttft_p50_s": round(quantile(r["ttft"], 0.5), 3),
-                             "ttft_p99_s": round(quantile(r["ttft"], 0.99), 3), "tok_s": round(r["tok_s"], 2),
-                             "device": device})
-                print(f"  clients: {placement} x {n}: {r['completed']} completed, {r['errors']} errors, "
-                      f"{r['tok_s']:.1f} tok/s; {format_trace(device)}", file=sys.stderr, flush=True)
+        for repeat in range(max(1, args.clients_repeats)):
+            for placement in ("one node", "2 stages"):
+                model_id = asyncio.run(_place(url, 2 if placement == "2 stages" else 1))
+                asyncio.run(load_clients(url, 2, 3.0, args.max_tokens))  # warm
+                for n in counts:
+                    r = asyncio.run(load_clients(url, n, args.seconds, args.max_tokens, MODES_API[args.clients_mode]))
+                    device = device_trace(trace, *r["window"])
+                    rows.append({"placement": placement, "model": model_id, "clients": n, "completed": r["completed"],
+                                 "errors": r["errors"], "ttft_p50_s": round(quantile(r["ttft"], 0.5), 3),
+                                 "ttft_p99_s": round(quantile(r["ttft"], 0.99), 3), "tok_s": round(r["tok_s"], 2),
+                                 "device": device, "repeat": repeat})
+                    print(f"  clients: {placement} x {n} (repeat {repeat + 1}): {r['completed']} completed, "
+                          f"{r['errors']} errors, {r['tok_s']:.1f} tok/s; {format_trace(device)}", file=sys.stderr,
+                          flush=True)
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -407,9 +413,10 @@ def clients_axis(resolved: Any, counts: list[int], args: argparse.Namespace) -> 
         for home in homes:
             home.cleanup()
     for row in rows:
-        one = next(r for r in rows if r["placement"] == row["placement"] and r["clients"] == counts[0])
+        same = [r for r in rows if r["repeat"] == row["repeat"]]
+        one = next(r for r in same if r["placement"] == row["placement"] and r["clients"] == counts[0])
         row["vs_one_client"] = round(row["tok_s"] / one["tok_s"], 3) if one["tok_s"] else None
-        node = next(r for r in rows if r["placement"] == "one node" and r["clients"] == row["clients"])
+        node = next(r for r in same if r["placement"] == "one node" and r["clients"] == row["clients"])
         row["vs_one_node"] = round(row["tok_s"] / node["tok_s"], 3) if node["tok_s"] else None
     return rows
 
@@ -467,6 +474,17 @@ def print_clients(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     for r in rows:
         print(f"{r['placement']:>9} {r['clients']:>7} {r['completed']:>5} {r['errors']:>6} {r['ttft_p50_s']:>8.2f}s "
               f"{r['ttft_p99_s']:>8.2f}s {r['tok_s']:>7.1f} {ratio(r['vs_one_client'])} {ratio(r['vs_one_node'])}")
+    repeats = len({r["repeat"] for r in rows})
+    if repeats > 1:  # each ratio against its own repeat's, then the median over the repeats
+        print(f"medians over the {repeats} repeats (each placed anew):")
+        for placement in ("one node", "2 stages"):
+            for n in sorted({r["clients"] for r in rows}):
+                mine = [r for r in rows if r["placement"] == placement and r["clients"] == n]
+                vs_node = [r["vs_one_node"] for r in mine if r["vs_one_node"] is not None]
+                print(f"{placement:>9} {n:>7}  tok/s {statistics.median(r['tok_s'] for r in mine):7.1f}  TTFT p50 "
+                      f"{statistics.median(r['ttft_p50_s'] for r in mine):.2f}s  vs one node "
+                      f"{statistics.median(vs_node) if vs_node else float('nan'):.3f}x "
+                      f"({', '.join(f'{v:.3f}' for v in vs_node)})")
 
 
 if __name__ == "__main__":
