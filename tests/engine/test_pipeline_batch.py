@@ -146,13 +146,17 @@ def _requests(engine: Engine, specs: list[dict]) -> list:
     return out
 
 
-def _drive(engine: Engine, requests, join_at, cancel=None, chunk: int = CHUNK, lanes: int | None = None):
+def _drive(engine: Engine, requests, join_at, cancel=None, chunk: int = CHUNK, lanes: int | None = None,
+           together: bool = False):
     """Decode ``requests`` in one pipelined batch as the device queue does: request i arrives before step
     ``join_at[i]``, prefills one chunk of ``chunk`` tokens per batch step while the batch decodes, and joins
     after its first token; ``cancel``: {i: step} ends request i from that step on. Every member's invariants
     are checked between steps. ``lanes``: micro-batches (``BatchLanes``: each lane its own slot on the stages,
-    a lane's step evaluated on the leader while the next lane's runs on stage 0). Returns per request (token
-    ids, text, finish reason, stats)."""
+    a lane's step evaluated on the leader while the next lane's runs on stage 0). ``together``: the requests that
+    arrive at one step prefill their whole prompts as rows of one call (``engine.batch_prefill``, as the device
+    queue's scheduler admits them). Returns per request (token ids, text, finish reason, stats)."""
+    from exo.engine.batch_prefill import prefill_together
+
     cancel = cancel or {}
     batch = BatchDecoder(engine) if lanes is None else BatchLanes(engine, lanes)
     out = {i: ([], [], None, None) for i in range(len(requests))}
@@ -169,6 +173,7 @@ def _drive(engine: Engine, requests, join_at, cancel=None, chunk: int = CHUNK, l
             out[i] = (tokens, text, chunk.finish_reason, chunk.stats)
 
     while pending or prefilling or len(batch):
+        arriving = []
         for i in sorted(pending):
             if join_at[i] <= clock[0]:
                 pending.discard(i)
@@ -177,7 +182,10 @@ def _drive(engine: Engine, requests, join_at, cancel=None, chunk: int = CHUNK, l
                     request = dataclasses.replace(request, should_stop=lambda at=cancel[i]: clock[0] >= at)
                 run = engine.start(request)
                 index[id(run)] = i
-                prefilling.append((i, run, run.prefill(chunk)))
+                arriving.append((i, run))
+        if together and len(arriving) > 1:
+            prefill_together([run for _, run in arriving])
+        prefilling += [(i, run, iter(()) if together and len(arriving) > 1 else run.prefill(chunk)) for i, run in arriving]
         still = []
         for i, run, chunks in prefilling:
             if next(chunks, None) is not None:  # a chunk done, more to come: the batch steps first
@@ -282,27 +290,9 @@ def test_prompts_prefilled_together_through_the_stages_decode_their_solo_output(
                     assert not isinstance(c, BatchKVCache) and c.offset == n and c.keys.shape[:3:2] == (1, n)
                 else:
                     assert all(a.shape[0] == 1 for a in c.cache)
-    batch = BatchDecoder(engine)
-    out = {i: ([], [], None, None) for i in range(len(runs))}
-    index = {id(run): i for i, run in enumerate(runs)}
-
-    def take(i, chunk):
-        tokens, text, _, _ = out[i]
-        tokens.extend(chunk.token_ids)
-        text.append(chunk.text)
-        if chunk.finish_reason is not None:
-            out[i] = (tokens, text, chunk.finish_reason, chunk.stats)
-
-    for i, run in enumerate(runs):
-        for chunk in run.first_token():
-            take(i, chunk)
-        batch.add(run)
-    while len(batch):
-        for run, chunks in batch.step():
-            for chunk in chunks:
-                take(index[id(run)], chunk)
-        batch.check_invariants()
-    got = {i: (tokens, "".join(text), finish, stats) for i, (tokens, text, finish, stats) in out.items()}
+    for run in runs:  # (these end here: every stage drops their slots)
+        run.release()
+    got = _drive(engine, requests, join_at=[0] * len(requests), together=True)
     _check(_whole(checkpoint(arch, dtype="float32")), requests, got, stages=len(split))
     assert sum(s.accepted_tokens for _, _, _, s in got.values()) > 0  # drafts kept through the stages
     _no_slots_left(pipe)
