@@ -22,7 +22,7 @@ from exo.engine import pipeline as pipeline_module
 from exo.engine.adaptive import DepthCosts
 from exo.engine.batch import BatchDecoder, BatchLanes
 from exo.runner.device import pipeline_failed
-from tests.fixtures.engines import fresh_engine
+from tests.fixtures.engines import fresh_engine, watch_prefill_together
 
 from .test_batch import CHUNK, TEXTS, _solo
 from .test_pipeline import _QueueLink
@@ -462,17 +462,10 @@ def test_a_pipelined_leaders_device_queue_batches_its_generations(checkpoint, pi
     in chunks alone, the others are admitted together once it decodes (their prompts fit one step's budget),
     prefill in that step as rows of one call through the stages (``engine.batch_prefill``) and join, and each
     gets its single-node solo output (greedy plain and drafting, seeded sampling)."""
-    from exo.engine import GenerationRequest, batch_prefill
+    from exo.engine import GenerationRequest
     from exo.runner.device import Device, Started
 
-    groups: list[int] = []
-    together = batch_prefill.prefill_together
-
-    def watched(runs) -> None:
-        groups.append(len(runs))
-        together(runs)
-
-    monkeypatch.setattr(batch_prefill, "prefill_together", watched)
+    groups = watch_prefill_together(monkeypatch)
     path = checkpoint("qwen3_5", dtype="float32")
     engine, pipe = pipelined("qwen3_5", batch_prefill_chunk=64)
     sizes: list[int] = []

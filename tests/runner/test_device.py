@@ -10,7 +10,7 @@ from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams, 
 from exo.engine.batch import batch_bytes, sequence_bytes
 from exo.engine.prompt import GenerateParams, Prompt
 from exo.runner.device import Device, Failed, GenerationJob, QueueFullError, Started
-from tests.fixtures.engines import fresh_engine
+from tests.fixtures.engines import fresh_engine, watch_prefill_together
 
 TEXTS = ("def fibonacci(n):\n    if n < 2:", "The quick brown fox", "import numpy as np\nx = np.", "1, 2, 3,")
 
@@ -106,17 +106,9 @@ def test_generations_admitted_in_one_step_prefill_as_rows_of_one_call(roomy, mon
     """Waiting generations whose prompts fit the step's budget are admitted in one step and prefill as rows of
     one backbone call (``engine.batch_prefill``); a prompt longer than what is left of the budget prefills in
     chunks of its own. Every one gets its solo output."""
-    from exo.engine import batch_prefill
 
     engine = roomy
-    groups: list[int] = []
-    together = batch_prefill.prefill_together
-
-    def watched(runs) -> None:
-        groups.append(len(runs))
-        together(runs)
-
-    monkeypatch.setattr(batch_prefill, "prefill_together", watched)
+    groups = watch_prefill_together(monkeypatch)
     device = Device(8, max_batch=8, on_batch=(sizes := []).append)
     clients = [Client(device, engine, i, max_tokens=12, native_mtp="off") for i in range(5)]
     clients[4].prompt = engine.loaded.tokenizer.encode(TEXTS[0] * 8)  # > 128 tokens: its own chunks
