@@ -160,6 +160,19 @@ for p in "$@"; do
                    EXO_NATIVE_MTP_ENABLED=0 phase serving9m $PY bench/serving.py "$Q9" --mtp off --no-one-at-a-time --server-gpu 1 \
                        $([ "$CPU" = 1 ] && echo --clients 1 --seconds 2 --max-tokens 16 --engine-vs-client 2 || echo --clients 1 --seconds 4 --max-tokens 64 --engine-vs-client 4)
                done ;;
+    # issue 51: one client against the engine with a stream's tokens paced (EXO_STREAM_INTERVAL_S, runner/outbox.py) or
+    # a message per token (0), alternating, each run a fresh server and engine process (one GPU: both on GPU 0, idle in
+    # turn); then 1 / 8 / 32 clients with each setting
+    servingstream) for r in $(seq ${SERVING_RUNS:-3}); do for v in ${STREAM_INTERVALS:-0 0.02}; do
+                       EXO_STREAM_INTERVAL_S=$v EXO_NATIVE_MTP_ENABLED=0 phase servingstream $PY bench/serving.py "$Q9" --mtp off \
+                           --no-one-at-a-time $([ "$CPU" = 1 ] && echo --clients 1 --seconds 2 --max-tokens 16 --engine-vs-client 2 \
+                           || echo --clients 1 --seconds 4 --max-tokens 64 --engine-vs-client 4)
+                   done; done ;;
+    servingstreamc) for v in ${STREAM_INTERVALS:-0 0.02}; do
+                        EXO_STREAM_INTERVAL_S=$v EXO_NATIVE_MTP_ENABLED=0 phase servingstreamc $PY bench/serving.py "$Q9" --mtp off \
+                            --no-one-at-a-time $([ "$CPU" = 1 ] && echo --clients 1 4 --seconds 3 --max-tokens 16 \
+                            || echo --clients 1 8 32 --seconds 10 --max-tokens 64)
+                    done ;;
     # issue 51's one stream over 2 stages on the collective wire against one GPU, every repeat fresh processes (5 of each)
     pipe9r) phase pipe9r $PY bench/pipeline.py "$Q9" --stages 1,2 --modes plain --repeats ${PIPE9R_REPEATS:-5} $PIPE \
         --gpu-per-stage --no-breakdown --wires collective ;;

@@ -73,3 +73,26 @@ def test_a_consumer_that_lags_gets_the_tokens_so_far_in_one_message(checkpoint):
     # The generation ended while the consumer slept: what followed the first token came in one message.
     assert len(outputs) <= 3, [list(m.token_ids) for m in outputs]
     assert outputs[-1].finish_reason == "length" and outputs[-1].native_mtp_json
+
+
+def test_a_paced_stream_sends_its_first_token_at_once_and_the_rest_with_its_end(checkpoint):
+    """With an interval longer than the whole generation (``stream_interval_s``), the device thread wakes the call
+    for the first token and for the last chunk only: two messages of tokens, the engine's tokens between them."""
+    engine = fresh_engine(checkpoint("qwen3_5", dtype="float32"), eos=False)
+    device = Device(8, max_batch=4)
+    state = RunnerState("solo", pb.Shard(start_layer=0, end_layer=0, rank=0, world_size=1))
+    state.ready(pb.ModelSummary(model_id="qwen3_5"), engine)
+    prompt = engine.loaded.tokenizer.encode("The quick brown fox")
+    request = pb.GenerateRequest(model="qwen3_5", token_ids=pb.TokenIds(ids=prompt), max_tokens=24, native_mtp="off")
+    device.start_thread()
+    try:
+        call = _Call(RunnerServicer(state, device, stream_interval_s=600.0), request)
+        assert call.ended.wait(120)
+    finally:
+        device.close(10)
+    first, *outputs = call.messages
+    assert first.HasField("started")
+    assert [len(m.token_ids) for m in outputs] == [1, 23], [list(m.token_ids) for m in outputs]
+    tokens = [t for m in outputs for t in m.token_ids]
+    assert tokens == engine.complete(GenerationRequest(prompt, max_tokens=24, native_mtp="off")).token_ids
+    assert outputs[-1].finish_reason == "length"

@@ -150,7 +150,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # A pipeline stage's ring listener: chosen now, reported by Status, used once the group's hosts arrive.
     state = RunnerState(args.instance_id, shard, ring_port=free_port("0.0.0.0") if pipelined else 0)
     device = Device(settings.max_queue, max_batch=settings.max_batch, kv_budget_tokens=settings.kv_budget_tokens)
-    server = start_server(args.socket, state, device, max_workers=settings.max_queue + 8)
+    server = start_server(args.socket, state, device, max_workers=settings.max_queue + 8,
+                          stream_interval_s=settings.stream_interval_s)
 
     try:
         loaded, config, summary = _load(args, settings, state)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import queue
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -23,6 +22,7 @@ from exo.wire.proto_gen import node_pb2_grpc as pb_grpc
 from exo.wire.runner import HEARTBEAT_S, MAX_MESSAGE_BYTES
 
 from .device import Device, Failed, GenerationJob, QueueFullError, Started, pipeline_failed
+from .outbox import Outbox
 
 if TYPE_CHECKING:
     from exo.engine import Engine
@@ -122,9 +122,11 @@ def prefix_summary(engine: Engine | None) -> pb.PrefixSummary | None:
 
 
 class RunnerServicer(pb_grpc.RunnerServicer):
-    def __init__(self, state: RunnerState, device: Device) -> None:
+    def __init__(self, state: RunnerState, device: Device, stream_interval_s: float = 0.0) -> None:
+        """``stream_interval_s``: a Generate stream's tokens go out at most this often (``runner.outbox``)."""
         self.state = state
         self.device = device
+        self.stream_interval_s = stream_interval_s
 
     def Status(self, request: pb.RunnerStatusRequest, context: grpc.ServicerContext) -> pb.RunnerStatus:
         return self.state.status(self.device)
@@ -146,7 +148,7 @@ class RunnerServicer(pb_grpc.RunnerServicer):
             return
         # The device thread only queues what the job emits (Started, the engine's chunks, Failed): this handler's
         # thread turns them into messages, so the thread that builds the model's graphs spends nothing on the wire.
-        out: queue.SimpleQueue[object] = queue.SimpleQueue()
+        out = Outbox(self.stream_interval_s)  # paced: the device thread wakes this one at most every interval
         started = False
 
         def message(item: object) -> pb.GenerateChunk:
@@ -196,16 +198,11 @@ class RunnerServicer(pb_grpc.RunnerServicer):
         if not context.add_callback(job.cancel):
             job.cancel()
         while True:
-            try:
-                items = [out.get(timeout=HEARTBEAT_S)]
-            except queue.Empty:
+            # Everything in the box goes out together: a consumer that lags catches up in one write.
+            items = out.take(HEARTBEAT_S)
+            if not items:
                 yield pb.GenerateChunk(heartbeat=True)
                 continue
-            while True:  # whatever else is ready goes out with it: a consumer that lags catches up in one write
-                try:
-                    items.append(out.get_nowait())
-                except queue.Empty:
-                    break
             for item in coalesced(items):
                 if item is DONE:
                     return
@@ -245,8 +242,10 @@ def _joined(chunks: list[Any]) -> Any:
                                logprobs=logprobs if any(c.logprobs is not None for c in chunks) else None)
 
 
-def start_server(socket_path: str, state: RunnerState, device: Device, max_workers: int) -> grpc.Server:
-    """Serve on a unix socket (created with the runner's umask inside a directory only the user opens)."""
+def start_server(socket_path: str, state: RunnerState, device: Device, max_workers: int,
+                 stream_interval_s: float = 0.0) -> grpc.Server:
+    """Serve on a unix socket (created with the runner's umask inside a directory only the user opens);
+    ``stream_interval_s``: ``RunnerServicer``'s."""
     if os.path.exists(socket_path):
         os.unlink(socket_path)
     server = grpc.server(
@@ -257,7 +256,7 @@ def start_server(socket_path: str, state: RunnerState, device: Device, max_worke
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ],
     )
-    pb_grpc.add_RunnerServicer_to_server(RunnerServicer(state, device), server)
+    pb_grpc.add_RunnerServicer_to_server(RunnerServicer(state, device, stream_interval_s), server)
     if server.add_insecure_port(f"unix:{socket_path}") == 0:
         raise OSError(f"cannot listen on unix socket {socket_path}")
     server.start()
