@@ -10,9 +10,10 @@ inherited the spread. This starts ``--processes`` processes per setting, the set
 host hits all of them), each one loading MODEL, warming up and decoding ``--requests`` of ``exo bench``'s prompts
 ``--max-tokens`` tokens each (MTP off, EOS ignored). A setting is ``all`` (not pinned: the CPUs the scheduler
 gives), ``N`` (pinned to N CPUs from ``--first-cpu`` on, one per core where the machine has SMT siblings),
-``N+sib`` (N cores with their SMT siblings) or an explicit list (``4,5``). Each process reports its decode tok/s
-per request, the CPU its main thread ended on, and the CPU seconds of its busiest threads (the main thread and
-MLX's: which threads the step keeps busy).
+``N+sib`` (N cores with their SMT siblings), an explicit list (``4,5``) or ``hash=N`` (not pinned, Python's hash
+seed fixed at N: whether the order of sets differing between processes is the spread). Each process reports its decode tok/s
+per request, the CPU its main thread ended on, the CPU seconds of its busiest threads (the main thread and
+MLX's: which threads the step keeps busy), and its host's speed apart from the model (``host_probe``).
 
 Prints per setting every process's median tok/s, the setting's median and its spread (max / min), and the
 machine's CPUs (model, SMT, the allowed set).
@@ -69,7 +70,7 @@ def siblings() -> dict[int, list[int]]:
 
 def cpu_set(setting: str, first: int) -> list[int] | None:
     """The CPUs of a setting (None: not pinned)."""
-    if setting == "all":
+    if setting == "all" or setting.startswith("hash="):
         return None
     allowed = sorted(os.sched_getaffinity(0))
     if "," in setting:
@@ -107,6 +108,36 @@ def threads_cpu() -> list[tuple[str, float]]:
     return sorted(out, key=lambda t: -t[1])
 
 
+def host_probe() -> dict[str, float]:
+    """What this process's host does apart from the model, medians of 3: ms of a pure-Python loop (a dict of
+    300k ints built and summed), ms of building a chain of 3,000 MLX adds (no evaluation), ms of evaluating
+    it, and GB/s of copying 256 MB with numpy. Against the process's decode speed: whether a slow process is
+    slow at everything (where its memory or CPU landed) or at the device's work alone."""
+    import mlx.core as mx
+    import numpy as np
+
+    out: dict[str, list[float]] = {"python_ms": [], "build_ms": [], "eval_ms": [], "copy_gb_s": []}
+    big = np.ones(256 << 20, dtype=np.uint8)
+    for _ in range(3):
+        t = time.perf_counter()
+        d = {i: i * 2 for i in range(300_000)}
+        sum(d.values())
+        out["python_ms"].append(1000 * (time.perf_counter() - t))
+        x = mx.zeros((1, 16))
+        mx.eval(x)
+        t = time.perf_counter()
+        for _ in range(3000):
+            x = x + 1
+        out["build_ms"].append(1000 * (time.perf_counter() - t))
+        t = time.perf_counter()
+        mx.eval(x)
+        out["eval_ms"].append(1000 * (time.perf_counter() - t))
+        t = time.perf_counter()
+        big.copy()
+        out["copy_gb_s"].append(big.nbytes / 1e9 / (time.perf_counter() - t))
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
 def child(args: argparse.Namespace) -> None:
     import dataclasses
 
@@ -127,9 +158,10 @@ def child(args: argparse.Namespace) -> None:
         decode(prompt)
     ready = time.perf_counter() - started
     tps = [decode(prompts[i % len(prompts)]) for i in range(args.requests)]
+    probe = host_probe()
     stat = Path("/proc/self/stat").read_text()
     last_cpu = int(stat[stat.rindex(")") + 2 :].split()[36])
-    print(json.dumps({"tps": tps, "ready_s": ready, "last_cpu": last_cpu, "threads": threads_cpu()[:4],
+    print(json.dumps({"tps": tps, "probe": probe, "ready_s": ready, "last_cpu": last_cpu, "threads": threads_cpu()[:4],
                       "affinity": sorted(os.sched_getaffinity(0))}))
 
 
@@ -150,15 +182,20 @@ def run(args: argparse.Namespace, report: dict) -> None:
             command = [sys.executable, __file__, args.model, "--child", "--max-tokens", str(args.max_tokens),
                        "--requests", str(args.requests)]
             pin = (lambda cpus=cpus: os.sched_setaffinity(0, cpus)) if cpus is not None else None
-            out = subprocess.run(command, capture_output=True, text=True, preexec_fn=pin, check=False)
+            env = dict(os.environ)
+            if s.startswith("hash="):  # not pinned, Python's hash seed fixed (str hashes, so set order, alike)
+                env["PYTHONHASHSEED"] = s.removeprefix("hash=")
+            out = subprocess.run(command, capture_output=True, text=True, preexec_fn=pin, check=False, env=env)
             if out.returncode != 0:
                 print(f"  {s} #{p}: failed ({out.returncode}): {out.stderr[-2000:]}")
                 continue
             got = json.loads(out.stdout.strip().splitlines()[-1])
             results[s].append(got)
             busiest = ", ".join(f"{n} {t:.1f}s" for n, t in got["threads"])
+            probe = got["probe"]
             print(f"  {s} #{p}: {statistics.median(got['tps']):.1f} tok/s ({', '.join(f'{t:.1f}' for t in got['tps'])}); "
-                  f"ready in {got['ready_s']:.1f} s; main thread last on CPU {got['last_cpu']}; busiest threads: {busiest}")
+                  f"host: python {probe['python_ms']:.1f} ms, 3k adds built {probe['build_ms']:.2f} ms, evaluated "
+                  f"{probe['eval_ms']:.2f} ms, copy {probe['copy_gb_s']:.1f} GB/s; ready in {got['ready_s']:.1f} s; main thread last on CPU {got['last_cpu']}; busiest threads: {busiest}")
     print(f"{args.model}: plain decoding, {args.max_tokens} tokens x {args.requests} requests a process, "
           f"{args.processes} processes a setting (interleaved)")
     report.update(model=args.model, cpus=len(allowed), cpu_model=model_name, smt=smt, settings={})

@@ -270,6 +270,10 @@ for p in "$@"; do
     # process pinned to 1 / 2 / 4 CPUs, 2 cores with their SMT siblings, or not pinned, settings interleaved
     spread9) phase spread9 $PY bench/decode_spread.py "$Q9" --settings ${SPREAD_SETTINGS:-all 1 2 4 2+sib} \
                  --processes ${SPREAD_PROCESSES:-2} $([ "$CPU" = 1 ] && echo --max-tokens 8 --requests 2 || echo --max-tokens 64 --requests 3) ;;
+    # the same, processes not pinned with Python's hash seed random (all) or fixed (hash=0), each process's host
+    # probed apart from the model (a pure-Python loop, MLX graph building, evaluating, a 256 MB copy)
+    spreadhash) phase spreadhash $PY bench/decode_spread.py "$Q9" --settings all hash=0 \
+                 --processes ${SPREAD_PROCESSES:-4} $([ "$CPU" = 1 ] && echo --max-tokens 8 --requests 2 || echo --max-tokens 64 --requests 3) ;;
     stock) EXO_QGEMV=1 phase stock $PY bench/engine.py "$Q9" --max-tokens 128 --repeats 3 ;;
     # issues 50 / 51: the engine's decoder layers as compiled calls (models.compiled_layers, EXO_COMPILED_LAYERS,
     # on MLX CUDA by default since 2026-11-30): plain decoding with and without in one process (the same tokens?), then a K = 1 / 2 round's
