@@ -168,6 +168,16 @@ for p in "$@"; do
                            --no-one-at-a-time $([ "$CPU" = 1 ] && echo --clients 1 --seconds 2 --max-tokens 16 --engine-vs-client 2 \
                            || echo --clients 1 --seconds 4 --max-tokens 64 --engine-vs-client 4)
                    done; done ;;
+    # the same question in ONE process (bench/serve_overhead.py: the engine alone against the runner's Generate over
+    # gRPC, request by request, each stream interval a configuration): no process-to-process spread in the ratios
+    serveoverhead) EXO_NATIVE_MTP_ENABLED=0 phase serveoverhead $PY bench/serve_overhead.py "$Q9" --intervals 0 0.02 0.05 \
+                       $([ "$CPU" = 1 ] && echo --requests 2 --max-tokens 16 || echo --requests ${OVERHEAD_REQUESTS:-12} --max-tokens 64) ;;
+    # a second engine readied as a runner readies its own (batches warmed to max_batch, state room, prefix cache)
+    serverunner) EXO_NATIVE_MTP_ENABLED=0 phase serverunner $PY bench/serve_overhead.py "$Q9" --intervals 0.02 --runner-engine \
+                       $([ "$CPU" = 1 ] && echo --requests 2 --max-tokens 16 || echo --requests ${OVERHEAD_REQUESTS:-12} --max-tokens 64) ;;
+    # and with the node's prefix cache (RAM and disk tiers) on the engine alone and on the service, every prompt new
+    serveprefix) EXO_NATIVE_MTP_ENABLED=0 phase serveprefix $PY bench/serve_overhead.py "$Q9" --intervals 0.02 --prefix-cache \
+                       $([ "$CPU" = 1 ] && echo --requests 2 --max-tokens 16 || echo --requests ${OVERHEAD_REQUESTS:-12} --max-tokens 64) ;;
     servingstreamc) for v in ${STREAM_INTERVALS:-0 0.02}; do
                         EXO_STREAM_INTERVAL_S=$v EXO_NATIVE_MTP_ENABLED=0 phase servingstreamc $PY bench/serving.py "$Q9" --mtp off \
                             --no-one-at-a-time $([ "$CPU" = 1 ] && echo --clients 1 4 --seconds 3 --max-tokens 16 \
