@@ -10,8 +10,9 @@ inherited the spread. This starts ``--processes`` processes per setting, the set
 host hits all of them), each one loading MODEL, warming up and decoding ``--requests`` of ``exo bench``'s prompts
 ``--max-tokens`` tokens each (MTP off, EOS ignored). A setting is ``all`` (not pinned: the CPUs the scheduler
 gives), ``N`` (pinned to N CPUs from ``--first-cpu`` on, one per core where the machine has SMT siblings),
-``N+sib`` (N cores with their SMT siblings), an explicit list (``4,5``) or ``hash=N`` (not pinned, Python's hash
-seed fixed at N: whether the order of sets differing between processes is the spread). Each process reports its decode tok/s
+``N+sib`` (N cores with their SMT siblings), an explicit list (``4,5``), ``hash=N`` (not pinned, Python's hash
+seed fixed at N: whether the order of sets differing between processes is the spread) or ``runner`` (not pinned, the
+process set up as a runner sets up its own: ``runner_engine``; whether a runner's process draws slower than another). Each process reports its decode tok/s
 per request, the CPU its main thread ended on, the CPU seconds of its busiest threads (the main thread and
 MLX's: which threads the step keeps busy), and its host's speed apart from the model (``host_probe``).
 
@@ -44,6 +45,7 @@ def main() -> None:
     parser.add_argument("--first-cpu", type=int, default=2,
                         help="where pinned sets start among the allowed CPUs (default 2: clear of CPU 0's interrupts)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--runner", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)
@@ -70,7 +72,7 @@ def siblings() -> dict[int, list[int]]:
 
 def cpu_set(setting: str, first: int) -> list[int] | None:
     """The CPUs of a setting (None: not pinned)."""
-    if setting == "all" or setting.startswith("hash="):
+    if setting in ("all", "runner") or setting.startswith("hash="):
         return None
     allowed = sorted(os.sched_getaffinity(0))
     if "," in setting:
@@ -138,6 +140,37 @@ def host_probe() -> dict[str, float]:
     return {k: statistics.median(v) for k, v in out.items()}
 
 
+def runner_engine(model: str) -> object:
+    """An engine in a process set up as a runner sets up its own (``runner.main``): the process's settings
+    (``prepare_process``: the GIL's switch interval, MLX's PTX cache), MLX's buffer cache bounded, the engine readied
+    with the node's settings (its batches warmed up, its state room, its prefix cache), the runner's gRPC service
+    listening (idle), the device queue's thread parked; only the decoding stays on this thread, as ``engine.complete``."""
+    import tempfile
+
+    from exo.engine import resolve_model
+    from exo.engine.memory import limit_buffer_cache
+    from exo.runner.device import Device
+    from exo.runner.loading import load_for_serving, ready_engine
+    from exo.runner.main import prepare_process
+    from exo.runner.service import RunnerState, start_server
+    from exo.settings import load_settings
+    from exo.wire.proto_gen import node_pb2 as pb
+
+    os.environ.setdefault("EXO_HOME", tempfile.mkdtemp(prefix="exo-spread-"))
+    settings = load_settings()
+    prepare_process(settings)
+    limit_buffer_cache(settings.mlx_cache_bytes)
+    loaded, config = load_for_serving(resolve_model(model), settings)
+    engine = ready_engine(loaded, config, settings)
+    device = Device(settings.max_queue, max_batch=settings.max_batch)
+    state = RunnerState("spread", pb.Shard(start_layer=0, end_layer=0, rank=0, world_size=1))
+    state.ready(pb.ModelSummary(model_id="spread"), engine)
+    socket = os.path.join(os.environ["EXO_HOME"], "runner.sock")
+    child.server = start_server(socket, state, device, max_workers=settings.max_queue + 8,  # type: ignore[attr-defined]
+                                stream_interval_s=settings.stream_interval_s)
+    return engine
+
+
 def child(args: argparse.Namespace) -> None:
     import dataclasses
 
@@ -145,7 +178,10 @@ def child(args: argparse.Namespace) -> None:
     from exo.engine.bench import DEFAULT_PROMPTS, encode_prompt
 
     started = time.perf_counter()
-    engine = load(args.model)
+    if args.runner:
+        engine = runner_engine(args.model)
+    else:
+        engine = load(args.model)
     engine.loaded = dataclasses.replace(engine.loaded, eos_token_ids=frozenset())
     prompts = [encode_prompt(engine, p, True) for p in DEFAULT_PROMPTS]
 
@@ -180,7 +216,7 @@ def run(args: argparse.Namespace, report: dict) -> None:
     for p in range(args.processes):
         for s, cpus in sets.items():
             command = [sys.executable, __file__, args.model, "--child", "--max-tokens", str(args.max_tokens),
-                       "--requests", str(args.requests)]
+                       "--requests", str(args.requests), *(["--runner"] if s == "runner" else [])]
             pin = (lambda cpus=cpus: os.sched_setaffinity(0, cpus)) if cpus is not None else None
             env = dict(os.environ)
             if s.startswith("hash="):  # not pinned, Python's hash seed fixed (str hashes, so set order, alike)
