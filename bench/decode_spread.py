@@ -12,7 +12,9 @@ host hits all of them), each one loading MODEL, warming up and decoding ``--requ
 gives), ``N`` (pinned to N CPUs from ``--first-cpu`` on, one per core where the machine has SMT siblings),
 ``N+sib`` (N cores with their SMT siblings), an explicit list (``4,5``), ``hash=N`` (not pinned, Python's hash
 seed fixed at N: whether the order of sets differing between processes is the spread) or ``runner`` (not pinned, the
-process set up as a runner sets up its own: ``runner_engine``; whether a runner's process draws slower than another). Each process reports its decode tok/s
+process set up as a runner sets up its own: ``runner_engine``; whether a runner's process draws slower than another)
+or ``runner-clear`` (the same, MLX's buffer cache emptied after the set-up: its warm-ups leave it at its bound, 18 GB
+on an H200). Each process reports its decode tok/s
 per request, the CPU its main thread ended on, the CPU seconds of its busiest threads (the main thread and
 MLX's: which threads the step keeps busy), and its host's speed apart from the model (``host_probe``).
 
@@ -45,7 +47,7 @@ def main() -> None:
     parser.add_argument("--first-cpu", type=int, default=2,
                         help="where pinned sets start among the allowed CPUs (default 2: clear of CPU 0's interrupts)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--runner", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--runner", choices=("keep", "clear"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)
@@ -72,7 +74,7 @@ def siblings() -> dict[int, list[int]]:
 
 def cpu_set(setting: str, first: int) -> list[int] | None:
     """The CPUs of a setting (None: not pinned)."""
-    if setting in ("all", "runner") or setting.startswith("hash="):
+    if setting in ("all", "runner", "runner-clear") or setting.startswith("hash="):
         return None
     allowed = sorted(os.sched_getaffinity(0))
     if "," in setting:
@@ -180,6 +182,10 @@ def child(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     if args.runner:
         engine = runner_engine(args.model)
+        if args.runner == "clear":  # the warm-up's freed buffers (MLX's cache, at its bound after it) handed back
+            import mlx.core as mx
+
+            mx.clear_cache()
     else:
         engine = load(args.model)
     engine.loaded = dataclasses.replace(engine.loaded, eos_token_ids=frozenset())
@@ -216,7 +222,7 @@ def run(args: argparse.Namespace, report: dict) -> None:
     for p in range(args.processes):
         for s, cpus in sets.items():
             command = [sys.executable, __file__, args.model, "--child", "--max-tokens", str(args.max_tokens),
-                       "--requests", str(args.requests), *(["--runner"] if s == "runner" else [])]
+                       "--requests", str(args.requests), *(["--runner", "clear" if s == "runner-clear" else "keep"] if s.startswith("runner") else [])]
             pin = (lambda cpus=cpus: os.sched_setaffinity(0, cpus)) if cpus is not None else None
             env = dict(os.environ)
             if s.startswith("hash="):  # not pinned, Python's hash seed fixed (str hashes, so set order, alike)
