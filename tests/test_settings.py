@@ -102,6 +102,7 @@ def test_every_field_from_env(home: Path) -> None:
             EXO_PREFIX_CACHE_STRIDE_TOKENS="4096",
             EXO_TENSOR_BACKEND="nccl",
             EXO_RUNNER_SWITCH_INTERVAL_S="0.02",
+            EXO_STREAM_INTERVAL_S="0.05",
         )
     )
     assert (s.native_mtp_enabled, s.native_mtp_moe_verify, s.native_mtp_async_draft_eval, s.native_mtp_round_ahead) == (
@@ -126,7 +127,7 @@ def test_every_field_from_env(home: Path) -> None:
     assert (s.prefix_cache_enabled, s.prefix_cache_ram_bytes, s.prefix_cache_disk_bytes) == (False, 1 << 30, 0)
     assert (s.prefix_cache_block_tokens, s.prefix_cache_stride_tokens) == (128, 4096)
     assert s.tensor_backend == "nccl" and s.mlx_cache_bytes == 4 << 30
-    assert s.runner_switch_interval_s == 0.02
+    assert s.runner_switch_interval_s == 0.02 and s.stream_interval_s == 0.05
     assert all(s.source(f) == "env" for f in Settings.model_fields)
 
 
