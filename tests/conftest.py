@@ -134,3 +134,23 @@ def _hermetic_exo_environment(tmp_path_factory: pytest.TempPathFactory, monkeypa
         if name.startswith("EXO_") and name not in ("EXO_FIXTURE_DIR", "EXO_FIXTURE_SEED"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("EXO_HOME", str(tmp_path_factory.mktemp("exo-home")))
+
+
+@pytest.fixture
+def bounded_cache(monkeypatch):
+    """MLX's cache bounded at 8 MiB as a runner bounds it (``limit_buffer_cache``), emptied before and after; the
+    process's own bound put back."""
+    import mlx.core as mx
+
+    from exo.engine import memory
+
+    mx.clear_cache()
+    before = mx.set_cache_limit(8 << 20)
+    mx.set_cache_limit(before)
+    monkeypatch.setattr(memory, "_bound", None)
+    memory.limit_buffer_cache(8 << 20)
+    try:
+        yield memory
+    finally:
+        mx.set_cache_limit(before)
+        mx.clear_cache()

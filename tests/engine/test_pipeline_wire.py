@@ -27,6 +27,7 @@ from exo.engine.pipeline import (
     serve_stage,
 )
 from exo.engine.verify import VerifyMode
+from tests.fixtures.memory import kept_buffer
 
 HEADERS = [
     StepHeader.forward(0, 0, 1, 200, None),  # a prefill chunk: its ids follow the header
@@ -176,6 +177,18 @@ def test_a_stage_follows_the_steps_in_order_through_end_and_shutdown(checkpoint)
     serve_stage(loaded.model, StageSpec(0, 2, 0, 2), link)
     h = loaded.model.hidden_size
     assert link.sent == [(1, 2, h), (1, 1, h), (1, 1, h)] and not link.messages
+
+
+def test_a_stage_keeps_room_in_its_bounded_buffer_cache(checkpoint, bounded_cache):
+    """A member's loop keeps room in MLX's bounded cache as the leader's device loop does (``keep_cache_room``): a
+    large buffer left there (a prompt step's, the load's warm-up's) is gone once the stage has served its steps."""
+    loaded = load_checkpoint(checkpoint("qwen3_5", dtype="float32"), layers=(0, 2))
+    kept_buffer(6 << 20)
+    assert mx.get_cache_memory() >= 6 << 20
+    link = _ScriptedLink([StepHeader.forward(0, 0, 1, 2, None, tokens=(5, 6)).encode(),
+                          StepHeader.forward(1, 0, 1, 1, None, tokens=(7,)).encode(), StepHeader(OP_SHUTDOWN, 2).encode()])
+    serve_stage(loaded.model, StageSpec(0, 2, 0, 2), link)
+    assert mx.get_cache_memory() < 4 << 20
 
 
 def test_a_stage_mirrors_the_leaders_batch_operations_on_its_own_caches(checkpoint):

@@ -22,6 +22,7 @@ from exo.engine.prompt import GenerateParams, Prompt
 from exo.runner.device import Device, Failed, GenerationJob
 from exo.wire.convert import error_from_pb, error_to_pb
 from tests.fixtures.engines import fresh_engine
+from tests.fixtures.memory import kept_buffer
 
 HUGE = 96  # attention positions from which the forced allocation fails
 CUDA_OOM = "cudaMallocAsync(&data, size, stream) failed: out of memory"
@@ -185,3 +186,48 @@ def test_a_batch_step_that_runs_out_of_memory_fails_its_members_typed_and_the_no
     thread.join(60)
     solo = fresh_engine(checkpoint("qwen3_5", dtype="float32"), eos=False).complete(_greedy(prompts[0])).token_ids
     assert finishes[0] == "length" and _tokens(after[0]) == solo
+
+
+
+def test_the_buffers_kept_go_back_once_past_half_the_bound(bounded_cache):
+    """``keep_cache_room``: below half the bound nothing moves; past it every kept buffer goes back; with no bound
+    of exo's (MLX's own default) it never acts."""
+    memory = bounded_cache
+    kept_buffer(2 << 20)
+    assert mx.get_cache_memory() >= 2 << 20
+    assert memory.keep_cache_room() == 0 and mx.get_cache_memory() >= 2 << 20
+    kept_buffer(5 << 20)  # (the 2 MiB one stays cached: 7 MiB kept, over half of 8)
+    kept = mx.get_cache_memory()
+    assert kept > 4 << 20
+    assert memory.keep_cache_room() == kept and mx.get_cache_memory() == 0
+    memory._bound = None
+    kept_buffer(6 << 20)
+    assert memory.keep_cache_room() == 0 and mx.get_cache_memory() >= 6 << 20
+
+
+def test_a_batch_s_steps_keep_room_in_the_bounded_cache(checkpoint, bounded_cache):
+    """A large buffer left in the bounded cache (as a prompt chunk's or the load's warm-up's are) is gone once the
+    device's batch has stepped: the cache holds what the steps use, under half the bound."""
+    engine = fresh_engine(checkpoint("qwen3_5", dtype="float32"), eos=False)
+    device = Device(8, max_batch=4)
+    thread = threading.Thread(target=device.serve, daemon=True)
+    thread.start()
+    kept_buffer(6 << 20)
+    assert mx.get_cache_memory() >= 6 << 20
+    _, finishes = _generate(device, engine, [list(range(10, 30))])
+    device.close()
+    thread.join(60)
+    assert finishes == {0: "length"}
+    assert mx.get_cache_memory() < 4 << 20
+
+
+def test_a_served_engine_leaves_no_warm_up_buffers_in_the_bounded_cache(checkpoint, bounded_cache, tmp_path):
+    """``ready_engine``: what its warm-ups freed (here a large buffer left before it, standing in for a warm-up's)
+    goes back before the engine serves."""
+    from exo.engine import EngineConfig, load_checkpoint
+    from exo.runner.loading import ready_engine
+    from exo.settings import Settings
+
+    kept_buffer(6 << 20)
+    ready_engine(load_checkpoint(checkpoint("qwen3_5")), EngineConfig(), Settings(max_batch=3, home=tmp_path))
+    assert mx.get_cache_memory() < 4 << 20

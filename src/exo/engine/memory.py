@@ -24,6 +24,15 @@ ALLOCATION_FAILURES = ("out of memory", "unable to allocate", "[metal::malloc]",
 # second's allocation failed at turn 7 (2026-11-29). Bounded, the buffers past the bound go back to the device as
 # they are freed, and a process holds what it computes with plus at most that much.
 CUDA_CACHE_SHARE = 8  # on MLX CUDA: an eighth of the device's memory (an H200: ~17 GiB)
+# At its bound MLX keeps no freed buffer: each goes back to the device as it is freed, and each new one is allocated
+# anew (mlx/backend/cuda/allocator.cpp: ``free`` recycles only below the bound; a cached buffer serves a request up
+# to twice its size, not a small one). Large buffers fill the bound (a prompt chunk's activations, the load's batch
+# warm-up: 17,981 MiB in a runner on an H200 just after it) and MLX evicts them only under memory pressure; then
+# every small buffer of every decode step (~700 a step at 9B) is allocated and freed on the device's allocator. So
+# once the buffers kept pass half the bound, they all go back (``keep_cache_room``) and the cache refills with
+# what is in use.
+CACHE_ROOM_SHARE = 2  # the kept buffers are handed back once over 1 / CACHE_ROOM_SHARE of the bound
+_bound: int | None = None  # what ``limit_buffer_cache`` set in this process (None: MLX's own default)
 
 
 def device_memory_bytes() -> int:
@@ -44,6 +53,7 @@ def limit_buffer_cache(limit_bytes: int | None = None) -> int | None:
     """Bound MLX's cache of freed buffers for this process (``EXO_MLX_CACHE_BYTES``): ``limit_bytes``, or by
     default on MLX CUDA an eighth of the device's memory (elsewhere MLX's default stays: unmeasured on Apple GPUs,
     where one runner per model is the rule). Returns the bound set (None: none set)."""
+    global _bound
     if limit_bytes is None:
         if not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
             return None
@@ -52,7 +62,22 @@ def limit_buffer_cache(limit_bytes: int | None = None) -> int | None:
             return None
         limit_bytes = total // CUDA_CACHE_SHARE
     mx.set_cache_limit(limit_bytes)
+    _bound = limit_bytes
     return limit_bytes
+
+
+def keep_cache_room() -> int:
+    """Where ``limit_buffer_cache`` bounded MLX's cache in this process: once the freed buffers MLX keeps pass
+    half the bound, every one goes back to the device (``mx.clear_cache``), so the next buffers kept are the ones
+    steps use (``CACHE_ROOM_SHARE`` says why). The device thread calls it at every step of a batch and after a
+    load's warm-ups. Returns the bytes handed back (0: nothing done)."""
+    if _bound is None:
+        return 0
+    kept = mx.get_cache_memory()
+    if kept * CACHE_ROOM_SHARE <= _bound:
+        return 0
+    mx.clear_cache()
+    return kept
 
 
 class DeviceMemoryError(RuntimeError):

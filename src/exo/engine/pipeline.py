@@ -46,6 +46,7 @@ import mlx.core as mx
 
 from .batch_cache import batch_cache, batch_row, keep_rows_per_sequence, prompt_row, prompt_rows
 from .forward import MOE_MODES, cache_rates, keep_rows, verify_call
+from .memory import keep_cache_room
 from .models.backbone import SpeculativeBackbone
 from .prefix_cache import PrefixCache, StagePrefix
 from .verify import VerifyMode, probe
@@ -920,6 +921,7 @@ def serve_member(
     note = getattr(link, "note", None) if getattr(link, "timed_receives", False) else None  # (graph-wire phases)
     launched = None  # when this member's last graph-wire step was launched
     while True:
+        keep_cache_room()  # (as the leader's device loop: engine/memory.py)
         header = _receive_header(link, member, expected, forward_header)
         arrived = time.perf_counter() if note is not None else 0.0
         expected += 1

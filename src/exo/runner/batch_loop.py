@@ -67,8 +67,11 @@ class BatchLoop:
             self.device.trace.pause()
 
     def _serve(self) -> None:
+        from exo.engine.memory import keep_cache_room
+
         trace = self.device.trace
         while True:
+            keep_cache_room()  # a prompt chunk's large buffers never crowd the steps' small ones out of MLX's cache
             lap = trace.step()
             plan = self.device.plan_step(self.scheduler, self._pending, self.first, self.engine)
             self._pending = []

@@ -25,6 +25,7 @@ from typing import Any
 
 from exo.engine import Engine, EngineConfig, ResolvedModel, engine_config, load_checkpoint
 from exo.engine.loader import LoadedModel
+from exo.engine.memory import keep_cache_room
 from exo.engine.sharding import TensorShare
 from exo.settings import Settings
 
@@ -59,6 +60,7 @@ def ready_engine(loaded: LoadedModel, config: EngineConfig, settings: Settings |
         if seconds is not None:
             engine.warmup_seconds["batch steps"] = seconds
         attach_prefix_cache(engine, settings)
+    keep_cache_room()  # the warm-ups' buffers, dead now (engine/memory.py)
     return engine
 
 
