@@ -13,8 +13,8 @@ gives), ``N`` (pinned to N CPUs from ``--first-cpu`` on, one per core where the 
 ``N+sib`` (N cores with their SMT siblings), an explicit list (``4,5``), ``hash=N`` (not pinned, Python's hash
 seed fixed at N: whether the order of sets differing between processes is the spread) or ``runner`` (not pinned, the
 process set up as a runner sets up its own: ``runner_engine``; whether a runner's process draws slower than another)
-or ``runner-clear`` (the same, MLX's buffer cache emptied after the set-up: its warm-ups leave it at its bound, 18 GB
-on an H200). Each process reports its decode tok/s
+or ``runner-full`` (the same, MLX's buffer cache left as the warm-ups leave it: at its bound, 18 GB on an H200, as
+runners had it before ``engine.memory.keep_cache_room``). Each process reports its decode tok/s
 per request, the CPU its main thread ended on, the CPU seconds of its busiest threads (the main thread and
 MLX's: which threads the step keeps busy), and its host's speed apart from the model (``host_probe``).
 
@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--first-cpu", type=int, default=2,
                         help="where pinned sets start among the allowed CPUs (default 2: clear of CPU 0's interrupts)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--runner", choices=("keep", "clear"), help=argparse.SUPPRESS)
+    parser.add_argument("--runner", choices=("keep", "full"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)
@@ -74,7 +74,7 @@ def siblings() -> dict[int, list[int]]:
 
 def cpu_set(setting: str, first: int) -> list[int] | None:
     """The CPUs of a setting (None: not pinned)."""
-    if setting in ("all", "runner", "runner-clear") or setting.startswith("hash="):
+    if setting in ("all", "runner", "runner-full") or setting.startswith("hash="):
         return None
     allowed = sorted(os.sched_getaffinity(0))
     if "," in setting:
@@ -142,11 +142,13 @@ def host_probe() -> dict[str, float]:
     return {k: statistics.median(v) for k, v in out.items()}
 
 
-def runner_engine(model: str) -> object:
+def runner_engine(model: str, keep_room: bool = True) -> object:
     """An engine in a process set up as a runner sets up its own (``runner.main``): the process's settings
     (``prepare_process``: the GIL's switch interval, MLX's PTX cache), MLX's buffer cache bounded, the engine readied
     with the node's settings (its batches warmed up, its state room, its prefix cache), the runner's gRPC service
-    listening (idle), the device queue's thread parked; only the decoding stays on this thread, as ``engine.complete``."""
+    listening (idle), the device queue's thread parked; only the decoding stays on this thread, as ``engine.complete``.
+    ``keep_room`` False: MLX's cache left as the warm-ups leave it (at its bound: ``engine.memory.keep_cache_room``
+    off, as runners were before it), and decoding outside the device's loop, which would keep room at its steps."""
     import tempfile
 
     from exo.engine import resolve_model
@@ -163,6 +165,10 @@ def runner_engine(model: str) -> object:
     prepare_process(settings)
     limit_buffer_cache(settings.mlx_cache_bytes)
     loaded, config = load_for_serving(resolve_model(model), settings)
+    if not keep_room:
+        from exo.runner import loading
+
+        loading.keep_cache_room = lambda: 0  # type: ignore[assignment]
     engine = ready_engine(loaded, config, settings)
     device = Device(settings.max_queue, max_batch=settings.max_batch)
     state = RunnerState("spread", pb.Shard(start_layer=0, end_layer=0, rank=0, world_size=1))
@@ -181,11 +187,7 @@ def child(args: argparse.Namespace) -> None:
 
     started = time.perf_counter()
     if args.runner:
-        engine = runner_engine(args.model)
-        if args.runner == "clear":  # the warm-up's freed buffers (MLX's cache, at its bound after it) handed back
-            import mlx.core as mx
-
-            mx.clear_cache()
+        engine = runner_engine(args.model, keep_room=args.runner == "keep")
     else:
         engine = load(args.model)
     engine.loaded = dataclasses.replace(engine.loaded, eos_token_ids=frozenset())
@@ -222,7 +224,7 @@ def run(args: argparse.Namespace, report: dict) -> None:
     for p in range(args.processes):
         for s, cpus in sets.items():
             command = [sys.executable, __file__, args.model, "--child", "--max-tokens", str(args.max_tokens),
-                       "--requests", str(args.requests), *(["--runner", "clear" if s == "runner-clear" else "keep"] if s.startswith("runner") else [])]
+                       "--requests", str(args.requests), *(["--runner", "full" if s == "runner-full" else "keep"] if s.startswith("runner") else [])]
             pin = (lambda cpus=cpus: os.sched_setaffinity(0, cpus)) if cpus is not None else None
             env = dict(os.environ)
             if s.startswith("hash="):  # not pinned, Python's hash seed fixed (str hashes, so set order, alike)

@@ -286,7 +286,7 @@ for p in "$@"; do
                  --processes ${SPREAD_PROCESSES:-4} $([ "$CPU" = 1 ] && echo --max-tokens 8 --requests 2 || echo --max-tokens 64 --requests 3) ;;
     # the same, plain processes against processes set up as a runner (runner.main's settings, batches warmed, prefix
     # cache, the gRPC service idle): whether a runner's process draws slower (issue 51's 0.74-1.13x between processes)
-    spreadrunner) EXO_NATIVE_MTP_ENABLED=0 phase spreadrunner $PY bench/decode_spread.py "$Q9" --settings ${SPREAD_SETTINGS:-all runner runner-clear} \
+    spreadrunner) EXO_NATIVE_MTP_ENABLED=0 phase spreadrunner $PY bench/decode_spread.py "$Q9" --settings ${SPREAD_SETTINGS:-all runner runner-full} \
                  --processes ${SPREAD_PROCESSES:-3} $([ "$CPU" = 1 ] && echo --max-tokens 8 --requests 2 || echo --max-tokens 64 --requests 3) ;;
     stock) EXO_QGEMV=1 phase stock $PY bench/engine.py "$Q9" --max-tokens 128 --repeats 3 ;;
     # issues 50 / 51: the engine's decoder layers as compiled calls (models.compiled_layers, EXO_COMPILED_LAYERS,
