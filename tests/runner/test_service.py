@@ -52,7 +52,10 @@ class _Call:
             self.ended.set()
 
 
-def test_a_consumer_that_lags_gets_the_tokens_so_far_in_one_message(checkpoint):
+def _serve_one(checkpoint, *, lag: float = 0.0, interval: float = 0.0):
+    """A 24-token greedy Generate call on a device thread of the tiny qwen3_5, read ``lag`` seconds late through a
+    servicer whose stream interval is ``interval``: the engine, the prompt, the call's messages (heartbeats left
+    out), and whether the device thread is still there (parked) after ``close``."""
     engine = fresh_engine(checkpoint("qwen3_5", dtype="float32"), eos=False)
     device = Device(8, max_batch=4)
     state = RunnerState("solo", pb.Shard(start_layer=0, end_layer=0, rank=0, world_size=1))
@@ -61,12 +64,17 @@ def test_a_consumer_that_lags_gets_the_tokens_so_far_in_one_message(checkpoint):
     request = pb.GenerateRequest(model="qwen3_5", token_ids=pb.TokenIds(ids=prompt), max_tokens=24, native_mtp="off")
     thread = device.start_thread()
     try:
-        call = _Call(RunnerServicer(state, device), request, lag=2.0)
+        call = _Call(RunnerServicer(state, device, stream_interval_s=interval), request, lag=lag)
         assert call.ended.wait(120)
     finally:
         device.close(10)
-    assert thread.is_alive()  # parked, as it is meant to be
-    first, *outputs = call.messages
+    return engine, prompt, call.messages, thread.is_alive()
+
+
+def test_a_consumer_that_lags_gets_the_tokens_so_far_in_one_message(checkpoint):
+    engine, prompt, messages, parked = _serve_one(checkpoint, lag=2.0)
+    assert parked  # the device thread, as it is meant to be
+    first, *outputs = messages
     assert first.HasField("started") and first.started.prompt_tokens == len(prompt)
     tokens = [t for m in outputs for t in m.token_ids]
     assert tokens == engine.complete(GenerationRequest(prompt, max_tokens=24, native_mtp="off")).token_ids
@@ -78,19 +86,8 @@ def test_a_consumer_that_lags_gets_the_tokens_so_far_in_one_message(checkpoint):
 def test_a_paced_stream_sends_its_first_token_at_once_and_the_rest_with_its_end(checkpoint):
     """With an interval longer than the whole generation (``stream_interval_s``), the device thread wakes the call
     for the first token and for the last chunk only: two messages of tokens, the engine's tokens between them."""
-    engine = fresh_engine(checkpoint("qwen3_5", dtype="float32"), eos=False)
-    device = Device(8, max_batch=4)
-    state = RunnerState("solo", pb.Shard(start_layer=0, end_layer=0, rank=0, world_size=1))
-    state.ready(pb.ModelSummary(model_id="qwen3_5"), engine)
-    prompt = engine.loaded.tokenizer.encode("The quick brown fox")
-    request = pb.GenerateRequest(model="qwen3_5", token_ids=pb.TokenIds(ids=prompt), max_tokens=24, native_mtp="off")
-    device.start_thread()
-    try:
-        call = _Call(RunnerServicer(state, device, stream_interval_s=600.0), request)
-        assert call.ended.wait(120)
-    finally:
-        device.close(10)
-    first, *outputs = call.messages
+    engine, prompt, messages, _ = _serve_one(checkpoint, interval=600.0)
+    first, *outputs = messages
     assert first.HasField("started")
     assert [len(m.token_ids) for m in outputs] == [1, 23], [list(m.token_ids) for m in outputs]
     tokens = [t for m in outputs for t in m.token_ids]
