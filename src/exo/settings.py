@@ -103,9 +103,10 @@ class Settings(BaseModel):
     # the handoffs: one client through exo serve decoded at 0.88x the engine alone at 0.005 s, 1.08x at 0.05 s
     # (one H200, 9B shape: bench/gpu_session.sh servinggil).
     runner_switch_interval_s: float = Field(default=0.05, gt=0, le=1.0)
-    # A streamed generation's tokens leave its runner at most this often (the first and the last at once), each
-    # message with every token since the last: every wake-up of a stream's thread costs the thread building the
-    # model's graphs (runner/outbox.py says how much). 0: a message per token.
+    # A streamed generation's tokens leave its runner (or the in-process service's device thread) at most this
+    # often (the first and the last at once), each message with every token since the last: every wake-up of a
+    # stream's thread costs the thread building the model's graphs (runner/outbox.py says how much). 0: a message
+    # per token.
     stream_interval_s: float = Field(default=0.02, ge=0, le=1.0)
     # EXO_OFFLINE=1: downloads use only the Hugging Face cache, never the network (as HF_HUB_OFFLINE=1).
     offline: bool = Field(default=False, strict=True)

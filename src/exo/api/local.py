@@ -44,6 +44,7 @@ from exo.engine.resolve import DEFAULT_MODEL, resolve_model
 from exo.metrics import Metrics
 from exo.runner.device import Device, GenerationJob
 from exo.runner.loading import load_for_serving, ready_engine
+from exo.runner.outbox import Pacing
 from exo.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -67,14 +68,18 @@ class JobRecord:
 class Channel:
     """Items from the device thread to one handler, in order, through the handler's event loop.
 
-    The device appends under a lock and wakes the loop only when no wake-up is pending, so a busy
-    handler takes everything delivered meanwhile in one batch (one write for several tokens).
+    The device appends under a lock and wakes the loop only when no wake-up is pending and the item may go now
+    (``runner.outbox.Pacing``: a first token, a last chunk, anything not a token at once; other tokens once
+    ``interval_s`` has passed since the handler last took tokens, ``EXO_STREAM_INTERVAL_S``), so the handler takes
+    everything delivered meanwhile in one batch (one write for several tokens) and wakes at most once an interval
+    while tokens flow.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, interval_s: float = 0.0) -> None:
         self._loop = loop
         self._items: collections.deque[Any] = collections.deque()
         self._lock = threading.Lock()
+        self._pacing = Pacing(interval_s)
         self._wake_pending = False
         self._waiter: asyncio.Future[None] | None = None  # event loop side only
 
@@ -82,7 +87,7 @@ class Channel:
         """Thread-safe; a closed loop (server gone) drops the item."""
         with self._lock:
             self._items.append(item)
-            if self._wake_pending:
+            if not self._pacing.wakes(item) or self._wake_pending:
                 return
             self._wake_pending = True
         try:
@@ -97,18 +102,27 @@ class Channel:
             self._waiter.set_result(None)
 
     async def get_batch(self, deadline: float) -> list[Any]:
-        """Everything delivered so far (at least one item); TimeoutError past ``deadline`` (loop time)."""
+        """Everything delivered so far once it may go (at least one item); TimeoutError past ``deadline`` (loop
+        time)."""
         while True:
             with self._lock:
-                if self._items:
+                held = bool(self._items)
+                if self._pacing.ready(held):
                     items = list(self._items)
                     self._items.clear()
+                    self._pacing.taken(items)
                     return items
+                # Tokens held inside the interval: up at its end (the loop's clock, from time.monotonic()'s).
+                until = self._pacing.until(held, float("inf"))
             # A put() after the check schedules _wake, which runs after this coroutine yields: no lost wake-up.
             self._waiter = self._loop.create_future()
+            wait_until = deadline if until == float("inf") else min(deadline, self._loop.time() + until - time.monotonic())
             try:
-                async with asyncio.timeout_at(deadline):
+                async with asyncio.timeout_at(wait_until):
                     await self._waiter
+            except TimeoutError:
+                if wait_until >= deadline:
+                    raise
             finally:
                 self._waiter = None
 
@@ -336,7 +350,7 @@ class LocalModelService:
     def generate(
         self, model_id: str, prompt: Prompt, params: GenerateParams, *, timeout_s: float, arrived: float
     ) -> GenerationStream:
-        channel = Channel(asyncio.get_running_loop())
+        channel = Channel(asyncio.get_running_loop(), self.settings.stream_interval_s)
         job: GenerationJob
 
         def on_done(finish: str, stats: NativeMTPStats | None, queue_s: float, device_s: float) -> None:
