@@ -14,7 +14,9 @@ gives), ``N`` (pinned to N CPUs from ``--first-cpu`` on, one per core where the 
 seed fixed at N: whether the order of sets differing between processes is the spread) or ``runner`` (not pinned, the
 process set up as a runner sets up its own: ``runner_engine``; whether a runner's process draws slower than another)
 or ``runner-full`` (the same, MLX's buffer cache left as the warm-ups leave it: at its bound, 18 GB on an H200, as
-runners had it before ``engine.memory.keep_cache_room``). Each process reports its decode tok/s
+runners had it before ``engine.memory.keep_cache_room``) or ``runner-staged`` (one process set up as a runner step by
+step, its decoding measured after each step, and a plain engine of the same process first and last: which step of a
+runner's set-up makes its decoding slower, with no process-to-process spread in the comparison). Each process reports its decode tok/s
 per request, the CPU its main thread ended on, the CPU seconds of its busiest threads (the main thread and
 MLX's: which threads the step keeps busy), and its host's speed apart from the model (``host_probe``).
 
@@ -30,6 +32,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -47,7 +50,7 @@ def main() -> None:
     parser.add_argument("--first-cpu", type=int, default=2,
                         help="where pinned sets start among the allowed CPUs (default 2: clear of CPU 0's interrupts)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--runner", choices=("keep", "full"), help=argparse.SUPPRESS)
+    parser.add_argument("--runner", choices=("keep", "full", "staged"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)
@@ -74,7 +77,7 @@ def siblings() -> dict[int, list[int]]:
 
 def cpu_set(setting: str, first: int) -> list[int] | None:
     """The CPUs of a setting (None: not pinned)."""
-    if setting in ("all", "runner", "runner-full") or setting.startswith("hash="):
+    if setting in ("all", "runner", "runner-full", "runner-staged") or setting.startswith("hash="):
         return None
     allowed = sorted(os.sched_getaffinity(0))
     if "," in setting:
@@ -179,12 +182,87 @@ def runner_engine(model: str, keep_room: bool = True) -> object:
     return engine
 
 
+STAGES = ("plain", "served config", "cache bound", "process settings", "state room + batch warm-up", "prefix cache",
+          "gRPC service", "cache cleared", "on another thread", "plain again")
+
+
+def staged_child(args: argparse.Namespace) -> None:
+    """One process set up as ``runner_engine`` sets one up, step by step, decoding measured after each step (the
+    median of ``--requests`` requests): a plain engine (``load``) first and last, between them the served engine
+    (``load_for_serving``'s config, warmed up as ``ready_engine`` warms up) as each step of a runner's set-up joins."""
+    import dataclasses
+    import tempfile
+
+    import mlx.core as mx
+
+    from exo.engine import Engine, GenerationRequest, SamplingParams, load, resolve_model
+    from exo.engine.bench import DEFAULT_PROMPTS, encode_prompt
+    from exo.engine.kernel_warmup import warm_batches
+    from exo.engine.memory import limit_buffer_cache
+    from exo.runner.device import Device
+    from exo.runner.loading import _kv_budget, attach_prefix_cache, load_for_serving, set_state_room
+    from exo.runner.main import prepare_process
+    from exo.runner.service import RunnerState, start_server
+    from exo.settings import load_settings
+    from exo.wire.proto_gen import node_pb2 as pb
+
+    os.environ.setdefault("EXO_HOME", tempfile.mkdtemp(prefix="exo-spread-"))
+    settings = load_settings()
+    plain = load(args.model)
+    plain.loaded = dataclasses.replace(plain.loaded, eos_token_ids=frozenset())
+    prompts = [encode_prompt(plain, p, True) for p in DEFAULT_PROMPTS]
+
+    def measure(engine: Engine) -> float:
+        def decode(prompt: list[int]) -> float:
+            request = GenerationRequest(prompt, max_tokens=args.max_tokens, sampling=SamplingParams(temperature=0),
+                                        native_mtp="off")
+            return engine.complete(request).stats.decode_tokens_per_s
+        decode(prompts[0])  # (this stage's first request: warm)
+        return statistics.median(decode(prompts[i % len(prompts)]) for i in range(args.requests))
+
+    tps: dict[str, float] = {"plain": measure(plain)}
+    loaded, config = load_for_serving(resolve_model(args.model), settings)
+    loaded = dataclasses.replace(loaded, eos_token_ids=frozenset())
+    served = Engine(loaded, config)
+    served.warmup()
+    tps["served config"] = measure(served)
+    limit_buffer_cache(settings.mlx_cache_bytes)
+    tps["cache bound"] = measure(served)
+    prepare_process(settings)
+    tps["process settings"] = measure(served)
+    set_state_room(served, settings)
+    warm_batches(served, settings.max_batch, _kv_budget(settings))
+    tps["state room + batch warm-up"] = measure(served)
+    attach_prefix_cache(served, settings)
+    tps["prefix cache"] = measure(served)
+    device = Device(settings.max_queue, max_batch=settings.max_batch)
+    state = RunnerState("spread", pb.Shard(start_layer=0, end_layer=0, rank=0, world_size=1))
+    state.ready(pb.ModelSummary(model_id="spread"), served)
+    socket = os.path.join(os.environ["EXO_HOME"], "runner.sock")
+    server = start_server(socket, state, device, max_workers=settings.max_queue + 8,
+                          stream_interval_s=settings.stream_interval_s)
+    tps["gRPC service"] = measure(served)
+    mx.clear_cache()
+    tps["cache cleared"] = measure(served)
+    box: list[float] = []  # decoding on a thread of its own, as a runner's device thread decodes
+    thread = threading.Thread(target=lambda: box.append(measure(served)))
+    thread.start()
+    thread.join()
+    tps["on another thread"] = box[0]
+    tps["plain again"] = measure(plain)
+    server.stop(0)
+    print(json.dumps({"stages": tps, "cache_bytes": int(mx.get_cache_memory())}))
+
+
 def child(args: argparse.Namespace) -> None:
     import dataclasses
 
     from exo.engine import GenerationRequest, SamplingParams, load
     from exo.engine.bench import DEFAULT_PROMPTS, encode_prompt
 
+    if args.runner == "staged":
+        staged_child(args)
+        return
     started = time.perf_counter()
     if args.runner:
         engine = runner_engine(args.model, keep_room=args.runner == "keep")
@@ -221,10 +299,12 @@ def run(args: argparse.Namespace, report: dict) -> None:
     for s, cpus in sets.items():
         print(f"  setting {s}: {'not pinned' if cpus is None else cpus}")
     results: dict[str, list[dict]] = {s: [] for s in args.settings}
+    staged: list[dict[str, float]] = []
     for p in range(args.processes):
         for s, cpus in sets.items():
             command = [sys.executable, __file__, args.model, "--child", "--max-tokens", str(args.max_tokens),
-                       "--requests", str(args.requests), *(["--runner", "full" if s == "runner-full" else "keep"] if s.startswith("runner") else [])]
+                       "--requests", str(args.requests),
+                       *(["--runner", {"runner-full": "full", "runner-staged": "staged"}.get(s, "keep")] if s.startswith("runner") else [])]
             pin = (lambda cpus=cpus: os.sched_setaffinity(0, cpus)) if cpus is not None else None
             env = dict(os.environ)
             if s.startswith("hash="):  # not pinned, Python's hash seed fixed (str hashes, so set order, alike)
@@ -234,6 +314,11 @@ def run(args: argparse.Namespace, report: dict) -> None:
                 print(f"  {s} #{p}: failed ({out.returncode}): {out.stderr[-2000:]}")
                 continue
             got = json.loads(out.stdout.strip().splitlines()[-1])
+            if "stages" in got:
+                staged.append(got["stages"])
+                print(f"  {s} #{p}: " + ", ".join(f"{k} {v:.1f}" for k, v in got["stages"].items())
+                      + f" tok/s; MLX's cache at the end {got['cache_bytes'] / 2**20:.0f} MiB")
+                continue
             results[s].append(got)
             busiest = ", ".join(f"{n} {t:.1f}s" for n, t in got["threads"])
             probe = got["probe"]
@@ -243,6 +328,12 @@ def run(args: argparse.Namespace, report: dict) -> None:
     print(f"{args.model}: plain decoding, {args.max_tokens} tokens x {args.requests} requests a process, "
           f"{args.processes} processes a setting (interleaved)")
     report.update(model=args.model, cpus=len(allowed), cpu_model=model_name, smt=smt, settings={})
+    if staged:
+        report["staged"] = staged
+        print("  runner-staged, each step against the process's first plain engine (median over processes):")
+        for stage in STAGES:
+            ratios = [st[stage] / st["plain"] for st in staged if stage in st]
+            print(f"    {stage:>28}: {statistics.median(ratios):.3f}x ({', '.join(f'{r:.3f}' for r in ratios)})")
     for s, got in results.items():
         medians = [statistics.median(g["tps"]) for g in got]
         if not medians:

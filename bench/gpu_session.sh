@@ -288,6 +288,11 @@ for p in "$@"; do
     # cache, the gRPC service idle): whether a runner's process draws slower (issue 51's 0.74-1.13x between processes)
     spreadrunner) EXO_NATIVE_MTP_ENABLED=0 phase spreadrunner $PY bench/decode_spread.py "$Q9" --settings ${SPREAD_SETTINGS:-all runner runner-full} \
                  --processes ${SPREAD_PROCESSES:-3} $([ "$CPU" = 1 ] && echo --max-tokens 8 --requests 2 || echo --max-tokens 64 --requests 3) ;;
+    # one process set up as a runner step by step, its decoding after each step against a plain engine of the same
+    # process (bench/decode_spread.py runner-staged): which step makes a runner draw slower (0.5-0.75x plain in
+    # spreadrunner, 2026-11-30), free of the process-to-process spread
+    spreadstaged) EXO_NATIVE_MTP_ENABLED=0 phase spreadstaged $PY bench/decode_spread.py "$Q9" --settings runner-staged \
+                 --processes ${SPREAD_PROCESSES:-3} $([ "$CPU" = 1 ] && echo --max-tokens 8 --requests 2 || echo --max-tokens 64 --requests 3) ;;
     stock) EXO_QGEMV=1 phase stock $PY bench/engine.py "$Q9" --max-tokens 128 --repeats 3 ;;
     # issues 50 / 51: the engine's decoder layers as compiled calls (models.compiled_layers, EXO_COMPILED_LAYERS,
     # on MLX CUDA by default since 2026-11-30): plain decoding with and without in one process (the same tokens?), then a K = 1 / 2 round's
