@@ -183,7 +183,7 @@ def runner_engine(model: str, keep_room: bool = True) -> object:
 
 
 STAGES = ("plain", "served config", "cache bound", "process settings", "state room + batch warm-up", "prefix cache",
-          "gRPC service", "cache cleared", "on another thread", "plain again")
+          "gRPC service", "cache cleared", "on another thread", "bound lifted", "switch interval 0.005", "plain again")
 
 
 def staged_child(args: argparse.Namespace) -> None:
@@ -220,6 +220,8 @@ def staged_child(args: argparse.Namespace) -> None:
         decode(prompts[0])  # (this stage's first request: warm)
         return statistics.median(decode(prompts[i % len(prompts)]) for i in range(args.requests))
 
+    default_limit = mx.set_cache_limit(0)  # (MLX's own bound, to put back later; nothing is cached yet)
+    mx.set_cache_limit(default_limit)
     tps: dict[str, float] = {"plain": measure(plain)}
     loaded, config = load_for_serving(resolve_model(args.model), settings)
     loaded = dataclasses.replace(loaded, eos_token_ids=frozenset())
@@ -249,6 +251,10 @@ def staged_child(args: argparse.Namespace) -> None:
     thread.start()
     thread.join()
     tps["on another thread"] = box[0]
+    mx.set_cache_limit(default_limit)
+    tps["bound lifted"] = measure(served)
+    sys.setswitchinterval(0.005)  # (Python's default)
+    tps["switch interval 0.005"] = measure(served)
     tps["plain again"] = measure(plain)
     server.stop(0)
     print(json.dumps({"stages": tps, "cache_bytes": int(mx.get_cache_memory())}))

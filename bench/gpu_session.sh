@@ -157,7 +157,7 @@ for p in "$@"; do
     # the same one client against the engine, each run a fresh server and a fresh engine process (SERVING_RUNS of them):
     # one process's speed against another's moved 0.87-1.08x between runs, so the ratio wants several processes
     serving9m) for r in $(seq ${SERVING_RUNS:-3}); do
-                   EXO_NATIVE_MTP_ENABLED=0 phase serving9m $PY bench/serving.py "$Q9" --mtp off --no-one-at-a-time --server-gpu 1 \
+                   EXO_NATIVE_MTP_ENABLED=0 phase serving9m $PY bench/serving.py "$Q9" --mtp off --no-one-at-a-time ${SERVER_GPU_ARG---server-gpu 1} \
                        $([ "$CPU" = 1 ] && echo --clients 1 --seconds 2 --max-tokens 16 --engine-vs-client 2 || echo --clients 1 --seconds 4 --max-tokens 64 --engine-vs-client 4)
                done ;;
     # issue 51: one client against the engine with a stream's tokens paced (EXO_STREAM_INTERVAL_S, runner/outbox.py) or
