@@ -19,11 +19,18 @@ rows: no padding), then, for each B:
 
 A B whose step costs ~B x the one-row step is compute- or kernel-bound where it should be bandwidth-bound: the
 parts and linears say which op.
+
+``--dense-batch``: the model loaded with ``EXO_BATCH_DENSE=on`` (unless the variable is set: ``on:ROWS`` on the CPU),
+and every ``step`` timed twice, alternating: with a batch step's products on dequantized weights
+(``engine/models/prompt_dense.py``) and with the layers' own quantized products (``prompt_dense.suspended``): the
+ratio per B, and how far the two steps' logits are apart.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import os
 import statistics
 import time
 from collections import defaultdict
@@ -37,6 +44,7 @@ from common import add_common_arguments, report_to, use_device  # bench/ is this
 
 from exo.engine import load_checkpoint, resolve_model
 from exo.engine.costs import device_name
+from exo.engine.models import prompt_dense
 
 
 def main() -> None:
@@ -46,8 +54,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512, help="tokens in each row's caches before the steps")
     parser.add_argument("--steps", type=int, default=8, help="decode steps timed per repeat")
     parser.add_argument("--phases", nargs="+", default=["step", "parts", "linears"])
+    parser.add_argument("--dense-batch", action="store_true",
+                        help="each step timed with EXO_BATCH_DENSE's dense products and without, alternating")
     args = parser.parse_args()
     use_device(args.device)
+    if args.dense_batch:
+        os.environ.setdefault("EXO_BATCH_DENSE", "on")
     loaded = load_checkpoint(resolve_model(args.model).path)
     model = loaded.model
     with report_to(args.json) as report:
@@ -65,7 +77,10 @@ def main() -> None:
                 return model.logits(model.hidden(token, cache))
             for _ in range(2):  # warm-up: kernels compiled for this B
                 mx.eval(step())
-            if "step" in args.phases:
+            if "step" in args.phases and args.dense_batch:
+                rows["step"][B], rows["quantized step"][B] = _dense_or_not(step, args.steps, args.repeats)
+                rows["logits apart"][B] = _apart(model, token, cache)
+            elif "step" in args.phases:
                 rows["step"][B] = _per_step(step, args.steps, args.repeats)
             if "parts" in args.phases:
                 with _timed_parts(model) as parts:
@@ -78,6 +93,28 @@ def main() -> None:
             mx.clear_cache()
         report.update(rows)
         _print(rows, args.sizes)
+
+
+def _apart(model: Any, token: mx.array, cache: list[Any]) -> float:
+    """One step's logits from copies of the caches, as loaded against the batch's products quantized: the largest
+    difference over the largest logit."""
+    dense = model.logits(model.hidden(token, copy.deepcopy(cache))).astype(mx.float32)
+    with prompt_dense.suspended():
+        quantized = model.logits(model.hidden(token, copy.deepcopy(cache))).astype(mx.float32)
+    return (mx.abs(dense - quantized).max() / mx.abs(quantized).max()).item()
+
+
+def _dense_or_not(step: Callable[[], mx.array], steps: int, repeats: int) -> tuple[float, float]:
+    """(s per step as loaded, s per step with the batch's products quantized), the two alternating ``repeats``
+    times."""
+    with prompt_dense.suspended():
+        mx.eval(step())  # (warm: the quantized path's kernels)
+    dense, quantized = [], []
+    for _ in range(max(1, repeats)):
+        dense.append(_per_step(step, steps, 1))
+        with prompt_dense.suspended():
+            quantized.append(_per_step(step, steps, 1))
+    return statistics.median(dense), statistics.median(quantized)
 
 
 def _per_step(step: Callable[[], mx.array], steps: int, repeats: int) -> float:
@@ -193,6 +230,12 @@ def _print(rows: dict[str, dict[int, Any]], sizes: list[int]) -> None:
             ms = rows["step"][B] * 1e3
             print(f"  B={B:>3} {ms:9.2f} ms  {rows['step'][B] / rows['step'][one]:6.2f}x  "
                   f"{B / rows['step'][B]:9.1f} rows/s")
+    if rows.get("quantized step"):
+        print("\n[dense batch] the same steps with the batch's products quantized (prompt_dense.suspended), alternating")
+        for B in sizes:
+            q = rows["quantized step"][B]
+            print(f"  B={B:>3} quantized {q * 1e3:9.2f} ms, as loaded {rows['step'][B] * 1e3:9.2f} ms: "
+                  f"{q / rows['step'][B]:5.2f}x faster as loaded; logits apart {rows['logits apart'][B]:.2e} of the largest")
     if rows.get("parts"):
         print(f"\n[parts] per step, each part evaluated on its own (a sync each), ms (x: vs B={one})")
         names = sorted(rows["parts"][one], key=lambda k: -rows["parts"][one][k])

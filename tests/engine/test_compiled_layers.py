@@ -180,6 +180,11 @@ def test_a_kernel_switch_or_verify_state_gets_its_own_trace(checkpoint, monkeypa
         monkeypatch.setattr(layers, switch, off)
         assert compiled_layers.mode_key(model) != key, switch
         monkeypatch.setattr(layers, switch, on)
+    from exo.engine.models import prompt_dense
+
+    head = compiled_layers.head_key()
+    with prompt_dense.suspended():  # (a batch step's products dense or not: EXO_BATCH_DENSE)
+        assert compiled_layers.mode_key(model) != key and compiled_layers.head_key() != head
     model.set_verify_mode(engine.verify_mode.moe or "route_locked", False, 3)
     try:
         assert compiled_layers.mode_key(model) != key

@@ -187,3 +187,98 @@ def test_a_pipeline_with_dense_prompts_gives_the_single_node_s_tokens(checkpoint
     for request, result in zip(requests, out["results"], strict=True):
         assert result["token_ids"] == plain.token_ids, request["native_mtp"]
         assert result["stats"]["mode"] == "pipeline", request["native_mtp"]
+
+
+# -- a batch step's products dense (EXO_BATCH_DENSE) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("value", "want"), [(None, ("off", 0)), ("off", ("off", 0)), ("0", ("off", 0)),
+                                             ("on", ("cuda", prompt_dense.BATCH_MIN_ROWS)), (" ON:4 ", ("always", 4))])
+def test_the_batch_setting(monkeypatch, value, want):
+    if value is None:
+        monkeypatch.delenv("EXO_BATCH_DENSE", raising=False)
+    else:
+        monkeypatch.setenv("EXO_BATCH_DENSE", value)
+    assert prompt_dense.batch_setting() == want
+
+
+@pytest.mark.parametrize("value", ["yes", "on:0", "on:-2", "auto"])
+def test_a_bad_batch_setting_is_a_clear_error(monkeypatch, value):
+    monkeypatch.setenv("EXO_BATCH_DENSE", value)
+    with pytest.raises(ValueError, match="EXO_BATCH_DENSE must be"):
+        prompt_dense.batch_setting()
+
+
+def test_a_batch_step_runs_dense_and_nothing_else_does():
+    """From ``batch_rows`` sequences a batch's plain step (x [B, 1, D]) runs on the dequantized weight; fewer
+    sequences, a prompt's rows, a verify call's rows ([B, K + 1, D]), a batch-invariant step's rows and a layer under
+    ``batch_weights`` keep the layer's own product, bit for bit."""
+    layer = _layer(bits=4)
+    key = mx.random.key(3)
+    step = (mx.random.normal((6, 1, 128), key=key) * 0.5).astype(mx.bfloat16)
+    others = {"3 sequences": step[:3], "a prompt of 6 rows": step.reshape(1, 6, 128),
+              "a verify call of 2 x 3 rows": step.reshape(2, 3, 128)}
+    before = {name: layer(x) for name, x in [("step", step), *others.items()]}
+    make_dense_rows(layer, prompt_dense.NEVER, 0, batch_rows=4, batch_weights=0)
+    want = step @ dense_weight(layer, step.dtype).T
+    assert mx.array_equal(layer(step), want).item() and not mx.array_equal(want, before["step"]).item()
+    for name, x in others.items():
+        assert mx.array_equal(layer(x), before[name]).item(), name
+    for flag in ("exact_batch", "exact_verify", "batch_vectors"):  # batch-invariant steps, verify calls
+        setattr(layer, flag, True)
+        assert mx.array_equal(layer(step), before["step"]).item(), flag
+        setattr(layer, flag, False)
+    with prompt_dense.suspended():
+        assert mx.array_equal(layer(step), before["step"]).item()
+    make_dense_rows(layer, prompt_dense.NEVER, 0, batch_rows=4, batch_weights=96 * 128 + 1)  # too small a layer
+    assert mx.array_equal(layer(step), before["step"]).item()
+
+
+def test_use_prompt_dense_gives_batches_alone_the_dense_path(monkeypatch):
+    """``EXO_BATCH_DENSE`` installs the dense class with prompts off (prompts then never dense); ``on`` is MLX
+    CUDA's alone, so on this CPU nothing changes."""
+    monkeypatch.setenv("EXO_PROMPT_DENSE", "off")
+    monkeypatch.setenv("EXO_BATCH_DENSE", "on")
+    layer = _layer()
+    assert use_prompt_dense([layer], []) == {} and type(layer) is nn.QuantizedLinear
+    monkeypatch.setenv("EXO_BATCH_DENSE", "on:4")
+    assert use_prompt_dense([layer], []) == {"dense batch 128->96 4-bit g64": "ok: from 4 sequences"}
+    x = (mx.random.normal((1, 600, 128), key=mx.random.key(4)) * 0.5).astype(mx.bfloat16)
+    assert layer.dense_min_rows == prompt_dense.NEVER and layer.dense_batch_rows == 4
+    with prompt_dense.suspended():
+        quantized = layer(x)
+    assert mx.array_equal(layer(x), quantized).item()  # a prompt of 600 rows: not dense with prompts off
+
+
+def test_a_batch_decodes_dense_and_a_batch_invariant_one_keeps_its_solo_tokens(checkpoint, monkeypatch):
+    """``EXO_BATCH_DENSE=on:2`` on a real model: a batch of three runs its plain steps dense (the lm_head's and the
+    layers' weights dequantized while it decodes, never while a request decodes alone), each member to its length,
+    its first step's logits within bfloat16 rounding of the quantized product's; a batch-invariant engine's batch
+    never runs dense and gives each member its solo tokens."""
+    path = checkpoint("qwen3_5", layout="mlx_q4_sidecar", head="trained", dtype="bfloat16")
+    monkeypatch.setenv("EXO_BATCH_DENSE", "on:2")
+    loaded = dataclasses.replace(load_checkpoint(path), eos_token_ids=frozenset())
+    assert loaded.dense and all(k.startswith("dense batch") for k in loaded.dense), loaded.dense
+    shapes: list[tuple[int, ...]] = []
+    real = prompt_dense.dense_weight
+    monkeypatch.setattr(prompt_dense, "dense_weight", lambda m, d: shapes.append(m["weight"].shape) or real(m, d))
+    engine = Engine(loaded, EngineConfig())
+    requests = [_request(engine, i, max_tokens=m, native_mtp="off") for i, m in enumerate((8, 5, 7))]
+    solo = [engine.complete(r).token_ids for r in requests]
+    assert not shapes  # alone: one row a step
+    got = _run_batch(engine, requests)
+    heads = [m.weight.shape for name, m in loaded.model.named_modules() if name.endswith("lm_head")]
+    assert shapes and heads and heads[0] in shapes
+    assert [len(got[i][0]) for i in range(3)] == [8, 5, 7]
+    # one step of three sequences from fresh caches, dense against the quantized products
+    tokens = mx.array([[r.prompt_tokens[-1]] for r in requests])
+    dense = engine.model.logits(engine.forward.hidden(tokens, engine.forward.new_cache())).astype(mx.float32)
+    with prompt_dense.suspended():
+        quantized = engine.model.logits(engine.forward.hidden(tokens, engine.forward.new_cache())).astype(mx.float32)
+    assert (mx.abs(dense - quantized).max() / mx.abs(quantized).max()).item() < 2e-2
+    invariant = Engine(loaded, EngineConfig(batch_invariant=True))
+    shapes.clear()
+    got = _run_batch(invariant, requests)
+    assert not shapes
+    for i in range(3):
+        assert got[i][0] == solo[i], i

@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import KVCache
 
-from . import compiled_layers
+from . import compiled_layers, prompt_dense
 from .layers import (
     Attention,
     GatedDeltaNet,
@@ -209,12 +209,13 @@ class SpeculativeBackbone:
             block.unsorted_in_batch = on
 
     def _qgemv_linears(self) -> tuple[nn.Module, ...]:
-        """This stage's layers and output projection on exo's quantized kernel (``layers.use_qgemv``, at load)."""
+        """This stage's layers and output projection on exo's quantized kernel (``layers.use_qgemv``, at load) or
+        with the dense path (``prompt_dense``: ``exact_batch`` keeps a batch-invariant step's rows off it)."""
         found = self.__dict__.get("_qgemv_found")
         if found is None:
             parts = list(self.stage_layers) + ([self.output_projection()] if self.last_stage else [])
             found = tuple(m for part in parts for _, m in part.named_modules()
-                          if isinstance(m, (QGemvLinear, QGemvEmbedding)))
+                          if isinstance(m, (QGemvLinear, QGemvEmbedding, prompt_dense.DenseRows)))
             object.__setattr__(self, "_qgemv_found", found)  # not child modules: no parameters
         return found
 

@@ -28,7 +28,7 @@ batch's prefill); a batch's attention runs under its mask op by op, its residual
 
 A traced function bakes in the Python path it took, so the functions are kept per layer and per everything that
 changes that path at run time: the benchmarks' kernel switches (``layers.QGEMV_ON``, ``GDN_KERNEL_ON``,
-``COMPILED_ROWS``), the model's verify state (``set_verify_mode``: MoE routing, per-row products) and whether a
+``COMPILED_ROWS``, ``prompt_dense.suspended``: a batch step's products dense or not, ``EXO_BATCH_DENSE``), the model's verify state (``set_verify_mode``: MoE routing, per-row products) and whether a
 tensor forward's collectives are on (``sharding.collectives``).
 """
 
@@ -43,7 +43,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..sharding import reduce_partial
-from . import layers
+from . import layers, prompt_dense
 from .layers import Attention, RollbackArraysCache, SparseMoeBlock
 
 log = logging.getLogger(__name__)
@@ -71,14 +71,15 @@ def mode_key(model: Any) -> tuple[Any, ...] | None:
         return None
     verify = state.get("_verify_state", (None, False, False))
     share = state.get("tensor_share")
-    return (layers.QGEMV_ON, layers.GDN_KERNEL_ON, layers.COMPILED_ROWS, verify, share is not None and share.active)
+    return (layers.QGEMV_ON, layers.GDN_KERNEL_ON, layers.COMPILED_ROWS, verify, share is not None and share.active,
+            prompt_dense.active())
 
 
 def head_key() -> tuple[Any, ...] | None:
     """``mode_key`` for the MTP head's decoder layer (``models.mtp``: no verify state, never sharded), or None."""
     if not _applies():
         return None
-    return (layers.QGEMV_ON, layers.GDN_KERNEL_ON, layers.COMPILED_ROWS, "head")
+    return (layers.QGEMV_ON, layers.GDN_KERNEL_ON, layers.COMPILED_ROWS, prompt_dense.active(), "head")
 
 
 def _applies() -> bool:

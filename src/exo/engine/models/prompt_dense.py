@@ -9,7 +9,7 @@ through the sorted ``gather_mm`` on dequantized experts (bench/results/h200-mlx-
 ``bench/prefill_linears.py``, ``bench/moe_experts.py``). A decode step, a verify call and a batch step have few
 rows and keep MLX's quantized product (``qmv``): nothing they compute changes.
 
-- ``_DenseRows`` (``make_dense_rows`` gives a layer the class ``DenseRows<its class>``): a quantized linear layer whose calls of ``MIN_ROWS`` rows or more, on a layer with
+- ``DenseRows`` (``make_dense_rows`` gives a layer the class ``DenseRows<its class>``): a quantized linear layer whose calls of ``MIN_ROWS`` rows or more, on a layer with
   enough weights (``MIN_WORK``: rows x outputs x inputs; small layers lose to the dequantization's launch),
   run ``x @ dequantize(w).T``.
 - ``experts_dense``: a MoE block's experts on ``MIN_ROWS`` rows or more (the 35B-A3B's top-8 experts at 512 rows,
@@ -24,6 +24,19 @@ The rounding is a dense product's, not MLX's quantized one's: a prompt's logits 
 the last bits (docs/architecture.md names the op). ``EXO_PROMPT_DENSE``: ``auto`` (default: on MLX CUDA),
 ``off``, ``on`` (any device: unmeasured on Apple GPUs, where MLX's Metal product may already be near the
 hardware), ``on:ROWS`` (any device, from ROWS rows: the CPU tests).
+
+A batch step of many sequences (``EXO_BATCH_DENSE``, off by default: unmeasured): a plain decode step of a batch,
+one row per sequence (x [B, 1, D]), of ``BATCH_MIN_ROWS`` sequences or more, on a layer of ``BATCH_MIN_WEIGHTS``
+weights or more, runs dense too. Its rows otherwise go through exo's quantized kernel in launches of 8
+(``kernels.cuda_qgemv``, every row summed alone), which read the weights once per launch and multiply on the GPU's
+scalar units: on an H200 the 9B's gate_up_proj took 0.128 ms at one row and 0.676 ms at 32 (5.3x), the lm_head
+0.36 and 4.8 ms (13.4x), and a 32-sequence step 45 ms against 6.9 ms for one (``bench/batch_step.py``, 2026-11-30);
+dequantized for the call and multiplied by cuBLAS the weights cost their bytes about three times over (the packed
+read, the dense write, the dense read), whatever the rows. Never in a batch-invariant step (each row must round
+as its solo step does: ``exact_batch``, ``batch_vectors``), a verify call (``exact_verify``, and its [B, K + 1, D]
+shape) or a prompt (more than one row per sequence). A batch's rows already round unlike their solo steps outside
+the batch-invariant mode; this changes which bits. ``off`` (default), ``on`` (MLX CUDA, from ``BATCH_MIN_ROWS``
+sequences), ``on:ROWS`` (any device, from ROWS sequences and any layer size: the CPU tests).
 """
 
 from __future__ import annotations
@@ -42,6 +55,9 @@ MIN_ROWS = 512  # rows of a call from which a layer may run dense (H200: the 9B'
 MIN_WORK = 2**33  # rows x outputs x inputs: 512 rows of a 16M-weight layer, 2,048 of a 4M one (both faster)
 CHECK_TOLERANCE = 0.05  # relative, as layers.SORTED_EXPERTS_TOLERANCE: bfloat16 rounding of two paths ~6e-3
 HEADROOM_SHARE = 0.125  # one projection's dequantized experts may take this share of the memory left
+BATCH_MIN_ROWS = 16  # a batch step's sequences from which ``EXO_BATCH_DENSE=on`` runs a layer dense (unmeasured)
+BATCH_MIN_WEIGHTS = 2**24  # outputs x inputs: a 4096 x 4096 layer or larger (smaller ones: the dequantization's launch)
+NEVER = 2**62  # a row count no call reaches: the prompt rule off
 
 
 _suspended = False  # ``suspended()``: a benchmark's same-model comparison with MLX's quantized products
@@ -78,6 +94,20 @@ def setting() -> tuple[str, int]:
     raise ValueError(f"EXO_PROMPT_DENSE must be auto, off, on or on:<rows>, not {value!r}")
 
 
+def batch_setting() -> tuple[str, int]:
+    """``EXO_BATCH_DENSE`` -> (where, min sequences): ("off", 0) by default, ("cuda", BATCH_MIN_ROWS) for ``on``,
+    ("always", ROWS) for ``on:ROWS``."""
+    value = os.environ.get("EXO_BATCH_DENSE", "off").strip().lower()
+    if value in ("off", "0", ""):
+        return "off", 0
+    if value in ("on", "1"):
+        return "cuda", BATCH_MIN_ROWS
+    head, _, rows = value.partition(":")
+    if head == "on" and rows.isdigit() and int(rows) > 0:
+        return "always", int(rows)
+    raise ValueError(f"EXO_BATCH_DENSE must be off, on or on:<rows>, not {value!r}")
+
+
 def on_cuda() -> bool:
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
@@ -88,17 +118,29 @@ def dense_weight(module: nn.Module, dtype: mx.Dtype) -> mx.array:
                          bits=module.bits, mode=module.mode, dtype=dtype)
 
 
-class _DenseRows:
-    """Calls of ``dense_min_rows`` rows or more (and ``MIN_WORK``) run on the weight dequantized for the call."""
+class DenseRows:
+    """Calls of ``dense_min_rows`` rows or more (and ``MIN_WORK``) run on the weight dequantized for the call, and
+    a batch's plain decode step of ``dense_batch_rows`` sequences or more on a layer of ``dense_batch_weights``."""
 
     dense_min_rows = MIN_ROWS
     dense_min_work = MIN_WORK
+    dense_batch_rows = 0  # 0: batch steps keep the layer's own product
+    dense_batch_weights = BATCH_MIN_WEIGHTS
+
+    def _batch_step(self, x: mx.array, rows: int, n: int, k: int) -> bool:
+        """A batch's plain decode step (one row per sequence) the batch rule takes: not a batch-invariant step's
+        rows, not a verify call's."""
+        return (0 < self.dense_batch_rows <= rows and x.ndim == 3 and x.shape[1] == 1
+                and n * k >= self.dense_batch_weights
+                and not (getattr(self, "exact_batch", False) or getattr(self, "exact_verify", False)
+                         or getattr(self, "batch_vectors", False)))
 
     def __call__(self, x: mx.array) -> mx.array:
         k = x.shape[-1]
         rows = x.size // k if k else 0
         n = self["weight"].shape[0]  # type: ignore[index]
-        if rows < self.dense_min_rows or rows * n * k < self.dense_min_work or _suspended:
+        prompt = rows >= self.dense_min_rows and rows * n * k >= self.dense_min_work
+        if _suspended or not (prompt or self._batch_step(x, rows, n, k)):
             return super().__call__(x)  # type: ignore[misc]
         y = x @ dense_weight(self, x.dtype).T  # type: ignore[arg-type]
         if "bias" in self:  # type: ignore[operator]
@@ -109,15 +151,19 @@ class _DenseRows:
 _DENSE_CLASSES: dict[type, type] = {}
 
 
-def make_dense_rows(module: nn.QuantizedLinear, min_rows: int, min_work: int) -> None:
-    """Give a quantized linear layer (of whatever exo class it has) the dense path for large calls."""
+def make_dense_rows(module: nn.QuantizedLinear, min_rows: int, min_work: int, batch_rows: int = 0,
+                    batch_weights: int = BATCH_MIN_WEIGHTS) -> None:
+    """Give a quantized linear layer (of whatever exo class it has) the dense path for large calls (``min_rows``:
+    ``NEVER`` for none), and for batch steps of ``batch_rows`` sequences or more (0: none)."""
     cls = type(module)
-    if not issubclass(cls, _DenseRows):
+    if not issubclass(cls, DenseRows):
         if cls not in _DENSE_CLASSES:
-            _DENSE_CLASSES[cls] = type(f"DenseRows{cls.__name__}", (_DenseRows, cls), {})
+            _DENSE_CLASSES[cls] = type(f"DenseRows{cls.__name__}", (DenseRows, cls), {})
         module.__class__ = _DENSE_CLASSES[cls]
     module.dense_min_rows = min_rows  # type: ignore[attr-defined]
     module.dense_min_work = min_work  # type: ignore[attr-defined]
+    module.dense_batch_rows = batch_rows  # type: ignore[attr-defined]
+    module.dense_batch_weights = batch_weights  # type: ignore[attr-defined]
 
 
 def experts_dense(switch: nn.Module, x: mx.array, indices: mx.array) -> mx.array:
@@ -184,19 +230,29 @@ def use_prompt_dense(modules: Sequence[nn.Module], blocks: Sequence[Any],
     Returns what was done (``"dense 4096->12288 4-bit g64"`` -> ``"ok: from 512 rows"``); nothing unless
     ``setting`` allows it here."""
     where, min_rows = setting()
-    if where == "off" or (where == "cuda" and not on_cuda()):
+    batch_where, batch_rows = batch_setting()
+    prompts = not (where == "off" or (where == "cuda" and not on_cuda()))
+    batches = not (batch_where == "off" or (batch_where == "cuda" and not on_cuda()))
+    if not (prompts or batches):
         return {}
     min_work = MIN_WORK if where == "cuda" else 0
+    batch_weights = BATCH_MIN_WEIGHTS if batch_where == "cuda" else 0
     found: dict[str, str] = {}
     for tree in modules:
         for _, leaf in tree.named_modules():
             if isinstance(leaf, nn.QuantizedLinear) and leaf.weight.ndim == 2:
-                make_dense_rows(leaf, min_rows, min_work)
+                make_dense_rows(leaf, min_rows if prompts else NEVER, min_work, batch_rows if batches else 0,
+                                batch_weights)
                 n, k = leaf.weight.shape[0], leaf.weight.shape[1] * 32 // leaf.bits
-                smallest = max(min_rows, -(-min_work // (n * k)))
-                found[f"dense {k}->{n} {leaf.bits}-bit g{leaf.group_size}"] = f"ok: from {smallest} rows"
+                name = f"{k}->{n} {leaf.bits}-bit g{leaf.group_size}"
+                if prompts:
+                    smallest = max(min_rows, -(-min_work // (n * k)))
+                    found[f"dense {name}"] = f"ok: from {smallest} rows"
+                if batches:
+                    found[f"dense batch {name}"] = (f"ok: from {batch_rows} sequences" if n * k >= batch_weights
+                                                   else f"not used: {n * k} weights, under {batch_weights}")
     quantized = [b for b in blocks if _quantized_experts(b.switch_mlp)]
-    if quantized and reference is not None:
+    if prompts and quantized and reference is not None:
         pairs = min_rows * quantized[0].top_k  # (row, expert) pairs of a call of min_rows rows
         passed, what = check_experts(quantized[0], pairs, reference)
         found[f"dense experts from {min_rows} rows"] = ("ok: " if passed else "not used: ") + what
