@@ -812,3 +812,31 @@ def test_the_service_keeps_the_group_when_it_shuts_down_with_requests_waiting(pi
     waiting = next(call for call in calls if call.error is not None)
     assert "shutting down" in waiting.error.message and not waiting.tokens
     assert not state.group_broken and not pipeline_failed(engine)
+
+
+def test_a_pipelined_batch_with_dense_batch_steps_decodes_as_the_single_node_batch(checkpoint, pipelined, monkeypatch):
+    """``EXO_BATCH_DENSE=on:2`` on a 4-bit model: the stages and the leader decide by the call's shape alike (a
+    batch step of 3 sequences runs dense on both stages, a member alone does not), so the pipelined batch gives
+    every member the single node's batched tokens (on this CPU MLX's quantized product rounds far from the dense one,
+    so a batch no longer gives its solo tokens: the single node's batch is the reference)."""
+    from exo.engine.models import prompt_dense
+
+    from .test_batch import _run_batch
+
+    path = checkpoint("qwen3_5", layout="mlx_q4_sidecar", head="trained", dtype="bfloat16")
+    monkeypatch.setenv("EXO_BATCH_DENSE", "on:2")
+    single = Engine(dataclasses.replace(load_checkpoint(path), eos_token_ids=frozenset()),
+                    EngineConfig(prefill_chunk=CHUNK))
+    engine, pipe = pipelined("qwen3_5", path=path)
+    ran: set[int] = set()  # the layers that ran dense
+    real = prompt_dense.dense_weight
+    monkeypatch.setattr(prompt_dense, "dense_weight", lambda m, d: ran.add(id(m)) or real(m, d))
+    requests = _requests(engine, [dict(max_tokens=m, native_mtp="off") for m in (9, 5, 7)])
+    want = _run_batch(single, requests)
+    assert ran
+    ran.clear()
+    got = _drive(engine, requests, [0, 0, 0])
+    for model in (pipe.stage_model, pipe.leader_model):  # each stage ran its batch steps dense
+        assert ran & {id(m) for _, m in model.named_modules() if isinstance(m, prompt_dense.DenseRows)}
+    for i in range(3):
+        assert got[i][0] == want[i][0], i
