@@ -36,7 +36,7 @@ read, the dense write, the dense read), whatever the rows. Never in a batch-inva
 as its solo step does: ``exact_batch``, ``batch_vectors``), a verify call (``exact_verify``, and its [B, K + 1, D]
 shape) or a prompt (more than one row per sequence). A batch's rows already round unlike their solo steps outside
 the batch-invariant mode; this changes which bits. ``off`` (default), ``on`` (MLX CUDA, from ``BATCH_MIN_ROWS``
-sequences), ``on:ROWS`` (any device, from ROWS sequences and any layer size: the CPU tests).
+sequences), ``on:ROWS`` (any device, from ROWS sequences; off MLX CUDA on a layer of any size: the CPU tests).
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ def use_prompt_dense(modules: Sequence[nn.Module], blocks: Sequence[Any],
     if not (prompts or batches):
         return {}
     min_work = MIN_WORK if where == "cuda" else 0
-    batch_weights = BATCH_MIN_WEIGHTS if batch_where == "cuda" else 0
+    batch_weights = BATCH_MIN_WEIGHTS if on_cuda() else 0  # (off MLX CUDA: any layer, for the CPU tests)
     found: dict[str, str] = {}
     for tree in modules:
         for _, leaf in tree.named_modules():
