@@ -351,6 +351,10 @@ for p in "$@"; do
                   --turn1-repeats 1 --cold-repeats 3 ;;
     # issue 49: a cached turn's new tokens (554 after 18,697 in the caches, as cached9's turn 4) part by part,
     # and a whole 2,048-token chunk at the same context: what a short chunk pays beyond its share
+    # issue 49: a prompt chunk's attention over a long context by method (a cached turn's new tokens over a 19k prefix,
+    # a 32k prompt's last chunk): MLX's unfused fallback for head dim 256 against an online softmax over key blocks
+    longattn) phase longattn $PY bench/long_attention.py $([ "$CPU" = 1 ] && echo --rows 16 --context 100 --heads 4 \
+                  --kv-heads 2 --head-dim 64 --blocks 64 --repeats 1 || echo --rows 554 2048 --context 18697 30720 --blocks 2048 4096 8192) ;;
     profile19) for t in $PROFILE19; do
             phase profile19 $PY bench/prefill.py "$Q9" --phases profile --profile-context $CONTEXT19 --profile-tokens $t --repeats 3
         done ;;
