@@ -12,9 +12,9 @@ values). On an H200 a cached turn's new tokens took 1.4-1.6x as long over a 16-2
 times, on random bfloat16 inputs of the model's head counts:
 
 - ``mlx``: ``mx.fast.scaled_dot_product_attention`` with ``mask="causal"``, what the engine's attention layers call;
-- ``blocked-N``: the keys in blocks of N, each block's scores, row maxima and sums in float32 and its product by the
-  values in bfloat16, the blocks combined by their maxima (an online softmax in MLX ops); only the blocks that reach
-  the new rows take the causal mask;
+- ``blocked-N``: the engine's ``EXO_LONG_ATTENTION`` path (``engine/models/long_attention.py``) with blocks of N: each
+  block's scores, row maxima and sums in float32 and its product by the values in bfloat16, the blocks combined by
+  their maxima (an online softmax in MLX ops); only the blocks that reach the new rows take the causal mask;
 - ``split``: the cached keys in one unmasked block, the new rows' own keys in a causal one, the two combined (the
   same rule with two blocks);
 
@@ -32,6 +32,8 @@ import time
 import mlx.core as mx
 from common import add_common_arguments, report_to, use_device  # bench/ is this script's folder
 
+from exo.engine.models.long_attention import blocked_attention, causal_mask
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -46,7 +48,7 @@ def main() -> None:
     args = parser.parse_args()
     use_device(args.device)
     methods = {"mlx": mlx_attention, "split": split_attention,
-               **{f"blocked-{n}": (lambda q, k, v, c, n=n: blocked_attention(q, k, v, c, n)) for n in args.blocks}}
+               **{f"blocked-{n}": (lambda q, k, v, c, n=n: blocked(q, k, v, c, n)) for n in args.blocks}}
     with report_to(args.json) as report:
         print(f"device: {mx.default_device()} (MLX {mx.__version__}); heads {args.heads}, kv heads {args.kv_heads}, "
               f"head dim {args.head_dim}; ms per call (one layer), median of {args.repeats}; error: the largest "
@@ -94,11 +96,6 @@ def _scale(q: mx.array) -> float:
     return q.shape[-1] ** -0.5
 
 
-def _causal(rows: int, context: int, lo: int, hi: int) -> mx.array:
-    """Row i (at position context + i) sees keys lo..hi-1 up to its own position: [rows, hi - lo] booleans."""
-    return (mx.arange(context, context + rows)[:, None] >= mx.arange(lo, hi)[None]).reshape(1, 1, 1, rows, hi - lo)
-
-
 def mlx_attention(q: mx.array, k: mx.array, v: mx.array, context: int) -> mx.array:
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=_scale(q), mask="causal")
 
@@ -109,43 +106,19 @@ def reference(q: mx.array, k: mx.array, v: mx.array, context: int) -> mx.array:
     groups = heads // k.shape[1]
     qf = q.astype(mx.float32).reshape(b, k.shape[1], groups, rows, dim) * _scale(q)
     scores = qf @ k.astype(mx.float32)[:, :, None].swapaxes(-1, -2)
-    scores = mx.where(_causal(rows, context, 0, k.shape[2]), scores, -mx.inf)
+    scores = mx.where(causal_mask(rows, context, 0, k.shape[2]), scores, -mx.inf)
     out = mx.softmax(scores, axis=-1) @ v.astype(mx.float32)[:, :, None]
     return out.reshape(b, heads, rows, dim)
 
 
-def blocked_attention(q: mx.array, k: mx.array, v: mx.array, context: int, block: int) -> mx.array:
-    """An online softmax over key blocks of ``block``: scores and statistics in float32, products in the inputs'
-    type; only the blocks that reach the new rows (keys from ``context`` on) are masked."""
-    b, heads, rows, dim = q.shape
-    kv_heads = k.shape[1]
-    groups = heads // kv_heads
-    qs = (q * _scale(q)).reshape(b, kv_heads, groups, rows, dim)
-    total = k.shape[2]
-    m = total_p = acc = None
-    for lo in range(0, total, block):
-        hi = min(lo + block, total)
-        kb, vb = k[:, :, None, lo:hi], v[:, :, None, lo:hi]
-        s = (qs @ kb.swapaxes(-1, -2)).astype(mx.float32)
-        if hi > context:
-            s = mx.where(_causal(rows, context, lo, hi), s, -mx.inf)
-        bm = s.max(axis=-1, keepdims=True)
-        new_m = bm if m is None else mx.maximum(m, bm)
-        p = mx.exp(s - new_m)
-        pv = (p.astype(q.dtype) @ vb).astype(mx.float32)
-        if m is None:
-            total_p, acc = p.sum(axis=-1, keepdims=True), pv
-        else:
-            fix = mx.exp(m - new_m)
-            total_p = total_p * fix + p.sum(axis=-1, keepdims=True)
-            acc = acc * fix + pv
-        m = new_m
-    return (acc / total_p).astype(q.dtype).reshape(b, heads, rows, dim)
+def blocked(q: mx.array, k: mx.array, v: mx.array, context: int, block: int) -> mx.array:
+    """The engine's key-blocked path (``EXO_LONG_ATTENTION``)."""
+    return blocked_attention(q, k, v, _scale(q), block)
 
 
 def split_attention(q: mx.array, k: mx.array, v: mx.array, context: int) -> mx.array:
     """The cached keys as one unmasked block, the new rows' own keys as one causal block."""
-    return blocked_attention(q, k, v, context, max(context, 1))
+    return blocked(q, k, v, context, max(context, 1))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from .models.layers import (
     experts_unsorted,
     use_attn_kernel,
     use_gdn_kernel,
+    use_long_attention,
     use_qgemv,
 )
 from .models.mtp import HEAD_NORM_SUFFIXES, MTPHead
@@ -654,6 +655,7 @@ def load_checkpoint(
     mark("gdn kernel")
     attn = use_attn_kernel([model] + ([head] if head is not None else [])) if tensor is None else {}
     mark("attention kernel")
+    use_long_attention([model] + ([head] if head is not None else []))  # (EXO_LONG_ATTENTION: off by default)
     return LoadedModel(
         path=path,
         model_id=model_id or path.name,

@@ -37,7 +37,7 @@ from mlx_lm.models.qwen3_next import (
 
 from ..kernels import cuda_qgemv
 from . import gated_delta_states_cuda as states_cuda
-from . import prompt_dense
+from . import long_attention, prompt_dense
 from .gated_delta_chunked import gated_delta_chunked_update
 from .prompt_dense import experts_dense
 
@@ -815,6 +815,18 @@ def use_attn_kernel(model: nn.Module | Sequence[nn.Module]) -> dict[str, str]:
     return found
 
 
+def use_long_attention(modules: Sequence[nn.Module]) -> tuple[int, int] | None:
+    """Give the attention layers of ``modules`` (the backbone, the MTP head) the key-blocked path for a long
+    context's prompt chunks where ``EXO_LONG_ATTENTION`` applies on this device (``models.long_attention``);
+    returns (min keys, block), or None."""
+    configured = long_attention.configured()
+    for module in modules:
+        for _, leaf in module.named_modules():
+            if isinstance(leaf, Attention):
+                object.__setattr__(leaf, "long_attention", configured)  # not a child module: no parameters
+    return configured
+
+
 def _kernel_rows(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, cache: Any) -> mx.array:
     """``_mix`` through ``kernels.cuda_gdn``: a decode step's row or a recorded call's rows in one launch."""
     from ..kernels.cuda_gdn import gdn_rows
@@ -1162,9 +1174,13 @@ class Attention(Qwen3NextAttention):
     attn_kernel: bool = False  # exo's decode-attention kernel (``kernels.cuda_attn``; ``use_attn_kernel``, at load)
     cpu_linear: Callable[[mx.array, mx.array], mx.array] | None = None  # set by ``use_cpu_kernels``
     fused_inputs: tuple[int, ...] | None = None  # ``qkv_proj``'s split points (``models.fused_inputs``)
+    long_attention: tuple[int, int] | None = None  # (min keys, block): ``models.long_attention``, set at load
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask: Any) -> mx.array:
-        """mlx-lm's ``scaled_dot_product_attention``, on exo's CPU kernel where it is set (the same bits)."""
+        """mlx-lm's ``scaled_dot_product_attention``, on exo's CPU kernel where it is set (the same bits); a long
+        context's prompt chunk in key blocks where ``EXO_LONG_ATTENTION`` is on (``models.long_attention``)."""
+        if self.long_attention is not None and long_attention.applies(queries, keys, mask, self.long_attention[0]):
+            return long_attention.blocked_attention(queries, keys, values, self.scale, self.long_attention[1])
         if self.cpu_linear is not None and _cpu_attention_fits(queries, keys, values, cache, mask):
             return cpu_attention(self.cpu_linear, queries, keys, values, self.scale, mask)
         return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
@@ -1180,7 +1196,7 @@ class Attention(Qwen3NextAttention):
             output = attend_rows(queries, cache.keys, cache.values, cache.offset, self.scale)
             return self.gated_output(output, gate)
         if cache is None or not self.per_row or L == 1:
-            if self.cpu_linear is None and self.fused_inputs is None:
+            if self.cpu_linear is None and self.fused_inputs is None and self.long_attention is None:
                 return super().__call__(x, mask, cache)
             queries, keys, values, gate = self._project(x, cache)  # the stock call's, then its attention here
             output = self.attend(queries, keys, values, cache, mask).transpose(0, 2, 1, 3).reshape(B, L, -1)
