@@ -28,8 +28,9 @@ batch's prefill); a batch's attention runs under its mask op by op, its residual
 
 A traced function bakes in the Python path it took, so the functions are kept per layer and per everything that
 changes that path at run time: the benchmarks' kernel switches (``layers.QGEMV_ON``, ``GDN_KERNEL_ON``,
-``COMPILED_ROWS``, ``prompt_dense.suspended``: a batch step's products dense or not, ``EXO_BATCH_DENSE``), the model's verify state (``set_verify_mode``: MoE routing, per-row products) and whether a
-tensor forward's collectives are on (``sharding.collectives``).
+``COMPILED_ROWS``, ``prompt_dense.suspended``: a batch step's products dense or not, ``EXO_BATCH_DENSE``), the
+model's verify state (``set_verify_mode``: MoE routing, per-row products) and whether a tensor forward's collectives
+are on (``sharding.collectives``).
 """
 
 from __future__ import annotations

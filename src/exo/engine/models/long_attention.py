@@ -54,7 +54,8 @@ def configured() -> tuple[int, int] | None:
 
 def applies(queries: mx.array, keys: mx.array, mask: object, min_keys: int) -> bool:
     """A solo prompt chunk under mlx-lm's causal mask whose keys reach ``min_keys``."""
-    return (isinstance(mask, str) and mask == "causal" and queries.shape[0] == 1 and queries.shape[2] > 1
+    return (isinstance(mask, str) and mask == "causal" and isinstance(keys, mx.array)  # (not a quantized cache's)
+            and queries.shape[0] == 1 and queries.shape[2] > 1
             and keys.shape[2] >= min_keys and keys.shape[2] >= queries.shape[2])
 
 
