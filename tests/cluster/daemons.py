@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -151,3 +152,13 @@ def start_all(daemons: Sequence[Daemon], peers: Sequence[str]) -> None:
         d.start(peers)
     for d in daemons:
         d.wait_up()
+
+
+@contextlib.contextmanager
+def serving(daemon: Daemon, timeout: float = 180) -> Iterator[Daemon]:
+    """``daemon`` started and up for the block (a module fixture's node), stopped after it."""
+    daemon.start().wait_up(timeout)
+    try:
+        yield daemon
+    finally:
+        daemon.stop()

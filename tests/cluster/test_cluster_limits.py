@@ -9,7 +9,7 @@ import time
 import httpx2 as httpx
 import pytest
 
-from .daemons import Daemon, wait_for
+from .daemons import Daemon, serving, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 LONG = {"model": "exo-demo", "prompt": "def f(x):", "max_tokens": 3000, "temperature": 0,
@@ -18,13 +18,9 @@ LONG = {"model": "exo-demo", "prompt": "def f(x):", "max_tokens": 3000, "tempera
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    d = Daemon(tmp_path_factory.mktemp("limits"), "limits", extra_args=["--model", "exo-demo"],
-               env={"EXO_MAX_QUEUE": "1", "EXO_MAX_BATCH": "2", "EXO_REQUEST_TIMEOUT_S": "8"})
-    d.start().wait_up(180)
-    try:
+    with serving(Daemon(tmp_path_factory.mktemp("limits"), "limits", extra_args=["--model", "exo-demo"],
+                         env={"EXO_MAX_QUEUE": "1", "EXO_MAX_BATCH": "2", "EXO_REQUEST_TIMEOUT_S": "8"})) as d:
         yield d
-    finally:
-        d.stop()
 
 
 def _instance(node: Daemon) -> dict:

@@ -9,7 +9,7 @@ import threading
 import httpx2 as httpx
 import pytest
 
-from .daemons import Daemon, wait_for
+from .daemons import Daemon, serving, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 MODEL = "exo-demo"
@@ -29,13 +29,9 @@ BODY = {"model": MODEL, "system": [{"type": "text", "text": "You are terse.", "c
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
     # One generation at a time on the device: a job for the count would wait behind the long generation.
-    d = Daemon(tmp_path_factory.mktemp("count"), "count", extra_args=["--model", MODEL],
-               env={"EXO_MAX_BATCH": "1", "EXO_NATIVE_MTP_ENABLED": "0"})
-    d.start().wait_up(180)
-    try:
+    with serving(Daemon(tmp_path_factory.mktemp("count"), "count", extra_args=["--model", MODEL],
+                         env={"EXO_MAX_BATCH": "1", "EXO_NATIVE_MTP_ENABLED": "0"})) as d:
         yield d
-    finally:
-        d.stop()
 
 
 def _generations(node: Daemon) -> float:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from .daemons import Daemon
+from .daemons import Daemon, serving
 
 pytestmark = pytest.mark.timeout(240)
 MODEL = "exo-demo"
@@ -15,13 +15,9 @@ MODEL = "exo-demo"
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    d = Daemon(tmp_path_factory.mktemp("pacing"), "pacing", extra_args=["--model", MODEL],
-               env={"EXO_STREAM_INTERVAL_S": "1.0", "EXO_NATIVE_MTP_ENABLED": "0"})
-    d.start().wait_up(180)
-    try:
+    with serving(Daemon(tmp_path_factory.mktemp("pacing"), "pacing", extra_args=["--model", MODEL],
+                         env={"EXO_STREAM_INTERVAL_S": "1.0", "EXO_NATIVE_MTP_ENABLED": "0"})) as d:
         yield d
-    finally:
-        d.stop()
 
 
 def test_a_paced_stream_sends_the_first_token_alone_and_the_rest_with_the_end(node):

@@ -79,6 +79,12 @@ def active() -> bool:
     return not _suspended
 
 
+def _on_rows(value: str) -> int | None:
+    """ROWS of an ``on:ROWS`` value (a whole number above 0), else None."""
+    head, _, rows = value.partition(":")
+    return int(rows) if head == "on" and rows.isdigit() and int(rows) > 0 else None
+
+
 def setting() -> tuple[str, int]:
     """``EXO_PROMPT_DENSE`` -> (where, min rows): ("cuda", MIN_ROWS) by default, ("off", 0), ("always", rows)."""
     value = os.environ.get("EXO_PROMPT_DENSE", "auto").strip().lower()
@@ -88,9 +94,8 @@ def setting() -> tuple[str, int]:
         return "off", 0
     if value in ("on", "1"):
         return "always", MIN_ROWS
-    head, _, rows = value.partition(":")
-    if head == "on" and rows.isdigit() and int(rows) > 0:
-        return "always", int(rows)
+    if (rows := _on_rows(value)) is not None:
+        return "always", rows
     raise ValueError(f"EXO_PROMPT_DENSE must be auto, off, on or on:<rows>, not {value!r}")
 
 
@@ -102,9 +107,8 @@ def batch_setting() -> tuple[str, int]:
         return "off", 0
     if value in ("on", "1"):
         return "cuda", BATCH_MIN_ROWS
-    head, _, rows = value.partition(":")
-    if head == "on" and rows.isdigit() and int(rows) > 0:
-        return "always", int(rows)
+    if (rows := _on_rows(value)) is not None:
+        return "always", rows
     raise ValueError(f"EXO_BATCH_DENSE must be off, on or on:<rows>, not {value!r}")
 
 
