@@ -23,12 +23,15 @@ parts and linears say which op.
 ``--dense-batch``: the model loaded with ``EXO_BATCH_DENSE=on`` (unless the variable is set: ``on:ROWS`` on the CPU),
 and every ``step`` timed twice, alternating: with a batch step's products on dequantized weights
 (``engine/models/prompt_dense.py``) and with the layers' own quantized products (``prompt_dense.suspended``): the
-ratio per B, and how far the two steps' logits are apart.
+ratio per B, and how far the two steps' logits are apart. With ``EXO_BATCH_DENSE=keep`` (the weights dequantized
+once at load and held) also a third way, dequantizing for each step (``prompt_dense.transient``); each way's peak of
+MLX's memory (arrays held) over its steps beside its time.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import statistics
@@ -78,7 +81,10 @@ def main() -> None:
             for _ in range(2):  # warm-up: kernels compiled for this B
                 mx.eval(step())
             if "step" in args.phases and args.dense_batch:
-                rows["step"][B], rows["quantized step"][B] = _dense_or_not(step, args.steps, args.repeats)
+                held = "dense weights held" in loaded.dense
+                ways = _dense_or_not(step, args.steps, args.repeats, held)
+                rows["step"][B], rows["quantized step"][B] = ways["as loaded"][0], ways["quantized"][0]
+                rows["dense ways"][B] = ways
                 rows["logits apart"][B] = _apart(model, token, cache)
             elif "step" in args.phases:
                 rows["step"][B] = _per_step(step, args.steps, args.repeats)
@@ -104,17 +110,27 @@ def _apart(model: Any, token: mx.array, cache: list[Any]) -> float:
     return (mx.abs(dense - quantized).max() / mx.abs(quantized).max()).item()
 
 
-def _dense_or_not(step: Callable[[], mx.array], steps: int, repeats: int) -> tuple[float, float]:
-    """(s per step as loaded, s per step with the batch's products quantized), the two alternating ``repeats``
+def _dense_or_not(step: Callable[[], mx.array], steps: int, repeats: int,
+                  held: bool) -> dict[str, tuple[float, float]]:
+    """Way -> (s per step, peak GiB of MLX's arrays over its steps): as loaded, with the batch's products quantized
+    and, where the load holds dense weights, dequantizing them for each step; the ways alternating ``repeats``
     times."""
-    with prompt_dense.suspended():
-        mx.eval(step())  # (warm: the quantized path's kernels)
-    dense, quantized = [], []
+    ways: dict[str, Callable[[], Any]] = {"as loaded": contextlib.nullcontext, "quantized": prompt_dense.suspended}
+    if held:
+        ways["dequantized per step"] = prompt_dense.transient
+    for way in ways.values():
+        with way():
+            mx.eval(step())  # (warm: each path's kernels)
+    times: dict[str, list[float]] = defaultdict(list)
+    peaks: dict[str, float] = defaultdict(float)
     for _ in range(max(1, repeats)):
-        dense.append(_per_step(step, steps, 1))
-        with prompt_dense.suspended():
-            quantized.append(_per_step(step, steps, 1))
-    return statistics.median(dense), statistics.median(quantized)
+        for name, way in ways.items():
+            mx.synchronize()
+            mx.reset_peak_memory()
+            with way():
+                times[name].append(_per_step(step, steps, 1))
+            peaks[name] = max(peaks[name], mx.get_peak_memory() / 2**30)
+    return {name: (statistics.median(times[name]), peaks[name]) for name in ways}
 
 
 def _per_step(step: Callable[[], mx.array], steps: int, repeats: int) -> float:
@@ -236,6 +252,10 @@ def _print(rows: dict[str, dict[int, Any]], sizes: list[int]) -> None:
             q = rows["quantized step"][B]
             print(f"  B={B:>3} quantized {q * 1e3:9.2f} ms, as loaded {rows['step'][B] * 1e3:9.2f} ms: "
                   f"{q / rows['step'][B]:5.2f}x faster as loaded; logits apart {rows['logits apart'][B]:.2e} of the largest")
+        print("  each way's time and peak of MLX's arrays over its steps:")
+        for B in sizes:
+            print(f"  B={B:>3} " + ", ".join(f"{name} {t * 1e3:.2f} ms (peak {peak:.2f} GiB)"
+                                            for name, (t, peak) in rows["dense ways"][B].items()))
     if rows.get("parts"):
         print(f"\n[parts] per step, each part evaluated on its own (a sync each), ms (x: vs B={one})")
         names = sorted(rows["parts"][one], key=lambda k: -rows["parts"][one][k])

@@ -160,7 +160,7 @@ def device_trace(folder: str | None, start: float, end: float) -> dict[str, Any]
     lines.sort(key=lambda line: line["t"])
     decode = [line for line in lines if line.get("stepped")]
     gaps = [b["t"] - a["t"] for a, b in zip(decode, decode[1:], strict=False)]
-    seconds = {phase: sum(line.get(phase, 0.0) for line in lines) for phase in ("plan", "prefill", "step", "emit")}
+    seconds = {phase: sum(line.get(phase, 0.0) for line in lines) for phase in ("room", "plan", "prefill", "step", "emit")}
     window = end - start
     steps = sorted(line["step"] for line in decode)
     return {
@@ -171,10 +171,11 @@ def device_trace(folder: str | None, start: float, end: float) -> dict[str, Any]
         "prefill_ms_max": 1000 * max((line.get("prefill", 0.0) for line in lines), default=0.0),
         "longest_gap_s": max(gaps, default=0.0),
         "prefill_tokens": sum(line.get("prefill_tokens", 0) for line in lines),
+        "handed_back": sum(1 for line in lines if line.get("handed_back")),  # steps that handed MLX's cache back
         "shared_prefills": sum(1 for line in lines if line.get("together")),
         "share": {**{phase: s / window for phase, s in seconds.items()}, "idle": max(0.0, 1 - sum(seconds.values()) / window)},
         # the longest step that ran past the trace's stall threshold: where its thread was (runner.trace)
-        "stall": max(({"seconds": sum(line.get(p, 0.0) for p in ("plan", "prefill", "step", "emit")),
+        "stall": max(({"seconds": sum(line.get(p, 0.0) for p in ("room", "plan", "prefill", "step", "emit")),
                        "stack": line["stall_stack"], **{k: line.get(k) for k in ("members", "admitted", "prefill_tokens")}}
                       for line in lines if line.get("stall_stack")), key=lambda s: s["seconds"], default=None),
     }
@@ -210,7 +211,8 @@ def format_trace(t: dict[str, Any] | None) -> str:
     return (f"device: {t['steps']} steps ({t['steps_per_s']:.1f}/s, batch {t['mean_batch']:.1f}, step p50 "
             f"{t['step_ms_p50']:.1f} ms, max {t['step_ms_max']:.0f} ms), longest gap between steps "
             f"{t['longest_gap_s']:.2f} s, {t['prefill_tokens']} prompt tokens ({t['shared_prefills']} shared calls, "
-            f"a step's prefill at most {t['prefill_ms_max']:.0f} ms); time: {share}"
+            f"a step's prefill at most {t['prefill_ms_max']:.0f} ms, MLX's cache handed back at {t['handed_back']} "
+            f"steps); time: {share}"
             + (f"\n    longest stall {t['stall']['seconds']:.2f} s (members {t['stall']['members']}, admitted "
                f"{t['stall']['admitted']}, prompt tokens {t['stall']['prefill_tokens']}), the device thread in it:\n      "
                + "\n      ".join(frame.replace(str(Path.cwd()) + "/", "") for frame in t["stall"]["stack"])

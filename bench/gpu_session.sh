@@ -355,6 +355,14 @@ for p in "$@"; do
     # a 32k prompt's last chunk): MLX's unfused fallback for head dim 256 against an online softmax over key blocks
     longattn) phase longattn $PY bench/long_attention.py $([ "$CPU" = 1 ] && echo --rows 16 --context 100 --heads 4 \
                   --kv-heads 2 --head-dim 64 --blocks 64 --repeats 1 || echo --rows 554 2048 --context 18697 30720 --blocks 2048 4096 8192) ;;
+    # the whole 9B's prefill at 4k / 32k with and without a long context's chunks attending in key blocks
+    # (EXO_LONG_ATTENTION, alternating in one process), then a cached agent session's turns with it on
+    prefill9l) EXO_LONG_ATTENTION=${LONG_ATTENTION:-on} phase prefill9l $PY bench/prefill.py "$Q9" --phases model --long-attention \
+                   $([ "$CPU" = 1 ] && echo --tokens 300 --prefill-chunk 128 --repeats 1 --loop-max 0 --stock-max 0 \
+                   || echo --tokens 4096 32768 --prefill-chunk 2048 --repeats 2 --loop-max 0 --stock-max 0) ;;
+    cached9rl) EXO_LONG_ATTENTION=${LONG_ATTENTION:-on} EXO_NATIVE_MTP_ENABLED=0 phase cached9rl $PY bench/cached_turn.py "$Q9" \
+                  $([ "$CPU" = 1 ] && echo --turns 2 --system-tokens 600 --max-tokens 8 --warm-tokens 200 || echo --turns 6 --system-tokens 15000 --max-tokens 16) \
+                  --turn1-repeats 1 --cold-repeats 3 ;;
     profile19) for t in $PROFILE19; do
             phase profile19 $PY bench/prefill.py "$Q9" --phases profile --profile-context $CONTEXT19 --profile-tokens $t --repeats 3
         done ;;

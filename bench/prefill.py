@@ -62,7 +62,7 @@ from exo.engine.forward import prompt_eval_every
 from exo.engine.kernels import cuda_gdn
 from exo.engine.models import gated_delta_chunked as chunked
 from exo.engine.models import gated_delta_states_cuda as states_cuda
-from exo.engine.models import layers, prompt_dense
+from exo.engine.models import layers, long_attention, prompt_dense
 
 
 def main() -> None:
@@ -75,6 +75,9 @@ def main() -> None:
                         help="exo's prefill chunk(s) (EngineConfig.prefill_chunk)")
     parser.add_argument("--stock-max", type=int, default=4096, help="longest prompt stock mlx-lm prefills")
     parser.add_argument("--loop-max", type=int, default=4096, help="longest prompt exo prefills with the loop")
+    parser.add_argument("--long-attention", action="store_true",
+                        help="model: also exo's default with a long context's chunks attending in key blocks "
+                             "(EXO_LONG_ATTENTION's value where it applies here, else from 8,192 keys in blocks of 4,096)")
     parser.add_argument("--layer-tokens", type=int, nargs="+", default=[4096, 64, 8],
                         help="rows of the layer phase (short ones show a call's fixed cost)")
     parser.add_argument("--layer-shape", default="16,32,128", help="Hk,Hv,D of the layer phase")
@@ -226,6 +229,13 @@ def _exo_prefill(engine: Engine, prompt: list[int]) -> tuple[float, int]:
     return time.perf_counter() - start, token
 
 
+def _set_long_attention(model: Any, value: tuple[int, int] | None) -> None:
+    """The backbone's attention layers' key-blocked path (``models.long_attention``): (min keys, block) or None."""
+    for _, leaf in model.named_modules():
+        if isinstance(leaf, layers.Attention):
+            object.__setattr__(leaf, "long_attention", value)
+
+
 def model_phase(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
     from mlx_lm import load as stock_load
 
@@ -241,6 +251,9 @@ def model_phase(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
     prompt_kernel = gdn is not None and gdn.gdn_prompt_kernel  # what "auto" runs where it passed its check
     limit = layers.PROMPT_KERNEL_MAX_ROWS
     form = cuda_gdn.PROMPT_VARIANT
+    loaded_long = next((leaf.long_attention for _, leaf in loaded.model.named_modules()
+                        if isinstance(leaf, layers.Attention)), None)  # what the load set (EXO_LONG_ATTENTION)
+    long = (long_attention.configured() or (long_attention.MIN_KEYS, long_attention.BLOCK)) if args.long_attention else None
     for c in args.prefill_chunk:
         # (gdn_prefill, prompt_dense on, the prompt kernel's longest call, its form): the chunked form (its state
         # steps in their kernel where usable, as MLX ops elsewhere)
@@ -253,11 +266,17 @@ def model_phase(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
                     modes[("auto", True, c, variant)] = f"exo prompt kernel form {variant}, chunk {c}"
         if dense:  # the same default with MLX's quantized products (EXO_PROMPT_DENSE=off)
             modes[("auto", False, limit, form)] = f"exo default, qmm, chunk {c}"
+        modes = {mode + (loaded_long,): name for mode, name in modes.items()}
+        if long is not None:  # the default with a long context's attention in key blocks, and with MLX's call
+            if long != loaded_long:
+                modes[("auto", True, limit, form, long)] = f"exo default, attention in key blocks of {long[1]}, chunk {c}"
+            if loaded_long is not None:
+                modes[("auto", True, limit, form, None)] = f"exo default, MLX attention, chunk {c}"
         for mode, name in modes.items():
             engines[name] = Engine(loaded, EngineConfig(prefill_chunk=c, gdn_prefill=mode[0]))
             engines_modes[name] = mode
     engines["exo loop"] = Engine(loaded, EngineConfig(prefill_chunk=args.prefill_chunk[0], gdn_prefill="loop"))
-    engines_modes["exo loop"] = ("loop", True, limit, form)
+    engines_modes["exo loop"] = ("loop", True, limit, form, loaded_long)
     print("\n[model] a prompt's quantized products on dequantized weights (prompt_dense): "
           + ("; ".join(f"{k}: {v}" for k, v in loaded.dense.items()) or "not used here"))
     print(f"\n[model] the chunked form's state-steps kernel: {'usable' if kernel else 'not usable here'}; the prompt "
@@ -276,11 +295,13 @@ def model_phase(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
             def run(engine=engine, mode=engines_modes[name], tokens=prompt) -> tuple[float, int]:
                 engine.model.set_gdn_prefill(mode[0])  # (the engines share the model's layers)
                 layers.PROMPT_KERNEL_MAX_ROWS, cuda_gdn.PROMPT_VARIANT = mode[2], mode[3]
+                _set_long_attention(loaded.model, mode[4])
                 try:
                     with contextlib.nullcontext() if mode[1] else prompt_dense.suspended():
                         return _exo_prefill(engine, tokens)
                 finally:
                     layers.PROMPT_KERNEL_MAX_ROWS, cuda_gdn.PROMPT_VARIANT = limit, form
+                    _set_long_attention(loaded.model, loaded_long)
 
             configs[name] = run
         short = prompt[: min(n, 256)]

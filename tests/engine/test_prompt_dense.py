@@ -192,8 +192,13 @@ def test_a_pipeline_with_dense_prompts_gives_the_single_node_s_tokens(checkpoint
 # -- a batch step's products dense (EXO_BATCH_DENSE) ------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("value", "want"), [(None, ("off", 0)), ("off", ("off", 0)), ("0", ("off", 0)),
-                                             ("on", ("cuda", prompt_dense.BATCH_MIN_ROWS)), (" ON:4 ", ("always", 4))])
+@pytest.mark.parametrize(("value", "want"), [(None, ("auto", prompt_dense.KEEP_MIN_ROWS, True)),
+                                             ("auto", ("auto", prompt_dense.KEEP_MIN_ROWS, True)),
+                                             ("off", ("off", 0, False)), ("0", ("off", 0, False)),
+                                             ("on", ("cuda", prompt_dense.BATCH_MIN_ROWS, False)),
+                                             (" ON:4 ", ("always", 4, False)),
+                                             ("keep", ("cuda", prompt_dense.KEEP_MIN_ROWS, True)),
+                                             ("Keep:3", ("always", 3, True))])
 def test_the_batch_setting(monkeypatch, value, want):
     if value is None:
         monkeypatch.delenv("EXO_BATCH_DENSE", raising=False)
@@ -202,7 +207,7 @@ def test_the_batch_setting(monkeypatch, value, want):
     assert prompt_dense.batch_setting() == want
 
 
-@pytest.mark.parametrize("value", ["yes", "on:0", "on:-2", "auto"])
+@pytest.mark.parametrize("value", ["yes", "on:0", "on:-2", "autos", "keep:0", "keeps", "keep:x"])
 def test_a_bad_batch_setting_is_a_clear_error(monkeypatch, value):
     monkeypatch.setenv("EXO_BATCH_DENSE", value)
     with pytest.raises(ValueError, match="EXO_BATCH_DENSE must be"):
@@ -250,6 +255,63 @@ def test_use_prompt_dense_gives_batches_alone_the_dense_path(monkeypatch):
     assert mx.array_equal(layer(x), quantized).item()  # a prompt of 600 rows: not dense with prompts off
 
 
+def test_held_dense_weights_compute_what_dequantizing_per_call_does_and_are_no_parameters(monkeypatch):
+    """``EXO_BATCH_DENSE=keep:4``: the batch rule's layers hold their weight dequantized at load (reported, in the
+    scales' type, outside the parameters), and a batch step and a prompt read it: bit for bit what dequantizing for
+    the call computes (``transient``), never dequantizing again (the size rule is MLX CUDA's: both layers hold here)."""
+    monkeypatch.setenv("EXO_PROMPT_DENSE", "on:8")
+    monkeypatch.setenv("EXO_BATCH_DENSE", "keep:4")
+    layer, small = quantized_linear(96, 128, 4, dtype=mx.bfloat16), _layer(n=32, k=64)
+    parameters = [sorted(k for k, _ in nn.utils.tree_flatten(m.parameters())) for m in (layer, small)]
+    found = use_prompt_dense([layer, small], [])
+    assert found["dense batch 128->96 4-bit g64"] == "ok: from 4 sequences, held", found
+    assert found["dense weights held"] == f"ok: {(96 * 128 * 2 + 32 * 64 * 4) / 2**30:.2f} GiB in 2 layers", found
+    assert layer.dense_kept is not None and layer.dense_kept.dtype == layer.scales.dtype
+    assert [sorted(k for k, _ in nn.utils.tree_flatten(m.parameters())) for m in (layer, small)] == parameters
+    assert mx.array_equal(layer.dense_kept, dense_weight(layer, layer.scales.dtype)).item()
+    key = mx.random.key(5)
+    step = (mx.random.normal((6, 1, 128), key=key) * 0.5).astype(mx.bfloat16)
+    prompt = (mx.random.normal((1, 12, 128), key=key) * 0.5).astype(mx.bfloat16)
+    with prompt_dense.transient():
+        want = [layer(step), layer(prompt)]
+    calls: list[int] = []
+    real = prompt_dense.dense_weight
+    monkeypatch.setattr(prompt_dense, "dense_weight", lambda m, d: calls.append(1) or real(m, d))
+    assert mx.array_equal(layer(step), want[0]).item() and mx.array_equal(layer(prompt), want[1]).item()
+    assert not calls  # read, never dequantized again
+    with prompt_dense.transient():
+        layer(step)
+    assert calls == [1]
+    assert prompt_dense.state() == (True, True)
+    with prompt_dense.transient():
+        assert prompt_dense.state() == (True, False)
+    monkeypatch.setenv("EXO_BATCH_DENSE", "on:4")  # not kept: nothing held
+    fresh = _layer()
+    assert "dense weights held" not in use_prompt_dense([fresh], []) and fresh.dense_kept is None
+
+
+def test_auto_holds_dense_weights_on_mlx_cuda_where_they_fit_and_nowhere_else(monkeypatch):
+    """The default (``auto``): nothing off MLX CUDA; on it (the device and its memory are what is stood in for
+    here) the batch rule's layers hold their dense weights from ``KEEP_MIN_ROWS`` sequences where those take at
+    most ``HOLD_SHARE`` of the memory left, and where they would take more, no batch step runs dense (said why)."""
+    monkeypatch.setenv("EXO_PROMPT_DENSE", "off")
+    monkeypatch.delenv("EXO_BATCH_DENSE", raising=False)
+    layer = quantized_linear(96, 128, 4, dtype=mx.bfloat16)
+    assert use_prompt_dense([layer], []) == {} and type(layer) is nn.QuantizedLinear  # this CPU
+    monkeypatch.setattr(prompt_dense, "on_cuda", lambda: True)
+    monkeypatch.setattr(prompt_dense, "BATCH_MIN_WEIGHTS", 96 * 128)
+    held = 96 * 128 * 2
+    monkeypatch.setattr(prompt_dense, "device_memory_bytes", lambda: mx.get_active_memory() + 5 * held)
+    found = use_prompt_dense([layer], [])
+    assert found["dense batch 128->96 4-bit g64"] == f"ok: from {prompt_dense.KEEP_MIN_ROWS} sequences, held", found
+    assert layer.dense_kept is not None and layer.dense_batch_rows == prompt_dense.KEEP_MIN_ROWS
+    tight = quantized_linear(96, 128, 4, dtype=mx.bfloat16)
+    monkeypatch.setattr(prompt_dense, "device_memory_bytes", lambda: mx.get_active_memory() + 3 * held)
+    found = use_prompt_dense([tight], [])
+    assert list(found) == ["dense batch"] and "would take more than 25% of the memory left" in found["dense batch"]
+    assert type(tight) is nn.QuantizedLinear
+
+
 def test_a_batch_decodes_dense_and_a_batch_invariant_one_keeps_its_solo_tokens(checkpoint, monkeypatch):
     """``EXO_BATCH_DENSE=on:2`` on a real model: a batch of three runs its plain steps dense (the lm_head's and the
     layers' weights dequantized while it decodes, never while a request decodes alone), each member to its length,
@@ -282,3 +344,23 @@ def test_a_batch_decodes_dense_and_a_batch_invariant_one_keeps_its_solo_tokens(c
     assert not shapes
     for i in range(3):
         assert got[i][0] == solo[i], i
+
+
+def test_a_batch_on_held_dense_weights_decodes_what_dequantizing_per_step_does(checkpoint, monkeypatch):
+    """``EXO_BATCH_DENSE=keep:2`` on a real model: a batch of three decodes the tokens ``on:2`` decodes (the same
+    dense products, the weight read instead of dequantized every step), and every step reads the held weights."""
+    path = checkpoint("qwen3_5", layout="mlx_q4_sidecar", head="trained", dtype="bfloat16")
+    got = {}
+    for value in ("on:2", "keep:2"):
+        monkeypatch.setenv("EXO_BATCH_DENSE", value)
+        loaded = dataclasses.replace(load_checkpoint(path), eos_token_ids=frozenset())
+        assert ("dense weights held" in loaded.dense) == (value == "keep:2"), loaded.dense
+        engine = Engine(loaded, EngineConfig())
+        requests = [_request(engine, i, max_tokens=m, native_mtp="off") for i, m in enumerate((8, 5, 7))]
+        calls: list[int] = []
+        real = prompt_dense.dense_weight
+        monkeypatch.setattr(prompt_dense, "dense_weight", lambda m, d, calls=calls, real=real: calls.append(1) or real(m, d))
+        got[value] = [_run_batch(engine, requests)[i][0] for i in range(3)]
+        monkeypatch.setattr(prompt_dense, "dense_weight", real)
+        assert bool(calls) == (value == "on:2")
+    assert got["keep:2"] == got["on:2"] and [len(t) for t in got["on:2"]] == [8, 5, 7]

@@ -9,6 +9,8 @@ prompt's attention cache of ``HUGE`` positions or more: the prefill of a long pr
 
 from __future__ import annotations
 
+import json
+
 import threading
 
 import mlx.core as mx
@@ -205,9 +207,11 @@ def test_the_buffers_kept_go_back_once_past_half_the_bound(bounded_cache):
     assert memory.keep_cache_room() == 0 and mx.get_cache_memory() >= 6 << 20
 
 
-def test_a_batch_s_steps_keep_room_in_the_bounded_cache(checkpoint, bounded_cache):
+def test_a_batch_s_steps_keep_room_in_the_bounded_cache(checkpoint, bounded_cache, monkeypatch, tmp_path):
     """A large buffer left in the bounded cache (as a prompt chunk's or the load's warm-up's are) is gone once the
-    device's batch has stepped: the cache holds what the steps use, under half the bound."""
+    device's batch has stepped: the cache holds what the steps use, under half the bound. The device trace times
+    it as its steps' ``room`` phase and says which step handed what back."""
+    monkeypatch.setenv("EXO_DEVICE_TRACE", str(tmp_path))
     engine = fresh_engine(checkpoint("qwen3_5", dtype="float32"), eos=False)
     device = Device(8, max_batch=4)
     thread = threading.Thread(target=device.serve, daemon=True)
@@ -219,6 +223,10 @@ def test_a_batch_s_steps_keep_room_in_the_bounded_cache(checkpoint, bounded_cach
     thread.join(60)
     assert finishes == {0: "length"}
     assert mx.get_cache_memory() < 4 << 20
+    device.trace._file.flush()
+    lines = [json.loads(raw) for path in tmp_path.glob("device-*.jsonl") for raw in path.read_text().splitlines()]
+    assert lines and all("room" in line for line in lines)
+    assert lines[0].get("handed_back", 0) >= 6 << 20 and not any(line.get("handed_back") for line in lines[1:])
 
 
 def test_a_served_engine_leaves_no_warm_up_buffers_in_the_bounded_cache(checkpoint, bounded_cache, tmp_path):

@@ -649,7 +649,8 @@ def load_checkpoint(
     mark("qgemv")
     padded = use_padded_rows([model] + ([head] if head is not None else []))  # shapes the kernel left to MLX
     mark("padded rows")
-    dense = use_prompt_dense([model] + ([head] if head is not None else []), blocks, experts_unsorted)  # prompt-sized calls
+    dense = use_prompt_dense([model] + ([head] if head is not None else []), blocks, experts_unsorted,
+                             lazy=lazy)  # prompt-sized calls (and batch steps: EXO_BATCH_DENSE)
     mark("prompt dense")
     gdn = use_gdn_kernel(model)
     mark("gdn kernel")

@@ -71,8 +71,9 @@ class BatchLoop:
 
         trace = self.device.trace
         while True:
-            keep_cache_room()  # a prompt chunk's large buffers never crowd the steps' small ones out of MLX's cache
             lap = trace.step()
+            handed = keep_cache_room()  # a prompt chunk's large buffers never crowd the steps' small ones out of MLX's cache
+            lap("room", **({"handed_back": handed} if handed else {}))
             plan = self.device.plan_step(self.scheduler, self._pending, self.first, self.engine)
             self._pending = []
             lap("plan")

@@ -15,7 +15,8 @@ from typing import Any
 class DeviceTrace:
     """Where the device thread's time goes, step by step (``EXO_DEVICE_TRACE=DIR``: off unless set): one JSON line
     per step of a batch in ``DIR/device-<pid>.jsonl`` with its start (``time.monotonic()``, comparable across
-    processes), the seconds of each phase (``plan``: the scheduler and tokenizing the queue's head; ``prefill``:
+    processes), the seconds of each phase (``room``: MLX's cache handed back where it grew past half its bound,
+    ``memory.keep_cache_room``, with the bytes in ``handed_back``; ``plan``: the scheduler and tokenizing the queue's head; ``prefill``:
     beginning the admitted, their chunks and first tokens; ``step``: the members' decode step; ``emit``: their
     tokens to their streams) and what it carried. For benchmarks (bench/serving.py reads it back).
 

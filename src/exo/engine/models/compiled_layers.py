@@ -73,14 +73,14 @@ def mode_key(model: Any) -> tuple[Any, ...] | None:
     verify = state.get("_verify_state", (None, False, False))
     share = state.get("tensor_share")
     return (layers.QGEMV_ON, layers.GDN_KERNEL_ON, layers.COMPILED_ROWS, verify, share is not None and share.active,
-            prompt_dense.active())
+            prompt_dense.state())
 
 
 def head_key() -> tuple[Any, ...] | None:
     """``mode_key`` for the MTP head's decoder layer (``models.mtp``: no verify state, never sharded), or None."""
     if not _applies():
         return None
-    return (layers.QGEMV_ON, layers.GDN_KERNEL_ON, layers.COMPILED_ROWS, prompt_dense.active(), "head")
+    return (layers.QGEMV_ON, layers.GDN_KERNEL_ON, layers.COMPILED_ROWS, prompt_dense.state(), "head")
 
 
 def _applies() -> bool:

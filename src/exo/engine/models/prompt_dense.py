@@ -25,18 +25,34 @@ the last bits (docs/architecture.md names the op). ``EXO_PROMPT_DENSE``: ``auto`
 ``off``, ``on`` (any device: unmeasured on Apple GPUs, where MLX's Metal product may already be near the
 hardware), ``on:ROWS`` (any device, from ROWS rows: the CPU tests).
 
-A batch step of many sequences (``EXO_BATCH_DENSE``, off by default: unmeasured): a plain decode step of a batch,
-one row per sequence (x [B, 1, D]), of ``BATCH_MIN_ROWS`` sequences or more, on a layer of ``BATCH_MIN_WEIGHTS``
-weights or more, runs dense too. Its rows otherwise go through exo's quantized kernel in launches of 8
-(``kernels.cuda_qgemv``, every row summed alone), which read the weights once per launch and multiply on the GPU's
-scalar units: on an H200 the 9B's gate_up_proj took 0.128 ms at one row and 0.676 ms at 32 (5.3x), the lm_head
-0.36 and 4.8 ms (13.4x), and a 32-sequence step 45 ms against 6.9 ms for one (``bench/batch_step.py``, 2026-11-30);
-dequantized for the call and multiplied by cuBLAS the weights cost their bytes about three times over (the packed
-read, the dense write, the dense read), whatever the rows. Never in a batch-invariant step (each row must round
+A batch step of many sequences (``EXO_BATCH_DENSE``): a plain decode step of a batch, one row per sequence
+(x [B, 1, D]), of enough sequences, on a layer of ``BATCH_MIN_WEIGHTS`` weights or more, runs dense too. Its rows
+otherwise go through exo's quantized kernel in launches of 8 (``kernels.cuda_qgemv``, every row summed alone), which
+read the weights once per launch and multiply on the GPU's scalar units: on an H200 the 9B's gate_up_proj took
+0.128 ms at one row and 0.676 ms at 32 (5.3x), the lm_head 0.36 and 4.8 ms (13.4x), and a 32-sequence step 45 ms
+against 6.9 ms for one (``bench/batch_step.py``, 2026-11-30). Never in a batch-invariant step (each row must round
 as its solo step does: ``exact_batch``, ``batch_vectors``), a verify call (``exact_verify``, and its [B, K + 1, D]
 shape) or a prompt (more than one row per sequence). A batch's rows already round unlike their solo steps outside
-the batch-invariant mode; this changes which bits. ``off`` (default), ``on`` (MLX CUDA, from ``BATCH_MIN_ROWS``
-sequences), ``on:ROWS`` (any device, from ROWS sequences; off MLX CUDA on a layer of any size: the CPU tests).
+the batch-invariant mode; this changes which bits.
+
+Two ways, measured on the 9B shape on an H200 (docs/performance.md):
+
+- **held** (``keep``, and ``auto`` where it fits): each such layer's weight dequantized once at load and held
+  (``DenseRows.dense_kept``, not a parameter: nothing saved or sharded changes), so a batch step (and a prompt
+  chunk) reads the dense weight: two bytes a weight for the process's life (16 GiB beside the 9B's 5.5 GB of 4-bit
+  weights). A 32-sequence step 11.6 ms against 44.8 quantized (3.9x), 8 sequences 9.1 against 13.9 (1.5x); 32
+  clients through ``exo serve`` 10x one client.
+- **per call** (``on``): the weight dequantized for the call. On MLX CUDA a step's graph is enqueued ahead of the
+  GPU and a buffer goes back only once the kernel that read it has run, so every layer's dequantized weight is
+  allocated at once (a step's peak 38 GiB against 24 held) and past half of ``memory.limit_buffer_cache``'s bound
+  the runner hands MLX's cache back at nearly every step (``memory.keep_cache_room``): a 32-sequence step 27.8 ms,
+  and 16 sequences lose (0.93x).
+
+Values: ``auto`` (default: on MLX CUDA, held from ``KEEP_MIN_ROWS`` sequences where the dense weights take at most
+``HOLD_SHARE`` of the device memory left after the load, else off), ``off``, ``keep`` (MLX CUDA, held, from
+``KEEP_MIN_ROWS``), ``keep:ROWS`` (any device, held, from ROWS sequences), ``on`` (MLX CUDA, per call, from
+``BATCH_MIN_ROWS``), ``on:ROWS`` (any device, per call). Off MLX CUDA the ``:ROWS`` forms take a layer of any size
+(the CPU tests); unmeasured on Apple GPUs.
 """
 
 from __future__ import annotations
@@ -55,12 +71,15 @@ MIN_ROWS = 512  # rows of a call from which a layer may run dense (H200: the 9B'
 MIN_WORK = 2**33  # rows x outputs x inputs: 512 rows of a 16M-weight layer, 2,048 of a 4M one (both faster)
 CHECK_TOLERANCE = 0.05  # relative, as layers.SORTED_EXPERTS_TOLERANCE: bfloat16 rounding of two paths ~6e-3
 HEADROOM_SHARE = 0.125  # one projection's dequantized experts may take this share of the memory left
-BATCH_MIN_ROWS = 16  # a batch step's sequences from which ``EXO_BATCH_DENSE=on`` runs a layer dense (unmeasured)
+BATCH_MIN_ROWS = 24  # a batch step's sequences from which ``EXO_BATCH_DENSE=on`` (per call) pays (H200: 16 0.93x, 24 1.27x)
+KEEP_MIN_ROWS = 8  # the same for held weights (H200: 8 sequences 1.52x; fewer unmeasured)
+HOLD_SHARE = 0.25  # ``auto`` holds the dense weights where they take at most this share of the memory left
 BATCH_MIN_WEIGHTS = 2**24  # outputs x inputs: a 4096 x 4096 layer or larger (smaller ones: the dequantization's launch)
 NEVER = 2**62  # a row count no call reaches: the prompt rule off
 
 
 _suspended = False  # ``suspended()``: a benchmark's same-model comparison with MLX's quantized products
+_transient = False  # ``transient()``: a benchmark's comparison of held dense weights with dequantizing per call
 
 
 @contextlib.contextmanager
@@ -75,8 +94,25 @@ def suspended() -> Iterator[None]:
         _suspended = before
 
 
+@contextlib.contextmanager
+def transient() -> Iterator[None]:
+    """Within the block a layer holding its dense weight (``keep``) dequantizes it for each call instead (graphs
+    built inside it). For benchmarks."""
+    global _transient
+    before, _transient = _transient, True
+    try:
+        yield
+    finally:
+        _transient = before
+
+
 def active() -> bool:
     return not _suspended
+
+
+def state() -> tuple[bool, bool]:
+    """(dense paths on, held dense weights used): what a compiled graph's key must tell apart."""
+    return not _suspended, not _transient
 
 
 def _on_rows(value: str) -> int | None:
@@ -99,17 +135,23 @@ def setting() -> tuple[str, int]:
     raise ValueError(f"EXO_PROMPT_DENSE must be auto, off, on or on:<rows>, not {value!r}")
 
 
-def batch_setting() -> tuple[str, int]:
-    """``EXO_BATCH_DENSE`` -> (where, min sequences): ("off", 0) by default, ("cuda", BATCH_MIN_ROWS) for ``on``,
-    ("always", ROWS) for ``on:ROWS``."""
-    value = os.environ.get("EXO_BATCH_DENSE", "off").strip().lower()
-    if value in ("off", "0", ""):
-        return "off", 0
+def batch_setting() -> tuple[str, int, bool]:
+    """``EXO_BATCH_DENSE`` -> (where, min sequences, weights held): ("auto", KEEP_MIN_ROWS, True) by default,
+    ("off", 0, False), ("cuda", KEEP_MIN_ROWS, True) for ``keep``, ("always", ROWS, True) for ``keep:ROWS``,
+    ("cuda", BATCH_MIN_ROWS, False) for ``on``, ("always", ROWS, False) for ``on:ROWS``."""
+    value = os.environ.get("EXO_BATCH_DENSE", "auto").strip().lower()
+    if value in ("auto", ""):
+        return "auto", KEEP_MIN_ROWS, True
+    if value in ("off", "0"):
+        return "off", 0, False
+    keep = value == "keep" or value.startswith("keep:")
+    if keep:
+        value = "on" + value[len("keep"):]
     if value in ("on", "1"):
-        return "cuda", BATCH_MIN_ROWS
+        return "cuda", KEEP_MIN_ROWS if keep else BATCH_MIN_ROWS, keep
     if (rows := _on_rows(value)) is not None:
-        return "always", rows
-    raise ValueError(f"EXO_BATCH_DENSE must be off, on or on:<rows>, not {value!r}")
+        return "always", rows, keep
+    raise ValueError(f"EXO_BATCH_DENSE must be auto, off, keep, keep:<rows>, on or on:<rows>, not {value!r}")
 
 
 def on_cuda() -> bool:
@@ -130,6 +172,7 @@ class DenseRows:
     dense_min_work = MIN_WORK
     dense_batch_rows = 0  # 0: batch steps keep the layer's own product
     dense_batch_weights = BATCH_MIN_WEIGHTS
+    dense_kept: mx.array | None = None  # the weight dequantized at load (``EXO_BATCH_DENSE=keep``), else None
 
     def _batch_step(self, x: mx.array, rows: int, n: int, k: int) -> bool:
         """A batch's plain decode step (one row per sequence) the batch rule takes: not a batch-invariant step's
@@ -146,7 +189,9 @@ class DenseRows:
         prompt = rows >= self.dense_min_rows and rows * n * k >= self.dense_min_work
         if _suspended or not (prompt or self._batch_step(x, rows, n, k)):
             return super().__call__(x)  # type: ignore[misc]
-        y = x @ dense_weight(self, x.dtype).T  # type: ignore[arg-type]
+        kept = self.dense_kept
+        w = kept if kept is not None and kept.dtype == x.dtype and not _transient else dense_weight(self, x.dtype)  # type: ignore[arg-type]
+        y = x @ w.T
         if "bias" in self:  # type: ignore[operator]
             y = y + self["bias"]  # type: ignore[index]
         return y
@@ -227,21 +272,49 @@ def check_experts(block: Any, pairs: int, reference: Callable[..., mx.array]) ->
     return True, f"relative difference {difference:.2e} at {rows * top_k} pairs"
 
 
+def _held_layers(modules: Sequence[nn.Module], batch_weights: int) -> Iterator[nn.QuantizedLinear]:
+    for tree in modules:
+        for _, leaf in tree.named_modules():
+            if (isinstance(leaf, nn.QuantizedLinear) and leaf.weight.ndim == 2
+                    and leaf.weight.shape[0] * leaf.weight.shape[1] * 32 // leaf.bits >= batch_weights):
+                yield leaf
+
+
+def _no_room_to_hold(modules: Sequence[nn.Module], batch_weights: int) -> str:
+    """Why ``auto`` holds no dense weights here ("" where it may): they would take more than ``HOLD_SHARE`` of the
+    device memory left (or the device's memory is unknown)."""
+    held = sum(leaf.weight.shape[0] * leaf.weight.shape[1] * 32 // leaf.bits * leaf.scales.dtype.size
+               for leaf in _held_layers(modules, batch_weights))
+    total = device_memory_bytes()
+    left = total - mx.get_active_memory()
+    if not total or held > HOLD_SHARE * left:
+        return (f"the dense weights ({held / 2**30:.2f} GiB) would take more than {HOLD_SHARE:.0%} of the memory "
+                f"left ({left / 2**30:.1f} GiB)" if total else "the device's memory is unknown")
+    return ""
+
+
 def use_prompt_dense(modules: Sequence[nn.Module], blocks: Sequence[Any],
-                     reference: Callable[..., mx.array] | None = None) -> dict[str, str]:
+                     reference: Callable[..., mx.array] | None = None, lazy: bool = False) -> dict[str, str]:
     """Give the quantized linear layers of ``modules`` (a backbone, the MTP head) the dense path for prompt-sized
     calls, and the quantized MoE ``blocks`` dense experts where ``check_experts`` passes against ``reference``.
     Returns what was done (``"dense 4096->12288 4-bit g64"`` -> ``"ok: from 512 rows"``); nothing unless
-    ``setting`` allows it here."""
+    ``setting`` allows it here. Where ``EXO_BATCH_DENSE`` holds weights (``auto`` with room, ``keep``) the batch
+    rule's layers hold their weight dequantized (evaluated here unless ``lazy``: then at its first use)."""
     where, min_rows = setting()
-    batch_where, batch_rows = batch_setting()
+    batch_where, batch_rows, keep = batch_setting()
     prompts = not (where == "off" or (where == "cuda" and not on_cuda()))
-    batches = not (batch_where == "off" or (batch_where == "cuda" and not on_cuda()))
+    batches = batch_where == "always" or (batch_where in ("cuda", "auto") and on_cuda())
     if not (prompts or batches):
         return {}
     min_work = MIN_WORK if where == "cuda" else 0
     batch_weights = BATCH_MIN_WEIGHTS if on_cuda() else 0  # (off MLX CUDA: any layer, for the CPU tests)
     found: dict[str, str] = {}
+    if batches and batch_where == "auto" and (why := _no_room_to_hold(modules, batch_weights)):
+        batches = False
+        found["dense batch"] = f"not used: {why}"
+        if not prompts:
+            return found
+    kept: list[mx.array] = []
     for tree in modules:
         for _, leaf in tree.named_modules():
             if isinstance(leaf, nn.QuantizedLinear) and leaf.weight.ndim == 2:
@@ -253,8 +326,17 @@ def use_prompt_dense(modules: Sequence[nn.Module], blocks: Sequence[Any],
                     smallest = max(min_rows, -(-min_work // (n * k)))
                     found[f"dense {name}"] = f"ok: from {smallest} rows"
                 if batches:
-                    found[f"dense batch {name}"] = (f"ok: from {batch_rows} sequences" if n * k >= batch_weights
+                    held = keep and n * k >= batch_weights
+                    if held:  # (not a child module: no parameter, nothing saved)
+                        object.__setattr__(leaf, "dense_kept", dense_weight(leaf, leaf.scales.dtype))
+                        kept.append(leaf.dense_kept)
+                    found[f"dense batch {name}"] = (f"ok: from {batch_rows} sequences{', held' if held else ''}"
+                                                   if n * k >= batch_weights
                                                    else f"not used: {n * k} weights, under {batch_weights}")
+    if kept:
+        if not lazy:
+            mx.eval(kept)
+        found["dense weights held"] = f"ok: {sum(w.nbytes for w in kept) / 2**30:.2f} GiB in {len(kept)} layers"
     quantized = [b for b in blocks if _quantized_experts(b.switch_mlp)]
     if prompts and quantized and reference is not None:
         pairs = min_rows * quantized[0].top_k  # (row, expert) pairs of a call of min_rows rows
