@@ -10,7 +10,6 @@ prompt's attention cache of ``HUGE`` positions or more: the prefill of a long pr
 from __future__ import annotations
 
 import json
-
 import threading
 
 import mlx.core as mx
