@@ -136,7 +136,7 @@ for p in "$@"; do
         $CLIENTS ;;
     # the same, 1 and 8 clients, the two placements alternating 3 times, each placed anew (new runner processes)
     pipeclients9r) phase pipeclients9r $PY bench/pipeline.py "$Q9" --stages 1 --repeats 0 --no-breakdown --gpu-per-stage \
-        $([ "$CPU" = 1 ] && echo --clients 1,4 --seconds 3 --max-tokens 8 --clients-repeats 2 || echo --clients 1,8 --seconds 10 --max-tokens 64 --clients-repeats ${CLIENTS_REPEATS:-3}) ;;
+        $([ "$CPU" = 1 ] && echo --clients 1,4 --seconds 3 --max-tokens 8 --clients-repeats 2 || echo --clients ${PIPE_CLIENTS:-1,8} --seconds 10 --max-tokens 64 --clients-repeats ${CLIENTS_REPEATS:-3}) ;;
     # issue 51: a runner killed mid-batch through exo serve, the seconds until the 9B serves again (target 15 s)
     restart9) phase restart9 $PY bench/runner_restart.py "$Q9" --kills 3 --members 4 ;;
     serving9p) EXO_NATIVE_MTP_ENABLED=0 phase serving9p $PY bench/serving.py "$Q9" --mtp off --no-one-at-a-time \
