@@ -1,5 +1,5 @@
 """A prompt chunk's attention over a long context as an online softmax over key blocks (``EXO_LONG_ATTENTION``, off by
-default: unmeasured).
+default: on an H200 it lost to MLX's call, the 9B's 32k prefill 12,930 tok/s against 15,739; docs/performance.md).
 
 Qwen3.5's attention head dimension is 256. MLX 0.32 CUDA has no fused attention for it beyond one query row
 (``sdpa_vector``), so a prompt chunk's ``mx.fast.scaled_dot_product_attention`` falls back to MLX's unfused graph: the
