@@ -320,11 +320,12 @@ for p in "$@"; do
     prefill9k2) EXO_GDN_PROMPT_VARIANT=2 phase prefill9k2 $PY bench/prefill.py "$Q9" --phases model $([ "$CPU" = 1 ] && echo --tokens 128 300 --prefill-chunk 128 --repeats 1 --loop-max 0 || echo --tokens 1024 4096 32768 --prefill-chunk 2048 --repeats 2 --loop-max 0 --stock-max 0) ;;
     cached9v2) EXO_GDN_PROMPT_VARIANT=2 EXO_NATIVE_MTP_ENABLED=0 phase cached9v2 $PY bench/cached_turn.py "$Q9" $CACHED9 ;;
     prefill9k) phase prefill9k $PY bench/prefill.py "$Q9" --phases model $([ "$CPU" = 1 ] && echo --tokens 128 300 --prefill-chunk 128 --repeats 1 --loop-max 0 || echo --tokens 1024 4096 32768 --prefill-chunk 2048 --repeats 2 --loop-max 0 --stock-max 4096) ;;
-    # issue 51's 32 clients (>= 6x one): a batch step's products on dequantized weights (EXO_BATCH_DENSE,
-    # engine/models/prompt_dense.py) against exo's quantized kernel, alternating in one process, then through exo serve
-    # (from 8 sequences here, EXO_BATCH_DENSE=on:8: where it starts paying is the question)
-    batchdense) EXO_BATCH_DENSE=${EXO_BATCH_DENSE:-on:8} phase batchdense $PY bench/batch_step.py "$Q9" --phases step --dense-batch \
-                   $([ "$CPU" = 1 ] && echo --sizes 1 4 --context 16 --steps 2 --repeats 1 || echo --sizes 1 8 12 16 24 32 --context 1024) ;;
+    # issue 51's clients: a batch step's products on dense weights held from load (EXO_BATCH_DENSE,
+    # engine/models/prompt_dense.py) against exo's quantized kernel and against dequantizing per step, alternating in
+    # one process, from 2 sequences (keep:2: where held weights start paying; auto holds them from 8), then through
+    # exo serve (BATCH_DENSE_VALUES: the settings, one fresh server each)
+    batchdense) EXO_BATCH_DENSE=${EXO_BATCH_DENSE:-keep:2} phase batchdense $PY bench/batch_step.py "$Q9" --phases step --dense-batch \
+                   $([ "$CPU" = 1 ] && echo --sizes 1 4 --context 16 --steps 2 --repeats 1 || echo --sizes 1 2 4 6 8 12 16 24 32 --context 1024) ;;
     servingdense) for v in ${BATCH_DENSE_VALUES:-on off}; do
                       EXO_BATCH_DENSE=$v EXO_NATIVE_MTP_ENABLED=0 phase servingdense $PY bench/serving.py "$Q9" --mtp off \
                           --no-one-at-a-time $([ "$CPU" = 1 ] && echo --clients 1 4 --seconds 3 --max-tokens 8 --engine-vs-client 1 \

@@ -17,6 +17,10 @@ times, on random bfloat16 inputs of the model's head counts:
   their maxima (an online softmax in MLX ops); only the blocks that reach the new rows take the causal mask;
 - ``split``: the cached keys in one unmasked block, the new rows' own keys in a causal one, the two combined (the
   same rule with two blocks);
+- ``folded`` / ``folded-N``: the same rule (one block of every key / blocks of N) with the query heads that share a
+  KV head folded into rows of one product ([Hkv, G x R, D] against [Hkv, D, N]: a plain batched GEMM), where
+  ``blocked-N`` takes them as a group axis against the keys broadcast over it (as MLX's fallback does);
+- ``mlx-mask``: MLX's call with the causal mask as a boolean array;
 
 and each one's distance from a float32 computation of the same attention (the largest difference over the largest
 output), so a faster method is also seen to be as exact as MLX's. The times are of one layer's call (median of
@@ -47,8 +51,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=4, help="calls chained per timed evaluation")
     args = parser.parse_args()
     use_device(args.device)
-    methods = {"mlx": mlx_attention, "split": split_attention,
-               **{f"blocked-{n}": (lambda q, k, v, c, n=n: blocked(q, k, v, c, n)) for n in args.blocks}}
+    methods = {"mlx": mlx_attention, "mlx-mask": mlx_array_mask, "folded": folded, "split": split_attention,
+               **{f"blocked-{n}": (lambda q, k, v, c, n=n: blocked(q, k, v, c, n, fold=False)) for n in args.blocks},
+               **{f"folded-{n}": (lambda q, k, v, c, n=n: blocked(q, k, v, c, n)) for n in args.blocks}}
     with report_to(args.json) as report:
         print(f"device: {mx.default_device()} (MLX {mx.__version__}); heads {args.heads}, kv heads {args.kv_heads}, "
               f"head dim {args.head_dim}; ms per call (one layer), median of {args.repeats}; error: the largest "
@@ -111,14 +116,27 @@ def reference(q: mx.array, k: mx.array, v: mx.array, context: int) -> mx.array:
     return out.reshape(b, heads, rows, dim)
 
 
-def blocked(q: mx.array, k: mx.array, v: mx.array, context: int, block: int) -> mx.array:
-    """The engine's key-blocked path (``EXO_LONG_ATTENTION``)."""
-    return blocked_attention(q, k, v, _scale(q), block)
+def blocked(q: mx.array, k: mx.array, v: mx.array, context: int, block: int, fold: bool = True) -> mx.array:
+    """The engine's key-blocked path (``EXO_LONG_ATTENTION``): the query heads of a KV head as rows of one product
+    (``fold``) or as a group axis against broadcast keys."""
+    return blocked_attention(q, k, v, _scale(q), block, fold=fold)
 
 
 def split_attention(q: mx.array, k: mx.array, v: mx.array, context: int) -> mx.array:
     """The cached keys as one unmasked block, the new rows' own keys as one causal block."""
     return blocked(q, k, v, context, max(context, 1))
+
+
+def mlx_array_mask(q: mx.array, k: mx.array, v: mx.array, context: int) -> mx.array:
+    """MLX's call with the causal mask as a boolean array (the path a batch's masks take)."""
+    mask = causal_mask(q.shape[2], context, 0, k.shape[2]).reshape(1, 1, q.shape[2], k.shape[2])
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=_scale(q), mask=mask)
+
+
+def folded(q: mx.array, k: mx.array, v: mx.array, context: int) -> mx.array:
+    """One block of every key with the query heads folded into rows: one GEMM per KV head for the scores and one
+    for the values, a float32 softmax between."""
+    return blocked(q, k, v, context, k.shape[2])
 
 
 if __name__ == "__main__":

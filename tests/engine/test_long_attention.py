@@ -75,6 +75,9 @@ def test_blocked_attention_is_mlx_s_causal_attention(rows, context, block):
     q32, k32, v32 = (x.astype(mx.float32) for x in (q, k, v))
     exact = mx.fast.scaled_dot_product_attention(q32, k32, v32, scale=scale, mask="causal")
     assert mx.allclose(blocked_attention(q32, k32, v32, scale, block), exact, atol=1e-5, rtol=1e-5).item()
+    # the query heads of a KV head as rows of one product, or as a group axis against broadcast keys: alike
+    unfolded = blocked_attention(q32, k32, v32, scale, block, fold=False)
+    assert mx.allclose(blocked_attention(q32, k32, v32, scale, block), unfolded, atol=1e-6, rtol=1e-6).item()
 
 
 def test_the_blocks_past_a_row_leave_it_as_it_was():
@@ -85,6 +88,9 @@ def test_the_blocks_past_a_row_leave_it_as_it_was():
     whole = blocked_attention(q, k, v, scale, 16)
     first = blocked_attention(q[:, :, :10], k[:, :, : 40 + 10], v[:, :, : 40 + 10], scale, 16)
     assert mx.array_equal(whole[:, :, :10], first).item()
+    unfolded = blocked_attention(q, k, v, scale, 16, fold=False)
+    assert mx.array_equal(unfolded[:, :, :10], blocked_attention(q[:, :, :10], k[:, :, :50], v[:, :, :50], scale, 16,
+                                                                 fold=False)).item()
 
 
 def test_which_calls_take_it():

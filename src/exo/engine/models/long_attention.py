@@ -64,23 +64,40 @@ def causal_mask(rows: int, context: int, lo: int, hi: int) -> mx.array:
     return (mx.arange(context, context + rows)[:, None] >= mx.arange(lo, hi)[None]).reshape(1, 1, 1, rows, hi - lo)
 
 
-def blocked_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, block: int) -> mx.array:
+def blocked_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, block: int,
+                      fold: bool = True) -> mx.array:
     """``mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal")`` (the new rows the
-    last of the keys) as an online softmax over key blocks of ``block``: [B, Hq, R, D] in the queries' type."""
+    last of the keys) as an online softmax over key blocks of ``block``: [B, Hq, R, D] in the queries' type.
+
+    ``fold``: the query heads that share a KV head go as rows of one product per KV head ([B, Hkv, G * R, D] against
+    the block's [B, Hkv, D, N]: a plain batched GEMM); else as a group axis against the keys broadcast over it
+    ([B, Hkv, G, R, D] against [B, Hkv, 1, D, N], as MLX's own fallback does). Each (row, key) pair's dot product and
+    each row's sums are the same either way; ``bench/long_attention.py`` times both."""
     b, heads, rows, dim = queries.shape
     kv_heads = keys.shape[1]
+    groups = heads // kv_heads
     total = keys.shape[2]
     context = total - rows
-    qs = (queries * scale).reshape(b, kv_heads, heads // kv_heads, rows, dim)
+    if fold:
+        qs = (queries * scale).reshape(b, kv_heads, groups * rows, dim)
+        blocks = keys.swapaxes(-1, -2)
+        vals = values
+    else:
+        qs = (queries * scale).reshape(b, kv_heads, groups, rows, dim)
+        blocks = keys[:, :, None].swapaxes(-1, -2)
+        vals = values[:, :, None]
     top = weight = acc = None
     for lo in range(0, total, block):
         hi = min(lo + block, total)
-        scores = (qs @ keys[:, :, None, lo:hi].swapaxes(-1, -2)).astype(mx.float32)
+        scores = (qs @ blocks[..., lo:hi]).astype(mx.float32)
         if hi > context:
-            scores = mx.where(causal_mask(rows, context, lo, hi), scores, -mx.inf)
+            mask = causal_mask(rows, context, lo, hi)  # [1, 1, 1, R, N]
+            if fold:
+                mask = mx.tile(mask.reshape(1, 1, rows, hi - lo), (1, 1, groups, 1))  # row g * R + i: row i's
+            scores = mx.where(mask, scores, -mx.inf)
         new_top = scores.max(axis=-1, keepdims=True) if top is None else mx.maximum(top, scores.max(axis=-1, keepdims=True))
         p = mx.exp(scores - new_top)
-        part = (p.astype(queries.dtype) @ values[:, :, None, lo:hi]).astype(mx.float32)
+        part = (p.astype(queries.dtype) @ vals[..., lo:hi, :]).astype(mx.float32)
         if top is None:
             weight, acc = p.sum(axis=-1, keepdims=True), part
         else:
