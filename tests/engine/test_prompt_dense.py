@@ -292,24 +292,38 @@ def test_held_dense_weights_compute_what_dequantizing_per_call_does_and_are_no_p
 
 def test_auto_holds_dense_weights_on_mlx_cuda_where_they_fit_and_nowhere_else(monkeypatch):
     """The default (``auto``): nothing off MLX CUDA; on it (the device and its memory are what is stood in for
-    here) the batch rule's layers hold their dense weights from ``KEEP_MIN_ROWS`` sequences where those take at
-    most ``HOLD_SHARE`` of the memory left, and where they would take more, no batch step runs dense (said why)."""
+    here) the batch rule's layers hold their dense weights from ``KEEP_MIN_ROWS`` sequences, the largest first while
+    they take at most ``HOLD_SHARE`` of the memory left; a layer not held keeps its own product in batch steps (said
+    why), and where none fits no batch step runs dense."""
     monkeypatch.setenv("EXO_PROMPT_DENSE", "off")
     monkeypatch.delenv("EXO_BATCH_DENSE", raising=False)
-    layer = quantized_linear(96, 128, 4, dtype=mx.bfloat16)
-    assert use_prompt_dense([layer], []) == {} and type(layer) is nn.QuantizedLinear  # this CPU
+    big, small = quantized_linear(192, 128, 4, dtype=mx.bfloat16), quantized_linear(96, 128, 4, dtype=mx.bfloat16)
+    assert use_prompt_dense([big, small], []) == {} and type(big) is nn.QuantizedLinear  # this CPU
     monkeypatch.setattr(prompt_dense, "on_cuda", lambda: True)
     monkeypatch.setattr(prompt_dense, "BATCH_MIN_WEIGHTS", 96 * 128)
-    held = 96 * 128 * 2
-    monkeypatch.setattr(prompt_dense, "device_memory_bytes", lambda: mx.get_active_memory() + 5 * held)
-    found = use_prompt_dense([layer], [])
-    assert found["dense batch 128->96 4-bit g64"] == f"ok: from {prompt_dense.KEEP_MIN_ROWS} sequences, held", found
-    assert layer.dense_kept is not None and layer.dense_batch_rows == prompt_dense.KEEP_MIN_ROWS
+    both = (192 + 96) * 128 * 2  # bytes of both dense weights
+    memory = {"left": 5 * both}
+    monkeypatch.setattr(prompt_dense, "device_memory_bytes", lambda: mx.get_active_memory() + memory["left"])
+    rows = prompt_dense.KEEP_MIN_ROWS
+    found = use_prompt_dense([big, small], [])
+    assert found["dense batch 128->192 4-bit g64"] == found["dense batch 128->96 4-bit g64"] == \
+        f"ok: from {rows} sequences, held", found
+    assert found["dense weights held"] == f"ok: {both / 2**30:.2f} GiB in 2 layers", found
+    assert big.dense_kept is not None and small.dense_batch_rows == rows
+    # room for the larger alone: it is held, the smaller keeps the quantized product in batch steps
+    big, small = quantized_linear(192, 128, 4, dtype=mx.bfloat16), quantized_linear(96, 128, 4, dtype=mx.bfloat16)
+    memory["left"] = 4 * 192 * 128 * 2 + 100
+    found = use_prompt_dense([big, small], [])
+    assert found["dense batch 128->192 4-bit g64"] == f"ok: from {rows} sequences, held", found
+    assert found["dense batch 128->96 4-bit g64"] == "not used: not held (no room)", found
+    assert "1 of 2 layers not held" in found["dense weights held"] and "25% of the memory left" in found["dense weights held"]
+    assert big.dense_kept is not None and type(small) is nn.QuantizedLinear
+    # room for neither: no batch step runs dense
     tight = quantized_linear(96, 128, 4, dtype=mx.bfloat16)
-    monkeypatch.setattr(prompt_dense, "device_memory_bytes", lambda: mx.get_active_memory() + 3 * held)
+    memory["left"] = 3 * 96 * 128 * 2
     found = use_prompt_dense([tight], [])
-    assert list(found) == ["dense batch"] and "would take more than 25% of the memory left" in found["dense batch"]
-    assert type(tight) is nn.QuantizedLinear
+    assert found["dense batch 128->96 4-bit g64"] == "not used: not held (no room)", found
+    assert "1 of 1 layers not held" in found["dense batch"] and type(tight) is nn.QuantizedLinear
 
 
 def test_a_batch_decodes_dense_and_a_batch_invariant_one_keeps_its_solo_tokens(checkpoint, monkeypatch):

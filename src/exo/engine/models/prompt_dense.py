@@ -48,8 +48,9 @@ Two ways, measured on the 9B shape on an H200 (docs/performance.md):
   the runner hands MLX's cache back at nearly every step (``memory.keep_cache_room``): a 32-sequence step 27.8 ms,
   and 16 sequences lose (0.93x).
 
-Values: ``auto`` (default: on MLX CUDA, held from ``KEEP_MIN_ROWS`` sequences where the dense weights take at most
-``HOLD_SHARE`` of the device memory left after the load, else off), ``off``, ``keep`` (MLX CUDA, held, from
+Values: ``auto`` (default: on MLX CUDA, held from ``KEEP_MIN_ROWS`` sequences, the largest layers first while the
+dense weights take at most ``HOLD_SHARE`` of the device memory left after the load; a layer not held keeps its own
+product), ``off``, ``keep`` (MLX CUDA, held, from
 ``KEEP_MIN_ROWS``), ``keep:ROWS`` (any device, held, from ROWS sequences), ``on`` (MLX CUDA, per call, from
 ``BATCH_MIN_ROWS``), ``on:ROWS`` (any device, per call). Off MLX CUDA the ``:ROWS`` forms take a layer of any size
 (the CPU tests); unmeasured on Apple GPUs.
@@ -272,25 +273,33 @@ def check_experts(block: Any, pairs: int, reference: Callable[..., mx.array]) ->
     return True, f"relative difference {difference:.2e} at {rows * top_k} pairs"
 
 
-def _held_layers(modules: Sequence[nn.Module], batch_weights: int) -> Iterator[nn.QuantizedLinear]:
-    for tree in modules:
-        for _, leaf in tree.named_modules():
-            if (isinstance(leaf, nn.QuantizedLinear) and leaf.weight.ndim == 2
-                    and leaf.weight.shape[0] * leaf.weight.shape[1] * 32 // leaf.bits >= batch_weights):
-                yield leaf
+def _dense_bytes(leaf: nn.QuantizedLinear) -> int:
+    """A quantized linear layer's weight dequantized to its scales' type, in bytes."""
+    return leaf.weight.shape[0] * leaf.weight.shape[1] * 32 // leaf.bits * leaf.scales.dtype.size
 
 
-def _no_room_to_hold(modules: Sequence[nn.Module], batch_weights: int) -> str:
-    """Why ``auto`` holds no dense weights here ("" where it may): they would take more than ``HOLD_SHARE`` of the
-    device memory left (or the device's memory is unknown)."""
-    held = sum(leaf.weight.shape[0] * leaf.weight.shape[1] * 32 // leaf.bits * leaf.scales.dtype.size
-               for leaf in _held_layers(modules, batch_weights))
+def _to_hold(layers: Sequence[nn.QuantizedLinear], hold_all: bool) -> tuple[set[int], str]:
+    """The layers (``id``) whose dense weight is held, and why the others are not ("": all held). ``hold_all``
+    (``keep``): every one. Else (``auto``) the largest first while they take at most ``HOLD_SHARE`` of the device
+    memory left: the lm_head first, the layer a batch step's quantized rows cost most (13.4x one row at 32 on an
+    H200), so a model too large to hold whole (the 27B beside an H200's 124 GiB left) still holds what pays most."""
+    if hold_all:
+        return {id(leaf) for leaf in layers}, ""
     total = device_memory_bytes()
+    if not total:
+        return set(), "the device's memory is unknown"
     left = total - mx.get_active_memory()
-    if not total or held > HOLD_SHARE * left:
-        return (f"the dense weights ({held / 2**30:.2f} GiB) would take more than {HOLD_SHARE:.0%} of the memory "
-                f"left ({left / 2**30:.1f} GiB)" if total else "the device's memory is unknown")
-    return ""
+    budget, used, chosen = HOLD_SHARE * left, 0, set()
+    for leaf in sorted(layers, key=_dense_bytes, reverse=True):
+        if used + _dense_bytes(leaf) <= budget:
+            chosen.add(id(leaf))
+            used += _dense_bytes(leaf)
+    if len(chosen) == len(layers):
+        return chosen, ""
+    whole = sum(_dense_bytes(leaf) for leaf in layers)
+    return chosen, (f"{len(layers) - len(chosen)} of {len(layers)} layers not held: the dense weights "
+                    f"({whole / 2**30:.2f} GiB) would take more than {HOLD_SHARE:.0%} of the memory left "
+                    f"({left / 2**30:.1f} GiB)")
 
 
 def use_prompt_dense(modules: Sequence[nn.Module], blocks: Sequence[Any],
@@ -298,8 +307,9 @@ def use_prompt_dense(modules: Sequence[nn.Module], blocks: Sequence[Any],
     """Give the quantized linear layers of ``modules`` (a backbone, the MTP head) the dense path for prompt-sized
     calls, and the quantized MoE ``blocks`` dense experts where ``check_experts`` passes against ``reference``.
     Returns what was done (``"dense 4096->12288 4-bit g64"`` -> ``"ok: from 512 rows"``); nothing unless
-    ``setting`` allows it here. Where ``EXO_BATCH_DENSE`` holds weights (``auto`` with room, ``keep``) the batch
-    rule's layers hold their weight dequantized (evaluated here unless ``lazy``: then at its first use)."""
+    ``setting`` allows it here. Where ``EXO_BATCH_DENSE`` holds weights (``auto``: those ``_to_hold`` chooses;
+    ``keep``: all) the batch rule's layers hold their weight dequantized (evaluated here unless ``lazy``: then at its
+    first use), and a layer not held keeps its own product in batch steps."""
     where, min_rows = setting()
     batch_where, batch_rows, keep = batch_setting()
     prompts = not (where == "off" or (where == "cuda" and not on_cuda()))
@@ -308,35 +318,46 @@ def use_prompt_dense(modules: Sequence[nn.Module], blocks: Sequence[Any],
         return {}
     min_work = MIN_WORK if where == "cuda" else 0
     batch_weights = BATCH_MIN_WEIGHTS if on_cuda() else 0  # (off MLX CUDA: any layer, for the CPU tests)
+    leaves = [leaf for tree in modules for _, leaf in tree.named_modules()
+              if isinstance(leaf, nn.QuantizedLinear) and leaf.weight.ndim == 2]
+    large = [leaf for leaf in leaves if _dense_bytes(leaf) // leaf.scales.dtype.size >= batch_weights]
+    hold, why = _to_hold(large, batch_where != "auto") if batches and keep else (set(), "")
     found: dict[str, str] = {}
-    if batches and batch_where == "auto" and (why := _no_room_to_hold(modules, batch_weights)):
-        batches = False
-        found["dense batch"] = f"not used: {why}"
-        if not prompts:
-            return found
+    shapes: dict[str, list[int]] = {}  # batch rule: shape -> [layers held or dense per call, layers]
     kept: list[mx.array] = []
-    for tree in modules:
-        for _, leaf in tree.named_modules():
-            if isinstance(leaf, nn.QuantizedLinear) and leaf.weight.ndim == 2:
-                make_dense_rows(leaf, min_rows if prompts else NEVER, min_work, batch_rows if batches else 0,
-                                batch_weights)
-                n, k = leaf.weight.shape[0], leaf.weight.shape[1] * 32 // leaf.bits
-                name = f"{k}->{n} {leaf.bits}-bit g{leaf.group_size}"
-                if prompts:
-                    smallest = max(min_rows, -(-min_work // (n * k)))
-                    found[f"dense {name}"] = f"ok: from {smallest} rows"
-                if batches:
-                    held = keep and n * k >= batch_weights
-                    if held:  # (not a child module: no parameter, nothing saved)
-                        object.__setattr__(leaf, "dense_kept", dense_weight(leaf, leaf.scales.dtype))
-                        kept.append(leaf.dense_kept)
-                    found[f"dense batch {name}"] = (f"ok: from {batch_rows} sequences{', held' if held else ''}"
-                                                   if n * k >= batch_weights
-                                                   else f"not used: {n * k} weights, under {batch_weights}")
+    for leaf in leaves:
+        n, k = leaf.weight.shape[0], leaf.weight.shape[1] * 32 // leaf.bits
+        name = f"{k}->{n} {leaf.bits}-bit g{leaf.group_size}"
+        dense_batch = batches and n * k >= batch_weights and (not keep or id(leaf) in hold)
+        if prompts or dense_batch:
+            make_dense_rows(leaf, min_rows if prompts else NEVER, min_work, batch_rows if dense_batch else 0,
+                            batch_weights)
+        if prompts:
+            smallest = max(min_rows, -(-min_work // (n * k)))
+            found[f"dense {name}"] = f"ok: from {smallest} rows"
+        if not batches:
+            continue
+        if n * k < batch_weights:
+            found[f"dense batch {name}"] = f"not used: {n * k} weights, under {batch_weights}"
+            continue
+        if dense_batch and keep:  # (not a child module: no parameter, nothing saved)
+            object.__setattr__(leaf, "dense_kept", dense_weight(leaf, leaf.scales.dtype))
+            kept.append(leaf.dense_kept)
+        count = shapes.setdefault(name, [0, 0])
+        count[0] += dense_batch
+        count[1] += 1
+    for name, (dense, total) in shapes.items():
+        how = ", held" if keep else ""
+        found[f"dense batch {name}"] = (f"ok: from {batch_rows} sequences{how}" if dense == total
+                                       else f"ok: from {batch_rows} sequences, {dense} of {total} held" if dense
+                                       else "not used: not held (no room)")
     if kept:
         if not lazy:
             mx.eval(kept)
-        found["dense weights held"] = f"ok: {sum(w.nbytes for w in kept) / 2**30:.2f} GiB in {len(kept)} layers"
+        found["dense weights held"] = (f"ok: {sum(w.nbytes for w in kept) / 2**30:.2f} GiB in {len(kept)} layers"
+                                       + (f" ({why})" if why else ""))
+    elif why:
+        found["dense batch"] = f"not used: {why}"
     quantized = [b for b in blocks if _quantized_experts(b.switch_mlp)]
     if prompts and quantized and reference is not None:
         pairs = min_rows * quantized[0].top_k  # (row, expert) pairs of a call of min_rows rows
