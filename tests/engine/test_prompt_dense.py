@@ -283,6 +283,11 @@ def test_held_dense_weights_compute_what_dequantizing_per_call_does_and_are_no_p
         layer(step)
     assert calls == [1]
     assert prompt_dense.state() == (True, True)
+    # a weight replaced after the load (load_weights): the held copy is stale and never read again
+    calls.clear()
+    layer.weight = mx.array(layer.weight)
+    layer.scales = layer.scales * 2
+    assert mx.array_equal(layer(step), step @ real(layer, step.dtype).T).item() and calls == [1]
     with prompt_dense.transient():
         assert prompt_dense.state() == (True, False)
     monkeypatch.setenv("EXO_BATCH_DENSE", "on:4")  # not kept: nothing held

@@ -191,7 +191,11 @@ class DenseRows:
         if _suspended or not (prompt or self._batch_step(x, rows, n, k)):
             return super().__call__(x)  # type: ignore[misc]
         kept = self.dense_kept
-        w = kept if kept is not None and kept.dtype == x.dtype and not _transient else dense_weight(self, x.dtype)  # type: ignore[arg-type]
+        if (kept is not None and kept.dtype == x.dtype and not _transient
+                and self.__dict__.get("dense_kept_of") is self["weight"]):  # type: ignore[index]
+            w = kept
+        else:  # (none held, or the weight replaced since, e.g. by load_weights: never a stale copy)
+            w = dense_weight(self, x.dtype)  # type: ignore[arg-type]
         y = x @ w.T
         if "bias" in self:  # type: ignore[operator]
             y = y + self["bias"]  # type: ignore[index]
@@ -342,6 +346,7 @@ def use_prompt_dense(modules: Sequence[nn.Module], blocks: Sequence[Any],
             continue
         if dense_batch and keep:  # (not a child module: no parameter, nothing saved)
             object.__setattr__(leaf, "dense_kept", dense_weight(leaf, leaf.scales.dtype))
+            object.__setattr__(leaf, "dense_kept_of", leaf.weight)  # the weight it was dequantized from
             kept.append(leaf.dense_kept)
         count = shapes.setdefault(name, [0, 0])
         count[0] += dense_batch
