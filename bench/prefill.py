@@ -17,7 +17,8 @@ where a prompt's time goes. Three phases in one process, each printing its own f
    token chosen) with the chunked GatedDeltaNet form at each ``--prefill-chunk`` (its state steps in their CUDA
    kernel where usable, MLX ops elsewhere: ``gdn_prefill="chunked"``), with the prompt kernel where the load's
    check passed (a chunk's rows in one launch a layer, each row its decode step's bits: what ``gdn_prefill="auto"``
-   runs on MLX CUDA) and, up to ``--loop-max``
+   runs on MLX CUDA), with ``--long-attention`` that default with and without a long context's chunks attending in
+   key blocks (``EXO_LONG_ATTENTION``, ``engine/models/long_attention.py``) and, up to ``--loop-max``
    tokens, with the token loop (``gdn_prefill="loop"``), alternating, for each ``--tokens`` length. Stock runs
    up to ``--stock-max`` tokens (at ~340 tokens/s a 32k prompt takes stock 1.5 minutes per repeat). Prints
    tokens/s and exo / stock. The first token of stock and exo is compared (the same greedy token or not).
