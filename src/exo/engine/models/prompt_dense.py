@@ -277,9 +277,15 @@ def check_experts(block: Any, pairs: int, reference: Callable[..., mx.array]) ->
     return True, f"relative difference {difference:.2e} at {rows * top_k} pairs"
 
 
+def _shape(leaf: nn.QuantizedLinear) -> tuple[int, int]:
+    """A quantized linear layer's (outputs, inputs)."""
+    return leaf.weight.shape[0], leaf.weight.shape[1] * 32 // leaf.bits
+
+
 def _dense_bytes(leaf: nn.QuantizedLinear) -> int:
     """A quantized linear layer's weight dequantized to its scales' type, in bytes."""
-    return leaf.weight.shape[0] * leaf.weight.shape[1] * 32 // leaf.bits * leaf.scales.dtype.size
+    n, k = _shape(leaf)
+    return n * k * leaf.scales.dtype.size
 
 
 def _to_hold(layers: Sequence[nn.QuantizedLinear], hold_all: bool) -> tuple[set[int], str]:
@@ -324,13 +330,13 @@ def use_prompt_dense(modules: Sequence[nn.Module], blocks: Sequence[Any],
     batch_weights = BATCH_MIN_WEIGHTS if on_cuda() else 0  # (off MLX CUDA: any layer, for the CPU tests)
     leaves = [leaf for tree in modules for _, leaf in tree.named_modules()
               if isinstance(leaf, nn.QuantizedLinear) and leaf.weight.ndim == 2]
-    large = [leaf for leaf in leaves if _dense_bytes(leaf) // leaf.scales.dtype.size >= batch_weights]
+    large = [leaf for leaf in leaves if _shape(leaf)[0] * _shape(leaf)[1] >= batch_weights]
     hold, why = _to_hold(large, batch_where != "auto") if batches and keep else (set(), "")
     found: dict[str, str] = {}
     shapes: dict[str, list[int]] = {}  # batch rule: shape -> [layers held or dense per call, layers]
     kept: list[mx.array] = []
     for leaf in leaves:
-        n, k = leaf.weight.shape[0], leaf.weight.shape[1] * 32 // leaf.bits
+        n, k = _shape(leaf)
         name = f"{k}->{n} {leaf.bits}-bit g{leaf.group_size}"
         dense_batch = batches and n * k >= batch_weights and (not keep or id(leaf) in hold)
         if prompts or dense_batch:
