@@ -364,6 +364,11 @@ for p in "$@"; do
     cached9rl) EXO_LONG_ATTENTION=${LONG_ATTENTION:-on} EXO_NATIVE_MTP_ENABLED=0 phase cached9rl $PY bench/cached_turn.py "$Q9" \
                   $([ "$CPU" = 1 ] && echo --turns 2 --system-tokens 600 --max-tokens 8 --warm-tokens 200 || echo --turns 6 --system-tokens 15000 --max-tokens 16) \
                   --turn1-repeats 1 --cold-repeats 3 ;;
+    # issue 53: what MLX's CUDA graphs make of a step of 64 all-reduces over NCCL (one member per GPU; 2 x H200), apart
+    # from any model: ms a step with graphs on / off, with and without the collectives, the graphs committed a step
+    # and their node types (a node type MLX cannot update in place makes it instantiate the graph anew every step)
+    collgraphs) phase collgraphs $PY bench/collective_graphs.py --dot $([ "$CPU" = 1 ] && echo --layers 4 --width 256 --steps 5 \
+                    || echo --steps 40 --nccl-env NCCL_CGA_CLUSTER_SIZE=1 NCCL_PROTO=Simple) ;;
     profile19) for t in $PROFILE19; do
             phase profile19 $PY bench/prefill.py "$Q9" --phases profile --profile-context $CONTEXT19 --profile-tokens $t --repeats 3
         done ;;
