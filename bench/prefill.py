@@ -230,13 +230,6 @@ def _exo_prefill(engine: Engine, prompt: list[int]) -> tuple[float, int]:
     return time.perf_counter() - start, token
 
 
-def _set_long_attention(model: Any, value: tuple[int, int] | None) -> None:
-    """The backbone's attention layers' key-blocked path (``models.long_attention``): (min keys, block) or None."""
-    for _, leaf in model.named_modules():
-        if isinstance(leaf, layers.Attention):
-            object.__setattr__(leaf, "long_attention", value)
-
-
 def model_phase(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
     from mlx_lm import load as stock_load
 
@@ -296,13 +289,13 @@ def model_phase(args: argparse.Namespace, loaded: Any) -> dict[str, Any]:
             def run(engine=engine, mode=engines_modes[name], tokens=prompt) -> tuple[float, int]:
                 engine.model.set_gdn_prefill(mode[0])  # (the engines share the model's layers)
                 layers.PROMPT_KERNEL_MAX_ROWS, cuda_gdn.PROMPT_VARIANT = mode[2], mode[3]
-                _set_long_attention(loaded.model, mode[4])
+                layers.set_long_attention([loaded.model], mode[4])
                 try:
                     with contextlib.nullcontext() if mode[1] else prompt_dense.suspended():
                         return _exo_prefill(engine, tokens)
                 finally:
                     layers.PROMPT_KERNEL_MAX_ROWS, cuda_gdn.PROMPT_VARIANT = limit, form
-                    _set_long_attention(loaded.model, loaded_long)
+                    layers.set_long_attention([loaded.model], loaded_long)
 
             configs[name] = run
         short = prompt[: min(n, 256)]

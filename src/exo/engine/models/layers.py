@@ -820,11 +820,17 @@ def use_long_attention(modules: Sequence[nn.Module]) -> tuple[int, int] | None:
     context's prompt chunks where ``EXO_LONG_ATTENTION`` applies on this device (``models.long_attention``);
     returns (min keys, block), or None."""
     configured = long_attention.configured()
+    set_long_attention(modules, configured)
+    return configured
+
+
+def set_long_attention(modules: Sequence[nn.Module], value: tuple[int, int] | None) -> None:
+    """The attention layers of ``modules`` take the key-blocked path from ``value`` = (min keys, block), or never
+    (None)."""
     for module in modules:
         for _, leaf in module.named_modules():
             if isinstance(leaf, Attention):
-                object.__setattr__(leaf, "long_attention", configured)  # not a child module: no parameters
-    return configured
+                object.__setattr__(leaf, "long_attention", value)  # not a child module: no parameters
 
 
 def _kernel_rows(layer: Any, mixed_qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, cache: Any) -> mx.array:

@@ -59,6 +59,7 @@ product), ``off``, ``keep`` (MLX CUDA, held, from
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -330,7 +331,7 @@ def use_prompt_dense(modules: Sequence[nn.Module], blocks: Sequence[Any],
     batch_weights = BATCH_MIN_WEIGHTS if on_cuda() else 0  # (off MLX CUDA: any layer, for the CPU tests)
     leaves = [leaf for tree in modules for _, leaf in tree.named_modules()
               if isinstance(leaf, nn.QuantizedLinear) and leaf.weight.ndim == 2]
-    large = [leaf for leaf in leaves if _shape(leaf)[0] * _shape(leaf)[1] >= batch_weights]
+    large = [leaf for leaf in leaves if math.prod(_shape(leaf)) >= batch_weights]
     hold, why = _to_hold(large, batch_where != "auto") if batches and keep else (set(), "")
     found: dict[str, str] = {}
     shapes: dict[str, list[int]] = {}  # batch rule: shape -> [layers held or dense per call, layers]
