@@ -60,9 +60,11 @@ def test_held_tokens_go_at_the_interval_s_end_and_an_empty_channel_times_out():
 
 
 def test_the_service_streams_paced_as_its_settings_say(make_server, model_dir, reference):
-    """``EXO_STREAM_INTERVAL_S`` reaches the in-process service's streams: the handler gets the first token alone,
-    then the rest with the end (a 24-token generation decodes well inside 1 s here; 24 batches without the
-    interval), the tokens the engine's."""
+    """``EXO_STREAM_INTERVAL_S`` reaches the in-process service's streams: the first token wakes the handler at once,
+    the rest go with the end (a 24-token generation decodes well inside 1 s here; 24 batches without the
+    interval), the tokens the engine's. The first batch holds the first token and whatever the device added before
+    the handler's loop ran (a loaded machine: a few), never the whole generation (that would be the interval's
+    end, not the first token's wake-up); ``Channel``'s own tests pin the first token alone."""
     from exo.engine.prompt import GenerateParams, Prompt
 
     server = make_server(model_dir, env={"EXO_STREAM_INTERVAL_S": "1.0", "EXO_NATIVE_MTP_ENABLED": "0"})
@@ -79,5 +81,5 @@ def test_the_service_streams_paced_as_its_settings_say(make_server, model_dir, r
         return batches
 
     batches = asyncio.run(main())
-    assert 2 <= len(batches) <= 3 and len(batches[0]) == 1, batches
+    assert 2 <= len(batches) <= 3 and 1 <= len(batches[0]) < 12, batches
     assert [t for b in batches for t in b] == reference(prompt, max_tokens=24).token_ids
