@@ -189,16 +189,23 @@ def buffers(cache: Any) -> tuple[mx.array, mx.array, int] | None:
     return cache.keys, cache.values, cache.offset
 
 
-def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, count: int, scale: float) -> mx.array:
+def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, count: int, scale: float,
+                position: mx.array | None = None) -> mx.array:
     """Attention of ``queries`` [B, Hq, T, D] (T <= MAX_ROWS, the last T of ``count`` positions) over the buffers
     ``keys`` / ``values`` [B, Hkv, capacity, D], whose first ``count`` positions are filled: row t over keys
-    0 .. count - T + t. [B, Hq, T, D] in the queries' type. On MLX CUDA the kernel; elsewhere ``reference``."""
+    0 .. count - T + t. [B, Hq, T, D] in the queries' type. On MLX CUDA the kernel; elsewhere ``reference``.
+
+    ``position`` (MLX CUDA only): the first row's position as a device array (``models.positions``: a chained
+    round), ``count`` then only an upper bound of the keys filled; row t attends to keys 0 .. position + t, in the
+    same chunks as with a Python position (the chunks past its last key hold none)."""
     B, hq, T, D = queries.shape
-    if not on_cuda():
+    if position is None and not on_cuda():
         return reference(queries, keys[:, :, :count], values[:, :, :count], scale)
-    before = count - T
     chunks = -(-count // CHUNK)
-    meta = mx.array([before, T, chunks], dtype=mx.int32)
+    if position is None:
+        meta = mx.array([count - T, T, chunks], dtype=mx.int32)
+    else:
+        meta = mx.concatenate([position.astype(mx.int32).reshape(1), mx.array([T, chunks], dtype=mx.int32)])
     first, second = _kernels()
     template = [("T", queries.dtype), ("D", D), ("HQ", hq), ("HKV", keys.shape[1]), ("CHUNK", CHUNK),
                 ("WARPS_", WARPS)]

@@ -44,7 +44,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..sharding import reduce_partial
-from . import layers, prompt_dense
+from . import layers, positions, prompt_dense
 from .layers import Attention, RollbackArraysCache, SparseMoeBlock
 
 log = logging.getLogger(__name__)
@@ -113,18 +113,11 @@ def call(layer: Any, x: mx.array, mask: Any, cache: Any, key: tuple[Any, ...]) -
     if not is_linear:
         if not dense:
             return layer(x, mask=mask, cache=cache)
-        if attention is not None and attention.kernel_applies(cache, mask, shape[0], rows):
+        if attention is not None and (attention.kernel_applies(cache, mask, shape[0], rows)
+                                      or positions.at(cache) is not None):
             return _attention_layer(layer, attention, x, cache, key)
         r = layer.self_attn(layer.input_layernorm(x), mask, cache)  # (a batch's attention under its mask)
-        name = ("tail", key)
-        tail = found[name] if name in found else _compiled(layer, name, lambda: _tail(layer))
-        if tail is not None:
-            try:
-                return tail(x, r)
-            except Exception as e:  # noqa: BLE001 - MLX could not trace it: op by op from now on
-                _give_up(layer, name, e)
-        h = x + _reduce(layer, r)
-        return h + _reduce(layer, layer.mlp(layer.post_attention_layernorm(h)))
+        return _tail_call(layer, key, x, r)
     if mask is not None or not isinstance(cache, RollbackArraysCache):
         return layer(x, mask=mask, cache=cache)
     recording = cache.recording
@@ -159,6 +152,21 @@ def call(layer: Any, x: mx.array, mask: Any, cache: Any, key: tuple[Any, ...]) -
     cache.advance(rows)
     h = outputs[0]
     return h if dense else h + _reduce(layer, layer.mlp(layer.post_attention_layernorm(h)))
+
+
+def _tail_call(layer: Any, key: tuple[Any, ...], x: mx.array, r: mx.array) -> mx.array:
+    """An attention decoder layer's part after its attention ``r``: residual, norm, dense MLP, residual; one
+    compiled call where MLX traces it, op by op where it did not."""
+    name = ("tail", key)
+    found = layer.__dict__["_compiled_layer_steps"]
+    tail = found[name] if name in found else _compiled(layer, name, lambda: _tail(layer))
+    if tail is not None:
+        try:
+            return tail(x, r)
+        except Exception as e:  # noqa: BLE001 - MLX could not trace it: op by op from now on
+            _give_up(layer, name, e)
+    h = x + _reduce(layer, r)
+    return h + _reduce(layer, layer.mlp(layer.post_attention_layernorm(h)))
 
 
 def _facts(layer: Any) -> tuple[bool, bool, Attention | None]:
@@ -202,13 +210,18 @@ def _attention_layer(layer: Any, attention: Attention, x: mx.array, cache: Any, 
     heads = _compiled(layer, ("heads", key), lambda: _heads(layer, attention))
     if heads is None:
         return layer(x, mask=None, cache=cache)
+    at = positions.at(cache)  # (a chained round's cache: written at a device position)
     try:
-        queries, keys, values, gate = heads(x, _position(cache.offset))
+        queries, keys, values, gate = heads(x, _position(cache.offset) if at is None else at)
     except Exception as e:  # noqa: BLE001 - MLX could not trace it: op by op from now on
         _give_up(layer, ("heads", key), e)
         return layer(x, mask=None, cache=cache)
-    cache.update_and_fetch(keys, values)  # (the cache's buffers hold the new keys now: the kernel reads them there)
-    output = attend_rows(queries, cache.keys, cache.values, cache.offset, attention.scale)
+    if at is None:
+        cache.update_and_fetch(keys, values)  # (the cache's buffers hold the new keys now: the kernel reads them)
+        output = attend_rows(queries, cache.keys, cache.values, cache.offset, attention.scale)
+    else:
+        gated = attention.at_position(x, cache, queries, keys, values, gate)
+        return _tail_call(layer, key, x, gated)
     after = _compiled(layer, ("after-attention", key), lambda: _after_attention(layer))
     if after is not None:
         try:

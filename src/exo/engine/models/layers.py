@@ -37,7 +37,7 @@ from mlx_lm.models.qwen3_next import (
 
 from ..kernels import cuda_qgemv
 from . import gated_delta_states_cuda as states_cuda
-from . import long_attention, prompt_dense
+from . import long_attention, positions, prompt_dense
 from .gated_delta_chunked import gated_delta_chunked_update
 from .prompt_dense import experts_dense
 
@@ -426,6 +426,21 @@ class RollbackArraysCache(ArraysCache):
                 raise ValueError(f"commit() of {len(counts)} sequences, the call had {self._conv_input.shape[0]}")
             self[0] = mx.concatenate([self._conv_input[b : b + 1, r : r + n_keep] for b, r in enumerate(counts)])
             self[1] = mx.concatenate([self._state_after(r)[b : b + 1] for b, r in enumerate(counts)])
+        self.discard()
+
+    def commit_at(self, rows: mx.array) -> None:
+        """``commit`` of one sequence with ``rows`` a device int32 scalar, 1 .. the recorded rows (a chained
+        round's kept rows, ``engine.chain``: the host reads them later): the same window and state values, taken
+        by index on the device."""
+        if self._states is None or self._conv_input is None:
+            raise RuntimeError("commit_at() without a recorded verify call")
+        conv_input = self._conv_input
+        recorded_rows = self._recorded_rows()
+        n_keep = conv_input.shape[1] - recorded_rows
+        rows = rows.astype(mx.int32).reshape(1)
+        self[0] = mx.slice(conv_input, rows, axes=(1,), slice_size=(conv_input.shape[0], n_keep, *conv_input.shape[2:]))
+        after = self._after if self._after is not None else mx.stack(self._states[1:])
+        self[1] = mx.take(after, rows - 1, axis=0).reshape(after.shape[1:])
         self.discard()
 
     def discard(self) -> None:
@@ -1193,6 +1208,8 @@ class Attention(Qwen3NextAttention):
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         B, L, _ = x.shape
+        if cache is not None and positions.at(cache) is not None:
+            return self.at_position(x, cache)
         if self.per_sequence and B > 1 and isinstance(cache, BatchKVCache):
             return self._per_sequence(x, cache)
         if self.attn_kernel and ATTN_KERNEL_ON and _attn_kernel_applies(cache, mask, B, L):
@@ -1250,6 +1267,29 @@ class Attention(Qwen3NextAttention):
         keys = self.rope(keys, offset=cache.offset)
         keys, values = cache.update_and_fetch(keys, values)
         return queries, keys, values, gate
+
+    def at_position(self, x: mx.array, cache: Any, queries: mx.array | None = None, keys: mx.array | None = None,
+                    values: mx.array | None = None, gate: mx.array | None = None) -> mx.array:
+        """A call on a cache written at a device position (``models.positions``: a chained round's): rope at it,
+        the keys and values written there, each row over the keys up to its own position; the heads given where
+        a compiled call computed them already (roped). One sequence, at most ``cuda_attn.MAX_ROWS`` rows."""
+        from ..kernels.cuda_attn import attend_rows, on_cuda
+
+        position = positions.at(cache)
+        assert position is not None
+        if queries is None:
+            queries, keys, values, gate = self.heads(x)
+            queries = self.rope(queries, offset=position)
+            keys = self.rope(keys, offset=position)
+        assert keys is not None and values is not None and gate is not None
+        positions.write(cache, keys, values)
+        rows, bound = queries.shape[2], cache.offset
+        if self.attn_kernel and ATTN_KERNEL_ON and on_cuda():
+            output = attend_rows(queries, cache.keys, cache.values, bound, self.scale, position=position)
+        else:
+            mask = positions.row_mask(position, rows, bound)
+            output = self.attend(queries, cache.keys[:, :, :bound], cache.values[:, :, :bound], None, mask)
+        return self.gated_output(output, gate)
 
     def kernel_applies(self, cache: Any, mask: Any, batch: int, rows: int) -> bool:
         """Whether a call takes exo's decode-attention kernel (``cuda_attn.attend_rows``)."""
