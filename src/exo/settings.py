@@ -45,7 +45,7 @@ class Settings(BaseModel):
     native_mtp_async_draft_eval: bool = Field(default=True, strict=True)
     # a greedy request's next speculative round built while a round computes (EngineConfig.round_ahead): off
     # until measured paying (slower on a 2-core CPU and on an H200 at 9B, both host-bound)
-    native_mtp_round_ahead: Literal["on", "off"] = "off"
+    native_mtp_round_ahead: Literal["on", "off", "chain"] = "off"
     api_host: str = Field(default="0.0.0.0", min_length=1)
     api_port: int = Field(default=52415, ge=1, le=65535)
     grpc_port: int = Field(default=52416, ge=1, le=65535)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -90,6 +90,16 @@ class RoundAhead:
         self.at_commit.restore()
         self.run.pending_token, self.run.phase = self.pending[0]
 
+    def unchain(self) -> None:
+        """This round (launched, read) commits as the loop commits a round, with no round after it: its caches at
+        the host's positions, as after its verify call was built."""
+        from .models import positions
+
+        assert self.first_host is not None and self.head_first_host is not None
+        for c in _attention(self.cache):
+            positions.settle(c, self.first_host + self.k + 1)
+        positions.settle(self.run.head.cache, self.head_first_host + self.k - 1)
+
     def abandon(self) -> None:
         """Round n + 1 will not run as built (another depth, the batch changed, the run ended): the state after
         round n, as if nothing had been built."""
@@ -128,3 +138,221 @@ def build_ahead(run: SequenceState, call: VerifyCall, forward: Forward, cache: l
     drafts = draft(run, k, time_after_catch_up, ahead=k + 1)
     following = build_verify([run], [drafts], forward, cache, logits_of, lazy=True)
     return RoundAhead(run, k, drafts, following, waiting, at_commit, before, (pending0, pending1))
+
+
+# -- chained rounds: the next round built and launched on this one's verdict as the device holds it -------------
+#
+# ``EXO_NATIVE_MTP_ROUND_AHEAD=chain``. A round built ahead on the assumption that it keeps everything waits for
+# the verdict before it is launched (what it assumed may be wrong); on MLX CUDA the launch is the host's work, and
+# the device is idle from its last kernel of round n to the first of round n + 1: the verdict's read, the commit,
+# the next round's build. Here round n + 1 is built on round n's verdict as device arrays, whatever it is (how many
+# rows it keeps, the token after them), and launched before the host reads round n's:
+#
+# - the backbone's attention caches are written at a device position (``models.positions``: the position after
+#   round n's kept rows), their GatedDeltaNet caches keep round n's state by index (``commit_at``);
+# - the head takes all of round n's rows at its device position (the rows past the kept ones are written over by
+#   the next call before anything reads them) and drafts from its output at the last kept row;
+# - the pending token is round n's replacement at its accepted count.
+#
+# The host then reads round n's verdict and emits its tokens. Where round n ended the request, or left its next
+# token to a plain step (a near tie), ``reject`` puts back the state before round n's commit (round n + 1 ran for
+# nothing) and round n commits as it always does. Every row a round keeps computes plain decoding's bits
+# (``tests/engine/test_positions.py``): the output is the loop's without chaining, token for token.
+
+
+def _attention(caches: list[Any]) -> list[Any]:
+    """The backbone's attention caches among ``caches``."""
+    from .models.layers import RollbackArraysCache
+
+    return [c for c in caches if not isinstance(c, RollbackArraysCache)]
+
+
+def _light(caches: list[Any]) -> list[tuple[Any, dict[str, Any]]]:
+    """What a chained round changes in the backbone's GatedDeltaNet caches (their arrays and the recorded call; the
+    attention caches are set from the host's positions, their buffers never need putting back)."""
+    from .models.layers import RollbackArraysCache
+
+    return [(c, {k: _held(v) for k, v in vars(c).items()}) for c in caches if isinstance(c, RollbackArraysCache)]
+
+
+def _put_back(saved: list[tuple[Any, dict[str, Any]]]) -> None:
+    for obj, attributes in saved:
+        vars(obj).clear()
+        vars(obj).update(_held(attributes))
+
+
+@dataclass
+class ChainedRound:
+    """Round n + 1 of ``run`` at depth ``k``, built on round n's device verdict and launched; ``first`` is its
+    first row's position on the device. ``confirm`` (round n read, the chain goes on), ``reject`` (round n ended
+    it: the state before round n's commit) or ``abandon`` (round n + 1 will not run: the state after round n,
+    committed as the loop commits) end what it assumed."""
+
+    run: SequenceState
+    k: int
+    drafts: Drafts
+    call: VerifyCall
+    first: mx.array
+    before_first: int  # round n's first position (the host knows it)
+    head_first: mx.array  # the head's entries before it takes round n + 1's rows (its own count: a gap it
+    head_before_first: int  # never saw, ``HeadRows.skipped``, is not in it); before round n's rows
+    cache: list[Any]
+    previous: VerifyCall  # round n's
+    at_commit: list[tuple[Any, dict[str, Any]]]  # the GatedDeltaNet caches before round n's commit
+    before: list[tuple[Any, dict[str, Any]]]  # ... after round n's commit (on the device), before round n + 1
+    pending: tuple[Any, Any]  # the run's (pending token, phase) before round n's commit
+    waiting: int = 0  # round n's kept rows, once read: what the head took in first (``StepDepth.round_ran``)
+    first_host: int | None = None  # ``first`` once round n's verdict is read
+    head_first_host: int | None = None  # ``head_first`` likewise
+    kept_tokens: list[int] = field(default_factory=list)  # round n's tokens, once read
+
+    def confirm(self, tokens: list[int]) -> None:
+        """Round n was read: it kept ``tokens`` (decided, the request goes on), as round n + 1 assumed."""
+        self.kept_tokens = tokens
+        self.waiting = len(tokens)
+        self.first_host = self.before_first + len(tokens)
+        self.head_first_host = self.head_before_first + len(tokens)
+
+    def reject(self) -> None:
+        """Round n ended the request or left its next token to a plain step: the state before its commit (its
+        verify call's rows written, the head's speculative entries in), as the loop commits it."""
+        from .models import positions
+
+        _put_back(self.at_commit)
+        k = self.previous.k
+        for c in _attention(self.cache):
+            positions.settle(c, self.before_first + k + 1)
+        positions.settle(self.run.head.cache, self.head_before_first + k - 1)
+        self.run.pending_token, self.run.phase = self.pending
+
+    def unchain(self) -> None:
+        """This round (launched, read) commits as the loop commits a round, with no round after it: its caches at
+        the host's positions, as after its verify call was built."""
+        from .models import positions
+
+        assert self.first_host is not None and self.head_first_host is not None
+        for c in _attention(self.cache):
+            positions.settle(c, self.first_host + self.k + 1)
+        positions.settle(self.run.head.cache, self.head_first_host + self.k - 1)
+
+    def abandon(self) -> None:
+        """Round n + 1 will not run as built: the state after round n committed as the loop commits (the head's
+        kept rows waiting for it)."""
+        from .models import positions
+
+        assert self.first_host is not None, "a chained round is abandoned once the round before it was read"
+        _put_back(self.before)
+        for c in _attention(self.cache):
+            positions.settle(c, self.first_host)
+        head = self.run.head
+        positions.settle(head.cache, self.head_before_first)
+        kept = len(self.kept_tokens)
+        head.wait_only(self.previous.hidden[:, :kept], mx.array(self.kept_tokens, dtype=mx.uint32))
+        self.run.pending_token = mx.array(self.kept_tokens[-1:], dtype=mx.uint32)
+        self.run.phase = self.pending[1]
+
+    @contextlib.contextmanager
+    def as_after_round(self, cache: list[Any]) -> Iterator[None]:
+        """The state after round n for a while (invariant checks between steps), then back to round n + 1 built."""
+        now = Snapshot(touched(self.run, cache))
+        pending = (self.run.pending_token, self.run.phase)
+        self.abandon()
+        try:
+            yield
+        finally:
+            now.restore()
+            self.run.pending_token, self.run.phase = pending
+
+
+def chain_applies(run: SequenceState, cache: list[Any]) -> bool:
+    """Whether ``run``'s rounds can be chained: every kept row then computes plain decoding's bits where the
+    backbone's attention layers attend at a device position as a plain step attends (exo's attention kernel on
+    MLX CUDA; MLX's attention on its CPU backend, whose masked rows round as unmasked ones); the head tracked."""
+    from .kernels.cuda_attn import on_cuda
+    from .models.layers import ATTN_KERNEL_ON, Attention
+
+    if not run.head.tracked or run.head.module is None:
+        return False
+    attention = [m for m in run.model.modules() if isinstance(m, Attention)]
+    if on_cuda():
+        return ATTN_KERNEL_ON and all(m.attn_kernel for m in attention)
+    return mx.default_device() == mx.cpu and not run.engine.verify_mode.per_row_attention
+
+
+def _replay_table(run: SequenceState) -> mx.array:
+    """A benchmark's replayed drafts (``engine.replay``) for every output position of ``run``, on the device (a
+    chained round's position is one): the drafter's draws depend on the position alone."""
+    table = run.__dict__.get("_replay_table")
+    if table is None:
+        replay = run.engine.replay
+        assert replay is not None
+        length = run.output.max_tokens + 2 * MAX_CHAIN_DEPTH + 2
+        table = mx.array(replay.drafts(run.request.prompt_tokens, 0, length), dtype=mx.uint32)
+        run.__dict__["_replay_table"] = table
+    return table
+
+
+MAX_CHAIN_DEPTH = 8
+
+
+def build_chained(run: SequenceState, call: VerifyCall, forward: Forward, cache: list[Any],
+                  logits_of: Callable[[mx.array], mx.array], chained: ChainedRound | None) -> ChainedRound:
+    """Round n + 1 of ``run`` at round n's depth, on round n's verify ``call`` (launched, not read) as its verdict
+    stands on the device: its caches at the positions after round n's kept rows, the head fed round n's rows, its
+    drafts and verify call built (``chained``: round n where it was a chained round, confirmed; None: round n was
+    not, its caches at the host's positions)."""
+    from .models import positions
+    from .models.layers import RollbackArraysCache
+    from .sequence import Phase
+
+    k = call.k
+    decision = call.decisions[0]
+    verdict = decision.verdict
+    head = run.head
+    if chained is None:
+        before_first = _attention(cache)[0].offset - (k + 1)
+        first = mx.array(before_first, dtype=mx.int32)
+        head_before_first = head.cache.offset - (k - 1)  # (after its speculative entries)
+        head_first = mx.array(head_before_first, dtype=mx.int32)
+    else:
+        assert chained.first_host is not None and chained.head_first_host is not None
+        before_first, first = chained.first_host, chained.first
+        head_before_first, head_first = chained.head_first_host, chained.head_first
+    at_commit = _light(cache)
+    pending = (run.pending_token, run.phase)
+    output_at = len(run.output.tokens)
+
+    # round n's verdict on the device: its accepted drafts (up to a near tie), the token after them
+    ok = verdict.accepted if verdict.decided is None else mx.logical_and(verdict.accepted, verdict.decided[:k])
+    accepted = mx.cumprod(ok.astype(mx.int32)).sum().astype(mx.int32)
+    kept = accepted + 1
+    last = mx.take(verdict.replacement, accepted.reshape(1)).astype(mx.uint32)
+    following_tokens = mx.where(mx.arange(k + 1) < accepted,
+                                mx.concatenate([decision.drafts.tokens, last]).astype(mx.uint32), last)
+    # the backbone's caches after round n's kept rows
+    for c in cache:
+        if isinstance(c, RollbackArraysCache):
+            c.commit_at(kept)
+        else:
+            positions.start(c, first + kept, c.offset)
+    before = _light(cache)
+    # the head: round n's rows at its position, its drafts from the last kept row
+    positions.start(head.cache, head_first, head.cache.offset)
+    out = head.module(head.embed(following_tokens[None]), call.hidden, head.cache)
+    positions.rewind(head.cache, head_first + kept)
+    out = mx.take(out, accepted.reshape(1), axis=1)
+    tokens: list[mx.array] = []
+    history = run.choice.history
+    for i in range(k):
+        if i > 0:
+            out = head.next_draft(tokens[-1], out)
+        token, _, _, history = run.choice.draft(run.model.logits(out)[:, -1], history)
+        tokens.append(token)
+    draft_tokens = mx.concatenate(tokens).astype(mx.uint32)
+    if run.engine.replay is not None:  # a benchmark's known continuation: the head ran, its tokens go
+        draft_tokens = mx.take(_replay_table(run), output_at + kept + mx.arange(k, dtype=mx.int32))
+    drafts = Drafts(k, draft_tokens, [], [], False)
+    run.pending_token, run.phase = last, Phase.EMITTED
+    following = build_verify([run], [drafts], forward, cache, logits_of, lazy=True)
+    return ChainedRound(run, k, drafts, following, first + kept, before_first, head_first + kept, head_before_first,
+                        cache, call, at_commit, before, pending)

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from .ahead import RoundAhead
+from .ahead import MAX_CHAIN_DEPTH, ChainedRound, RoundAhead, chain_applies
 from .batch_cache import BatchCaches
 from .batch_clock import StepClock
 from .batch_memory import batch_bytes, batch_fits, sequence_bytes, stage_bytes
@@ -86,7 +86,7 @@ class BatchDecoder:
         self.plain = PlainSteps()
         # The next round, built while the last one computed and kept all its drafts (``engine.ahead``): the
         # caches hold it built; ``_abandon`` puts back the state after the last round wherever it will not run.
-        self._ahead: RoundAhead | None = None
+        self._ahead: RoundAhead | ChainedRound | None = None
 
     def __len__(self) -> int:
         return len(self.runs)
@@ -142,12 +142,12 @@ class BatchDecoder:
                 run.check_invariants(at)
 
     @property
-    def ahead(self) -> RoundAhead | None:
+    def ahead(self) -> RoundAhead | ChainedRound | None:
         """The next round, built while the last one computed (its run knows it too: ``check_invariants``)."""
         return self._ahead
 
     @ahead.setter
-    def ahead(self, ahead: RoundAhead | None) -> None:
+    def ahead(self, ahead: RoundAhead | ChainedRound | None) -> None:
         if self._ahead is not None:
             self._ahead.run.ahead = None
         if ahead is not None:
@@ -289,7 +289,7 @@ class BatchDecoder:
         return out
 
     # -- speculative rounds (``batch_step``) --------------------------------------------------------------
-    def _round(self, plan: Plan, out: Results, quiet: bool, built: RoundAhead | None = None) -> None:
+    def _round(self, plan: Plan, out: Results, quiet: bool, built: RoundAhead | ChainedRound | None = None) -> None:
         """One speculative round of every run under ``plan`` (``out``: each run's chunks so far, appended to;
         ``built``: this round, built while the last one computed)."""
         keep, self.ahead = speculative_round(self.runs, plan, out, self.engine.forward, self.caches,
@@ -299,16 +299,23 @@ class BatchDecoder:
         if len(keep) < len(self.runs):
             self._keep(keep, ended=True)
 
-    def _looks_ahead(self, plan: Plan) -> bool:
+    def _looks_ahead(self, plan: Plan) -> bool | str:
         """Whether this round builds the next one while it computes (``engine.ahead``): a batch of one on this
         process's whole backbone, decoding greedily with nothing applied to its rows (no penalties, grammar or
-        logprobs), with room left for another round after this one."""
-        if self.engine.config.round_ahead != "on" or len(self.runs) != 1 or self.caches.rows:
+        logprobs), with room left for another round after this one; "chain": built on this round's verdict as
+        the device holds it and launched before the host reads it (``EXO_NATIVE_MTP_ROUND_AHEAD=chain``, where
+        ``chain_applies``)."""
+        mode = self.engine.config.round_ahead
+        if mode == "off" or len(self.runs) != 1 or self.caches.rows:
             return False
         run = self.runs[0]
         k = plan.depth(run)
-        return (k > 0 and isinstance(self.engine.forward, LocalForward) and run.choice.bare_greedy
-                and run.head.tracked and len(run.output.tokens) + k + 1 < run.output.max_tokens)
+        if not (k > 0 and isinstance(self.engine.forward, LocalForward) and run.choice.bare_greedy
+                and run.head.tracked and len(run.output.tokens) + k + 1 < run.output.max_tokens):
+            return False
+        if mode == "chain":
+            return "chain" if k <= MAX_CHAIN_DEPTH and chain_applies(run, self.caches.cache) else False
+        return True
 
 
 def decode_alone(run: SequenceState) -> Iterator[GenerationChunk]:

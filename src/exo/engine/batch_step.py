@@ -25,7 +25,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .ahead import RoundAhead, build_ahead
+from .ahead import ChainedRound, RoundAhead, build_ahead, build_chained
 from .batch_cache import BatchCaches
 from .depth import HEAD_FLUSH_ROWS, Plan, StepDepth, Stretch
 from .forward import Forward
@@ -168,8 +168,8 @@ class PlainSteps:
 
 def speculative_round(runs: list[SequenceState], plan: Plan, out: Results, forward: Forward, caches: BatchCaches,
                       logits_of: Callable[[mx.array], mx.array], depth: StepDepth, quiet: bool,
-                      counted: int, built: RoundAhead | None = None,
-                      look_ahead: bool = False) -> tuple[list[int], RoundAhead | None]:
+                      counted: int, built: RoundAhead | ChainedRound | None = None,
+                      look_ahead: bool | str = False) -> tuple[list[int], RoundAhead | ChainedRound | None]:
     """One speculative round of every run under ``plan`` (``out``: each run's chunks so far, appended to;
     ``logits_of``: the verify call's logits; ``quiet``: nothing else ran since the last step; ``counted``: the
     batch size a run's stats count). ``built``: this round, built while the round before computed
@@ -184,6 +184,7 @@ def speculative_round(runs: list[SequenceState], plan: Plan, out: Results, forwa
         for run in runs:
             run.stats.mark(phase)
 
+    chained = built if isinstance(built, ChainedRound) else None
     if built is not None:  # its host work is done: only its launch and the device's work are left
         waiting, drafts, call = [built.waiting], [built.drafts], built.call
         mark("draft_build")
@@ -194,15 +195,32 @@ def speculative_round(runs: list[SequenceState], plan: Plan, out: Results, forwa
         call = build_verify(runs, drafts, forward, caches.cache, logits_of)
     mark("verify_build")
     arrays = call.arrays()
-    following = None
-    if look_ahead:
+    following: RoundAhead | ChainedRound | None = None
+    if look_ahead == "chain":  # the next round built on this one's verdict as the device holds it, launched now
+        if chained is None:
+            mx.async_eval(*arrays)  # (a chained round was launched as it was built)
+        following = build_chained(runs[0], call, forward, caches.cache, logits_of, chained)
+        mx.async_eval(*following.call.arrays())
+    elif look_ahead:
         mx.async_eval(*arrays)  # the device computes this round while the host builds the next
         following = build_ahead(runs[0], call, forward, caches.cache, caches.rollback, logits_of,
                                 plan.time_after_catch_up)
+    if following is None and chained is not None:
+        chained.unchain()  # (no round after it: it commits as any round)
     mx.eval(*arrays)
     mark("device_wait")
     decisions = call.decisions
-    if following is not None:
+    if isinstance(following, ChainedRound):
+        run, decision = runs[0], decisions[0]
+        tokens, decided, last = settle(run, decision)
+        if decided and run.output.finish is None:
+            following.confirm(tokens)  # the device committed it as the host now reads it
+        else:
+            following.reject()  # (it ran for nothing) this round commits as the loop commits
+            following = None
+            advance(run, decision, call.hidden, tokens, decided, last)
+            caches.rollback(call.k + 1, [len(tokens)])
+    elif following is not None:
         run, decision = runs[0], decisions[0]
         tokens, decided, last = settle(run, decision)
         if not (decided and len(tokens) == call.k + 1 and run.output.finish is None):

@@ -100,7 +100,7 @@ class EngineConfig:
     # an H200 at 9B, where MLX CUDA's eval is the host launching ~700 kernels as fast as the device runs them:
     # 3-22% dearer (docs/performance.md). Where the device is the bottleneck (bandwidth-bound Apple GPUs, larger
     # models) it should pay: unmeasured.
-    round_ahead: Literal["on", "off"] = "off"
+    round_ahead: Literal["on", "off", "chain"] = "off"
     # Prompt tokens one prefill chunk feeds the model at most. None: the device's (``default_prefill_chunk``):
     # CPU_PREFILL_CHUNK on MLX's CPU backend, GPU_PREFILL_CHUNK on a GPU.
     prefill_chunk: int | None = None

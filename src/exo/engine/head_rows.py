@@ -53,6 +53,12 @@ class HeadRows:
         self._hidden.append(hidden)
         self._tokens.append(tokens.reshape(-1))
 
+    def wait_only(self, hidden: mx.array, tokens: mx.array) -> None:
+        """The rows waiting are exactly these (the state after a round a chained one was built on, put back:
+        ``engine.ahead.ChainedRound``; the head took them in on the device, at positions it now forgets)."""
+        self._hidden, self._tokens = [], []
+        self.wait(hidden, tokens)
+
     def flush(self) -> mx.array | None:
         """Commit the waiting rows to the head's cache in one call; returns the head's output (None: none
         waited)."""
