@@ -254,6 +254,11 @@ for p in "$@"; do
     # (d612378): K = 1 / 2 / 3 round costs and adaptive at acceptance 0 and 0.8 (K = 1 <= 1.25, K = 3 <= 1.5)
     rounds50d) phase rounds50d $PY bench/round_phases.py "$Q9" --replay 0.0,0.8 --depths 1 2 3 \
                    $([ "$CPU" = 1 ] && echo --repeats 1 --max-tokens 12 || echo --repeats 2 --max-tokens 48) ;;
+    # issue 50: chained rounds (EXO_NATIVE_MTP_ROUND_AHEAD=chain: round n + 1 built on round n's verdict as the device
+    # holds it and launched before the host reads it) against rounds as they are, in one process: round cost K = 1-3
+    # at acceptance 0 and 0.8, speed-up, identical to plain
+    roundschain) phase roundschain $PY bench/round_phases.py "$Q9" --replay 0.0,0.8 --depths 1 2 3 --ahead chain off \
+                   --no-adaptive $([ "$CPU" = 1 ] && echo --repeats 1 --max-tokens 12 || echo --repeats 2 --max-tokens 48) ;;
     # MLX CUDA's graph size (MLX_MAX_OPS_PER_BUFFER, 100 on an H200): a K = 1 round and a plain step at 50 / 200 / 400
     opsbuf) for v in 50 200 400; do
                 MLX_MAX_OPS_PER_BUFFER=$v phase opsbuf$v $PY bench/round_phases.py "$Q9" --replay 0.8 --depths 1 --no-adaptive \

@@ -57,7 +57,9 @@ step's are what it costs more on a host-bound device).
 
 ``--ahead on off``: each fixed depth with and without the next round built while a round computes
 (``engine/ahead.py``, off by default), named ``k=K/a1`` and ``k=K/a0``: a round built ahead shows its build in the
-round before (``draft_build`` and ``verify_build`` near 0 where it ran).
+round before (``draft_build`` and ``verify_build`` near 0 where it ran). ``chain``: chained rounds, named ``k=K/ac``
+(each built on the round before's verdict as the device holds it and launched before the host reads it: its build
+and launch fall inside the round before's ``device_wait``).
 """
 
 from __future__ import annotations
@@ -86,6 +88,9 @@ PROMPT_SITES = ("prefill", "prefill_with", "first_token", "_fed")  # the prompt'
 PHASES = ("draft_build", "verify_build", "device_wait", *OUTSIDE_PHASES)
 
 
+_AHEAD_NAMES = {"on": "1", "off": "0", "chain": "c"}  # --ahead's settings in a configuration's name
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?")
@@ -96,9 +101,9 @@ def main() -> None:
     parser.add_argument("--replay", type=lambda s: [float(a) for a in s.split(",")], default=None,
                         metavar="A,B,...", help="acceptance rates to replay the plain continuation at")
     parser.add_argument("--no-adaptive", action="store_true", help="leave adaptive depth out")
-    parser.add_argument("--ahead", choices=["on", "off"], nargs="+", default=None,
+    parser.add_argument("--ahead", choices=["on", "off", "chain"], nargs="+", default=None,
                         help="each fixed depth once per setting: the next round built while a round computes "
-                        "(engine/ahead.py) or not, named k=K/a1, k=K/a0")
+                        "(engine/ahead.py) or not, or chained rounds: named k=K/a1, k=K/a0, k=K/ac")
     parser.add_argument("--verify-eval-every", type=int, nargs="+", default=None, metavar="N",
                         help="each fixed depth once per setting: a verify call evaluated every N layers as it is "
                         "built (0: one evaluation; engine/forward.py), named k=K/eN")
@@ -117,7 +122,7 @@ def main() -> None:
         for every in args.verify_eval_every or [None]:
             for ahead in args.ahead or [None]:
                 name = f"k={k}" + ("" if every is None else f"/e{every}") + ("" if ahead is None else
-                                                                              f"/a{int(ahead == 'on')}")
+                                                                              f"/a{_AHEAD_NAMES[ahead]}")
                 configs.append((name, k))
                 if every is not None:
                     evals[name] = every

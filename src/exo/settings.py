@@ -44,7 +44,8 @@ class Settings(BaseModel):
     native_mtp_moe_verify: MoEVerify = "route_locked"
     native_mtp_async_draft_eval: bool = Field(default=True, strict=True)
     # a greedy request's next speculative round built while a round computes (EngineConfig.round_ahead): off
-    # until measured paying (slower on a 2-core CPU and on an H200 at 9B, both host-bound)
+    # until measured paying (slower on a 2-core CPU and on an H200 at 9B, both host-bound); "chain": built on the
+    # round's device verdict and launched before the host reads it (engine.ahead.ChainedRound)
     native_mtp_round_ahead: Literal["on", "off", "chain"] = "off"
     api_host: str = Field(default="0.0.0.0", min_length=1)
     api_port: int = Field(default=52415, ge=1, le=65535)

@@ -81,12 +81,21 @@ def test_chained_rounds_give_plain_decodings_tokens(checkpoint, arch, depth, dty
         assert counted["built"] > 0 and counted["confirmed"] > 0, counted
 
 
+@pytest.mark.parametrize("paths", ["cpu", "cuda"])
 @pytest.mark.parametrize("acceptance", [1.0, 0.6, 0.0])
-def test_chained_rounds_at_replayed_acceptance_and_the_invariants_between_steps(checkpoint, counted, acceptance):
+def test_chained_rounds_at_replayed_acceptance_and_the_invariants_between_steps(checkpoint, counted, acceptance,
+                                                                                paths, monkeypatch):
     """A replayed continuation (the benchmarks' drafter: its drafts for a chained round taken by the device's
     position): every round's drafts kept, some, none. The output is plain decoding's, a chained round is in the
-    caches between steps and the invariants hold there, and the budget ends inside a round."""
-    loaded = _loaded(checkpoint("qwen3_5", dtype="float32"))
+    caches between steps and the invariants hold there, and the budget ends inside a round. ``cuda``: the layers
+    wired as on MLX CUDA (compiled calls, exo's GatedDeltaNet and attention kernels with their references standing
+    in on this CPU), in bfloat16."""
+    if paths == "cuda":
+        monkeypatch.setattr("exo.engine.models.compiled_layers.MODE", "always")
+        monkeypatch.setenv("EXO_GDN_KERNEL", "always")
+        monkeypatch.setenv("EXO_ATTN_KERNEL", "always")
+    loaded = load_checkpoint(checkpoint("qwen3_5", dtype="float32" if paths == "cpu" else "bfloat16"))
+    loaded = dataclasses.replace(loaded, eos_token_ids=frozenset())
     engine = Engine(loaded, EngineConfig(prefill_chunk=CHUNK, round_ahead="chain"))
     prompt = _prompt(loaded, 11)
     plain = _complete(engine, prompt, native_mtp="off", max_tokens=60)

@@ -99,7 +99,9 @@ class EngineConfig:
     # it behind. A 2-core CPU (the build takes the cores the computation runs on): K = 1-3 rounds 9-16% dearer;
     # an H200 at 9B, where MLX CUDA's eval is the host launching ~700 kernels as fast as the device runs them:
     # 3-22% dearer (docs/performance.md). Where the device is the bottleneck (bandwidth-bound Apple GPUs, larger
-    # models) it should pay: unmeasured.
+    # models) it should pay: unmeasured. "chain": the next round built on the round's verdict as the device holds
+    # it, whatever it kept, and launched before the host reads it (``engine.ahead.ChainedRound``): the device need
+    # not wait on the host between rounds; the same tokens (tests/engine/test_chain.py); unmeasured on a GPU.
     round_ahead: Literal["on", "off", "chain"] = "off"
     # Prompt tokens one prefill chunk feeds the model at most. None: the device's (``default_prefill_chunk``):
     # CPU_PREFILL_CHUNK on MLX's CPU backend, GPU_PREFILL_CHUNK on a GPU.

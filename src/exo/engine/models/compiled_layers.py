@@ -117,7 +117,15 @@ def call(layer: Any, x: mx.array, mask: Any, cache: Any, key: tuple[Any, ...]) -
                                       or positions.at(cache) is not None):
             return _attention_layer(layer, attention, x, cache, key)
         r = layer.self_attn(layer.input_layernorm(x), mask, cache)  # (a batch's attention under its mask)
-        return _tail_call(layer, key, x, r)
+        name = ("tail", key)
+        tail = found[name] if name in found else _compiled(layer, name, lambda: _tail(layer))
+        if tail is not None:
+            try:
+                return tail(x, r)
+            except Exception as e:  # noqa: BLE001 - MLX could not trace it: op by op from now on
+                _give_up(layer, name, e)
+        h = x + _reduce(layer, r)
+        return h + _reduce(layer, layer.mlp(layer.post_attention_layernorm(h)))
     if mask is not None or not isinstance(cache, RollbackArraysCache):
         return layer(x, mask=mask, cache=cache)
     recording = cache.recording
@@ -152,21 +160,6 @@ def call(layer: Any, x: mx.array, mask: Any, cache: Any, key: tuple[Any, ...]) -
     cache.advance(rows)
     h = outputs[0]
     return h if dense else h + _reduce(layer, layer.mlp(layer.post_attention_layernorm(h)))
-
-
-def _tail_call(layer: Any, key: tuple[Any, ...], x: mx.array, r: mx.array) -> mx.array:
-    """An attention decoder layer's part after its attention ``r``: residual, norm, dense MLP, residual; one
-    compiled call where MLX traces it, op by op where it did not."""
-    name = ("tail", key)
-    found = layer.__dict__["_compiled_layer_steps"]
-    tail = found[name] if name in found else _compiled(layer, name, lambda: _tail(layer))
-    if tail is not None:
-        try:
-            return tail(x, r)
-        except Exception as e:  # noqa: BLE001 - MLX could not trace it: op by op from now on
-            _give_up(layer, name, e)
-    h = x + _reduce(layer, r)
-    return h + _reduce(layer, layer.mlp(layer.post_attention_layernorm(h)))
 
 
 def _facts(layer: Any) -> tuple[bool, bool, Attention | None]:
@@ -219,9 +212,8 @@ def _attention_layer(layer: Any, attention: Attention, x: mx.array, cache: Any, 
     if at is None:
         cache.update_and_fetch(keys, values)  # (the cache's buffers hold the new keys now: the kernel reads them)
         output = attend_rows(queries, cache.keys, cache.values, cache.offset, attention.scale)
-    else:
-        gated = attention.at_position(x, cache, queries, keys, values, gate)
-        return _tail_call(layer, key, x, gated)
+    else:  # (a chained round's cache: written and read at its device position)
+        output = attention.at_position(x, cache, queries, keys, values, gate)
     after = _compiled(layer, ("after-attention", key), lambda: _after_attention(layer))
     if after is not None:
         try:

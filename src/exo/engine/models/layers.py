@@ -1272,11 +1272,13 @@ class Attention(Qwen3NextAttention):
                     values: mx.array | None = None, gate: mx.array | None = None) -> mx.array:
         """A call on a cache written at a device position (``models.positions``: a chained round's): rope at it,
         the keys and values written there, each row over the keys up to its own position; the heads given where
-        a compiled call computed them already (roped). One sequence, at most ``cuda_attn.MAX_ROWS`` rows."""
+        a compiled call computed them already (roped: then the attention's rows [B, Hq, T, D] come back, before
+        the output gate, for the compiled call after it). One sequence, at most ``cuda_attn.MAX_ROWS`` rows."""
         from ..kernels.cuda_attn import attend_rows, on_cuda
 
         position = positions.at(cache)
         assert position is not None
+        gated = queries is None
         if queries is None:
             queries, keys, values, gate = self.heads(x)
             queries = self.rope(queries, offset=position)
@@ -1289,7 +1291,7 @@ class Attention(Qwen3NextAttention):
         else:
             mask = positions.row_mask(position, rows, bound)
             output = self.attend(queries, cache.keys[:, :, :bound], cache.values[:, :, :bound], None, mask)
-        return self.gated_output(output, gate)
+        return self.gated_output(output, gate) if gated else output
 
     def kernel_applies(self, cache: Any, mask: Any, batch: int, rows: int) -> bool:
         """Whether a call takes exo's decode-attention kernel (``cuda_attn.attend_rows``)."""
