@@ -264,18 +264,21 @@ class ChainedRound:
             self.run.pending_token, self.run.phase = pending
 
 
-def chain_applies(run: SequenceState, cache: list[Any]) -> bool:
+def chain_applies(run: SequenceState) -> bool:
     """Whether ``run``'s rounds can be chained: every kept row then computes plain decoding's bits where the
     backbone's attention layers attend at a device position as a plain step attends (exo's attention kernel on
     MLX CUDA; MLX's attention on its CPU backend, whose masked rows round as unmasked ones); the head tracked."""
     from .kernels.cuda_attn import on_cuda
-    from .models.layers import ATTN_KERNEL_ON, Attention
+    from .models import layers
 
     if not run.head.tracked or run.head.module is None:
         return False
-    attention = [m for m in run.model.modules() if isinstance(m, Attention)]
     if on_cuda():
-        return ATTN_KERNEL_ON and all(m.attn_kernel for m in attention)
+        state = run.engine.__dict__  # (found once: a walk of the model's modules is the host's work a round)
+        if "_chain_kernels" not in state:
+            attention = [m for m in run.model.modules() if isinstance(m, layers.Attention)]
+            state["_chain_kernels"] = bool(attention) and all(m.attn_kernel for m in attention)
+        return layers.ATTN_KERNEL_ON and state["_chain_kernels"]
     return mx.default_device() == mx.cpu and not run.engine.verify_mode.per_row_attention
 
 
@@ -329,12 +332,13 @@ def build_chained(run: SequenceState, call: VerifyCall, forward: Forward, cache:
     last = mx.take(verdict.replacement, accepted.reshape(1)).astype(mx.uint32)
     following_tokens = mx.where(mx.arange(k + 1) < accepted,
                                 mx.concatenate([decision.drafts.tokens, last]).astype(mx.uint32), last)
-    # the backbone's caches after round n's kept rows
+    # the backbone's caches after round n's kept rows (one position array for them all)
+    following_first = first + kept
     for c in cache:
         if isinstance(c, RollbackArraysCache):
             c.commit_at(kept)
         else:
-            positions.start(c, first + kept, c.offset)
+            positions.start(c, following_first, c.offset)
     before = _light(cache)
     # the head: round n's rows at its position, its drafts from the last kept row
     positions.start(head.cache, head_first, head.cache.offset)
@@ -354,5 +358,5 @@ def build_chained(run: SequenceState, call: VerifyCall, forward: Forward, cache:
     drafts = Drafts(k, draft_tokens, [], [], False)
     run.pending_token, run.phase = last, Phase.EMITTED
     following = build_verify([run], [drafts], forward, cache, logits_of, lazy=True)
-    return ChainedRound(run, k, drafts, following, first + kept, before_first, head_first + kept, head_before_first,
-                        cache, call, at_commit, before, pending)
+    return ChainedRound(run, k, drafts, following, following_first, before_first, head_first + kept,
+                        head_before_first, cache, call, at_commit, before, pending)

@@ -314,7 +314,7 @@ class BatchDecoder:
                 and run.head.tracked and len(run.output.tokens) + k + 1 < run.output.max_tokens):
             return False
         if mode == "chain":
-            return "chain" if k <= MAX_CHAIN_DEPTH and chain_applies(run, self.caches.cache) else False
+            return "chain" if k <= MAX_CHAIN_DEPTH and chain_applies(run) else False
         return True
 
 

@@ -204,8 +204,11 @@ def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, count: int,
     chunks = -(-count // CHUNK)
     if position is None:
         meta = mx.array([count - T, T, chunks], dtype=mx.int32)
-    else:
-        meta = mx.concatenate([position.astype(mx.int32).reshape(1), mx.array([T, chunks], dtype=mx.int32)])
+    else:  # (one meta for every layer of a call at this position)
+        from ..models.positions import derived
+
+        meta = derived(position, ("attn-meta", T, chunks), lambda p: mx.concatenate(
+            [p.astype(mx.int32).reshape(1), mx.array([T, chunks], dtype=mx.int32)]))
     first, second = _kernels()
     template = [("T", queries.dtype), ("D", D), ("HQ", hq), ("HKV", keys.shape[1]), ("CHUNK", CHUNK),
                 ("WARPS_", WARPS)]

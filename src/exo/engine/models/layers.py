@@ -437,10 +437,11 @@ class RollbackArraysCache(ArraysCache):
         conv_input = self._conv_input
         recorded_rows = self._recorded_rows()
         n_keep = conv_input.shape[1] - recorded_rows
-        rows = rows.astype(mx.int32).reshape(1)
-        self[0] = mx.slice(conv_input, rows, axes=(1,), slice_size=(conv_input.shape[0], n_keep, *conv_input.shape[2:]))
+        start = positions.derived(rows, "index", lambda r: r.astype(mx.int32).reshape(1))  # (one node a round)
+        self[0] = mx.slice(conv_input, start, axes=(1,), slice_size=(conv_input.shape[0], n_keep, *conv_input.shape[2:]))
         after = self._after if self._after is not None else mx.stack(self._states[1:])
-        self[1] = mx.take(after, rows - 1, axis=0).reshape(after.shape[1:])
+        row = positions.derived(rows, "row", lambda r: r.astype(mx.int32).reshape(1) - 1)
+        self[1] = mx.take(after, row, axis=0).reshape(after.shape[1:])
         self.discard()
 
     def discard(self) -> None:

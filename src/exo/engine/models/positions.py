@@ -24,6 +24,32 @@ from typing import Any
 
 import mlx.core as mx
 
+# Arrays derived from a position (the next one, a write's start index, the attention kernel's meta): every layer of
+# a call derives the same ones from the same position, so each is one node of the graph, not one a layer (on MLX
+# CUDA a node is the host's work). Keyed by the position array's identity, the last few positions only.
+_DERIVED: dict[int, tuple[mx.array, dict[Any, mx.array]]] = {}
+_DERIVED_KEEP = 16
+
+
+def derived(position: mx.array, key: Any, make: Any) -> mx.array:
+    """``make(position)``, once per ``position`` (the same array object) and ``key``."""
+    entry = _DERIVED.get(id(position))
+    if entry is None or entry[0] is not position:
+        if len(_DERIVED) >= _DERIVED_KEEP:
+            _DERIVED.clear()
+        entry = _DERIVED[id(position)] = (position, {})
+    found = entry[1]
+    if key not in found:
+        found[key] = make(position)
+    return found[key]
+
+
+def _scalar(position: mx.array) -> mx.array:
+    """``position`` as an int32 scalar (itself where it is one)."""
+    if position.dtype == mx.int32 and position.ndim == 0:
+        return position
+    return position.astype(mx.int32).reshape(())
+
 
 def at(cache: Any) -> mx.array | None:
     """The device position of ``cache``'s next write, or None where the cache is written at its ``offset``."""
@@ -32,7 +58,7 @@ def at(cache: Any) -> mx.array | None:
 
 def start(cache: Any, position: mx.array, bound: int) -> None:
     """From now on ``cache`` is written at ``position`` (int32 scalar; at most ``bound``, the host's upper bound)."""
-    cache.at = position.astype(mx.int32).reshape(())
+    cache.at = _scalar(position)
     cache.offset = bound
 
 
@@ -60,20 +86,21 @@ def write(cache: Any, keys: mx.array, values: mx.array) -> mx.array:
         else:
             cache.keys = mx.concatenate([cache.keys, new_k], axis=2)
             cache.values = mx.concatenate([cache.values, new_v], axis=2)
-    start_index = position.reshape(1)
+    start_index = derived(position, "index", lambda p: p.reshape(1))
     cache.keys = mx.slice_update(cache.keys, keys, start_index, axes=(2,))
     cache.values = mx.slice_update(cache.values, values, start_index, axes=(2,))
     cache.offset = bound + L
-    cache.at = position + L
+    cache.at = derived(position, ("next", L), lambda p: p + L)
     return position
 
 
 def rewind(cache: Any, position: mx.array) -> None:
     """The next write goes to ``position`` (device; a round kept fewer rows than it wrote: the first row's position
     plus the rows kept). The bound stays."""
-    cache.at = position.astype(mx.int32).reshape(())
+    cache.at = _scalar(position)
 
 
 def row_mask(position: mx.array, rows: int, bound: int) -> mx.array:
     """[rows, bound] bool: row t (at ``position`` + t) sees keys 0 .. ``position`` + t."""
-    return mx.arange(bound, dtype=mx.int32)[None] <= (position + mx.arange(rows, dtype=mx.int32))[:, None]
+    return derived(position, ("mask", rows, bound), lambda p: mx.arange(bound, dtype=mx.int32)[None]
+                   <= (p + mx.arange(rows, dtype=mx.int32))[:, None])
