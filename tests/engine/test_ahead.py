@@ -5,34 +5,19 @@ back is the state the loop without it leaves (the invariants between steps, the 
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import mlx.core as mx
 import pytest
 
-from exo.engine import Engine, EngineConfig, GenerationRequest, batch_step, load_checkpoint
+from exo.engine import Engine, EngineConfig, GenerationRequest, batch_step
 from exo.engine import ahead as ahead_module
 from exo.engine.batch import BatchDecoder
 from exo.engine.replay import ReplayDrafter
 
+from .rounds import complete as _complete
+from .rounds import loaded as _loaded
+from .rounds import prompt as _prompt
+
 CHUNK = 8
-
-
-@functools.cache
-def _loaded(path):
-    return dataclasses.replace(load_checkpoint(path), eos_token_ids=frozenset())
-
-
-def _prompt(loaded, length: int) -> list[int]:
-    ids = loaded.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n    return fib")
-    while len(ids) < length:
-        ids = ids + ids
-    return ids[:length]
-
-
-def _complete(engine: Engine, prompt, **request):
-    return engine.complete(GenerationRequest(prompt, max_tokens=request.pop("max_tokens", 40), **request))
 
 
 @pytest.fixture
@@ -46,14 +31,15 @@ def counted(monkeypatch):
         return build(*args, **kwargs)
 
     monkeypatch.setattr(batch_step, "build_ahead", built)
-    for name in ("reject", "abandon"):
-        method = getattr(ahead_module.RoundAhead, name)
+    for kind in (ahead_module.RoundAhead, ahead_module.ChainedRound):  # (chained rounds: test_chain.py)
+        for name in ("reject", "abandon"):
+            method = getattr(kind, name)
 
-        def wrapped(self, method=method, name=name):
-            counts["rejected" if name == "reject" else "abandoned"] += 1
-            return method(self)
+            def wrapped(self, method=method, name=name):
+                counts["rejected" if name == "reject" else "abandoned"] += 1
+                return method(self)
 
-        monkeypatch.setattr(ahead_module.RoundAhead, name, wrapped)
+            monkeypatch.setattr(kind, name, wrapped)
     round_ = batch_step.speculative_round
 
     def ran(*args, **kwargs):
@@ -120,11 +106,12 @@ def test_every_draft_kept_runs_every_round_built_ahead(checkpoint, counted):
     assert batch.ahead is None and run.ahead is None
 
 
-def test_a_stop_string_inside_a_round_kept_whole_rejects_the_round_built_ahead(checkpoint, counted):
-    """Every draft kept, but the request ends inside the round (a stop string): the round built ahead is
-    rejected, the commit keeps the reply up to the stop, as without it."""
+@pytest.mark.parametrize("mode", ["on", "chain"])
+def test_a_stop_string_inside_a_round_kept_whole_rejects_the_round_built_ahead(checkpoint, counted, mode):
+    """Every draft kept, but the request ends inside the round (a stop string): the round built ahead (or the
+    chained round after it, launched) is rejected, the commit keeps the reply up to the stop, as without it."""
     loaded = _loaded(checkpoint("qwen3_5", dtype="float32"))
-    on = Engine(loaded, EngineConfig(prefill_chunk=CHUNK, round_ahead="on"))
+    on = Engine(loaded, EngineConfig(prefill_chunk=CHUNK, round_ahead=mode))
     off = Engine(loaded, EngineConfig(prefill_chunk=CHUNK, round_ahead="off"))
     prompt = _prompt(loaded, 11)
     plain = _complete(off, prompt, native_mtp="off", max_tokens=60)
@@ -141,15 +128,18 @@ def test_a_stop_string_inside_a_round_kept_whole_rejects_the_round_built_ahead(c
     assert counted["rejected"] >= 1, counted
 
 
-def test_a_round_built_ahead_is_abandoned_when_the_depth_changes_or_a_request_joins(checkpoint, counted):
-    """Between rounds the loop may not run the round built ahead: the policy chose another depth, or a second
-    request joined the batch (its rows are batched, the round was built for one). It is abandoned, the state
-    after the last round comes back, and every output is its solo one."""
+@pytest.mark.parametrize(("mode", "acceptance"), [("on", 1.0), ("chain", 0.7)])
+def test_a_round_built_ahead_is_abandoned_when_the_depth_changes_or_a_request_joins(checkpoint, counted, mode,
+                                                                                    acceptance):
+    """Between rounds the loop may not run the round built ahead (or chained: launched, whatever the round before
+    kept): the policy chose another depth, or a second request joined the batch (its rows are batched, the round
+    was built for one). It is abandoned, the state after the last round comes back (as the loop commits it), and
+    every output is its solo one."""
     loaded = _loaded(checkpoint("qwen3_5", dtype="float32"))
-    engine = Engine(loaded, EngineConfig(prefill_chunk=CHUNK, round_ahead="on"))
+    engine = Engine(loaded, EngineConfig(prefill_chunk=CHUNK, round_ahead=mode))
     first, second = _prompt(loaded, 9), _prompt(loaded, 14)
     solo = {tuple(p): _complete(engine, p, native_mtp="off", max_tokens=30).token_ids for p in (first, second)}
-    engine.replay = ReplayDrafter(solo, 1.0, engine.vocab_size)
+    engine.replay = ReplayDrafter(solo, acceptance, engine.vocab_size)
     # another depth: the policy's fixed depth changed under the round built ahead
     run = engine.start(GenerationRequest(first, max_tokens=30, mtp_k=2))
     batch = BatchDecoder(engine)

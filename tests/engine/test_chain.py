@@ -1,13 +1,12 @@
 """Chained speculative rounds (``EXO_NATIVE_MTP_ROUND_AHEAD=chain``, ``engine.ahead.build_chained``): round n + 1
 built on round n's verdict as the device holds it and launched before the host reads it. Greedy output stays plain
-decoding's token for token whatever round n kept, where round n ended the request (round n + 1 rejected), where a
-round after it will not run (abandoned: another depth, a request joining), and the state between steps is the
-loop's."""
+decoding's token for token whatever round n kept, and the state between steps is the loop's. Where round n ended
+the request (round n + 1 rejected) and where a round after it will not run (abandoned): test_ahead.py, which runs
+those for rounds built ahead and chained alike."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import pytest
 
@@ -16,23 +15,11 @@ from exo.engine import ahead as ahead_module
 from exo.engine.batch import BatchDecoder
 from exo.engine.replay import ReplayDrafter
 
+from .rounds import complete as _complete
+from .rounds import loaded as _loaded
+from .rounds import prompt as _prompt
+
 CHUNK = 8
-
-
-@functools.cache
-def _loaded(path):
-    return dataclasses.replace(load_checkpoint(path), eos_token_ids=frozenset())
-
-
-def _prompt(loaded, length: int) -> list[int]:
-    ids = loaded.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n    return fib")
-    while len(ids) < length:
-        ids = ids + ids
-    return ids[:length]
-
-
-def _complete(engine: Engine, prompt, **request):
-    return engine.complete(GenerationRequest(prompt, max_tokens=request.pop("max_tokens", 40), **request))
 
 
 @pytest.fixture
@@ -121,67 +108,3 @@ def test_chained_rounds_at_replayed_acceptance_and_the_invariants_between_steps(
     if acceptance == 1.0:
         recorder = run.stats.recorder
         assert recorder.accepted_total == recorder.drafted > 0  # every draft kept
-
-
-def test_a_stop_string_inside_a_chained_round_rejects_the_round_after_it(checkpoint, counted):
-    """Every draft kept, but the request ends inside a round (a stop string): the round after it, launched, is
-    rejected, and the commit keeps the reply up to the stop, as without chaining."""
-    loaded = _loaded(checkpoint("qwen3_5", dtype="float32"))
-    on = Engine(loaded, EngineConfig(prefill_chunk=CHUNK, round_ahead="chain"))
-    off = Engine(loaded, EngineConfig(prefill_chunk=CHUNK, round_ahead="off"))
-    prompt = _prompt(loaded, 11)
-    plain = _complete(off, prompt, native_mtp="off", max_tokens=60)
-    for engine in (on, off):
-        engine.replay = ReplayDrafter({tuple(prompt): plain.token_ids}, 1.0, engine.vocab_size)
-    stop = loaded.tokenizer.decode(plain.token_ids[9:11])
-    assert stop and stop in loaded.tokenizer.decode(plain.token_ids)
-    chained = _complete(on, prompt, mtp_k=3, max_tokens=60, stop=[stop])
-    without = _complete(off, prompt, mtp_k=3, max_tokens=60, stop=[stop])
-    stopped = _complete(off, prompt, native_mtp="off", max_tokens=60, stop=[stop])
-    assert chained.finish_reason == without.finish_reason == stopped.finish_reason == "stop"
-    assert chained.token_ids == without.token_ids == stopped.token_ids
-    assert chained.text == stopped.text
-    assert counted["rejected"] >= 1, counted
-
-
-def test_a_chained_round_is_abandoned_when_the_depth_changes_or_a_request_joins(checkpoint, counted):
-    """Between rounds the loop may not run the chained round: the policy chose another depth, or a second request
-    joined the batch. It is abandoned (it ran for nothing), the state after the round before comes back as the
-    loop commits it, and every output is its solo one."""
-    loaded = _loaded(checkpoint("qwen3_5", dtype="float32"))
-    engine = Engine(loaded, EngineConfig(prefill_chunk=CHUNK, round_ahead="chain"))
-    first, second = _prompt(loaded, 9), _prompt(loaded, 14)
-    solo = {tuple(p): _complete(engine, p, native_mtp="off", max_tokens=30).token_ids for p in (first, second)}
-    engine.replay = ReplayDrafter(solo, 0.7, engine.vocab_size)
-    run = engine.start(GenerationRequest(first, max_tokens=30, mtp_k=2))
-    batch = BatchDecoder(engine)
-    tokens = [t for chunk in run.begin() for t in chunk.token_ids]
-    batch.add(run)
-    steps = 0
-    while len(batch):
-        for _, chunks in batch.step():
-            tokens.extend(t for chunk in chunks for t in chunk.token_ids)
-        steps += 1
-        if steps == 2 and len(batch):
-            assert isinstance(batch.ahead, ahead_module.ChainedRound)
-            run.policy.fixed_k = 1
-    assert tokens == solo[tuple(first)]
-    assert counted["abandoned"] >= 1, counted
-    abandoned = counted["abandoned"]
-    one = engine.start(GenerationRequest(first, max_tokens=30, mtp_k=2))
-    two = engine.start(GenerationRequest(second, max_tokens=30, mtp_k=2))
-    batch = BatchDecoder(engine)
-    out = {id(one): [t for chunk in one.begin() for t in chunk.token_ids]}
-    batch.add(one)
-    for _ in range(2):
-        for run, chunks in batch.step():
-            out[id(run)].extend(t for chunk in chunks for t in chunk.token_ids)
-    assert isinstance(batch.ahead, ahead_module.ChainedRound)
-    out[id(two)] = [t for chunk in two.begin() for t in chunk.token_ids]
-    batch.add(two)
-    assert batch.ahead is None and counted["abandoned"] == abandoned + 1
-    batch.check_invariants()
-    while len(batch):
-        for run, chunks in batch.step():
-            out[id(run)].extend(t for chunk in chunks for t in chunk.token_ids)
-    assert out[id(one)] == solo[tuple(first)] and out[id(two)] == solo[tuple(second)]

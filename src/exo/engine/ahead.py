@@ -72,8 +72,29 @@ def touched(run: SequenceState, cache: list[Any]) -> list[Any]:
     return [*cache, run.head, run.head.cache]
 
 
+class _AfterRound:
+    """What a round built before the one it follows was read shares: the state after that round, for a while."""
+
+    run: SequenceState
+
+    def abandon(self) -> None:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def as_after_round(self, cache: list[Any]) -> Iterator[None]:
+        """The state after round n for a while (invariant checks between steps), then back to round n + 1 built."""
+        now = Snapshot(touched(self.run, cache))
+        pending = (self.run.pending_token, self.run.phase)
+        self.abandon()
+        try:
+            yield
+        finally:
+            now.restore()
+            self.run.pending_token, self.run.phase = pending
+
+
 @dataclass
-class RoundAhead:
+class RoundAhead(_AfterRound):
     """Round n + 1 of ``run``, built at depth ``k`` while round n computed, on round n kept whole."""
 
     run: SequenceState
@@ -105,18 +126,6 @@ class RoundAhead:
         round n, as if nothing had been built."""
         self.before.restore()
         self.run.pending_token, self.run.phase = self.pending[1]
-
-    @contextlib.contextmanager
-    def as_after_round(self, cache: list[Any]) -> Iterator[None]:
-        """The state after round n for a while (invariant checks between steps), then back to round n + 1 built."""
-        now = Snapshot(touched(self.run, cache))
-        pending = (self.run.pending_token, self.run.phase)
-        self.abandon()
-        try:
-            yield
-        finally:
-            now.restore()
-            self.run.pending_token, self.run.phase = pending
 
 
 def build_ahead(run: SequenceState, call: VerifyCall, forward: Forward, cache: list[Any],
@@ -182,7 +191,7 @@ def _put_back(saved: list[tuple[Any, dict[str, Any]]]) -> None:
 
 
 @dataclass
-class ChainedRound:
+class ChainedRound(_AfterRound):
     """Round n + 1 of ``run`` at depth ``k``, built on round n's device verdict and launched; ``first`` is its
     first row's position on the device. ``confirm`` (round n read, the chain goes on), ``reject`` (round n ended
     it: the state before round n's commit) or ``abandon`` (round n + 1 will not run: the state after round n,
@@ -250,18 +259,6 @@ class ChainedRound:
         head.wait_only(self.previous.hidden[:, :kept], mx.array(self.kept_tokens, dtype=mx.uint32))
         self.run.pending_token = mx.array(self.kept_tokens[-1:], dtype=mx.uint32)
         self.run.phase = self.pending[1]
-
-    @contextlib.contextmanager
-    def as_after_round(self, cache: list[Any]) -> Iterator[None]:
-        """The state after round n for a while (invariant checks between steps), then back to round n + 1 built."""
-        now = Snapshot(touched(self.run, cache))
-        pending = (self.run.pending_token, self.run.phase)
-        self.abandon()
-        try:
-            yield
-        finally:
-            now.restore()
-            self.run.pending_token, self.run.phase = pending
 
 
 def chain_applies(run: SequenceState) -> bool:
