@@ -23,3 +23,14 @@ def prompt(loaded, length: int) -> list[int]:
 
 def complete(engine: Engine, prompt, **request):
     return engine.complete(GenerationRequest(prompt, max_tokens=request.pop("max_tokens", 40), **request))
+
+
+def count_calls(monkeypatch, owner, name: str, counts: dict[str, int], key: str) -> None:
+    """Each call of ``owner.name`` (a module's function or a class's method) adds one to ``counts[key]``."""
+    function = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        counts[key] += 1
+        return function(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)

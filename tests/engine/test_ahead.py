@@ -14,6 +14,7 @@ from exo.engine.batch import BatchDecoder
 from exo.engine.replay import ReplayDrafter
 
 from .rounds import complete as _complete
+from .rounds import count_calls
 from .rounds import loaded as _loaded
 from .rounds import prompt as _prompt
 
@@ -24,22 +25,10 @@ CHUNK = 8
 def counted(monkeypatch):
     """How many rounds were built ahead, ran as built, were rejected, were abandoned."""
     counts = {"built": 0, "ran": 0, "rejected": 0, "abandoned": 0}
-    build = batch_step.build_ahead
-
-    def built(*args, **kwargs):
-        counts["built"] += 1
-        return build(*args, **kwargs)
-
-    monkeypatch.setattr(batch_step, "build_ahead", built)
+    count_calls(monkeypatch, batch_step, "build_ahead", counts, "built")
     for kind in (ahead_module.RoundAhead, ahead_module.ChainedRound):  # (chained rounds: test_chain.py)
-        for name in ("reject", "abandon"):
-            method = getattr(kind, name)
-
-            def wrapped(self, method=method, name=name):
-                counts["rejected" if name == "reject" else "abandoned"] += 1
-                return method(self)
-
-            monkeypatch.setattr(kind, name, wrapped)
+        count_calls(monkeypatch, kind, "reject", counts, "rejected")
+        count_calls(monkeypatch, kind, "abandon", counts, "abandoned")
     round_ = batch_step.speculative_round
 
     def ran(*args, **kwargs):

@@ -6,16 +6,15 @@ those for rounds built ahead and chained alike."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from exo.engine import Engine, EngineConfig, GenerationRequest, batch_step, load_checkpoint
+from exo.engine import Engine, EngineConfig, GenerationRequest, batch_step
 from exo.engine import ahead as ahead_module
 from exo.engine.batch import BatchDecoder
 from exo.engine.replay import ReplayDrafter
 
 from .rounds import complete as _complete
+from .rounds import count_calls
 from .rounds import loaded as _loaded
 from .rounds import prompt as _prompt
 
@@ -26,21 +25,9 @@ CHUNK = 8
 def counted(monkeypatch):
     """How many chained rounds were built, went on (their round before read and kept), were rejected, abandoned."""
     counts = {"built": 0, "confirmed": 0, "rejected": 0, "abandoned": 0}
-    build = batch_step.build_chained
-
-    def built(*args, **kwargs):
-        counts["built"] += 1
-        return build(*args, **kwargs)
-
-    monkeypatch.setattr(batch_step, "build_chained", built)
+    count_calls(monkeypatch, batch_step, "build_chained", counts, "built")
     for name, key in (("confirm", "confirmed"), ("reject", "rejected"), ("abandon", "abandoned")):
-        method = getattr(ahead_module.ChainedRound, name)
-
-        def wrapped(self, *args, method=method, key=key):
-            counts[key] += 1
-            return method(self, *args)
-
-        monkeypatch.setattr(ahead_module.ChainedRound, name, wrapped)
+        count_calls(monkeypatch, ahead_module.ChainedRound, name, counts, key)
     return counts
 
 
@@ -81,8 +68,7 @@ def test_chained_rounds_at_replayed_acceptance_and_the_invariants_between_steps(
         monkeypatch.setattr("exo.engine.models.compiled_layers.MODE", "always")
         monkeypatch.setenv("EXO_GDN_KERNEL", "always")
         monkeypatch.setenv("EXO_ATTN_KERNEL", "always")
-    loaded = load_checkpoint(checkpoint("qwen3_5", dtype="float32" if paths == "cpu" else "bfloat16"))
-    loaded = dataclasses.replace(loaded, eos_token_ids=frozenset())
+    loaded = _loaded(checkpoint("qwen3_5", dtype="float32" if paths == "cpu" else "bfloat16"))
     engine = Engine(loaded, EngineConfig(prefill_chunk=CHUNK, round_ahead="chain"))
     prompt = _prompt(loaded, 11)
     plain = _complete(engine, prompt, native_mtp="off", max_tokens=60)

@@ -111,16 +111,6 @@ class RoundAhead(_AfterRound):
         self.at_commit.restore()
         self.run.pending_token, self.run.phase = self.pending[0]
 
-    def unchain(self) -> None:
-        """This round (launched, read) commits as the loop commits a round, with no round after it: its caches at
-        the host's positions, as after its verify call was built."""
-        from .models import positions
-
-        assert self.first_host is not None and self.head_first_host is not None
-        for c in _attention(self.cache):
-            positions.settle(c, self.first_host + self.k + 1)
-        positions.settle(self.run.head.cache, self.head_first_host + self.k - 1)
-
     def abandon(self) -> None:
         """Round n + 1 will not run as built (another depth, the batch changed, the run ended): the state after
         round n, as if nothing had been built."""
@@ -225,24 +215,24 @@ class ChainedRound(_AfterRound):
     def reject(self) -> None:
         """Round n ended the request or left its next token to a plain step: the state before its commit (its
         verify call's rows written, the head's speculative entries in), as the loop commits it."""
-        from .models import positions
-
         _put_back(self.at_commit)
-        k = self.previous.k
-        for c in _attention(self.cache):
-            positions.settle(c, self.before_first + k + 1)
-        positions.settle(self.run.head.cache, self.head_before_first + k - 1)
+        self._as_built(self.before_first, self.head_before_first, self.previous.k)
         self.run.pending_token, self.run.phase = self.pending
 
     def unchain(self) -> None:
         """This round (launched, read) commits as the loop commits a round, with no round after it: its caches at
         the host's positions, as after its verify call was built."""
+        assert self.first_host is not None and self.head_first_host is not None
+        self._as_built(self.first_host, self.head_first_host, self.k)
+
+    def _as_built(self, first: int, head_first: int, k: int) -> None:
+        """The caches at the host's positions as after a verify call of depth ``k`` built at ``first`` (the
+        backbone's) and ``head_first`` (the head's, before its K - 1 speculative entries)."""
         from .models import positions
 
-        assert self.first_host is not None and self.head_first_host is not None
         for c in _attention(self.cache):
-            positions.settle(c, self.first_host + self.k + 1)
-        positions.settle(self.run.head.cache, self.head_first_host + self.k - 1)
+            positions.settle(c, first + k + 1)
+        positions.settle(self.run.head.cache, head_first + k - 1)
 
     def abandon(self) -> None:
         """Round n + 1 will not run as built: the state after round n committed as the loop commits (the head's
