@@ -119,3 +119,12 @@ def test_rounds_at_a_device_position_give_plain_decodings_bits(checkpoint, arch,
     hidden = forward.hidden(mx.array([[e]], dtype=mx.uint32), chained)
     assert _bits_equal(hidden, want[4][0])
     _caches_equal(chained, plain, 18)
+
+
+def test_the_dynamic_ops_a_chained_round_takes_compute_as_their_python_offset_forms_here():
+    """``ahead.dynamic_ops``: the check that leaves rounds unchained on a device whose array-offset slices fail or
+    differ (run once per process on MLX CUDA) passes on this CPU."""
+    from exo.engine.ahead import dynamic_ops
+
+    dynamic_ops.cache_clear()
+    assert dynamic_ops()

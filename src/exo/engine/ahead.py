@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +38,8 @@ import mlx.core as mx
 from .forward import Forward
 from .round import Drafts, VerifyCall, advance, build_verify, draft
 from .sequence import SequenceState
+
+log = logging.getLogger(__name__)
 
 
 def _held(value: Any) -> Any:
@@ -264,9 +268,30 @@ def chain_applies(run: SequenceState) -> bool:
         state = run.engine.__dict__  # (found once: a walk of the model's modules is the host's work a round)
         if "_chain_kernels" not in state:
             attention = [m for m in run.model.modules() if isinstance(m, layers.Attention)]
-            state["_chain_kernels"] = bool(attention) and all(m.attn_kernel for m in attention)
+            state["_chain_kernels"] = bool(attention) and all(m.attn_kernel for m in attention) and dynamic_ops()
         return layers.ATTN_KERNEL_ON and state["_chain_kernels"]
     return mx.default_device() == mx.cpu and not run.engine.verify_mode.per_row_attention
+
+
+@functools.cache
+def dynamic_ops() -> bool:
+    """Whether this device computes the ops a chained round's positions take (a slice and an update at an array
+    offset, a take by an array index) as the same ops at Python offsets do; a device that cannot leaves rounds
+    unchained (logged)."""
+    try:
+        a = mx.arange(2 * 3 * 10 * 4, dtype=mx.float32).reshape(2, 3, 10, 4)
+        u = -mx.ones((2, 3, 2, 4))
+        at = mx.array(5, dtype=mx.int32).reshape(1)
+        got = [mx.slice_update(a, u, at, axes=(2,)), mx.slice(a, at, axes=(2,), slice_size=(2, 3, 3, 4)),
+               mx.take(a, at - 1, axis=2)]
+        b = mx.array(a)
+        b[:, :, 5:7] = u
+        want = [b, a[:, :, 5:8], a[:, :, 4:5]]
+        return all(bool(mx.array_equal(x, y).item()) for x, y in zip(got, want, strict=True))
+    except Exception as e:  # noqa: BLE001 - any failure leaves rounds unchained
+        log.warning("chained rounds off on this device: its dynamic slices failed (%s: %s)", type(e).__name__,
+                    str(e)[:200])
+        return False
 
 
 def _replay_table(run: SequenceState) -> mx.array:

@@ -201,6 +201,7 @@ def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, count: int,
     B, hq, T, D = queries.shape
     if position is None and not on_cuda():
         return reference(queries, keys[:, :, :count], values[:, :, :count], scale)
+    assert on_cuda(), "a device position takes the kernel (elsewhere: models.positions.row_mask)"
     chunks = -(-count // CHUNK)
     if position is None:
         meta = mx.array([count - T, T, chunks], dtype=mx.int32)
