@@ -15,12 +15,14 @@ from mlx_lm.models.cache import KVCache
 
 from exo.engine import Engine, EngineConfig, GenerationRequest, SamplingParams
 from exo.engine import prefix_cache as pc
+from exo.engine.ahead import ChainedRound
 from exo.engine.batch import BatchDecoder
 from exo.engine.constraints import ConstraintSpec
 from exo.engine.replay import ReplayDrafter
 from exo.metrics import Metrics
 from tests.fixtures.engines import fresh_engine
 
+from .rounds import count_calls
 from .test_batch import _run_batch
 
 BLOCK = 16
@@ -29,8 +31,8 @@ ARCHS = ["qwen3_5", "qwen3_5_moe", "qwen3_6_moe", "qwen3_next"]
 SYSTEM = "You are a coding agent. Tools: read(path), write(path, text), run(cmd). " * 3
 
 
-def _engine(path, cached: bool, budget: int = 1 << 30, stride: int = 0) -> Engine:
-    engine = fresh_engine(path, eos=False, prefill_chunk=CHUNK)  # every reply runs its whole budget
+def _engine(path, cached: bool, budget: int = 1 << 30, stride: int = 0, round_ahead: str = "off") -> Engine:
+    engine = fresh_engine(path, eos=False, prefill_chunk=CHUNK, round_ahead=round_ahead)  # every reply runs its whole budget
     loaded = engine.loaded
     if cached:
         engine.prefix_cache = pc.PrefixCache(
@@ -441,15 +443,21 @@ def _replaying(engine: Engine, prompts: list[list[int]], tokens: int) -> Engine:
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
-@pytest.mark.parametrize("batched", [False, True], ids=["solo", "batch"])
-def test_a_reply_ending_inside_an_accepted_run_is_kept(checkpoint, k, batched):
+@pytest.mark.parametrize("batched", [False, True, "chained"], ids=["solo", "batch", "chained"])
+def test_a_reply_ending_inside_an_accepted_run_is_kept(checkpoint, k, batched, monkeypatch):
     """A budget that ends the reply j tokens into a fully accepted run (j = 1..K): the caches roll back to the
-    finish and the reply is stored, alone and as a batch's member; the next turn restores through it and
-    equals a cold run."""
+    finish and the reply is stored, alone, as a batch's member and alone in chained rounds (the last one
+    committed as any round: ``EXO_NATIVE_MTP_ROUND_AHEAD=chain``); the next turn restores through it and equals a
+    cold run."""
     path = checkpoint("qwen3_5", dtype="float32")
     rounds = 2 * BLOCK // (k + 1) + 1  # the reply covers more than two blocks
+    chained = batched == "chained"
+    batched = batched is True
+    confirmed = {"chained": 0}
+    count_calls(monkeypatch, ChainedRound, "confirm", confirmed, "chained")
     for j in range(1, k + 1):
-        warm, cold = _engine(path, cached=True), _engine(path, cached=False)
+        warm = _engine(path, cached=True, round_ahead="chain" if chained else "off")
+        cold = _engine(path, cached=False)
         p1, p3 = _prompt(warm, TURN1), _prompt(warm, OTHER)
         budget = 1 + (k + 1) * rounds + j  # the first token, whole rounds, then j of the next run's K + 1
         _replaying(warm, [p1, p3], budget + 20)
@@ -472,6 +480,7 @@ def test_a_reply_ending_inside_an_accepted_run_is_kept(checkpoint, k, batched):
         second = _complete(warm, p2, max_tokens=12, mtp_k=k)
         assert second.stats.cached_tokens == len(p1) + budget - 1
         _same(second, _complete(cold, p2, max_tokens=12, mtp_k=k))
+    assert (confirmed["chained"] > 0) == chained, confirmed
 
 
 def test_a_reply_stopped_by_eos_inside_an_accepted_run_is_kept(checkpoint):
