@@ -88,6 +88,10 @@ def test_chained_rounds_at_replayed_acceptance_and_the_invariants_between_steps(
         if len(batch):
             batch.check_invariants()
             chained_steps += isinstance(batch.ahead, ahead_module.ChainedRound)
+            if isinstance(batch.ahead, ahead_module.ChainedRound):  # bounds: the rows written, not every row ever
+                filled = len(prompt) + len(run.output.tokens) - 1
+                assert all(c.offset == filled + 3 + 1 for c in batch.caches.cache if not hasattr(c, "recording"))
+                assert run.head.cache.offset <= filled + 2 * 3
     assert tokens == plain.token_ids[:budget]
     assert chained_steps >= 2 and counted["confirmed"] >= 2, counted
     assert batch.ahead is None and run.ahead is None

@@ -210,11 +210,18 @@ class ChainedRound(_AfterRound):
     kept_tokens: list[int] = field(default_factory=list)  # round n's tokens, once read
 
     def confirm(self, tokens: list[int]) -> None:
-        """Round n was read: it kept ``tokens`` (decided, the request goes on), as round n + 1 assumed."""
+        """Round n was read: it kept ``tokens`` (decided, the request goes on), as round n + 1 assumed. The caches'
+        bounds come back to the rows written (each round moves them on by every row it writes: at low acceptance
+        they would run ahead of the positions filled, the buffers and the kernel's chunks with them)."""
         self.kept_tokens = tokens
         self.waiting = len(tokens)
         self.first_host = self.before_first + len(tokens)
         self.head_first_host = self.head_before_first + len(tokens)
+        for c in _attention(self.cache):
+            c.offset = self.first_host + self.k + 1  # (round n + 1's rows)
+        # the head: round n's rows, then round n + 1's speculative entries after its kept ones
+        self.run.head.cache.offset = max(self.head_before_first + self.previous.k + 1,
+                                         self.head_first_host + self.k - 1)
 
     def reject(self) -> None:
         """Round n ended the request or left its next token to a plain step: the state before its commit (its
