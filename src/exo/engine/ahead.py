@@ -76,29 +76,23 @@ def touched(run: SequenceState, cache: list[Any]) -> list[Any]:
     return [*cache, run.head, run.head.cache]
 
 
-class _AfterRound:
-    """What a round built before the one it follows was read shares: the state after that round, for a while."""
-
-    run: SequenceState
-
-    def abandon(self) -> None:
-        raise NotImplementedError
-
-    @contextlib.contextmanager
-    def as_after_round(self, cache: list[Any]) -> Iterator[None]:
-        """The state after round n for a while (invariant checks between steps), then back to round n + 1 built."""
-        now = Snapshot(touched(self.run, cache))
-        pending = (self.run.pending_token, self.run.phase)
-        self.abandon()
-        try:
-            yield
-        finally:
-            now.restore()
-            self.run.pending_token, self.run.phase = pending
+@contextlib.contextmanager
+def after_round(built: RoundAhead | ChainedRound, cache: list[Any]) -> Iterator[None]:
+    """The state after the round ``built`` follows, for a while (invariant checks between steps), then back to
+    ``built`` as it was built."""
+    run = built.run
+    now = Snapshot(touched(run, cache))
+    pending = (run.pending_token, run.phase)
+    built.abandon()
+    try:
+        yield
+    finally:
+        now.restore()
+        run.pending_token, run.phase = pending
 
 
 @dataclass
-class RoundAhead(_AfterRound):
+class RoundAhead:
     """Round n + 1 of ``run``, built at depth ``k`` while round n computed, on round n kept whole."""
 
     run: SequenceState
@@ -120,6 +114,9 @@ class RoundAhead(_AfterRound):
         round n, as if nothing had been built."""
         self.before.restore()
         self.run.pending_token, self.run.phase = self.pending[1]
+
+    def as_after_round(self, cache: list[Any]) -> contextlib.AbstractContextManager[None]:
+        return after_round(self, cache)
 
 
 def build_ahead(run: SequenceState, call: VerifyCall, forward: Forward, cache: list[Any],
@@ -185,7 +182,7 @@ def _put_back(saved: list[tuple[Any, dict[str, Any]]]) -> None:
 
 
 @dataclass
-class ChainedRound(_AfterRound):
+class ChainedRound:
     """Round n + 1 of ``run`` at depth ``k``, built on round n's device verdict and launched; ``first`` is its
     first row's position on the device. ``confirm`` (round n read, the chain goes on), ``reject`` (round n ended
     it: the state before round n's commit) or ``abandon`` (round n + 1 will not run: the state after round n,
@@ -260,6 +257,9 @@ class ChainedRound(_AfterRound):
         head.wait_only(self.previous.hidden[:, :kept], mx.array(self.kept_tokens, dtype=mx.uint32))
         self.run.pending_token = mx.array(self.kept_tokens[-1:], dtype=mx.uint32)
         self.run.phase = self.pending[1]
+
+    def as_after_round(self, cache: list[Any]) -> contextlib.AbstractContextManager[None]:
+        return after_round(self, cache)
 
 
 def chain_applies(run: SequenceState) -> bool:
