@@ -13,8 +13,8 @@ from exo.engine import ahead as ahead_module
 from exo.engine.batch import BatchDecoder
 from exo.engine.replay import ReplayDrafter
 
+from .rounds import assert_plain_tokens, count_calls
 from .rounds import complete as _complete
-from .rounds import count_calls
 from .rounds import loaded as _loaded
 from .rounds import prompt as _prompt
 
@@ -49,19 +49,7 @@ def test_rounds_built_ahead_give_plain_decodings_tokens(checkpoint, arch, depth,
     """The trained demo head keeps some drafts and refuses others: rounds built ahead run where every draft was
     kept and are rejected elsewhere; greedy MTP with them equals plain decoding and MTP without them, token for
     token, at prompt lengths across prefill chunks and budgets that end inside rounds."""
-    loaded = _loaded(checkpoint(arch, dtype="float32"))
-    on = Engine(loaded, EngineConfig(prefill_chunk=CHUNK, round_ahead="on"))
-    off = Engine(loaded, EngineConfig(prefill_chunk=CHUNK, round_ahead="off"))
-    for length, budget in ((1, 40), (CHUNK + 1, 23), (2 * CHUNK + 3, 31)):
-        prompt = _prompt(loaded, length)
-        plain = _complete(off, prompt, native_mtp="off", max_tokens=budget)
-        with_ahead = _complete(on, prompt, mtp_k=depth, max_tokens=budget)
-        without = _complete(off, prompt, mtp_k=depth, max_tokens=budget)
-        assert with_ahead.token_ids == plain.token_ids == without.token_ids, (length, budget)
-        assert with_ahead.finish_reason == plain.finish_reason
-        if depth is not None:  # the same rounds, the same drafts kept
-            assert (with_ahead.stats.rounds, with_ahead.stats.accepted_tokens) == (
-                without.stats.rounds, without.stats.accepted_tokens)
+    assert_plain_tokens(_loaded(checkpoint(arch, dtype="float32")), "on", depth, CHUNK)
     if depth is not None:
         assert counted["built"] > 0 and counted["ran"] > 0 and counted["rejected"] > 0, counted
 
